@@ -1,0 +1,30 @@
+"""dflash-cb: exact offline acceptance (tau) of a DFlash drafter from cached target states."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__version__ = "0.1.0"
+
+__all__ = ["DFlashDrafter", "DFlashEvalCallback", "DrafterSpec", "StateCache", "evaluate", "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy: importing the package must not pull in Lightning or W&B for the pure core.
+    if name == "DFlashEvalCallback":
+        from .callback import DFlashEvalCallback
+
+        return DFlashEvalCallback
+    if name in ("DFlashDrafter", "DrafterSpec"):
+        from . import model
+
+        return getattr(model, name)
+    if name == "StateCache":
+        from .states import StateCache
+
+        return StateCache
+    if name == "evaluate":
+        from .engine import evaluate
+
+        return evaluate
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

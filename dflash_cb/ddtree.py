@@ -1,0 +1,67 @@
+"""DDTree (Diffusion Draft Tree) acceptance from one drafter pass, for many anchors at once.
+
+Best-first construction under a node budget (DFLASH_NOTES.md, section 3): popping a node adds it
+to the tree and pushes (a) its next-rank sibling under the same parent and (b) its rank-0 child.
+The heap is simulated on tensors, one pop per step for all anchors: a node's slot index is its
+push order, so ``argmax`` (first maximum) breaks score ties exactly like a heap keyed on
+``(-score, push_counter)``. One run to the largest budget gives the accepted length after every
+pop, hence every smaller budget too.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def ddtree_accepted(topk_ids: torch.Tensor, topk_logprobs: torch.Tensor, depths: torch.Tensor,
+                    target: torch.Tensor, max_budget: int) -> torch.Tensor:
+    """Accepted tree depth per anchor after 1..max_budget pops.
+
+    Args:
+        topk_ids: [A, D, K] the drafter's top-K tokens per depth (rank order).
+        topk_logprobs: [A, D, K] their log-probabilities (descending along K).
+        depths: [A] number of drafted depths at each anchor (block length - 1).
+        target: [A, D] the target's tokens at depths 1..D (-1 where unknown).
+        max_budget: largest node budget B.
+
+    Returns:
+        [A, max_budget] long: accepted nodes walked along the target path in a tree of b + 1 nodes.
+    """
+    a, d, k = topk_ids.shape
+    dev = topk_ids.device
+    logp = topk_logprobs.double()  # float64 sums: tie order independent of summation rounding
+    slots = 1 + 2 * max_budget
+    neg = float("-inf")
+    score = torch.full((a, slots), neg, dtype=torch.float64, device=dev)
+    depth = torch.zeros((a, slots), dtype=torch.long, device=dev)
+    rank = torch.zeros((a, slots), dtype=torch.long, device=dev)
+    par_on = torch.zeros((a, slots), dtype=torch.bool, device=dev)
+    par_score = torch.zeros((a, slots), dtype=torch.float64, device=dev)
+    has_depth = depths > 0
+    score[:, 0] = torch.where(has_depth, logp[:, 0, 0], torch.full_like(logp[:, 0, 0], neg))
+    par_on[:, 0] = True
+    rows = torch.arange(a, device=dev)
+    acc = torch.zeros(a, dtype=torch.long, device=dev)
+    out = torch.empty((a, max_budget), dtype=torch.long, device=dev)
+    for step in range(max_budget):
+        idx = score.argmax(dim=1)
+        s = score[rows, idx]
+        valid = s > neg
+        dep, rk, pon, psc = depth[rows, idx], rank[rows, idx], par_on[rows, idx], par_score[rows, idx]
+        score[rows, idx] = neg
+        token = topk_ids[rows, dep, rk]
+        on = valid & pon & (token == target[rows, dep])
+        acc = torch.maximum(acc, torch.where(on, dep + 1, torch.zeros_like(dep)))
+        out[:, step] = acc
+        # (a) next sibling under the same parent
+        sib_ok = valid & (rk + 1 < k)
+        sib_rank = (rk + 1).clamp(max=k - 1)
+        j = 2 * step + 1
+        score[:, j] = torch.where(sib_ok, psc + logp[rows, dep, sib_rank], torch.full_like(s, neg))
+        depth[:, j], rank[:, j], par_on[:, j], par_score[:, j] = dep, sib_rank, pon, psc
+        # (b) first child one depth down
+        child_ok = valid & (dep + 1 < depths)
+        child_dep = (dep + 1).clamp(max=d - 1)
+        score[:, j + 1] = torch.where(child_ok, s + logp[rows, child_dep, 0], torch.full_like(s, neg))
+        depth[:, j + 1], rank[:, j + 1], par_on[:, j + 1], par_score[:, j + 1] = child_dep, 0, on, s
+    return out

@@ -1,0 +1,405 @@
+"""tools/precompute_states.py end to end on a tiny real Qwen3: references, manifest, resume, parts, errors."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors import safe_open
+from tiny_target import TINY_HIDDEN, TINY_VOCAB, random_prompts, save_tiny_qwen3, write_prompts
+
+from dflash_cb import precompute
+from dflash_cb.precompute import JOURNAL_NAME, PROGRESS_NAME, main, merge_main
+from dflash_cb.states import HEAD_NAME, MANIFEST_NAME, CacheError, StateCache, shard_name
+
+LAYERS = "0,2,3"
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory) -> Path:
+    return save_tiny_qwen3(tmp_path_factory.mktemp("target"))
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("prompts")
+    return write_prompts(d / "prompts.jsonl", random_prompts(5, (4, 24), seed=3), ["math", "code", "chat"])
+
+
+def run(target_dir: Path, prompts: Path, out: Path, *extra: str) -> int:
+    return main(["--target", str(target_dir), "--prompts", str(prompts), "--out", str(out), "--layers", LAYERS,
+                 "--max-new-tokens", "12", "--dtype", "float32", "--no-progress", *extra])
+
+
+def folder_digest(folder: Path, skip: tuple[str, ...] = ("precompute_log.json",)) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())
+            if p.is_file() and p.name not in skip}
+
+
+@pytest.fixture(scope="module")
+def local_cache(target_dir, prompts_file, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("caches") / "local"
+    assert run(target_dir, prompts_file, out, "--topk-logprobs", "4") == 0
+    return out
+
+
+def test_local_reference_end_to_end(local_cache, target_dir, prompts_file):
+    cache = StateCache(local_cache)
+    m = cache.manifest
+    assert m.target["architecture"] == "Qwen3ForCausalLM" and m.target["num_layers"] == 4
+    assert m.target["hidden_size"] == TINY_HIDDEN and m.target["vocab_size"] == TINY_VOCAB
+    assert m.target["max_position_embeddings"] == 512 and len(m.target["config_sha256"]) == 64
+    assert m.layer_ids == [0, 2, 3] and m.dtype == "float32" and m.topk_logprobs == 4
+    assert m.reference["kind"] == "local" and m.reference["max_new_tokens"] == 12
+    assert m.reference["stop_token_ids"] == [2]
+    assert m.prompts["file"] == "prompts.jsonl" and m.prompts["count"] == 5 and "part" not in m.prompts
+    assert [s.id for s in m.samples] == [f"p{i:03d}" for i in range(5)]
+    assert [s.shard for s in m.samples] == [shard_name(i) for i in range(5)]
+    assert [s.category for s in m.samples] == ["math", "code", "chat", "math", "code"]
+    # float32 prefill and greedy generation agree everywhere
+    assert m.agreement["token_agreement"] == 1.0 and m.agreement["samples_fully_agreeing"] == 5
+    assert m.agreement["first_disagreements"] == []
+    assert not (local_cache / PROGRESS_NAME).exists()
+    log = json.loads((local_cache / "precompute_log.json").read_text())
+    assert log["summary"]["samples"] == 5 and log["summary"]["wall_s"] > 0
+    assert "wall" not in json.dumps(m.to_dict())  # no timing in the manifest: runs are byte-comparable
+
+    cache.verify()
+    from dflash_cb.target import load_target, prefill
+
+    target = load_target(target_dir, "float32")
+    prompts = [json.loads(line)["input_ids"] for line in prompts_file.read_text().splitlines()]
+    for entry, prompt in zip(m.samples, prompts, strict=True):
+        s = cache.load(entry.id, verify=True)
+        assert entry.valid_len == entry.total_len and entry.prompt_len == len(prompt)
+        assert 1 <= entry.completion_len <= 12 and entry.finish_reason in ("stop", "length")
+        assert s.input_ids.dtype == torch.int64 and s.input_ids[: len(prompt)].tolist() == prompt
+        assert s.hidden.shape == (entry.total_len, 3 * TINY_HIDDEN) and s.hidden.dtype == torch.float32
+        ref = prefill(target, s.input_ids, [0, 2, 3], topk=4)
+        assert torch.equal(s.hidden, ref.hidden) and torch.equal(s.target_argmax, ref.target_argmax)
+        assert s.topk_ids.shape == (entry.total_len, 4) and s.topk_logprobs.dtype == torch.float32
+        # the completion is the target's greedy path: argmax at t predicts token t + 1
+        assert s.target_argmax[entry.prompt_len - 1:-1].tolist() == s.input_ids[entry.prompt_len:].tolist()
+    head = cache.load_head()
+    assert not head.tied and m.target_head["tied"] is False
+    assert torch.equal(head.embed_tokens, target.model.model.embed_tokens.weight)
+    assert torch.equal(head.lm_head, target.model.lm_head.weight)
+    with safe_open(str(local_cache / HEAD_NAME), "pt") as f:
+        assert set(f.keys()) == {"embed_tokens.weight", "lm_head.weight"}
+
+
+def test_rerun_complete_cache_is_a_noop_and_repairs_corruption(local_cache, target_dir, prompts_file, tmp_path):
+    import shutil
+
+    out = tmp_path / "copy"
+    shutil.copytree(local_cache, out)
+    before = folder_digest(out)
+    # flip bytes in one shard and truncate another: the rerun must verify, recompute both, and match
+    victim = out / shard_name(1)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    (out / shard_name(3)).write_bytes((out / shard_name(3)).read_bytes()[:100])
+    with pytest.raises(CacheError, match=rf"{shard_name(1)}: sha256 .* \(corrupted\); rerun tools/precompute"):
+        StateCache(out).verify()
+    assert run(target_dir, prompts_file, out, "--topk-logprobs", "4") == 0
+    assert folder_digest(out) == before
+
+
+def test_corrupted_and_truncated_shards_are_reported(local_cache, tmp_path):
+    import shutil
+
+    out = tmp_path / "bad"
+    shutil.copytree(local_cache, out)
+    f0 = out / shard_name(0)
+    data = bytearray(f0.read_bytes())
+    data[-20] ^= 0x55
+    f0.write_bytes(bytes(data))
+    cache = StateCache(out)
+    with pytest.raises(CacheError) as err:
+        cache.verify()
+    assert str(f0) in str(err.value) and "corrupted" in str(err.value)
+    assert "rerun tools/precompute_states.py" in str(err.value)
+    with pytest.raises(CacheError, match="corrupted"):
+        cache.load("p000", verify=True)
+    f2 = out / shard_name(2)
+    f2.write_bytes(f2.read_bytes()[:-7])
+    with pytest.raises(CacheError) as err:
+        StateCache(out).load("p002")
+    assert str(f2) in str(err.value) and "truncated" in str(err.value) and "rerun" in str(err.value)
+
+
+def test_reference_file(local_cache, target_dir, prompts_file, tmp_path):
+    cache = StateCache(local_cache)
+    comp = tmp_path / "completions.jsonl"
+    lines = []
+    for e in cache.samples:
+        ids = cache.load(e.id).input_ids[e.prompt_len:].tolist()
+        if e.id == "p001":
+            ids[2] = (ids[2] + 1) % TINY_VOCAB  # not what the target would say: scoring must stop there
+        lines.append(json.dumps({"id": e.id, "output_ids": ids}))
+    comp.write_text("\n".join(reversed(lines)) + "\n")
+    out = tmp_path / "file"
+    assert run(target_dir, prompts_file, out, "--reference", "file", "--completions", str(comp)) == 0
+    m = StateCache(out).manifest
+    assert m.reference["kind"] == "file" and m.reference["completions"]["file"] == "completions.jsonl"
+    by_id = {s.id: s for s in m.samples}
+    p1 = by_id["p001"]
+    assert p1.valid_len == p1.prompt_len + 2
+    assert m.agreement["samples_fully_agreeing"] == 4
+    assert m.agreement["first_disagreements"] == [{"id": "p001", "position": p1.valid_len, "completion_offset": 2}]
+    for sid in ("p000", "p002"):
+        assert torch.equal(StateCache(out).load(sid).hidden, cache.load(sid).hidden[:, :])
+
+    # ids that are not in the prompt set are refused before anything is loaded
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(comp.read_text() + json.dumps({"id": "nope", "output_ids": [3]}) + "\n")
+    assert run(target_dir, prompts_file, tmp_path / "x", "--reference", "file", "--completions", str(bad)) == 2
+    missing = tmp_path / "missing.jsonl"
+    missing.write_text("\n".join(lines[:3]) + "\n")
+    assert run(target_dir, prompts_file, tmp_path / "y", "--reference", "file", "--completions",
+               str(missing)) == 2
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+# -- a real HTTP server speaking SGLang's native API, backed by the tiny model's greedy output -------------
+
+
+class FakeSGLang:
+    def __init__(self, target_dir: Path) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+        self.model_path = str(target_dir)
+        self.lock = threading.Lock()
+        self.calls = 0
+        self.perturb: dict[tuple[int, ...], int] = {}  # prompt -> completion offset to change
+
+    def generate(self, body: dict[str, Any]) -> dict[str, Any]:
+        from dflash_cb.target import Target, find_decoder_layers, greedy_generate, read_target_config
+
+        sp = body["sampling_params"]
+        assert sp["temperature"] == 0
+        with self.lock:
+            self.calls += 1
+            t = Target(self.model, read_target_config(self.model_path), find_decoder_layers(self.model),
+                       torch.float32)
+            out, reason = greedy_generate(t, body["input_ids"], sp["max_new_tokens"], sp["stop_token_ids"])
+        k = self.perturb.get(tuple(body["input_ids"]))
+        if k is not None and k < len(out):
+            out[k] = (out[k] + 1) % TINY_VOCAB
+        return {"text": "", "output_ids": out,
+                "meta_info": {"finish_reason": {"type": reason}, "prompt_tokens": len(body["input_ids"]),
+                              "completion_tokens": len(out)}}
+
+
+@pytest.fixture()
+def sglang(target_dir) -> Iterator[tuple[str, FakeSGLang]]:
+    state = FakeSGLang(target_dir)
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args: Any) -> None:
+            pass
+
+        def _json(self, obj: Any) -> None:
+            data = json.dumps(obj).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self) -> None:
+            if self.path == "/health":
+                self._json({})
+            elif self.path == "/get_model_info":
+                self._json({"model_path": state.model_path, "is_generation": True})
+            else:
+                self.send_error(404)
+
+        def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            self._json(state.generate(body))
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", state
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_reference_sglang(sglang, local_cache, target_dir, prompts_file, tmp_path):
+    url, server = sglang
+    prompts = [json.loads(line)["input_ids"] for line in prompts_file.read_text().splitlines()]
+    server.perturb[tuple(prompts[3])] = 5
+    out = tmp_path / "sg"
+    assert run(target_dir, prompts_file, out, "--reference", "sglang", "--sglang-url", url,
+               "--max-in-flight", "3") == 0
+    assert server.calls == 5
+    cache = StateCache(out)
+    m = cache.manifest
+    assert m.reference["kind"] == "sglang" and m.reference["url"] == url
+    assert m.reference["served_model"]["model_path"] == str(target_dir)
+    assert m.reference["sampling_params"] == {"temperature": 0, "max_new_tokens": 12, "stop_token_ids": [2]}
+    p3 = cache.entry("p003")
+    assert p3.valid_len == p3.prompt_len + 5 and m.agreement["samples_fully_agreeing"] == 4
+    local = StateCache(local_cache)
+    for sid in ("p000", "p001"):  # the served greedy path is the local one: same states
+        assert torch.equal(cache.load(sid).hidden, local.load(sid).hidden)
+    journal = [json.loads(line) for line in (out / JOURNAL_NAME).read_text().splitlines()]
+    assert [j["id"] for j in journal] == [f"p{i:03d}" for i in range(5)]
+
+    # a lost shard is recomputed from the saved completions: the server is not asked again
+    before = folder_digest(out)
+    (out / shard_name(2)).unlink()
+    (out / MANIFEST_NAME).unlink()
+    assert run(target_dir, prompts_file, out, "--reference", "sglang", "--sglang-url", url) == 0
+    assert server.calls == 5 and folder_digest(out) == before
+
+
+def test_sglang_server_down_fails_before_loading(target_dir, prompts_file, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr("dflash_cb.target.load_target", _must_not_load)
+    rc = run(target_dir, prompts_file, tmp_path / "o", "--reference", "sglang", "--sglang-url",
+             "http://127.0.0.1:9", "--sglang-retries", "0")
+    assert rc == 2 and "not reachable" in capsys.readouterr().err
+
+
+# -- validation happens before the model is loaded and leaves the output alone ----------------------------
+
+
+def _must_not_load(*a: Any, **k: Any) -> None:
+    raise AssertionError("the target was loaded before validation finished")
+
+
+@pytest.mark.parametrize("case", ["bad_layer", "duplicate_id", "too_long", "bad_token", "other_args"])
+def test_validation_before_loading(case, local_cache, target_dir, prompts_file, tmp_path, monkeypatch, capsys):
+    import shutil
+
+    out = tmp_path / "existing"
+    shutil.copytree(local_cache, out)
+    before = folder_digest(out, skip=())
+    monkeypatch.setattr("dflash_cb.target.load_target", _must_not_load)
+    prompts, extra, expect = prompts_file, ["--topk-logprobs", "4"], ""
+    if case == "bad_layer":
+        extra += ["--layers", "0,4"]
+        expect = r"layer ids [4] are outside [0, 4)"
+    elif case == "duplicate_id":
+        prompts = tmp_path / "dup.jsonl"
+        prompts.write_text(prompts_file.read_text() + json.dumps({"id": "p001", "input_ids": [5, 6]}) + "\n")
+        expect = "dup.jsonl:6: duplicate id 'p001' (first seen on line 2)"
+    elif case == "too_long":
+        prompts = write_prompts(tmp_path / "long.jsonl", [[5] * 505])
+        expect = "long.jsonl:1: prompt 'p000' has 505 tokens"
+    elif case == "bad_token":
+        prompts = write_prompts(tmp_path / "tok.jsonl", [[5, 6, 500]])
+        expect = "has token ids [500] >= the target's vocab size 128"
+    else:
+        extra = ["--topk-logprobs", "2"]
+        expect = "topk_logprobs: existing 4, now 2"
+    assert run(target_dir, prompts, out, *extra) == 2
+    assert expect in capsys.readouterr().err
+    assert folder_digest(out, skip=()) == before
+
+
+def test_other_arguments_need_overwrite(local_cache, target_dir, prompts_file, tmp_path, capsys):
+    import shutil
+
+    out = tmp_path / "ow"
+    shutil.copytree(local_cache, out)
+    assert run(target_dir, prompts_file, out, "--max-new-tokens", "6") == 2
+    err = capsys.readouterr().err
+    assert "reference.max_new_tokens: existing 12, now 6" in err and "--overwrite" in err
+    assert run(target_dir, prompts_file, out, "--max-new-tokens", "6", "--overwrite") == 0
+    m = StateCache(out).manifest
+    assert m.max_new_tokens == 6 and m.topk_logprobs == 0 and all(s.completion_len <= 6 for s in m.samples)
+    # a folder that is not a cache is refused
+    stranger = tmp_path / "home"
+    stranger.mkdir()
+    (stranger / "thesis.tex").write_text("x")
+    assert run(target_dir, prompts_file, stranger) == 2
+    assert "not part of a cache" in capsys.readouterr().err
+
+
+# -- parts and merge --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("per_shard", [1, 2])
+def test_parts_merge_equals_single_run(per_shard, target_dir, prompts_file, tmp_path):
+    extra = ["--samples-per-shard", str(per_shard), "--no-export-head"] if per_shard > 1 else []
+    single = tmp_path / "single"
+    assert run(target_dir, prompts_file, single, *extra) == 0
+    parts = [tmp_path / f"part{i}" for i in range(2)]
+    for i, part in enumerate(parts):
+        assert run(target_dir, prompts_file, part, "--num-shards", "2", "--shard-index", str(i), *extra) == 0
+        assert StateCache(part).manifest.prompts["part"] == {"num_shards": 2, "shard_index": i}
+    assert merge_main(["--out", str(tmp_path / "merged"), str(parts[0])]) == 1  # a part is missing
+    assert not (tmp_path / "merged" / MANIFEST_NAME).exists()
+    assert merge_main(["--out", str(tmp_path / "merged"), *map(str, parts)]) == 0
+    merged = tmp_path / "merged"
+    assert (merged / MANIFEST_NAME).read_bytes() == (single / MANIFEST_NAME).read_bytes()
+    assert folder_digest(merged) == folder_digest(single)
+    StateCache(merged).verify()
+    if per_shard == 2:
+        assert [s.shard for s in StateCache(merged).samples] == [shard_name(i // 2) for i in range(5)]
+    # parts of different runs do not merge
+    other = tmp_path / "other"
+    assert run(target_dir, prompts_file, other, "--num-shards", "2", "--shard-index", "1", "--max-new-tokens",
+               "5", *extra) == 0
+    assert merge_main(["--out", str(tmp_path / "m2"), str(parts[0]), str(other)]) == 1
+
+
+def test_yaml_config_and_cli_override(target_dir, prompts_file, tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"target: {target_dir}\nprompts: {prompts_file}\nout: {tmp_path / 'from_yaml'}\n"
+                   "layers: [1, 3]\nmax_new_tokens: 4\ndtype: float32\nchat_template_kwargs: {enable_thinking: false}\n"
+                   "topk_logprobs: 2\nno_export_head: true\n")
+    args = precompute.args_from_cli(["--config", str(cfg), "--max-new-tokens", "3", "--layers", "0,1"])
+    assert args.layers == [0, 1] and args.max_new_tokens == 3 and args.topk_logprobs == 2
+    assert args.chat_template_kwargs == {"enable_thinking": False} and args.export_head is False
+    assert main(["--config", str(cfg), "--max-new-tokens", "3", "--no-progress"]) == 0
+    m = StateCache(tmp_path / "from_yaml").manifest
+    assert m.layer_ids == [1, 3] and m.max_new_tokens == 3 and m.target_head is None
+    assert m.chat_template_kwargs == {"enable_thinking": False}
+    assert not (tmp_path / "from_yaml" / HEAD_NAME).exists()
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("max_new_token: 3\n")
+    with pytest.raises(precompute.PrecomputeError, match="unknown option 'max_new_token'"):
+        precompute.args_from_cli(["--config", str(bad)])
+
+
+def test_drafter_config_layers(target_dir, prompts_file, tmp_path, capsys):
+    drafter = tmp_path / "drafter.json"
+    drafter.write_text(json.dumps({"num_target_layers": 4, "dflash_config": {"target_layer_ids": [1, 2]}}))
+    out = tmp_path / "d"
+    rc = main(["--target", str(target_dir), "--prompts", str(prompts_file), "--out", str(out), "--drafter-config",
+               str(drafter), "--max-new-tokens", "2", "--dtype", "float32", "--no-progress"])
+    assert rc == 0 and StateCache(out).manifest.layer_ids == [1, 2]
+    drafter.write_text(json.dumps({"num_target_layers": 64, "dflash_config": {"target_layer_ids": [1, 16]}}))
+    rc = main(["--target", str(target_dir), "--prompts", str(prompts_file), "--out", str(tmp_path / "e"),
+               "--drafter-config", str(drafter), "--no-progress"])
+    assert rc == 2 and "num_target_layers=64" in capsys.readouterr().err
+
+
+def test_qwen3_5_target_end_to_end(tmp_path):
+    from tiny_target import save_tiny_qwen3_5
+
+    target = save_tiny_qwen3_5(tmp_path / "q35")
+    prompts = write_prompts(tmp_path / "p.jsonl", random_prompts(2, 9, seed=5))
+    out = tmp_path / "c35"
+    assert main(["--target", str(target), "--prompts", str(prompts), "--out", str(out), "--layers", "0,3",
+                 "--max-new-tokens", "6", "--dtype", "float32", "--no-progress"]) == 0
+    m = StateCache(out).manifest
+    assert m.target["architecture"] == "Qwen3_5ForConditionalGeneration"
+    assert m.agreement["token_agreement"] == 1.0
+    with safe_open(str(out / HEAD_NAME), "pt") as f:
+        assert f.get_tensor("embed_tokens.weight").shape == (TINY_VOCAB, TINY_HIDDEN)

@@ -1,0 +1,88 @@
+"""The replay walk against a literal transcription of the loop in DFLASH_NOTES.md section 2."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from dflash_cb.replay import (
+    block_lengths,
+    leading_matches,
+    produced_per_anchor,
+    replay_walk,
+    sample_bounds,
+    target_windows,
+)
+
+
+def literal_loop(tokens, drafts, n, end, block_size, stops):
+    """drafts[p] = the drafter's tokens at depths 1..L-1 for a block of length L = min(bs, end - p)."""
+    p = n
+    out = []
+    if tokens[p] in stops:
+        return out
+    while p + 1 < end:
+        length = min(block_size, end - p)
+        d = drafts[p][: length - 1]
+        a = 0
+        while a < len(d) and p + a + 1 < len(tokens) and d[a] == tokens[p + a + 1]:
+            a += 1
+        produced = min(a + 1, end - p - 1)
+        stopped = False
+        for j in range(1, produced + 1):
+            if tokens[p + j] in stops:
+                produced, stopped = j, True
+                break
+        out.append(produced)
+        p += produced
+        if stopped:
+            break
+    return out
+
+
+def test_walk_matches_literal_loop() -> None:
+    rng = random.Random(0)
+    bs, vocab, stop = 5, 6, 0
+    for trial in range(300):
+        n = rng.randint(1, 6)
+        max_new = rng.randint(1, 25)
+        comp = [rng.randint(1, vocab - 1) for _ in range(max_new)]
+        if trial % 3 == 0:  # ended by a stop token
+            cut = rng.randint(1, max_new)
+            comp = comp[: cut - 1] + [stop]
+        tokens = [rng.randint(1, vocab - 1) for _ in range(n)] + comp
+        total = len(tokens)
+        bounds = sample_bounds(n, total, total, max_new, tokens[-1], [stop])
+        drafts = {}
+        for p in range(n, total):
+            length = min(bs, bounds.loop_end - p)
+            # drafts copy the target with some noise, so runs of matches happen
+            drafts[p] = [tokens[p + k] if p + k < total and rng.random() < 0.7 else rng.randint(1, vocab - 1)
+                         for k in range(1, length)]
+        want = literal_loop(tokens, drafts, n, bounds.loop_end, bs, {stop})
+        t = torch.tensor(tokens)
+        anchors = torch.tensor(list(bounds.anchors), dtype=torch.long)
+        if anchors.numel() == 0:
+            assert replay_walk([], tokens, bounds, [stop]) == want
+            continue
+        lengths = block_lengths(anchors, bounds.loop_end, bs)
+        table = torch.full((anchors.numel(), bs - 1), -2)
+        for i, p in enumerate(anchors.tolist()):
+            table[i, : lengths[i] - 1] = torch.tensor(drafts[p][: lengths[i] - 1])
+        acc = leading_matches(table, target_windows(t, anchors, bs - 1, bounds.known_end))
+        produced = produced_per_anchor(acc, anchors, t, bounds, [stop])
+        assert replay_walk(produced.tolist(), tokens, bounds, [stop]) == want, trial
+
+
+def test_bounds() -> None:
+    # Full greedy path ended by a stop: the loop keeps the reference's end for tail block lengths.
+    b = sample_bounds(4, 10, 10, 32, last_token=2, stop_token_ids=[2])
+    assert (b.loop_end, b.known_end) == (36, 10)
+    # Length-limited completion.
+    b = sample_bounds(4, 36, 36, 32, last_token=7, stop_token_ids=[2])
+    assert (b.loop_end, b.known_end) == (36, 36)
+    # Served completion left the target's greedy path at position 20: scoring stops there.
+    b = sample_bounds(4, 36, 20, 32, last_token=7, stop_token_ids=[2])
+    assert (b.loop_end, b.known_end) == (20, 20)
+    assert list(b.anchors) == list(range(4, 19))

@@ -1,0 +1,155 @@
+"""Tiny, real Hugging Face target checkpoints for tests (shared helpers; other test files import this).
+
+Each builder makes a randomly initialised model with a fixed seed, saves it with
+``save_pretrained`` into ``folder`` and returns the folder. The models are small enough
+to load, generate and prefill in milliseconds on CPU, but they exercise the real
+classes: Qwen3 (dense) and Qwen3.5 (vision-language wrapper, hybrid linear attention).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+TINY_VOCAB = 128
+TINY_HIDDEN = 32
+TINY_LAYERS = 4
+
+
+def qwen3_config(**overrides):
+    from transformers import Qwen3Config
+
+    kwargs = dict(
+        vocab_size=TINY_VOCAB,
+        hidden_size=TINY_HIDDEN,
+        intermediate_size=64,
+        num_hidden_layers=TINY_LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    kwargs.update(overrides)
+    return Qwen3Config(**kwargs)
+
+
+def save_tiny_qwen3(folder: str | os.PathLike, seed: int = 0, **overrides) -> Path:
+    """A tiny ``Qwen3ForCausalLM`` (vocab 128, hidden 32, 4 layers, float32) saved to ``folder``."""
+    from transformers import Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(qwen3_config(**overrides)).to(torch.float32).eval()
+    folder = Path(folder)
+    model.save_pretrained(folder)
+    return folder
+
+
+def qwen3_5_config(**text_overrides):
+    from transformers import Qwen3_5Config
+
+    text = dict(
+        vocab_size=TINY_VOCAB,
+        hidden_size=TINY_HIDDEN,
+        intermediate_size=64,
+        num_hidden_layers=TINY_LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=512,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        # Like Qwen3.6: three Gated DeltaNet layers, then one full-attention layer.
+        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.5,
+            "mrope_section": [1, 1, 0],
+            "mrope_interleaved": True,
+        },
+        eos_token_id=2,
+    )
+    text.update(text_overrides)
+    vision = dict(
+        depth=1,
+        hidden_size=16,
+        intermediate_size=32,
+        num_heads=2,
+        out_hidden_size=TINY_HIDDEN,
+        patch_size=4,
+        num_position_embeddings=16,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+    )
+    return Qwen3_5Config(text_config=text, vision_config=vision)
+
+
+def save_tiny_qwen3_5(folder: str | os.PathLike, seed: int = 0, **text_overrides) -> Path:
+    """A tiny ``Qwen3_5ForConditionalGeneration`` saved WITH its vision tower (keys ``model.visual.*``)."""
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    torch.manual_seed(seed)
+    model = Qwen3_5ForConditionalGeneration(qwen3_5_config(**text_overrides)).to(torch.float32).eval()
+    folder = Path(folder)
+    model.save_pretrained(folder)
+    return folder
+
+
+def weight_files(folder: str | os.PathLike) -> list[Path]:
+    return sorted(Path(folder).glob("*.safetensors"))
+
+
+def delete_tensor(folder: str | os.PathLike, key_substring: str) -> str:
+    """Rewrite the checkpoint without the first tensor whose name contains ``key_substring``; return its name."""
+    for path in weight_files(folder):
+        tensors = load_file(str(path))
+        victim = next((k for k in sorted(tensors) if key_substring in k), None)
+        if victim is None:
+            continue
+        del tensors[victim]
+        save_file(tensors, str(path), metadata={"format": "pt"})
+        index = Path(folder) / "model.safetensors.index.json"
+        if index.is_file():
+            data = json.loads(index.read_text())
+            data["weight_map"].pop(victim, None)
+            index.write_text(json.dumps(data))
+        return victim
+    raise KeyError(f"no tensor matching {key_substring!r} in {folder}")
+
+
+def write_prompts(path: str | os.PathLike, prompts: list[list[int]], categories: list[str] | None = None,
+                  prefix: str = "p") -> Path:
+    """Write an ``input_ids`` prompt JSONL (no tokenizer needed) and return its path."""
+    path = Path(path)
+    lines = []
+    for i, ids in enumerate(prompts):
+        rec = {"id": f"{prefix}{i:03d}", "input_ids": list(ids)}
+        if categories:
+            rec["category"] = categories[i % len(categories)]
+        lines.append(json.dumps(rec))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def random_prompts(n: int, length: int | tuple[int, int], seed: int = 0, vocab: int = TINY_VOCAB,
+                   low: int = 3) -> list[list[int]]:
+    """``n`` random token-id prompts (ids >= ``low`` so they avoid pad/bos/eos)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        if isinstance(length, tuple):
+            t = int(torch.randint(length[0], length[1] + 1, (1,), generator=g))
+        else:
+            t = length
+        out.append(torch.randint(low, vocab, (t,), generator=g).tolist())
+    return out

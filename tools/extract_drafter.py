@@ -1,0 +1,50 @@
+#!/usr/bin/env python
+"""Strip a training checkpoint down to a drafter folder (config.json + model.safetensors).
+
+    python tools/extract_drafter.py --ckpt lightning_logs/.../step=1000.ckpt --out drafters/step1000 \
+        [--config drafter_config.json] [--prefix drafter.]
+
+Loads with torch.load(weights_only=True), drops optimizer/scheduler/loop state, finds the drafter's
+key prefix, and refuses a result with missing or unexpected keys. The folder loads both in
+dflash_cb (DFlashDrafter.from_pretrained) and in the reference dflash.model.DFlashDraftModel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ckpt", required=True, help="Lightning .ckpt, a torch state dict, or a .safetensors file")
+    p.add_argument("--out", required=True, help="drafter folder to write (replaced atomically if it exists)")
+    p.add_argument("--config", default=None,
+                   help="drafter config.json (default: hyper_parameters.drafter_config in the checkpoint)")
+    p.add_argument("--prefix", default=None, help="key prefix of the drafter in the checkpoint (default: found)")
+    args = p.parse_args(argv)
+    from dflash_cb.checkpoints import extract_drafter
+
+    config = None
+    if args.config:
+        try:
+            config = json.loads(Path(args.config).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            print(f"error: {args.config}: {e}", file=sys.stderr)
+            return 2
+    try:
+        info = extract_drafter(args.ckpt, args.out, config=config, prefix=args.prefix)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.out}: {info['tensors']} tensors, {info['params'] / 1e6:.2f}M parameters "
+          f"(prefix {info['prefix']!r}; dropped {', '.join(info['dropped_entries']) or 'nothing'})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
