@@ -48,7 +48,9 @@ class DraftRunner:
     def prepare(self, features: torch.Tensor) -> Any:
         return features
 
-    def hidden(self, state: Any, noise_embedding: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+    def hidden(self, state: Any, noise_embedding: torch.Tensor, anchors: torch.Tensor,
+               lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """[A, L, hidden]; ``lengths`` [A] marks blocks shorter than L (outputs past them are ignored)."""
         raise NotImplementedError
 
     @property
@@ -71,14 +73,18 @@ class FastRunner(DraftRunner):
     def prepare(self, features: torch.Tensor) -> Any:
         return self.drafter.context_kv(features)
 
-    def hidden(self, state: Any, noise_embedding: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+    def hidden(self, state: Any, noise_embedding: torch.Tensor, anchors: torch.Tensor,
+               lengths: torch.Tensor | None = None) -> torch.Tensor:
         a, n, _ = noise_embedding.shape
-        heads = self.drafter.layers[0].self_attn.num_heads
+        attn = self.drafter.layers[0].self_attn
         ctx = int(anchors.max().item())
-        # float32 scores + softmax temporaries, per anchor
-        per_anchor = heads * n * (ctx + n) * 4 * 3
+        elem = noise_embedding.element_size()
+        # Per anchor: its expanded context K and V (the fused kernel needs them per block), the mask,
+        # and the kernel's own per-head temporaries.
+        per_anchor = (ctx + n) * (2 * attn.num_kv_heads * attn.head_dim * elem + n + attn.num_heads * n * 4)
         chunk = max(1, self.attn_mem_bytes // max(per_anchor, 1))
-        outs = [self.drafter.forward_blocks(state, noise_embedding[i:i + chunk], anchors[i:i + chunk])
+        outs = [self.drafter.forward_blocks(state, noise_embedding[i:i + chunk], anchors[i:i + chunk],
+                                            None if lengths is None else lengths[i:i + chunk])
                 for i in range(0, a, chunk)]
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
@@ -99,14 +105,16 @@ class ReferenceRunner(DraftRunner):
     def dtype(self) -> torch.dtype:
         return self._dtype
 
-    def hidden(self, state: Any, noise_embedding: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+    def hidden(self, state: Any, noise_embedding: torch.Tensor, anchors: torch.Tensor,
+               lengths: torch.Tensor | None = None) -> torch.Tensor:
         n = noise_embedding.shape[1]
-        outs = []
+        out = noise_embedding.new_zeros(noise_embedding.shape)
         for i, p in enumerate(anchors.tolist()):
-            pos = torch.arange(p + n, device=noise_embedding.device)[None]
-            out = self.fn(target_hidden=state[None, :p], noise_embedding=noise_embedding[i:i + 1], position_ids=pos)
-            outs.append(out[0, -n:])
-        return torch.stack(outs)
+            m = n if lengths is None else int(lengths[i])
+            pos = torch.arange(p + m, device=noise_embedding.device)[None]
+            h = self.fn(target_hidden=state[None, :p], noise_embedding=noise_embedding[i:i + 1, :m], position_ids=pos)
+            out[i, :m] = h[0, -m:]
+        return out
 
 
 def _drafter_config(module: Any) -> Any:
@@ -223,6 +231,8 @@ class SampleResult:
     acceptance_lengths: list[int]
     ddtree: dict[int, list[int]] = field(default_factory=dict)
     anchors: int = 0
+    # The drafter's block (argmax per depth) at each of the first cycles, when asked (keep_drafts).
+    drafts: list[list[int]] | None = None
 
 
 def block_embeddings(tokens: torch.Tensor, anchors: torch.Tensor, length: int, spec: DrafterSpec,
@@ -253,31 +263,43 @@ def draft_sample(runner: DraftRunner, head: TargetHead, sample: CachedSample, bo
     state = runner.prepare(features)
     if t_topk is not None:
         t_topk = (t_topk[0].to(dev), t_topk[1].to(dev))
-    for length in torch.unique(lengths).tolist():
-        sel = (lengths == length).nonzero(as_tuple=True)[0]
-        anc = anchors[sel]
-        emb = block_embeddings(tokens, anc, length, spec, head.embed_tokens).to(runner.dtype)
-        hid = runner.hidden(state, emb, anc)[:, 1:]  # positions 1..L-1 are the drafts
-        flat = hid.reshape(-1, hid.shape[-1]).to(head.lm_head.dtype)
-        tk = None
-        if t_topk is not None:
-            # The target's distribution for the token at p + k sits at position p + k - 1.
-            pos = (anc[:, None] + torch.arange(length - 1, device=dev)[None, :]).reshape(-1)
-            pos = pos.clamp(max=t_topk[0].shape[0] - 1)
-            tk = (t_topk[0][pos], t_topk[1][pos])
-        out = apply_head(flat, head.lm_head, spec, topk, head_mem_bytes, tk)
-        m = length - 1
-        argmax[sel, :m] = out.argmax.view(-1, m)
-        if topk:
-            top_ids[sel, :m] = out.topk_ids.view(len(sel), m, -1)
-            top_lp[sel, :m] = out.topk_logprobs.view(len(sel), m, -1)
-        if overlap is not None:
-            overlap[sel, :m] = out.overlap.view(-1, m)
+    # One pass for all anchors: tail anchors run as shorter blocks through the padding mask.
+    n = spec.block_size
+    emb = block_embeddings(tokens, anchors, n, spec, head.embed_tokens).to(runner.dtype)
+    short = lengths < n
+    hid = runner.hidden(state, emb, anchors, lengths if bool(short.any()) else None)[:, 1:]
+    flat = hid.reshape(-1, hid.shape[-1]).to(head.lm_head.dtype)
+    tk = None
+    if t_topk is not None:
+        # The target's distribution for the token at p + k sits at position p + k - 1.
+        pos = (anchors[:, None] + torch.arange(d, device=dev)[None, :]).reshape(-1)
+        pos = pos.clamp(max=t_topk[0].shape[0] - 1)
+        tk = (t_topk[0][pos], t_topk[1][pos])
+    out = apply_head(flat, head.lm_head, spec, topk, head_mem_bytes, tk)
+    inside = torch.arange(1, n, device=dev)[None, :] < lengths[:, None]  # [A, D]: the depth is in the block
+    argmax = torch.where(inside, out.argmax.view(a, d), argmax)
+    if topk:
+        kk = out.topk_ids.shape[-1]
+        top_ids = torch.where(inside[..., None], out.topk_ids.view(a, d, kk), top_ids[..., :kk])
+        top_lp = torch.where(inside[..., None], out.topk_logprobs.view(a, d, kk), top_lp[..., :kk])
+    if overlap is not None:
+        overlap = torch.where(inside, out.overlap.view(a, d), overlap)
     return DraftTable(anchors, lengths - 1, argmax, top_ids, top_lp, overlap)
 
 
+def cycle_drafts(table: DraftTable, bounds: SampleBounds, lengths: Sequence[int], n: int) -> list[list[int]]:
+    """The draft block at the anchor of each of the first ``n`` replayed cycles (for display)."""
+    out, p = [], bounds.prompt_len
+    for k in lengths[:n]:
+        i = p - bounds.prompt_len  # anchors are consecutive from prompt_len
+        out.append(table.argmax[i, : int(table.depths[i])].tolist())
+        p += k
+    return out
+
+
 def score_sample(table: DraftTable, sample: CachedSample, bounds: SampleBounds, spec: DrafterSpec,
-                 stop_token_ids: Sequence[int], budgets: Sequence[int], counts: EvalCounts) -> SampleResult:
+                 stop_token_ids: Sequence[int], budgets: Sequence[int], counts: EvalCounts,
+                 keep_drafts: int = 0) -> SampleResult:
     entry = sample.entry
     dev = table.anchors.device
     tokens = sample.input_ids.to(dev)
@@ -295,6 +317,8 @@ def score_sample(table: DraftTable, sample: CachedSample, bounds: SampleBounds, 
     accepted = leading_matches(table.argmax, target)
     produced = produced_per_anchor(accepted, table.anchors, tokens, bounds, stop_token_ids)
     result.acceptance_lengths = replay_walk(produced.tolist(), tok_list, bounds, stop_token_ids)
+    if keep_drafts:
+        result.drafts = cycle_drafts(table, bounds, result.acceptance_lengths, keep_drafts)
     counts.add_cycles(result.acceptance_lengths, entry.category)
     depth_idx = torch.arange(1, d + 1, device=dev)
     valid = (depth_idx[None, :] <= table.depths[:, None]) & (target >= 0)
@@ -350,11 +374,12 @@ def evaluate(cache: StateCache, drafter: Any, head: TargetHead | None = None, *,
              device: torch.device | str | None = None, autocast_dtype: torch.dtype | None = None,
              spec: DrafterSpec | None = None, verify: bool = False, progress: bool = False,
              attn_mem_bytes: int = 512 << 20, head_mem_bytes: int = 512 << 20,
-             on_sample: Callable[[SampleResult], None] | None = None) -> EvalReport:
+             on_sample: Callable[[SampleResult], None] | None = None, keep_drafts: int = 0) -> EvalReport:
     """Score ``drafter`` on ``cache``: exact greedy replay, DDTree, all-anchor statistics.
 
     ``head`` defaults to the cache's exported target head. ``autocast_dtype`` (e.g. bfloat16 on
-    GPU) trades exactness for speed; exactness tests use float32.
+    GPU) trades exactness for speed; exactness tests use float32. ``keep_drafts`` > 0 keeps, per
+    sample, the draft blocks of that many first cycles (``SampleResult.drafts``, for display).
     """
     start = time.perf_counter()
     runner = as_runner(drafter, spec, attn_mem_bytes)
@@ -387,7 +412,8 @@ def evaluate(cache: StateCache, drafter: Any, head: TargetHead | None = None, *,
             sample = cache.load(sid, verify=verify)
             bounds = bounds_for(sample, manifest)
             table = draft_sample(runner, head, sample, bounds, topk, head_mem_bytes)
-            res = score_sample(table, sample, bounds, spec, manifest.stop_token_ids, budgets, counts)
+            res = score_sample(table, sample, bounds, spec, manifest.stop_token_ids, budgets, counts,
+                               keep_drafts)
             results.append(res)
             if on_sample is not None:
                 on_sample(res)
@@ -398,16 +424,14 @@ def replay_per_cycle(cache: StateCache, drafter: Any, head: TargetHead, sample_i
                      spec: DrafterSpec | None = None) -> list[int]:
     """The straightforward loop: one drafter call per cycle, as the reference makes. Baseline only."""
     runner = as_runner(drafter, spec)
-    if isinstance(runner, FastRunner):
-        # Use the module's reference forward (full context each call), not the batched path.
-        runner = ReferenceRunner(runner.drafter, runner.spec, runner.dtype)
     spec = runner.spec
     sample = cache.load(sample_id)
     bounds = bounds_for(sample, cache.manifest)
     tokens = sample.input_ids.to(head.embed_tokens.device)
     tok_list = tokens.tolist()
     stops = set(cache.manifest.stop_token_ids)
-    features = sample.hidden.to(device=tokens.device, dtype=runner.dtype)
+    # Context K/V once per sample, as the reference's KV cache holds it; then one call per cycle.
+    state = runner.prepare(sample.hidden.to(device=tokens.device, dtype=runner.dtype))
     p = bounds.prompt_len
     out: list[int] = []
     if p >= bounds.known_end or tok_list[p] in stops:
@@ -417,7 +441,7 @@ def replay_per_cycle(cache: StateCache, drafter: Any, head: TargetHead, sample_i
             length = min(spec.block_size, bounds.loop_end - p)
             anc = torch.tensor([p], device=tokens.device)
             emb = block_embeddings(tokens, anc, length, spec, head.embed_tokens).to(runner.dtype)
-            hid = runner.hidden(features, emb, anc)[0, 1:].to(head.lm_head.dtype)
+            hid = runner.hidden(state, emb, anc)[0, 1:].to(head.lm_head.dtype)
             draft = apply_head(hid, head.lm_head, spec, 0).argmax
             a = 0
             while a < length - 1 and p + a + 1 < bounds.known_end and int(draft[a]) == tok_list[p + a + 1]:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import Qwen3Config
@@ -113,58 +114,39 @@ class DFlashAttention(nn.Module):
         return _rope(k, cos.unsqueeze(-3), sin.unsqueeze(-3)), v
 
     def forward(self, x: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor, cos: torch.Tensor,
-                sin: torch.Tensor, ctx_mask: torch.Tensor | None, q_pos: torch.Tensor,
-                ctx_pos: torch.Tensor) -> torch.Tensor:
-        """Blocks x [A, L, hidden] attend to shared context keys [kv, C, d] (or per-block [A, kv, C, d]).
+                sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """Blocks x [A, L, hidden] attend to context keys [kv, C, d] (shared) or [A, kv, C, d], then themselves.
 
-        ``ctx_mask`` [A, 1, 1, C] marks the context rows each block may see (its own prefix); positions
-        give the sliding-window/causal masks. Scores are computed in float32 for exactness.
+        ``mask`` (bool [A, 1, L, C + L], True = visible, or None = all visible) carries each block's
+        context prefix and, for causal / sliding layers, their position constraints.
         """
         a, n, _ = x.shape
-        g = self.num_heads // self.num_kv_heads
         q = self.q_norm(self.q_proj(x).view(a, n, self.num_heads, self.head_dim)).transpose(1, 2)
         q = _rope(q, cos.unsqueeze(1), sin.unsqueeze(1))  # [A, H, L, d]
         bk, bv = self.project_kv(x, cos, sin)  # [A, kv, L, d]
-        q = q.reshape(a, self.num_kv_heads, g * n, self.head_dim)
         if ctx_k.dim() == 3:
-            s_ctx = torch.einsum("akqd,kcd->akqc", q, ctx_k)
-        else:
-            s_ctx = torch.einsum("akqd,akcd->akqc", q, ctx_k)
-        s_blk = torch.einsum("akqd,akcd->akqc", q, bk)
-        s_ctx = s_ctx.float().view(a, self.num_kv_heads, g, n, -1) * self.scaling
-        s_blk = s_blk.float().view(a, self.num_kv_heads, g, n, n) * self.scaling
-        neg = torch.finfo(torch.float32).min
-        if ctx_mask is not None:
-            s_ctx = s_ctx.masked_fill(~ctx_mask.view(a, 1, 1, 1, -1), neg)
-        if self.is_causal or self.sliding_window is not None:
-            qp = q_pos.view(a, 1, 1, n, 1)
-            ok_ctx = torch.ones_like(s_ctx, dtype=torch.bool)
-            ok_blk = torch.ones_like(s_blk, dtype=torch.bool)
-            kp_blk = q_pos.view(a, 1, 1, 1, n)
-            kp_ctx = ctx_pos.view(-1, 1, 1, 1, ctx_pos.shape[-1]) if ctx_pos.dim() > 1 else ctx_pos.view(1, 1, 1, 1, -1)
-            if self.is_causal:
-                ok_ctx = ok_ctx & (kp_ctx <= qp)
-                ok_blk = ok_blk & (kp_blk <= qp)
-            if self.sliding_window is not None:
-                w = self.sliding_window
-                ok_ctx = ok_ctx & (qp - kp_ctx < w)
-                ok_blk = ok_blk & (qp - kp_blk < w)
-                if not self.is_causal:
-                    ok_ctx = ok_ctx & (kp_ctx - qp < w)
-                    ok_blk = ok_blk & (kp_blk - qp < w)
-            s_ctx = s_ctx.masked_fill(~ok_ctx, neg)
-            s_blk = s_blk.masked_fill(~ok_blk, neg)
-        p = torch.softmax(torch.cat([s_ctx, s_blk], dim=-1), dim=-1).to(bv.dtype)
-        c = s_ctx.shape[-1]
-        p_ctx = p[..., :c].reshape(a, self.num_kv_heads, g * n, c)
-        p_blk = p[..., c:].reshape(a, self.num_kv_heads, g * n, n)
-        if ctx_v.dim() == 3:
-            out = torch.einsum("akqc,kcd->akqd", p_ctx, ctx_v)
-        else:
-            out = torch.einsum("akqc,akcd->akqd", p_ctx, ctx_v)
-        out = out + torch.einsum("akqc,akcd->akqd", p_blk, bv)
-        out = out.reshape(a, self.num_heads, n, self.head_dim).transpose(1, 2).reshape(a, n, -1)
-        return self.o_proj(out)
+            ctx_k = ctx_k.expand(a, *ctx_k.shape)
+            ctx_v = ctx_v.expand(a, *ctx_v.shape)
+        k = torch.cat([ctx_k, bk], dim=2)
+        v = torch.cat([ctx_v, bv], dim=2)
+        # The same fused kernel the reference uses (sdpa), with grouped K/V heads.
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling,
+                                             enable_gqa=self.num_heads != self.num_kv_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(a, n, -1))
+
+    def visibility(self, base: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor | None:
+        """``base`` [A, 1, L, K] (prefix visibility) narrowed by this layer's causal / sliding-window rule."""
+        if not self.is_causal and self.sliding_window is None:
+            return base
+        qp, kp = q_pos[:, None, :, None], k_pos[:, None, None, :]
+        ok = base
+        if self.is_causal:
+            ok = ok & (kp <= qp)
+        if self.sliding_window is not None:
+            ok = ok & (qp - kp < self.sliding_window)
+            if not self.is_causal:
+                ok = ok & (kp - qp < self.sliding_window)
+        return ok
 
 
 class DFlashDecoderLayer(nn.Module):
@@ -176,9 +158,8 @@ class DFlashDecoderLayer(nn.Module):
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, h: torch.Tensor, ctx_kv: tuple[torch.Tensor, torch.Tensor], cos: torch.Tensor,
-                sin: torch.Tensor, ctx_mask: torch.Tensor | None, q_pos: torch.Tensor,
-                ctx_pos: torch.Tensor) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), *ctx_kv, cos, sin, ctx_mask, q_pos, ctx_pos)
+                sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), *ctx_kv, cos, sin, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -234,18 +215,26 @@ class DFlashDrafter(nn.Module):
         c = target_hidden.shape[1]
         cos, sin = self.rotary_emb(noise_embedding, position_ids)
         ctx = self.hidden_norm(self.fc(target_hidden))
-        ctx_cos, ctx_sin = cos[:, :c], sin[:, :c]
-        cos_b, sin_b = cos[:, c:], sin[:, c:]
-        q_pos, ctx_pos = position_ids[:, c:], position_ids[:, :c]
-        if attention_mask is not None:
-            ctx_mask = attention_mask[:, 0, 0, :c]  # context visibility is the same for every block row
-        else:
-            ctx_mask = None
+        if attention_mask is None:
+            attention_mask = torch.ones(b, 1, n, c + n, dtype=torch.bool, device=ctx.device)
+        masks = self._layer_masks(attention_mask.bool(), position_ids[:, c:], position_ids)
         h = noise_embedding
-        for layer in self.layers:
-            kv = layer.self_attn.project_kv(ctx, ctx_cos, ctx_sin)
-            h = layer(h, kv, cos_b, sin_b, ctx_mask, q_pos, ctx_pos)
+        for layer, mask in zip(self.layers, masks, strict=True):
+            kv = layer.self_attn.project_kv(ctx, cos[:, :c], sin[:, :c])
+            h = layer(h, kv, cos[:, c:], sin[:, c:], mask)
         return self.norm(h)
+
+    def _layer_masks(self, base: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -> list[torch.Tensor | None]:
+        cache: dict[tuple[bool, int | None], torch.Tensor | None] = {}
+        out = []
+        for layer in self.layers:
+            attn = layer.self_attn
+            key = (attn.is_causal, attn.sliding_window)
+            if key not in cache:
+                m = attn.visibility(base, q_pos, k_pos)
+                cache[key] = None if bool(m.all()) else m  # an all-true mask only slows the kernel
+            out.append(cache[key])
+        return out
 
     # -- engine interface -----------------------------------------------------
     def context_kv(self, target_hidden: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -257,18 +246,26 @@ class DFlashDrafter(nn.Module):
         return [layer.self_attn.project_kv(ctx, cos, sin) for layer in self.layers]
 
     def forward_blocks(self, ctx_kv: list[tuple[torch.Tensor, torch.Tensor]], noise_embedding: torch.Tensor,
-                       anchors: torch.Tensor) -> torch.Tensor:
-        """Blocks [A, L, hidden] anchored at ``anchors`` [A]; block a sees context rows [0, anchors[a])."""
+                       anchors: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """Blocks [A, L, hidden] anchored at ``anchors`` [A]; block a sees context rows [0, anchors[a]).
+
+        ``lengths`` [A] (<= L) makes block a behave as a block of that length (the loop's shorter tail
+        block): its padding positions are hidden from every query; their own outputs are meaningless.
+        """
         a, n, _ = noise_embedding.shape
         c = int(anchors.max().item())  # no block sees past the last anchor: trim the keys
         kv = [(k[:, :c], v[:, :c]) for k, v in ctx_kv]
-        ctx_pos = torch.arange(c, device=anchors.device)
-        ctx_mask = ctx_pos[None, :] < anchors[:, None]
-        q_pos = anchors[:, None] + torch.arange(n, device=anchors.device)[None, :]
+        dev = anchors.device
+        q_pos = anchors[:, None] + torch.arange(n, device=dev)[None, :]
+        k_pos = torch.cat([torch.arange(c, device=dev).expand(a, c), q_pos], dim=1)
+        own = (torch.ones(a, n, dtype=torch.bool, device=dev) if lengths is None
+               else torch.arange(n, device=dev)[None, :] < lengths[:, None])
+        base = torch.cat([torch.arange(c, device=dev)[None, :] < anchors[:, None], own], dim=1)
+        masks = self._layer_masks(base[:, None, None, :].expand(a, 1, n, c + n), q_pos, k_pos)
         cos, sin = self.rotary_emb(noise_embedding, q_pos)
         h = noise_embedding
-        for layer, layer_kv in zip(self.layers, kv, strict=True):
-            h = layer(h, layer_kv, cos, sin, ctx_mask, q_pos, ctx_pos)
+        for layer, layer_kv, mask in zip(self.layers, kv, masks, strict=True):
+            h = layer(h, layer_kv, cos, sin, mask)
         return self.norm(h)
 
     # -- checkpoint format ----------------------------------------------------

@@ -21,11 +21,11 @@ import argparse
 import contextlib
 import dataclasses
 import fcntl
-import hashlib
 import json
 import os
 import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -299,6 +299,8 @@ def prepare(args: PrecomputeArgs, log: Log = _stderr) -> Plan:
                                   f"{tok_path} has none loadable ({e}); pass --tokenizer") from e
     prompt_ids = {r.id: P.tokenize_prompt(r, tokenizer, a.chat_template_kwargs) for r in mine}
     for r in mine:
+        if not prompt_ids[r.id]:
+            raise PrecomputeError(f"{a.prompts}:{r.line}: prompt {r.id!r} tokenizes to no tokens")
         bad = [t for t in prompt_ids[r.id] if t >= tcfg.vocab_size]
         if bad:
             raise PrecomputeError(f"{a.prompts}:{r.line}: prompt {r.id!r} has token ids {bad[:5]} >= the "
@@ -412,6 +414,8 @@ def _folder_lock(out: Path) -> Iterator[None]:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise PrecomputeError(f"--out {out}: another precompute is writing to this folder") from None
+        except OSError:  # a filesystem without flock: run unguarded rather than not at all
+            pass
         yield
     finally:
         os.close(fd)  # releases the lock
@@ -528,11 +532,27 @@ def compute_sample(target: Any, record: Any, prompt: list[int], completion: list
 
 
 def _save_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[str, int]:
-    from safetensors.torch import save
+    """Atomic safetensors write (temp + fsync + rename); returns (sha256, bytes).
 
-    data = save(tensors, metadata={"format": "pt"})
-    atomic_write_bytes(path, data)
-    return hashlib.sha256(data).hexdigest(), len(data)
+    ``save_file`` streams from the tensors' memory: ``save()`` to bytes would hold a second copy,
+    which for a 248k x 5120 embedding + head is 5 GB.
+    """
+    from safetensors.torch import save_file
+
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata={"format": "pt"})
+        os.chmod(tmp, 0o644)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        digest, size = sha256_file(tmp), os.path.getsize(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return digest, size
 
 
 def build_manifest(header: Manifest, shards: Sequence[ShardEntry], samples: Sequence[SampleEntry],
@@ -689,6 +709,9 @@ def merge_parts(out: str | os.PathLike, parts: Sequence[str | os.PathLike], over
             raise PrecomputeError(f"merge: {e}") from e
     base = caches[0].manifest
 
+    # Paths may differ between hosts (same checkpoint elsewhere); everything that shapes the data may not.
+    local_paths = ("target.name_or_path", "prompts.tokenizer")
+
     def common(m: Manifest) -> dict[str, Any]:
         d = _header_dict(m)
         d["prompts"] = {k: v for k, v in d["prompts"].items() if k != "part"}
@@ -697,6 +720,9 @@ def merge_parts(out: str | os.PathLike, parts: Sequence[str | os.PathLike], over
 
     for c in caches[1:]:
         diffs = _diff(common(base), common(c.manifest))
+        for d in [d for d in diffs if d.split(":")[0] in local_paths]:
+            log(f"warning: merge: {c.path} differs in {d} (kept {caches[0].path}'s)")
+        diffs = [d for d in diffs if d.split(":")[0] not in local_paths]
         if diffs:
             raise PrecomputeError(f"merge: {c.path} was made with other arguments than {caches[0].path}:\n  - "
                                   + "\n  - ".join(diffs[:20]))

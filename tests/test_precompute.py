@@ -22,6 +22,15 @@ from dflash_cb.states import HEAD_NAME, MANIFEST_NAME, CacheError, StateCache, s
 LAYERS = "0,2,3"
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models gain nothing from threads, and on a busy CI box spinning OpenMP threads cost seconds."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory) -> Path:
     return save_tiny_qwen3(tmp_path_factory.mktemp("target"))
@@ -178,6 +187,7 @@ class FakeSGLang:
 
         self.model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
         self.model_path = str(target_dir)
+        self.reported_model = str(target_dir)
         self.lock = threading.Lock()
         self.calls = 0
         self.perturb: dict[tuple[int, ...], int] = {}  # prompt -> completion offset to change
@@ -220,7 +230,7 @@ def sglang(target_dir) -> Iterator[tuple[str, FakeSGLang]]:
             if self.path == "/health":
                 self._json({})
             elif self.path == "/get_model_info":
-                self._json({"model_path": state.model_path, "is_generation": True})
+                self._json({"model_path": state.reported_model, "is_generation": True})
             else:
                 self.send_error(404)
 
@@ -265,6 +275,17 @@ def test_reference_sglang(sglang, local_cache, target_dir, prompts_file, tmp_pat
     (out / MANIFEST_NAME).unlink()
     assert run(target_dir, prompts_file, out, "--reference", "sglang", "--sglang-url", url) == 0
     assert server.calls == 5 and folder_digest(out) == before
+
+
+def test_sglang_served_model_mismatch_warns(sglang, target_dir, prompts_file, tmp_path, capsys):
+    url, server = sglang
+    server.reported_model = "/models/Some-Other-Model"
+    out = tmp_path / "warn"
+    assert run(target_dir, prompts_file, out, "--reference", "sglang", "--sglang-url", url) == 0
+    assert "does not look like the target" in capsys.readouterr().err
+    log = json.loads((out / "precompute_log.json").read_text())
+    assert any("Some-Other-Model" in w for w in log["summary"]["warnings"])
+    assert StateCache(out).manifest.reference["served_model"]["model_path"] == "/models/Some-Other-Model"
 
 
 def test_sglang_server_down_fails_before_loading(target_dir, prompts_file, tmp_path, monkeypatch, capsys):

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_target import TINY_HIDDEN, TINY_LAYERS, TINY_VOCAB, delete_tensor, save_tiny_qwen3, save_tiny_qwen3_5
+from tiny_target import (
+    TINY_HIDDEN,
+    TINY_LAYERS,
+    TINY_VOCAB,
+    delete_tensor,
+    save_tiny_qwen3,
+    save_tiny_qwen3_5,
+)
 
 from dflash_cb.target import (
     TargetError,
@@ -17,6 +24,15 @@ from dflash_cb.target import (
     prefill,
     read_target_config,
 )
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models gain nothing from threads, and on a busy CI box spinning OpenMP threads cost seconds."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

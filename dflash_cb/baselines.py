@@ -1,0 +1,220 @@
+"""Reference numbers to show next to a live drafter: measured baselines and published figures.
+
+Two kinds, never mixed up:
+
+- **measured**: a ``results.json`` written by ``tools/eval_drafter.py`` for a reference drafter
+  (e.g. the public z-lab drafter) *on the same cache*. It is refused when its cache manifest hash
+  differs (``results.load_results``). When the live evaluation scores only a subset of the
+  samples, the baseline's tau, DDTree tau and per-category tau are recomputed on that same subset
+  from its per-sample acceptance lengths, so "ours vs reference" compares like with like.
+- **published**: figures reported by papers (``configs/baselines/published.yaml``), with their
+  source. They were measured on other prompts and hardware: context, not a like-for-like
+  comparison. Entries marked ``placeholder: true`` or whose values are null are never logged.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .metrics import ALL_ANCHOR_TAU, SPECFORGE_TAU, TAU, category_tau, ddtree_tau, depth_acc
+from .results import load_results
+from .states import StateCache
+
+MEASURED = "measured"
+PUBLISHED = "published"
+
+
+@dataclass
+class Baseline:
+    """One reference: unprefixed metric names (as in ``metrics.summarize``) and where they come from."""
+
+    name: str
+    kind: str  # MEASURED or PUBLISHED
+    metrics: dict[str, float]
+    per_depth: list[float] | None = None  # unconditional acceptance at depths 1..block_size-1
+    source: str = ""
+    details: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} (published, not measured here)" if self.kind == PUBLISHED else f"{self.name} (reference)"
+
+    @property
+    def key(self) -> str:
+        """Metric-name segment: ``baseline/<name>`` or ``published/<name>``."""
+        return f"{'published' if self.kind == PUBLISHED else 'baseline'}/{_slug(self.name)}"
+
+
+def _slug(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name).strip("_") or "unnamed"
+
+
+def _finite(x: Any) -> float | None:
+    if x is None or isinstance(x, bool):
+        return None
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return None
+    return v if math.isfinite(v) else None
+
+
+def _mean(lengths: Iterable[list[int]]) -> float | None:
+    n = s = 0
+    for ls in lengths:
+        n += len(ls)
+        s += sum(ls)
+    return s / n if n else None
+
+
+# -- measured -----------------------------------------------------------------------------
+
+def load_measured(path: str | os.PathLike, cache: StateCache, name: str | None = None,
+                  sample_ids: Sequence[str] | None = None) -> Baseline:
+    """A ``results.json`` as a baseline; refused if it was measured on another cache.
+
+    ``sample_ids``: the samples the live evaluation scores. Tau, DDTree tau and per-category tau
+    are recomputed on them; per-depth acceptance (stored aggregated) stays the whole-cache figure.
+    """
+    data = load_results(path, cache)
+    name = name or Path(path).stem
+    metrics: dict[str, float] = {}
+    stored = data.get("metrics") or {}
+    for k in (TAU, ALL_ANCHOR_TAU, SPECFORGE_TAU):
+        v = _finite(stored.get(k, data.get(k)))
+        if v is not None:
+            metrics[k] = v
+    for b, d in (data.get("ddtree") or {}).items():
+        v = _finite(d.get("tau"))
+        if v is not None:
+            metrics[ddtree_tau(int(b))] = v
+    for c, d in (data.get("per_category") or {}).items():
+        v = _finite(d.get("tau"))
+        if v is not None:
+            metrics[category_tau(c)] = v
+    per_depth = [(_finite(v) if _finite(v) is not None else math.nan)
+                 for v in (data.get("per_depth") or {}).get("unconditional") or []] or None
+    if per_depth:
+        for k, v in enumerate(per_depth, start=1):
+            if not math.isnan(v):
+                metrics[depth_acc(k)] = v
+    details: dict[str, Any] = {
+        "path": str(path),
+        "cache_manifest_sha256": data.get("meta", {}).get("cache_manifest_sha256"),
+        "drafter": data.get("meta", {}).get("drafter"),
+        "dtype": data.get("meta", {}).get("dtype"),
+        "samples_in_file": len(data.get("samples") or []),
+    }
+    if sample_ids is not None:
+        _restrict(metrics, data, list(sample_ids), details)
+    return Baseline(name, MEASURED, metrics, per_depth, source=f"tools/eval_drafter.py -> {path}", details=details)
+
+
+def _restrict(metrics: dict[str, float], data: dict[str, Any], ids: list[str], details: dict[str, Any]) -> None:
+    """Recompute the per-sample-derived metrics on ``ids`` (the live evaluation's samples)."""
+    by_id = {s["id"]: s for s in data.get("samples") or []}
+    if set(ids) == set(by_id):
+        return
+    missing = [i for i in ids if i not in by_id]
+    if missing:
+        raise ValueError(f"{details['path']}: the baseline has no results for {len(missing)} of the evaluated "
+                         f"samples (e.g. {missing[:3]}); rerun tools/eval_drafter.py on the whole cache")
+    chosen = [by_id[i] for i in ids]
+    tau = _mean(s["acceptance_lengths"] for s in chosen)
+    if tau is not None:
+        metrics[TAU] = tau
+    for b, d in (data.get("ddtree") or {}).items():
+        dd = {s["id"]: s["acceptance_lengths"] for s in d.get("samples") or []}
+        v = _mean(dd[i] for i in ids if i in dd)
+        if v is not None:
+            metrics[ddtree_tau(int(b))] = v
+    cats = {s.get("category") for s in chosen}
+    for k in [k for k in metrics if k.startswith("category/")]:
+        del metrics[k]
+    for c in sorted(x for x in cats if x is not None):
+        v = _mean(s["acceptance_lengths"] for s in chosen if s.get("category") == c)
+        if v is not None:
+            metrics[category_tau(c)] = v
+    # Aggregated in the file: cannot be restricted, so they describe the whole cache.
+    details["subset"] = f"{len(ids)} of {len(by_id)} samples (tau, DDTree, per-category recomputed on the subset; " \
+                        "per-depth and all-anchor figures are whole-cache)"
+
+
+# -- published ----------------------------------------------------------------------------
+
+@dataclass
+class PublishedFile:
+    baselines: list[Baseline]
+    skipped: list[str]  # "name: why" for placeholder or empty entries
+
+
+def load_published(path: str | os.PathLike, names: Sequence[str] | None = None) -> PublishedFile:
+    """Read the published-figures YAML. Placeholders and entries without numbers are skipped, not logged.
+
+    Format: ``entries: [{name, source, url?, target?, drafter?, setting?, placeholder?,
+    metrics: {tau: 6.5, ddtree/tau_b32: ...}, per_depth: [...]?, note?}]``. Metric names are the
+    unprefixed names of ``dflash_cb.metrics`` (``tau``, ``ddtree/tau_b<B>``, ...).
+    """
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: no such published-figures file (see configs/baselines/published.yaml)") from None
+    entries = (data or {}).get("entries")
+    if not isinstance(entries, list):
+        raise ValueError(f"{path}: expected a top-level 'entries:' list")
+    wanted = set(names) if names is not None else None
+    out: list[Baseline] = []
+    skipped: list[str] = []
+    seen: set[str] = set()
+    for i, e in enumerate(entries):
+        if not isinstance(e, dict) or not e.get("name") or not e.get("source"):
+            raise ValueError(f"{path}: entry {i} needs at least 'name' and 'source'")
+        name = str(e["name"])
+        if name in seen:
+            raise ValueError(f"{path}: duplicate entry name {name!r}")
+        seen.add(name)
+        if wanted is not None and name not in wanted:
+            continue
+        if e.get("placeholder"):
+            skipped.append(f"{name}: placeholder ({e.get('note', 'value not verified')})")
+            continue
+        metrics = {str(k): v for k, v in ((e.get("metrics") or {}).items()) if _finite(v) is not None}
+        metrics = {k: float(v) for k, v in metrics.items()}
+        per_depth = e.get("per_depth")
+        per_depth = [float(v) for v in per_depth] if isinstance(per_depth, list) and all(
+            _finite(v) is not None for v in per_depth) and per_depth else None
+        if not metrics and not per_depth:
+            skipped.append(f"{name}: no numbers")
+            continue
+        details = {k: e[k] for k in ("url", "target", "drafter", "setting", "note") if e.get(k) is not None}
+        out.append(Baseline(name, PUBLISHED, metrics, per_depth, source=str(e["source"]), details=details))
+    if wanted is not None:
+        unknown = sorted(wanted - seen)
+        if unknown:
+            raise ValueError(f"{path}: no entries named {unknown}; known: {sorted(seen)}")
+    return PublishedFile(out, skipped)
+
+
+# -- what gets logged -----------------------------------------------------------------------
+
+# Headline figures logged as constant series next to the live ones (per-depth goes to the chart).
+def is_headline(metric: str) -> bool:
+    return metric in (TAU, ALL_ANCHOR_TAU, SPECFORGE_TAU) or metric.startswith(("ddtree/", "category/"))
+
+
+def baseline_scalars(baselines: Sequence[Baseline], prefix: str) -> dict[str, float]:
+    """``{prefix}{baseline|published}/<name>/<metric>`` for the headline metrics of every baseline."""
+    out: dict[str, float] = {}
+    for b in baselines:
+        for k, v in b.metrics.items():
+            if is_headline(k):
+                out[f"{prefix}{b.key}/{k}"] = v
+    return out

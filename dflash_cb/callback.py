@@ -1,0 +1,518 @@
+"""``DFlashEvalCallback``: the drafter's exact offline tau, measured while it trains.
+
+Add it to a ``Trainer`` (or three lines of LightningCLI YAML, ``configs/callback/dflash_eval.yaml``)::
+
+    trainer = Trainer(callbacks=[DFlashEvalCallback(states="cached_states/qwen36-27b-v1",
+                                                    every_n_train_steps=500)], logger=WandbLogger(...))
+
+Every ``every_n_train_steps`` optimizer steps (and, by default, before the first and after the
+last step) it replays the greedy speculative loop on the cached target states with the drafter's
+current weights (``dflash_cb.engine.evaluate``) and logs ``dflash_eval/tau``, DDTree tau per
+budget, per-depth acceptance, per-category tau, ... to every logger at ``trainer.global_step``.
+
+Guarantees, modelled on ``ModelCheckpoint``/``EarlyStopping``:
+
+- Configuration errors (no cache, cache vs drafter mismatch, a baseline from another cache) stop
+  ``fit`` before the first training step, naming the field that differs.
+- An evaluation changes nothing training depends on: it runs under ``torch.no_grad`` with the
+  drafter in eval mode (each submodule's mode restored afterwards), restores the CPU and CUDA
+  RNG states, never touches the optimizer or gradients, and keeps no tensors afterwards.
+- Failures inside an evaluation (e.g. a corrupted shard) warn and training goes on, unless
+  ``fail_on_error=True``.
+- Distributed: rank r scores ``samples[r::world]``; integer counts are summed with one
+  ``all_reduce`` before any ratio, so the numbers equal a single-process run's exactly; only rank
+  zero logs. Under FSDP (1 or 2) every rank gathers the full parameters once per evaluation and
+  scores its own share (see ``dflash_cb.distributed``). DeepSpeed ZeRO-3 is refused.
+- ``state_dict``/``load_state_dict`` carry the schedule, so a resumed run neither repeats nor skips
+  an evaluation.
+
+Metric values go to ``trainer.callback_metrics`` too, so ``ModelCheckpoint(monitor="dflash_eval/tau",
+mode="max")`` and ``EarlyStopping`` can use them.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from operator import attrgetter
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch import nn
+
+from .baselines import Baseline, baseline_scalars, load_measured, load_published
+from .distributed import all_reduce_sum, full_parameters, gather_to_zero, sharding_kind, world
+from .engine import DEFAULT_BUDGETS, SampleResult, evaluate
+from .metrics import EVAL_TIME, EvalCounts, per_depth, summarize
+from .model import DrafterSpec
+from .states import CacheMismatchError, StateCache, TargetHead
+
+DrafterSource = str | Callable[[LightningModule], nn.Module]
+
+_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+           "float32": torch.float32, "fp32": torch.float32}
+
+
+class DFlashEvalError(RuntimeError):
+    """An evaluation failed (raised only with ``fail_on_error=True``; otherwise a warning)."""
+
+
+class DFlashEvalCallback(Callback):
+    """Evaluate a DFlash drafter on cached target states during training and log the exact tau.
+
+    Args:
+        states: cache folder written by ``tools/precompute_states.py``.
+        every_n_train_steps: evaluate after every N optimizer steps (``trainer.global_step % N == 0``);
+            0 disables the periodic evaluations (start/end ones still run).
+        drafter: attribute path of the drafter on the LightningModule (``"drafter"``,
+            ``"model.draft"``), or a function ``module -> drafter``. Any module with a DFlash config
+            (``.spec`` or ``.config``) works; ``torch.compile`` wrappers are unwrapped.
+        eval_on_fit_start: evaluate before the first training step (the untrained baseline). Done
+            once per run: a resumed run does not repeat it.
+        eval_on_fit_end: evaluate after the last step (unless that step was just evaluated).
+        target_embed: attribute path of the target's input embedding on the module (an
+            ``nn.Embedding`` or a ``[vocab, hidden]`` tensor). With ``target_lm_head``, the head is taken
+            from the module (no copy); without both, the cache's exported head is loaded once, onto the
+            drafter's device, and reused.
+        target_lm_head: attribute path of the target's output head (``nn.Linear`` or tensor). Omit it
+            with ``target_embed`` set only when the target ties embedding and head.
+        ddtree_budgets: DDTree node budgets (empty: no DDTree).
+        num_samples: evaluate a fixed subset of this many samples (stratified by category, chosen
+            with ``sample_seed``, the same at every evaluation); None = every sample.
+        sample_ids: evaluate exactly these sample ids (overrides ``num_samples``).
+        sample_seed: seed of the subset choice (a private generator: training RNG is not touched).
+        prefix: metric name prefix.
+        baselines: reference ``results.json`` files from ``tools/eval_drafter.py`` on the same cache:
+            ``{name: path}`` or a list of paths (name = file stem). Logged as constant series
+            ``{prefix}baseline/<name>/...`` and in the W&B summary. A file measured on another cache is
+            refused at setup.
+        published: YAML of published figures (``configs/baselines/published.yaml``), logged as
+            ``{prefix}published/<name>/...``, marked as published, not measured here. Placeholder entries
+            are not logged.
+        published_entries: names of the published entries to log (default: every non-placeholder entry).
+        fail_on_error: raise when an evaluation fails instead of warning and going on.
+        autocast_dtype: ``"auto"`` (bfloat16 autocast on CUDA for a float32 drafter, none on CPU),
+            ``"bfloat16"``, ``"float16"``, or ``"float32"``/None (no autocast: exact float32).
+        table_samples: samples shown in the W&B table at each evaluation (0 = no table).
+        table_cycles: cycles (draft blocks) shown per table sample.
+        tokenizer: decodes tokens in the W&B table: a Hugging Face tokenizer path or object, or a function
+            ``ids -> str``; None shows token ids.
+        verify_cache: check every shard's sha256 at setup (slow for a large cache; sizes are always checked).
+    """
+
+    def __init__(
+        self,
+        states: str | os.PathLike,
+        every_n_train_steps: int = 500,
+        drafter: DrafterSource = "drafter",
+        *,
+        eval_on_fit_start: bool = True,
+        eval_on_fit_end: bool = True,
+        target_embed: str | None = None,
+        target_lm_head: str | None = None,
+        ddtree_budgets: Sequence[int] = DEFAULT_BUDGETS,
+        num_samples: int | None = None,
+        sample_ids: Sequence[str] | None = None,
+        sample_seed: int = 0,
+        prefix: str = "dflash_eval/",
+        baselines: dict[str, str] | Sequence[str] | None = None,
+        published: str | os.PathLike | None = None,
+        published_entries: Sequence[str] | None = None,
+        fail_on_error: bool = False,
+        autocast_dtype: str | None = "auto",
+        table_samples: int = 4,
+        table_cycles: int = 4,
+        tokenizer: Any = None,
+        verify_cache: bool = False,
+    ) -> None:
+        super().__init__()
+        # Only cheap argument checks here (no file access), so a LightningCLI config parses anywhere.
+        if every_n_train_steps < 0:
+            raise ValueError(f"every_n_train_steps must be >= 0, got {every_n_train_steps}")
+        budgets = tuple(sorted({int(b) for b in ddtree_budgets}))
+        if any(b < 1 for b in budgets):
+            raise ValueError(f"ddtree_budgets must be positive, got {list(ddtree_budgets)}")
+        if num_samples is not None and num_samples < 1:
+            raise ValueError(f"num_samples must be >= 1 or None (all), got {num_samples}")
+        if target_lm_head and not target_embed:
+            raise ValueError("target_lm_head needs target_embed too (the block embeddings come from the target)")
+        if autocast_dtype not in (None, "auto", *_DTYPES):
+            raise ValueError(f"autocast_dtype must be 'auto', None or one of {sorted(_DTYPES)}, got {autocast_dtype!r}")
+        if not isinstance(drafter, str) and not callable(drafter):
+            raise TypeError("drafter must be an attribute path (str) or a function taking the LightningModule")
+        self.states = str(states)
+        self.every_n_train_steps = int(every_n_train_steps)
+        self.drafter = drafter
+        self.eval_on_fit_start = eval_on_fit_start
+        self.eval_on_fit_end = eval_on_fit_end
+        self.target_embed = target_embed
+        self.target_lm_head = target_lm_head
+        self.ddtree_budgets = budgets
+        self.num_samples = num_samples
+        self.sample_ids = list(sample_ids) if sample_ids is not None else None
+        self.sample_seed = int(sample_seed)
+        self.prefix = prefix
+        if isinstance(baselines, (str, os.PathLike)):
+            baselines = [baselines]
+        self.baselines = dict(baselines) if isinstance(baselines, dict) else (
+            {Path(p).stem: str(p) for p in baselines} if baselines else {})
+        self.published = str(published) if published else None
+        self.published_entries = list(published_entries) if published_entries is not None else None
+        self.fail_on_error = fail_on_error
+        self.autocast_dtype = autocast_dtype
+        self.table_samples = int(table_samples)
+        self.table_cycles = int(table_cycles)
+        self.tokenizer = tokenizer
+        self.verify_cache = verify_cache
+
+        # Persistent (state_dict): the schedule and what was measured.
+        self.last_eval_step = -1
+        self.num_evals = 0
+        self.start_done = False
+        self.history: list[dict[str, float]] = []  # rank zero: {"step": s, metric: value, ...} per evaluation
+        # Per fit.
+        self.cache: StateCache | None = None
+        self.eval_ids: list[str] = []
+        self.table_ids: list[str] = []
+        self.reference: list[Baseline] = []
+        self.published_skipped: list[str] = []
+        self.last_metrics: dict[str, float] = {}
+        self.last_samples: list[SampleResult] = []  # rank zero: every evaluated sample, in eval_ids order
+        self._spec: DrafterSpec | None = None
+        self._categories: tuple[str, ...] = ()
+        self._head: TargetHead | None = None
+        self._head_key: tuple[Any, ...] | None = None
+        self._decoder: Callable[[Sequence[int]], str] | None = None
+        self._wandb_ready = False
+        self._fast_dev_run_noted = False
+
+    # -- Lightning plumbing ---------------------------------------------------------------
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(states=self.states, prefix=self.prefix)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"last_eval_step": self.last_eval_step, "num_evals": self.num_evals, "start_done": self.start_done,
+                "history": list(self.history)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.last_eval_step = int(state_dict.get("last_eval_step", -1))
+        self.num_evals = int(state_dict.get("num_evals", 0))
+        self.start_done = bool(state_dict.get("start_done", False))
+        self.history = list(state_dict.get("history", []))
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        if sharding_kind(trainer) == "deepspeed3":
+            raise RuntimeError("DFlashEvalCallback: DeepSpeed ZeRO stage 3 shards parameters in a way this callback "
+                               "cannot gather; use ZeRO stage 1/2, DDP or FSDP")
+        self.cache = StateCache(self.states)  # CacheError: no or broken manifest
+        if self.verify_cache:
+            self.cache.verify()
+        self._categories = tuple(sorted({s.category for s in self.cache.samples}))
+        self.eval_ids = self._select_ids()
+        self.table_ids = _stratified(self.eval_ids, self.cache, self.table_samples, None)
+        self.reference = [load_measured(p, self.cache, name=n, sample_ids=self.eval_ids)
+                          for n, p in self.baselines.items()]
+        if self.published:
+            pf = load_published(self.published, self.published_entries)
+            self.reference += pf.baselines
+            self.published_skipped = pf.skipped
+        # The drafter may only exist after configure_model (FSDP); then on_fit_start validates it.
+        self._spec = None
+        self._head = None
+        self._head_key = None
+        self._wandb_ready = False
+        if self._find_drafter(pl_module, required=False) is not None:
+            self._validate(pl_module)
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._spec is None:
+            self._validate(pl_module)
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Here (not in on_fit_start) because a resumed run's global step and weights are restored by now.
+        if self.eval_on_fit_start and not self.start_done:
+            self.start_done = True
+            if trainer.global_step != self.last_eval_step:
+                self._evaluate(trainer, pl_module, "fit start")
+        self.start_done = True
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        step = trainer.global_step
+        n = self.every_n_train_steps
+        # step > 0: with gradient accumulation the first micro-batches end at step 0, before any update.
+        if n > 0 and step > 0 and step % n == 0 and step != self.last_eval_step:
+            self._evaluate(trainer, pl_module, f"step {step}")
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # on_train_end, not on_fit_end: loggers and the process group are still up.
+        if self.eval_on_fit_end and trainer.global_step != self.last_eval_step:
+            self._evaluate(trainer, pl_module, "fit end")
+
+    # -- configuration ----------------------------------------------------------------------
+    def _select_ids(self) -> list[str]:
+        assert self.cache is not None
+        all_ids = [s.id for s in self.cache.samples]
+        if self.sample_ids is not None:
+            unknown = [i for i in self.sample_ids if i not in set(all_ids)]
+            if unknown:
+                raise ValueError(f"DFlashEvalCallback: sample_ids {unknown[:5]} are not in the cache {self.states}")
+            return list(dict.fromkeys(self.sample_ids))
+        if self.num_samples is None or self.num_samples >= len(all_ids):
+            return all_ids
+        return _stratified(all_ids, self.cache, self.num_samples, self.sample_seed)
+
+    def _find_drafter(self, pl_module: LightningModule, required: bool = True) -> nn.Module | None:
+        if isinstance(self.drafter, str):
+            try:
+                module = attrgetter(self.drafter)(pl_module)
+            except AttributeError:
+                if not required:
+                    return None
+                children = ", ".join(n for n, _ in pl_module.named_children()) or "none"
+                raise AttributeError(f"DFlashEvalCallback: the LightningModule has no attribute {self.drafter!r} "
+                                     f"(its submodules: {children}); set drafter= to the drafter's attribute "
+                                     "path or to a function module -> drafter") from None
+        else:
+            module = self.drafter(pl_module)
+        if module is None:
+            if required:
+                raise AttributeError(f"DFlashEvalCallback: drafter {self.drafter!r} resolved to None")
+            return None
+        return getattr(module, "_orig_mod", module)  # torch.compile wrapper
+
+    def _validate(self, pl_module: LightningModule) -> None:
+        """Cache vs drafter (and head) compatibility; raises CacheMismatchError naming every field."""
+        assert self.cache is not None
+        drafter = self._find_drafter(pl_module)
+        spec = getattr(drafter, "spec", None)
+        config = getattr(drafter, "config", None)
+        if not isinstance(spec, DrafterSpec):
+            if config is None:
+                raise TypeError(f"DFlashEvalCallback: {type(drafter).__name__} has neither .spec nor a DFlash .config; "
+                                "the callback needs block size, mask token and target layer ids")
+            spec = DrafterSpec.from_config(config)
+        self.cache.check_drafter(spec.as_cache_check())
+        m = self.cache.manifest
+        problems = []
+        n_target = getattr(config, "num_target_layers", None)
+        if n_target is not None and m.target.get("num_layers") is not None and int(n_target) != int(m.target["num_layers"]):
+            problems.append(f"num_target_layers: drafter was made for a {n_target}-layer target, "
+                            f"the cache's target has {m.target['num_layers']}")
+        if self.target_embed:
+            for what, path in (("target_embed", self.target_embed), ("target_lm_head", self.target_lm_head)):
+                if path is None:
+                    continue
+                t = _resolve_weight(pl_module, path)
+                if tuple(t.shape) != (m.vocab_size, m.hidden_size):
+                    problems.append(f"{what} ({path}): shape {tuple(t.shape)}, the cache's target has "
+                                    f"[vocab {m.vocab_size}, hidden {m.hidden_size}]")
+        elif not self.cache.has_head:
+            problems.append("target head: the cache has no exported head (built with --no-export-head) and no "
+                            "target_embed/target_lm_head attributes were given")
+        if problems:
+            raise CacheMismatchError(f"cache {self.cache.path} does not fit the drafter:\n  - " + "\n  - ".join(problems))
+        self._spec = spec
+
+    # -- evaluation -------------------------------------------------------------------------
+    def _autocast(self, device: torch.device, param_dtype: torch.dtype) -> torch.dtype | None:
+        if self.autocast_dtype is None:
+            return None
+        if self.autocast_dtype == "auto":
+            return torch.bfloat16 if device.type == "cuda" and param_dtype == torch.float32 else None
+        dt = _DTYPES[self.autocast_dtype]
+        return None if dt == torch.float32 else dt
+
+    def _target_head(self, pl_module: LightningModule, device: torch.device, dtype: torch.dtype) -> TargetHead:
+        if self.target_embed:
+            embed = _resolve_weight(pl_module, self.target_embed)
+            head = _resolve_weight(pl_module, self.target_lm_head) if self.target_lm_head else embed
+            return TargetHead(embed, head, tied=head is embed)
+        key = (str(device), dtype)
+        if self._head is None or self._head_key != key:
+            assert self.cache is not None
+            # Loaded once (sha256-checked the first time) and kept; reloaded only if the device moves.
+            self._head = self.cache.load_head(device=device, dtype=dtype, verify=self._head is None)
+            self._head_key = key
+        return self._head
+
+    def _local_eval(self, pl_module: LightningModule, ids: list[str]) -> Any:
+        assert self.cache is not None and self._spec is not None
+        drafter = self._find_drafter(pl_module)
+        param = next(drafter.parameters())
+        device = param.device
+        autocast = self._autocast(device, param.dtype)
+        head = self._target_head(pl_module, device, autocast or param.dtype)
+        modes = [(m, m.training) for m in drafter.modules()]
+        keep = self.table_cycles if self.table_samples > 0 and set(ids) & set(self.table_ids) else 0
+        cuda = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+        drafter.eval()
+        try:
+            # fork_rng: the CPU (and this CUDA device's) RNG state is restored afterwards, whatever happens.
+            with torch.random.fork_rng(devices=cuda), torch.no_grad():
+                report = evaluate(self.cache, drafter, head, sample_ids=ids, budgets=self.ddtree_budgets,
+                                  device=device, autocast_dtype=autocast, spec=self._spec, keep_drafts=keep)
+        finally:
+            for m, was_training in modes:
+                m.training = was_training
+        table = set(self.table_ids)
+        for s in report.samples:
+            if s.id not in table:
+                s.drafts = None
+        return report
+
+    def _evaluate(self, trainer: Trainer, pl_module: LightningModule, reason: str) -> None:
+        if trainer.fast_dev_run:
+            if not self._fast_dev_run_noted:
+                rank_zero_info("DFlashEvalCallback: evaluations are skipped under fast_dev_run")
+                self._fast_dev_run_noted = True
+            return
+        step = trainer.global_step
+        # Recorded first: a failed evaluation is not retried at the next micro-batch of the same step.
+        self.last_eval_step = step
+        rank, ws = world(trainer)
+        ids = self.eval_ids[rank::ws]
+        start = time.perf_counter()
+        report, error = None, None
+        try:
+            with full_parameters(trainer):  # collective under FSDP: every rank is here at the same step
+                try:
+                    report = self._local_eval(pl_module, ids)
+                except Exception as e:  # reported to every rank through the all_reduce below
+                    error = e
+        except Exception as e:
+            error = error or e
+        template = EvalCounts(self._spec.block_size if self._spec else 2, self.ddtree_budgets, self._categories)
+        flat = report.counts.flat() if report is not None else torch.zeros_like(template.flat())
+        # ONE all_reduce: every count, plus the number of ranks that failed.
+        total = all_reduce_sum(trainer, torch.cat([flat, torch.tensor([1.0 if error else 0.0], dtype=torch.float64)]))
+        failed = int(total[-1].item())
+        if failed:
+            msg = f"DFlashEvalCallback: evaluation at {reason} (global step {step}) failed"
+            if error is not None:
+                msg += f" on rank {rank}: {type(error).__name__}: {error}"
+            else:
+                msg += f" on {failed} other rank(s); see their warnings"
+            if self.fail_on_error:
+                raise DFlashEvalError(msg) from error
+            warnings.warn(msg + ". Training continues (fail_on_error=False).", RuntimeWarning, stacklevel=2)
+            return
+        template.load_flat(total[:-1])
+        summary = summarize(template)
+        summary[EVAL_TIME] = time.perf_counter() - start
+        gathered = gather_to_zero(trainer, report.samples if report is not None else [])
+        self.num_evals += 1
+        # Every rank gets the numbers, so ModelCheckpoint/EarlyStopping can monitor them anywhere.
+        finite = {self.prefix + k: v for k, v in summary.items() if isinstance(v, float) and math.isfinite(v)}
+        for k, v in finite.items():
+            trainer.callback_metrics[k] = torch.tensor(v)
+        if rank != 0:
+            return
+        by_id = {s.id: s for part in gathered or [] for s in part}
+        self.last_samples = [by_id[i] for i in self.eval_ids if i in by_id]
+        self.last_metrics = dict(summary)
+        self.history.append({"step": step, **summary})
+        try:
+            self._log(trainer, step, finite, summary, template)
+        except Exception as e:  # a logging problem must not end the training either
+            if self.fail_on_error:
+                raise
+            warnings.warn(f"DFlashEvalCallback: logging the evaluation at step {step} failed: "
+                          f"{type(e).__name__}: {e}", RuntimeWarning, stacklevel=2)
+
+    # -- logging (rank zero) --------------------------------------------------------------------
+    def _log(self, trainer: Trainer, step: int, scalars: dict[str, float], summary: dict[str, float],
+             counts: EvalCounts) -> None:
+        metrics = dict(scalars)
+        metrics.update(baseline_scalars(self.reference, self.prefix))
+        for lg in trainer.loggers:
+            lg.log_metrics(metrics, step=step)
+            lg.save()
+        from .wandb_logging import find_wandb_run, log_baselines_summary, log_evaluation, table_row
+
+        run = find_wandb_run(trainer)
+        if run is None:
+            return
+        if not self._wandb_ready:
+            from .wandb_logging import define_eval_metrics
+
+            define_eval_metrics(run, self.prefix)
+            if self.reference or self.published_skipped:
+                log_baselines_summary(run, self.reference, self.prefix, self.published_skipped)
+            run.config.update({f"{self.prefix.rstrip('/')}_config": self._describe()}, allow_val_change=True)
+            self._wandb_ready = True
+        rows = []
+        if self.table_ids:
+            if self._decoder is None:
+                from .wandb_logging import make_decoder
+
+                self._decoder = make_decoder(self.tokenizer)
+            assert self.cache is not None
+            by_id = {s.id: s for s in self.last_samples}
+            for sid in self.table_ids:
+                res = by_id.get(sid)
+                if res is None:
+                    continue
+                entry = self.cache.entry(sid)
+                ids = self.cache.load(sid).input_ids.tolist()
+                rows.append(table_row(step, sid, entry.category, ids, entry.prompt_len, res.acceptance_lengths,
+                                      res.drafts, self._decoder))
+        assert self._spec is not None
+        live = per_depth(summary, self._spec.block_size)["unconditional"]
+        log_evaluation(run, step=step, prefix=self.prefix, live_per_depth=live,
+                       hist=counts.data["hist"].tolist(), baselines=self.reference, rows=rows)
+
+    def _describe(self) -> dict[str, Any]:
+        assert self.cache is not None
+        return {
+            "states": self.states, "cache_manifest_sha256": self.cache.manifest_sha256,
+            "samples_evaluated": len(self.eval_ids), "samples_in_cache": len(self.cache),
+            "every_n_train_steps": self.every_n_train_steps, "ddtree_budgets": list(self.ddtree_budgets),
+            "autocast_dtype": self.autocast_dtype,
+        }
+
+
+def _resolve_weight(pl_module: LightningModule, path: str) -> torch.Tensor:
+    try:
+        obj = attrgetter(path)(pl_module)
+    except AttributeError:
+        raise AttributeError(f"DFlashEvalCallback: the LightningModule has no attribute {path!r}") from None
+    if isinstance(obj, (nn.Embedding, nn.Linear)):
+        return obj.weight
+    if isinstance(obj, torch.Tensor):
+        return obj
+    raise TypeError(f"DFlashEvalCallback: {path!r} is a {type(obj).__name__}; expected nn.Embedding, nn.Linear "
+                    "or a [vocab, hidden] tensor")
+
+
+def _stratified(ids: Sequence[str], cache: StateCache, n: int, seed: int | None) -> list[str]:
+    """``n`` of ``ids``, round-robin over categories (shuffled per category with ``seed``; in order if None),
+    returned in cache order. A private generator: the global RNG is untouched."""
+    if n <= 0:
+        return []
+    by_cat: dict[str, list[str]] = {}
+    for i in ids:
+        by_cat.setdefault(cache.entry(i).category, []).append(i)
+    if seed is not None:
+        g = torch.Generator().manual_seed(seed)
+        for c in sorted(by_cat):
+            perm = torch.randperm(len(by_cat[c]), generator=g).tolist()
+            by_cat[c] = [by_cat[c][j] for j in perm]
+    chosen: list[str] = []
+    queues = [list(by_cat[c]) for c in sorted(by_cat)]
+    while len(chosen) < n and any(queues):
+        for q in queues:
+            if q and len(chosen) < n:
+                chosen.append(q.pop(0))
+    order = {i: k for k, i in enumerate(ids)}
+    return sorted(chosen, key=order.__getitem__)

@@ -1,0 +1,264 @@
+"""DFlashEvalCallback with a real Lightning Trainer on CPU (tiny target, tiny drafter, few steps)."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import math
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch import Callback, Trainer, seed_everything
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+
+from dflash_cb import DFlashEvalCallback
+from dflash_cb.callback import DFlashEvalError, _stratified
+from dflash_cb.lightning_module import CachedStatesDataModule, DFlashDrafterModule
+from dflash_cb.metrics import EVAL_TIME
+from dflash_cb.states import CacheMismatchError, StateCache
+from dflash_cb.wandb_logging import format_blocks
+
+ROOT = Path(__file__).resolve().parents[1]
+BUDGETS = [4, 8]
+
+
+def make_trainer(tmp_path: Path, callbacks: list, max_steps: int, logger=False, checkpointing: bool = False,
+                 **kw) -> Trainer:
+    return Trainer(max_steps=max_steps, accelerator="cpu", devices=1, logger=logger, callbacks=callbacks,
+                   enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=checkpointing,
+                   log_every_n_steps=1, default_root_dir=str(tmp_path), **kw)
+
+
+def make_module(cfg: dict, cache: Path, **kw) -> DFlashDrafterModule:
+    return DFlashDrafterModule(cfg, str(cache), lr=1e-2, anchors_per_sample=8, **kw)
+
+
+def fit(tmp_path: Path, cfg: dict, cache: Path, callbacks: list, max_steps: int, seed: int = 0,
+        data_cache: Path | None = None, ckpt_path: str | None = None, **kw) -> tuple[Trainer, DFlashDrafterModule]:
+    seed_everything(seed, verbose=False)
+    module = make_module(cfg, cache)
+    trainer = make_trainer(tmp_path, callbacks, max_steps, **kw)
+    trainer.fit(module, CachedStatesDataModule(str(data_cache or cache), batch_size=2), ckpt_path=ckpt_path)
+    return trainer, module
+
+
+def read_csv_metrics(path: Path, prefix: str = "dflash_eval/") -> dict[int, dict[str, float]]:
+    out: dict[int, dict[str, float]] = {}
+    with open(path) as f:
+        for row in csv.DictReader(f):
+            vals = {k[len(prefix):]: float(v) for k, v in row.items() if k.startswith(prefix) and v != ""}
+            if vals:
+                out.setdefault(int(row["step"]), {}).update(vals)
+    return out
+
+
+def load_eval_drafter_tool():
+    spec = importlib.util.spec_from_file_location("eval_drafter_tool", ROOT / "tools" / "eval_drafter.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def same(a: float, b: float) -> bool:
+    return (math.isnan(a) and math.isnan(b)) or a == pytest.approx(b, rel=1e-12, abs=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------
+
+def test_logged_tau_equals_eval_drafter_on_saved_weights(tmp_path, tiny_cache, tiny_drafter_config):
+    """CSV-logged metrics at a step == tools/eval_drafter.py on the drafter checkpointed at that step.
+
+    The callback takes the head from the module's attributes; the tool from the cache's export.
+    """
+    from dflash_cb.checkpoints import extract_drafter
+
+    cb = DFlashEvalCallback(states=tiny_cache, every_n_train_steps=3, ddtree_budgets=BUDGETS,
+                            target_embed="target_embed", target_lm_head="target_lm_head")
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="{step}", every_n_train_steps=3, save_top_k=-1)
+    trainer, module = fit(tmp_path, tiny_drafter_config, tiny_cache, [cb, ckpt], max_steps=6,
+                          logger=CSVLogger(tmp_path / "logs"), checkpointing=True)
+    logged = read_csv_metrics(Path(trainer.logger.log_dir) / "metrics.csv")
+    assert sorted(logged) == [0, 3, 6] == [h["step"] for h in cb.history]
+    assert logged[6]["tau"] != logged[0]["tau"]  # the drafter learned something between evaluations
+    tool = load_eval_drafter_tool()
+    for step in (3, 6):
+        folder = tmp_path / f"drafter_{step}"
+        extract_drafter(tmp_path / "ckpt" / f"step={step}.ckpt", folder)
+        out = tmp_path / f"results_{step}.json"
+        assert tool.main(["--states", str(tiny_cache), "--drafter", str(folder), "--out", str(out),
+                          "--ddtree-budgets", ",".join(map(str, BUDGETS)), "--device", "cpu",
+                          "--dtype", "float32"]) == 0
+        expected = json.loads(out.read_text())["metrics"]
+        got = logged[step]
+        assert got["tau"] == expected["tau"]
+        for k, v in expected.items():
+            if k == EVAL_TIME:
+                continue
+            if v is None:  # NaN in results.json, not logged by the callback
+                assert k not in got
+            else:
+                assert same(got[k], v), (step, k, got[k], v)
+        # The callback's per-sample results agree too (rank zero keeps the last evaluation's).
+    res = json.loads((tmp_path / "results_6.json").read_text())
+    assert [s.acceptance_lengths for s in cb.last_samples] == [s["acceptance_lengths"] for s in res["samples"]]
+
+
+class Probe(Callback):
+    """Placed around the eval callback: snapshots before, compares after (same batch-end hook)."""
+
+    def __init__(self, role: str, shared: dict):
+        self.role, self.shared = role, shared
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        d = pl_module.drafter
+        snap = {"rng": torch.get_rng_state(), "modes": [m.training for m in d.modules()],
+                "grads": [None if p.grad is None else p.grad.clone() for p in d.parameters()],
+                "params": [p.detach().clone() for p in d.parameters()],
+                "opt": {k: v.clone() for st in trainer.optimizers[0].state.values() for k, v in st.items()
+                        if torch.is_tensor(v)}}
+        if self.role == "before":
+            self.shared["before"] = snap
+            return
+        b = self.shared["before"]
+        assert torch.equal(b["rng"], snap["rng"])
+        assert b["modes"] == snap["modes"] and all(snap["modes"])
+        for x, y in zip(b["grads"], snap["grads"], strict=True):
+            assert (x is None and y is None) or torch.equal(x, y)
+        assert all(torch.equal(x, y) for x, y in zip(b["params"], snap["params"], strict=True))
+        assert b["opt"].keys() == snap["opt"].keys() and all(torch.equal(b["opt"][k], snap["opt"][k]) for k in b["opt"])
+        self.shared["checked"] = self.shared.get("checked", 0) + 1
+
+
+def test_evaluation_leaves_training_untouched(tmp_path, tiny_cache, tiny_drafter_config):
+    """RNG, modes, grads, params and optimizer state are the same around an evaluation, and a run
+    with the callback ends with bit-identical weights to a run without it."""
+    shared: dict = {}
+    cb = DFlashEvalCallback(states=tiny_cache, every_n_train_steps=2, ddtree_budgets=BUDGETS)
+    _, with_cb = fit(tmp_path / "a", tiny_drafter_config, tiny_cache,
+                     [Probe("before", shared), cb, Probe("after", shared)], max_steps=4)
+    _, without = fit(tmp_path / "b", tiny_drafter_config, tiny_cache, [], max_steps=4)
+    assert [h["step"] for h in cb.history] == [0, 2, 4]
+    assert shared["checked"] == 4
+    for (k, a), (_, b) in zip(with_cb.drafter.state_dict().items(), without.drafter.state_dict().items(), strict=True):
+        assert torch.equal(a, b), k
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"dflash_config": {"target_layer_ids": [1, 3], "mask_token_id": 127}},
+     r"target_layer_ids: drafter \[1, 3\], cache \[0, 2\]"),
+    ({"num_target_layers": 64}, r"num_target_layers: drafter was made for a 64-layer target, the cache's target has 4"),
+    ({"dflash_config": {"target_layer_ids": [0, 2], "mask_token_id": 999}}, r"mask_token_id: drafter 999"),
+])
+def test_mismatched_cache_stops_fit_before_first_step(tmp_path, tiny_cache, tiny_drafter_config, change, message):
+    cfg = {**tiny_drafter_config, **change}
+    steps: list[int] = []
+
+    class Counter(Callback):
+        def on_train_batch_start(self, trainer, *args):
+            steps.append(trainer.global_step)
+
+    seed_everything(0, verbose=False)
+    module = make_module(cfg, tiny_cache)
+    trainer = make_trainer(tmp_path, [DFlashEvalCallback(states=tiny_cache, every_n_train_steps=2), Counter()], 4)
+    with pytest.raises(CacheMismatchError, match=message):
+        trainer.fit(module, CachedStatesDataModule(str(tiny_cache)))
+    assert steps == [] and trainer.global_step == 0
+
+
+def test_module_head_with_wrong_shape_is_refused(tmp_path, tiny_cache, tiny_drafter_config):
+    seed_everything(0, verbose=False)
+    module = make_module(tiny_drafter_config, tiny_cache)
+    module.register_buffer("small_head", torch.zeros(10, 32), persistent=False)
+    cb = DFlashEvalCallback(states=tiny_cache, target_embed="target_embed", target_lm_head="small_head")
+    with pytest.raises(CacheMismatchError, match=r"target_lm_head \(small_head\): shape \(10, 32\)"):
+        make_trainer(tmp_path, [cb], 2).fit(module, CachedStatesDataModule(str(tiny_cache)))
+
+
+def test_corrupt_shard_warns_and_training_continues(tmp_path, tiny_cache, tiny_drafter_config):
+    broken = tmp_path / "broken_cache"
+    shutil.copytree(tiny_cache, broken)
+    shard = sorted(broken.glob("states-*.safetensors"))[1]
+    shard.write_bytes(shard.read_bytes()[:-10])  # truncated: detected when the sample is read
+    cb = DFlashEvalCallback(states=broken, every_n_train_steps=2, ddtree_budgets=BUDGETS)
+    with pytest.warns(RuntimeWarning, match=r"evaluation at .*failed on rank 0: CacheError: .*truncated") as rec:
+        trainer, _ = fit(tmp_path, tiny_drafter_config, tiny_cache, [cb], max_steps=4, data_cache=tiny_cache)
+    assert trainer.global_step == 4 and cb.history == []
+    assert len([w for w in rec if "DFlashEvalCallback" in str(w.message)]) == 3  # steps 0, 2, 4
+
+    strict = DFlashEvalCallback(states=broken, every_n_train_steps=2, fail_on_error=True)
+    with pytest.raises(DFlashEvalError, match="truncated"):
+        fit(tmp_path / "strict", tiny_drafter_config, tiny_cache, [strict], max_steps=4, data_cache=tiny_cache)
+
+
+def test_resume_neither_repeats_nor_skips(tmp_path, tiny_cache, tiny_drafter_config):
+    cb = DFlashEvalCallback(states=tiny_cache, every_n_train_steps=2, ddtree_budgets=[4], eval_on_fit_end=False)
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="{step}", every_n_train_steps=2, save_top_k=-1)
+    fit(tmp_path, tiny_drafter_config, tiny_cache, [cb, ckpt], max_steps=5, checkpointing=True)
+    assert [h["step"] for h in cb.history] == [0, 2, 4]
+    # The checkpoint at step 4 was written after the evaluation at step 4 (ModelCheckpoint runs last).
+    state = torch.load(tmp_path / "ckpt" / "step=4.ckpt", weights_only=False)["callbacks"][cb.state_key]
+    assert state["last_eval_step"] == 4 and state["start_done"]
+
+    resumed = DFlashEvalCallback(states=tiny_cache, every_n_train_steps=2, ddtree_budgets=[4])
+    trainer, _ = fit(tmp_path / "b", tiny_drafter_config, tiny_cache, [resumed], max_steps=8,
+                     ckpt_path=str(tmp_path / "ckpt" / "step=4.ckpt"))
+    # Restored history [0, 2, 4], then 6 and 8: no second evaluation at 4, none missing.
+    assert [h["step"] for h in resumed.history] == [0, 2, 4, 6, 8]
+    assert resumed.num_evals == 5 and trainer.global_step == 8
+
+
+def test_subset_is_fixed_and_stratified(tiny_cache):
+    cache = StateCache(tiny_cache)
+    ids = [s.id for s in cache.samples]
+    a = _stratified(ids, cache, 4, seed=3)
+    assert a == _stratified(ids, cache, 4, seed=3) and len(a) == 4
+    cats = [cache.entry(i).category for i in a]
+    assert sorted(cats) == ["chat", "chat", "code", "code"]
+    assert a == sorted(a, key=ids.index)
+    rng = torch.get_rng_state()
+    _stratified(ids, cache, 4, seed=5)
+    assert torch.equal(rng, torch.get_rng_state())
+
+
+def test_format_blocks_marks_accepted_spans():
+    ids = [9, 9, 1, 2, 3, 4, 5, 6, 7]  # prompt [9, 9]; the anchor is position 2 (token 1)
+    text = format_blocks(ids, 2, [3, 1], [[2, 3, 8, 8], [9, 9, 9, 9]], lambda t: " ".join(map(str, t)))
+    assert text.splitlines() == ["#1 @2 produced 3: ✓«2 3» ✗[8 8] +«4»", "#2 @5 produced 1: ✓«» ✗[9 9 9 9] +«5»"]
+
+
+def test_cli_yaml_config_parses_into_callback(tmp_path, tiny_cache, tiny_drafter_config):
+    from lightning.pytorch.cli import LightningCLI
+
+    cfg_file = tmp_path / "drafter.json"
+    cfg_file.write_text(json.dumps(tiny_drafter_config))
+    argv = ["--config", str(ROOT / "configs" / "callback" / "dflash_eval.yaml"),
+            f"--model.drafter_config={json.dumps(tiny_drafter_config)}", f"--model.states={tiny_cache}",
+            f"--data.states={tiny_cache}", f"--trainer.default_root_dir={tmp_path}"]
+    old = sys.argv
+    try:
+        sys.argv = ["prog"]
+        cli = LightningCLI(DFlashDrafterModule, CachedStatesDataModule, run=False, args=argv,
+                           save_config_kwargs={"overwrite": True})
+    finally:
+        sys.argv = old
+    cbs = [c for c in cli.trainer.callbacks if isinstance(c, DFlashEvalCallback)]
+    assert len(cbs) == 1
+    cb = cbs[0]
+    assert cb.states == "cached_states/qwen36-27b-v1" and cb.every_n_train_steps == 500
+    assert cb.drafter == "drafter" and cb.ddtree_budgets == (16, 32, 64) and cb.prefix == "dflash_eval/"
+    assert cb.published == "configs/baselines/published.yaml" and cb.fail_on_error is False
+
+
+def test_state_dict_round_trip():
+    cb = DFlashEvalCallback(states="x", every_n_train_steps=5)
+    cb.last_eval_step, cb.num_evals, cb.start_done = 10, 3, True
+    cb.history = [{"step": 10, "tau": 2.0}]
+    other = DFlashEvalCallback(states="x", every_n_train_steps=5)
+    other.load_state_dict(cb.state_dict())
+    assert (other.last_eval_step, other.num_evals, other.start_done, other.history) == (10, 3, True, cb.history)
+    assert other.state_key == cb.state_key != DFlashEvalCallback(states="y").state_key

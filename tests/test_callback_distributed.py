@@ -1,0 +1,185 @@
+"""The callback under DDP, FSDP (1) and FSDP2 with two real CPU processes (gloo).
+
+The test launches this file as a script in two processes (RANK/WORLD_SIZE set, so Lightning sees
+externally launched ranks) that train the tiny drafter with each strategy in turn. Rank zero writes
+the callback's logged metrics and the full drafter weights at every evaluated step. The test then
+scores those weights in this single process with ``evaluate()``: the numbers logged by the
+distributed run must be identical (every metric but wall time).
+
+Claims checked: each rank scores its share, counts are summed before any ratio (so the logged
+numbers equal a single-process evaluation exactly); under FSDP with sharded parameters every
+rank takes part in gathering them and the evaluation still sees the whole drafter.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+STRATEGIES = ("ddp", "fsdp", "fsdp2")
+BUDGETS = [4, 8]
+EVERY = 2
+MAX_STEPS = 4
+
+
+# -- worker side -----------------------------------------------------------------------------------
+
+def _worker(cache: str, cfg_path: str, out: str, strategies: list[str]) -> None:
+    import torch
+    from lightning.pytorch import Callback, Trainer, seed_everything
+    from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
+
+    from dflash_cb import DFlashEvalCallback
+    from dflash_cb.distributed import full_parameters, sharding_kind
+    from dflash_cb.lightning_module import CachedStatesDataModule, DFlashDrafterModule
+
+    cfg = json.loads(Path(cfg_path).read_text())
+
+    class CPUFSDPStrategy(FSDPStrategy):
+        """Lightning refuses FSDP without CUDA; torch's FSDP runs on CPU with device_id=cpu."""
+
+        def _setup_model(self, model):
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+            if not any(isinstance(m, FSDP) for m in model.modules()):
+                model = FSDP(model, device_id=torch.device("cpu"), use_orig_params=True)
+            return super()._setup_model(model)
+
+        def _determine_device_ids(self):
+            return None
+
+        def barrier(self, name=None):
+            torch.distributed.barrier()
+
+    class FSDP2Module(DFlashDrafterModule):
+        def configure_model(self):
+            from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
+            fully_shard(self, mesh=self.device_mesh["data_parallel"])
+            register_fsdp_forward_method(self, "training_step")  # training_step, not forward, runs the drafter
+
+    class SaveFullWeights(Callback):
+        """At every evaluated step: the whole drafter (gathered on every rank), saved by rank zero."""
+
+        def __init__(self, folder: Path, kinds: list):
+            self.folder, self.kinds = folder, kinds
+
+        def _save(self, trainer, pl_module):
+            step = trainer.global_step
+            self.kinds.append(sharding_kind(trainer))
+            with full_parameters(trainer):
+                # FSDP2's state_dict hooks hand out DTensors even while unsharded: make them whole.
+                state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone().cpu()
+                         for k, v in pl_module.drafter.state_dict().items()}
+            if trainer.global_rank == 0:
+                torch.save(state, self.folder / f"drafter_step{step}.pt")
+
+        def on_train_start(self, trainer, pl_module):
+            self._save(trainer, pl_module)
+
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            if trainer.global_step % EVERY == 0:
+                self._save(trainer, pl_module)
+
+    for name in strategies:
+        folder = Path(out) / name
+        folder.mkdir(parents=True, exist_ok=True)
+        seed_everything(0, verbose=False)
+        if name == "ddp":
+            strategy, module_cls = DDPStrategy(process_group_backend="gloo"), DFlashDrafterModule
+        elif name == "fsdp":
+            strategy, module_cls = CPUFSDPStrategy(process_group_backend="gloo"), DFlashDrafterModule
+        else:
+            strategy, module_cls = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1), FSDP2Module
+        module = module_cls(cfg, cache, lr=1e-2, anchors_per_sample=8)
+        cb = DFlashEvalCallback(states=cache, every_n_train_steps=EVERY, ddtree_budgets=BUDGETS)
+        kinds: list = []
+        trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=MAX_STEPS, logger=False,
+                          callbacks=[cb, SaveFullWeights(folder, kinds)], enable_progress_bar=False,
+                          enable_model_summary=False, enable_checkpointing=False, use_distributed_sampler=True)
+        trainer.fit(module, CachedStatesDataModule(cache, batch_size=2))
+        if trainer.global_rank == 0:
+            (folder / "logged.json").write_text(json.dumps({
+                "history": cb.history, "sharding": kinds[-1],
+                "samples": {s.id: s.acceptance_lengths for s in cb.last_samples},
+            }))
+
+
+# -- test side ----------------------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def distributed_run(tiny_cache, tiny_drafter_config, tmp_path_factory):
+    out = tmp_path_factory.mktemp("dist")
+    cfg = out / "drafter.json"
+    cfg.write_text(json.dumps(tiny_drafter_config))
+    port = str(_free_port())
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": "2", "RANK": str(rank),
+               "LOCAL_RANK": str(rank), "NODE_RANK": "0", "PYTHONWARNINGS": "ignore"}
+        procs.append(subprocess.Popen([sys.executable, __file__, str(tiny_cache), str(cfg), str(out), ",".join(STRATEGIES)],
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=300)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for rank, (p, log) in enumerate(zip(procs, logs, strict=True)):
+        assert p.returncode == 0, f"rank {rank} failed:\n{log[-6000:]}"
+    return out
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_distributed_logged_metrics_equal_single_process(distributed_run, strategy, tiny_cache, tiny_drafter_config):
+    import torch
+
+    from dflash_cb.engine import evaluate
+    from dflash_cb.metrics import EVAL_TIME
+    from dflash_cb.model import DFlashDrafter
+    from dflash_cb.states import StateCache
+
+    logged = json.loads((distributed_run / strategy / "logged.json").read_text())
+    assert logged["sharding"] == {"ddp": None, "fsdp": "fsdp1", "fsdp2": "fsdp2"}[strategy]
+    steps = [h["step"] for h in logged["history"]]
+    assert steps == list(range(0, MAX_STEPS + 1, EVERY))
+    cache = StateCache(tiny_cache)
+    for h in logged["history"]:
+        drafter = DFlashDrafter.from_config_dict(tiny_drafter_config)
+        drafter.load_state_dict(torch.load(distributed_run / strategy / f"drafter_step{h['step']}.pt"))
+        report = evaluate(cache, drafter.eval(), budgets=BUDGETS)
+        expected = report.summary
+        assert h["samples"] == len(cache) == expected["samples"]
+        for k, v in expected.items():
+            got = h[k]
+            assert got == v or (got != got and v != v), (strategy, h["step"], k, got, v)  # NaN == NaN here
+        assert set(h) - set(expected) == {"step", EVAL_TIME}
+    assert logged["samples"] == {s.id: s.acceptance_lengths for s in report.samples}
+
+
+def test_distributed_runs_agree_with_each_other_at_fit_start(distributed_run):
+    """Same seed, same initial weights: the step-0 numbers of DDP, FSDP and FSDP2 are identical."""
+    firsts = []
+    for s in STRATEGIES:
+        h = json.loads((distributed_run / s / "logged.json").read_text())["history"][0]
+        firsts.append({k: v for k, v in h.items() if k != "eval_time_s"})
+    assert json.dumps(firsts[0], sort_keys=True) == json.dumps(firsts[1], sort_keys=True) == json.dumps(
+        firsts[2], sort_keys=True)
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4].split(","))

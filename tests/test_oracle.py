@@ -1,0 +1,153 @@
+"""Exactness against the ground truth: the reference ``dflash.model.dflash_generate`` loop.
+
+A tiny Qwen3 target and a briefly trained drafter (so acceptance is neither trivially 1 nor
+trivially full) run the real speculative loop; the same prompts go through our precompute tool
+(``--reference local --dtype float32``) and our engine / ``tools/eval_drafter.py``. The per-sample
+``acceptance_lengths`` lists must be identical, cycle for cycle. With the layer offset wrong they
+must not be.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+dm = pytest.importorskip("dflash.model", reason="the oracle: pip install --no-deps dflash==0.1.0")
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYERS = [1, 3]  # the drafter's target layers: outputs of decoder layers 1 and 3 of the 4-layer target
+MAX_NEW = 40
+BLOCK = 6
+
+
+def _drafter_config(vocab: int, hidden: int) -> dict:
+    return dict(
+        architectures=["DFlashDraftModel"], model_type="qwen3", vocab_size=vocab, hidden_size=hidden,
+        intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        max_position_embeddings=512, rms_norm_eps=1e-6, num_target_layers=4, block_size=BLOCK,
+        # The second drafter layer is causal with a short sliding window, as the notes allow.
+        layer_types=["full_attention", "sliding_attention"], sliding_window=9, use_sliding_window=True,
+        dflash_config={"target_layer_ids": LAYERS, "mask_token_id": vocab - 1},
+    )
+
+
+def _precompute(target: Path, prompts: Path, out: Path, layers: list[int]) -> Path:
+    from dflash_cb.precompute import main
+
+    rc = main(["--target", str(target), "--prompts", str(prompts), "--out", str(out), "--layers",
+               ",".join(map(str, layers)), "--reference", "local", "--dtype", "float32",
+               "--max-new-tokens", str(MAX_NEW), "--no-progress"])
+    assert rc == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory):
+    from tiny_target import random_prompts, save_tiny_qwen3, write_prompts
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from dflash_cb.model import DFlashDrafter
+    from dflash_cb.states import StateCache
+    from dflash_cb.training import dflash_loss, sample_anchors
+
+    root = tmp_path_factory.mktemp("oracle")
+    target_dir = save_tiny_qwen3(root / "target", seed=3)
+    prompts = write_prompts(root / "prompts.jsonl", random_prompts(6, (4, 12), seed=5, vocab=120),
+                            categories=["math", "code", "chat"])
+    cache = StateCache(_precompute(target_dir, prompts, root / "cache", LAYERS))
+    m = cache.manifest
+    cfg = _drafter_config(m.vocab_size, m.hidden_size)
+    torch.manual_seed(0)
+    ours = DFlashDrafter.from_config_dict(cfg)
+    head = cache.load_head()
+    opt = torch.optim.AdamW(ours.parameters(), lr=3e-3)
+    g = torch.Generator().manual_seed(0)
+    # A few steps only: partial acceptance is the interesting regime for an exactness check.
+    for _ in range(6):
+        for e in cache.samples:
+            s = cache.load(e.id)
+            anchors = sample_anchors(e.prompt_len, e.valid_len, 16, g)
+            if anchors.numel() == 0:
+                continue
+            loss, _ = dflash_loss(ours, head, s.hidden, s.input_ids, anchors, e.valid_len)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    ours.eval()
+    ref = dm.DFlashDraftModel(Qwen3Config(**cfg)).eval()
+    ref.load_state_dict(ours.state_dict())
+    target = Qwen3ForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    # dflash_generate times itself with CUDA events; on CPU a wall clock does the same job.
+    orig = dm._cuda_time
+    dm._cuda_time = time.perf_counter
+    try:
+        oracle = {}
+        for e in cache.samples:
+            prompt = cache.load(e.id).input_ids[: e.prompt_len][None]
+            st = dm.dflash_generate(ref, target, prompt, MAX_NEW, m.stop_token_ids, return_stats=True)
+            oracle[e.id] = list(st.acceptance_lengths)
+    finally:
+        dm._cuda_time = orig
+    return dict(root=root, target_dir=target_dir, prompts=prompts, cache=cache, ours=ours, ref=ref, oracle=oracle,
+                cfg=cfg)
+
+
+def test_engine_matches_dflash_generate(setup) -> None:
+    from dflash_cb.engine import evaluate
+
+    rep = evaluate(setup["cache"], setup["ours"], budgets=(4, 16))
+    got = {s.id: s.acceptance_lengths for s in rep.samples}
+    assert got == setup["oracle"]
+    lengths = [n for v in got.values() for n in v]
+    # Non-trivial: some cycles accept drafts, not all accept everything.
+    assert any(n > 1 for n in lengths) and any(n == 1 for n in lengths)
+    assert 1.0 < rep.tau < BLOCK
+    # Reference class in memory (adopted zero-copy) and the generic one-call-per-anchor path agree too.
+    assert {s.id: s.acceptance_lengths for s in evaluate(setup["cache"], setup["ref"], budgets=()).samples} == got
+
+
+def test_eval_tool_matches_oracle(setup, tmp_path: Path) -> None:
+    sys.path.insert(0, str(ROOT / "tools"))
+    import eval_drafter
+
+    setup["ours"].save_pretrained(tmp_path / "drafter")
+    out = tmp_path / "results.json"
+    assert eval_drafter.main(["--states", str(setup["cache"].path), "--drafter", str(tmp_path / "drafter"),
+                              "--out", str(out), "--ddtree-budgets", "4,16", "--dtype", "float32"]) == 0
+    res = json.loads(out.read_text())
+    assert {s["id"]: s["acceptance_lengths"] for s in res["samples"]} == setup["oracle"]
+    cycles = [n for v in setup["oracle"].values() for n in v]
+    assert res["tau"] == pytest.approx(sum(cycles) / len(cycles))
+    assert res["meta"]["cache_manifest_sha256"] == setup["cache"].manifest_sha256
+    assert set(res["ddtree"]) == {"4", "16"}
+    # A bigger tree never accepts less on the same cycle structure start.
+    assert res["ddtree"]["16"]["tau"] >= res["ddtree"]["4"]["tau"] - 1e-9
+
+
+def test_generic_runner_matches(setup) -> None:
+    from dflash_cb.engine import ReferenceRunner, evaluate
+    from dflash_cb.model import DrafterSpec
+
+    runner = ReferenceRunner(setup["ref"], DrafterSpec.from_config(setup["ref"].config))
+    sub = [e.id for e in setup["cache"].samples[:3]]
+    rep = evaluate(setup["cache"], runner, budgets=(), sample_ids=sub, device="cpu")
+    assert {s.id: s.acceptance_lengths for s in rep.samples} == {k: setup["oracle"][k] for k in sub}
+
+
+def test_wrong_layer_offset_is_caught(setup) -> None:
+    """A cache that read hidden_states[i] instead of hidden_states[i + 1] must not reproduce the loop."""
+    from dflash_cb.engine import evaluate
+    from dflash_cb.states import MANIFEST_NAME, StateCache
+
+    out = _precompute(setup["target_dir"], setup["prompts"], setup["root"] / "cache_offset",
+                      [i - 1 for i in LAYERS])
+    manifest = json.loads((out / MANIFEST_NAME).read_text())
+    manifest["layer_ids"] = LAYERS  # the off-by-one bug: features of layer i - 1 labelled as layer i
+    (out / MANIFEST_NAME).write_text(json.dumps(manifest))
+    rep = evaluate(StateCache(out), setup["ours"], budgets=())
+    assert {s.id: s.acceptance_lengths for s in rep.samples} != setup["oracle"]
