@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -107,13 +108,14 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (1: least disturbed by other load; the ratios are what matters)")
+    p.add_argument("--keep", action="store_true", help="keep the work folder (model, caches)")
     p.add_argument("--measure", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     if a.measure:
         return measure(a.measure, a.model, a)
-    argv = [x for x in sys.argv[1:]]
+    argv = [x for x in sys.argv[1:] if x != "--keep"]
 
     from dflash_cb.precompute import PrecomputeArgs, _save_safetensors, compute_sample, run_precompute
     from dflash_cb.target import load_target, prefill
@@ -176,9 +178,9 @@ def main() -> None:
     H, inter, heads, V = a.hidden, cfg["intermediate_size"], cfg["num_attention_heads"], a.vocab
     # one prompt's activations in the tool's path: a few [T, H] residual/norm tensors, the MLP's three
     # [T, I] tensors, attention probabilities (float32 in SDPA's CPU math path), the captured
-    # [T, L*H] buffer and one 256-position float32 logits chunk (+ its model-dtype original).
+    # [T, L*H] buffer and one 256-position logits chunk (model dtype; + a float32 copy with top-k).
     act = (T * (4 * H + 3 * inter) * esize + heads * T * T * 4 + T * len(LAYER_IDS) * H * esize
-           + 256 * V * (4 + esize))
+           + 256 * V * (esize + (4 if a.topk else 0)))
     weights = tool_m["weights"]
     tool_delta = tool_m["peak"] - baseline["peak"]
     bare_delta = bare_m["peak"] - baseline["peak"]
@@ -212,7 +214,10 @@ def main() -> None:
         real_ratio = (real + 16 + 12 * k) / real
         print(f"    top-k {k}: {per_tok:8.1f} B/token vs {ideal} ideal, ratio {per_tok / ideal:6.4f}  "
               f"(same overhead at Qwen3.6-27B width: ratio {real_ratio:6.4f})")
-    print(f"\nworkdir {work} (delete it when done)")
+    if a.keep:
+        print(f"\nwork folder kept: {work}")
+    else:
+        shutil.rmtree(work)
 
 
 if __name__ == "__main__":

@@ -893,10 +893,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:  # PrecomputeError, PromptFileError: bad input, nothing was loaded or written
         _stderr(f"error: {e}")
         return 2
+    from dflash_cb.sglang_client import SGLangError
+    from dflash_cb.target import TargetError
+
     try:
         execute(plan)
-    except (PrecomputeError, CacheError) as e:
-        _stderr(f"error: {e}")
+    except (PrecomputeError, CacheError, TargetError, SGLangError) as e:
+        hint = ""
+        if isinstance(e, SGLangError):
+            hint = f"\n(completions received so far are saved in {plan.out / JOURNAL_NAME}; rerun to resume)"
+        _stderr(f"error: {e}{hint}")
         return 1
     return 0
 

@@ -102,23 +102,33 @@ def training_batch(rng: random.Random, batch_size: int) -> tuple[torch.Tensor, t
     return ids, labels
 
 
-def make_prompts(n_per_family: int, seed: int, prefix: str = "") -> list[dict[str, Any]]:
-    """Prompt records (``id``, ``category``, ``input_ids``), families interleaved, no duplicates."""
+def make_prompts(n_per_family: int, seed: int, prefix: str = "",
+                 exclude: Sequence[Sequence[int]] = ()) -> list[dict[str, Any]]:
+    """Prompt records (``id``, ``category``, ``input_ids``), families interleaved, no duplicates.
+
+    Prompts in ``exclude`` are skipped (held-out sets). A family with fewer distinct prompts than
+    ``n_per_family`` (``count`` has 48) contributes all it has.
+    """
     rng = random.Random(f"prompts-{seed}-{prefix}")
-    seen: set[tuple[int, ...]] = set()
+    seen: set[tuple[int, ...]] = {tuple(int(t) for t in p) for p in exclude}
     out: list[dict[str, Any]] = []
     counters = dict.fromkeys(FAMILIES, 0)
-    while min(counters.values()) < n_per_family:
-        for fam in FAMILIES:
-            if counters[fam] >= n_per_family:
-                continue
+    misses = dict.fromkeys(FAMILIES, 0)
+    active = list(FAMILIES)
+    while active:
+        for fam in list(active):
             seq, plen = sample_sequence(fam, rng)
             key = tuple(seq[:plen])
             if key in seen:
+                misses[fam] += 1
+                if misses[fam] > 2000:  # the family is exhausted
+                    active.remove(fam)
                 continue
             seen.add(key)
-            out.append({"id": f"{prefix}{fam}-{counters[fam]:03d}", "category": fam, "input_ids": seq[:plen]})
+            out.append({"id": f"{prefix}{fam}-{counters[fam]:03d}", "category": fam, "input_ids": list(key)})
             counters[fam] += 1
+            if counters[fam] >= n_per_family:
+                active.remove(fam)
     return out
 
 

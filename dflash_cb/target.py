@@ -262,17 +262,20 @@ def head_stats(final_hidden: torch.Tensor, lm_head: nn.Module, topk: int = 0, ch
     """Argmax (and top-K log-probs) of ``lm_head(final_hidden)`` computed ``chunk`` positions at a time.
 
     Full logits of a 248k vocabulary over 2k tokens are 2 GB in float32; chunks keep it to
-    ``chunk * V`` floats. Logits are computed in the model dtype (as HF does) and reduced in float32.
+    ``chunk * V`` floats. Logits are computed in the model dtype (as HF does); log-probs in float32.
     """
     t = final_hidden.shape[0]
     argmax = torch.empty(t, dtype=torch.int64)
     ids = torch.empty(t, topk, dtype=torch.int64) if topk else None
     lps = torch.empty(t, topk, dtype=torch.float32) if topk else None
     for s in range(0, t, chunk):
-        logits = lm_head(final_hidden[s:s + chunk]).float()
+        logits = lm_head(final_hidden[s:s + chunk])
+        if topk or softcap:  # bf16 -> f32 is exact, so a plain argmax needs no float copy
+            logits = logits.float()
         if softcap:
             logits = torch.tanh(logits / softcap) * softcap
-        argmax[s:s + chunk] = logits.argmax(-1)
+        # max().indices: the first maximal index like argmax(), and ~4x faster on CPU for bf16
+        argmax[s:s + chunk] = logits.max(-1).indices
         if topk:
             lse = torch.logsumexp(logits, dim=-1, keepdim=True)
             vals, idx = logits.topk(topk, dim=-1)

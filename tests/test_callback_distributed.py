@@ -87,6 +87,9 @@ def _worker(cache: str, cfg_path: str, out: str, strategies: list[str]) -> None:
             if trainer.global_step % EVERY == 0:
                 self._save(trainer, pl_module)
 
+    import time
+
+    t0 = time.perf_counter()
     for name in strategies:
         folder = Path(out) / name
         folder.mkdir(parents=True, exist_ok=True)
@@ -104,6 +107,7 @@ def _worker(cache: str, cfg_path: str, out: str, strategies: list[str]) -> None:
                           callbacks=[cb, SaveFullWeights(folder, kinds)], enable_progress_bar=False,
                           enable_model_summary=False, enable_checkpointing=False, use_distributed_sampler=True)
         trainer.fit(module, CachedStatesDataModule(cache, batch_size=2))
+        print(f"{name}: fit done at {time.perf_counter() - t0:.1f} s", flush=True)
         if trainer.global_rank == 0:
             (folder / "logged.json").write_text(json.dumps({
                 "history": cb.history, "sharding": kinds[-1],
@@ -125,22 +129,24 @@ def distributed_run(tiny_cache, tiny_drafter_config, tmp_path_factory):
     cfg = out / "drafter.json"
     cfg.write_text(json.dumps(tiny_drafter_config))
     port = str(_free_port())
-    procs = []
+    procs, logs = [], []
     for rank in range(2):
         env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": "2", "RANK": str(rank),
                "LOCAL_RANK": str(rank), "NODE_RANK": "0", "PYTHONWARNINGS": "ignore"}
-        procs.append(subprocess.Popen([sys.executable, __file__, str(tiny_cache), str(cfg), str(out), ",".join(STRATEGIES)],
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    logs = []
+        # Output to files, not pipes: a rank blocked on a full pipe would stall the other in a collective.
+        logs.append(out / f"rank{rank}.log")
+        with open(logs[-1], "w") as f:
+            procs.append(subprocess.Popen([sys.executable, __file__, str(tiny_cache), str(cfg), str(out),
+                                           ",".join(STRATEGIES)], env=env, stdout=f, stderr=subprocess.STDOUT))
     try:
         for p in procs:
-            logs.append(p.communicate(timeout=300)[0])
+            p.wait(timeout=300)
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
     for rank, (p, log) in enumerate(zip(procs, logs, strict=True)):
-        assert p.returncode == 0, f"rank {rank} failed:\n{log[-6000:]}"
+        assert p.returncode == 0, f"rank {rank} failed:\n{log.read_text()[-6000:]}"
     return out
 
 

@@ -151,3 +151,37 @@ def test_wrong_layer_offset_is_caught(setup) -> None:
     (out / MANIFEST_NAME).write_text(json.dumps(manifest))
     rep = evaluate(StateCache(out), setup["ours"], budgets=())
     assert {s.id: s.acceptance_lengths for s in rep.samples} != setup["oracle"]
+
+
+def test_temperature_one_estimate_with_stored_topk(setup) -> None:
+    """--topk-logprobs adds the (labelled) temperature-1 estimate; the greedy replay is unchanged."""
+    from dflash_cb.engine import evaluate
+    from dflash_cb.metrics import T1_TAU_ESTIMATE
+    from dflash_cb.precompute import main
+    from dflash_cb.states import StateCache
+
+    out = setup["root"] / "cache_topk"
+    assert main(["--target", str(setup["target_dir"]), "--prompts", str(setup["prompts"]), "--out", str(out),
+                 "--layers", ",".join(map(str, LAYERS)), "--reference", "local", "--dtype", "float32",
+                 "--max-new-tokens", str(MAX_NEW), "--topk-logprobs", "8", "--no-progress"]) == 0
+    rep = evaluate(StateCache(out), setup["ours"], budgets=())
+    assert {s.id: s.acceptance_lengths for s in rep.samples} == setup["oracle"]
+    est = rep.summary[T1_TAU_ESTIMATE]
+    assert 1.0 <= est <= BLOCK
+
+
+def test_overlap_is_sum_of_min_p_q() -> None:
+    from dflash_cb.engine import apply_head
+    from dflash_cb.model import DrafterSpec
+
+    torch.manual_seed(0)
+    hidden, head = torch.randn(5, 8), torch.randn(11, 8)
+    spec = DrafterSpec(block_size=4, mask_token_id=10, target_layer_ids=(0,), target_hidden_size=8, vocab_size=11)
+    q = torch.softmax(hidden @ head.T, -1)
+    p = torch.softmax(torch.randn(5, 11), -1)
+    lp, ids = torch.topk(torch.log(p), 4, dim=-1)
+    out = apply_head(hidden, head, spec, k=3, target_topk=(ids, lp))
+    want = torch.minimum(p.gather(-1, ids), q.gather(-1, ids)).sum(-1)
+    assert torch.allclose(out.overlap, want, atol=1e-6)
+    assert torch.equal(out.argmax, q.argmax(-1))
+    assert torch.allclose(out.topk_logprobs, torch.topk(torch.log(q), 3, -1).values, atol=1e-5)

@@ -191,6 +191,7 @@ class FakeSGLang:
         self.lock = threading.Lock()
         self.calls = 0
         self.perturb: dict[tuple[int, ...], int] = {}  # prompt -> completion offset to change
+        self.abort: set[tuple[int, ...]] = set()  # prompts answered with finish_reason "abort"
 
     def generate(self, body: dict[str, Any]) -> dict[str, Any]:
         from dflash_cb.target import Target, find_decoder_layers, greedy_generate, read_target_config
@@ -202,6 +203,9 @@ class FakeSGLang:
             t = Target(self.model, read_target_config(self.model_path), find_decoder_layers(self.model),
                        torch.float32)
             out, reason = greedy_generate(t, body["input_ids"], sp["max_new_tokens"], sp["stop_token_ids"])
+        if tuple(body["input_ids"]) in self.abort:
+            return {"text": "", "output_ids": out[:2],
+                    "meta_info": {"finish_reason": {"type": "abort", "message": "out of memory"}}}
         k = self.perturb.get(tuple(body["input_ids"]))
         if k is not None and k < len(out):
             out[k] = (out[k] + 1) % TINY_VOCAB
@@ -275,6 +279,25 @@ def test_reference_sglang(sglang, local_cache, target_dir, prompts_file, tmp_pat
     (out / MANIFEST_NAME).unlink()
     assert run(target_dir, prompts_file, out, "--reference", "sglang", "--sglang-url", url) == 0
     assert server.calls == 5 and folder_digest(out) == before
+
+
+def test_sglang_abort_fails_and_rerun_resumes(sglang, target_dir, prompts_file, tmp_path, capsys):
+    url, server = sglang
+    prompts = [json.loads(line)["input_ids"] for line in prompts_file.read_text().splitlines()]
+    server.abort.add(tuple(prompts[3]))
+    out = tmp_path / "ab"
+    args = ("--reference", "sglang", "--sglang-url", url, "--max-in-flight", "1")
+    assert run(target_dir, prompts_file, out, *args) == 1
+    err = capsys.readouterr().err
+    assert "abort" in err and "rerun to resume" in err and not (out / MANIFEST_NAME).exists()
+    saved = [json.loads(line)["id"] for line in (out / JOURNAL_NAME).read_text().splitlines()]
+    # (the client may drop answers that arrived together with the failure; those are asked again)
+    assert saved and set(saved) <= {"p000", "p001", "p002"}
+    server.abort.clear()
+    before = server.calls
+    assert run(target_dir, prompts_file, out, *args) == 0
+    assert server.calls - before == 5 - len(saved)  # saved completions are not asked again
+    assert StateCache(out).manifest.agreement["samples_fully_agreeing"] == 5
 
 
 def test_sglang_served_model_mismatch_warns(sglang, target_dir, prompts_file, tmp_path, capsys):
@@ -424,3 +447,38 @@ def test_qwen3_5_target_end_to_end(tmp_path):
     assert m.agreement["token_agreement"] == 1.0
     with safe_open(str(out / HEAD_NAME), "pt") as f:
         assert f.get_tensor("embed_tokens.weight").shape == (TINY_VOCAB, TINY_HIDDEN)
+
+
+def test_text_and_messages_prompts_use_the_tokenizer(target_dir, tmp_path):
+    from tiny_target import TINY_WORDS, save_tiny_tokenizer
+
+    tok = save_tiny_tokenizer(tmp_path / "tok")
+    prompts = tmp_path / "chat.jsonl"
+    msgs = [{"role": "user", "content": "hello world"}]
+    prompts.write_text(json.dumps({"id": "c", "category": "chat", "messages": msgs}) + "\n"
+                       + json.dumps({"id": "t", "text": "what is 2 + 2 ?"}) + "\n")
+    out = tmp_path / "chat"
+    assert main(["--target", str(target_dir), "--prompts", str(prompts), "--out", str(out), "--layers", "1",
+                 "--tokenizer", str(tok), "--chat-template-kwargs", '{"enable_thinking": false}',
+                 "--max-new-tokens", "3", "--dtype", "float32", "--no-progress"]) == 0
+    cache = StateCache(out)
+    m = cache.manifest
+    assert m.chat_template_kwargs == {"enable_thinking": False} and m.prompts["tokenizer"] == str(tok)
+    words = "<|im_start|> user hello world <|im_end|> <|im_start|> assistant <think> </think>".split()
+    c = cache.entry("c")
+    assert cache.load("c").input_ids[: c.prompt_len].tolist() == [TINY_WORDS.index(w) for w in words]
+    assert cache.entry("t").prompt_len == 6 and cache.entry("t").category == "uncategorized"
+    # without a tokenizer (the tiny target folder has none) text prompts are refused up front
+    assert main(["--target", str(target_dir), "--prompts", str(prompts), "--out", str(tmp_path / "n"),
+                 "--layers", "1", "--no-progress"]) == 2
+
+
+def test_broken_target_is_refused_by_the_tool(prompts_file, tmp_path, capsys):
+    from tiny_target import delete_tensor
+
+    broken = save_tiny_qwen3(tmp_path / "broken")
+    delete_tensor(broken, "model.norm.weight")
+    assert run(broken, prompts_file, tmp_path / "o") == 1
+    err = capsys.readouterr().err
+    assert "model.norm.weight" in err and "missing from the checkpoint" in err
+    assert not (tmp_path / "o" / MANIFEST_NAME).exists()

@@ -153,3 +153,30 @@ def random_prompts(n: int, length: int | tuple[int, int], seed: int = 0, vocab: 
             t = length
         out.append(torch.randint(low, vocab, (t,), generator=g).tolist())
     return out
+
+
+TINY_WORDS = [
+    "<unk>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "user", "assistant", "system",
+    "hello", "world", "what", "is", "2", "+", "?", "you", "are", "helpful",
+]  # fmt: skip
+
+# Qwen-style: thinking on by default; enable_thinking=False pre-fills an empty think block.
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|> {{ m.role }} {{ m.content }} <|im_end|> {% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|> assistant "
+    "{% if enable_thinking is defined and not enable_thinking %}<think> </think> {% endif %}{% endif %}"
+)
+
+
+def save_tiny_tokenizer(folder: str | os.PathLike) -> Path:
+    """A whitespace word-level tokenizer with a Qwen-like chat template (ids < 18), saved into ``folder``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(TINY_WORDS)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<|im_end|>")
+    hf.chat_template = TINY_CHAT_TEMPLATE
+    folder = Path(folder)
+    hf.save_pretrained(folder)
+    return folder

@@ -1,0 +1,101 @@
+"""The end-to-end CPU demo, in its reduced CI form (``tools/demo.py --quick``), run as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT / "tools" / "demo.py"
+
+
+def _run(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true", HF_HUB_OFFLINE="1")
+    return subprocess.run([sys.executable, str(DEMO), *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _non_empty(path: Path) -> bool:
+    if path.is_file():
+        return path.stat().st_size > 0
+    return path.is_dir() and any(p.is_file() and p.stat().st_size > 0 for p in path.rglob("*"))
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess]:
+    out = tmp_path_factory.mktemp("demo") / "out"
+    proc = _run("--quick", "--out", str(out), "--seed", "0")
+    assert proc.returncode == 0, f"demo failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    return out, proc
+
+
+def test_tau_rises_and_every_promised_file_exists(demo: tuple[Path, subprocess.CompletedProcess]) -> None:
+    out, proc = demo
+    summary = json.loads((out / "summary.json").read_text())
+    for key in ("tau_first", "tau_last", "ddtree_tau_last", "paths"):
+        assert key in summary, key
+    assert summary["tau_last"] > summary["tau_first"], summary["evaluations"]
+    assert summary["ddtree_tau_last"] >= summary["tau_last"]  # a tree holds the greedy chain
+    assert len(summary["evaluations"]) >= 3
+    promised = ["target", "prompts_train", "prompts_eval", "cache_train", "cache_eval", "drafter_config",
+                "checkpoint", "drafter", "results", "metrics_csv", "wandb_run", "plot_tau_over_steps",
+                "plot_per_depth_acceptance", "plot_accepted_lengths_hist", "summary"]
+    for name in promised:
+        path = Path(summary["paths"][name])
+        assert _non_empty(path), f"{name}: {path} missing or empty"
+    for name, path in summary["paths"].items():
+        assert _non_empty(Path(path)), f"{name}: {path} missing or empty"
+    for plot in ("plot_tau_over_steps", "plot_per_depth_acceptance", "plot_accepted_lengths_hist"):
+        assert Path(summary["paths"][plot]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # The W&B run is a real offline run with data in it, the CSV logger got the callback's metrics.
+    assert any(Path(summary["paths"]["wandb_run"]).glob("run-*.wandb"))
+    assert "dflash_eval/tau" in Path(summary["paths"]["metrics_csv"]).read_text().splitlines()[0]
+    # The cache was written by the real precompute tool, with the target's own greedy completions.
+    manifest = json.loads((Path(summary["paths"]["cache_eval"]) / "manifest.json").read_text())
+    assert manifest["reference"]["kind"] == "local" and manifest["dtype"] == "float32"
+    assert {s["category"] for s in manifest["samples"]} == {"count", "repeat", "pairs"}
+    # results.json of the extracted drafter equals the callback's last evaluation.
+    results = json.loads(Path(summary["paths"]["results"]).read_text())
+    assert results["tau"] == pytest.approx(summary["tau_last"], abs=1e-12)
+    # The printed table and summary.
+    assert "step    tau" in proc.stdout and "first evaluation" in proc.stdout
+
+
+def test_refuses_to_overwrite_without_flag(demo: tuple[Path, subprocess.CompletedProcess]) -> None:
+    out, _ = demo
+    before = (out / "summary.json").read_bytes()
+    proc = _run("--quick", "--out", str(out), timeout=120)
+    assert proc.returncode == 2
+    assert "--overwrite" in proc.stderr
+    assert (out / "summary.json").read_bytes() == before
+
+
+def test_never_deletes_a_folder_it_did_not_write(tmp_path: Path) -> None:
+    foreign = tmp_path / "precious"
+    foreign.mkdir()
+    (foreign / "data.txt").write_text("keep me")
+    proc = _run("--quick", "--out", str(foreign), "--overwrite", timeout=120)
+    assert proc.returncode == 2
+    assert "not written by the demo" in proc.stderr
+    assert (foreign / "data.txt").read_text() == "keep me"
+
+
+def test_synthetic_target_writes_structured_text(tmp_path: Path) -> None:
+    """The language itself: deterministic, three families, prompts disjoint from held-out ones."""
+    from dflash_cb import synthetic as S
+
+    a = S.make_prompts(5, seed=3, prefix="eval-")
+    b = S.make_prompts(5, seed=3, prefix="eval-")
+    assert a == b
+    train = S.make_prompts(20, seed=3, prefix="train-", exclude=[r["input_ids"] for r in a])
+    assert not {tuple(r["input_ids"]) for r in a} & {tuple(r["input_ids"]) for r in train}
+    assert {r["category"] for r in a} == set(S.FAMILIES)
+    for r in a:
+        done = S.expected_completion(r["input_ids"])
+        assert done[-1] == S.EOS and len(set(done)) >= 3
+        assert S.MASK_TOKEN_ID not in r["input_ids"] + done
