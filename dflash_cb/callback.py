@@ -45,6 +45,7 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
+from safetensors import safe_open
 from torch import nn
 
 from .baselines import Baseline, baseline_scalars, load_measured, load_published
@@ -80,7 +81,8 @@ class DFlashEvalCallback(Callback):
         target_embed: attribute path of the target's input embedding on the module (an
             ``nn.Embedding`` or a ``[vocab, hidden]`` tensor). With ``target_lm_head``, the head is taken
             from the module (no copy); without both, the cache's exported head is loaded once, onto the
-            drafter's device, and reused.
+            drafter's device, and kept there (Qwen3.6-27B: embedding + head = 5.1 GB in bf16; a module
+            that already holds the target's matrices for training should name them here instead).
         target_lm_head: attribute path of the target's output head (``nn.Linear`` or tensor). Omit it
             with ``target_embed`` set only when the target ties embedding and head.
         ddtree_budgets: DDTree node budgets (empty: no DDTree).
@@ -190,6 +192,7 @@ class DFlashEvalCallback(Callback):
         self._head: TargetHead | None = None
         self._head_key: tuple[Any, ...] | None = None
         self._decoder: Callable[[Sequence[int]], str] | None = None
+        self._table_tokens: dict[str, list[int]] = {}
         self._wandb_ready = False
         self._fast_dev_run_noted = False
 
@@ -230,13 +233,16 @@ class DFlashEvalCallback(Callback):
         self._spec = None
         self._head = None
         self._head_key = None
+        self._table_tokens = {}
         self._wandb_ready = False
         if self._find_drafter(pl_module, required=False) is not None:
             self._validate(pl_module)
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._spec is None:
-            self._validate(pl_module)
+            # The model is wrapped by now: under FSDP, shapes are only right with whole parameters.
+            with full_parameters(trainer):
+                self._validate(pl_module)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # Here (not in on_fit_start) because a resumed run's global step and weights are restored by now.
@@ -464,13 +470,22 @@ class DFlashEvalCallback(Callback):
                 if res is None:
                     continue
                 entry = self.cache.entry(sid)
-                ids = self.cache.load(sid).input_ids.tolist()
+                ids = self._tokens(sid)
                 rows.append(table_row(step, sid, entry.category, ids, entry.prompt_len, res.acceptance_lengths,
                                       res.drafts, self._decoder))
         assert self._spec is not None
         live = per_depth(summary, self._spec.block_size)["unconditional"]
         log_evaluation(run, step=step, prefix=self.prefix, live_per_depth=live,
                        hist=counts.data["hist"].tolist(), baselines=self.reference, rows=rows)
+
+    def _tokens(self, sample_id: str) -> list[int]:
+        """A table sample's token ids, read once (only ``input_ids``: the features can be 100+ MB)."""
+        if sample_id not in self._table_tokens:
+            assert self.cache is not None
+            entry = self.cache.entry(sample_id)
+            with safe_open(str(self.cache.path / entry.shard), framework="pt") as f:
+                self._table_tokens[sample_id] = f.get_tensor(f"{sample_id}/input_ids").tolist()
+        return self._table_tokens[sample_id]
 
     def _describe(self) -> dict[str, Any]:
         assert self.cache is not None

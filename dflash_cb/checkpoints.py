@@ -99,6 +99,7 @@ def extract_drafter(ckpt_path: str | os.PathLike, out_dir: str | os.PathLike,
     try:
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; a drafter folder is meant to be shared
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)

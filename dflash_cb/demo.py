@@ -36,6 +36,8 @@ TAU_GOAL = 2.0
 
 @dataclass
 class DemoConfig:
+    """Every knob of the demo; ``resolve`` applies the command line and the ``--quick`` preset."""
+
     out: Path = Path("demo_out")
     seed: int = 0
     steps: int = 1200  # drafter optimizer steps
@@ -80,6 +82,8 @@ class DemoConfig:
 
 @dataclass
 class Paths:
+    """Where the demo writes each thing, under ``out``."""
+
     out: Path
     target: Path = field(init=False)
     prompts_train: Path = field(init=False)
@@ -109,7 +113,7 @@ class Paths:
 
 
 class DemoError(RuntimeError):
-    pass
+    """A problem the user can fix (output folder, W&B credentials); printed without a traceback."""
 
 
 def _say(msg: str = "") -> None:
@@ -181,7 +185,7 @@ def build_target(cfg: DemoConfig, paths: Paths) -> dict[str, Any]:
     if min(distinct) < 3:
         raise DemoError(f"the tiny target's greedy completions are degenerate (distinct tokens per completion: "
                         f"{distinct}); try another --seed")
-    _say(f"      trained in {rep.train_seconds:.1f}s, loss {rep.final_loss:.3f}; held-out prompts completed "
+    _say(f"      trained in {rep.train_seconds:.1f}s, loss {rep.final_loss:.3f}; fresh prompts completed "
          "exactly as the language says: " + ", ".join(f"{k} {v:.0%}" for k, v in rep.exact_match.items()))
     by_id = {r["id"]: c for r, c in zip(eval_set, completions, strict=True)}
     examples = []
@@ -479,7 +483,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         "evaluations": [{"step": int(h["step"]), "tau": h["tau"],
                          **{f"ddtree_b{b}": h.get(f"ddtree/tau_b{b}") for b in cfg.ddtree_budgets}} for h in hist],
         "seed": cfg.seed, "quick": cfg.quick, "steps": cfg.steps, "eval_every": cfg.eval_every,
-        "block_size": cfg.block_size, "wandb_mode": cfg.wandb_mode, "wandb_url": tr["wandb_url"],
+        "block_size": cfg.block_size, "threads": cfg.threads, "wandb_mode": cfg.wandb_mode, "wandb_url": tr["wandb_url"],
         "target": target_info, "caches": cache_info, "drafter_params": tr["params"],
         "timings_s": {k: round(v, 1) for k, v in timings.items()},
         "paths": {k: str(v) for k, v in files.items()},

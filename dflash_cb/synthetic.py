@@ -21,7 +21,7 @@ import math
 import os
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -198,11 +198,11 @@ class TargetReport:
     train_seconds: float
     final_loss: float
     steps: int
-    exact_match: dict[str, float]  # per family: fraction of held-out prompts completed exactly as the language says
+    exact_match: dict[str, float]  # per family: fraction of fresh prompts completed exactly as the language says
 
 
 def train_tiny_target(out: str | os.PathLike, seed: int = 0, spec: TargetSpec | None = None,
-                      log: Any = print) -> TargetReport:
+                      log: Callable[[str], None] | None = print) -> TargetReport:
     """Train a tiny ``Qwen3ForCausalLM`` on the synthetic language and ``save_pretrained`` it to ``out``."""
     from transformers import GenerationConfig, Qwen3ForCausalLM
 

@@ -21,7 +21,7 @@ from dflash_cb.callback import DFlashEvalError, _stratified
 from dflash_cb.lightning_module import CachedStatesDataModule, DFlashDrafterModule
 from dflash_cb.metrics import EVAL_TIME
 from dflash_cb.states import CacheMismatchError, StateCache
-from dflash_cb.wandb_logging import format_blocks
+from dflash_cb.wandb_logging import format_blocks, make_decoder
 
 ROOT = Path(__file__).resolve().parents[1]
 BUDGETS = [4, 8]
@@ -80,10 +80,13 @@ def test_logged_tau_equals_eval_drafter_on_saved_weights(tmp_path, tiny_cache, t
     cb = DFlashEvalCallback(states=tiny_cache, every_n_train_steps=3, ddtree_budgets=BUDGETS,
                             target_embed="target_embed", target_lm_head="target_lm_head")
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="{step}", every_n_train_steps=3, save_top_k=-1)
-    trainer, module = fit(tmp_path, tiny_drafter_config, tiny_cache, [cb, ckpt], max_steps=6,
+    # The metrics reach trainer.callback_metrics too: ModelCheckpoint can keep the best drafter by tau.
+    best = ModelCheckpoint(dirpath=tmp_path / "best", monitor="dflash_eval/tau", mode="max", every_n_train_steps=3)
+    trainer, module = fit(tmp_path, tiny_drafter_config, tiny_cache, [cb, ckpt, best], max_steps=6,
                           logger=CSVLogger(tmp_path / "logs"), checkpointing=True)
     logged = read_csv_metrics(Path(trainer.logger.log_dir) / "metrics.csv")
     assert sorted(logged) == [0, 3, 6] == [h["step"] for h in cb.history]
+    assert best.best_model_score.item() == pytest.approx(max(logged[3]["tau"], logged[6]["tau"]), rel=1e-6)
     assert logged[6]["tau"] != logged[0]["tau"]  # the drafter learned something between evaluations
     tool = load_eval_drafter_tool()
     for step in (3, 6):
@@ -195,6 +198,7 @@ def test_corrupt_shard_warns_and_training_continues(tmp_path, tiny_cache, tiny_d
         fit(tmp_path / "strict", tiny_drafter_config, tiny_cache, [strict], max_steps=4, data_cache=tiny_cache)
 
 
+@pytest.mark.filterwarnings("ignore:.*ckpt_path.*:UserWarning", "ignore:.*resuming from a checkpoint.*:UserWarning")
 def test_resume_neither_repeats_nor_skips(tmp_path, tiny_cache, tiny_drafter_config):
     cb = DFlashEvalCallback(states=tiny_cache, every_n_train_steps=2, ddtree_budgets=[4], eval_on_fit_end=False)
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="{step}", every_n_train_steps=2, save_top_k=-1)
@@ -223,6 +227,17 @@ def test_subset_is_fixed_and_stratified(tiny_cache):
     rng = torch.get_rng_state()
     _stratified(ids, cache, 4, seed=5)
     assert torch.equal(rng, torch.get_rng_state())
+
+
+def test_decoders():
+    assert make_decoder(None)([5, 7]) == "5 7"
+    assert make_decoder(lambda ids: "".join(chr(97 + i) for i in ids))([0, 1]) == "ab"
+
+    class Tok:
+        def decode(self, ids, skip_special_tokens=False):
+            return f"<{len(ids)}>"
+
+    assert make_decoder(Tok())([1, 2, 3]) == "<3>"
 
 
 def test_format_blocks_marks_accepted_spans():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,8 @@ def wandb_records(run_dir: Path) -> list:
         if kind == 0:  # zero padding up to the block end
             pos += left - 7
             continue
+        if pos + n > len(data):  # the writer is still busy with this record
+            break
         chunk, pos = data[pos:pos + n], pos + n
         if kind == 1:
             out.append(chunk)
@@ -53,9 +56,19 @@ def wandb_records(run_dir: Path) -> list:
     return [pb.Record.FromString(r) for r in out]
 
 
+def finished_records(run_dir: Path, timeout: float = 30.0) -> list:
+    """The records once the run's ``exit`` record is on disk (W&B's writer process may still be flushing)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        records = wandb_records(run_dir)
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+            return records
+        time.sleep(0.2)
+
+
 def history_and_summary(run_dir: Path) -> tuple[list[dict], dict, list]:
     history, summary, metrics = [], {}, []
-    for r in wandb_records(run_dir):
+    for r in finished_records(run_dir):
         kind = r.WhichOneof("record_type")
         if kind == "history":
             history.append({(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in r.history.item})
