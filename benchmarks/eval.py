@@ -42,6 +42,8 @@ def main() -> None:
     ap.add_argument("--head-mem-mb", type=int, default=None)
     ap.add_argument("--loop-samples", type=int, default=None,
                     help="run the per-cycle loop on the first N samples only (default: all; 0 = skip)")
+    ap.add_argument("--random-completions", action="store_true",
+                    help="CPU presets: do not plant completions (tau ~ 1, every anchor is a cycle)")
     ap.add_argument("--json", default=None, help="also write the figures here")
     ap.add_argument("--cache-dir", default=None)
     args = ap.parse_args()
@@ -56,7 +58,7 @@ def main() -> None:
     attn = (args.attn_mem_mb or (2048 if big else 256)) << 20
     headm = (args.head_mem_mb or (1024 if big else 256)) << 20
     torch.set_grad_enabled(False)
-    figures: dict = {"preset": args.preset, "device": dev, "samples": samples, "tokens_per_sample": tokens,
+    figures: dict = {"preset": args.preset, "device": dev, "planted": not (big or args.random_completions), "samples": samples, "tokens_per_sample": tokens,
                      "prompt_len": prompt, "budgets": budgets}
     if dev.startswith("cuda"):
         figures["gpu"] = torch.cuda.get_device_name()
@@ -65,7 +67,8 @@ def main() -> None:
     tmp = Path(args.cache_dir or tempfile.mkdtemp(prefix="dflash_bench_"))
     t0 = time.perf_counter()
     cache = write_cache(tmp / "cache", p, samples, prompt, tokens, head, dtype=dtype,
-                        planted=None if big else FastRunner(drafter), write_head=not big)
+                        planted=None if big or args.random_completions else FastRunner(drafter),
+                        write_head=not big)
     figures["cache_build_s"] = round(time.perf_counter() - t0, 2)
     autocast = torch.bfloat16 if big and dev.startswith("cuda") else None
 

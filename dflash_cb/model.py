@@ -114,24 +114,34 @@ class DFlashAttention(nn.Module):
         return _rope(k, cos.unsqueeze(-3), sin.unsqueeze(-3)), v
 
     def forward(self, x: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor, cos: torch.Tensor,
-                sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+                sin: torch.Tensor, mask: torch.Tensor | None, group: int = 1) -> torch.Tensor:
         """Blocks x [A, L, hidden] attend to context keys [kv, C, d] (shared) or [A, kv, C, d], then themselves.
 
-        ``mask`` (bool [A, 1, L, C + L], True = visible, or None = all visible) carries each block's
-        context prefix and, for causal / sliding layers, their position constraints.
+        ``group`` > 1 packs that many consecutive blocks into one attention row set sharing a single
+        copy of the context keys (A must be a multiple of it): far fewer key copies, at the price of
+        each query also scoring the group's other blocks, which ``mask`` hides. ``mask`` (bool
+        [A / group, 1, group * L, C + group * L], True = visible, or None = all visible) carries each
+        block's context prefix, its own block and, for causal / sliding layers, the position rules.
         """
         a, n, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(a, n, self.num_heads, self.head_dim)).transpose(1, 2)
+        h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        q = self.q_norm(self.q_proj(x).view(a, n, h, d)).transpose(1, 2)
         q = _rope(q, cos.unsqueeze(1), sin.unsqueeze(1))  # [A, H, L, d]
         bk, bv = self.project_kv(x, cos, sin)  # [A, kv, L, d]
+        b = a // group
+        if group > 1:
+            q = q.view(b, group, h, n, d).transpose(1, 2).reshape(b, h, group * n, d)
+            bk = bk.view(b, group, kv, n, d).transpose(1, 2).reshape(b, kv, group * n, d)
+            bv = bv.view(b, group, kv, n, d).transpose(1, 2).reshape(b, kv, group * n, d)
         if ctx_k.dim() == 3:
-            ctx_k = ctx_k.expand(a, *ctx_k.shape)
-            ctx_v = ctx_v.expand(a, *ctx_v.shape)
+            ctx_k = ctx_k.expand(b, *ctx_k.shape)
+            ctx_v = ctx_v.expand(b, *ctx_v.shape)
         k = torch.cat([ctx_k, bk], dim=2)
         v = torch.cat([ctx_v, bv], dim=2)
         # The same fused kernel the reference uses (sdpa), with grouped K/V heads.
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling,
-                                             enable_gqa=self.num_heads != self.num_kv_heads)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=h != kv)
+        if group > 1:
+            out = out.view(b, h, group, n, d).transpose(1, 2).reshape(a, h, n, d)
         return self.o_proj(out.transpose(1, 2).reshape(a, n, -1))
 
     def visibility(self, base: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor | None:
@@ -158,8 +168,8 @@ class DFlashDecoderLayer(nn.Module):
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, h: torch.Tensor, ctx_kv: tuple[torch.Tensor, torch.Tensor], cos: torch.Tensor,
-                sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), *ctx_kv, cos, sin, mask)
+                sin: torch.Tensor, mask: torch.Tensor | None, group: int = 1) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), *ctx_kv, cos, sin, mask, group)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -253,20 +263,33 @@ class DFlashDrafter(nn.Module):
         block): its padding positions are hidden from every query; their own outputs are meaningless.
         """
         a, n, _ = noise_embedding.shape
+        dev = anchors.device
         c = int(anchors.max().item())  # no block sees past the last anchor: trim the keys
         kv = [(k[:, :c], v[:, :c]) for k, v in ctx_kv]
-        dev = anchors.device
-        q_pos = anchors[:, None] + torch.arange(n, device=dev)[None, :]
-        k_pos = torch.cat([torch.arange(c, device=dev).expand(a, c), q_pos], dim=1)
-        own = (torch.ones(a, n, dtype=torch.bool, device=dev) if lengths is None
-               else torch.arange(n, device=dev)[None, :] < lengths[:, None])
-        base = torch.cat([torch.arange(c, device=dev)[None, :] < anchors[:, None], own], dim=1)
-        masks = self._layer_masks(base[:, None, None, :].expand(a, 1, n, c + n), q_pos, k_pos)
+        lengths = torch.full_like(anchors, n) if lengths is None else lengths
+        # Pack ~C / (4 L) blocks per attention row set: their extra block keys cost at most a quarter
+        # of the context's, and the context keys are copied once per group instead of once per block.
+        group = max(1, min(a, c // (4 * n)))
+        pad = (-a) % group
+        if pad:  # repeat the last block; its outputs are dropped
+            idx = torch.cat([torch.arange(a, device=dev), torch.full((pad,), a - 1, device=dev)])
+            anchors, lengths, noise_embedding = anchors[idx], lengths[idx], noise_embedding[idx]
+        b, m = (a + pad) // group, group * n
+        q_pos = (anchors[:, None] + torch.arange(n, device=dev)[None, :])  # [A, L]
+        packed_pos = q_pos.view(b, m)
+        q_anchor = anchors.view(b, group, 1).expand(b, group, n).reshape(b, m)
+        member = torch.arange(group, device=dev).repeat_interleave(n)  # block of each packed row
+        in_block = (torch.arange(n, device=dev)[None, :] < lengths[:, None]).view(b, m)
+        see_ctx = torch.arange(c, device=dev)[None, None, :] < q_anchor[:, :, None]  # [b, m, C]
+        see_blk = (member[:, None] == member[None, :])[None] & in_block[:, None, :]  # [b, m, m]
+        base = torch.cat([see_ctx, see_blk], dim=2)[:, None]
+        k_pos = torch.cat([torch.arange(c, device=dev).expand(b, c), packed_pos], dim=1)
+        masks = self._layer_masks(base, packed_pos, k_pos)
         cos, sin = self.rotary_emb(noise_embedding, q_pos)
         h = noise_embedding
         for layer, layer_kv, mask in zip(self.layers, kv, masks, strict=True):
-            h = layer(h, layer_kv, cos, sin, mask)
-        return self.norm(h)
+            h = layer(h, layer_kv, cos, sin, mask, group)
+        return self.norm(h)[:a]
 
     # -- checkpoint format ----------------------------------------------------
     @classmethod

@@ -1,0 +1,60 @@
+"""Our DFlash drafter against the reference ``dflash.model.DFlashDraftModel`` (same weights)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Qwen3Config
+
+from dflash_cb.model import DFlashDrafter
+
+dm = pytest.importorskip("dflash.model", reason="the oracle: pip install --no-deps dflash==0.1.0")
+
+
+def _config(sliding: bool) -> Qwen3Config:
+    d = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=8, max_position_embeddings=512, num_target_layers=4, block_size=4,
+             dflash_config={"target_layer_ids": [0, 2], "mask_token_id": 63})
+    if sliding:
+        d.update(layer_types=["sliding_attention", "full_attention"], sliding_window=6)
+    return Qwen3Config(**d)
+
+
+@pytest.mark.parametrize("sliding", [False, True])
+def test_batched_blocks_equal_reference_forward(sliding: bool) -> None:
+    """Many anchors in one pass (packed groups, shorter tail blocks) = one reference call per anchor."""
+    torch.manual_seed(0)
+    cfg = _config(sliding)
+    ref = dm.DFlashDraftModel(cfg).eval()
+    ours = DFlashDrafter(cfg).eval()
+    ours.load_state_dict(ref.state_dict())
+    features = torch.randn(200, 64)
+    anchors = torch.sort(torch.randperm(190)[:37] + 5).values  # long contexts: several blocks per group
+    lengths = torch.randint(2, 5, (37,))
+    emb = torch.randn(37, 4, 32)
+    with torch.no_grad():
+        fast = ours.forward_blocks(ours.context_kv(features), emb, anchors, lengths)
+        for i, p in enumerate(anchors.tolist()):
+            n = int(lengths[i])
+            pos = torch.arange(p + n)[None]
+            want = ref(target_hidden=features[None, :p], noise_embedding=emb[i:i + 1, :n], position_ids=pos)[0]
+            got_ref_signature = ours(target_hidden=features[None, :p], noise_embedding=emb[i:i + 1, :n],
+                                     position_ids=pos)[0]
+            assert torch.allclose(fast[i, :n], want, atol=1e-5), p
+            assert torch.allclose(got_ref_signature, want, atol=1e-5), p
+
+
+def test_checkpoint_round_trip_and_strict_loading(tmp_path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    ours = DFlashDrafter(_config(True))
+    ours.save_pretrained(tmp_path / "d")
+    back = DFlashDrafter.from_pretrained(tmp_path / "d")
+    assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(), back.state_dict().values(), strict=True))
+    ref = dm.DFlashDraftModel.from_pretrained(str(tmp_path / "d"), dtype=torch.float32)
+    assert torch.equal(ref.fc.weight, ours.fc.weight)
+    state = load_file(str(tmp_path / "d" / "model.safetensors"))
+    del state["layers.1.mlp.down_proj.weight"]
+    save_file(state, str(tmp_path / "d" / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"missing \['layers.1.mlp.down_proj.weight'\]"):
+        DFlashDrafter.from_pretrained(tmp_path / "d")
