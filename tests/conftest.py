@@ -35,6 +35,17 @@ def build_tiny_cache(root: Path, n_prompts: int = 6, max_new_tokens: int = 24) -
     return out
 
 
+@pytest.fixture(scope="session", autouse=True)
+def one_thread():
+    """Tiny models gain nothing from threads, and on a busy CI box spinning OpenMP threads cost seconds."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def tiny_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_cache(tmp_path_factory.mktemp("tiny_cache"))

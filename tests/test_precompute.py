@@ -22,15 +22,6 @@ from dflash_cb.states import HEAD_NAME, MANIFEST_NAME, CacheError, StateCache, s
 LAYERS = "0,2,3"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from threads, and on a busy CI box spinning OpenMP threads cost seconds."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory) -> Path:
     return save_tiny_qwen3(tmp_path_factory.mktemp("target"))

@@ -26,15 +26,6 @@ from dflash_cb.target import (
 )
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from threads, and on a busy CI box spinning OpenMP threads cost seconds."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def qwen3_dir(tmp_path_factory):
     return save_tiny_qwen3(tmp_path_factory.mktemp("qwen3"))
