@@ -27,7 +27,49 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _synthetic import PRESETS, make_drafter, make_head, write_cache  # noqa: E402
 
-from dflash_cb.engine import FastRunner, evaluate, replay_per_cycle  # noqa: E402
+from dflash_cb.engine import (  # noqa: E402
+    FastRunner,
+    apply_head,
+    as_runner,
+    block_embeddings,
+    bounds_for,
+    evaluate,
+)
+from dflash_cb.states import StateCache, TargetHead  # noqa: E402
+
+
+def replay_per_cycle(cache: StateCache, drafter: torch.nn.Module, head: TargetHead, sample_id: str) -> list[int]:
+    """The straightforward loop: one drafter call per cycle, as the reference makes (the baseline)."""
+    runner = as_runner(drafter)
+    spec = runner.spec
+    sample = cache.load(sample_id)
+    bounds = bounds_for(sample, cache.manifest)
+    tokens = sample.input_ids.to(head.embed_tokens.device)
+    tok_list = tokens.tolist()
+    stops = set(cache.manifest.stop_token_ids)
+    # Context K/V once per sample, as the reference's KV cache holds it; then one call per cycle.
+    state = runner.prepare(sample.hidden.to(device=tokens.device, dtype=runner.dtype))
+    p = bounds.prompt_len
+    out: list[int] = []
+    if p >= bounds.known_end or tok_list[p] in stops:
+        return out
+    with torch.no_grad():
+        while p + 1 < bounds.loop_end:
+            length = min(spec.block_size, bounds.loop_end - p)
+            anc = torch.tensor([p], device=tokens.device)
+            emb = block_embeddings(tokens, anc, length, spec, head.embed_tokens).to(runner.dtype)
+            hid = runner.hidden(state, emb, anc)[0, 1:].to(head.lm_head.dtype)
+            draft = apply_head(hid, head.lm_head, spec, 0).argmax
+            a = 0
+            while a < length - 1 and p + a + 1 < bounds.known_end and int(draft[a]) == tok_list[p + a + 1]:
+                a += 1
+            produced = min(a + 1, bounds.loop_end - p - 1)
+            stop = next((j for j in range(1, produced + 1) if tok_list[p + j] in stops), None)
+            out.append(stop or produced)
+            p += stop or produced
+            if stop:
+                break
+    return out
 
 
 def main() -> None:

@@ -374,7 +374,7 @@ def evaluate(cache: StateCache, drafter: Any, head: TargetHead | None = None, *,
              device: torch.device | str | None = None, autocast_dtype: torch.dtype | None = None,
              spec: DrafterSpec | None = None, verify: bool = False, progress: bool = False,
              attn_mem_bytes: int = 512 << 20, head_mem_bytes: int = 512 << 20,
-             on_sample: Callable[[SampleResult], None] | None = None, keep_drafts: int = 0) -> EvalReport:
+             keep_drafts: int = 0) -> EvalReport:
     """Score ``drafter`` on ``cache``: exact greedy replay, DDTree, all-anchor statistics.
 
     ``head`` defaults to the cache's exported target head. ``autocast_dtype`` (e.g. bfloat16 on
@@ -415,44 +415,4 @@ def evaluate(cache: StateCache, drafter: Any, head: TargetHead | None = None, *,
             res = score_sample(table, sample, bounds, spec, manifest.stop_token_ids, budgets, counts,
                                keep_drafts)
             results.append(res)
-            if on_sample is not None:
-                on_sample(res)
     return EvalReport(counts, results, time.perf_counter() - start, spec, budgets)
-
-
-def replay_per_cycle(cache: StateCache, drafter: Any, head: TargetHead, sample_id: str,
-                     spec: DrafterSpec | None = None) -> list[int]:
-    """The straightforward loop: one drafter call per cycle, as the reference makes. Baseline only."""
-    runner = as_runner(drafter, spec)
-    spec = runner.spec
-    sample = cache.load(sample_id)
-    bounds = bounds_for(sample, cache.manifest)
-    tokens = sample.input_ids.to(head.embed_tokens.device)
-    tok_list = tokens.tolist()
-    stops = set(cache.manifest.stop_token_ids)
-    # Context K/V once per sample, as the reference's KV cache holds it; then one call per cycle.
-    state = runner.prepare(sample.hidden.to(device=tokens.device, dtype=runner.dtype))
-    p = bounds.prompt_len
-    out: list[int] = []
-    if p >= bounds.known_end or tok_list[p] in stops:
-        return out
-    with torch.no_grad():
-        while p + 1 < bounds.loop_end:
-            length = min(spec.block_size, bounds.loop_end - p)
-            anc = torch.tensor([p], device=tokens.device)
-            emb = block_embeddings(tokens, anc, length, spec, head.embed_tokens).to(runner.dtype)
-            hid = runner.hidden(state, emb, anc)[0, 1:].to(head.lm_head.dtype)
-            draft = apply_head(hid, head.lm_head, spec, 0).argmax
-            a = 0
-            while a < length - 1 and p + a + 1 < bounds.known_end and int(draft[a]) == tok_list[p + a + 1]:
-                a += 1
-            produced = min(a + 1, bounds.loop_end - p - 1)
-            for j in range(1, produced + 1):
-                if tok_list[p + j] in stops:
-                    produced = j
-                    break
-            out.append(produced)
-            p += produced
-            if any(tok_list[j] in stops for j in range(p - produced + 1, p + 1)):
-                break
-    return out

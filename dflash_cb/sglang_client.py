@@ -250,20 +250,26 @@ class SGLangClient:
                 pool.submit(self.generate, ids, max_new_tokens, stop_token_ids, cancel=cancel): key
                 for key, ids in items
             }
+            order = {k: i for i, k in enumerate(keys)}
             pending = set(futures)
             while pending:
                 done, pending = wait(pending, return_when=FIRST_EXCEPTION)
-                for fut in done:
-                    key = futures[fut]
-                    exc = fut.exception()
-                    if exc is not None:
-                        cancel.set()
-                        for other in pending:
-                            other.cancel()
-                        raise SGLangError(f"request {key!r} failed: {exc}") from exc
-                    results[key] = fut.result()
-                    if on_result is not None:
-                        on_result(key, results[key])
+                # Hand over every completion that did arrive before raising for a failed one, in
+                # request order: a caller that journals results loses none of them.
+                finished = sorted(done, key=lambda f: order[futures[f]])
+                for fut in finished:
+                    if fut.exception() is None:
+                        key = futures[fut]
+                        results[key] = fut.result()
+                        if on_result is not None:
+                            on_result(key, results[key])
+                failed = next((f for f in finished if f.exception() is not None), None)
+                if failed is not None:
+                    cancel.set()
+                    for other in pending:
+                        other.cancel()
+                    exc = failed.exception()
+                    raise SGLangError(f"request {futures[failed]!r} failed: {exc}") from exc
         finally:
             cancel.set()
             pool.shutdown(wait=True, cancel_futures=True)
