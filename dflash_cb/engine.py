@@ -21,7 +21,7 @@ from torch import nn
 
 from .ddtree import ddtree_accepted
 from .metrics import EvalCounts, summarize
-from .model import DFlashDrafter, DrafterSpec
+from .model import DFlashDrafter, DrafterSpec, draft_logits
 from .replay import (
     SampleBounds,
     block_lengths,
@@ -185,12 +185,7 @@ def apply_head(hidden: torch.Tensor, lm_head: torch.Tensor, spec: DrafterSpec, k
     k = min(k, vocab)
     am, ids, lps, ovl = [], [], [], []
     for i in range(0, n, rows):
-        logits = (hidden[i:i + rows] @ lm_head.T).float()
-        if spec.output_multiplier != 1.0:
-            logits = logits * spec.output_multiplier
-        if spec.final_logit_softcapping:
-            cap = spec.final_logit_softcapping
-            logits = torch.tanh(logits / cap) * cap
+        logits = draft_logits(hidden[i:i + rows], lm_head, spec)
         am.append(logits.argmax(dim=-1))
         if k > 0 or target_topk is not None:
             lse = torch.logsumexp(logits, dim=-1, keepdim=True)

@@ -82,6 +82,18 @@ class DrafterSpec:
         }
 
 
+def draft_logits(hidden: torch.Tensor, lm_head: torch.Tensor, spec: DrafterSpec) -> torch.Tensor:
+    """Float32 logits of drafter hidden states: the target's output head, times ``output_multiplier``,
+    soft-capped when the config says so (the reference's ``compute_logits``)."""
+    logits = (hidden @ lm_head.T.to(hidden.dtype)).float()
+    if spec.output_multiplier != 1.0:
+        logits = logits * spec.output_multiplier
+    if spec.final_logit_softcapping:
+        cap = spec.final_logit_softcapping
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return x * cos + rotate_half(x) * sin
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from .engine import block_embeddings
-from .model import DFlashDrafter
+from .model import DFlashDrafter, draft_logits
 from .states import TargetHead
 
 
@@ -39,18 +39,14 @@ def dflash_loss(drafter: DFlashDrafter, head: TargetHead, features: torch.Tensor
     ctx = drafter.context_kv(features[: int(anchors.max().item())])
     emb = block_embeddings(tokens, anchors, n, spec, head.embed_tokens).to(features.dtype)
     hidden = drafter.forward_blocks(ctx, emb, anchors)[:, 1:]
-    logits = hidden @ head.lm_head.T.to(hidden.dtype)
-    if spec.output_multiplier != 1.0:
-        logits = logits * spec.output_multiplier
-    if spec.final_logit_softcapping:
-        logits = torch.tanh(logits / spec.final_logit_softcapping) * spec.final_logit_softcapping
+    logits = draft_logits(hidden, head.lm_head, spec)
     pos = anchors[:, None] + torch.arange(1, n, device=anchors.device)[None, :]
     valid = pos < valid_len
     target = tokens[pos.clamp(max=tokens.shape[0] - 1)]
     weight = valid.float()
     if decay > 0:
         weight = weight * torch.exp(-decay * torch.arange(n - 1, device=anchors.device, dtype=torch.float32))[None]
-    ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none")
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none")
     loss = (ce * weight.reshape(-1)).sum() / weight.sum().clamp(min=1.0)
     with torch.no_grad():
         hit = (logits.argmax(-1) == target) & valid

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tokenizers import Tokenizer, models, pre_tokenizers
+from tiny_target import TINY_WORDS, tiny_tokenizer
 from transformers import PreTrainedTokenizerFast
 
 from dflash_cb.prompts import (
@@ -129,26 +129,9 @@ def test_error_is_a_value_error() -> None:
 
 # -- tokenization ---------------------------------------------------------------------------
 
-WORDS = [
-    "<unk>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "user", "assistant", "system",
-    "hello", "world", "what", "is", "2", "+", "?", "you", "are", "helpful",
-]  # fmt: skip
-
-# Qwen-style template: thinking is on by default; enable_thinking=False pre-fills an empty think block.
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|> {{ m.role }} {{ m.content }} <|im_end|> {% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|> assistant "
-    "{% if enable_thinking is defined and not enable_thinking %}<think> </think> {% endif %}{% endif %}"
-)
-
-
 @pytest.fixture(scope="module")
 def tokenizer() -> PreTrainedTokenizerFast:
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    hf = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<|im_end|>")
-    hf.chat_template = CHAT_TEMPLATE
-    return hf
+    return tiny_tokenizer()
 
 
 def rec(**kw: Any) -> PromptRecord:
@@ -156,7 +139,7 @@ def rec(**kw: Any) -> PromptRecord:
 
 
 def ids(*words: str) -> list[int]:
-    return [WORDS.index(w) for w in words]
+    return [TINY_WORDS.index(w) for w in words]
 
 
 def test_tokenize_input_ids_needs_no_tokenizer() -> None:

@@ -168,8 +168,8 @@ TINY_CHAT_TEMPLATE = (
 )
 
 
-def save_tiny_tokenizer(folder: str | os.PathLike) -> Path:
-    """A whitespace word-level tokenizer with a Qwen-like chat template (ids < 18), saved into ``folder``."""
+def tiny_tokenizer():
+    """A whitespace word-level tokenizer over ``TINY_WORDS`` (ids < 18) with a Qwen-like chat template."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -177,6 +177,11 @@ def save_tiny_tokenizer(folder: str | os.PathLike) -> Path:
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<|im_end|>")
     hf.chat_template = TINY_CHAT_TEMPLATE
+    return hf
+
+
+def save_tiny_tokenizer(folder: str | os.PathLike) -> Path:
+    """``tiny_tokenizer()`` saved into ``folder``."""
     folder = Path(folder)
-    hf.save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
     return folder
