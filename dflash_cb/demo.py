@@ -30,6 +30,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .metrics import ALL_ANCHOR_TAU, TAU, category_tau, ddtree_tau, depth_acc, depth_acc_cond, hist_frac
+
 MARKER = ".dflash_demo"  # written first into the output folder: --overwrite only ever deletes a demo's folder
 TAU_GOAL = 2.0
 
@@ -256,8 +258,8 @@ def _tau_printer(eval_cb: Any, budgets: Sequence[int]) -> Any:
         def _flush(self, trainer: Any) -> None:
             for h in eval_cb.history[self.printed:]:
                 loss = trainer.callback_metrics.get("train/loss")
-                dd = "  ".join(_fmt(h.get(f"ddtree/tau_b{b}")) for b in budgets)
-                cats = "  ".join(_fmt(h.get(f"category/{c}/tau"), 2) for c in ("count", "repeat", "pairs"))
+                dd = "  ".join(_fmt(h.get(ddtree_tau(b))) for b in budgets)
+                cats = "  ".join(_fmt(h.get(category_tau(c)), 2) for c in ("count", "repeat", "pairs"))
                 _say(f"      {int(h['step']):>5}  {_fmt(h['tau'])}  {dd}  {_fmt(h.get('all_anchor_tau'))}  "
                      f"{cats}  {_fmt(float(loss) if loss is not None else None)}  "
                      f"{time.perf_counter() - self.start:>5.0f}s")
@@ -359,26 +361,27 @@ def make_plots(history: list[dict[str, float]], block_size: int, budgets: Sequen
     matplotlib.use("Agg")  # files only, no display needed
     import matplotlib.pyplot as plt
 
-    from .metrics import depth_acc, depth_acc_cond, hist_frac
-
     plots.mkdir(parents=True, exist_ok=True)
     steps = [h["step"] for h in history]
     out: dict[str, Path] = {}
 
+    def save(fig: Any, ax: Any, name: str) -> None:
+        ax.legend(fontsize=8)
+        out[name] = plots / f"{name}.png"
+        fig.tight_layout()
+        fig.savefig(out[name], dpi=110)
+        plt.close(fig)
+
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    ax.plot(steps, [h["tau"] for h in history], "o-", lw=2, label="tau (greedy replay)")
+    ax.plot(steps, [h[TAU] for h in history], "o-", lw=2, label="tau (greedy replay)")
     for b in budgets:
-        ax.plot(steps, [h.get(f"ddtree/tau_b{b}", math.nan) for h in history], "s--", label=f"DDTree tau, budget {b}")
-    ax.plot(steps, [h.get("all_anchor_tau", math.nan) for h in history], ":", color="gray",
+        ax.plot(steps, [h.get(ddtree_tau(b), math.nan) for h in history], "s--", label=f"DDTree tau, budget {b}")
+    ax.plot(steps, [h.get(ALL_ANCHOR_TAU, math.nan) for h in history], ":", color="gray",
             label="all-anchor mean accepted + 1")
     ax.axhline(goal, color="red", lw=0.8, alpha=0.6)
     ax.set(xlabel="training step", ylabel="tokens per drafter call", title="DFlash drafter: tau while it trains")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    out["tau_over_steps"] = plots / "tau_over_steps.png"
-    fig.tight_layout()
-    fig.savefig(out["tau_over_steps"], dpi=110)
-    plt.close(fig)
+    save(fig, ax, "tau_over_steps")
 
     depths = list(range(1, block_size))
     fig, ax = plt.subplots(figsize=(7, 4.2))
@@ -390,26 +393,18 @@ def make_plots(history: list[dict[str, float]], block_size: int, budgets: Sequen
                 label=f"step {int(h['step'])}: same, given depths < k all matched")
     ax.set(xlabel="block depth k", ylabel="acceptance", ylim=(-0.02, 1.02), title="per-depth acceptance (all anchors)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    out["per_depth_acceptance"] = plots / "per_depth_acceptance.png"
-    fig.tight_layout()
-    fig.savefig(out["per_depth_acceptance"], dpi=110)
-    plt.close(fig)
+    save(fig, ax, "per_depth_acceptance")
 
     ns = list(range(1, block_size + 1))
     fig, ax = plt.subplots(figsize=(7, 4.2))
     w = 0.4
     for off, h, color in ((-w / 2, history[0], "0.6"), (w / 2, history[-1], "C0")):
         ax.bar([n + off for n in ns], [h.get(hist_frac(n), 0.0) or 0.0 for n in ns], width=w, color=color,
-               label=f"step {int(h['step'])} (tau {h['tau']:.2f})")
+               label=f"step {int(h['step'])} (tau {h[TAU]:.2f})")
     ax.set(xlabel="tokens committed per cycle (accepted + 1)", ylabel="fraction of cycles", xticks=ns,
            title="accepted lengths per speculative cycle")
     ax.grid(alpha=0.3, axis="y")
-    ax.legend(fontsize=8)
-    out["accepted_lengths_hist"] = plots / "accepted_lengths_hist.png"
-    fig.tight_layout()
-    fig.savefig(out["accepted_lengths_hist"], dpi=110)
-    plt.close(fig)
+    save(fig, ax, "accepted_lengths_hist")
     return out
 
 
@@ -460,7 +455,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     first, last = hist[0], hist[-1]
     top_budget = max(cfg.ddtree_budgets)
     # The callback's last evaluation and the standalone scoring of the extracted weights must agree exactly.
-    if results["tau"] is not None and abs(results["tau"] - last["tau"]) > 1e-9:
+    if results["tau"] is not None and abs(results["tau"] - last[TAU]) > 1e-9:
         raise DemoError(f"the extracted drafter scores tau {results['tau']} but the callback logged {last['tau']} "
                         "for the same weights")
     plots = make_plots(hist, cfg.block_size, cfg.ddtree_budgets, paths.plots)
@@ -474,14 +469,14 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         **{f"plot_{k}": v for k, v in plots.items()}, "summary": paths.summary,
     }
     summary = {
-        "tau_first": first["tau"], "tau_last": last["tau"],
-        "ddtree_tau_last": last.get(f"ddtree/tau_b{top_budget}"), "ddtree_budget": top_budget,
-        "ddtree_tau_last_by_budget": {str(b): last.get(f"ddtree/tau_b{b}") for b in cfg.ddtree_budgets},
+        "tau_first": first[TAU], "tau_last": last[TAU],
+        "ddtree_tau_last": last.get(ddtree_tau(top_budget)), "ddtree_budget": top_budget,
+        "ddtree_tau_last_by_budget": {str(b): last.get(ddtree_tau(b)) for b in cfg.ddtree_budgets},
         "step_first": int(first["step"]), "step_last": int(last["step"]),
-        "tau_goal": TAU_GOAL, "goal_reached": last["tau"] >= TAU_GOAL,
+        "tau_goal": TAU_GOAL, "goal_reached": last[TAU] >= TAU_GOAL,
         "category_tau_last": {k.split("/")[1]: v for k, v in last.items() if k.startswith("category/")},
-        "evaluations": [{"step": int(h["step"]), "tau": h["tau"],
-                         **{f"ddtree_b{b}": h.get(f"ddtree/tau_b{b}") for b in cfg.ddtree_budgets}} for h in hist],
+        "evaluations": [{"step": int(h["step"]), "tau": h[TAU],
+                         **{f"ddtree_b{b}": h.get(ddtree_tau(b)) for b in cfg.ddtree_budgets}} for h in hist],
         "seed": cfg.seed, "quick": cfg.quick, "steps": cfg.steps, "eval_every": cfg.eval_every,
         "block_size": cfg.block_size, "threads": cfg.threads, "wandb_mode": cfg.wandb_mode, "wandb_url": tr["wandb_url"],
         "target": target_info, "caches": cache_info, "drafter_params": tr["params"],

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from .ddtree import ddtree_accepted
-from .metrics import EvalCounts, summarize
+from .metrics import TAU, EvalCounts, summarize
 from .model import DFlashDrafter, DrafterSpec, draft_logits
 from .replay import (
     SampleBounds,
@@ -242,27 +242,24 @@ def draft_sample(runner: DraftRunner, head: TargetHead, sample: CachedSample, bo
                  topk: int, head_mem_bytes: int = 512 << 20, use_target_topk: bool = True) -> DraftTable:
     spec = runner.spec
     dev = head.embed_tokens.device
-    d = spec.block_size - 1
+    n, d = spec.block_size, spec.block_size - 1
     anchors = torch.tensor(list(bounds.anchors), dtype=torch.long, device=dev)
     a = anchors.numel()
-    argmax = torch.full((a, d), -2, dtype=torch.long, device=dev)
-    top_ids = torch.full((a, d, topk), -2, dtype=torch.long, device=dev) if topk else None
-    top_lp = torch.full((a, d, topk), float("-inf"), device=dev) if topk else None
-    t_topk = (sample.topk_ids, sample.topk_logprobs) if use_target_topk and sample.topk_ids is not None else None
-    overlap = torch.zeros((a, d), device=dev) if t_topk is not None else None
-    lengths = block_lengths(anchors, bounds.loop_end, spec.block_size)
+    lengths = block_lengths(anchors, bounds.loop_end, n)
+    t_topk = None
+    if use_target_topk and sample.topk_ids is not None:
+        t_topk = (sample.topk_ids.to(dev), sample.topk_logprobs.to(dev))
     if a == 0:
-        return DraftTable(anchors, lengths - 1, argmax, top_ids, top_lp, overlap)
+        k = min(topk, head.lm_head.shape[0])
+        return DraftTable(anchors, lengths - 1, torch.empty((0, d), dtype=torch.long, device=dev),
+                          torch.empty((0, d, k), dtype=torch.long, device=dev) if topk else None,
+                          torch.empty((0, d, k), device=dev) if topk else None,
+                          torch.empty((0, d), device=dev) if t_topk is not None else None)
     tokens = sample.input_ids.to(dev)
-    features = sample.hidden[: int(anchors.max().item())].to(device=dev, dtype=runner.dtype)
-    state = runner.prepare(features)
-    if t_topk is not None:
-        t_topk = (t_topk[0].to(dev), t_topk[1].to(dev))
+    state = runner.prepare(sample.hidden[: int(anchors.max().item())].to(device=dev, dtype=runner.dtype))
     # One pass for all anchors: tail anchors run as shorter blocks through the padding mask.
-    n = spec.block_size
     emb = block_embeddings(tokens, anchors, n, spec, head.embed_tokens).to(runner.dtype)
-    short = lengths < n
-    hid = runner.hidden(state, emb, anchors, lengths if bool(short.any()) else None)[:, 1:]
+    hid = runner.hidden(state, emb, anchors, lengths if bool((lengths < n).any()) else None)[:, 1:]
     flat = hid.reshape(-1, hid.shape[-1]).to(head.lm_head.dtype)
     tk = None
     if t_topk is not None:
@@ -271,14 +268,16 @@ def draft_sample(runner: DraftRunner, head: TargetHead, sample: CachedSample, bo
         pos = pos.clamp(max=t_topk[0].shape[0] - 1)
         tk = (t_topk[0][pos], t_topk[1][pos])
     out = apply_head(flat, head.lm_head, spec, topk, head_mem_bytes, tk)
-    inside = torch.arange(1, n, device=dev)[None, :] < lengths[:, None]  # [A, D]: the depth is in the block
-    argmax = torch.where(inside, out.argmax.view(a, d), argmax)
+    # Depths past a (tail) block's length get values that never match or score: -2, -inf, 0.
+    inside = torch.arange(1, n, device=dev)[None, :] < lengths[:, None]  # [A, D]
+    argmax = torch.where(inside, out.argmax.view(a, d), -2)
+    top_ids = top_lp = overlap = None
     if topk:
         kk = out.topk_ids.shape[-1]
-        top_ids = torch.where(inside[..., None], out.topk_ids.view(a, d, kk), top_ids[..., :kk])
-        top_lp = torch.where(inside[..., None], out.topk_logprobs.view(a, d, kk), top_lp[..., :kk])
-    if overlap is not None:
-        overlap = torch.where(inside, out.overlap.view(a, d), overlap)
+        top_ids = torch.where(inside[..., None], out.topk_ids.view(a, d, kk), -2)
+        top_lp = torch.where(inside[..., None], out.topk_logprobs.view(a, d, kk), float("-inf"))
+    if tk is not None:
+        overlap = torch.where(inside, out.overlap.view(a, d), 0.0)
     return DraftTable(anchors, lengths - 1, argmax, top_ids, top_lp, overlap)
 
 
@@ -301,13 +300,6 @@ def score_sample(table: DraftTable, sample: CachedSample, bounds: SampleBounds, 
     tok_list = sample.input_ids.tolist()
     d = spec.block_size - 1
     result = SampleResult(entry.id, entry.category, [], {}, int(table.anchors.numel()))
-    if table.anchors.numel() == 0:
-        result.acceptance_lengths = replay_walk([], tok_list, bounds, stop_token_ids)
-        counts.add_cycles(result.acceptance_lengths, entry.category)
-        for i, b in enumerate(budgets):
-            result.ddtree[b] = list(result.acceptance_lengths)
-            counts.add_ddtree(i, result.ddtree[b])
-        return result
     target = target_windows(tokens, table.anchors, d, bounds.known_end)
     accepted = leading_matches(table.argmax, target)
     produced = produced_per_anchor(accepted, table.anchors, tokens, bounds, stop_token_ids)
@@ -348,7 +340,7 @@ class EvalReport:
 
     @property
     def tau(self) -> float:
-        return self.summary["tau"]
+        return self.summary[TAU]
 
 
 def bounds_for(sample: CachedSample, manifest: Manifest) -> SampleBounds:

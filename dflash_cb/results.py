@@ -14,7 +14,7 @@ from typing import Any
 
 from . import __version__
 from .engine import EvalReport
-from .metrics import SPECFORGE_TAU, T1_TAU_ESTIMATE, category_tau, per_depth
+from .metrics import ALL_ANCHOR_TAU, SPECFORGE_TAU, T1_TAU_ESTIMATE, TAU, category_tau, ddtree_tau, per_depth
 from .states import StateCache, atomic_write_bytes
 
 RESULTS_FORMAT = "dflash-cb-results"
@@ -34,11 +34,11 @@ def report_to_results(report: EvalReport, cache: StateCache, meta: dict[str, Any
     out: dict[str, Any] = {
         "format": RESULTS_FORMAT,
         "version": RESULTS_VERSION,
-        "tau": _clean(summary["tau"]),
+        "tau": _clean(summary[TAU]),
         "samples": [{"id": s.id, "category": s.category, "acceptance_lengths": s.acceptance_lengths}
                     for s in report.samples],
         "ddtree": {
-            str(b): {"tau": _clean(summary[f"ddtree/tau_b{b}"]),
+            str(b): {"tau": _clean(summary[ddtree_tau(b)]),
                      "samples": [{"id": s.id, "acceptance_lengths": s.ddtree.get(b, [])} for s in report.samples]}
             for b in report.budgets
         },
@@ -48,7 +48,7 @@ def report_to_results(report: EvalReport, cache: StateCache, meta: dict[str, Any
             c: {"tau": _clean(summary[category_tau(c)]), "cycles": int(counts.data["cat_cycles"][i].item())}
             for i, c in enumerate(counts.categories)
         },
-        "all_anchor_tau": _clean(summary["all_anchor_tau"]),
+        "all_anchor_tau": _clean(summary[ALL_ANCHOR_TAU]),
         "specforge_sim_tau": _clean(summary[SPECFORGE_TAU]),
         "metrics": {k: _clean(v) for k, v in summary.items()},
         "meta": {

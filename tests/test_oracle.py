@@ -185,3 +185,29 @@ def test_overlap_is_sum_of_min_p_q() -> None:
     assert torch.allclose(out.overlap, want, atol=1e-6)
     assert torch.equal(out.argmax, q.argmax(-1))
     assert torch.allclose(out.topk_logprobs, torch.topk(torch.log(q), 3, -1).values, atol=1e-5)
+
+
+def test_disagreement_truncates_scoring(setup, tmp_path: Path) -> None:
+    """valid_len cuts scoring: a sample off the greedy path at its first token scores no cycle,
+    one cut mid-way scores only the cycles before the cut; the others are unchanged."""
+    import shutil
+
+    from dflash_cb.engine import evaluate
+    from dflash_cb.states import MANIFEST_NAME, StateCache
+
+    src = setup["cache"].path
+    dst = tmp_path / "cut"
+    shutil.copytree(src, dst)
+    manifest = json.loads((dst / MANIFEST_NAME).read_text())
+    first, second = manifest["samples"][0], manifest["samples"][1]
+    first["valid_len"] = first["prompt_len"]
+    second["valid_len"] = second["prompt_len"] + 7
+    (dst / MANIFEST_NAME).write_text(json.dumps(manifest))
+    rep = evaluate(StateCache(dst), setup["ours"], budgets=(4,))
+    got = {s.id: s for s in rep.samples}
+    assert got[first["id"]].acceptance_lengths == [] and got[first["id"]].ddtree[4] == []
+    cut = got[second["id"]].acceptance_lengths
+    assert sum(cut) <= 7 - 1 and cut == setup["oracle"][second["id"]][: len(cut)][:-1] + cut[-1:]
+    for sid, lengths in setup["oracle"].items():
+        if sid not in (first["id"], second["id"]):
+            assert got[sid].acceptance_lengths == lengths
