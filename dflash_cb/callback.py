@@ -51,6 +51,7 @@ from torch import nn
 from .baselines import Baseline, baseline_scalars, load_measured, load_published
 from .distributed import all_reduce_sum, full_parameters, gather_to_zero, sharding_kind, world
 from .engine import DEFAULT_BUDGETS, SampleResult, evaluate
+from .errors import DFlashCBError
 from .metrics import EVAL_TIME, EvalCounts, per_depth, summarize
 from .model import DrafterSpec
 from .states import CacheMismatchError, StateCache, TargetHead
@@ -61,7 +62,7 @@ _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.
            "float32": torch.float32, "fp32": torch.float32}
 
 
-class DFlashEvalError(RuntimeError):
+class DFlashEvalError(DFlashCBError, RuntimeError):
     """An evaluation failed (raised only with ``fail_on_error=True``; otherwise a warning)."""
 
 

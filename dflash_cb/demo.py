@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .errors import DFlashCBError
 from .metrics import ALL_ANCHOR_TAU, TAU, category_tau, ddtree_tau, depth_acc, depth_acc_cond, hist_frac
 
 MARKER = ".dflash_demo"  # written first into the output folder: --overwrite only ever deletes a demo's folder
@@ -114,7 +115,7 @@ class Paths:
         self.summary = o / "summary.json"
 
 
-class DemoError(RuntimeError):
+class DemoError(DFlashCBError, RuntimeError):
     """A problem the user can fix (output folder, W&B credentials); printed without a traceback."""
 
 

@@ -47,6 +47,8 @@ from dflash_cb.states import (
     shard_name,
 )
 
+from .errors import DFlashCBError
+
 PROGRESS_NAME = "progress.json"
 LOG_NAME = "precompute_log.json"
 JOURNAL_NAME = "reference_completions.jsonl"  # same format as --completions, reusable with --reference file
@@ -60,7 +62,7 @@ _RESULT_FIELDS = ("shards", "samples", "agreement", "target_head")
 Log = Callable[[str], None]
 
 
-class PrecomputeError(ValueError):
+class PrecomputeError(DFlashCBError, ValueError):
     """Invalid arguments, inputs or output folder; raised before any expensive work."""
 
 

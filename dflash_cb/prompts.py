@@ -18,13 +18,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .errors import DFlashCBError
+
 DEFAULT_CATEGORY = "uncategorized"
 PROMPT_FIELDS = ("messages", "text", "input_ids")
 KNOWN_FIELDS = frozenset({"id", "category", *PROMPT_FIELDS})
 MESSAGE_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 
 
-class PromptFileError(ValueError):
+class PromptFileError(DFlashCBError, ValueError):
     """A prompt file (or one of its records) is invalid; the message says where and how to fix it."""
 
 

@@ -19,6 +19,8 @@ from typing import Any, TypeVar
 
 import requests
 
+from .errors import DFlashCBError
+
 K = TypeVar("K", bound=Hashable)
 
 _FIX_DOWN = "start the server or pass --sglang-url"
@@ -27,7 +29,7 @@ _FIX_MALFORMED = (
 )
 
 
-class SGLangError(RuntimeError):
+class SGLangError(DFlashCBError, RuntimeError):
     """The SGLang server could not give a usable answer."""
 
 

@@ -11,7 +11,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +18,9 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
+
+from .errors import DFlashCBError
+from .fileio import atomic_write_bytes  # noqa: F401  (re-exported: older imports)
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -30,11 +32,11 @@ def shard_name(index: int) -> str:
     return f"states-{index:05d}.safetensors"
 
 
-class CacheError(RuntimeError):
+class CacheError(DFlashCBError, RuntimeError):
     """A cache folder is missing, corrupted or from an incompatible version."""
 
 
-class CacheMismatchError(ValueError):
+class CacheMismatchError(DFlashCBError, ValueError):
     """A cache does not fit a drafter (layer ids, hidden size, vocab, block size ...)."""
 
 
@@ -126,23 +128,6 @@ class Manifest:
 
     def write(self, folder: str | os.PathLike) -> None:
         atomic_write_bytes(Path(folder) / MANIFEST_NAME, self.to_json().encode())
-
-
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write via a temp file in the same folder + fsync + rename: readers see old or new, never half."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, 0o644)  # mkstemp makes 0600; a cache is meant to be shared and copied
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 24) -> str:

@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .errors import DFlashCBError
+
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 LOGITS_CHUNK = 256
 
@@ -36,7 +38,7 @@ _LAYER_PATHS = (
 )
 
 
-class TargetError(RuntimeError):
+class TargetError(DFlashCBError, RuntimeError):
     """The target checkpoint cannot be used (missing/mismatched weights, unknown layout ...)."""
 
 
