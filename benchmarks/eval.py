@@ -1,20 +1,34 @@
 #!/usr/bin/env python
-"""Evaluation speed: the batched engine side by side with a straightforward per-cycle loop.
+"""Evaluation speed: the demand-driven engine side by side with today's engine and a per-cycle loop.
 
-    python benchmarks/eval.py                         # CPU: small drafter, ratio engine / per-cycle loop
-    python benchmarks/eval.py --preset qwen36-27b --device cuda --samples 64 --tokens 2048
+    python benchmarks/eval.py                          # CPU: the issue-8 table (preset cpu, 8 x 512, planted)
+    python benchmarks/eval.py --preset qwen36-27b --device cuda --samples 64 --tokens 2048   # GPU profiles
 
-The CPU preset plants completions that follow the drafter for a random number of tokens per cycle
-(tau > 1, as with a trained drafter), checks that both paths give identical acceptance_lengths, and
-prints the time ratio. The engine also computes the all-anchor and DDTree statistics in its time;
-the loop computes only the greedy acceptance lengths. The qwen36-27b preset times a full
-evaluation of a random drafter of the Qwen3.6-27B drafter's shape and its extra GPU memory.
+CPU presets print one row per setting, each a ratio measured side by side in one run, repeated
+``--reps`` times with the two sides interleaved (min and median reported), asserting identical
+``acceptance_lengths`` (and DDTree lists) in every repetition:
+
+- greedy only (``budgets=()``, stride 16) vs the per-cycle loop (one drafter call per cycle),
+- greedy + DDTree budget 32, stride 16 vs today's engine with budget 32,
+- full (stride 1, budgets 16,32,64) vs today's engine with the same budgets,
+- random completions (tau ~ 1), greedy only, stride 16 vs today's engine,
+
+each with ``anchors_drafted / anchors_needed``. "Today's engine" is the ``dflash_cb`` package of
+the git revision ``--baseline-ref`` (default ``main``), extracted with ``git archive`` into a temp
+folder as the package ``dflash_cb_baseline`` and imported next to this checkout's package.
+
+The GPU preset (Qwen3.6-27B drafter shape, random weights, bf16) times the callback's three
+profiles, greedy only / callback default (stride = block size, the largest budget) / full, with
+their extra GPU memory and the TFLOP/s achieved from the anchors drafted.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -22,19 +36,13 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _synthetic import PRESETS, make_drafter, make_head, write_cache  # noqa: E402
 
-from dflash_cb.engine import (  # noqa: E402
-    FastRunner,
-    apply_head,
-    as_runner,
-    block_embeddings,
-    bounds_for,
-    evaluate,
-)
+from dflash_cb.engine import FastRunner, apply_head, as_runner, block_embeddings, bounds_for, evaluate  # noqa: E402
 from dflash_cb.states import StateCache, TargetHead  # noqa: E402
 
 
@@ -72,6 +80,145 @@ def replay_per_cycle(cache: StateCache, drafter: torch.nn.Module, head: TargetHe
     return out
 
 
+def load_baseline(ref: str):
+    """This repository's ``dflash_cb`` at git revision ``ref``, importable as ``dflash_cb_baseline``."""
+    tmp = Path(tempfile.mkdtemp(prefix="dflash_baseline_"))
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref, "dflash_cb"], capture_output=True, check=False)
+    if archive.returncode != 0:
+        sys.exit(f"error: git archive {ref} failed ({archive.stderr.decode().strip()}); pass --baseline-ref REV")
+    subprocess.run(["tar", "-x", "-C", str(tmp)], input=archive.stdout, check=True)
+    (tmp / "dflash_cb").rename(tmp / "dflash_cb_baseline")
+    sys.path.insert(0, str(tmp))
+    return importlib.import_module("dflash_cb_baseline.engine"), importlib.import_module("dflash_cb_baseline.states")
+
+
+def _sync(dev: str) -> None:
+    if dev.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def timed(fn, dev: str):
+    _sync(dev)
+    t = time.perf_counter()
+    out = fn()
+    _sync(dev)
+    return out, time.perf_counter() - t
+
+
+def _lists(rep) -> tuple[list, dict]:
+    return [s.acceptance_lengths for s in rep.samples], {b: [s.ddtree[b] for s in rep.samples] for b in rep.budgets}
+
+
+def compare(args, p: dict, drafter, head, tmp: Path) -> dict:
+    """The issue-8 table: each row new vs old, interleaved repetitions, identical lists asserted."""
+    base_engine, base_states = load_baseline(args.baseline_ref)
+    block = p["block"]
+    stride = args.stride or block
+    figures: dict = {"rows": {}}
+    planted = write_cache(tmp / "planted", p, args.samples, args.prompt, args.tokens, head, dtype=torch.float32,
+                          planted=FastRunner(drafter))
+    rand = write_cache(tmp / "random", p, args.samples, args.prompt, args.tokens, head, dtype=torch.float32, seed=1)
+    caches = {"planted": (planted, base_states.StateCache(planted.path)),
+              "random": (rand, base_states.StateCache(rand.path))}
+
+    def new(cache_kind, budgets, anchor_stride):
+        return lambda: evaluate(caches[cache_kind][0], drafter, head, budgets=budgets, anchor_stride=anchor_stride)
+
+    def old(cache_kind, budgets):
+        return lambda: base_engine.evaluate(caches[cache_kind][1], drafter, head, budgets=budgets)
+
+    def loop(cache_kind):
+        c = caches[cache_kind][0]
+        return lambda: [replay_per_cycle(c, drafter, head, s.id) for s in c.samples]
+
+    rows = {
+        f"greedy only (budgets=(), stride {stride}) vs per-cycle loop": (new("planted", (), stride), loop("planted"), False),
+        f"greedy + DDTree 32, stride {stride} vs today's engine (budget 32)":
+            (new("planted", (32,), stride), old("planted", (32,)), True),
+        "full (stride 1, budgets 16,32,64) vs today's engine":
+            (new("planted", (16, 32, 64), 1), old("planted", (16, 32, 64)), True),
+        f"random completions (tau ~1), greedy only, stride {stride} vs today's engine":
+            (new("random", (), stride), old("random", ()), True),
+    }
+    times: dict[str, tuple[list[float], list[float]]] = {k: ([], []) for k in rows}
+    for rep in range(args.reps):
+        for name, (fn_new, fn_other, is_engine) in rows.items():
+            # Alternate which side goes first, so a neighbour's load hits both alike.
+            order = [("new", fn_new), ("other", fn_other)]
+            if rep % 2:
+                order.reverse()
+            got = {}
+            for side, fn in order:
+                got[side], t = timed(fn, args.device)
+                times[name][0 if side == "new" else 1].append(t)
+            new_rep = got["new"]
+            if is_engine:
+                assert _lists(new_rep)[0] == _lists(got["other"])[0], f"{name}: acceptance_lengths differ"
+                assert _lists(new_rep)[1] == _lists(got["other"])[1], f"{name}: DDTree lists differ"
+            else:
+                assert _lists(new_rep)[0] == got["other"], f"{name}: acceptance_lengths differ from the loop"
+            d = new_rep.counts.data
+            times[name] += ()  # keep the dict shape
+            figures["rows"].setdefault(name, {})["tau"] = round(new_rep.tau, 3)
+            figures["rows"][name]["anchors_drafted"] = int(d["anchors_drafted"].item())
+            figures["rows"][name]["anchors_needed"] = int(d["anchors_needed"].item())
+            figures["rows"][name]["anchors_total"] = sum(len(bounds_for(c.load(s.id), c.manifest).anchors)
+                                                         for c in [caches["planted" if "random" not in name
+                                                                          else "random"][0]] for s in c.samples)
+    for name, (tn, to) in times.items():
+        r = figures["rows"][name]
+        speed = [o / n for n, o in zip(tn, to, strict=True)]
+        r.update(new_s=[round(x, 3) for x in tn], other_s=[round(x, 3) for x in to],
+                 speedup_min=round(min(speed), 2), speedup_median=round(statistics.median(speed), 2),
+                 time_ratio_new_over_other_max=round(max(n / o for n, o in zip(tn, to, strict=True)), 3),
+                 drafted_over_needed=round(r["anchors_drafted"] / max(r["anchors_needed"], 1), 3),
+                 identical_acceptance=True)
+    return figures
+
+
+def flops_per_anchor(p: dict, context: float) -> float:
+    """Forward FLOPs of one block (linear layers, attention at mean context ``context``, the head)."""
+    h, n, inter = p["hidden"], p["block"], p["inter"]
+    q, kv = p["heads"] * p["head_dim"], p["kv"] * p["head_dim"]
+    linear = p["layers"] * (h * q + 2 * h * kv + q * h + 3 * h * inter)
+    attn = p["layers"] * 2 * p["heads"] * p["head_dim"] * (context + n)
+    return 2 * n * (linear + attn) + 2 * (n - 1) * p["vocab"] * h
+
+
+def profiles(args, p: dict, drafter, head, tmp: Path) -> dict:
+    """The callback's three profiles on one cache: wall time, extra GPU memory, achieved TFLOP/s."""
+    dev = args.device
+    big = not args.preset.startswith("cpu")
+    dtype = torch.bfloat16 if big else torch.float32
+    cache = write_cache(tmp / "cache", p, args.samples, args.prompt, args.tokens, head, dtype=dtype,
+                        planted=None if big else FastRunner(drafter), write_head=not big)
+    autocast = torch.bfloat16 if big and dev.startswith("cuda") else None
+    block = p["block"]
+    budgets = tuple(int(b) for b in args.budgets.split(",") if b)
+    settings = {"greedy only": ((), block), "callback default": ((max(budgets),), block), "full": (budgets, 1)}
+    out: dict = {}
+    # Warm-up (kernels, allocator) on two samples.
+    evaluate(cache, drafter, head, sample_ids=[s.id for s in cache.samples[:2]], budgets=budgets, device=dev,
+             autocast_dtype=autocast)
+    for name, (b, stride) in settings.items():
+        if dev.startswith("cuda"):
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+        rep, t = timed(lambda b=b, stride=stride: evaluate(cache, drafter, head, budgets=b, anchor_stride=stride,
+                                                           device=dev, autocast_dtype=autocast), dev)
+        d = rep.counts.data
+        drafted = d["anchors_drafted"].item()
+        row = {"wall_s": round(t, 3), "tau": round(rep.tau, 3), "anchors_drafted": int(drafted),
+               "anchors_needed": int(d["anchors_needed"].item()),
+               "tflops": round(drafted * flops_per_anchor(p, (args.tokens + args.prompt) / 2) / t / 1e12, 2)}
+        if dev.startswith("cuda"):
+            row["extra_gpu_mem_gb"] = round((torch.cuda.max_memory_allocated() - base) / 2**30, 2)
+        out[name] = row
+        print(name, json.dumps(row), flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
@@ -79,86 +226,32 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=None)
     ap.add_argument("--tokens", type=int, default=None, help="prompt + completion tokens per sample")
     ap.add_argument("--prompt", type=int, default=None, help="prompt tokens per sample")
-    ap.add_argument("--budgets", default="16,32,64")
-    ap.add_argument("--attn-mem-mb", type=int, default=None)
-    ap.add_argument("--head-mem-mb", type=int, default=None)
-    ap.add_argument("--loop-samples", type=int, default=None,
-                    help="run the per-cycle loop on the first N samples only (default: all; 0 = skip)")
-    ap.add_argument("--random-completions", action="store_true",
-                    help="CPU presets: do not plant completions (tau ~ 1, every anchor is a cycle)")
+    ap.add_argument("--budgets", default="16,32,64", help="the full profile's DDTree budgets")
+    ap.add_argument("--stride", type=int, default=None, help="light anchor stride (default: block size)")
+    ap.add_argument("--reps", type=int, default=2, help="interleaved repetitions per row")
+    ap.add_argument("--profiles", action="store_true", help="time the three callback profiles (default on GPU presets)")
+    ap.add_argument("--baseline-ref", default="main", help="git revision whose engine is 'today's engine'")
     ap.add_argument("--json", default=None, help="also write the figures here")
     ap.add_argument("--cache-dir", default=None)
     args = ap.parse_args()
     p = PRESETS[args.preset]
     big = not args.preset.startswith("cpu")
-    samples = args.samples or (64 if big else 8)
-    tokens = args.tokens or (2048 if big else 384)
-    prompt = args.prompt or (256 if big else 64)
-    dev = args.device
+    args.samples = args.samples or (64 if big else 8)
+    args.tokens = args.tokens or (2048 if big else 512)
+    args.prompt = args.prompt or (256 if big else 64)
     dtype = torch.bfloat16 if big else torch.float32
-    budgets = tuple(int(b) for b in args.budgets.split(",") if b)
-    attn = (args.attn_mem_mb or (2048 if big else 256)) << 20
-    headm = (args.head_mem_mb or (1024 if big else 256)) << 20
     torch.set_grad_enabled(False)
-    figures: dict = {"preset": args.preset, "device": dev, "planted": not (big or args.random_completions), "samples": samples, "tokens_per_sample": tokens,
-                     "prompt_len": prompt, "budgets": budgets}
-    if dev.startswith("cuda"):
+    figures: dict = {"preset": args.preset, "device": args.device, "samples": args.samples,
+                     "tokens_per_sample": args.tokens, "prompt_len": args.prompt, "threads": torch.get_num_threads()}
+    if args.device.startswith("cuda"):
         figures["gpu"] = torch.cuda.get_device_name()
-    head = make_head(p, 1, dev, dtype)
-    drafter = make_drafter(p, 2, dev, dtype)
+    head = make_head(p, 1, args.device, dtype)
+    drafter = make_drafter(p, 2, args.device, dtype)
     tmp = Path(args.cache_dir or tempfile.mkdtemp(prefix="dflash_bench_"))
-    t0 = time.perf_counter()
-    cache = write_cache(tmp / "cache", p, samples, prompt, tokens, head, dtype=dtype,
-                        planted=None if big or args.random_completions else FastRunner(drafter),
-                        write_head=not big)
-    figures["cache_build_s"] = round(time.perf_counter() - t0, 2)
-    autocast = torch.bfloat16 if big and dev.startswith("cuda") else None
-
-    def run_engine():
-        if dev.startswith("cuda"):
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        rep = evaluate(cache, drafter, head, budgets=budgets, device=dev, autocast_dtype=autocast,
-                       attn_mem_bytes=attn, head_mem_bytes=headm)
-        if dev.startswith("cuda"):
-            torch.cuda.synchronize()
-        return rep, time.perf_counter() - t
-
-    if dev.startswith("cuda"):
-        # Warm-up on two samples (kernels, allocator), then measure the full run.
-        evaluate(cache, drafter, head, sample_ids=[s.id for s in cache.samples[:2]], budgets=budgets,
-                 device=dev, autocast_dtype=autocast, attn_mem_bytes=attn, head_mem_bytes=headm)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    rep, t_engine = run_engine()
-    figures["engine_s"] = round(t_engine, 3)
-    figures["tau"] = rep.tau
-    figures["cycles"] = rep.counts.data["cycles"].item()
-    figures["anchors"] = rep.counts.data["anchors"].item()
-    if dev.startswith("cuda"):
-        figures["extra_gpu_mem_gb"] = round((torch.cuda.max_memory_allocated() - base) / 2**30, 2)
-        figures["resident_gpu_mem_gb (drafter + head)"] = round(base / 2**30, 2)
-    n_loop = samples if args.loop_samples is None else args.loop_samples
-    if n_loop:
-        ids = [s.id for s in cache.samples[:n_loop]]
-        if n_loop < samples:  # time the engine on the same subset, side by side
-            sub, t_sub = None, time.perf_counter()
-            sub = evaluate(cache, drafter, head, sample_ids=ids, budgets=budgets, device=dev,
-                           autocast_dtype=autocast, attn_mem_bytes=attn, head_mem_bytes=headm)
-            if dev.startswith("cuda"):
-                torch.cuda.synchronize()
-            t_sub = time.perf_counter() - t_sub
-            engine_lengths = [s.acceptance_lengths for s in sub.samples]
-        else:
-            t_sub, engine_lengths = t_engine, [s.acceptance_lengths for s in rep.samples]
-        t = time.perf_counter()
-        loop = [replay_per_cycle(cache, drafter, head, sid) for sid in ids]
-        if dev.startswith("cuda"):
-            torch.cuda.synchronize()
-        t_loop = time.perf_counter() - t
-        figures.update(loop_samples=n_loop, loop_s=round(t_loop, 3), engine_same_samples_s=round(t_sub, 3),
-                       speedup=round(t_loop / t_sub, 2), identical_acceptance=loop == engine_lengths)
+    if big or args.profiles:
+        figures["profiles"] = profiles(args, p, drafter, head, tmp)
+    else:
+        figures.update(compare(args, p, drafter, head, tmp))
     print(json.dumps(figures, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=1))

@@ -1,10 +1,19 @@
-"""The evaluation engine: drafts at every anchor of every cached sample, then replays the loop.
+"""The evaluation engine: drafts only where the replays and the anchor statistics look, batched
+across samples (the method, and why the replay is exact: docs/method.md).
 
-For each sample the drafter runs once per anchor block, all anchors batched (each block sees
-only its own context prefix), with the context projection computed once per sample. The output
-head is applied in row chunks and reduced on the fly to what the metrics need (argmax, top-K
-log-probs for DDTree, the temperature-1 overlap), so ``[anchors x depth x vocab]`` logits never
-exist. Greedy and DDTree replays are then walks over per-anchor accepted counts (replay.py).
+The replays (the greedy walk and one walk per DDTree budget, for every sample) advance in rounds.
+Each round collects the anchors that the live walks need next, plus, in the first round, the
+fixed anchor-statistics set (every ``anchor_stride``-th anchor from ``prompt_len``); each
+distinct (sample, anchor) is drafted once and its per-walk ``produced`` values are kept, so a
+walk that lands on an anchor drafted earlier (by another walk or for the statistics) reuses it.
+When the drafts so far say a walk almost always advances by one token (tau ~ 1), the round also
+drafts the next few anchors that walk will need with high probability (``_lookahead``), so a
+weak drafter does not cost one round per cycle.
+
+Within a round the token-wise work (projections, MLP, norms, the output head and its argmax /
+top-K reduction) runs on the blocks of all samples together; attention runs per sample against
+that sample's context K/V, computed once per sample per evaluation. The head is applied in row
+chunks and reduced on the fly, so ``[blocks x depth x vocab]`` logits never exist.
 No Lightning, W&B or HTTP here.
 """
 
@@ -22,15 +31,7 @@ from torch import nn
 from .ddtree import ddtree_accepted
 from .metrics import TAU, EvalCounts, summarize
 from .model import DFlashDrafter, DrafterSpec, draft_logits
-from .replay import (
-    SampleBounds,
-    block_lengths,
-    leading_matches,
-    produced_per_anchor,
-    replay_walk,
-    sample_bounds,
-    target_windows,
-)
+from .replay import SampleBounds, Walk, cut_produced, leading_matches, next_stop_positions, sample_bounds
 from .states import CachedSample, Manifest, StateCache, TargetHead
 
 DEFAULT_BUDGETS = (16, 32, 64)
@@ -46,12 +47,24 @@ class DraftRunner:
     spec: DrafterSpec
 
     def prepare(self, features: torch.Tensor) -> Any:
+        """Per-sample state from its context features [T, F] (rows 0..T-1)."""
         return features
+
+    def state_bytes(self, tokens: int, dtype: torch.dtype) -> int:
+        """Memory one sample's prepared state of ``tokens`` positions holds (for evaluation waves)."""
+        return 0
 
     def hidden(self, state: Any, noise_embedding: torch.Tensor, anchors: torch.Tensor,
                lengths: torch.Tensor | None = None) -> torch.Tensor:
-        """[A, L, hidden]; ``lengths`` [A] marks blocks shorter than L (outputs past them are ignored)."""
+        """[A, L, hidden] for blocks of one sample; ``lengths`` [A] marks blocks shorter than L."""
         raise NotImplementedError
+
+    def hidden_samples(self, states: Sequence[Any], noise_embedding: torch.Tensor, anchors: torch.Tensor,
+                       segments: Sequence[tuple[int, int]], lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """[N, L, hidden] for blocks of several samples: rows ``segments[s]`` use ``states[s]``."""
+        outs = [self.hidden(st, noise_embedding[lo:hi], anchors[lo:hi], None if lengths is None else lengths[lo:hi])
+                for st, (lo, hi) in zip(states, segments, strict=True) if hi > lo]
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
 
     @property
     def dtype(self) -> torch.dtype:
@@ -59,7 +72,7 @@ class DraftRunner:
 
 
 class FastRunner(DraftRunner):
-    """Our ``DFlashDrafter``: context K/V once per sample, many anchors per forward."""
+    """Our ``DFlashDrafter``: context K/V once per sample, blocks of many samples per forward."""
 
     def __init__(self, drafter: DFlashDrafter, attn_mem_bytes: int = 512 << 20):
         self.drafter = drafter
@@ -73,22 +86,16 @@ class FastRunner(DraftRunner):
     def prepare(self, features: torch.Tensor) -> Any:
         return self.drafter.context_kv(features)
 
+    def state_bytes(self, tokens: int, dtype: torch.dtype) -> int:
+        return tokens * self.drafter.context_bytes_per_token(dtype)
+
     def hidden(self, state: Any, noise_embedding: torch.Tensor, anchors: torch.Tensor,
                lengths: torch.Tensor | None = None) -> torch.Tensor:
-        a, n, _ = noise_embedding.shape
-        attn = self.drafter.layers[0].self_attn
-        ctx = int(anchors.max().item())
-        elem = noise_embedding.element_size()
-        # Per anchor: its expanded context K and V (the fused kernel needs them per block), the mask,
-        # and the kernel's own per-head temporaries.
-        per_anchor = (ctx + n) * (2 * attn.num_kv_heads * attn.head_dim * elem + n + attn.num_heads * n * 4)
-        chunk = max(1, self.attn_mem_bytes // max(per_anchor, 1))
-        outs = [self.drafter.forward_blocks(state, noise_embedding[i:i + chunk], anchors[i:i + chunk],
-                                            None if lengths is None else lengths[i:i + chunk])
-                for i in range(0, a, chunk)]
-        return torch.cat(outs) if len(outs) > 1 else outs[0]
+        return self.hidden_samples([state], noise_embedding, anchors, [(0, anchors.shape[0])], lengths)
 
-
+    def hidden_samples(self, states: Sequence[Any], noise_embedding: torch.Tensor, anchors: torch.Tensor,
+                       segments: Sequence[tuple[int, int]], lengths: torch.Tensor | None = None) -> torch.Tensor:
+        return self.drafter.forward_samples(states, noise_embedding, anchors, segments, lengths, self.attn_mem_bytes)
 class ReferenceRunner(DraftRunner):
     """Any module or function with the reference forward signature
     ``f(target_hidden=[1, p, F], noise_embedding=[1, L, H], position_ids=[1, p + L]) -> [1, L, H]``.
@@ -104,6 +111,10 @@ class ReferenceRunner(DraftRunner):
     @property
     def dtype(self) -> torch.dtype:
         return self._dtype
+
+    def state_bytes(self, tokens: int, dtype: torch.dtype) -> int:
+        features = len(self.spec.target_layer_ids) * self.spec.target_hidden_size
+        return tokens * features * torch.empty((), dtype=self.dtype).element_size()
 
     def hidden(self, state: Any, noise_embedding: torch.Tensor, anchors: torch.Tensor,
                lengths: torch.Tensor | None = None) -> torch.Tensor:
@@ -204,20 +215,8 @@ def apply_head(hidden: torch.Tensor, lm_head: torch.Tensor, spec: DrafterSpec, k
 
 
 # ---------------------------------------------------------------------------
-# Per-sample drafting and scoring
+# Demand-driven evaluation
 # ---------------------------------------------------------------------------
-
-@dataclass
-class DraftTable:
-    """Per-anchor drafter outputs, padded to ``block_size - 1`` depths."""
-
-    anchors: torch.Tensor  # [A]
-    depths: torch.Tensor  # [A] drafted depths (block length - 1)
-    argmax: torch.Tensor  # [A, D] (-2 past the block)
-    topk_ids: torch.Tensor | None  # [A, D, K]
-    topk_logprobs: torch.Tensor | None  # [A, D, K] (-inf past the block)
-    overlap: torch.Tensor | None  # [A, D] (0 past the block)
-
 
 @dataclass
 class SampleResult:
@@ -225,101 +224,206 @@ class SampleResult:
     category: str
     acceptance_lengths: list[int]
     ddtree: dict[int, list[int]] = field(default_factory=dict)
-    anchors: int = 0
+    anchors: int = 0  # anchors in this sample's statistics set
     # The drafter's block (argmax per depth) at each of the first cycles, when asked (keep_drafts).
     drafts: list[list[int]] | None = None
+    anchors_drafted: int = 0  # distinct anchors the drafter ran at
+    anchors_needed: int = 0  # distinct anchors the walks visited or the statistics set holds
 
 
 def block_embeddings(tokens: torch.Tensor, anchors: torch.Tensor, length: int, spec: DrafterSpec,
                      embed: torch.Tensor) -> torch.Tensor:
-    ids = torch.full((anchors.numel(), length), spec.mask_token_id, dtype=torch.long, device=tokens.device)
-    ids[:, 0] = tokens[anchors]
+    """Input embeddings of blocks at ``anchors``: the verified token, then mask tokens."""
+    return _embed_blocks(tokens[anchors], length, spec, embed)
+
+
+def _embed_blocks(first: torch.Tensor, length: int, spec: DrafterSpec, embed: torch.Tensor) -> torch.Tensor:
+    ids = torch.full((first.numel(), length), spec.mask_token_id, dtype=torch.long, device=first.device)
+    ids[:, 0] = first
     emb = torch.nn.functional.embedding(ids, embed)
     return emb * spec.input_embedding_scale if spec.input_embedding_scale != 1.0 else emb
 
 
-def draft_sample(runner: DraftRunner, head: TargetHead, sample: CachedSample, bounds: SampleBounds,
-                 topk: int, head_mem_bytes: int = 512 << 20, use_target_topk: bool = True) -> DraftTable:
-    spec = runner.spec
-    dev = head.embed_tokens.device
-    n, d = spec.block_size, spec.block_size - 1
-    anchors = torch.tensor(list(bounds.anchors), dtype=torch.long, device=dev)
-    a = anchors.numel()
-    lengths = block_lengths(anchors, bounds.loop_end, n)
-    t_topk = None
-    if use_target_topk and sample.topk_ids is not None:
-        t_topk = (sample.topk_ids.to(dev), sample.topk_logprobs.to(dev))
-    if a == 0:
-        k = min(topk, head.lm_head.shape[0])
-        return DraftTable(anchors, lengths - 1, torch.empty((0, d), dtype=torch.long, device=dev),
-                          torch.empty((0, d, k), dtype=torch.long, device=dev) if topk else None,
-                          torch.empty((0, d, k), device=dev) if topk else None,
-                          torch.empty((0, d), device=dev) if t_topk is not None else None)
-    tokens = sample.input_ids.to(dev)
-    state = runner.prepare(sample.hidden[: int(anchors.max().item())].to(device=dev, dtype=runner.dtype))
-    # One pass for all anchors: tail anchors run as shorter blocks through the padding mask.
-    emb = block_embeddings(tokens, anchors, n, spec, head.embed_tokens).to(runner.dtype)
-    hid = runner.hidden(state, emb, anchors, lengths if bool((lengths < n).any()) else None)[:, 1:]
-    flat = hid.reshape(-1, hid.shape[-1]).to(head.lm_head.dtype)
-    tk = None
-    if t_topk is not None:
-        # The target's distribution for the token at p + k sits at position p + k - 1.
-        pos = (anchors[:, None] + torch.arange(d, device=dev)[None, :]).reshape(-1)
-        pos = pos.clamp(max=t_topk[0].shape[0] - 1)
-        tk = (t_topk[0][pos], t_topk[1][pos])
-    out = apply_head(flat, head.lm_head, spec, topk, head_mem_bytes, tk)
-    # Depths past a (tail) block's length get values that never match or score: -2, -inf, 0.
-    inside = torch.arange(1, n, device=dev)[None, :] < lengths[:, None]  # [A, D]
-    argmax = torch.where(inside, out.argmax.view(a, d), -2)
-    top_ids = top_lp = overlap = None
-    if topk:
-        kk = out.topk_ids.shape[-1]
-        top_ids = torch.where(inside[..., None], out.topk_ids.view(a, d, kk), -2)
-        top_lp = torch.where(inside[..., None], out.topk_logprobs.view(a, d, kk), float("-inf"))
-    if tk is not None:
-        overlap = torch.where(inside, out.overlap.view(a, d), 0.0)
-    return DraftTable(anchors, lengths - 1, argmax, top_ids, top_lp, overlap)
+def stats_anchors(bounds: SampleBounds, stride: int) -> range:
+    """The fixed anchor-statistics set: every ``stride``-th anchor from ``prompt_len``."""
+    return bounds.anchors[::stride]
 
 
-def cycle_drafts(table: DraftTable, bounds: SampleBounds, lengths: Sequence[int], n: int) -> list[list[int]]:
-    """The draft block at the anchor of each of the first ``n`` replayed cycles (for display)."""
-    out, p = [], bounds.prompt_len
-    for k in lengths[:n]:
-        i = p - bounds.prompt_len  # anchors are consecutive from prompt_len
-        out.append(table.argmax[i, : int(table.depths[i])].tolist())
+@dataclass
+class _Live:
+    """One sample while it is being evaluated."""
+
+    index: int  # position in the evaluation's sample order
+    id: str
+    category: str
+    bounds: SampleBounds
+    tok_list: list[int]
+    state: Any
+    stats: range
+    walks: list[Walk]
+    # anchor -> produced of a cycle there, per walk (greedy first, then each DDTree budget)
+    known: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    rows: dict[int, list[int]] | None = None  # anchor -> argmax block (keep_drafts only)
+    window: list[int] = field(default_factory=list)  # per walk: anchors to draft from its position on
+
+
+class _Wave:
+    """The samples evaluated together: flat token / stop / top-K tables indexed by per-sample offsets."""
+
+    def __init__(self, lives: list[_Live], tokens: list[torch.Tensor], topk: list[tuple[torch.Tensor, torch.Tensor]
+                 | None], stop_token_ids: Sequence[int], device: torch.device):
+        self.lives = lives
+        lens = [t.shape[0] for t in tokens]
+        self.offset = torch.tensor([0, *lens[:-1]], device=device).cumsum(0)
+        self.length = torch.tensor(lens, device=device)
+        self.tokens = torch.cat(tokens).to(device)
+        self.next_stop = torch.cat([next_stop_positions(t, stop_token_ids) for t in tokens]).to(device)
+        self.has_stops = bool(stop_token_ids)
+        self.loop_end = torch.tensor([lv.bounds.loop_end for lv in lives], device=device)
+        self.known_end = torch.tensor([lv.bounds.known_end for lv in lives], device=device)
+        self.topk = None
+        if any(t is not None for t in topk):
+            k = max(t[0].shape[1] for t in topk if t is not None)
+            ids, lps = [], []
+            for t, n in zip(topk, lens, strict=True):
+                # Samples without stored top-K get ids -1: they add nothing to the overlap.
+                i = torch.full((n, k), -1, dtype=torch.long) if t is None else t[0].long()
+                lp = torch.zeros((n, k)) if t is None else t[1].float()
+                ids.append(torch.nn.functional.pad(i, (0, k - i.shape[1]), value=-1))
+                lps.append(torch.nn.functional.pad(lp, (0, k - lp.shape[1])))
+            self.topk = (torch.cat(ids).to(device), torch.cat(lps).to(device))
+
+
+def _grow(window: int, one_token_share: float, consumed: bool, cap: int) -> int:
+    """Next lookahead of a walk: anchors drafted from its position on (itself included).
+
+    A walk at p visits p + 1 only if its cycle at p produces one token. When the drafts so far say
+    that is nearly certain (a one-token share of at least 0.9 over all cycles scored) and the walk
+    used its whole window last round (every cycle in it produced one token), the window doubles;
+    otherwise it is 1: only the anchor the walk needs. So a weak drafter (tau ~ 1) gets a few large
+    rounds instead of one round per cycle, while a useful drafter never drafts an anchor it may skip
+    (``anchors_drafted / anchors_needed`` stays near 1).
+    """
+    if consumed and one_token_share >= 0.9:
+        return min(cap, 2 * window)
+    return 1
+
+
+class _Drafting:
+    """Drafts (sample, anchor) requests of a wave and scores them: per-walk ``produced`` values kept per
+    sample, anchor statistics added to ``counts`` for anchors of the statistics set."""
+
+    def __init__(self, runner: DraftRunner, head: TargetHead, spec: DrafterSpec, budgets: tuple[int, ...],
+                 counts: EvalCounts, stride: int, head_mem_bytes: int, use_target_topk: bool, max_blocks: int):
+        self.runner, self.head, self.spec, self.budgets = runner, head, spec, budgets
+        self.counts, self.stride, self.head_mem_bytes = counts, stride, head_mem_bytes
+        self.use_target_topk, self.max_blocks = use_target_topk, max_blocks
+        walks = 1 + len(budgets)
+        self.ones = [0] * walks  # per walk kind: drafted anchors whose cycle produced one token
+        self.seen = 0
+
+    def run(self, wave: _Wave, requests: list[tuple[int, int]]) -> None:
+        requests.sort()
+        for i in range(0, len(requests), self.max_blocks):
+            self._chunk(wave, requests[i:i + self.max_blocks])
+
+    def _chunk(self, wave: _Wave, requests: list[tuple[int, int]]) -> None:
+        spec, head = self.spec, self.head
+        dev = head.embed_tokens.device
+        n, d = spec.block_size, spec.block_size - 1
+        who = [w for w, _ in requests]
+        segments, lives = [], []
+        for w in sorted(set(who)):
+            lo = who.index(w)
+            segments.append((lo, lo + who.count(w)))
+            lives.append(wave.lives[w])
+        sample = torch.tensor(who, device=dev)
+        anchors = torch.tensor([p for _, p in requests], device=dev)
+        base = wave.offset[sample]
+        lengths = torch.clamp(wave.loop_end[sample] - anchors, max=n)
+        emb = _embed_blocks(wave.tokens[base + anchors], n, spec, head.embed_tokens).to(self.runner.dtype)
+        short = lengths if bool((lengths < n).any()) else None
+        hid = self.runner.hidden_samples([lv.state for lv in lives], emb, anchors, segments, short)[:, 1:]
+        flat = hid.reshape(-1, hid.shape[-1]).to(head.lm_head.dtype)
+        depth = torch.arange(1, d + 1, device=dev)[None, :]
+        pos = anchors[:, None] + depth  # positions of depths 1..D
+        last = (wave.length[sample] - 1)[:, None]
+        target = wave.tokens[base[:, None] + torch.minimum(pos, last)]
+        target = torch.where(pos < wave.known_end[sample][:, None], target, -1)
+        tk = None
+        if wave.topk is not None and self.use_target_topk:
+            # The target's distribution for the token at p + k sits at position p + k - 1.
+            at = (base[:, None] + torch.minimum(pos - 1, last)).reshape(-1)
+            tk = (wave.topk[0][at], wave.topk[1][at])
+        topk = max(self.budgets) if self.budgets else 0
+        out = apply_head(flat, head.lm_head, spec, topk, self.head_mem_bytes, tk)
+        # Depths past a (tail) block's length get values that never match or score: -2, -inf, 0.
+        inside = depth < lengths[:, None]
+        argmax = torch.where(inside, out.argmax.view(-1, d), -2)
+        accepted = leading_matches(argmax, target)
+        first_stop = None
+        if wave.has_stops:
+            nxt = base + torch.minimum(anchors + 1, wave.length[sample] - 1)
+            first_stop = wave.next_stop[nxt]
+        loop_end = wave.loop_end[sample]
+        produced = [cut_produced(accepted, anchors, loop_end, first_stop)]
+        if self.budgets:
+            kk = out.topk_ids.shape[-1]
+            top_ids = torch.where(inside[..., None], out.topk_ids.view(-1, d, kk), -2)
+            top_lp = torch.where(inside[..., None], out.topk_logprobs.view(-1, d, kk), float("-inf"))
+            tree = ddtree_accepted(top_ids, top_lp, lengths - 1, target, max(self.budgets))
+            produced += [cut_produced(tree[:, b - 1], anchors, loop_end, first_stop) for b in self.budgets]
+        table = torch.stack(produced, dim=1)  # [N, walks]
+        for j, c in enumerate((table == 1).sum(0).tolist()):
+            self.ones[j] += c
+        self.seen += len(requests)
+        rows = argmax.tolist() if any(lv.rows is not None for lv in lives) else None
+        for r, ((w, p), vals) in enumerate(zip(requests, table.tolist(), strict=True)):
+            lv = wave.lives[w]
+            lv.known[p] = tuple(vals)
+            if lv.rows is not None:
+                lv.rows[p] = rows[r][: int(min(n, lv.bounds.loop_end - p)) - 1]
+        # Anchor statistics on the fixed set only.
+        prompt = torch.tensor([wave.lives[w].bounds.prompt_len for w in who], device=dev)
+        sel = (anchors - prompt) % self.stride == 0
+        if bool(sel.any()):
+            valid = inside & (target >= 0)
+            self.counts.add_anchors(accepted[sel], produced[0][sel], valid[sel], (argmax == target)[sel])
+            if out.overlap is not None:
+                alpha = torch.where(valid, out.overlap.view(-1, d), 0.0)[sel]
+                self.counts.add_t1(torch.cumprod(alpha.double(), dim=1).sum(dim=1))
+
+
+def _advance(lv: _Live, share: list[float], cap: int) -> None:
+    """Move every walk of a sample as far as the drafted anchors allow; update its lookahead."""
+    for j, walk in enumerate(lv.walks):
+        start, cycles = walk.p, len(walk.lengths)
+        while walk.anchor is not None and walk.anchor in lv.known:
+            walk.advance(lv.known[walk.anchor][j])
+        w = lv.window[j]
+        consumed = walk.p - start == w and len(walk.lengths) - cycles == w  # w one-token cycles
+        lv.window[j] = _grow(w, share[j], consumed, cap)
+
+
+def _requests(wave: _Wave, first: bool) -> list[tuple[int, int]]:
+    out: set[tuple[int, int]] = set()
+    for w, lv in enumerate(wave.lives):
+        if first:
+            out.update((w, p) for p in lv.stats if p not in lv.known)
+        last = lv.bounds.anchors.stop
+        for j, walk in enumerate(lv.walks):
+            p = walk.anchor
+            if p is not None:
+                out.update((w, q) for q in range(p, max(p + 1, min(last, p + lv.window[j]))) if q not in lv.known)
+    return list(out)
+
+
+def _visited(lengths: Sequence[int], start: int) -> set[int]:
+    out, p = set(), start
+    for k in lengths:
+        out.add(p)
         p += k
     return out
-
-
-def score_sample(table: DraftTable, sample: CachedSample, bounds: SampleBounds, spec: DrafterSpec,
-                 stop_token_ids: Sequence[int], budgets: Sequence[int], counts: EvalCounts,
-                 keep_drafts: int = 0) -> SampleResult:
-    entry = sample.entry
-    dev = table.anchors.device
-    tokens = sample.input_ids.to(dev)
-    tok_list = sample.input_ids.tolist()
-    d = spec.block_size - 1
-    result = SampleResult(entry.id, entry.category, [], {}, int(table.anchors.numel()))
-    target = target_windows(tokens, table.anchors, d, bounds.known_end)
-    accepted = leading_matches(table.argmax, target)
-    produced = produced_per_anchor(accepted, table.anchors, tokens, bounds, stop_token_ids)
-    result.acceptance_lengths = replay_walk(produced.tolist(), tok_list, bounds, stop_token_ids)
-    if keep_drafts:
-        result.drafts = cycle_drafts(table, bounds, result.acceptance_lengths, keep_drafts)
-    counts.add_cycles(result.acceptance_lengths, entry.category)
-    depth_idx = torch.arange(1, d + 1, device=dev)
-    valid = (depth_idx[None, :] <= table.depths[:, None]) & (target >= 0)
-    counts.add_anchors(accepted, produced, valid, table.argmax == target)
-    if budgets and table.topk_ids is not None:
-        tree = ddtree_accepted(table.topk_ids, table.topk_logprobs, table.depths, target, max(budgets))
-        for i, b in enumerate(budgets):
-            prod_b = produced_per_anchor(tree[:, b - 1], table.anchors, tokens, bounds, stop_token_ids)
-            result.ddtree[b] = replay_walk(prod_b.tolist(), tok_list, bounds, stop_token_ids)
-            counts.add_ddtree(i, result.ddtree[b])
-    if table.overlap is not None:
-        alpha = torch.where(valid, table.overlap, torch.zeros_like(table.overlap))
-        counts.add_t1(torch.cumprod(alpha.double(), dim=1).sum(dim=1))
-    return result
 
 
 # ---------------------------------------------------------------------------
@@ -333,6 +437,7 @@ class EvalReport:
     wall_time_s: float
     spec: DrafterSpec
     budgets: tuple[int, ...]
+    anchor_stride: int = 1
 
     @property
     def summary(self) -> dict[str, float]:
@@ -356,19 +461,45 @@ def autocast_context(device: torch.device, dtype: torch.dtype | None) -> context
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
+def _waves(cache: StateCache, ids: list[str], runner: DraftRunner, dtype: torch.dtype, budget: int) -> list[list[str]]:
+    """Split ``ids`` (in order) into groups whose prepared states fit ``budget`` bytes together."""
+    waves: list[list[str]] = [[]]
+    used = 0
+    for sid in ids:
+        need = runner.state_bytes(cache.entry(sid).total_len, dtype)
+        if waves[-1] and used + need > budget:
+            waves.append([])
+            used = 0
+        waves[-1].append(sid)
+        used += need
+    return [w for w in waves if w]
+
+
 def evaluate(cache: StateCache, drafter: Any, head: TargetHead | None = None, *,
              sample_ids: Iterable[str] | None = None, budgets: Sequence[int] = DEFAULT_BUDGETS,
-             device: torch.device | str | None = None, autocast_dtype: torch.dtype | None = None,
-             spec: DrafterSpec | None = None, verify: bool = False, progress: bool = False,
-             attn_mem_bytes: int = 512 << 20, head_mem_bytes: int = 512 << 20,
-             keep_drafts: int = 0) -> EvalReport:
-    """Score ``drafter`` on ``cache``: exact greedy replay, DDTree, all-anchor statistics.
+             anchor_stride: int = 1, device: torch.device | str | None = None,
+             autocast_dtype: torch.dtype | None = None, spec: DrafterSpec | None = None, verify: bool = False,
+             progress: bool = False, attn_mem_bytes: int = 512 << 20, head_mem_bytes: int = 512 << 20,
+             context_mem_bytes: int = 4 << 30, max_blocks: int = 1024, keep_drafts: int = 0) -> EvalReport:
+    """Score ``drafter`` on ``cache``: exact greedy replay, DDTree per budget, anchor statistics.
 
-    ``head`` defaults to the cache's exported target head. ``autocast_dtype`` (e.g. bfloat16 on
-    GPU) trades exactness for speed; exactness tests use float32. ``keep_drafts`` > 0 keeps, per
-    sample, the draft blocks of that many first cycles (``SampleResult.drafts``, for display).
+    ``anchor_stride`` picks the anchor-statistics set (per-depth acceptance, ``all_anchor_tau``, the
+    SpecForge-style and temperature-1 estimates): every ``anchor_stride``-th anchor from
+    ``prompt_len``, the same at every evaluation; 1 = every anchor. The replays are exact whatever
+    the stride. ``head`` defaults to the cache's exported target head. ``autocast_dtype`` (e.g.
+    bfloat16 on GPU) trades exactness for speed; exactness tests use float32. ``keep_drafts`` > 0
+    keeps, per sample, the draft blocks of that many first cycles (``SampleResult.drafts``).
+
+    Memory: samples are evaluated in waves whose context K/V fit ``context_mem_bytes`` together
+    (Qwen3.6-27B drafter in bf16: 5 layers x 2 x 8 KV heads x 128 x 2 bytes = 20 KiB per position,
+    42 MB per 2,048-token sample, 2.7 GB for 64 such samples: one wave under the 4 GiB default);
+    a round drafts at most ``max_blocks`` blocks per pass (token-wise activations ~ ``max_blocks`` x
+    block_size x intermediate size: 0.6 GB at 1,024 blocks for that drafter in bf16), attention
+    temporaries stay under ``attn_mem_bytes`` per chunk and head logits under ``head_mem_bytes``.
     """
     start = time.perf_counter()
+    if anchor_stride < 1:
+        raise ValueError(f"anchor_stride must be >= 1 (1 = every anchor), got {anchor_stride}")
     runner = as_runner(drafter, spec, attn_mem_bytes)
     spec = runner.spec
     cache.check_drafter(spec.as_cache_check())
@@ -386,20 +517,76 @@ def evaluate(cache: StateCache, drafter: Any, head: TargetHead | None = None, *,
     ids = list(sample_ids) if sample_ids is not None else [s.id for s in cache.samples]
     categories = tuple(sorted({s.category for s in cache.samples}))
     counts = EvalCounts(spec.block_size, budgets, categories)
-    results: list[SampleResult] = []
     manifest = cache.manifest
-    topk = max(budgets) if budgets else 0
-    iterator: Iterable[str] = ids
+    stops = frozenset(manifest.stop_token_ids)
+    drafting = _Drafting(runner, head, spec, budgets, counts, anchor_stride, head_mem_bytes, True, max_blocks)
+    state_dtype = autocast_dtype or runner.dtype
+    bar = None
     if progress:
         from tqdm.auto import tqdm
 
-        iterator = tqdm(ids, desc="evaluating", unit="sample")
+        bar = tqdm(total=len(ids), desc="evaluating", unit="sample")
+    results: dict[str, SampleResult] = {}
     with torch.no_grad(), autocast_context(device, autocast_dtype):
-        for sid in iterator:
-            sample = cache.load(sid, verify=verify)
-            bounds = bounds_for(sample, manifest)
-            table = draft_sample(runner, head, sample, bounds, topk, head_mem_bytes)
-            res = score_sample(table, sample, bounds, spec, manifest.stop_token_ids, budgets, counts,
-                               keep_drafts)
-            results.append(res)
-    return EvalReport(counts, results, time.perf_counter() - start, spec, budgets)
+        for wave_ids in _waves(cache, ids, runner, state_dtype, context_mem_bytes):
+            wave = _load_wave(cache, wave_ids, runner, manifest, stops, anchor_stride, len(budgets), device,
+                              verify, keep_drafts > 0)
+            first = True
+            while True:
+                share = [o / max(drafting.seen, 1) for o in drafting.ones]
+                for lv in wave.lives:
+                    _advance(lv, share, 8 * spec.block_size)
+                requests = _requests(wave, first)
+                first = False
+                if not requests:
+                    break
+                drafting.run(wave, requests)
+            for lv in wave.lives:
+                results[lv.id] = _finish(lv, budgets, keep_drafts)
+                lv.state = None  # the context K/V of this wave can go
+            if bar is not None:
+                bar.update(len(wave_ids))
+    if bar is not None:
+        bar.close()
+    samples = [results[sid] for sid in ids]
+    for r in samples:  # in sample order: the integer counts do not depend on waves or rounds
+        counts.add_cycles(r.acceptance_lengths, r.category)
+        for i, b in enumerate(budgets):
+            counts.add_ddtree(i, r.ddtree[b])
+        counts.add_cost(r.anchors_drafted, r.anchors_needed)
+    return EvalReport(counts, samples, time.perf_counter() - start, spec, budgets, anchor_stride)
+
+
+def _load_wave(cache: StateCache, ids: list[str], runner: DraftRunner, manifest: Manifest, stops: frozenset[int],
+               stride: int, n_budgets: int, device: torch.device, verify: bool, keep_rows: bool) -> _Wave:
+    lives, tokens, topk = [], [], []
+    for w, sid in enumerate(ids):
+        sample = cache.load(sid, verify=verify)
+        bounds = bounds_for(sample, manifest)
+        tok_list = sample.input_ids.tolist()
+        state = None
+        if len(bounds.anchors):
+            # Block at p sees context rows [0, p): the last anchor bounds the rows any block needs.
+            rows = bounds.anchors[-1]
+            state = runner.prepare(sample.hidden[:rows].to(device=device, dtype=runner.dtype))
+        walks = [Walk(bounds, tok_list, stops) for _ in range(1 + n_budgets)]
+        lives.append(_Live(w, sid, sample.entry.category, bounds, tok_list, state, stats_anchors(bounds, stride),
+                           walks, rows={} if keep_rows else None, window=[1] * len(walks)))
+        tokens.append(sample.input_ids.long())
+        topk.append(None if sample.topk_ids is None else (sample.topk_ids, sample.topk_logprobs))
+        del sample  # the features are no longer needed: the state holds what the drafter uses
+    return _Wave(lives, tokens, topk, sorted(stops), device)
+
+
+def _finish(lv: _Live, budgets: tuple[int, ...], keep_drafts: int) -> SampleResult:
+    greedy = lv.walks[0].lengths
+    res = SampleResult(lv.id, lv.category, greedy, {b: w.lengths for b, w in zip(budgets, lv.walks[1:], strict=True)},
+                       len(lv.stats))
+    if keep_drafts and lv.rows is not None:
+        res.drafts = [lv.rows[p] for p in sorted(_visited(greedy[:keep_drafts], lv.bounds.prompt_len))]
+    needed = set(lv.stats)
+    for w in lv.walks:
+        needed |= _visited(w.lengths, lv.bounds.prompt_len)
+    res.anchors_drafted = len(lv.known)
+    res.anchors_needed = len(needed)
+    return res

@@ -20,6 +20,10 @@ ALL_ANCHOR_TAU = "all_anchor_tau"
 SPECFORGE_TAU = "specforge_sim_tau"
 T1_TAU_ESTIMATE = "t1_tau_estimate"
 EVAL_TIME = "eval_time_s"
+# Evaluation cost: distinct anchors the drafter ran at / the replays and the statistics set needed.
+ANCHORS_DRAFTED = "anchors_drafted"
+ANCHORS_NEEDED = "anchors_needed"
+ANCHOR_STRIDE = "anchor_stride"  # the statistics set's stride (run config and results.json meta)
 
 
 def ddtree_tau(budget: int) -> str:
@@ -61,6 +65,7 @@ class EvalCounts:
             "cat_cycles": len(self.categories), "cat_produced": len(self.categories),
             "dd_cycles": len(self.budgets), "dd_produced": len(self.budgets),
             "t1_sum": 1, "t1_anchors": 1,
+            "anchors_drafted": 1, "anchors_needed": 1,
         }
         for k, n in shapes.items():
             self.data.setdefault(k, torch.zeros(n, dtype=torch.float64))
@@ -112,6 +117,10 @@ class EvalCounts:
         self.data["cond_den"] += (reached & valid_depth).sum(0).double().cpu()
         self.data["cond_num"] += (accepted[:, None] >= depths[None, :]).sum(0).double().cpu()
 
+    def add_cost(self, drafted: int, needed: int) -> None:
+        self.data["anchors_drafted"] += drafted
+        self.data["anchors_needed"] += needed
+
     def add_t1(self, expected_accepted: torch.Tensor) -> None:
         self.data["t1_sum"] += (expected_accepted.double() + 1).sum().item()
         self.data["t1_anchors"] += expected_accepted.numel()
@@ -130,6 +139,8 @@ def summarize(counts: EvalCounts) -> dict[str, float]:
         TOKENS: d["produced"].item(),
         SAMPLES: d["samples"].item(),
         ALL_ANCHOR_TAU: _ratio(d["anchor_produced"].item(), d["anchors"].item()),
+        ANCHORS_DRAFTED: d["anchors_drafted"].item(),
+        ANCHORS_NEEDED: d["anchors_needed"].item(),
     }
     for i, b in enumerate(counts.budgets):
         out[ddtree_tau(b)] = _ratio(d["dd_produced"][i].item(), d["dd_cycles"][i].item())

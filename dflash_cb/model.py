@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -98,6 +99,23 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos + rotate_half(x) * sin
 
 
+def attention_reach(config: Any, layer_idx: int) -> tuple[int | None, int | None]:
+    """How far back and ahead (in positions) a query of layer ``layer_idx`` may look; None = no limit.
+
+    A layer that the config's ``layer_types`` lists as ``sliding_attention`` sees ``sliding_window``
+    positions counting its own (no limit when the config carries no window), and only backwards
+    unless the config sets ``is_causal`` false (then the window is symmetric). Any other layer sees everything, backwards only if ``is_causal`` is set.
+    The rule of the public checkpoints, SGLang's DFlash model and SpecForge's masks (docs/method.md).
+    """
+    kinds = getattr(config, "layer_types", None) or ()
+    sliding = layer_idx < len(kinds) and kinds[layer_idx] == "sliding_attention"
+    size = getattr(config, "sliding_window", None) if sliding else None  # Qwen3Config drops it unless enabled
+    window = int(size) - 1 if size is not None else None
+    causal_flag = getattr(config, "is_causal", None)
+    causal = sliding if causal_flag is None else bool(causal_flag)
+    return window, (0 if causal else window)
+
+
 class DFlashAttention(nn.Module):
     def __init__(self, config: Qwen3Config, layer_idx: int):
         super().__init__()
@@ -112,11 +130,7 @@ class DFlashAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
         self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        layer_types = getattr(config, "layer_types", None)
-        layer_type = layer_types[layer_idx] if layer_types else "full_attention"
-        is_causal = getattr(config, "is_causal", None)
-        self.is_causal = layer_type == "sliding_attention" if is_causal is None else bool(is_causal)
-        self.sliding_window = config.sliding_window if layer_type == "sliding_attention" else None
+        self.reach_back, self.reach_ahead = attention_reach(config, layer_idx)
 
     def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [..., L, hidden] -> k, v [..., kv_heads, L, head_dim] (k normed and rotated)."""
@@ -125,21 +139,25 @@ class DFlashAttention(nn.Module):
         v = self.v_proj(x).view(shape).transpose(-2, -3)
         return _rope(k, cos.unsqueeze(-3), sin.unsqueeze(-3)), v
 
-    def forward(self, x: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor, cos: torch.Tensor,
-                sin: torch.Tensor, mask: torch.Tensor | None, group: int = 1) -> torch.Tensor:
-        """Blocks x [A, L, hidden] attend to context keys [kv, C, d] (shared) or [A, kv, C, d], then themselves.
+    def project_q(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [A, L, hidden] -> q [A, heads, L, head_dim] (normed and rotated)."""
+        a, n, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(a, n, self.num_heads, self.head_dim)).transpose(1, 2)
+        return _rope(q, cos.unsqueeze(1), sin.unsqueeze(1))
+
+    def attend(self, q: torch.Tensor, bk: torch.Tensor, bv: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor,
+               mask: torch.Tensor | None, group: int = 1) -> torch.Tensor:
+        """Block queries q [A, H, L, d] over context keys [kv, C, d] (shared) or [A / group, kv, C, d], then
+        the blocks' own keys bk / bv [A, kv, L, d]; returns [A, L, H * d] (before ``o_proj``).
 
         ``group`` > 1 packs that many consecutive blocks into one attention row set sharing a single
         copy of the context keys (A must be a multiple of it): far fewer key copies, at the price of
         each query also scoring the group's other blocks, which ``mask`` hides. ``mask`` (bool
         [A / group, 1, group * L, C + group * L], True = visible, or None = all visible) carries each
-        block's context prefix, its own block and, for causal / sliding layers, the position rules.
+        block's context prefix, its own block and the layer's position rule.
         """
-        a, n, _ = x.shape
-        h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        q = self.q_norm(self.q_proj(x).view(a, n, h, d)).transpose(1, 2)
-        q = _rope(q, cos.unsqueeze(1), sin.unsqueeze(1))  # [A, H, L, d]
-        bk, bv = self.project_kv(x, cos, sin)  # [A, kv, L, d]
+        a, h, n, d = q.shape
+        kv = self.num_kv_heads
         b = a // group
         if group > 1:
             q = q.view(b, group, h, n, d).transpose(1, 2).reshape(b, h, group * n, d)
@@ -150,25 +168,44 @@ class DFlashAttention(nn.Module):
             ctx_v = ctx_v.expand(b, *ctx_v.shape)
         k = torch.cat([ctx_k, bk], dim=2)
         v = torch.cat([ctx_v, bv], dim=2)
-        # The same fused kernel the reference uses (sdpa), with grouped K/V heads.
+        # The fused kernel (sdpa) with grouped K/V heads.
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=h != kv)
         if group > 1:
             out = out.view(b, h, group, n, d).transpose(1, 2).reshape(a, h, n, d)
-        return self.o_proj(out.transpose(1, 2).reshape(a, n, -1))
+        return out.transpose(1, 2).reshape(a, n, h * d)
 
-    def visibility(self, base: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor | None:
-        """``base`` [A, 1, L, K] (prefix visibility) narrowed by this layer's causal / sliding-window rule."""
-        if not self.is_causal and self.sliding_window is None:
-            return base
-        qp, kp = q_pos[:, None, :, None], k_pos[:, None, None, :]
+    def forward(self, x: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor, mask: torch.Tensor | None, group: int = 1) -> torch.Tensor:
+        """Blocks x [A, L, hidden] attend to their context keys, then themselves (see ``attend``)."""
+        bk, bv = self.project_kv(x, cos, sin)
+        return self.o_proj(self.attend(self.project_q(x, cos, sin), bk, bv, ctx_k, ctx_v, mask, group))
+
+    @property
+    def unrestricted(self) -> bool:
+        """True when this layer sees its whole context prefix and whole block (no position rule)."""
+        return self.reach_back is None and self.reach_ahead is None
+
+    def visibility(self, base: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+        """``base`` [A, 1, L, K] (prefix visibility) narrowed to the keys within this layer's reach."""
+        offset = k_pos[:, None, None, :] - q_pos[:, None, :, None]  # key position minus query position
         ok = base
-        if self.is_causal:
-            ok = ok & (kp <= qp)
-        if self.sliding_window is not None:
-            ok = ok & (qp - kp < self.sliding_window)
-            if not self.is_causal:
-                ok = ok & (kp - qp < self.sliding_window)
+        if self.reach_back is not None:
+            ok = ok & (offset >= -self.reach_back)
+        if self.reach_ahead is not None:
+            ok = ok & (offset <= self.reach_ahead)
         return ok
+
+
+@dataclass
+class _AttentionPart:
+    """A chunk of one sample's blocks that attends in one kernel call (see ``forward_samples``)."""
+
+    sample: int
+    rows: slice | torch.Tensor  # the chunk's rows, padded to a multiple of ``group`` by repeating the last
+    count: int  # real rows (outputs past them are dropped)
+    context: int  # context keys kept: the largest anchor of the chunk
+    group: int
+    masks: list[torch.Tensor | None]
 
 
 class DFlashDecoderLayer(nn.Module):
@@ -229,33 +266,43 @@ class DFlashDrafter(nn.Module):
         """Reference signature: blocks [B, L, hidden] after ``target_hidden`` [B, C, F] -> hidden [B, L, hidden].
 
         ``position_ids`` [B, C + L] run over context then block. ``attention_mask`` (bool [B, 1, L, C + L],
-        True = visible) is optional, as in the reference; without it context and block are fully visible.
+        True = visible) is optional, as in the reference; without it context and block are fully visible
+        (narrowed by each layer's position rule). No branch depends on tensor values, so this traces into
+        one graph (``torch.compile(fullgraph=True)``).
         """
         if past_key_values is not None:
             raise NotImplementedError("DFlashDrafter does not keep a KV cache; the engine batches anchors instead")
-        b, n, _ = noise_embedding.shape
         c = target_hidden.shape[1]
         cos, sin = self.rotary_emb(noise_embedding, position_ids)
         ctx = self.hidden_norm(self.fc(target_hidden))
-        if attention_mask is None:
-            attention_mask = torch.ones(b, 1, n, c + n, dtype=torch.bool, device=ctx.device)
-        masks = self._layer_masks(attention_mask.bool(), position_ids[:, c:], position_ids)
+        base = None if attention_mask is None else attention_mask.bool()
+        masks = self._layer_masks(base, position_ids[:, c:], position_ids)
         h = noise_embedding
         for layer, mask in zip(self.layers, masks, strict=True):
             kv = layer.self_attn.project_kv(ctx, cos[:, :c], sin[:, :c])
             h = layer(h, kv, cos[:, c:], sin[:, c:], mask)
         return self.norm(h)
 
-    def _layer_masks(self, base: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -> list[torch.Tensor | None]:
-        cache: dict[tuple[bool, int | None], torch.Tensor | None] = {}
+    def _layer_masks(self, base: torch.Tensor | None, q_pos: torch.Tensor, k_pos: torch.Tensor
+                     ) -> list[torch.Tensor | None]:
+        """Per layer: ``base`` [B, 1, L, K] (None = all visible) narrowed by the layer's reach.
+
+        Layers with the same reach share one mask. Decided from the config alone (never from mask
+        values), so it compiles without graph breaks; an unrestricted layer keeps ``base`` as it is.
+        """
+        by_reach: dict[tuple[int | None, int | None], torch.Tensor | None] = {}
         out = []
         for layer in self.layers:
             attn = layer.self_attn
-            key = (attn.is_causal, attn.sliding_window)
-            if key not in cache:
-                m = attn.visibility(base, q_pos, k_pos)
-                cache[key] = None if bool(m.all()) else m  # an all-true mask only slows the kernel
-            out.append(cache[key])
+            key = (attn.reach_back, attn.reach_ahead)
+            if key not in by_reach:
+                if attn.unrestricted:
+                    by_reach[key] = base
+                else:
+                    full = base if base is not None else torch.ones(
+                        q_pos.shape[0], 1, q_pos.shape[1], k_pos.shape[1], dtype=torch.bool, device=q_pos.device)
+                    by_reach[key] = attn.visibility(full, q_pos, k_pos)
+            out.append(by_reach[key])
         return out
 
     # -- engine interface -----------------------------------------------------
@@ -267,41 +314,89 @@ class DFlashDrafter(nn.Module):
         cos, sin = self.rotary_emb(ctx, pos)
         return [layer.self_attn.project_kv(ctx, cos, sin) for layer in self.layers]
 
+    def context_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """Bytes of context K/V one cached position costs (all layers, keys and values)."""
+        attn = self.layers[0].self_attn
+        elem = torch.empty((), dtype=dtype).element_size()
+        return len(self.layers) * 2 * attn.num_kv_heads * attn.head_dim * elem
+
     def forward_blocks(self, ctx_kv: list[tuple[torch.Tensor, torch.Tensor]], noise_embedding: torch.Tensor,
                        anchors: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
-        """Blocks [A, L, hidden] anchored at ``anchors`` [A]; block a sees context rows [0, anchors[a]).
+        """Blocks [A, L, hidden] anchored at ``anchors`` [A] of one sample; block a sees context rows
+        [0, anchors[a]). ``lengths`` [A] (<= L) makes block a behave as a block of that length (the loop's
+        shorter tail block): its padding positions are hidden from every query; their outputs are meaningless.
+        """
+        return self.forward_samples([ctx_kv], noise_embedding, anchors, [(0, anchors.shape[0])], lengths)
 
-        ``lengths`` [A] (<= L) makes block a behave as a block of that length (the loop's shorter tail
-        block): its padding positions are hidden from every query; their own outputs are meaningless.
+    def forward_samples(self, ctx_kvs: Sequence[list[tuple[torch.Tensor, torch.Tensor]]],
+                        noise_embedding: torch.Tensor, anchors: torch.Tensor, segments: Sequence[tuple[int, int]],
+                        lengths: torch.Tensor | None = None, attn_mem_bytes: int | None = None) -> torch.Tensor:
+        """Blocks of several samples in one pass; rows ``segments[s] = (start, stop)`` belong to sample s.
+
+        Token-wise work (projections, norms, MLP) runs on all rows together; attention runs per sample
+        against that sample's context K/V ``ctx_kvs[s]`` (from ``context_kv``), in chunks that keep its
+        temporaries under ``attn_mem_bytes`` (None: no limit). Segments must cover the rows in order.
         """
         a, n, _ = noise_embedding.shape
-        dev = anchors.device
-        c = int(anchors.max().item())  # no block sees past the last anchor: trim the keys
-        kv = [(k[:, :c], v[:, :c]) for k, v in ctx_kv]
         lengths = torch.full_like(anchors, n) if lengths is None else lengths
-        # Pack ~C / (4 L) blocks per attention row set: their extra block keys cost at most a quarter
-        # of the context's, and the context keys are copied once per group instead of once per block.
-        group = max(1, min(a, c // (4 * n)))
-        pad = (-a) % group
-        if pad:  # repeat the last block; its outputs are dropped
-            idx = torch.cat([torch.arange(a, device=dev), torch.full((pad,), a - 1, device=dev)])
-            anchors, lengths, noise_embedding = anchors[idx], lengths[idx], noise_embedding[idx]
-        b, m = (a + pad) // group, group * n
-        q_pos = (anchors[:, None] + torch.arange(n, device=dev)[None, :])  # [A, L]
-        packed_pos = q_pos.view(b, m)
-        q_anchor = anchors.view(b, group, 1).expand(b, group, n).reshape(b, m)
-        member = torch.arange(group, device=dev).repeat_interleave(n)  # block of each packed row
-        in_block = (torch.arange(n, device=dev)[None, :] < lengths[:, None]).view(b, m)
-        see_ctx = torch.arange(c, device=dev)[None, None, :] < q_anchor[:, :, None]  # [b, m, C]
-        see_blk = (member[:, None] == member[None, :])[None] & in_block[:, None, :]  # [b, m, m]
-        base = torch.cat([see_ctx, see_blk], dim=2)[:, None]
-        k_pos = torch.cat([torch.arange(c, device=dev).expand(b, c), packed_pos], dim=1)
-        masks = self._layer_masks(base, packed_pos, k_pos)
+        anchor_list = anchors.tolist()  # one host sync per call: chunking and key trimming need the values
+        parts: list[_AttentionPart] = []
+        for s, (lo, hi) in enumerate(segments):
+            parts += self._plan_attention(s, lo, hi, anchor_list, anchors, lengths, n, attn_mem_bytes,
+                                          noise_embedding.element_size())
+        q_pos = anchors[:, None] + torch.arange(n, device=anchors.device)[None, :]
         cos, sin = self.rotary_emb(noise_embedding, q_pos)
         h = noise_embedding
-        for layer, layer_kv, mask in zip(self.layers, kv, masks, strict=True):
-            h = layer(h, layer_kv, cos, sin, mask, group)
-        return self.norm(h)[:a]
+        for li, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)
+            q = attn.project_q(x, cos, sin)
+            bk, bv = attn.project_kv(x, cos, sin)
+            outs = []
+            for part in parts:
+                ck, cv = ctx_kvs[part.sample][li]
+                o = attn.attend(q[part.rows], bk[part.rows], bv[part.rows], ck[:, :part.context],
+                                cv[:, :part.context], part.masks[li], part.group)
+                outs.append(o[: part.count])
+            h = h + attn.o_proj(torch.cat(outs) if len(outs) > 1 else outs[0])
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.norm(h)
+
+    def _plan_attention(self, sample: int, lo: int, hi: int, anchor_list: list[int], anchors: torch.Tensor,
+                        lengths: torch.Tensor, n: int, mem_bytes: int | None, elem: int) -> list[_AttentionPart]:
+        """Chunks of one sample's rows [lo, hi), each with its packing group and per-layer masks."""
+        if hi <= lo:
+            return []
+        attn = self.layers[0].self_attn
+        dev = anchors.device
+        widest = max(anchor_list[lo:hi])
+        # Per block: its share of the copied context K and V, the mask and the kernel's score rows.
+        per_block = (widest + n) * (2 * attn.num_kv_heads * attn.head_dim * elem + n + attn.num_heads * n * 4)
+        step = hi - lo if mem_bytes is None else max(1, mem_bytes // max(per_block, 1))
+        parts = []
+        for i in range(lo, hi, step):
+            j = min(hi, i + step)
+            count = j - i
+            c = max(anchor_list[i:j])  # no block sees past its anchor: trim the keys
+            # Pack ~C / (4 L) blocks per attention row set: their extra block keys cost at most a quarter
+            # of the context's, and the context keys are copied once per group instead of once per block.
+            group = max(1, min(count, c // (4 * n)))
+            pad = (-count) % group
+            rows: slice | torch.Tensor = slice(i, j)
+            if pad:  # repeat the last block; its outputs are dropped
+                rows = torch.cat([torch.arange(i, j, device=dev), torch.full((pad,), j - 1, device=dev)])
+            anc, lens = anchors[rows], lengths[rows]
+            b, m = (count + pad) // group, group * n
+            packed_pos = (anc[:, None] + torch.arange(n, device=dev)[None, :]).reshape(b, m)
+            q_anchor = anc.view(b, group, 1).expand(b, group, n).reshape(b, m)
+            member = torch.arange(group, device=dev).repeat_interleave(n)  # block of each packed row
+            in_block = (torch.arange(n, device=dev)[None, :] < lens[:, None]).reshape(b, m)
+            see_ctx = torch.arange(c, device=dev)[None, None, :] < q_anchor[:, :, None]  # [b, m, C]
+            see_blk = (member[:, None] == member[None, :])[None] & in_block[:, None, :]  # [b, m, m]
+            base = torch.cat([see_ctx, see_blk], dim=2)[:, None]
+            k_pos = torch.cat([torch.arange(c, device=dev).expand(b, c), packed_pos], dim=1)
+            parts.append(_AttentionPart(sample, rows, count, c, group, self._layer_masks(base, packed_pos, k_pos)))
+        return parts
 
     # -- checkpoint format ----------------------------------------------------
     @classmethod

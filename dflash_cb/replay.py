@@ -1,8 +1,10 @@
-"""Offline replay of the greedy DFlash speculative loop (DFLASH_NOTES.md, section 2).
+"""Offline replay of the greedy DFlash speculative loop (docs/method.md, "The loop" and "Why the
+replay is exact").
 
 With greedy verification the target accepts draft token k exactly when it equals the target's
 token at ``p + k``; with the target's greedy path cached, the draft at anchor ``p`` depends only on
-cached data. So the loop is a walk over per-anchor accepted counts: ``p -> p + produced(p)``.
+cached data. So the loop is a walk over per-anchor produced counts: ``p -> p + produced(p)``, and a
+walk only ever needs ``produced`` at the anchors it visits (``Walk``, fed on demand by the engine).
 Pure functions on lists and tensors; no model here.
 """
 
@@ -62,20 +64,63 @@ def leading_matches(draft: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return (draft == target).long().cumprod(dim=1).sum(dim=1)
 
 
+def next_stop_positions(tokens: torch.Tensor, stop_token_ids: Sequence[int]) -> torch.Tensor:
+    """[T]: the first stop-token position >= i for each i (T when there is none)."""
+    n = tokens.shape[0]
+    idx = torch.arange(n, device=tokens.device)
+    if not stop_token_ids:
+        return torch.full_like(idx, n)
+    stops = torch.isin(tokens, torch.tensor(list(stop_token_ids), device=tokens.device))
+    cand = torch.where(stops, idx, torch.full_like(idx, n))
+    return torch.flip(torch.cummin(torch.flip(cand, [0]), 0).values, [0])  # reverse cumulative min
+
+
+def cut_produced(accepted: torch.Tensor, anchors: torch.Tensor, loop_end: torch.Tensor | int,
+                 first_stop: torch.Tensor | None) -> torch.Tensor:
+    """``produced`` of a cycle at each anchor: min(a + 1, end - p - 1), ending at the first stop token.
+
+    ``first_stop`` [A]: the first stop position after each anchor (None: no stop tokens).
+    """
+    produced = torch.minimum(accepted + 1, loop_end - anchors - 1)
+    return produced if first_stop is None else torch.minimum(produced, first_stop - anchors)
+
+
 def produced_per_anchor(accepted: torch.Tensor, anchors: torch.Tensor, tokens: torch.Tensor,
                         bounds: SampleBounds, stop_token_ids: Sequence[int]) -> torch.Tensor:
     """``produced`` a cycle anchored at each p would commit: min(a + 1, end - p - 1), cut at a stop."""
-    produced = torch.minimum(accepted + 1, bounds.loop_end - anchors - 1)
+    first = None
     if stop_token_ids:
-        n = tokens.shape[0]
-        stops = torch.isin(tokens, torch.tensor(list(stop_token_ids), device=tokens.device))
-        idx = torch.arange(n, device=tokens.device)
-        # next_stop[i] = first stop position >= i (n when none): reverse cumulative min.
-        cand = torch.where(stops, idx, torch.full_like(idx, n))
-        next_stop = torch.flip(torch.cummin(torch.flip(cand, [0]), 0).values, [0])
-        first = next_stop[(anchors + 1).clamp(max=n - 1)]
-        produced = torch.minimum(produced, first - anchors)
-    return produced
+        nxt = next_stop_positions(tokens, stop_token_ids)
+        first = nxt[(anchors + 1).clamp(max=tokens.shape[0] - 1)]
+    return cut_produced(accepted, anchors, bounds.loop_end, first)
+
+
+class Walk:
+    """One replay of the loop, advanced one cycle at a time as ``produced`` values arrive.
+
+    ``anchor`` is the position whose ``produced`` the walk needs next (None once it has ended);
+    ``lengths`` collects the cycles' ``produced`` values: the reference loop's ``acceptance_lengths``.
+    """
+
+    def __init__(self, bounds: SampleBounds, tokens: Sequence[int], stops: frozenset[int]):
+        self.bounds = bounds
+        self.tokens = tokens
+        self.stops = stops
+        self.lengths: list[int] = []
+        self.p = bounds.prompt_len
+        # The prefill's token off the known path, or already a stop: no cycle runs.
+        self.done = self.p >= bounds.known_end or tokens[self.p] in stops or self.p + 1 >= bounds.loop_end
+
+    @property
+    def anchor(self) -> int | None:
+        return None if self.done else self.p
+
+    def advance(self, produced: int) -> None:
+        start = self.p
+        self.lengths.append(produced)
+        self.p += produced
+        stopped = any(self.tokens[j] in self.stops for j in range(start + 1, self.p + 1))
+        self.done = stopped or self.p + 1 >= self.bounds.loop_end
 
 
 def replay_walk(produced: Sequence[int], tokens: Sequence[int], bounds: SampleBounds,
@@ -84,15 +129,7 @@ def replay_walk(produced: Sequence[int], tokens: Sequence[int], bounds: SampleBo
 
     ``produced[i]`` belongs to anchor ``bounds.prompt_len + i`` (see ``produced_per_anchor``).
     """
-    stop = set(stop_token_ids)
-    p, n = bounds.prompt_len, bounds.prompt_len
-    if p >= bounds.known_end or tokens[p] in stop:
-        return []  # the prefill's token is off the path, or already a stop: no cycle runs
-    out = []
-    while p + 1 < bounds.loop_end:
-        k = produced[p - n]
-        out.append(k)
-        p += k
-        if any(tokens[j] in stop for j in range(p - k + 1, p + 1)):
-            break
-    return out
+    walk = Walk(bounds, tokens, frozenset(stop_token_ids))
+    while not walk.done:
+        walk.advance(produced[walk.p - bounds.prompt_len])
+    return walk.lengths

@@ -1,4 +1,4 @@
-"""The replay walk against a literal transcription of the loop in DFLASH_NOTES.md section 2."""
+"""The replay walk against a literal transcription of the loop in docs/method.md ("The loop")."""
 
 from __future__ import annotations
 

@@ -1,0 +1,309 @@
+"""The demand-driven engine against a brute-force per-anchor reference written here.
+
+The reference runs the ``dflash`` package's drafter once per anchor (as the reference loop does),
+scores every anchor in plain Python (leading matches, a heapq DDTree from tests/test_ddtree.py,
+the stop-token and tail-block rules of docs/method.md), walks the loop over those per-anchor values
+and sums every count of ``EvalCounts`` over the statistics set. With ``anchor_stride=1`` those are
+the numbers of the all-anchor engine this one replaced. The cache is planted (completions follow
+the drafter for a few tokens per cycle, so tau is well above 1) and deliberately awkward: a
+prompt-only sample, one at ``max_new_tokens``, stop tokens, a ``valid_len`` cut, a one-token
+completion, and a sliding-window drafter layer whose window is shorter than the contexts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save
+from test_ddtree import reference_tree_accept
+from transformers import Qwen3Config
+
+from dflash_cb.engine import ReferenceRunner, apply_head, block_embeddings, evaluate
+from dflash_cb.fileio import atomic_write_bytes
+from dflash_cb.model import DFlashDrafter, DrafterSpec
+from dflash_cb.states import HEAD_NAME, Manifest, SampleEntry, ShardEntry, StateCache, TargetHead, shard_name
+
+dm = pytest.importorskip("dflash.model", reason="the oracle: pip install --no-deps dflash==0.1.0")
+
+VOCAB, HIDDEN, LAYERS, BLOCK, MAX_NEW, STOP, TOPK = 64, 32, [0, 2], 6, 40, 2, 4
+BUDGETS = (3, 8)
+
+
+def _config() -> Qwen3Config:
+    return Qwen3Config(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=512, rms_norm_eps=1e-6, num_target_layers=4,
+        block_size=BLOCK, layer_types=["sliding_attention", "full_attention"], sliding_window=5,
+        use_sliding_window=True, dflash_config={"target_layer_ids": LAYERS, "mask_token_id": VOCAB - 1})
+
+
+# (category, prompt_len, completion_len, how the completion ends, valid_len cut after the prompt)
+SHAPES = [
+    ("code", 7, MAX_NEW, "length", None),  # at max_new_tokens
+    ("chat", 5, 23, "stop", None),  # ended by a stop token
+    ("math", 6, 0, "prompt-only", None),
+    ("code", 9, MAX_NEW, "length", 17),  # left the greedy path at prompt + 17
+    ("chat", 4, 1, "stop", None),  # the first new token is a stop
+    ("math", 8, 31, "stop", None),
+]
+
+
+def _write_cache(root: Path, drafter: DFlashDrafter, head: TargetHead, most: int = 4) -> StateCache:
+    """A cache whose completions copy the drafter's block for 0..``most`` tokens per cycle."""
+    g = torch.Generator().manual_seed(0)
+    rng = random.Random(0)
+    shards, entries = [], []
+    fdim = len(LAYERS) * HIDDEN
+    spec = drafter.spec
+    for i, (cat, prompt, comp, end, cut) in enumerate(SHAPES):
+        total = prompt + comp
+        feats = torch.randn(total, fdim, generator=g)
+        tokens = torch.randint(3, VOCAB - 1, (total,), generator=g)  # no stop, no mask token
+        state = drafter.context_kv(feats)
+        pos = prompt
+        while pos + 1 < total:
+            length = min(BLOCK, total - pos)
+            anc = torch.tensor([pos])
+            hid = drafter.forward_blocks(state, block_embeddings(tokens, anc, length, spec, head.embed_tokens), anc)
+            draft = apply_head(hid[0, 1:], head.lm_head, spec, 0).argmax.tolist()
+            k = min(rng.randint(0, most), length - 1)
+            k = next((j for j in range(k) if draft[j] in (STOP, VOCAB - 1)), k)  # never plant a stop
+            tokens[pos + 1: pos + 1 + k] = torch.tensor(draft[:k], dtype=torch.long)
+            if pos + k + 1 < total:  # a guaranteed mismatch
+                tokens[pos + k + 1] = 3 + (draft[k] + 1) % (VOCAB - 4) if k < length - 1 else tokens[pos + k + 1]
+            pos += k + 1
+        if end == "stop":
+            tokens[-1] = STOP
+        sid = f"s{i}"
+        top_lp, top_ids = torch.topk(torch.log_softmax(torch.randn(total, VOCAB, generator=g) * 3, -1), TOPK, -1)
+        data = save({f"{sid}/input_ids": tokens, f"{sid}/hidden": feats, f"{sid}/target_argmax": torch.roll(tokens, -1),
+                     f"{sid}/topk_ids": top_ids, f"{sid}/topk_logprobs": top_lp})
+        name = shard_name(i)
+        atomic_write_bytes(root / name, data)
+        shards.append(ShardEntry(name, hashlib.sha256(data).hexdigest(), len(data), [sid]))
+        valid = total if cut is None else prompt + cut
+        entries.append(SampleEntry(sid, cat, name, prompt, comp, valid, "stop" if end == "stop" else "length", i))
+    head_bytes = save({"embed_tokens.weight": head.embed_tokens, "lm_head.weight": head.lm_head})
+    atomic_write_bytes(root / HEAD_NAME, head_bytes)
+    Manifest(target={"name_or_path": "planted", "architecture": "planted", "num_layers": 4, "hidden_size": HIDDEN,
+                     "vocab_size": VOCAB, "config_sha256": "planted"},
+             layer_ids=LAYERS, dtype="float32",
+             reference={"kind": "planted", "max_new_tokens": MAX_NEW, "stop_token_ids": [STOP]},
+             topk_logprobs=TOPK, shards=shards, samples=entries,
+             target_head={"file": HEAD_NAME, "sha256": hashlib.sha256(head_bytes).hexdigest(), "tied": False,
+                          "vocab_size": VOCAB, "hidden_size": HIDDEN, "dtype": "float32"}).write(root)
+    return StateCache(root)
+
+
+@pytest.fixture(scope="module")
+def planted(tmp_path_factory: pytest.TempPathFactory):
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(_config()).eval()
+    g = torch.Generator().manual_seed(1)
+    head = TargetHead(torch.randn(VOCAB, HIDDEN, generator=g), torch.randn(VOCAB, HIDDEN, generator=g) * 0.5, False)
+    with torch.no_grad():
+        cache = _write_cache(tmp_path_factory.mktemp("planted"), drafter, head)
+    ref = dm.DFlashDraftModel(_config()).eval()
+    ref.load_state_dict(drafter.state_dict())
+    return dict(cache=cache, drafter=drafter, head=head, ref=ref, brute=_brute_force(cache, ref, head))
+
+
+def _brute_force(cache: StateCache, ref: torch.nn.Module, head: TargetHead) -> dict:
+    """Per sample: bounds, and per anchor the draft, the target window, greedy and tree acceptance."""
+    stops = {STOP}
+    out = {}
+    for e in cache.samples:
+        s = cache.load(e.id)
+        tok = s.input_ids.tolist()
+        full_end = e.prompt_len + MAX_NEW
+        whole = e.valid_len >= e.total_len and (e.total_len >= full_end or tok[-1] in stops)
+        loop_end, known_end = (full_end, e.total_len) if whole else (min(full_end, e.valid_len), e.valid_len)
+        anchors = {}
+        for p in range(e.prompt_len, max(e.prompt_len, min(loop_end, known_end) - 1)):
+            n = min(BLOCK, loop_end - p)
+            ids = torch.tensor([tok[p]] + [VOCAB - 1] * (n - 1))
+            with torch.no_grad():
+                h = ref(target_hidden=s.hidden[None, :p], noise_embedding=head.embed_tokens[ids][None],
+                        position_ids=torch.arange(p + n)[None])[0, 1:]
+            lp = torch.log_softmax(h @ head.lm_head.T, -1)
+            target = [tok[p + k] if p + k < known_end else -1 for k in range(1, n)]
+            draft = lp.argmax(-1).tolist()
+            acc = 0
+            while acc < len(draft) and draft[acc] == target[acc]:
+                acc += 1
+            top_lp, top_ids = torch.topk(lp, max(BUDGETS), -1)
+            trees = [reference_tree_accept(top_ids.tolist(), top_lp.double().tolist(), n - 1, target, b)
+                     for b in BUDGETS]
+            alpha = []
+            for k in range(1, n):  # the target's distribution for position p + k is stored at p + k - 1
+                if target[k - 1] < 0:
+                    alpha.append(0.0)
+                    continue
+                t_ids, t_lp = s.topk_ids[p + k - 1].tolist(), s.topk_logprobs[p + k - 1].tolist()
+                alpha.append(sum(min(math.exp(lp_t), math.exp(lp[k - 1, i].item()))
+                                 for i, lp_t in zip(t_ids, t_lp, strict=True)))
+            anchors[p] = dict(draft=draft, target=target, acc=acc, trees=trees, alpha=alpha,
+                              produced=[_produced(a, p, loop_end, tok, stops) for a in [acc, *trees]])
+        out[e.id] = dict(entry=e, tok=tok, loop_end=loop_end, known_end=known_end, anchors=anchors)
+    return out
+
+
+def _produced(accepted: int, p: int, loop_end: int, tok: list[int], stops: set[int]) -> int:
+    k = min(accepted + 1, loop_end - p - 1)
+    return next((j for j in range(1, k + 1) if tok[p + j] in stops), k)
+
+
+def _walk(b: dict, which: int) -> list[int]:
+    tok, p, out = b["tok"], b["entry"].prompt_len, []
+    if p >= b["known_end"] or tok[p] == STOP:
+        return out
+    while p + 1 < b["loop_end"]:
+        k = b["anchors"][p]["produced"][which]
+        out.append(k)
+        p += k
+        if STOP in tok[p - k + 1: p + 1]:
+            break
+    return out
+
+
+def _expected_counts(brute: dict, stride: int) -> dict[str, list[float]]:
+    d = BLOCK - 1
+    z = dict(anchors=0, anchor_produced=0, depth_total=[0] * d, depth_match=[0] * d, cond_num=[0] * d,
+             cond_den=[0] * d, t1_sum=0.0, t1_anchors=0, cycles=0, produced=0, hist=[0] * (BLOCK + 1),
+             dd_cycles=[0] * len(BUDGETS), dd_produced=[0] * len(BUDGETS), samples=0, anchors_needed=0)
+    for b in brute.values():
+        prompt = b["entry"].prompt_len
+        chosen = sorted(b["anchors"])[::stride]
+        needed = set(chosen)
+        for p in chosen:
+            a = b["anchors"][p]
+            z["anchors"] += 1
+            z["anchor_produced"] += a["produced"][0]
+            for k in range(1, len(a["draft"]) + 1):
+                if a["target"][k - 1] < 0:
+                    continue
+                z["depth_total"][k - 1] += 1
+                z["depth_match"][k - 1] += a["draft"][k - 1] == a["target"][k - 1]
+                z["cond_den"][k - 1] += a["acc"] >= k - 1
+            for k in range(1, d + 1):
+                z["cond_num"][k - 1] += a["acc"] >= k
+            prod, total = 1.0, 1.0
+            for x in a["alpha"]:
+                prod *= x
+                total += prod
+            z["t1_sum"] += total
+            z["t1_anchors"] += 1
+        walks = [_walk(b, w) for w in range(1 + len(BUDGETS))]
+        for w, lengths in enumerate(walks):
+            p = prompt
+            for k in lengths:
+                needed.add(p)
+                p += k
+            if w:
+                z["dd_cycles"][w - 1] += len(lengths)
+                z["dd_produced"][w - 1] += sum(lengths)
+        z["samples"] += 1
+        z["cycles"] += len(walks[0])
+        z["produced"] += sum(walks[0])
+        for k in walks[0]:
+            z["hist"][k] += 1
+        z["anchors_needed"] += len(needed)
+    return {k: v if isinstance(v, list) else [v] for k, v in z.items()}
+
+
+def _check_counts(report, want: dict) -> None:
+    got = {k: v.tolist() for k, v in report.counts.data.items()}
+    for k, v in want.items():
+        if k == "t1_sum":
+            assert got[k] == pytest.approx(v, rel=1e-5), k
+        else:
+            assert got[k] == v, k
+
+
+@pytest.mark.parametrize("stride", [1, 3])
+def test_every_count_equals_brute_force(planted, stride: int) -> None:
+    brute = planted["brute"]
+    rep = evaluate(planted["cache"], planted["drafter"], budgets=BUDGETS, anchor_stride=stride)
+    for s in rep.samples:
+        assert s.acceptance_lengths == _walk(brute[s.id], 0), s.id
+        assert s.ddtree == {b: _walk(brute[s.id], i + 1) for i, b in enumerate(BUDGETS)}, s.id
+    lengths = [n for s in rep.samples for n in s.acceptance_lengths]
+    assert 1.5 < sum(lengths) / len(lengths) < BLOCK  # the planted regime: well above one token per cycle
+    assert [s.anchors_needed for s in rep.samples] and all(s.anchors_drafted >= s.anchors_needed for s in rep.samples)
+    _check_counts(rep, _expected_counts(brute, stride))
+    data = rep.counts.data
+    # Nothing drafted beyond what the walks and the statistics set need (no lookahead at this tau).
+    assert data["anchors_drafted"].item() == data["anchors_needed"].item()
+    if stride == 1:
+        assert data["anchors_needed"].item() == sum(len(b["anchors"]) for b in brute.values())
+    else:
+        assert data["anchors_needed"].item() < sum(len(b["anchors"]) for b in brute.values())
+
+
+def test_batched_equals_one_sample_at_a_time(planted) -> None:
+    """Samples of very different lengths batched together, in waves and small passes, or alone: same results."""
+    cache, drafter = planted["cache"], planted["drafter"]
+    together = evaluate(cache, drafter, budgets=BUDGETS, anchor_stride=2)
+    squeezed = evaluate(cache, drafter, budgets=BUDGETS, anchor_stride=2, context_mem_bytes=1, max_blocks=3,
+                        attn_mem_bytes=1)
+    alone = [evaluate(cache, drafter, budgets=BUDGETS, anchor_stride=2, sample_ids=[e.id]) for e in cache.samples]
+    for rep in (squeezed, *alone):
+        for s in rep.samples:
+            t = next(x for x in together.samples if x.id == s.id)
+            assert (s.acceptance_lengths, s.ddtree, s.anchors_drafted, s.anchors_needed) == (
+                t.acceptance_lengths, t.ddtree, t.anchors_drafted, t.anchors_needed), s.id
+    summed = alone[0].counts
+    for rep in alone[1:]:
+        summed.merge_(rep.counts)
+    for k, v in together.counts.data.items():
+        if k == "t1_sum":
+            assert torch.allclose(summed.data[k], v, rtol=1e-6)
+        else:
+            assert torch.equal(summed.data[k], v), k
+            assert torch.equal(squeezed.counts.data[k], v), k
+    by_id = {s.id: s for s in together.samples}
+    assert by_id["s2"].acceptance_lengths == [] and by_id["s2"].anchors_needed == 0  # prompt only
+    assert sum(by_id["s0"].acceptance_lengths) == MAX_NEW - 1  # the loop's length limit
+    assert by_id["s4"].acceptance_lengths == []  # the prefill's token is already the stop
+
+
+def test_generic_runner_and_drafts(planted) -> None:
+    """The one-call-per-anchor runner (any callable) gives the same numbers; drafts shown are the cycles'."""
+    cache, drafter = planted["cache"], planted["drafter"]
+    fast = evaluate(cache, drafter, budgets=(), anchor_stride=4, keep_drafts=3)
+    generic = evaluate(cache, ReferenceRunner(planted["ref"], DrafterSpec.from_config(planted["ref"].config)),
+                       budgets=(), anchor_stride=4, device="cpu")
+    assert [s.acceptance_lengths for s in generic.samples] == [s.acceptance_lengths for s in fast.samples]
+    for k, v in fast.counts.data.items():
+        assert torch.allclose(generic.counts.data[k], v), k
+    for s in fast.samples:
+        b = planted["brute"][s.id]
+        p, want = b["entry"].prompt_len, []
+        for k in s.acceptance_lengths[:3]:
+            want.append(b["anchors"][p]["draft"])
+            p += k
+        assert s.drafts == want, s.id
+
+
+def test_weak_drafter_drafts_ahead_without_waste(planted, tmp_path: Path) -> None:
+    """tau = 1 (every first draft token misses): rounds draft ahead, and nearly nothing is wasted."""
+    with torch.no_grad():
+        (tmp_path / "misses").mkdir()
+        cache = _write_cache(tmp_path / "misses", planted["drafter"], planted["head"], most=0)
+    rep = evaluate(cache, planted["drafter"], budgets=(), anchor_stride=BLOCK)
+    data = rep.counts.data
+    assert rep.tau == 1.0
+    assert data["anchors_needed"].item() <= data["anchors_drafted"].item() <= 1.05 * data["anchors_needed"].item()
+    # Same lists as drafting only what each round needs (a huge "needed" set: every anchor is a cycle).
+    plain = evaluate(cache, planted["drafter"], budgets=(), anchor_stride=1)
+    assert [s.acceptance_lengths for s in rep.samples] == [s.acceptance_lengths for s in plain.samples]
+
+
+def test_bad_stride_is_refused(planted) -> None:
+    with pytest.raises(ValueError, match="anchor_stride must be >= 1"):
+        evaluate(planted["cache"], planted["drafter"], anchor_stride=0)
