@@ -295,9 +295,18 @@ def test_weak_drafter_drafts_ahead_without_waste(planted, tmp_path: Path) -> Non
     with torch.no_grad():
         (tmp_path / "misses").mkdir()
         cache = _write_cache(tmp_path / "misses", planted["drafter"], planted["head"], most=0)
-    rep = evaluate(cache, planted["drafter"], budgets=(), anchor_stride=BLOCK)
+    drafter = planted["drafter"]
+    calls = []
+    forward = drafter.forward_samples
+    drafter.forward_samples = lambda *a, **k: calls.append(1) or forward(*a, **k)
+    try:
+        rep = evaluate(cache, drafter, budgets=(), anchor_stride=BLOCK)
+    finally:
+        del drafter.forward_samples
     data = rep.counts.data
     assert rep.tau == 1.0
+    cycles = max(len(s.acceptance_lengths) for s in rep.samples)
+    assert len(calls) < cycles / 3  # not one round per cycle
     assert data["anchors_needed"].item() <= data["anchors_drafted"].item() <= 1.05 * data["anchors_needed"].item()
     # Same lists as drafting only what each round needs (a huge "needed" set: every anchor is a cycle).
     plain = evaluate(cache, planted["drafter"], budgets=(), anchor_stride=1)

@@ -16,7 +16,8 @@ def _config(sliding: bool) -> Qwen3Config:
              num_key_value_heads=2, head_dim=8, max_position_embeddings=512, num_target_layers=4, block_size=4,
              dflash_config={"target_layer_ids": [0, 2], "mask_token_id": 63})
     if sliding:
-        d.update(layer_types=["sliding_attention", "full_attention"], sliding_window=6)
+        # A real window (Qwen3Config drops it unless use_sliding_window), far shorter than the contexts.
+        d.update(layer_types=["sliding_attention", "full_attention"], sliding_window=6, use_sliding_window=True)
     return Qwen3Config(**d)
 
 
@@ -58,3 +59,19 @@ def test_checkpoint_round_trip_and_strict_loading(tmp_path) -> None:
     save_file(state, str(tmp_path / "d" / "model.safetensors"))
     with pytest.raises(ValueError, match=r"missing \['layers.1.mlp.down_proj.weight'\]"):
         DFlashDrafter.from_pretrained(tmp_path / "d")
+
+
+def test_forward_compiles_as_one_graph() -> None:
+    """The training path has no data-dependent branch: torch.compile(fullgraph=True) traces it whole."""
+    torch.manual_seed(0)
+    ours = DFlashDrafter(_config(True)).eval()
+    assert ours.layers[0].self_attn.reach_back == 5 and ours.layers[1].self_attn.unrestricted
+    compiled = torch.compile(ours, fullgraph=True, backend="eager")
+    features, emb = torch.randn(2, 10, 64), torch.randn(2, 4, 32)
+    pos = torch.arange(14)[None].expand(2, 14)
+    mask = torch.rand(2, 1, 4, 14) > 0.3
+    with torch.no_grad():
+        for m in (None, mask):
+            want = ours(position_ids=pos, noise_embedding=emb, target_hidden=features, attention_mask=m)
+            got = compiled(position_ids=pos, noise_embedding=emb, target_hidden=features, attention_mask=m)
+            assert torch.allclose(got, want, atol=1e-5)
