@@ -52,7 +52,7 @@ from .baselines import Baseline, baseline_scalars, load_measured, load_published
 from .distributed import all_reduce_sum, full_parameters, gather_to_zero, sharding_kind, world
 from .engine import DEFAULT_BUDGETS, SampleResult, evaluate
 from .errors import DFlashCBError
-from .metrics import EVAL_TIME, EvalCounts, per_depth, summarize
+from .metrics import ANCHOR_STRIDE, EVAL_TIME, EvalCounts, per_depth, summarize
 from .model import DrafterSpec
 from .states import CacheMismatchError, StateCache, TargetHead
 
@@ -86,7 +86,15 @@ class DFlashEvalCallback(Callback):
             that already holds the target's matrices for training should name them here instead).
         target_lm_head: attribute path of the target's output head (``nn.Linear`` or tensor). Omit it
             with ``target_embed`` set only when the target ties embedding and head.
-        ddtree_budgets: DDTree node budgets (empty: no DDTree).
+        ddtree_budgets: DDTree node budgets (empty: no DDTree) of the full evaluations.
+        periodic_ddtree_budgets: DDTree budgets of the periodic (light) evaluations; None = the largest of
+            ``ddtree_budgets`` only (each budget's walk visits its own anchors: extra budgets cost nearly a
+            full replay each).
+        periodic_anchor_stride: anchor-statistics stride of the periodic evaluations (per-depth acceptance,
+            all-anchor and estimated taus on every N-th anchor from the prompt end; the tau replays are
+            exact whatever the stride); None = the drafter's block size. Full evaluations use 1.
+        full_every_n_evals: every N-th evaluation is a full one (``anchor_stride=1``, every budget); 0 = only
+            the one at fit end. Full evaluations log the same keys, and again under ``{prefix}full/``.
         num_samples: evaluate a fixed subset of this many samples (stratified by category, chosen
             with ``sample_seed``, the same at every evaluation); None = every sample.
         sample_ids: evaluate exactly these sample ids (overrides ``num_samples``).
@@ -121,6 +129,9 @@ class DFlashEvalCallback(Callback):
         target_embed: str | None = None,
         target_lm_head: str | None = None,
         ddtree_budgets: Sequence[int] = DEFAULT_BUDGETS,
+        periodic_ddtree_budgets: Sequence[int] | None = None,
+        periodic_anchor_stride: int | None = None,
+        full_every_n_evals: int = 0,
         num_samples: int | None = None,
         sample_ids: Sequence[str] | None = None,
         sample_seed: int = 0,
@@ -142,6 +153,14 @@ class DFlashEvalCallback(Callback):
         budgets = tuple(sorted({int(b) for b in ddtree_budgets}))
         if any(b < 1 for b in budgets):
             raise ValueError(f"ddtree_budgets must be positive, got {list(ddtree_budgets)}")
+        periodic = tuple(sorted({int(b) for b in periodic_ddtree_budgets})) if periodic_ddtree_budgets is not None \
+            else budgets[-1:]
+        if any(b < 1 for b in periodic):
+            raise ValueError(f"periodic_ddtree_budgets must be positive, got {list(periodic_ddtree_budgets or [])}")
+        if periodic_anchor_stride is not None and periodic_anchor_stride < 1:
+            raise ValueError(f"periodic_anchor_stride must be >= 1 or None (block size), got {periodic_anchor_stride}")
+        if full_every_n_evals < 0:
+            raise ValueError(f"full_every_n_evals must be >= 0 (0 = only at fit end), got {full_every_n_evals}")
         if num_samples is not None and num_samples < 1:
             raise ValueError(f"num_samples must be >= 1 or None (all), got {num_samples}")
         if target_lm_head and not target_embed:
@@ -158,6 +177,11 @@ class DFlashEvalCallback(Callback):
         self.target_embed = target_embed
         self.target_lm_head = target_lm_head
         self.ddtree_budgets = budgets
+        self.periodic_ddtree_budgets = periodic
+        self.periodic_anchor_stride = periodic_anchor_stride
+        self.full_every_n_evals = int(full_every_n_evals)
+        self.last_eval_full = False  # the last evaluation's profile (full: stride 1, every budget)
+        self.last_eval_stride = 1
         self.num_samples = num_samples
         self.sample_ids = list(sample_ids) if sample_ids is not None else None
         self.sample_seed = int(sample_seed)
@@ -204,13 +228,14 @@ class DFlashEvalCallback(Callback):
 
     def state_dict(self) -> dict[str, Any]:
         return {"last_eval_step": self.last_eval_step, "num_evals": self.num_evals, "start_done": self.start_done,
-                "history": list(self.history)}
+                "history": list(self.history), "last_eval_full": self.last_eval_full}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.last_eval_step = int(state_dict.get("last_eval_step", -1))
         self.num_evals = int(state_dict.get("num_evals", 0))
         self.start_done = bool(state_dict.get("start_done", False))
         self.history = list(state_dict.get("history", []))
+        self.last_eval_full = bool(state_dict.get("last_eval_full", False))
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
@@ -259,11 +284,13 @@ class DFlashEvalCallback(Callback):
         n = self.every_n_train_steps
         # step > 0: with gradient accumulation the first micro-batches end at step 0, before any update.
         if n > 0 and step > 0 and step % n == 0 and step != self.last_eval_step:
-            self._evaluate(trainer, pl_module, f"step {step}")
+            # The last step's evaluation is the fit-end one: full, and not repeated by on_train_end.
+            last = self.eval_on_fit_end and 0 < trainer.max_steps <= step
+            self._evaluate(trainer, pl_module, "fit end" if last else f"step {step}")
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # on_train_end, not on_fit_end: loggers and the process group are still up.
-        if self.eval_on_fit_end and trainer.global_step != self.last_eval_step:
+        if self.eval_on_fit_end and (trainer.global_step != self.last_eval_step or not self.last_eval_full):
             self._evaluate(trainer, pl_module, "fit end")
 
     # -- configuration ----------------------------------------------------------------------
@@ -353,7 +380,17 @@ class DFlashEvalCallback(Callback):
             self._head_key = key
         return self._head
 
-    def _local_eval(self, pl_module: LightningModule, ids: list[str]) -> Any:
+    def _profile(self, reason: str) -> tuple[bool, tuple[int, ...], int]:
+        """(full?, DDTree budgets, anchor stride) of the evaluation about to run."""
+        n = self.full_every_n_evals
+        full = reason == "fit end" or (n > 0 and (self.num_evals + 1) % n == 0)
+        if full:
+            return True, self.ddtree_budgets, 1
+        assert self._spec is not None
+        return False, self.periodic_ddtree_budgets, self.periodic_anchor_stride or self._spec.block_size
+
+    def _local_eval(self, pl_module: LightningModule, ids: list[str], budgets: tuple[int, ...] | None = None,
+                    anchor_stride: int = 1) -> Any:
         assert self.cache is not None and self._spec is not None
         drafter = self._find_drafter(pl_module)
         param = next(drafter.parameters())
@@ -367,8 +404,10 @@ class DFlashEvalCallback(Callback):
         try:
             # fork_rng: the CPU (and this CUDA device's) RNG state is restored afterwards, whatever happens.
             with torch.random.fork_rng(devices=cuda), torch.no_grad():
-                report = evaluate(self.cache, drafter, head, sample_ids=ids, budgets=self.ddtree_budgets,
-                                  device=device, autocast_dtype=autocast, spec=self._spec, keep_drafts=keep)
+                report = evaluate(self.cache, drafter, head, sample_ids=ids,
+                                  budgets=self.ddtree_budgets if budgets is None else budgets,
+                                  anchor_stride=anchor_stride, device=device, autocast_dtype=autocast,
+                                  spec=self._spec, keep_drafts=keep)
         finally:
             for m, was_training in modes:
                 m.training = was_training
@@ -389,17 +428,19 @@ class DFlashEvalCallback(Callback):
         self.last_eval_step = step
         rank, ws = world(trainer)
         ids = self.eval_ids[rank::ws]
+        full, budgets, stride = self._profile(reason) if self._spec is not None else (True, self.ddtree_budgets, 1)
+        self.last_eval_full, self.last_eval_stride = full, stride
         start = time.perf_counter()
         report, error = None, None
         try:
             with full_parameters(trainer):  # collective under FSDP: every rank is here at the same step
                 try:
-                    report = self._local_eval(pl_module, ids)
+                    report = self._local_eval(pl_module, ids, budgets, stride)
                 except Exception as e:  # reported to every rank through the all_reduce below
                     error = e
         except Exception as e:
             error = error or e
-        template = EvalCounts(self._spec.block_size if self._spec else 2, self.ddtree_budgets, self._categories)
+        template = EvalCounts(self._spec.block_size if self._spec else 2, budgets, self._categories)
         flat = report.counts.flat() if report is not None else torch.zeros_like(template.flat())
         # ONE all_reduce: every count, plus the number of ranks that failed.
         total = all_reduce_sum(trainer, torch.cat([flat, torch.tensor([1.0 if error else 0.0], dtype=torch.float64)]))
@@ -421,6 +462,8 @@ class DFlashEvalCallback(Callback):
         self.num_evals += 1
         # Every rank gets the numbers, so ModelCheckpoint/EarlyStopping can monitor them anywhere.
         finite = {self.prefix + k: v for k, v in summary.items() if isinstance(v, float) and math.isfinite(v)}
+        if full:  # the same keys again under full/, so a panel can show the full evaluations apart
+            finite.update({f"{self.prefix}full/{k[len(self.prefix):]}": v for k, v in list(finite.items())})
         for k, v in finite.items():
             trainer.callback_metrics[k] = torch.tensor(v)
         if rank != 0:
@@ -441,6 +484,7 @@ class DFlashEvalCallback(Callback):
     def _log(self, trainer: Trainer, step: int, scalars: dict[str, float], summary: dict[str, float],
              counts: EvalCounts) -> None:
         metrics = dict(scalars)
+        metrics[self.prefix + ANCHOR_STRIDE] = float(self.last_eval_stride)
         metrics.update(baseline_scalars(self.reference, self.prefix))
         for lg in trainer.loggers:
             lg.log_metrics(metrics, step=step)
@@ -494,6 +538,9 @@ class DFlashEvalCallback(Callback):
             "states": self.states, "cache_manifest_sha256": self.cache.manifest_sha256,
             "samples_evaluated": len(self.eval_ids), "samples_in_cache": len(self.cache),
             "every_n_train_steps": self.every_n_train_steps, "ddtree_budgets": list(self.ddtree_budgets),
+            "periodic_ddtree_budgets": list(self.periodic_ddtree_budgets),
+            "periodic_anchor_stride": self.periodic_anchor_stride or (self._spec.block_size if self._spec else None),
+            "full_every_n_evals": self.full_every_n_evals,
             "autocast_dtype": self.autocast_dtype,
         }
 

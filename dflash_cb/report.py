@@ -17,6 +17,9 @@ def format_results(res: dict[str, Any]) -> str:
         lines.append(f"drafter  {meta['drafter']}  dtype={meta.get('dtype')} device={meta.get('device')}")
     cycles = sum(len(s["acceptance_lengths"]) for s in res["samples"])
     lines.append(f"samples  {len(res['samples'])}   cycles {cycles}   wall {meta.get('wall_time_s')} s")
+    if meta.get("anchors_drafted") is not None:
+        lines.append(f"anchors  drafted {meta['anchors_drafted']}   needed {meta.get('anchors_needed')}   "
+                     f"statistics stride {meta.get('anchor_stride')}")
     lines.append("")
     lines.append(f"  tau (greedy replay)          {_f(res['tau'])}")
     for b, d in res.get("ddtree", {}).items():

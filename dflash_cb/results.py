@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from . import __version__
+from . import __version__, metrics
 from .engine import EvalReport
 from .metrics import ALL_ANCHOR_TAU, SPECFORGE_TAU, T1_TAU_ESTIMATE, TAU, category_tau, ddtree_tau, per_depth
 from .states import StateCache, atomic_write_bytes
@@ -59,6 +59,9 @@ def report_to_results(report: EvalReport, cache: StateCache, meta: dict[str, Any
             "dflash_cb_version": __version__,
             "wall_time_s": round(report.wall_time_s, 3),
             "samples_evaluated": len(report.samples),
+            metrics.ANCHOR_STRIDE: report.anchor_stride,
+            metrics.ANCHORS_DRAFTED: int(counts.data["anchors_drafted"].item()),
+            metrics.ANCHORS_NEEDED: int(counts.data["anchors_needed"].item()),
             **(meta or {}),
         },
     }

@@ -88,14 +88,21 @@ def test_logged_tau_equals_eval_drafter_on_saved_weights(tmp_path, tiny_cache, t
     assert sorted(logged) == [0, 3, 6] == [h["step"] for h in cb.history]
     assert best.best_model_score.item() == pytest.approx(max(logged[3]["tau"], logged[6]["tau"]), rel=1e-6)
     assert logged[6]["tau"] != logged[0]["tau"]  # the drafter learned something between evaluations
+    # Profiles: periodic evaluations are light, the last one full and logged again under full/.
+    assert [logged[s]["anchor_stride"] for s in (0, 3, 6)] == [tiny_drafter_config["block_size"]] * 2 + [1]
+    assert "full/tau" not in logged[3] and logged[6]["full/tau"] == logged[6]["tau"]
+    assert logged[3]["anchors_drafted"] < logged[6]["anchors_drafted"]
     tool = load_eval_drafter_tool()
     for step in (3, 6):
         folder = tmp_path / f"drafter_{step}"
         extract_drafter(tmp_path / "ckpt" / f"step={step}.ckpt", folder)
         out = tmp_path / f"results_{step}.json"
+        # Step 3 is a periodic (light) evaluation: statistics on every block_size-th anchor, the largest
+        # budget; step 6 (the last) is the full one, the tool's default.
+        light = ["--anchor-stride", str(tiny_drafter_config["block_size"]), "--ddtree-budgets", str(max(BUDGETS))]
+        full = ["--ddtree-budgets", ",".join(map(str, BUDGETS))]
         assert tool.main(["--states", str(tiny_cache), "--drafter", str(folder), "--out", str(out),
-                          "--ddtree-budgets", ",".join(map(str, BUDGETS)), "--device", "cpu",
-                          "--dtype", "float32"]) == 0
+                          *(light if step == 3 else full), "--device", "cpu", "--dtype", "float32"]) == 0
         expected = json.loads(out.read_text())["metrics"]
         got = logged[step]
         assert got["tau"] == expected["tau"]

@@ -20,6 +20,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--drafter", required=True, help="drafter folder (config.json + *.safetensors)")
     p.add_argument("--out", required=True, help="results.json to write")
     p.add_argument("--ddtree-budgets", default="16,32,64", help="comma-separated node budgets ('' = off)")
+    p.add_argument("--anchor-stride", type=int, default=1,
+                   help="per-depth / all-anchor statistics on every N-th anchor (default 1: every anchor; "
+                        "the callback's periodic evaluations use the block size); tau is exact either way")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
                    help="compute dtype (default: bfloat16 on cuda, float32 on cpu; exactness needs float32)")
@@ -69,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     ids = [s.id for s in cache.samples][: args.samples] if args.samples else None
     autocast = torch.bfloat16 if dtype_name == "bfloat16" else None
     report = evaluate(cache, drafter, head, sample_ids=ids, budgets=budgets, device=device,
-                      autocast_dtype=autocast, verify=args.verify, progress=True)
+                      autocast_dtype=autocast, verify=args.verify, progress=True, anchor_stride=args.anchor_stride)
     results = report_to_results(report, cache, meta={
         "drafter": str(Path(args.drafter).resolve()), "dtype": dtype_name, "device": str(device),
         "head_source": args.target or "cache",
