@@ -141,6 +141,9 @@ def compare(args, p: dict, drafter, head, tmp: Path) -> dict:
             (new("random", (), stride), old("random", ()), True),
     }
     times: dict[str, tuple[list[float], list[float]]] = {k: ([], []) for k in rows}
+    every = {kind: sum(len(bounds_for(c.load(s.id), c.manifest).anchors) for s in c.samples)
+             for kind, (c, _) in caches.items()}
+    total = {name: every["random" if "random" in name else "planted"] for name in rows}
     for rep in range(args.reps):
         for name, (fn_new, fn_other, is_engine) in rows.items():
             # Alternate which side goes first, so a neighbour's load hits both alike.
@@ -158,13 +161,9 @@ def compare(args, p: dict, drafter, head, tmp: Path) -> dict:
             else:
                 assert _lists(new_rep)[0] == got["other"], f"{name}: acceptance_lengths differ from the loop"
             d = new_rep.counts.data
-            times[name] += ()  # keep the dict shape
-            figures["rows"].setdefault(name, {})["tau"] = round(new_rep.tau, 3)
-            figures["rows"][name]["anchors_drafted"] = int(d["anchors_drafted"].item())
-            figures["rows"][name]["anchors_needed"] = int(d["anchors_needed"].item())
-            figures["rows"][name]["anchors_total"] = sum(len(bounds_for(c.load(s.id), c.manifest).anchors)
-                                                         for c in [caches["planted" if "random" not in name
-                                                                          else "random"][0]] for s in c.samples)
+            figures["rows"][name] = {"tau": round(new_rep.tau, 3), "anchors_drafted": int(d["anchors_drafted"].item()),
+                                     "anchors_needed": int(d["anchors_needed"].item()),
+                                     "anchors_total": total[name]}
     for name, (tn, to) in times.items():
         r = figures["rows"][name]
         speed = [o / n for n, o in zip(tn, to, strict=True)]

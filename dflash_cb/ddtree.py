@@ -1,6 +1,6 @@
 """DDTree (Diffusion Draft Tree) acceptance from one drafter pass, for many anchors at once.
 
-Best-first construction under a node budget (DFLASH_NOTES.md, section 3): popping a node adds it
+Best-first construction under a node budget (docs/method.md, "DDTree"): popping a node adds it
 to the tree and pushes (a) its next-rank sibling under the same parent and (b) its rank-0 child.
 The heap is simulated on tensors, one pop per step for all anchors: a node's slot index is its
 push order, so ``argmax`` (first maximum) breaks score ties exactly like a heap keyed on

@@ -11,7 +11,7 @@ from dflash_cb.ddtree import ddtree_accepted
 
 
 def reference_tree_accept(ids, logp, depth_count, target, budget):
-    """Build the tree with heapq exactly as the notes describe, then walk it along the target."""
+    """Build the tree with heapq as docs/method.md describes, then walk it along the target."""
     k = len(ids[0])
     counter = 0
     heap = []

@@ -30,7 +30,7 @@ def _drafter_config(vocab: int, hidden: int) -> dict:
         architectures=["DFlashDraftModel"], model_type="qwen3", vocab_size=vocab, hidden_size=hidden,
         intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
         max_position_embeddings=512, rms_norm_eps=1e-6, num_target_layers=4, block_size=BLOCK,
-        # The second drafter layer is causal with a short sliding window, as the notes allow.
+        # The second drafter layer is causal with a sliding window shorter than the contexts (docs/method.md).
         layer_types=["full_attention", "sliding_attention"], sliding_window=9, use_sliding_window=True,
         dflash_config={"target_layer_ids": LAYERS, "mask_token_id": vocab - 1},
     )
