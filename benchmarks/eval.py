@@ -188,10 +188,10 @@ def profiles(args, p: dict, drafter, head, tmp: Path) -> dict:
     """The callback's three profiles on one cache: wall time, extra GPU memory, achieved TFLOP/s."""
     dev = args.device
     big = not args.preset.startswith("cpu")
-    dtype = torch.bfloat16 if big else torch.float32
+    dtype = args.torch_dtype
     cache = write_cache(tmp / "cache", p, args.samples, args.prompt, args.tokens, head, dtype=dtype,
                         planted=None if big else FastRunner(drafter), write_head=not big)
-    autocast = torch.bfloat16 if big and dev.startswith("cuda") else None
+    autocast = torch.bfloat16 if dtype == torch.bfloat16 and dev.startswith("cuda") else None
     block = p["block"]
     budgets = tuple(int(b) for b in args.budgets.split(",") if b)
     settings = {"greedy only": ((), block), "callback default": ((max(budgets),), block), "full": (budgets, 1)}
@@ -230,6 +230,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2, help="interleaved repetitions per row")
     ap.add_argument("--profiles", action="store_true", help="time the three callback profiles (default on GPU presets)")
     ap.add_argument("--baseline-ref", default="main", help="git revision whose engine is 'today's engine'")
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
+                    help="drafter, head and cache dtype (default: bfloat16 for qwen36-27b, float32 for cpu presets)")
     ap.add_argument("--json", default=None, help="also write the figures here")
     ap.add_argument("--cache-dir", default=None)
     args = ap.parse_args()
@@ -238,10 +240,12 @@ def main() -> None:
     args.samples = args.samples or (64 if big else 8)
     args.tokens = args.tokens or (2048 if big else 512)
     args.prompt = args.prompt or (256 if big else 64)
-    dtype = torch.bfloat16 if big else torch.float32
+    dtype = torch.bfloat16 if (args.dtype or ("bfloat16" if big else "float32")) == "bfloat16" else torch.float32
+    args.torch_dtype = dtype
     torch.set_grad_enabled(False)
     figures: dict = {"preset": args.preset, "device": args.device, "samples": args.samples,
-                     "tokens_per_sample": args.tokens, "prompt_len": args.prompt, "threads": torch.get_num_threads()}
+                     "tokens_per_sample": args.tokens, "prompt_len": args.prompt, "threads": torch.get_num_threads(),
+                     "dtype": str(dtype)}
     if args.device.startswith("cuda"):
         figures["gpu"] = torch.cuda.get_device_name()
     head = make_head(p, 1, args.device, dtype)

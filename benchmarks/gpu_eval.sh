@@ -1,14 +1,22 @@
 #!/usr/bin/env bash
-# The GPU evaluation benchmark (issue 3) as one prepared run on the device machine:
-# a Qwen3.6-27B-shaped random drafter on a synthetic cache, 8 samples with the per-cycle loop on one,
-# then the full 64 x 2048 evaluation. Figures go to $OUT (or ./gpu_out).
+# The GPU evaluation benchmark (issue 8) as one prepared run on the device machine: a
+# Qwen3.6-27B-shaped random drafter (bf16, autocast) on a synthetic 64 x 2,048-token cache, timed in
+# the callback's three profiles (greedy only; callback default: stride = block size, the largest
+# budget; full: stride 1, budgets 16,32,64) with extra GPU memory and achieved TFLOP/s.
+# Figures go to $OUT (or ./gpu_out). PRESET / DEVICE / extra arguments make a tiny CPU check:
+#   PRESET=cpu-tiny DEVICE=cpu bash benchmarks/gpu_eval.sh --samples 2 --tokens 96 --dtype bfloat16
 set -uo pipefail
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
+PRESET=${PRESET:-qwen36-27b}
+DEVICE=${DEVICE:-cuda}
 export PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv | tee "$OUT/nvidia_smi.txt"
+if command -v nvidia-smi >/dev/null; then
+    nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv | tee "$OUT/nvidia_smi.txt"
+fi
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
-python3 benchmarks/eval.py --preset qwen36-27b --device cuda --samples 8 --loop-samples 1 \
-    --json "$OUT/gpu_8.json" --cache-dir /tmp/bench8 2>&1 | tee "$OUT/log_8.txt"
-rm -rf /tmp/bench8
-python3 benchmarks/eval.py --preset qwen36-27b --device cuda --samples 64 --loop-samples 0 \
-    --json "$OUT/gpu_64.json" --cache-dir /tmp/bench64 "$@" 2>&1 | tee "$OUT/log_64.txt"
+CACHE_DIR=$(mktemp -d /tmp/bench_gpu.XXXXXX)
+python3 benchmarks/eval.py --preset "$PRESET" --device "$DEVICE" --profiles \
+    --json "$OUT/profiles.json" --cache-dir "$CACHE_DIR" "$@" 2>&1 | tee "$OUT/log_profiles.txt"
+rc=${PIPESTATUS[0]}
+rm -rf "$CACHE_DIR"
+exit "$rc"

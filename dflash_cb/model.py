@@ -5,7 +5,8 @@ Weight names, config fields and numerics follow the reference ``dflash.model.DFl
 folder saved here loads there and vice versa. Besides the reference ``forward`` (used for
 training), the drafter exposes the two halves the evaluation engine batches separately:
 ``context_kv`` (depends only on the cached target features: computed once per sample) and
-``forward_blocks`` (many anchors' blocks in one pass, each seeing its own context prefix).
+``forward_samples`` (many anchors' blocks of many samples in one pass, each block seeing its own
+context prefix). The block, its attention and the sliding-window rule: docs/method.md.
 """
 
 from __future__ import annotations
@@ -338,12 +339,13 @@ class DFlashDrafter(nn.Module):
         temporaries under ``attn_mem_bytes`` (None: no limit). Segments must cover the rows in order.
         """
         a, n, _ = noise_embedding.shape
+        whole = lengths is None  # every block has the full length
         lengths = torch.full_like(anchors, n) if lengths is None else lengths
         anchor_list = anchors.tolist()  # one host sync per call: chunking and key trimming need the values
         parts: list[_AttentionPart] = []
         for s, (lo, hi) in enumerate(segments):
-            parts += self._plan_attention(s, lo, hi, anchor_list, anchors, lengths, n, attn_mem_bytes,
-                                          noise_embedding.element_size())
+            parts += self._plan_attention(s, lo, hi, anchor_list, anchors, None if whole else lengths, n,
+                                          attn_mem_bytes, noise_embedding.element_size())
         q_pos = anchors[:, None] + torch.arange(n, device=anchors.device)[None, :]
         cos, sin = self.rotary_emb(noise_embedding, q_pos)
         h = noise_embedding
@@ -363,8 +365,10 @@ class DFlashDrafter(nn.Module):
         return self.norm(h)
 
     def _plan_attention(self, sample: int, lo: int, hi: int, anchor_list: list[int], anchors: torch.Tensor,
-                        lengths: torch.Tensor, n: int, mem_bytes: int | None, elem: int) -> list[_AttentionPart]:
-        """Chunks of one sample's rows [lo, hi), each with its packing group and per-layer masks."""
+                        lengths: torch.Tensor | None, n: int, mem_bytes: int | None, elem: int
+                        ) -> list[_AttentionPart]:
+        """Chunks of one sample's rows [lo, hi), each with its packing group and per-layer masks
+        (``lengths`` None: every block has the full length)."""
         if hi <= lo:
             return []
         attn = self.layers[0].self_attn
@@ -383,9 +387,16 @@ class DFlashDrafter(nn.Module):
             group = max(1, min(count, c // (4 * n)))
             pad = (-count) % group
             rows: slice | torch.Tensor = slice(i, j)
+            if count == 1 and lengths is None:
+                # One whole block over its own prefix: everything is visible but for the layers' reach.
+                q_pos = anchors[i:j, None] + torch.arange(n, device=dev)[None, :]
+                k_pos = torch.cat([torch.arange(c, device=dev)[None, :], q_pos], dim=1)
+                parts.append(_AttentionPart(sample, rows, 1, c, 1, self._layer_masks(None, q_pos, k_pos)))
+                continue
             if pad:  # repeat the last block; its outputs are dropped
                 rows = torch.cat([torch.arange(i, j, device=dev), torch.full((pad,), j - 1, device=dev)])
-            anc, lens = anchors[rows], lengths[rows]
+            anc = anchors[rows]
+            lens = torch.full_like(anc, n) if lengths is None else lengths[rows]
             b, m = (count + pad) // group, group * n
             packed_pos = (anc[:, None] + torch.arange(n, device=dev)[None, :]).reshape(b, m)
             q_anchor = anc.view(b, group, 1).expand(b, group, n).reshape(b, m)
