@@ -265,6 +265,7 @@ class _Live:
     known: dict[int, tuple[int, ...]] = field(default_factory=dict)
     rows: dict[int, list[int]] | None = None  # anchor -> argmax block (keep_drafts only)
     window: list[int] = field(default_factory=list)  # per walk: anchors to draft from its position on
+    ones: list[int] = field(default_factory=list)  # per walk kind: drafted anchors whose cycle produced one token
 
 
 class _Wave:
@@ -298,7 +299,8 @@ def _grow(window: int, one_token_share: float, consumed: bool, cap: int) -> int:
     """Next lookahead of a walk: anchors drafted from its position on (itself included).
 
     A walk at p visits p + 1 only if its cycle at p produces one token. When the drafts so far say
-    that is nearly certain (a one-token share of at least 0.9 over all cycles scored) and the walk
+    that is nearly certain (a one-token share of at least 0.9 over the sample's anchors drafted so
+    far, for this kind of walk) and the walk
     used its whole window last round (every cycle in it produced one token), the window doubles;
     otherwise it is 1: only the anchor the walk needs. So a weak drafter (tau ~ 1) gets a few large
     rounds instead of one round per cycle, while a useful drafter never drafts an anchor it may skip
@@ -318,9 +320,6 @@ class _Drafting:
         self.runner, self.head, self.spec, self.budgets = runner, head, spec, budgets
         self.counts, self.stride, self.head_mem_bytes = counts, stride, head_mem_bytes
         self.use_target_topk, self.max_blocks = use_target_topk, max_blocks
-        walks = 1 + len(budgets)
-        self.ones = [0] * walks  # per walk kind: drafted anchors whose cycle produced one token
-        self.seen = 0
 
     def run(self, wave: _Wave, requests: list[tuple[int, int]]) -> None:
         requests.sort()
@@ -374,13 +373,12 @@ class _Drafting:
             tree = ddtree_accepted(top_ids, top_lp, lengths - 1, target, max(self.budgets))
             produced += [cut_produced(tree[:, b - 1], anchors, loop_end, first_stop) for b in self.budgets]
         table = torch.stack(produced, dim=1)  # [N, walks]
-        for j, c in enumerate((table == 1).sum(0).tolist()):
-            self.ones[j] += c
-        self.seen += len(requests)
         rows = argmax.tolist() if any(lv.rows is not None for lv in lives) else None
         for r, ((w, p), vals) in enumerate(zip(requests, table.tolist(), strict=True)):
             lv = wave.lives[w]
             lv.known[p] = tuple(vals)
+            for j, v in enumerate(vals):
+                lv.ones[j] += v == 1
             if lv.rows is not None:
                 lv.rows[p] = rows[r][: int(min(n, lv.bounds.loop_end - p)) - 1]
         # Anchor statistics on the fixed set only.
@@ -394,15 +392,20 @@ class _Drafting:
                 self.counts.add_t1(torch.cumprod(alpha.double(), dim=1).sum(dim=1))
 
 
-def _advance(lv: _Live, share: list[float], cap: int) -> None:
-    """Move every walk of a sample as far as the drafted anchors allow; update its lookahead."""
+def _advance(lv: _Live, cap: int) -> None:
+    """Move every walk of a sample as far as the drafted anchors allow; update its lookahead.
+
+    The lookahead depends on this sample's drafts only, so what is drafted for a sample does not
+    depend on which other samples share its evaluation (or its rank under DDP).
+    """
+    seen = max(len(lv.known), 1)
     for j, walk in enumerate(lv.walks):
         start, cycles = walk.p, len(walk.lengths)
         while walk.anchor is not None and walk.anchor in lv.known:
             walk.advance(lv.known[walk.anchor][j])
         w = lv.window[j]
         consumed = walk.p - start == w and len(walk.lengths) - cycles == w  # w one-token cycles
-        lv.window[j] = _grow(w, share[j], consumed, cap)
+        lv.window[j] = _grow(w, lv.ones[j] / seen, consumed, cap)
 
 
 def _requests(wave: _Wave, first: bool) -> list[tuple[int, int]]:
@@ -533,9 +536,8 @@ def evaluate(cache: StateCache, drafter: Any, head: TargetHead | None = None, *,
                               verify, keep_drafts > 0)
             first = True
             while True:
-                share = [o / max(drafting.seen, 1) for o in drafting.ones]
                 for lv in wave.lives:
-                    _advance(lv, share, 8 * spec.block_size)
+                    _advance(lv, 8 * spec.block_size)
                 requests = _requests(wave, first)
                 first = False
                 if not requests:
@@ -571,7 +573,7 @@ def _load_wave(cache: StateCache, ids: list[str], runner: DraftRunner, manifest:
             state = runner.prepare(sample.hidden[:rows].to(device=device, dtype=runner.dtype))
         walks = [Walk(bounds, tok_list, stops) for _ in range(1 + n_budgets)]
         lives.append(_Live(w, sid, sample.entry.category, bounds, tok_list, state, stats_anchors(bounds, stride),
-                           walks, rows={} if keep_rows else None, window=[1] * len(walks)))
+                           walks, rows={} if keep_rows else None, window=[1] * len(walks), ones=[0] * len(walks)))
         tokens.append(sample.input_ids.long())
         topk.append(None if sample.topk_ids is None else (sample.topk_ids, sample.topk_logprobs))
         del sample  # the features are no longer needed: the state holds what the drafter uses

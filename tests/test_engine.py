@@ -311,6 +311,10 @@ def test_weak_drafter_drafts_ahead_without_waste(planted, tmp_path: Path) -> Non
     # Same lists as drafting only what each round needs (a huge "needed" set: every anchor is a cycle).
     plain = evaluate(cache, planted["drafter"], budgets=(), anchor_stride=1)
     assert [s.acceptance_lengths for s in rep.samples] == [s.acceptance_lengths for s in plain.samples]
+    # What is drafted for a sample depends on that sample alone (DDP rank shares sum to the same cost).
+    alone = [evaluate(cache, drafter, budgets=(), anchor_stride=BLOCK, sample_ids=[e.id]).samples[0]
+             for e in cache.samples]
+    assert [s.anchors_drafted for s in alone] == [s.anchors_drafted for s in rep.samples]
 
 
 def test_bad_stride_is_refused(planted) -> None:
