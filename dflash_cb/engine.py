@@ -253,7 +253,6 @@ def stats_anchors(bounds: SampleBounds, stride: int) -> range:
 class _Live:
     """One sample while it is being evaluated."""
 
-    index: int  # position in the evaluation's sample order
     id: str
     category: str
     bounds: SampleBounds
@@ -298,11 +297,10 @@ class _Wave:
 def _grow(window: int, one_token_share: float, consumed: bool, cap: int) -> int:
     """Next lookahead of a walk: anchors drafted from its position on (itself included).
 
-    A walk at p visits p + 1 only if its cycle at p produces one token. When the drafts so far say
-    that is nearly certain (a one-token share of at least 0.9 over the sample's anchors drafted so
-    far, for this kind of walk) and the walk
-    used its whole window last round (every cycle in it produced one token), the window doubles;
-    otherwise it is 1: only the anchor the walk needs. So a weak drafter (tau ~ 1) gets a few large
+    A walk at p visits p + 1 only if its cycle at p produces one token. When the sample's drafts so
+    far say that is nearly certain for this kind of walk (a one-token share of at least 0.9) and
+    the walk used its whole window last round (every cycle in it produced one token), the window
+    doubles; otherwise it is 1: only the anchor the walk needs. So a weak drafter (tau ~ 1) gets a few large
     rounds instead of one round per cycle, while a useful drafter never drafts an anchor it may skip
     (``anchors_drafted / anchors_needed`` stays near 1).
     """
@@ -316,10 +314,9 @@ class _Drafting:
     sample, anchor statistics added to ``counts`` for anchors of the statistics set."""
 
     def __init__(self, runner: DraftRunner, head: TargetHead, spec: DrafterSpec, budgets: tuple[int, ...],
-                 counts: EvalCounts, stride: int, head_mem_bytes: int, use_target_topk: bool, max_blocks: int):
+                 counts: EvalCounts, stride: int, head_mem_bytes: int, max_blocks: int):
         self.runner, self.head, self.spec, self.budgets = runner, head, spec, budgets
-        self.counts, self.stride, self.head_mem_bytes = counts, stride, head_mem_bytes
-        self.use_target_topk, self.max_blocks = use_target_topk, max_blocks
+        self.counts, self.stride, self.head_mem_bytes, self.max_blocks = counts, stride, head_mem_bytes, max_blocks
 
     def run(self, wave: _Wave, requests: list[tuple[int, int]]) -> None:
         requests.sort()
@@ -350,7 +347,7 @@ class _Drafting:
         target = wave.tokens[base[:, None] + torch.minimum(pos, last)]
         target = torch.where(pos < wave.known_end[sample][:, None], target, -1)
         tk = None
-        if wave.topk is not None and self.use_target_topk:
+        if wave.topk is not None:
             # The target's distribution for the token at p + k sits at position p + k - 1.
             at = (base[:, None] + torch.minimum(pos - 1, last)).reshape(-1)
             tk = (wave.topk[0][at], wave.topk[1][at])
@@ -522,7 +519,7 @@ def evaluate(cache: StateCache, drafter: Any, head: TargetHead | None = None, *,
     counts = EvalCounts(spec.block_size, budgets, categories)
     manifest = cache.manifest
     stops = frozenset(manifest.stop_token_ids)
-    drafting = _Drafting(runner, head, spec, budgets, counts, anchor_stride, head_mem_bytes, True, max_blocks)
+    drafting = _Drafting(runner, head, spec, budgets, counts, anchor_stride, head_mem_bytes, max_blocks)
     state_dtype = autocast_dtype or runner.dtype
     bar = None
     if progress:
@@ -562,7 +559,7 @@ def evaluate(cache: StateCache, drafter: Any, head: TargetHead | None = None, *,
 def _load_wave(cache: StateCache, ids: list[str], runner: DraftRunner, manifest: Manifest, stops: frozenset[int],
                stride: int, n_budgets: int, device: torch.device, verify: bool, keep_rows: bool) -> _Wave:
     lives, tokens, topk = [], [], []
-    for w, sid in enumerate(ids):
+    for sid in ids:
         sample = cache.load(sid, verify=verify)
         bounds = bounds_for(sample, manifest)
         tok_list = sample.input_ids.tolist()
@@ -572,7 +569,7 @@ def _load_wave(cache: StateCache, ids: list[str], runner: DraftRunner, manifest:
             rows = bounds.anchors[-1]
             state = runner.prepare(sample.hidden[:rows].to(device=device, dtype=runner.dtype))
         walks = [Walk(bounds, tok_list, stops) for _ in range(1 + n_budgets)]
-        lives.append(_Live(w, sid, sample.entry.category, bounds, tok_list, state, stats_anchors(bounds, stride),
+        lives.append(_Live(sid, sample.entry.category, bounds, tok_list, state, stats_anchors(bounds, stride),
                            walks, rows={} if keep_rows else None, window=[1] * len(walks), ones=[0] * len(walks)))
         tokens.append(sample.input_ids.long())
         topk.append(None if sample.topk_ids is None else (sample.topk_ids, sample.topk_logprobs))
