@@ -351,11 +351,18 @@ class _Drafting:
             # The target's distribution for the token at p + k sits at position p + k - 1.
             at = (base[:, None] + torch.minimum(pos - 1, last)).reshape(-1)
             tk = (wave.topk[0][at], wave.topk[1][at])
-        topk = max(self.budgets) if self.budgets else 0
-        out = apply_head(flat, head.lm_head, spec, topk, self.head_mem_bytes, tk)
+        prompt = torch.tensor([wave.lives[w].bounds.prompt_len for w in who], device=dev)
+        sel = (anchors - prompt) % self.stride == 0  # rows of the anchor-statistics set
+        keep_rows = any(lv.rows is not None for lv in lives)
+        out = None
+        if self.budgets or keep_rows or bool(sel.all()):
+            out = apply_head(flat, head.lm_head, spec, max(self.budgets, default=0), self.head_mem_bytes, tk)
+            raw, overlap = out.argmax.view(-1, d), None if out.overlap is None else out.overlap.view(-1, d)
+        else:
+            raw, overlap = self._greedy_head(hid, target, sel, tk)
         # Depths past a (tail) block's length get values that never match or score: -2, -inf, 0.
         inside = depth < lengths[:, None]
-        argmax = torch.where(inside, out.argmax.view(-1, d), -2)
+        argmax = torch.where(inside, raw, -2)
         accepted = leading_matches(argmax, target)
         first_stop = None
         if wave.has_stops:
@@ -364,13 +371,14 @@ class _Drafting:
         loop_end = wave.loop_end[sample]
         produced = [cut_produced(accepted, anchors, loop_end, first_stop)]
         if self.budgets:
+            assert out is not None
             kk = out.topk_ids.shape[-1]
             top_ids = torch.where(inside[..., None], out.topk_ids.view(-1, d, kk), -2)
             top_lp = torch.where(inside[..., None], out.topk_logprobs.view(-1, d, kk), float("-inf"))
             tree = ddtree_accepted(top_ids, top_lp, lengths - 1, target, max(self.budgets))
             produced += [cut_produced(tree[:, b - 1], anchors, loop_end, first_stop) for b in self.budgets]
         table = torch.stack(produced, dim=1)  # [N, walks]
-        rows = argmax.tolist() if any(lv.rows is not None for lv in lives) else None
+        rows = argmax.tolist() if keep_rows else None
         for r, ((w, p), vals) in enumerate(zip(requests, table.tolist(), strict=True)):
             lv = wave.lives[w]
             lv.known[p] = tuple(vals)
@@ -379,14 +387,40 @@ class _Drafting:
             if lv.rows is not None:
                 lv.rows[p] = rows[r][: int(min(n, lv.bounds.loop_end - p)) - 1]
         # Anchor statistics on the fixed set only.
-        prompt = torch.tensor([wave.lives[w].bounds.prompt_len for w in who], device=dev)
-        sel = (anchors - prompt) % self.stride == 0
         if bool(sel.any()):
             valid = inside & (target >= 0)
             self.counts.add_anchors(accepted[sel], produced[0][sel], valid[sel], (argmax == target)[sel])
-            if out.overlap is not None:
-                alpha = torch.where(valid, out.overlap.view(-1, d), 0.0)[sel]
+            if overlap is not None:
+                alpha = torch.where(valid, overlap, 0.0)[sel]
                 self.counts.add_t1(torch.cumprod(alpha.double(), dim=1).sum(dim=1))
+
+    def _greedy_head(self, hid: torch.Tensor, target: torch.Tensor, sel: torch.Tensor,
+                     tk: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Greedy-only argmax [N, D]: every depth for the statistics rows ``sel``; for the others only as
+        deep as the leading matches reach (the replay reads depth k only when depths 1..k-1 matched),
+        -2 past that. The head is most of a block's cost, and tau ~ 4 reads about a third of it.
+        Returns the argmax and, for ``sel`` rows when ``tk`` is given, the temperature-1 overlap."""
+        n, d, width = hid.shape
+        head, spec = self.head, self.spec
+        raw = torch.full((n, d), -2, dtype=torch.long, device=hid.device)
+        overlap = None
+        rows = sel.nonzero()[:, 0]
+        if rows.numel():
+            sub = None if tk is None else tuple(t.view(n, d, -1)[rows].reshape(rows.numel() * d, -1) for t in tk)
+            out = apply_head(hid[rows].reshape(-1, width).to(head.lm_head.dtype), head.lm_head, spec, 0,
+                             self.head_mem_bytes, sub)
+            raw[rows] = out.argmax.view(-1, d)
+            if out.overlap is not None:
+                overlap = torch.zeros((n, d), device=hid.device)
+                overlap[rows] = out.overlap.view(-1, d)
+        live = (~sel).nonzero()[:, 0]
+        for k in range(d):
+            if live.numel() == 0:
+                break
+            am = draft_logits(hid[live, k].to(head.lm_head.dtype), head.lm_head, spec).argmax(dim=-1)
+            raw[live, k] = am
+            live = live[am == target[live, k]]
+        return raw, overlap
 
 
 def _advance(lv: _Live, cap: int) -> None:

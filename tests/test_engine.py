@@ -236,6 +236,11 @@ def test_every_count_equals_brute_force(planted, stride: int) -> None:
     assert 1.5 < sum(lengths) / len(lengths) < BLOCK  # the planted regime: well above one token per cycle
     assert [s.anchors_needed for s in rep.samples] and all(s.anchors_drafted >= s.anchors_needed for s in rep.samples)
     _check_counts(rep, _expected_counts(brute, stride))
+    # Greedy only: the head runs only as deep as each walk anchor's leading matches; same numbers.
+    greedy = evaluate(planted["cache"], planted["drafter"], budgets=(), anchor_stride=stride)
+    assert [s.acceptance_lengths for s in greedy.samples] == [s.acceptance_lengths for s in rep.samples]
+    _check_counts(greedy, {k: v for k, v in _expected_counts(brute, stride).items()
+                           if not k.startswith("dd") and k != "anchors_needed"})
     data = rep.counts.data
     # Nothing drafted beyond what the walks and the statistics set need (no lookahead at this tau).
     assert data["anchors_drafted"].item() == data["anchors_needed"].item()
