@@ -284,3 +284,24 @@ def test_state_dict_round_trip():
     other.load_state_dict(cb.state_dict())
     assert (other.last_eval_step, other.num_evals, other.start_done, other.history) == (10, 3, True, cb.history)
     assert other.state_key == cb.state_key != DFlashEvalCallback(states="y").state_key
+
+
+def test_evaluation_profiles():
+    """Light periodic evaluations, a full one every N-th and at fit end; bad profile values refused early."""
+    from dflash_cb.model import DrafterSpec
+
+    cb = DFlashEvalCallback(states="x", ddtree_budgets=[16, 32, 64], full_every_n_evals=3)
+    cb._spec = DrafterSpec(block_size=16, mask_token_id=1, target_layer_ids=(1,), target_hidden_size=8, vocab_size=9)
+    plan = []
+    for _ in range(6):
+        plan.append(cb._profile("step"))
+        cb.num_evals += 1
+    light, full = (False, (64,), 16), (True, (16, 32, 64), 1)
+    assert plan == [light, light, full, light, light, full]
+    assert cb._profile("fit end") == full
+    custom = DFlashEvalCallback(states="x", periodic_ddtree_budgets=[8, 4], periodic_anchor_stride=4)
+    custom._spec = cb._spec
+    assert custom._profile("step") == (False, (4, 8), 4)
+    for bad in ({"periodic_anchor_stride": 0}, {"full_every_n_evals": -1}, {"periodic_ddtree_budgets": [0]}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            DFlashEvalCallback(states="x", **bad)
