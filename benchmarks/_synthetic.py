@@ -64,26 +64,14 @@ def write_cache(folder: str | os.PathLike, p: dict, samples: int, prompt_len: in
     gen_dev = head.embed_tokens.device  # random features are made where they are fast to make
     gd = torch.Generator(device=gen_dev).manual_seed(seed)
     fdim = len(p["target_layers"]) * p["hidden"]
-    vocab, block = p["vocab"], p["block"]
+    vocab = p["vocab"]
+    feats_all = [torch.randn(total_len, fdim, generator=gd, device=gen_dev, dtype=dtype) for _ in range(samples)]
+    tokens_all = [torch.randint(0, vocab - 1, (total_len,), generator=g) for _ in range(samples)]
+    if planted is not None:
+        plant(planted, head, feats_all, tokens_all, prompt_len, g)
     shards, entries = [], []
     for i in range(samples):
-        feats = torch.randn(total_len, fdim, generator=gd, device=gen_dev, dtype=dtype).cpu()
-        tokens = torch.randint(0, vocab - 1, (total_len,), generator=g)
-        if planted is not None:
-            dev = head.embed_tokens.device
-            pos = prompt_len
-            state = planted.prepare(feats.to(dev, planted.dtype))
-            while pos + 1 < total_len:
-                length = min(block, total_len - pos)
-                anc = torch.tensor([pos], device=dev)
-                emb = block_embeddings(tokens.to(dev), anc, length, planted.spec, head.embed_tokens)
-                hid = planted.hidden(state, emb.to(planted.dtype), anc)[0, 1:]
-                draft = apply_head(hid.to(head.lm_head.dtype), head.lm_head, planted.spec, 0).argmax.cpu()
-                k = min(int(torch.randint(0, 8, (1,), generator=g)), length - 1)
-                tokens[pos + 1: pos + 1 + k] = draft[:k]
-                if k < length - 1 and pos + k + 1 < total_len:
-                    tokens[pos + k + 1] = (draft[k] + 1) % (vocab - 1)  # a guaranteed mismatch
-                pos += k + 1
+        feats, tokens = feats_all[i].cpu(), tokens_all[i]
         sid = f"syn-{i:04d}"
         name = shard_name(i)
         data = save({f"{sid}/input_ids": tokens.contiguous(), f"{sid}/hidden": feats.contiguous(),
@@ -108,6 +96,40 @@ def write_cache(folder: str | os.PathLike, p: dict, samples: int, prompt_len: in
         target_head=head_info,
     ).write(folder)
     return StateCache(folder)
+
+
+def plant(runner: FastRunner, head: TargetHead, feats: list[torch.Tensor], tokens: list[torch.Tensor],
+          prompt_len: int, g: torch.Generator) -> None:
+    """Make each completion copy the drafter's block for 0-7 tokens per cycle, then mismatch.
+
+    All samples advance together, one batched drafter pass per cycle (fast on a GPU even for 64
+    samples of 2,048 tokens); ``tokens`` are edited in place.
+    """
+    dev = head.embed_tokens.device
+    spec = runner.spec
+    block, vocab = spec.block_size, head.lm_head.shape[0]
+    states = [runner.prepare(f.to(dev, runner.dtype)) for f in feats]
+    pos = [prompt_len] * len(tokens)
+    while True:
+        live = [i for i, t in enumerate(tokens) if pos[i] + 1 < t.shape[0]]
+        if not live:
+            return
+        anchors = torch.tensor([pos[i] for i in live], device=dev)
+        ends = torch.tensor([tokens[i].shape[0] for i in live], device=dev)
+        lengths = torch.clamp(ends - anchors, max=block)
+        first = torch.stack([tokens[i][pos[i]] for i in live]).to(dev)
+        emb = block_embeddings(first, torch.arange(len(live), device=dev), block, spec, head.embed_tokens)
+        hid = runner.hidden_samples([states[i] for i in live], emb.to(runner.dtype), anchors,
+                                    [(j, j + 1) for j in range(len(live))], lengths)[:, 1:]
+        drafts = apply_head(hid.reshape(-1, hid.shape[-1]).to(head.lm_head.dtype), head.lm_head, spec, 0
+                            ).argmax.view(len(live), -1).cpu()
+        for j, i in enumerate(live):
+            p, length, draft, t = pos[i], int(lengths[j]), drafts[j], tokens[i]
+            k = min(int(torch.randint(0, 8, (1,), generator=g)), length - 1)
+            t[p + 1: p + 1 + k] = draft[:k]
+            if k < length - 1 and p + k + 1 < t.shape[0]:
+                t[p + k + 1] = (draft[k] + 1) % (vocab - 1)  # a guaranteed mismatch
+            pos[i] = p + k + 1
 
 
 def make_drafter(p: dict, seed: int, device: str, dtype: torch.dtype) -> DFlashDrafter:

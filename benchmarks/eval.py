@@ -195,7 +195,7 @@ def profiles(args, p: dict, drafter, head, tmp: Path) -> dict:
     big = not args.preset.startswith("cpu")
     dtype = args.torch_dtype
     cache = write_cache(tmp / "cache", p, args.samples, args.prompt, args.tokens, head, dtype=dtype,
-                        planted=None if big else FastRunner(drafter), write_head=not big)
+                        planted=FastRunner(drafter), write_head=not big)
     autocast = torch.bfloat16 if dtype == torch.bfloat16 and dev.startswith("cuda") else None
     block = p["block"]
     budgets = tuple(int(b) for b in args.budgets.split(",") if b)

@@ -124,6 +124,9 @@ def test_eval_tool_matches_oracle(setup, tmp_path: Path) -> None:
     cycles = [n for v in setup["oracle"].values() for n in v]
     assert res["tau"] == pytest.approx(sum(cycles) / len(cycles))
     assert res["meta"]["cache_manifest_sha256"] == setup["cache"].manifest_sha256
+    # Cost accounting: a full evaluation drafts every anchor once, no more.
+    meta = res["meta"]
+    assert meta["anchor_stride"] == 1 and meta["anchors_drafted"] == meta["anchors_needed"] > sum(map(len, setup["oracle"].values()))
     assert set(res["ddtree"]) == {"4", "16"}
     # A bigger tree never accepts less on the same cycle structure start.
     assert res["ddtree"]["16"]["tau"] >= res["ddtree"]["4"]["tau"] - 1e-9
