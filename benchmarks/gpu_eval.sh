@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU evaluation benchmark (issue 8) as one prepared run on the device machine: a
-# Qwen3.6-27B-shaped random drafter (bf16, autocast) on a synthetic 64 x 2,048-token cache, timed in
+# Qwen3.6-27B-shaped random drafter (bf16, autocast) on a synthetic 64 x 2,048-token cache (completions
+# planted to follow the drafter for 0-7 tokens per cycle), timed in
 # the callback's three profiles (greedy only; callback default: stride = block size, the largest
 # budget; full: stride 1, budgets 16,32,64) with extra GPU memory and achieved TFLOP/s.
 # Figures go to $OUT (or ./gpu_out). PRESET / DEVICE / extra arguments make a tiny CPU check:
