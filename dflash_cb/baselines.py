@@ -29,6 +29,7 @@ from .states import StateCache
 
 MEASURED = "measured"
 PUBLISHED = "published"
+SERVED = "served"  # the server's own counters, stored by the precompute (dflash_cb/served.py)
 
 
 @dataclass
@@ -44,11 +45,15 @@ class Baseline:
 
     @property
     def label(self) -> str:
+        if self.kind == SERVED:
+            return f"{self.name} (served, measured online)"
         return f"{self.name} (published, not measured here)" if self.kind == PUBLISHED else f"{self.name} (reference)"
 
     @property
     def key(self) -> str:
-        """Metric-name segment: ``baseline/<name>`` or ``published/<name>``."""
+        """Metric-name segment: ``baseline/<name>``, ``baseline/served`` or ``published/<name>``."""
+        if self.kind == SERVED:
+            return "baseline/served"
         return f"{'published' if self.kind == PUBLISHED else 'baseline'}/{_slug(self.name)}"
 
 
@@ -145,6 +150,26 @@ def _restrict(metrics: dict[str, float], data: dict[str, Any], ids: list[str], d
     # Aggregated in the file: cannot be restricted, so they describe the whole cache.
     details["subset"] = f"{len(ids)} of {len(by_id)} samples (tau, DDTree, per-category recomputed on the subset; " \
                         "per-depth and all-anchor figures are whole-cache)"
+
+
+def load_served(cache: StateCache, sample_ids: Sequence[str] | None = None) -> Baseline | None:
+    """The served drafter's online tau from the counters the precompute stored, or None if there are none.
+
+    Tau in the replay's convention (``served.served_rounds_and_tau``), pooled over ``sample_ids``
+    that have counters. Measured by the server on its hardware, not replayed here.
+    """
+    from .served import served_tau
+
+    got = served_tau(cache.samples, sample_ids)
+    if got is None:
+        return None
+    tau, rounds, n = got
+    config = cache.manifest.served_spec_config or {}
+    path = config.get("draft_model_path")
+    name = Path(str(path).rstrip("/")).name if path else "served"
+    return Baseline(name, SERVED, {TAU: tau}, None,
+                    source=f"SGLang spec_verify_ct stored in {cache.path} by the precompute",
+                    details={"samples": n, "rounds": rounds, "server": config})
 
 
 # -- published ----------------------------------------------------------------------------

@@ -48,7 +48,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from safetensors import safe_open
 from torch import nn
 
-from .baselines import Baseline, baseline_scalars, load_measured, load_published
+from .baselines import Baseline, baseline_scalars, load_measured, load_published, load_served
 from .distributed import all_reduce_sum, full_parameters, gather_to_zero, sharding_kind, world
 from .engine import DEFAULT_BUDGETS, SampleResult, evaluate
 from .errors import DFlashCBError
@@ -226,6 +226,9 @@ class DFlashEvalCallback(Callback):
         self.table_ids = _stratified(self.eval_ids, self.cache, self.table_samples, None)
         self.reference = [load_measured(p, self.cache, name=n, sample_ids=self.eval_ids)
                           for n, p in self.baselines.items()]
+        served = load_served(self.cache, self.eval_ids)  # the server's own counters, when the cache has them
+        if served is not None:
+            self.reference.append(served)
         if self.published:
             pf = load_published(self.published, self.published_entries)
             self.reference += pf.baselines

@@ -48,6 +48,7 @@ from dflash_cb.states import (
 )
 
 from .errors import DFlashCBError
+from .served import served_counters, server_spec_config
 
 PROGRESS_NAME = "progress.json"
 LOG_NAME = "precompute_log.json"
@@ -316,6 +317,7 @@ def prepare(args: PrecomputeArgs, log: Log = _stderr) -> Plan:
     # -- reference
     warnings: list[str] = []
     client = None
+    spec_config = None
     completions: dict[str, dict[str, Any]] = {}
     reference: dict[str, Any] = {"kind": a.reference, "url": None, "served_model": None,
                                  "sampling_params": None, "max_new_tokens": a.max_new_tokens,
@@ -329,6 +331,7 @@ def prepare(args: PrecomputeArgs, log: Log = _stderr) -> Plan:
             info = client.model_info()
         except SGLangError as e:
             raise PrecomputeError(str(e)) from e
+        spec_config = server_spec_config(client.server_info())  # served.py: the --served-check side
         msg = served_model_mismatch(info, a.target)
         if msg:
             warnings.append(msg)
@@ -351,7 +354,7 @@ def prepare(args: PrecomputeArgs, log: Log = _stderr) -> Plan:
         prompts_info["part"] = {"num_shards": N, "shard_index": part}
     header = Manifest(target=tcfg.manifest_dict(), layer_ids=layer_ids, dtype=a.dtype, reference=reference,
                       chat_template_kwargs=dict(a.chat_template_kwargs), topk_logprobs=a.topk_logprobs,
-                      prompts=prompts_info)
+                      prompts=prompts_info, served_spec_config=spec_config)
     fingerprint = {"manifest": _header_dict(header), "samples_per_shard": S, "export_head": a.export_head}
     plan = Plan(args=a, out=Path(a.out), target=tcfg, layer_ids=layer_ids, stop_token_ids=stop,
                 records=records, prompt_ids=prompt_ids, groups=groups, header=header,
@@ -481,7 +484,8 @@ def _read_journal(path: Path) -> dict[str, dict[str, Any]]:
         try:
             obj = json.loads(line)
             done[obj["id"]] = {"output_ids": [int(t) for t in obj["output_ids"]],
-                               "finish_reason": str(obj["finish_reason"])}
+                               "finish_reason": str(obj["finish_reason"]),
+                               "served_spec": served_counters(obj.get("served_spec"))}
         except (ValueError, KeyError, TypeError):
             continue
     return done
@@ -499,7 +503,8 @@ def _sglang_completions(plan: Plan, todo: list[Any], log: Log) -> dict[str, dict
             f"({len(have)} already saved in {JOURNAL_NAME})")
         with open(journal, "ab") as f:
             def on_result(key: str, c: Any) -> None:
-                have[key] = {"output_ids": list(c.output_ids), "finish_reason": c.finish_reason}
+                have[key] = {"output_ids": list(c.output_ids), "finish_reason": c.finish_reason,
+                             "served_spec": served_counters(c.meta_info)}
                 f.write(_journal_line(key, have[key]))
                 f.flush()
                 os.fsync(f.fileno())
@@ -510,8 +515,10 @@ def _sglang_completions(plan: Plan, todo: list[Any], log: Log) -> dict[str, dict
 
 
 def _journal_line(sid: str, c: dict[str, Any]) -> bytes:
-    return (json.dumps({"id": sid, "output_ids": c["output_ids"], "finish_reason": c["finish_reason"]},
-                       separators=(",", ":")) + "\n").encode()
+    line = {"id": sid, "output_ids": c["output_ids"], "finish_reason": c["finish_reason"]}
+    if c.get("served_spec"):  # the server's speculative counters (absent: the line is as before)
+        line["served_spec"] = c["served_spec"]
+    return (json.dumps(line, separators=(",", ":")) + "\n").encode()
 
 
 def compute_sample(target: Any, record: Any, prompt: list[int], completion: list[int], finish_reason: str,
@@ -617,6 +624,8 @@ def execute(plan: Plan, log: Log = _stderr) -> dict[str, Any]:
                     t = time.time()
                     ts, entry = compute_sample(target, r, prompt, comp, reason, plan.layer_ids,
                                                a.topk_logprobs, name)
+                    if a.reference != "local":
+                        entry.served_spec = completions[r.id].get("served_spec")
                     timings["prefill_s"] += time.time() - t
                     tensors.update(ts)
                     entries.append(entry)

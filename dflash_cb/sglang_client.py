@@ -166,6 +166,19 @@ class SGLangClient:
 
         return self._request("GET", "/get_model_info", parse)
 
+    def server_info(self) -> dict[str, Any]:
+        """``GET /get_server_info`` (the server's arguments, e.g. ``speculative_algorithm``); ``{}`` if absent.
+
+        Only used to describe the server in the manifest, so a server without the endpoint (or an
+        unreadable answer) is not an error.
+        """
+        try:
+            response = self.session.get(f"{self.url}/get_server_info", timeout=min(self.timeout, 30.0))
+            body = response.json() if response.ok else None
+        except (requests.RequestException, ValueError):
+            return {}
+        return body if isinstance(body, dict) else {}
+
     def generate(
         self,
         input_ids: list[int],

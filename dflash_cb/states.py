@@ -51,6 +51,9 @@ class SampleEntry:
     valid_len: int
     finish_reason: str
     index: int = 0  # position in the prompt file
+    # The server's own speculative counters for this request (every spec_* field of SGLang's
+    # meta_info, e.g. spec_verify_ct, spec_accept_length); None when the server sent none.
+    served_spec: dict[str, Any] | None = None
 
     @property
     def total_len(self) -> int:
@@ -78,6 +81,9 @@ class Manifest:
     agreement: dict[str, Any] = field(default_factory=dict)
     target_head: dict[str, Any] | None = None  # file, sha256, tied, vocab_size, hidden_size, dtype
     prompts: dict[str, Any] = field(default_factory=dict)  # file name and sha256 of the prompt set
+    # The server's speculative configuration (/get_server_info: algorithm, draft_model_path,
+    # num_draft_tokens, topk, num_steps); None for local/file references or servers that do not say.
+    served_spec_config: dict[str, Any] | None = None
     layer_index_convention: str = LAYER_INDEX_CONVENTION
     format_version: int = FORMAT_VERSION
 

@@ -27,6 +27,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="target model folder to take the embedding and output head from (default: the cache's export)")
     p.add_argument("--samples", type=int, default=None, help="evaluate only the first N samples")
     p.add_argument("--verify", action="store_true", help="check every shard's sha256 before reading it")
+    p.add_argument("--served-check", action="store_true",
+                   help="compare with the server's own speculative counters stored in the cache (the drafter "
+                        "must be the one the server ran during the precompute)")
     p.add_argument("--wandb-project", default=None, help="also log the evaluation to this W&B project")
     p.add_argument("--wandb-name", default=None, help="W&B run name")
     return p.parse_args(argv)
@@ -40,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     from dflash_cb.model import DFlashDrafter
     from dflash_cb.report import format_results
     from dflash_cb.results import report_to_results, write_results
+    from dflash_cb.served import compare, format_check, has_served_counters, nothing_to_compare
     from dflash_cb.states import CacheError, CacheMismatchError, StateCache
 
     try:
@@ -52,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     # Cheap checks first: the cache and the drafter config, before any weights are read.
     try:
         cache = StateCache(args.states)
+        if args.served_check and not has_served_counters(cache.samples):
+            raise nothing_to_compare(cache.path)  # before any weights are read
         drafter = DFlashDrafter.from_pretrained(args.drafter, device=device)
         cache.check_drafter(drafter.spec.as_cache_check())
     except (CacheError, CacheMismatchError, FileNotFoundError, ValueError) as e:
@@ -74,8 +80,15 @@ def main(argv: list[str] | None = None) -> int:
         "drafter": str(Path(args.drafter).resolve()), "dtype": dtype_name, "device": str(device),
         "head_source": args.target or "cache",
     })
+    check = None
+    if args.served_check:
+        check = compare(cache.samples, {s.id: s.acceptance_lengths for s in report.samples},
+                        cache.manifest.served_spec_config, drafter.spec.block_size, args.drafter)
+        results["served_check"] = check.to_dict()
     write_results(results, args.out)
     print(format_results(results))
+    if check is not None:
+        print("\n" + format_check(check))
     print(f"\nwrote {args.out}")
     if args.wandb_project:
         from dflash_cb.wandb_logging import log_standalone_results
@@ -85,4 +98,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from dflash_cb.cli import run
+
+    sys.exit(run(main))
