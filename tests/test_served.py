@@ -374,3 +374,49 @@ def test_old_manifest_loads_and_served_baseline(served_cache) -> None:
     sub = [cache.samples[0].id]
     assert served_tau(cache.samples, sub)[0] == pytest.approx(
         (cache.samples[0].completion_len - 1) / cache.samples[0].served_spec["spec_verify_ct"])
+
+
+def test_only_fully_agreeing_samples_with_counters_are_compared(served_cache) -> None:
+    import dataclasses
+
+    from dflash_cb.served import compare
+    from dflash_cb.states import StateCache
+
+    entries = StateCache(served_cache["out"]).samples
+    cut = dataclasses.replace(entries[0], valid_len=entries[0].prompt_len + 3)  # CPU and server part ways
+    bare = dataclasses.replace(entries[1], served_spec=None)
+    offline = {e.id: [1] * e.served_spec["spec_verify_ct"] for e in entries}
+    check = compare([cut, bare, *entries[2:]], offline, {"num_draft_tokens": BLOCK + 2}, drafter_block_size=BLOCK)
+    assert [s.id for s in check.samples] == [e.id for e in entries[2:]]
+    assert "completion offset 3" in check.skipped[cut.id] and "no served counters" in check.skipped[bare.id]
+    assert check.summary()["samples_equal_rounds"] == len(entries) - 2 and check.summary()["samples_skipped"] == 2
+    assert any("not comparable" in w for w in check.warnings)  # the server drafts another block size
+
+
+def test_callback_logs_the_served_tau(world, served_cache, tmp_path) -> None:
+    import csv
+
+    from lightning.pytorch import Trainer, seed_everything
+    from lightning.pytorch.loggers import CSVLogger
+
+    from dflash_cb import DFlashEvalCallback
+    from dflash_cb.lightning_module import CachedStatesDataModule, DFlashDrafterModule
+    from dflash_cb.served import served_tau
+    from dflash_cb.states import StateCache
+
+    cache = StateCache(served_cache["out"])
+    want = served_tau(cache.samples)[0]
+    seed_everything(0, verbose=False)
+    module = DFlashDrafterModule(_drafter_config(cache.manifest.vocab_size, cache.manifest.hidden_size),
+                                 str(cache.path), lr=1e-2, anchors_per_sample=8)
+    cb = DFlashEvalCallback(states=cache.path, every_n_train_steps=1, ddtree_budgets=[])
+    logger = CSVLogger(str(tmp_path), name="csv")
+    trainer = Trainer(max_steps=1, accelerator="cpu", devices=1, logger=logger, callbacks=[cb],
+                      enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                      log_every_n_steps=1, default_root_dir=str(tmp_path))
+    trainer.fit(module, CachedStatesDataModule(str(cache.path), batch_size=2))
+    with open(Path(logger.log_dir) / "metrics.csv") as f:
+        logged = [float(r["dflash_eval/baseline/served/tau"]) for r in csv.DictReader(f)
+                  if r.get("dflash_eval/baseline/served/tau")]
+    assert logged and all(v == pytest.approx(want) for v in logged)
+    assert any(b.label.endswith("(served, measured online)") for b in cb.reference)
