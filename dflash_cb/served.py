@@ -165,6 +165,7 @@ class ServedCheck:
         srv_tokens = sum(x.served_tau * x.served_rounds for x in s)
         both = [x for x in s if x.offline_tau is not None]
         diffs = [abs(x.offline_tau - x.served_tau) for x in both]
+        interval = self.paired_interval()
         return {
             "samples_compared": len(s),
             "samples_equal_rounds": self.equal_rounds,
@@ -175,7 +176,27 @@ class ServedCheck:
             "served_tau": round(srv_tokens / srv_rounds, 6) if srv_rounds else None,
             "mean_abs_tau_diff": round(sum(diffs) / len(diffs), 6) if diffs else None,
             "max_abs_round_diff": max((abs(x.offline_rounds - x.served_rounds) for x in s), default=0),
+            # served minus offline pooled tau, paired cluster-bootstrap 95% interval over the compared samples
+            "tau_diff_interval": None if interval is None else [round(v, 6) for v in interval],
         }
+
+    def paired_sums(self) -> tuple[list[float], list[float], list[float], list[float]]:
+        """Per compared sample: offline (committed, rounds), served (committed, rounds), in one order."""
+        s = self.samples
+        return ([(x.offline_tau or 0.0) * x.offline_rounds for x in s], [float(x.offline_rounds) for x in s],
+                [x.served_tau * x.served_rounds for x in s], [float(x.served_rounds) for x in s])
+
+    def paired_interval(self) -> tuple[float, float, float] | None:
+        """(served - offline pooled tau, low, high) from the comparison code's paired bootstrap, if present."""
+        if not self.samples:
+            return None
+        try:  # dflash_cb/bootstrap.py (the drafter-comparison work): one implementation of the interval
+            from .bootstrap import Sums, paired_difference
+        except ImportError:
+            return None
+        off_p, off_c, srv_p, srv_c = self.paired_sums()
+        iv = paired_difference(Sums.of(off_p, off_c), Sums.of(srv_p, srv_c))
+        return iv.value, iv.low, iv.high
 
     def to_dict(self) -> dict[str, Any]:
         return {"summary": self.summary(), "convention": self.convention, "server": self.server,
@@ -259,6 +280,9 @@ def format_check(check: ServedCheck, max_rows: int = 40) -> str:
     lines.append(f"  rounds offline {s['offline_rounds']}, served {s['served_rounds']}; pooled tau offline "
                  f"{f(s['offline_tau'])}, served {f(s['served_tau'])}; mean |tau diff| per sample "
                  f"{f(s['mean_abs_tau_diff'])}")
+    if s["tau_diff_interval"] is not None:
+        d, lo, hi = s["tau_diff_interval"]
+        lines.append(f"  served - offline tau {d:+.3f}, paired 95% interval [{lo:+.3f}, {hi:+.3f}]")
     for w in check.warnings:
         lines.append(f"  warning: {w}")
     rows = sorted(check.samples, key=lambda x: (x.equal, x.id))

@@ -248,6 +248,7 @@ def test_served_check_same_drafter_equal_rounds(world, served_cache, tmp_path, c
         assert x["served_tau"] == pytest.approx(x["offline_tau"])
     assert s["offline_tau"] == pytest.approx(res["tau"]) and s["served_tau"] == pytest.approx(res["tau"])
     assert s["mean_abs_tau_diff"] == pytest.approx(0.0)
+    assert s["tau_diff_interval"] in (None, [0.0, 0.0, 0.0])  # None until the bootstrap module is merged
     text = capsys.readouterr().out
     assert f"equal round counts {N_PROMPTS}/{N_PROMPTS}" in text and "differs" not in text
 
