@@ -169,15 +169,18 @@ class SGLangClient:
     def server_info(self) -> dict[str, Any]:
         """``GET /get_server_info`` (the server's arguments, e.g. ``speculative_algorithm``); ``{}`` if absent.
 
-        Only used to describe the server in the manifest, so a server without the endpoint (or an
-        unreadable answer) is not an error.
+        Only describes the server in the manifest, so a server without the endpoint is not an error.
+        Transient failures are retried like every request: the answer is part of the cache's
+        identity, and a resumed run must see the same one.
         """
+
+        def parse(body: Any) -> dict[str, Any]:
+            return body if isinstance(body, dict) else {}
+
         try:
-            response = self.session.get(f"{self.url}/get_server_info", timeout=min(self.timeout, 30.0))
-            body = response.json() if response.ok else None
-        except (requests.RequestException, ValueError):
+            return self._request("GET", "/get_server_info", parse)
+        except SGLangError:  # HTTP 404 on an older server, or nothing usable after the retries
             return {}
-        return body if isinstance(body, dict) else {}
 
     def generate(
         self,

@@ -109,6 +109,7 @@ class SpecServer:
         self.w = world
         self.speculative = True
         self.delay = 0.0
+        self.info: str = "ok"  # "ok" | "missing" (404, an older server) | "garbage" (not JSON)
         self.lock = threading.Lock()
         self.calls: Counter[tuple[int, ...]] = Counter()
         self.rounds: dict[tuple[int, ...], int] = {}  # what dflash_generate counted, per prompt
@@ -164,8 +165,14 @@ def serve(world: dict[str, Any]) -> Iterator[tuple[str, SpecServer]]:
                 self._json({})
             elif self.path == "/get_model_info":
                 self._json({"model_path": str(world["target_dir"]), "is_generation": True})
-            elif self.path == "/get_server_info":
+            elif self.path == "/get_server_info" and state.info == "ok":
                 self._json(state.server_info())
+            elif self.path == "/get_server_info" and state.info == "garbage":
+                data = b"<html>oops"
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
             else:
                 self.send_error(404)
 
@@ -293,7 +300,7 @@ def test_sigkill_during_queries_keeps_the_counters(world, server, tmp_path) -> N
     reference = tmp_path / "uninterrupted"  # same server (its URL is in the manifest)
     assert _precompute(*_sglang_args(world, url, reference)) == 0
     state.calls.clear()
-    state.delay = 0.3  # slow answers, so the kill lands between two of them
+    state.delay = 0.15  # slow answers, so the kill lands between two of them
     out = tmp_path / "killed"
     args = _sglang_args(world, url, out) + ["--layers", ",".join(map(str, LAYERS)), "--dtype", "float32",
                                             "--max-new-tokens", str(MAX_NEW), "--no-progress"]
@@ -421,3 +428,15 @@ def test_callback_logs_the_served_tau(world, served_cache, tmp_path) -> None:
                   if r.get("dflash_eval/baseline/served/tau")]
     assert logged and all(v == pytest.approx(want) for v in logged)
     assert any(b.label.endswith("(served, measured online)") for b in cb.reference)
+
+
+def test_server_info_is_optional(server) -> None:
+    from dflash_cb.served import server_spec_config
+    from dflash_cb.sglang_client import SGLangClient
+
+    url, state = server
+    client = SGLangClient(url, max_retries=0)
+    assert server_spec_config(client.server_info())["algorithm"] == "DFLASH"
+    for kind in ("missing", "garbage"):  # an older server, a proxy's error page: no config, no failure
+        state.info = kind
+        assert client.server_info() == {} and server_spec_config(client.server_info()) is None
