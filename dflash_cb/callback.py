@@ -95,7 +95,9 @@ class DFlashEvalCallback(Callback):
         baselines: reference ``results.json`` files from ``tools/eval_drafter.py`` on the same cache:
             ``{name: path}`` or a list of paths (name = file stem). Logged as constant series
             ``{prefix}baseline/<name>/...`` and in the W&B summary. A file measured on another cache is
-            refused at setup.
+            refused at setup. When the cache holds the server's speculative counters (``served_spec``), the
+            served drafter's online tau is logged too, as ``{prefix}baseline/served/tau`` ("served,
+            measured online").
         published: YAML of published figures (``configs/baselines/published.yaml``), logged as
             ``{prefix}published/<name>/...``, marked as published, not measured here. Placeholder entries
             are not logged.

@@ -251,7 +251,8 @@ def _load_completions_file(path: str, wanted: dict[str, list[int]], all_ids: set
         reason = obj.get("finish_reason") or ("stop" if ids and ids[-1] in stop else "length")
         if reason == "abort":
             raise PrecomputeError(f"{where}: {sid!r} was aborted by the server; regenerate it")
-        out[sid] = {"output_ids": ids, "finish_reason": str(reason)}
+        out[sid] = {"output_ids": ids, "finish_reason": str(reason),
+                    "served_spec": served_counters(obj.get("served_spec"))}  # a reused journal keeps them
     missing = [sid for sid in wanted if sid not in out]
     if missing:
         raise PrecomputeError(f"{path}: no completion for {len(missing)} prompt(s): {missing[:10]}")

@@ -440,3 +440,15 @@ def test_server_info_is_optional(server) -> None:
     for kind in ("missing", "garbage"):  # an older server, a proxy's error page: no config, no failure
         state.info = kind
         assert client.server_info() == {} and server_spec_config(client.server_info()) is None
+
+
+def test_reused_journal_keeps_the_counters(world, served_cache, tmp_path) -> None:
+    from dflash_cb.precompute import JOURNAL_NAME
+    from dflash_cb.states import StateCache
+
+    out = tmp_path / "from_file"
+    assert _precompute("--target", str(world["target_dir"]), "--prompts", str(world["prompts"]), "--out", str(out),
+                       "--reference", "file", "--completions", str(served_cache["out"] / JOURNAL_NAME)) == 0
+    got = StateCache(out).manifest
+    assert got.served_spec_config is None  # the file does not say which server it came from
+    assert [e.served_spec for e in got.samples] == [e.served_spec for e in StateCache(served_cache["out"]).samples]
