@@ -93,6 +93,15 @@ def server_spec_config(server_info: Mapping[str, Any] | None) -> dict[str, Any] 
 
 # -- the convention -------------------------------------------------------------------------------
 
+def verify_rounds(counters: Mapping[str, Any] | None) -> int | None:
+    """``spec_verify_ct`` as a positive int, else None (absent, 0 on versions that send it for a request
+    without a round, or not a whole number)."""
+    v = (counters or {}).get(VERIFY_CT)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v != int(v) or v <= 0:
+        return None
+    return int(v)
+
+
 def served_rounds_and_tau(counters: Mapping[str, Any], completion_tokens: int) -> tuple[int, float]:
     """``(rounds, tau)`` of one served request in the replay's convention.
 
@@ -101,10 +110,9 @@ def served_rounds_and_tau(counters: Mapping[str, Any], completion_tokens: int) -
     prefill, which SGLang counts in ``spec_accept_length`` (= ``completion_tokens / spec_verify_ct``)
     but the replay does not count in tau. Raises ServedCheckError when the counters are unusable.
     """
-    v = counters.get(VERIFY_CT)
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != int(v) or v <= 0:
-        raise ServedCheckError(f"{VERIFY_CT} = {v!r}: expected a positive integer")
-    rounds = int(v)
+    rounds = verify_rounds(counters)
+    if rounds is None:
+        raise ServedCheckError(f"{VERIFY_CT} = {counters.get(VERIFY_CT)!r}: expected a positive integer")
     return rounds, (completion_tokens - 1) / rounds
 
 
@@ -205,7 +213,7 @@ class ServedCheck:
 
 
 def has_served_counters(entries: Sequence[Any]) -> bool:
-    return any(getattr(e, "served_spec", None) and VERIFY_CT in e.served_spec for e in entries)
+    return any(verify_rounds(getattr(e, "served_spec", None)) is not None for e in entries)
 
 
 def nothing_to_compare(cache_path: str | os.PathLike) -> ServedCheckError:
@@ -229,7 +237,7 @@ def compare(entries: Sequence[Any], offline: Mapping[str, Sequence[int]], server
         if e.id not in offline:
             continue
         counters = e.served_spec or {}
-        if VERIFY_CT not in counters:
+        if verify_rounds(counters) is None:
             skipped[e.id] = ("no served counters (the server sends none for a request without a verification "
                              "round, e.g. a completion of one token, or it was not speculating)")
             continue
@@ -312,7 +320,7 @@ def served_tau(entries: Sequence[Any], sample_ids: Sequence[str] | None = None) 
         if wanted is not None and e.id not in wanted:
             continue
         counters = e.served_spec or {}
-        if VERIFY_CT not in counters:
+        if verify_rounds(counters) is None:
             continue
         r, _ = served_rounds_and_tau(counters, e.completion_len)
         rounds += r

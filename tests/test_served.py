@@ -343,7 +343,14 @@ def test_sigkill_during_queries_keeps_the_counters(world, server, tmp_path) -> N
 
 
 def test_counters_parsing_and_convention() -> None:
-    from dflash_cb.served import convention_of, served_counters, served_rounds_and_tau, server_spec_config
+    from dflash_cb.served import (
+        ServedCheckError,
+        convention_of,
+        served_counters,
+        served_rounds_and_tau,
+        server_spec_config,
+        verify_rounds,
+    )
 
     assert served_counters({"finish_reason": {"type": "stop"}, "completion_tokens": 3}) is None
     assert served_counters(None) is None
@@ -355,6 +362,10 @@ def test_counters_parsing_and_convention() -> None:
     assert convention_of(got, 10) == "with_prefill_token"
     assert convention_of({"spec_verify_ct": 4, "spec_accept_length": 2.25}, 10) == "rounds_only"
     assert convention_of({"spec_verify_ct": 4}, 10) == "unknown"
+    assert verify_rounds({"spec_verify_ct": 0}) is None and verify_rounds({"spec_verify_ct": "3"}) is None
+    assert verify_rounds({"spec_verify_ct": 3.0}) == 3 and verify_rounds(None) is None
+    with pytest.raises(ServedCheckError, match="spec_verify_ct = 0"):
+        served_rounds_and_tau({"spec_verify_ct": 0}, 5)
     assert server_spec_config({"tp_size": 2}) is None
     assert server_spec_config({"speculative_algorithm": "DFLASH", "speculative_num_draft_tokens": 16,
                                "speculative_eagle_topk": 1}) == {"algorithm": "DFLASH", "num_draft_tokens": 16,
