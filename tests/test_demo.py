@@ -61,7 +61,7 @@ def test_tau_rises_and_every_promised_file_exists(demo: tuple[Path, subprocess.C
     assert {s["category"] for s in manifest["samples"]} == {"count", "repeat", "pairs"}
     # results.json of the extracted drafter equals the callback's last evaluation.
     results = json.loads(Path(summary["paths"]["results"]).read_text())
-    assert results["tau"] == pytest.approx(summary["tau_last"], abs=1e-12)
+    assert results["metrics"]["tau"] == pytest.approx(summary["tau_last"], abs=1e-12)
     # The printed table and summary.
     assert "step    tau" in proc.stdout and "first evaluation" in proc.stdout
 

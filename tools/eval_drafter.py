@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     from dflash_cb.engine import evaluate
     from dflash_cb.model import DFlashDrafter
     from dflash_cb.report import format_results
-    from dflash_cb.results import report_to_results, write_results
+    from dflash_cb.results import drafter_provenance, report_to_results, write_results
     from dflash_cb.states import CacheError, CacheMismatchError, StateCache
 
     try:
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     report = evaluate(cache, drafter, head, sample_ids=ids, budgets=budgets, device=device,
                       autocast_dtype=autocast, verify=args.verify, progress=True)
     results = report_to_results(report, cache, meta={
-        "drafter": str(Path(args.drafter).resolve()), "dtype": dtype_name, "device": str(device),
+        "drafter": drafter_provenance(args.drafter), "dtype": dtype_name, "device": str(device),
         "head_source": args.target or "cache",
     })
     write_results(results, args.out)
