@@ -108,5 +108,5 @@ def evaluation_line(step: int, metrics: dict[str, float], budgets: Sequence[int]
             iv = f" [{lo:+.2f}, {hi:+.2f}]" if lo is not None and hi is not None else ""
             parts.append(f"vs {key.split('/', 1)[1]} {get(name):+.3f}{iv}")
     if get(EVAL_TIME) is not None:
-        parts.append(f"{get(EVAL_TIME):.1f} s")
+        parts.append(f"{get(EVAL_TIME):.2f} s")
     return "  ".join(parts)
