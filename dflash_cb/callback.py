@@ -445,16 +445,7 @@ class DFlashEvalCallback(Callback):
             return
         by_id = {s.id: s for part in gathered or [] for s in part}
         self.last_samples = [by_id[i] for i in self.eval_ids if i in by_id]
-        # Intervals, position/cycle taus and paired deltas need the per-sample lengths: rank zero only.
-        extra = live_metrics(self.last_samples, self.ddtree_budgets, self._categories, self.reference,
-                             self.position_edges)
-        summary.update(extra)
-        finite.update({self.prefix + k: v for k, v in extra.items() if math.isfinite(v)})
-        if self.prog_bar and self.prefix + TAU in finite:
-            trainer.progress_bar_metrics[self.prefix + TAU] = finite[self.prefix + TAU]
-        if self.console:
-            rank_zero_info("DFlashEvalCallback " + evaluation_line(step, summary, self.ddtree_budgets,
-                                                                    [b.key for b in self.reference if b.samples]))
+        self._add_sample_metrics(trainer, step, summary, finite)
         self.last_metrics = dict(summary)
         self.history.append({"step": step, **summary})
         try:
@@ -464,6 +455,27 @@ class DFlashEvalCallback(Callback):
                 raise
             warnings.warn(f"DFlashEvalCallback: logging the evaluation at step {step} failed: "
                           f"{type(e).__name__}: {e}", RuntimeWarning, stacklevel=2)
+
+    def _add_sample_metrics(self, trainer: Trainer, step: int, summary: dict[str, float],
+                            finite: dict[str, float]) -> None:
+        """Rank zero: intervals, position/cycle taus and paired deltas (they need the per-sample lengths,
+        gathered from every rank), then the console line and the progress bar."""
+        try:
+            extra = live_metrics(self.last_samples, self.ddtree_budgets, self._categories, self.reference,
+                                 self.position_edges)
+        except Exception as e:  # an extra figure must not end the training
+            if self.fail_on_error:
+                raise
+            warnings.warn(f"DFlashEvalCallback: intervals at step {step} failed: {type(e).__name__}: {e}",
+                          RuntimeWarning, stacklevel=3)
+            extra = {}
+        summary.update(extra)
+        finite.update({self.prefix + k: v for k, v in extra.items() if math.isfinite(v)})
+        if self.prog_bar and self.prefix + TAU in finite:
+            trainer.progress_bar_metrics[self.prefix + TAU] = finite[self.prefix + TAU]
+        if self.console:
+            rank_zero_info("DFlashEvalCallback " + evaluation_line(step, summary, self.ddtree_budgets,
+                                                                    [b.key for b in self.reference if b.samples]))
 
     # -- logging (rank zero) --------------------------------------------------------------------
     def _log(self, trainer: Trainer, step: int, scalars: dict[str, float], summary: dict[str, float],
