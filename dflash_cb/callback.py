@@ -49,11 +49,14 @@ from safetensors import safe_open
 from torch import nn
 
 from .baselines import Baseline, baseline_scalars, load_measured, load_published, load_served
+from .compare import live_metrics
 from .distributed import all_reduce_sum, full_parameters, gather_to_zero, sharding_kind, world
 from .engine import DEFAULT_BUDGETS, SampleResult, evaluate
 from .errors import DFlashCBError
-from .metrics import EVAL_TIME, EvalCounts, per_depth, summarize
+from .metrics import EVAL_TIME, TAU, EvalCounts, per_depth, summarize
 from .model import DrafterSpec
+from .positions import DEFAULT_POSITION_EDGES, check_edges
+from .report import evaluation_line
 from .states import CacheMismatchError, StateCache, TargetHead
 
 DrafterSource = str | Callable[[LightningModule], nn.Module]
@@ -110,6 +113,15 @@ class DFlashEvalCallback(Callback):
         tokenizer: decodes tokens in the W&B table: a Hugging Face tokenizer path or object, or a function
             ``ids -> str``; None shows token ids.
         verify_cache: check every shard's sha256 at setup (slow for a large cache; sizes are always checked).
+        position_edges: completion-position bucket edges for ``{prefix}position/<lo>_<hi>/tau``
+            (the last bucket is open-ended).
+        prog_bar: show ``{prefix}tau`` in the progress bar.
+        console: print one line per evaluation on rank zero (step, tau with its 95% interval, DDTree tau
+            at the largest budget, difference to each measured baseline, wall time).
+
+    Intervals: ``{prefix}<metric>_ci_low``/``_ci_high`` are 95% cluster-bootstrap intervals over the
+    evaluated samples (``dflash_cb.bootstrap``): the uncertainty from the choice of prompts. Under DDP
+    the per-sample acceptance lengths (integers, not tensors) are gathered to rank zero for them.
     """
 
     def __init__(
@@ -136,6 +148,9 @@ class DFlashEvalCallback(Callback):
         table_cycles: int = 4,
         tokenizer: Any = None,
         verify_cache: bool = False,
+        position_edges: Sequence[int] = DEFAULT_POSITION_EDGES,
+        prog_bar: bool = False,
+        console: bool = True,
     ) -> None:
         super().__init__()
         # Only cheap argument checks here (no file access), so a LightningCLI config parses anywhere.
@@ -176,6 +191,9 @@ class DFlashEvalCallback(Callback):
         self.table_cycles = int(table_cycles)
         self.tokenizer = tokenizer
         self.verify_cache = verify_cache
+        self.position_edges = check_edges(position_edges)  # ValueError naming the edges
+        self.prog_bar = prog_bar
+        self.console = console
 
         # Persistent (state_dict): the schedule and what was measured.
         self.last_eval_step = -1
@@ -432,6 +450,7 @@ class DFlashEvalCallback(Callback):
             return
         by_id = {s.id: s for part in gathered or [] for s in part}
         self.last_samples = [by_id[i] for i in self.eval_ids if i in by_id]
+        self._add_sample_metrics(trainer, step, summary, finite)
         self.last_metrics = dict(summary)
         self.history.append({"step": step, **summary})
         try:
@@ -441,6 +460,27 @@ class DFlashEvalCallback(Callback):
                 raise
             warnings.warn(f"DFlashEvalCallback: logging the evaluation at step {step} failed: "
                           f"{type(e).__name__}: {e}", RuntimeWarning, stacklevel=2)
+
+    def _add_sample_metrics(self, trainer: Trainer, step: int, summary: dict[str, float],
+                            finite: dict[str, float]) -> None:
+        """Rank zero: intervals, position/cycle taus and paired deltas (they need the per-sample lengths,
+        gathered from every rank), then the console line and the progress bar."""
+        try:
+            extra = live_metrics(self.last_samples, self.ddtree_budgets, self._categories, self.reference,
+                                 self.position_edges)
+        except Exception as e:  # an extra figure must not end the training
+            if self.fail_on_error:
+                raise
+            warnings.warn(f"DFlashEvalCallback: intervals at step {step} failed: {type(e).__name__}: {e}",
+                          RuntimeWarning, stacklevel=3)
+            extra = {}
+        summary.update(extra)
+        finite.update({self.prefix + k: v for k, v in extra.items() if math.isfinite(v)})
+        if self.prog_bar and self.prefix + TAU in finite:
+            trainer.progress_bar_metrics[self.prefix + TAU] = finite[self.prefix + TAU]
+        if self.console:
+            rank_zero_info("DFlashEvalCallback " + evaluation_line(step, summary, self.ddtree_budgets,
+                                                                    [b.key for b in self.reference if b.samples]))
 
     # -- logging (rank zero) --------------------------------------------------------------------
     def _log(self, trainer: Trainer, step: int, scalars: dict[str, float], summary: dict[str, float],
@@ -483,6 +523,9 @@ class DFlashEvalCallback(Callback):
         live = per_depth(summary, self._spec.block_size)["unconditional"]
         log_evaluation(run, step=step, prefix=self.prefix, live_per_depth=live,
                        hist=counts.data["hist"].tolist(), baselines=self.reference, rows=rows)
+        from .wandb_logging import log_best
+
+        log_best(run, self.history, self.prefix)
 
     def _tokens(self, sample_id: str) -> list[int]:
         """A table sample's token ids, read once (only ``input_ids``: the features can be 100+ MB)."""
@@ -499,7 +542,7 @@ class DFlashEvalCallback(Callback):
             "states": self.states, "cache_manifest_sha256": self.cache.manifest_sha256,
             "samples_evaluated": len(self.eval_ids), "samples_in_cache": len(self.cache),
             "every_n_train_steps": self.every_n_train_steps, "ddtree_budgets": list(self.ddtree_budgets),
-            "autocast_dtype": self.autocast_dtype,
+            "autocast_dtype": self.autocast_dtype, "position_edges": list(self.position_edges),
         }
 
 

@@ -195,13 +195,10 @@ class ServedCheck:
                 [x.served_tau * x.served_rounds for x in s], [float(x.served_rounds) for x in s])
 
     def paired_interval(self) -> tuple[float, float, float] | None:
-        """(served - offline pooled tau, low, high) from the comparison code's paired bootstrap, if present."""
+        """(served - offline pooled tau, low, high) from the comparison code's paired bootstrap."""
         if not self.samples:
             return None
-        try:  # dflash_cb/bootstrap.py (the drafter-comparison work): one implementation of the interval
-            from .bootstrap import Sums, paired_difference
-        except ImportError:
-            return None
+        from .bootstrap import Sums, paired_difference
         off_p, off_c, srv_p, srv_c = self.paired_sums()
         iv = paired_difference(Sums.of(off_p, off_c), Sums.of(srv_p, srv_c))
         return iv.value, iv.low, iv.high

@@ -154,6 +154,7 @@ def distributed_run(tiny_cache, tiny_drafter_config, tmp_path_factory):
 def test_distributed_logged_metrics_equal_single_process(distributed_run, strategy, tiny_cache, tiny_drafter_config):
     import torch
 
+    from dflash_cb.compare import live_metrics
     from dflash_cb.engine import evaluate
     from dflash_cb.metrics import EVAL_TIME
     from dflash_cb.model import DFlashDrafter
@@ -168,7 +169,11 @@ def test_distributed_logged_metrics_equal_single_process(distributed_run, strate
         drafter = DFlashDrafter.from_config_dict(tiny_drafter_config)
         drafter.load_state_dict(torch.load(distributed_run / strategy / f"drafter_step{h['step']}.pt"))
         report = evaluate(cache, drafter.eval(), budgets=BUDGETS)
-        expected = report.summary
+        # Counts-based metrics, plus what rank zero derives from the gathered per-sample lengths
+        # (intervals, position/cycle taus): all identical to a single process.
+        categories = sorted({s.category for s in cache.samples})
+        expected = {**report.summary, **live_metrics(report.samples, BUDGETS, categories)}
+        assert any(k.endswith("_ci_low") for k in expected) and "position/0_256/tau" in expected
         assert h["samples"] == len(cache) == expected["samples"]
         for k, v in expected.items():
             got = h[k]

@@ -115,18 +115,20 @@ def test_eval_tool_matches_oracle(setup, tmp_path: Path) -> None:
     sys.path.insert(0, str(ROOT / "tools"))
     import eval_drafter
 
+    from dflash_cb.results import load_results
+
     setup["ours"].save_pretrained(tmp_path / "drafter")
     out = tmp_path / "results.json"
     assert eval_drafter.main(["--states", str(setup["cache"].path), "--drafter", str(tmp_path / "drafter"),
                               "--out", str(out), "--ddtree-budgets", "4,16", "--dtype", "float32"]) == 0
-    res = json.loads(out.read_text())
-    assert {s["id"]: s["acceptance_lengths"] for s in res["samples"]} == setup["oracle"]
+    res = load_results(out)
+    assert {s.id: s.acceptance_lengths for s in res.samples} == setup["oracle"]
     cycles = [n for v in setup["oracle"].values() for n in v]
-    assert res["tau"] == pytest.approx(sum(cycles) / len(cycles))
-    assert res["meta"]["cache_manifest_sha256"] == setup["cache"].manifest_sha256
-    assert set(res["ddtree"]) == {"4", "16"}
+    assert res.tau == pytest.approx(sum(cycles) / len(cycles))
+    assert res.manifest_sha256 == setup["cache"].manifest_sha256
+    assert res.budgets == [4, 16]
     # A bigger tree never accepts less on the same cycle structure start.
-    assert res["ddtree"]["16"]["tau"] >= res["ddtree"]["4"]["tau"] - 1e-9
+    assert res.metric("ddtree/tau_b16") >= res.metric("ddtree/tau_b4") - 1e-9
 
 
 def test_generic_runner_matches(setup) -> None:

@@ -27,6 +27,8 @@ from typing import Any
 import pytest
 import torch
 
+from dflash_cb.results import load_results
+
 dm = pytest.importorskip("dflash.model", reason="the oracle: pip install --no-deps dflash==0.1.0")
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -243,19 +245,19 @@ def test_precompute_records_the_served_counters(world, served_cache) -> None:
 def test_served_check_same_drafter_equal_rounds(world, served_cache, tmp_path, capsys) -> None:
     out = tmp_path / "r.json"
     assert _eval(world, served_cache["out"], world["drafter"], out) == 0
-    res = json.loads(out.read_text())
-    check = res["served_check"]
+    res = load_results(out)
+    check = res.breakdown["served_check"]
     s = check["summary"]
     assert s["samples_compared"] == N_PROMPTS and s["samples_equal_rounds"] == N_PROMPTS and not check["skipped"]
-    offline = {x["id"]: x["acceptance_lengths"] for x in res["samples"]}
+    offline = {x.id: x.acceptance_lengths for x in res.samples}
     assert any(n > 1 for v in offline.values() for n in v)  # not a drafter that never gets a token right
     for x in check["samples"]:
         assert x["offline_rounds"] == x["served_rounds"] == len(offline[x["id"]])
         assert x["convention"] == "with_prefill_token"
         assert x["served_tau"] == pytest.approx(x["offline_tau"])
-    assert s["offline_tau"] == pytest.approx(res["tau"]) and s["served_tau"] == pytest.approx(res["tau"])
+    assert s["offline_tau"] == pytest.approx(res.tau) and s["served_tau"] == pytest.approx(res.tau)
     assert s["mean_abs_tau_diff"] == pytest.approx(0.0)
-    assert s["tau_diff_interval"] in (None, [0.0, 0.0, 0.0])  # None until the bootstrap module is merged
+    assert s["tau_diff_interval"] == [0.0, 0.0, 0.0]
     text = capsys.readouterr().out
     assert f"equal round counts {N_PROMPTS}/{N_PROMPTS}" in text and "differs" not in text
 
@@ -263,7 +265,7 @@ def test_served_check_same_drafter_equal_rounds(world, served_cache, tmp_path, c
 def test_served_check_other_drafter_reports_the_difference(world, served_cache, tmp_path, capsys) -> None:
     out = tmp_path / "r.json"
     assert _eval(world, served_cache["out"], world["other"], out) == 0
-    check = json.loads(out.read_text())["served_check"]
+    check = load_results(out).breakdown["served_check"]
     s = check["summary"]
     assert s["samples_compared"] == N_PROMPTS and s["samples_equal_rounds"] < N_PROMPTS
     assert s["offline_tau"] < s["served_tau"] and s["mean_abs_tau_diff"] > 0

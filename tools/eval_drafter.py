@@ -30,6 +30,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--served-check", action="store_true",
                    help="compare with the server's own speculative counters stored in the cache (the drafter "
                         "must be the one the server ran during the precompute)")
+    p.add_argument("--position-edges", default="0,256,512,1024,2048",
+                   help="completion-position buckets for tau by position (results.json breakdown)")
     p.add_argument("--wandb-project", default=None, help="also log the evaluation to this W&B project")
     p.add_argument("--wandb-name", default=None, help="W&B run name")
     return p.parse_args(argv)
@@ -41,8 +43,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from dflash_cb.engine import evaluate
     from dflash_cb.model import DFlashDrafter
+    from dflash_cb.positions import check_edges
     from dflash_cb.report import format_results
-    from dflash_cb.results import report_to_results, write_results
+    from dflash_cb.results import drafter_provenance, report_to_results, write_results
     from dflash_cb.served import compare, format_check, has_served_counters, nothing_to_compare
     from dflash_cb.states import CacheError, CacheMismatchError, StateCache
 
@@ -50,6 +53,11 @@ def main(argv: list[str] | None = None) -> int:
         budgets = tuple(int(b) for b in args.ddtree_budgets.split(",") if b.strip())
     except ValueError:
         print(f"error: --ddtree-budgets {args.ddtree_budgets!r}: expected comma-separated integers", file=sys.stderr)
+        return 2
+    try:
+        edges = check_edges([int(x) for x in args.position_edges.split(",") if x.strip()])
+    except ValueError as e:
+        print(f"error: --position-edges {args.position_edges!r}: {e}", file=sys.stderr)
         return 2
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype_name = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
@@ -76,15 +84,15 @@ def main(argv: list[str] | None = None) -> int:
     autocast = torch.bfloat16 if dtype_name == "bfloat16" else None
     report = evaluate(cache, drafter, head, sample_ids=ids, budgets=budgets, device=device,
                       autocast_dtype=autocast, verify=args.verify, progress=True)
-    results = report_to_results(report, cache, meta={
-        "drafter": str(Path(args.drafter).resolve()), "dtype": dtype_name, "device": str(device),
+    results = report_to_results(report, cache, position_edges=edges, meta={
+        "drafter": drafter_provenance(args.drafter), "dtype": dtype_name, "device": str(device),
         "head_source": args.target or "cache",
     })
     check = None
     if args.served_check:
         check = compare(cache.samples, {s.id: s.acceptance_lengths for s in report.samples},
                         cache.manifest.served_spec_config, drafter.spec.block_size, args.drafter)
-        results["served_check"] = check.to_dict()
+        results.breakdown["served_check"] = check.to_dict()
     write_results(results, args.out)
     print(format_results(results))
     if check is not None:
