@@ -9,11 +9,15 @@ from __future__ import annotations
 import json
 import math
 import os
+import shlex
+import tempfile
 from pathlib import Path
 from typing import Any
 
 from . import __version__
+from .cli import describe_os_error
 from .engine import EvalReport
+from .errors import DFlashCBError
 from .metrics import ALL_ANCHOR_TAU, SPECFORGE_TAU, T1_TAU_ESTIMATE, TAU, category_tau, ddtree_tau, per_depth
 from .states import StateCache, atomic_write_bytes
 
@@ -67,6 +71,33 @@ def report_to_results(report: EvalReport, cache: StateCache, meta: dict[str, Any
     return out
 
 
+class ResultsError(DFlashCBError, ValueError):
+    """A results.json cannot be written there, or read back as a baseline."""
+
+
+def check_results_path(path: str | os.PathLike) -> Path:
+    """Fail now, not after the evaluation, when ``path`` cannot receive a results file.
+
+    Creates the missing parent folders and writes (then removes) a probe file next to ``path``.
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise ResultsError(f"--out {path}: is a folder; give a file path, e.g. {path / 'results.json'}")
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ResultsError(f"--out {path}: {parent} is a file, not a folder; choose another path")
+            break
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".probe")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ResultsError(f"--out {path}: cannot write there ({describe_os_error(e)})") from None
+    return path
+
+
 def write_results(results: dict[str, Any], path: str | os.PathLike) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -81,17 +112,21 @@ def load_results(path: str | os.PathLike, cache: StateCache | None = None) -> di
     except FileNotFoundError:
         raise FileNotFoundError(f"{path}: no such results file; create it with tools/eval_drafter.py --out {path}") from None
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from e
-    if data.get("format") != RESULTS_FORMAT or data.get("version") != RESULTS_VERSION:
-        raise ValueError(f"{path}: not a dflash-cb results file (format {data.get('format')!r}, "
+        raise ResultsError(f"{path}: not valid JSON ({e}); recreate it with tools/eval_drafter.py") from e
+    if not isinstance(data, dict) or data.get("format") != RESULTS_FORMAT or data.get("version") != RESULTS_VERSION:
+        data = data if isinstance(data, dict) else {}
+        raise ResultsError(f"{path}: not a dflash-cb results file (format {data.get('format')!r}, "
                          f"version {data.get('version')!r}); produce it with tools/eval_drafter.py")
     if cache is not None:
-        theirs = data.get("meta", {}).get("cache_manifest_sha256")
+        meta = data.get("meta") or {}
+        theirs = meta.get("cache_manifest_sha256")
         if theirs != cache.manifest_sha256:
-            raise ValueError(
-                f"{path}: measured on cache {data.get('meta', {}).get('cache_path')!r} "
+            drafter = meta.get("drafter") or "<the reference drafter folder>"
+            raise ResultsError(
+                f"{path}: measured on cache {meta.get('cache_path')!r} "
                 f"(manifest sha256 {str(theirs)[:12]}...), but this run evaluates {cache.path} "
                 f"(manifest sha256 {cache.manifest_sha256[:12]}...). Numbers from different caches are not "
-                f"comparable: rerun tools/eval_drafter.py --states {cache.path} --out {path}"
+                f"comparable: rerun python tools/eval_drafter.py --states {shlex.quote(str(cache.path))} "
+                f"--drafter {shlex.quote(str(drafter))} --out {shlex.quote(str(path))}"
             )
     return data
