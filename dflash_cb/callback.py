@@ -259,6 +259,7 @@ class DFlashEvalCallback(Callback):
         self.cache.check_files(self.eval_ids, head=needs_head)
         if self.verify_cache:
             self.cache.verify(self.cache.shards_of(self.eval_ids), head=needs_head)
+        self.cache.check_samples(self.eval_ids)  # manifest fields against the shards (small tensors only)
         self.cache_manifest_sha256 = self.cache_manifest_sha256 or self.cache.manifest_sha256
         self._failed_in_a_row = 0
         self.table_ids = _stratified(self.eval_ids, self.cache, self.table_samples, None)

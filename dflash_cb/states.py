@@ -227,6 +227,9 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 24) -> str:
     return h.hexdigest()
 
 
+_SAMPLE_TENSORS = ("input_ids", "hidden", "target_argmax", "topk_ids", "topk_logprobs")
+
+
 @dataclass
 class CachedSample:
     entry: SampleEntry
@@ -361,27 +364,54 @@ class StateCache:
         except Exception as e:  # safetensors raises its own error types on a corrupted header
             raise CacheError(f"{path}: cannot read shard ({e}); rerun tools/precompute_states.py with "
                              f"the same arguments and --out {self.path} to rebuild it") from e
-        self._check_sample(sample, path)
+        shapes = {name: tuple(t.shape) for name in _SAMPLE_TENSORS
+                  if (t := getattr(sample, name)) is not None}
+        self._check_entry(entry, shapes, sample.input_ids, sample.target_argmax, path)
         return sample
 
-    def _check_sample(self, sample: CachedSample, path: Path) -> None:
-        """Every manifest field of a sample against its tensors; ``valid_len`` is recomputed from
+    def check_samples(self, sample_ids: Sequence[str] | None = None) -> None:
+        """Every manifest field of these samples (all by default) against their shards, reading only
+        the small tensors (``input_ids``, ``target_argmax``; ``hidden``'s shape from the header):
+        a hand-edited or damaged manifest is found before an evaluation starts."""
+        ids = list(sample_ids) if sample_ids is not None else [s.id for s in self.samples]
+        by_shard: dict[str, list[SampleEntry]] = {}
+        for i in ids:
+            by_shard.setdefault(self.entry(i).shard, []).append(self.entry(i))
+        for shard, entries in by_shard.items():
+            path = self._check_shard_file(self._shards[shard], hash_check=False)
+            try:
+                with safe_open(str(path), framework="pt", device="cpu") as f:
+                    keys = set(f.keys())
+                    for e in entries:
+                        shapes = {n: tuple(f.get_slice(f"{e.id}/{n}").get_shape()) for n in _SAMPLE_TENSORS
+                                  if f"{e.id}/{n}" in keys}
+                        if "input_ids" not in shapes or "target_argmax" not in shapes or "hidden" not in shapes:
+                            raise CacheError(f"{path}: tensors of sample {e.id!r} missing; rebuild the cache")
+                        self._check_entry(e, shapes, f.get_tensor(f"{e.id}/input_ids"),
+                                          f.get_tensor(f"{e.id}/target_argmax"), path)
+            except CacheError:
+                raise
+            except Exception as err:  # safetensors' own errors on a damaged header
+                raise CacheError(f"{path}: cannot read shard ({err}); rerun tools/precompute_states.py with "
+                                 f"the same arguments and --out {self.path} to rebuild it") from err
+
+    def _check_entry(self, e: SampleEntry, shapes: dict[str, tuple[int, ...]], input_ids: torch.Tensor,
+                     target_argmax: torch.Tensor, path: Path) -> None:
+        """A sample's manifest fields against its tensors; ``valid_len`` is recomputed from
         ``target_argmax`` (the manifest is plain JSON: a hand edit must not change a score silently)."""
-        e, m = sample.entry, self.manifest
+        m = self.manifest
         t, fd, k = e.total_len, m.feature_dim, m.topk_logprobs
         expected = {"input_ids": (t,), "hidden": (t, fd), "target_argmax": (t,)}
         if k:
             expected.update(topk_ids=(t, k), topk_logprobs=(t, k))
-        problems = [f"{name} {tuple(getattr(sample, name).shape)} (expected {shape})"
-                    for name, shape in expected.items()
-                    if getattr(sample, name) is not None and tuple(getattr(sample, name).shape) != shape]
+        problems = [f"{name} {shapes[name]} (expected {shape})"
+                    for name, shape in expected.items() if name in shapes and shapes[name] != shape]
         if not problems:
-            for name in ("input_ids", "target_argmax"):
-                x = getattr(sample, name)
+            for name, x in (("input_ids", input_ids), ("target_argmax", target_argmax)):
                 if x.numel() and (int(x.min()) < 0 or int(x.max()) >= m.vocab_size):
                     problems.append(f"{name} holds ids outside the vocabulary [0, {m.vocab_size})")
         if not problems:
-            valid = first_disagreement(sample.target_argmax, sample.input_ids, e.prompt_len)
+            valid = first_disagreement(target_argmax, input_ids, e.prompt_len)
             if valid != e.valid_len:
                 problems.append(f"the manifest says valid_len {e.valid_len}, the stored target_argmax "
                                 f"gives {valid}")

@@ -127,7 +127,10 @@ def main(argv: list[str] | None = None) -> int:
                          "pass --target <the target model folder>")
     cache.check_files(ids, head=head is None)
     if args.verify:
-        cache.verify(cache.shards_of(ids), head=head is None)
+        cache.verify(cache.shards_of(ids))
+    cache.check_samples(ids)  # manifest fields against the shards (small tensors only)
+    if head is None:
+        head = cache.load_head(device=device, dtype=torch.float32, verify=args.verify)
     autocast = torch.bfloat16 if dtype_name == "bfloat16" else None
     report = evaluate(cache, drafter, head, sample_ids=ids, budgets=budgets, device=device,
                       autocast_dtype=autocast, verify=args.verify, progress=True)
