@@ -20,6 +20,7 @@ ALL_ANCHOR_TAU = "all_anchor_tau"
 SPECFORGE_TAU = "specforge_sim_tau"
 T1_TAU_ESTIMATE = "t1_tau_estimate"
 EVAL_TIME = "eval_time_s"
+FAILED_EVALS = "failed_evaluations"  # evaluations that raised so far in this run (callback)
 
 
 def ddtree_tau(budget: int) -> str:

@@ -17,12 +17,15 @@ from __future__ import annotations
 import json
 import math
 import os
+import shlex
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from . import __version__
 from .bootstrap import DEFAULT_LEVEL, DEFAULT_RESAMPLES, DEFAULT_SEED, interval_metrics
+from .cli import describe_os_error
 from .engine import EvalReport
 from .errors import DFlashCBError
 from .fileio import atomic_write_text
@@ -239,6 +242,29 @@ def ddtree_taus(results: Results) -> dict[int, float | None]:
 
 # -- files ---------------------------------------------------------------------------------
 
+def check_results_path(path: str | os.PathLike) -> Path:
+    """Fail now, not after the evaluation, when ``path`` cannot receive a results file.
+
+    Creates the missing parent folders and writes (then removes) a probe file next to ``path``.
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise ResultsError(f"--out {path}: is a folder; give a file path, e.g. {path / 'results.json'}")
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ResultsError(f"--out {path}: {parent} is a file, not a folder; choose another path")
+            break
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".probe")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ResultsError(f"--out {path}: cannot write there ({describe_os_error(e)})") from None
+    return path
+
+
 def write_results(results: Results, path: str | os.PathLike) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -260,6 +286,14 @@ def load_results(path: str | os.PathLike, cache: StateCache | None = None) -> Re
             f"{path}: measured on cache {res.meta.get('cache_path')!r} "
             f"(manifest sha256 {str(res.manifest_sha256)[:12]}...), but this run evaluates {cache.path} "
             f"(manifest sha256 {cache.manifest_sha256[:12]}...). Numbers from different caches are not "
-            f"comparable: rerun tools/eval_drafter.py --states {cache.path} --out {path}"
+            f"comparable: rerun python tools/eval_drafter.py --states {shlex.quote(str(cache.path))} "
+            f"--drafter {shlex.quote(_drafter_path(res.meta))} --out {shlex.quote(str(path))}"
         )
     return res
+
+
+def _drafter_path(meta: dict[str, Any]) -> str:
+    """The scored drafter's path from ``meta.drafter`` (a dict since version 2, a string before)."""
+    d = meta.get("drafter")
+    path = d.get("path") if isinstance(d, dict) else d
+    return str(path) if path else "<the reference drafter folder>"

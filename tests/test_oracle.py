@@ -194,16 +194,32 @@ def test_disagreement_truncates_scoring(setup, tmp_path: Path) -> None:
     one cut mid-way scores only the cycles before the cut; the others are unchanged."""
     import shutil
 
+    from safetensors.torch import load_file, save_file
+
     from dflash_cb.engine import evaluate
-    from dflash_cb.states import MANIFEST_NAME, StateCache
+    from dflash_cb.states import MANIFEST_NAME, StateCache, sha256_file
 
     src = setup["cache"].path
     dst = tmp_path / "cut"
     shutil.copytree(src, dst)
     manifest = json.loads((dst / MANIFEST_NAME).read_text())
     first, second = manifest["samples"][0], manifest["samples"][1]
-    first["valid_len"] = first["prompt_len"]
-    second["valid_len"] = second["prompt_len"] + 7
+
+    def disagree_at(entry: dict, position: int) -> None:
+        """Make the stored target argmax differ from the served token at ``position`` (the reader
+        recomputes valid_len from it: editing the manifest alone is refused)."""
+        shard = dst / entry["shard"]
+        tensors = load_file(str(shard))
+        argmax = tensors[f"{entry['id']}/target_argmax"].clone()
+        argmax[position - 1] = (int(tensors[f"{entry['id']}/input_ids"][position]) + 1) % manifest["target"]["vocab_size"]
+        tensors[f"{entry['id']}/target_argmax"] = argmax
+        save_file(tensors, str(shard))
+        info = next(s for s in manifest["shards"] if s["file"] == entry["shard"])
+        info["sha256"], info["bytes"] = sha256_file(shard), shard.stat().st_size
+        entry["valid_len"] = position
+
+    disagree_at(first, first["prompt_len"])
+    disagree_at(second, second["prompt_len"] + 7)
     (dst / MANIFEST_NAME).write_text(json.dumps(manifest))
     rep = evaluate(StateCache(dst), setup["ours"], budgets=(4,))
     got = {s.id: s for s in rep.samples}
