@@ -78,6 +78,7 @@ class Manifest:
     agreement: dict[str, Any] = field(default_factory=dict)
     target_head: dict[str, Any] | None = None  # file, sha256, tied, vocab_size, hidden_size, dtype
     prompts: dict[str, Any] = field(default_factory=dict)  # file name and sha256 of the prompt set
+    compute_dtype: str | None = None  # dtype the target computed in; None (older caches): the same as dtype
     layer_index_convention: str = LAYER_INDEX_CONVENTION
     format_version: int = FORMAT_VERSION
 

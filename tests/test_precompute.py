@@ -278,7 +278,7 @@ def test_sglang_abort_fails_and_rerun_resumes(sglang, target_dir, prompts_file, 
     server.abort.add(tuple(prompts[3]))
     out = tmp_path / "ab"
     args = ("--reference", "sglang", "--sglang-url", url, "--max-in-flight", "1")
-    assert run(target_dir, prompts_file, out, *args) == 1
+    assert run(target_dir, prompts_file, out, *args) == 2
     err = capsys.readouterr().err
     assert "abort" in err and "rerun to resume" in err and not (out / MANIFEST_NAME).exists()
     saved = [json.loads(line)["id"] for line in (out / JOURNAL_NAME).read_text().splitlines()]
@@ -378,7 +378,7 @@ def test_parts_merge_equals_single_run(per_shard, target_dir, prompts_file, tmp_
     for i, part in enumerate(parts):
         assert run(target_dir, prompts_file, part, "--num-shards", "2", "--shard-index", str(i), *extra) == 0
         assert StateCache(part).manifest.prompts["part"] == {"num_shards": 2, "shard_index": i}
-    assert merge_main(["--out", str(tmp_path / "merged"), str(parts[0])]) == 1  # a part is missing
+    assert merge_main(["--out", str(tmp_path / "merged"), str(parts[0])]) == 2  # a part is missing
     assert not (tmp_path / "merged" / MANIFEST_NAME).exists()
     assert merge_main(["--out", str(tmp_path / "merged"), *map(str, parts)]) == 0
     merged = tmp_path / "merged"
@@ -391,7 +391,7 @@ def test_parts_merge_equals_single_run(per_shard, target_dir, prompts_file, tmp_
     other = tmp_path / "other"
     assert run(target_dir, prompts_file, other, "--num-shards", "2", "--shard-index", "1", "--max-new-tokens",
                "5", *extra) == 0
-    assert merge_main(["--out", str(tmp_path / "m2"), str(parts[0]), str(other)]) == 1
+    assert merge_main(["--out", str(tmp_path / "m2"), str(parts[0]), str(other)]) == 2
 
 
 def test_yaml_config_and_cli_override(target_dir, prompts_file, tmp_path):
@@ -470,7 +470,7 @@ def test_broken_target_is_refused_by_the_tool(prompts_file, tmp_path, capsys):
 
     broken = save_tiny_qwen3(tmp_path / "broken")
     delete_tensor(broken, "model.norm.weight")
-    assert run(broken, prompts_file, tmp_path / "o") == 1
+    assert run(broken, prompts_file, tmp_path / "o") == 2
     err = capsys.readouterr().err
     assert "model.norm.weight" in err and "missing from the checkpoint" in err
     assert not (tmp_path / "o" / MANIFEST_NAME).exists()
