@@ -148,3 +148,17 @@ def test_bfloat16_load(qwen3_dir):
     target = load_target(qwen3_dir, "bfloat16")
     res = prefill(target, list(range(3, 20)), [1, 2])
     assert res.hidden.dtype == torch.bfloat16 and res.hidden.shape == (17, 2 * TINY_HIDDEN)
+
+
+def test_head_stats_top_k_argmax_keeps_the_first_maximal_index():
+    """One pass over the head: the argmax read off the top-K equals argmax() on ties too."""
+    hidden = torch.eye(4)
+    head = torch.nn.Linear(4, 6, bias=False)
+    with torch.no_grad():
+        head.weight.copy_(torch.tensor([[0, 1, 0, 1], [2, 0, 0, 1], [2, 0, 1, 1], [1, 0, 1, 1],
+                                        [2, 1, 1, 1], [0, 1, 1, 1]], dtype=torch.float32))
+    full = head(hidden)  # row 0: ties at 2 (ids 1, 2, 4); row 3: six-way tie at 1
+    for k in (1, 2, 3, 6):
+        am, ids, lps = head_stats(hidden, head, topk=k, chunk=3)
+        assert torch.equal(am, full.argmax(-1)), k
+        torch.testing.assert_close(lps, torch.log_softmax(full, -1).gather(-1, ids))
