@@ -162,3 +162,18 @@ def test_head_stats_top_k_argmax_keeps_the_first_maximal_index():
         am, ids, lps = head_stats(hidden, head, topk=k, chunk=3)
         assert torch.equal(am, full.argmax(-1)), k
         torch.testing.assert_close(lps, torch.log_softmax(full, -1).gather(-1, ids))
+
+
+def test_head_stats_bfloat16_logprobs_close_to_float32():
+    """bfloat16 logits are not copied to float32 for the top-K: the log-probs stay within 0.01 nats."""
+    torch.manual_seed(1)
+    head = torch.nn.Linear(16, 300, bias=False).bfloat16()
+    for scale in (3, 300):  # logits of a few units, and beyond +-80 (exp would overflow unshifted)
+        hidden = (scale * torch.randn(40, 16)).bfloat16()
+        am, ids, lps = head_stats(hidden, head, topk=5, chunk=16)
+        with torch.no_grad():
+            full = head(hidden).float()
+        assert torch.equal(am, full.argmax(-1)) and lps.dtype == torch.float32
+        assert torch.equal(full.gather(-1, ids), full.topk(5).values)
+        ref = torch.log_softmax(full, -1).gather(-1, ids)
+        torch.testing.assert_close(lps, ref, rtol=0, atol=0.01 * max(1.0, ref.abs().max().item() / 100))
