@@ -115,6 +115,11 @@ def med(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
+def paired(xs: list[float], ys: list[float]) -> float:
+    """Median of the per-round ratios: paired rounds cancel the drift of a shared machine."""
+    return statistics.median(x / y for x, y in zip(xs, ys, strict=True))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--hidden", type=int, default=512)
@@ -180,15 +185,16 @@ def main() -> None:
                 t = time.perf_counter()
                 fn(tg)
                 times[(k, name)].append(time.perf_counter() - t)
-    print(f"\n(1) wall time over {T} tokens (target: tool / bare and top-8 / bare <= 1.10)")
+    print(f"\n(1) wall time over {T} tokens (target: tool / bare and top-8 / bare <= 1.10); ratios: median of "
+          "the per-round ratios (ratio of the minima); GFLOP/s from the fastest round")
     print(f"    {'model':7s} {'compute':9s} {'bare HF s':>16s} {'tool / bare':>14s} {'top-8 / bare':>14s} "
           f"{'top-8 / tool':>13s} {'tool tok/s':>10s} {'GFLOP/s':>8s} {'/ probe':>8s}")
     for (m, d), tg in targets.items():
         b, tl, tk = (times[((m, d), n)] for n in paths)
         flop = 2 * sum(p.numel() for n, p in tg.model.named_parameters() if "embed_tokens" not in n) * T
-        eff = flop / med(tl) / 1e9
-        print(f"    {m:7s} {d:9s} {med(b):7.3f} ({min(b):6.3f}) {med(tl) / med(b):6.3f} ({min(tl) / min(b):5.3f}) "
-              f"{med(tk) / med(b):6.3f} ({min(tk) / min(b):5.3f}) {med(tk) / med(tl):13.3f} {T / med(tl):10.0f} "
+        eff = flop / min(tl) / 1e9
+        print(f"    {m:7s} {d:9s} {med(b):7.3f} ({min(b):6.3f}) {paired(tl, b):6.3f} ({min(tl) / min(b):5.3f}) "
+              f"{paired(tk, b):6.3f} ({min(tk) / min(b):5.3f}) {paired(tk, tl):13.3f} {T / med(tl):10.0f} "
               f"{eff:8.1f} {eff / probe[d]:8.2f}")
     for d in DTYPES:
         h, dn = med(times[(("hybrid", d), "tool")]), med(times[(("dense", d), "tool")])
@@ -228,8 +234,9 @@ def main() -> None:
           f"5% of the faster fixed dtype, and picks it)")
     print(f"    auto picked {sorted(picked)}; faster fixed dtype in (1): {faster}")
     print(f"    auto {med(runs['auto']):.2f} s ({min(runs['auto']):.2f}), {faster} {med(runs[faster]):.2f} s "
-          f"({min(runs[faster]):.2f}): ratio {med(runs['auto']) / med(runs[faster]):.3f} "
-          f"({min(runs['auto']) / min(runs[faster]):.3f}); the probe itself {probe_s:.2f} s")
+          f"({min(runs[faster]):.2f}): ratio {paired(runs['auto'], runs[faster]):.3f} "
+          f"({min(runs['auto']) / min(runs[faster]):.3f}); auto's only extra work, the probe, {probe_s:.2f} s = "
+          f"{100 * probe_s / med(runs[faster]):.1f}% of the run")
 
     # -- 3. peak memory ---------------------------------------------------------------------------------
     print(f"\n(3) peak RSS over the baseline of imports + model code, one prompt of {T} tokens (target <= 1.2)")

@@ -602,13 +602,17 @@ def test_progress_record_is_appended_not_rewritten(target_dir, prompts_file, tmp
 # -- issue 9: compute dtype apart from storage dtype --------------------------------------------------------
 
 
-def test_float32_compute_with_bfloat16_storage(target_dir, prompts_file, tmp_path):
+def test_float32_compute_with_bfloat16_storage(target_dir, prompts_file, tmp_path, capsys):
     from dflash_cb.target import load_target, prefill
 
     out = tmp_path / "f32b16"
     assert main(["--target", str(target_dir), "--prompts", str(prompts_file), "--out", str(out), "--layers", LAYERS,
                  "--max-new-tokens", "12", "--dtype", "bfloat16", "--compute-dtype", "float32",
                  "--topk-logprobs", "3", "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    # the ETA after the first sample, and the dtypes next to the agreement
+    assert "first sample:" in err and "tok/s (float32 compute); at most" in err and "tokens left, projected" in err
+    assert "(float32 compute, bfloat16 storage)" in err
     cache = StateCache(out)
     assert cache.manifest.dtype == "bfloat16" and cache.manifest.compute_dtype == "float32"
     target = load_target(target_dir, "float32")

@@ -177,3 +177,15 @@ def test_head_stats_bfloat16_logprobs_close_to_float32():
         assert torch.equal(full.gather(-1, ids), full.topk(5).values)
         ref = torch.log_softmax(full, -1).gather(-1, ids)
         torch.testing.assert_close(lps, ref, rtol=0, atol=0.01 * max(1.0, ref.abs().max().item() / 100))
+
+
+def test_head_stats_top_k_in_row_slices():
+    """A large vocabulary is processed in row slices of ~1 MiB inside each chunk: same results."""
+    torch.manual_seed(2)
+    hidden = torch.randn(21, 16)
+    head = torch.nn.Linear(16, 40_000, bias=False)  # 160 kB per float32 row: 6 rows per slice
+    am, ids, lps = head_stats(hidden, head, topk=4, chunk=16)
+    with torch.no_grad():
+        full = head(hidden)
+    assert torch.equal(am, full.argmax(-1)) and torch.equal(ids, full.topk(4).indices)
+    torch.testing.assert_close(lps, torch.log_softmax(full, -1).topk(4).values)
