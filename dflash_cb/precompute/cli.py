@@ -64,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=S, choices=DTYPE_NAMES, help="storage dtype of the states (default bfloat16)")
     p.add_argument("--compute-dtype", default=S, choices=COMPUTE_DTYPE_NAMES,
                    help="dtype the target computes in (default auto: with bfloat16 storage, time a matmul of the "
-                        f"target's width in both dtypes, about a second; {MARGIN_HELP}; with float32 storage, "
+                        "target's width in both dtypes, at least one full matmul each: well under a second unless "
+                        f"bfloat16 is emulated at a large width; {MARGIN_HELP}; with float32 storage, "
                         "float32). A resumed run keeps the cache's compute dtype")
     p.add_argument("--topk-logprobs", type=int, default=S, help="store top-K log-probs per position (0 = off)")
     p.add_argument("--num-shards", type=int, default=S, help="split the work into N parts (default 1)")
