@@ -84,6 +84,7 @@ class Manifest:
     # The server's speculative configuration (/get_server_info: algorithm, draft_model_path,
     # num_draft_tokens, topk, num_steps); None for local/file references or servers that do not say.
     served_spec_config: dict[str, Any] | None = None
+    compute_dtype: str | None = None  # dtype the target computed in; None (older caches): the same as dtype
     layer_index_convention: str = LAYER_INDEX_CONVENTION
     format_version: int = FORMAT_VERSION
 

@@ -286,7 +286,7 @@ def test_server_without_counters(world, server, tmp_path, capsys) -> None:
     assert all(e.served_spec is None for e in m.samples)
     assert m.served_spec_config["algorithm"] is None
     journal = [json.loads(line) for line in (out / JOURNAL_NAME).read_text().splitlines()]
-    assert all(set(j) == {"id", "output_ids", "finish_reason"} for j in journal)  # as before
+    assert all(set(j) == {"id", "request_sha256", "output_ids", "finish_reason"} for j in journal)  # no served_spec key
     capsys.readouterr()
     assert _eval(world, out, world["drafter"], tmp_path / "r.json") == 2
     err = capsys.readouterr().err.strip()
