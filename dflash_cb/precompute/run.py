@@ -30,7 +30,16 @@ import torch
 
 from ..fileio import atomic_path, atomic_write_json, atomic_write_text
 from ..served import served_counters
-from ..states import HEAD_NAME, MANIFEST_NAME, Manifest, SampleEntry, ShardEntry, sha256_file, shard_name
+from ..states import (
+    HEAD_NAME,
+    MANIFEST_NAME,
+    Manifest,
+    SampleEntry,
+    ShardEntry,
+    first_disagreement,
+    sha256_file,
+    shard_name,
+)
 from .journal import append_entry, drop_torn_tail, journal_entry, journal_line, read_journal, request_key
 from .plan import (
     JOURNAL_NAME,
@@ -48,15 +57,6 @@ from .plan import (
     stderr_log,
 )
 from .progress import append_progress, read_progress, shard_record, start_progress
-
-
-def first_disagreement(target_argmax: torch.Tensor, input_ids: torch.Tensor, prompt_len: int) -> int:
-    """``valid_len``: the first completion position t with argmax[t-1] != input_ids[t], else len(input_ids)."""
-    t = input_ids.shape[0]
-    if t <= prompt_len:
-        return t
-    differ = (target_argmax[prompt_len - 1:t - 1] != input_ids[prompt_len:]).nonzero()
-    return prompt_len + int(differ[0]) if len(differ) else t
 
 
 def agreement_totals(samples: Sequence[SampleEntry]) -> dict[str, Any]:
