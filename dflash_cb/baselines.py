@@ -23,12 +23,21 @@ from typing import Any
 
 import yaml
 
-from .metrics import ALL_ANCHOR_TAU, SPECFORGE_TAU, TAU, category_tau, ddtree_tau, depth_acc
-from .results import load_results
+from .metrics import (
+    ALL_ANCHOR_TAU,
+    CI_HIGH_SUFFIX,
+    CI_LOW_SUFFIX,
+    SPECFORGE_TAU,
+    TAU,
+    category_tau,
+    ddtree_tau,
+)
+from .results import Results, SampleRecord, load_results
 from .states import StateCache
 
 MEASURED = "measured"
 PUBLISHED = "published"
+SERVED = "served"  # the server's own counters, stored by the precompute (dflash_cb/served.py)
 
 
 @dataclass
@@ -41,14 +50,22 @@ class Baseline:
     per_depth: list[float] | None = None  # unconditional acceptance at depths 1..block_size-1
     source: str = ""
     details: dict[str, Any] = field(default_factory=dict)
+    # Measured baselines: the per-sample lengths (restricted to the live evaluation's samples), for
+    # the paired difference ``live - baseline`` (``compare.paired_delta``).
+    samples: list[SampleRecord] | None = None
+    budgets: tuple[int, ...] = ()
 
     @property
     def label(self) -> str:
+        if self.kind == SERVED:
+            return f"{self.name} (served, measured online)"
         return f"{self.name} (published, not measured here)" if self.kind == PUBLISHED else f"{self.name} (reference)"
 
     @property
     def key(self) -> str:
-        """Metric-name segment: ``baseline/<name>`` or ``published/<name>``."""
+        """Metric-name segment: ``baseline/<name>``, ``baseline/served`` or ``published/<name>``."""
+        if self.kind == SERVED:
+            return "baseline/served"
         return f"{'published' if self.kind == PUBLISHED else 'baseline'}/{_slug(self.name)}"
 
 
@@ -83,68 +100,76 @@ def load_measured(path: str | os.PathLike, cache: StateCache, name: str | None =
     ``sample_ids``: the samples the live evaluation scores. Tau, DDTree tau and per-category tau
     are recomputed on them; per-depth acceptance (stored aggregated) stays the whole-cache figure.
     """
-    data = load_results(path, cache)
+    res = load_results(path, cache)
     name = name or Path(path).stem
-    metrics: dict[str, float] = {}
-    stored = data.get("metrics") or {}
-    for k in (TAU, ALL_ANCHOR_TAU, SPECFORGE_TAU):
-        v = _finite(stored.get(k, data.get(k)))
-        if v is not None:
-            metrics[k] = v
-    for b, d in (data.get("ddtree") or {}).items():
-        v = _finite(d.get("tau"))
-        if v is not None:
-            metrics[ddtree_tau(int(b))] = v
-    for c, d in (data.get("per_category") or {}).items():
-        v = _finite(d.get("tau"))
-        if v is not None:
-            metrics[category_tau(c)] = v
+    # Every scalar the file holds (one place: ``Results.metrics``), intervals and breakdowns included.
+    metrics = {k: v for k, v in ((k, _finite(x)) for k, x in res.metrics.items()) if v is not None}
     per_depth = [(_finite(v) if _finite(v) is not None else math.nan)
-                 for v in (data.get("per_depth") or {}).get("unconditional") or []] or None
-    if per_depth:
-        for k, v in enumerate(per_depth, start=1):
-            if not math.isnan(v):
-                metrics[depth_acc(k)] = v
+                 for v in res.per_depth.get("unconditional") or []] or None
+    drafter = res.meta.get("drafter")
     details: dict[str, Any] = {
         "path": str(path),
-        "cache_manifest_sha256": data.get("meta", {}).get("cache_manifest_sha256"),
-        "drafter": data.get("meta", {}).get("drafter"),
-        "dtype": data.get("meta", {}).get("dtype"),
-        "samples_in_file": len(data.get("samples") or []),
+        "cache_manifest_sha256": res.manifest_sha256,
+        "drafter": drafter.get("path") if isinstance(drafter, dict) else drafter,
+        "dtype": res.meta.get("dtype"),
+        "samples_in_file": len(res.samples),
     }
+    samples = res.samples
     if sample_ids is not None:
-        _restrict(metrics, data, list(sample_ids), details)
-    return Baseline(name, MEASURED, metrics, per_depth, source=f"tools/eval_drafter.py -> {path}", details=details)
+        samples = _restrict(metrics, res, list(sample_ids), details)
+    return Baseline(name, MEASURED, metrics, per_depth, source=f"tools/eval_drafter.py -> {path}", details=details,
+                    samples=samples, budgets=tuple(res.budgets))
 
 
-def _restrict(metrics: dict[str, float], data: dict[str, Any], ids: list[str], details: dict[str, Any]) -> None:
-    """Recompute the per-sample-derived metrics on ``ids`` (the live evaluation's samples)."""
-    by_id = {s["id"]: s for s in data.get("samples") or []}
+def _restrict(metrics: dict[str, float], res: Results, ids: list[str], details: dict[str, Any]) -> list[SampleRecord]:
+    """Recompute the per-sample-derived metrics on ``ids`` (the live evaluation's samples); returns those samples."""
+    by_id = {s.id: s for s in res.samples}
     if set(ids) == set(by_id):
-        return
+        return [by_id[i] for i in ids]
     missing = [i for i in ids if i not in by_id]
     if missing:
         raise ValueError(f"{details['path']}: the baseline has no results for {len(missing)} of the evaluated "
                          f"samples (e.g. {missing[:3]}); rerun tools/eval_drafter.py on the whole cache")
     chosen = [by_id[i] for i in ids]
-    tau = _mean(s["acceptance_lengths"] for s in chosen)
+    # Whole-file figures that depend on which samples were scored are dropped, then recomputed on the subset.
+    for k in [k for k in metrics if k.startswith(("category/", "position/", "cycle/")) or k.endswith(
+            (CI_LOW_SUFFIX, CI_HIGH_SUFFIX))]:
+        del metrics[k]
+    tau = _mean(s.acceptance_lengths for s in chosen)
     if tau is not None:
         metrics[TAU] = tau
-    for b, d in (data.get("ddtree") or {}).items():
-        dd = {s["id"]: s["acceptance_lengths"] for s in d.get("samples") or []}
-        v = _mean(dd[i] for i in ids if i in dd)
+    for b in res.budgets:
+        v = _mean(s.ddtree.get(b, []) for s in chosen)
         if v is not None:
-            metrics[ddtree_tau(int(b))] = v
-    cats = {s.get("category") for s in chosen}
-    for k in [k for k in metrics if k.startswith("category/")]:
-        del metrics[k]
-    for c in sorted(x for x in cats if x is not None):
-        v = _mean(s["acceptance_lengths"] for s in chosen if s.get("category") == c)
+            metrics[ddtree_tau(b)] = v
+    for c in sorted({s.category for s in chosen}):
+        v = _mean(s.acceptance_lengths for s in chosen if s.category == c)
         if v is not None:
             metrics[category_tau(c)] = v
     # Aggregated in the file: cannot be restricted, so they describe the whole cache.
     details["subset"] = f"{len(ids)} of {len(by_id)} samples (tau, DDTree, per-category recomputed on the subset; " \
                         "per-depth and all-anchor figures are whole-cache)"
+    return chosen
+
+
+def load_served(cache: StateCache, sample_ids: Sequence[str] | None = None) -> Baseline | None:
+    """The served drafter's online tau from the counters the precompute stored, or None if there are none.
+
+    Tau in the replay's convention (``served.served_rounds_and_tau``), pooled over ``sample_ids``
+    that have counters. Measured by the server on its hardware, not replayed here.
+    """
+    from .served import served_tau
+
+    got = served_tau(cache.samples, sample_ids)
+    if got is None:
+        return None
+    tau, rounds, n = got
+    config = cache.manifest.served_spec_config or {}
+    path = config.get("draft_model_path")
+    name = Path(str(path).rstrip("/")).name if path else "served"
+    return Baseline(name, SERVED, {TAU: tau}, None,
+                    source=f"SGLang spec_verify_ct stored in {cache.path} by the precompute",
+                    details={"samples": n, "rounds": rounds, "server": config})
 
 
 # -- published ----------------------------------------------------------------------------
@@ -207,6 +232,8 @@ def load_published(path: str | os.PathLike, names: Sequence[str] | None = None) 
 
 # Headline figures logged as constant series next to the live ones (per-depth goes to the chart).
 def is_headline(metric: str) -> bool:
+    if metric.endswith((CI_LOW_SUFFIX, CI_HIGH_SUFFIX)):
+        return False  # a baseline's own intervals stay in the run summary, not as series
     return metric in (TAU, ALL_ANCHOR_TAU, SPECFORGE_TAU) or metric.startswith(("ddtree/", "category/"))
 
 

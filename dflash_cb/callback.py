@@ -12,19 +12,22 @@ budget, per-depth acceptance, per-category tau, ... to every logger at ``trainer
 
 Guarantees, modelled on ``ModelCheckpoint``/``EarlyStopping``:
 
-- Configuration errors (no cache, cache vs drafter mismatch, a baseline from another cache) stop
-  ``fit`` before the first training step, naming the field that differs.
+- Configuration errors (no cache, a missing or truncated shard or head file, a shard whose sha256
+  differs, cache vs drafter mismatch, a baseline from another cache) stop ``fit`` before the first
+  training step, naming the file or field.
 - An evaluation changes nothing training depends on: it runs under ``torch.no_grad`` with the
   drafter in eval mode (each submodule's mode restored afterwards), restores the CPU and CUDA
   RNG states, never touches the optimizer or gradients, and keeps no tensors afterwards.
-- Failures inside an evaluation (e.g. a corrupted shard) warn and training goes on, unless
-  ``fail_on_error=True``.
+- Failures inside an evaluation (e.g. a shard damaged after setup: one whose size or modification
+  time changed is hashed again) warn, count in ``{prefix}failed_evaluations``, and training goes on,
+  unless ``fail_on_error=True`` or ``max_failed_evaluations`` evaluations in a row failed.
 - Distributed: rank r scores ``samples[r::world]``; integer counts are summed with one
   ``all_reduce`` before any ratio, so the numbers equal a single-process run's exactly; only rank
   zero logs. Under FSDP (1 or 2) every rank gathers the full parameters once per evaluation and
   scores its own share (see ``dflash_cb.distributed``). DeepSpeed ZeRO-3 is refused.
 - ``state_dict``/``load_state_dict`` carry the schedule, so a resumed run neither repeats nor skips
-  an evaluation.
+  an evaluation. They also carry the cache's manifest sha256: resumed on another cache, the callback
+  warns and starts a new series instead of mixing two caches' numbers.
 
 Metric values go to ``trainer.callback_metrics`` too, so ``ModelCheckpoint(monitor="dflash_eval/tau",
 mode="max")`` and ``EarlyStopping`` can use them.
@@ -48,13 +51,16 @@ from lightning.pytorch.utilities import rank_zero_info
 from safetensors import safe_open
 from torch import nn
 
-from .baselines import Baseline, baseline_scalars, load_measured, load_published
+from .baselines import Baseline, baseline_scalars, load_measured, load_published, load_served
+from .compare import live_metrics
 from .distributed import all_reduce_sum, full_parameters, gather_to_zero, sharding_kind, world
 from .engine import DEFAULT_BUDGETS, SampleResult, evaluate
 from .errors import DFlashCBError
-from .metrics import ANCHOR_STRIDE, EVAL_TIME, EvalCounts, per_depth, summarize
+from .metrics import ANCHOR_STRIDE, EVAL_TIME, FAILED_EVALS, TAU, EvalCounts, per_depth, summarize
 from .model import DrafterSpec
-from .states import CacheMismatchError, StateCache, TargetHead
+from .positions import DEFAULT_POSITION_EDGES, check_edges
+from .report import evaluation_line
+from .states import CacheMismatchError, StateCache, TargetHead, select_sample_ids, stratified_ids
 
 DrafterSource = str | Callable[[LightningModule], nn.Module]
 
@@ -72,7 +78,7 @@ class DFlashEvalCallback(Callback):
     Args:
         states: cache folder written by ``tools/precompute_states.py``.
         every_n_train_steps: evaluate after every N optimizer steps (``trainer.global_step % N == 0``);
-            0 disables the periodic evaluations (start/end ones still run).
+            0 disables the periodic evaluations (start/end ones still run). An integer.
         drafter: attribute path of the drafter on the LightningModule (``"drafter"``,
             ``"model.draft"``), or a function ``module -> drafter``. Any module with a DFlash config
             (``.spec`` or ``.config``) works; ``torch.compile`` wrappers are unwrapped.
@@ -103,19 +109,34 @@ class DFlashEvalCallback(Callback):
         baselines: reference ``results.json`` files from ``tools/eval_drafter.py`` on the same cache:
             ``{name: path}`` or a list of paths (name = file stem). Logged as constant series
             ``{prefix}baseline/<name>/...`` and in the W&B summary. A file measured on another cache is
-            refused at setup.
-        published: YAML of published figures (``configs/baselines/published.yaml``), logged as
-            ``{prefix}published/<name>/...``, marked as published, not measured here. Placeholder entries
-            are not logged.
+            refused at setup. When the cache holds the server's speculative counters (``served_spec``), the
+            served drafter's online tau is logged too, as ``{prefix}baseline/served/tau`` ("served,
+            measured online").
+        published: YAML of published figures (format: ``configs/baselines/published.yaml`` in the
+            repository), logged as ``{prefix}published/<name>/...``, marked as published, not measured
+            here. Placeholder entries are not logged. Default: none.
         published_entries: names of the published entries to log (default: every non-placeholder entry).
         fail_on_error: raise when an evaluation fails instead of warning and going on.
+        max_failed_evaluations: raise ``DFlashEvalError`` when this many evaluations in a row failed
+            (0: never; each failure is still a warning and counts in ``{prefix}failed_evaluations``).
         autocast_dtype: ``"auto"`` (bfloat16 autocast on CUDA for a float32 drafter, none on CPU),
             ``"bfloat16"``, ``"float16"``, or ``"float32"``/None (no autocast: exact float32).
         table_samples: samples shown in the W&B table at each evaluation (0 = no table).
         table_cycles: cycles (draft blocks) shown per table sample.
         tokenizer: decodes tokens in the W&B table: a Hugging Face tokenizer path or object, or a function
             ``ids -> str``; None shows token ids.
-        verify_cache: check every shard's sha256 at setup (slow for a large cache; sizes are always checked).
+        verify_cache: check the sha256 of every shard to evaluate (and of the exported head) at setup,
+            and before each evaluation hash again any of them whose size or modification time changed.
+            False skips the hashing (a large cache on a slow disk); sizes are always checked at setup.
+        position_edges: completion-position bucket edges for ``{prefix}position/<lo>_<hi>/tau``
+            (the last bucket is open-ended).
+        prog_bar: show ``{prefix}tau`` in the progress bar.
+        console: print one line per evaluation on rank zero (step, tau with its 95% interval, DDTree tau
+            at the largest budget, difference to each measured baseline, wall time).
+
+    Intervals: ``{prefix}<metric>_ci_low``/``_ci_high`` are 95% cluster-bootstrap intervals over the
+    evaluated samples (``dflash_cb.bootstrap``): the uncertainty from the choice of prompts. Under DDP
+    the per-sample acceptance lengths (integers, not tensors) are gathered to rank zero for them.
     """
 
     def __init__(
@@ -140,16 +161,22 @@ class DFlashEvalCallback(Callback):
         published: str | os.PathLike | None = None,
         published_entries: Sequence[str] | None = None,
         fail_on_error: bool = False,
+        max_failed_evaluations: int = 3,
         autocast_dtype: str | None = "auto",
         table_samples: int = 4,
         table_cycles: int = 4,
         tokenizer: Any = None,
-        verify_cache: bool = False,
+        verify_cache: bool = True,
+        position_edges: Sequence[int] = DEFAULT_POSITION_EDGES,
+        prog_bar: bool = False,
+        console: bool = True,
     ) -> None:
         super().__init__()
         # Only cheap argument checks here (no file access), so a LightningCLI config parses anywhere.
-        if every_n_train_steps < 0:
-            raise ValueError(f"every_n_train_steps must be >= 0, got {every_n_train_steps}")
+        for name, value in (("every_n_train_steps", every_n_train_steps),
+                            ("max_failed_evaluations", max_failed_evaluations)):
+            if not _is_int(value) or value < 0:  # 0.5 must not silently become 0
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
         budgets = tuple(sorted({int(b) for b in ddtree_budgets}))
         if any(b < 1 for b in budgets):
             raise ValueError(f"ddtree_budgets must be positive, got {list(ddtree_budgets)}")
@@ -161,8 +188,8 @@ class DFlashEvalCallback(Callback):
             raise ValueError(f"periodic_anchor_stride must be >= 1 or None (block size), got {periodic_anchor_stride}")
         if full_every_n_evals < 0:
             raise ValueError(f"full_every_n_evals must be >= 0 (0 = only at fit end), got {full_every_n_evals}")
-        if num_samples is not None and num_samples < 1:
-            raise ValueError(f"num_samples must be >= 1 or None (all), got {num_samples}")
+        if num_samples is not None and (not _is_int(num_samples) or num_samples < 1):
+            raise ValueError(f"num_samples must be an integer >= 1 or None (all), got {num_samples!r}")
         if target_lm_head and not target_embed:
             raise ValueError("target_lm_head needs target_embed too (the block embeddings come from the target)")
         if autocast_dtype not in (None, "auto", *_DTYPES):
@@ -182,6 +209,7 @@ class DFlashEvalCallback(Callback):
         self.full_every_n_evals = int(full_every_n_evals)
         self.last_eval_full = False  # the last evaluation's profile (full: stride 1, every budget)
         self.last_eval_stride = 1
+        self.last_eval_budgets = budgets
         self.num_samples = num_samples
         self.sample_ids = list(sample_ids) if sample_ids is not None else None
         self.sample_seed = int(sample_seed)
@@ -193,17 +221,23 @@ class DFlashEvalCallback(Callback):
         self.published = str(published) if published else None
         self.published_entries = list(published_entries) if published_entries is not None else None
         self.fail_on_error = fail_on_error
+        self.max_failed_evaluations = int(max_failed_evaluations)
         self.autocast_dtype = autocast_dtype
         self.table_samples = int(table_samples)
         self.table_cycles = int(table_cycles)
         self.tokenizer = tokenizer
         self.verify_cache = verify_cache
+        self.position_edges = check_edges(position_edges)  # ValueError naming the edges
+        self.prog_bar = prog_bar
+        self.console = console
 
         # Persistent (state_dict): the schedule and what was measured.
         self.last_eval_step = -1
         self.num_evals = 0
         self.start_done = False
         self.history: list[dict[str, float]] = []  # rank zero: {"step": s, metric: value, ...} per evaluation
+        self.failed_evaluations = 0
+        self.cache_manifest_sha256: str | None = None  # the cache the history was measured on
         # Per fit.
         self.cache: StateCache | None = None
         self.eval_ids: list[str] = []
@@ -220,6 +254,7 @@ class DFlashEvalCallback(Callback):
         self._table_tokens: dict[str, list[int]] = {}
         self._wandb_ready = False
         self._fast_dev_run_noted = False
+        self._failed_in_a_row = 0
 
     # -- Lightning plumbing ---------------------------------------------------------------
     @property
@@ -228,7 +263,9 @@ class DFlashEvalCallback(Callback):
 
     def state_dict(self) -> dict[str, Any]:
         return {"last_eval_step": self.last_eval_step, "num_evals": self.num_evals, "start_done": self.start_done,
-                "history": list(self.history), "last_eval_full": self.last_eval_full}
+                "history": list(self.history), "last_eval_full": self.last_eval_full,
+                "failed_evaluations": self.failed_evaluations,
+                "cache_manifest_sha256": self.cache.manifest_sha256 if self.cache else self.cache_manifest_sha256}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.last_eval_step = int(state_dict.get("last_eval_step", -1))
@@ -236,6 +273,23 @@ class DFlashEvalCallback(Callback):
         self.start_done = bool(state_dict.get("start_done", False))
         self.history = list(state_dict.get("history", []))
         self.last_eval_full = bool(state_dict.get("last_eval_full", False))
+        self.failed_evaluations = int(state_dict.get("failed_evaluations", 0))
+        self.cache_manifest_sha256 = state_dict.get("cache_manifest_sha256")
+        if self.cache is not None:  # restored after setup, the usual order
+            self._check_resumed_cache()
+
+    def _check_resumed_cache(self) -> None:
+        """A checkpoint from a run on another cache (same path, replaced contents): start a new series."""
+        assert self.cache is not None
+        theirs, ours = self.cache_manifest_sha256, self.cache.manifest_sha256
+        if theirs is not None and theirs != ours:
+            warnings.warn(f"DFlashEvalCallback: the checkpoint's evaluations were measured on another cache "
+                          f"(manifest sha256 {theirs[:12]}...) than {self.cache.path} now holds ({ours[:12]}...). "
+                          f"Its {len(self.history)} evaluation(s) are dropped and a new series starts here; "
+                          "numbers from different caches are not comparable.", RuntimeWarning, stacklevel=2)
+            self.history, self.num_evals, self.failed_evaluations = [], 0, 0
+            self.last_eval_step, self.start_done = -1, False  # evaluate the resumed weights on the new cache
+        self.cache_manifest_sha256 = ours
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
@@ -244,13 +298,23 @@ class DFlashEvalCallback(Callback):
             raise RuntimeError("DFlashEvalCallback: DeepSpeed ZeRO stage 3 shards parameters in a way this callback "
                                "cannot gather; use ZeRO stage 1/2, DDP or FSDP")
         self.cache = StateCache(self.states)  # CacheError: no or broken manifest
-        if self.verify_cache:
-            self.cache.verify()
         self._categories = tuple(sorted({s.category for s in self.cache.samples}))
         self.eval_ids = self._select_ids()
+        # Found now rather than inside every evaluation: a missing or truncated file (a stat each),
+        # and with verify_cache a changed byte (sha256).
+        needs_head = not self.target_embed
+        self.cache.check_files(self.eval_ids, head=needs_head)
+        if self.verify_cache:
+            self.cache.verify(self.cache.shards_of(self.eval_ids), head=needs_head)
+        self.cache.check_samples(self.eval_ids)  # manifest fields against the shards (small tensors only)
+        self.cache_manifest_sha256 = self.cache_manifest_sha256 or self.cache.manifest_sha256
+        self._failed_in_a_row = 0
         self.table_ids = _stratified(self.eval_ids, self.cache, self.table_samples, None)
         self.reference = [load_measured(p, self.cache, name=n, sample_ids=self.eval_ids)
                           for n, p in self.baselines.items()]
+        served = load_served(self.cache, self.eval_ids)  # the server's own counters, when the cache has them
+        if served is not None:
+            self.reference.append(served)
         if self.published:
             pf = load_published(self.published, self.published_entries)
             self.reference += pf.baselines
@@ -272,6 +336,8 @@ class DFlashEvalCallback(Callback):
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # Here (not in on_fit_start) because a resumed run's global step and weights are restored by now.
+        if self.cache is not None:
+            self._check_resumed_cache()
         if self.eval_on_fit_start and not self.start_done:
             self.start_done = True
             if trainer.global_step != self.last_eval_step:
@@ -296,15 +362,7 @@ class DFlashEvalCallback(Callback):
     # -- configuration ----------------------------------------------------------------------
     def _select_ids(self) -> list[str]:
         assert self.cache is not None
-        all_ids = [s.id for s in self.cache.samples]
-        if self.sample_ids is not None:
-            unknown = [i for i in self.sample_ids if i not in set(all_ids)]
-            if unknown:
-                raise ValueError(f"DFlashEvalCallback: sample_ids {unknown[:5]} are not in the cache {self.states}")
-            return list(dict.fromkeys(self.sample_ids))
-        if self.num_samples is None or self.num_samples >= len(all_ids):
-            return all_ids
-        return _stratified(all_ids, self.cache, self.num_samples, self.sample_seed)
+        return select_sample_ids(self.cache, self.num_samples, self.sample_ids, self.sample_seed)
 
     def _find_drafter(self, pl_module: LightningModule, required: bool = True) -> nn.Module | None:
         if isinstance(self.drafter, str):
@@ -376,7 +434,7 @@ class DFlashEvalCallback(Callback):
         if self._head is None or self._head_key != key:
             assert self.cache is not None
             # Loaded once (sha256-checked the first time) and kept; reloaded only if the device moves.
-            self._head = self.cache.load_head(device=device, dtype=dtype, verify=self._head is None)
+            self._head = self.cache.load_head(device=device, dtype=dtype, verify=self.verify_cache)
             self._head_key = key
         return self._head
 
@@ -404,10 +462,11 @@ class DFlashEvalCallback(Callback):
         try:
             # fork_rng: the CPU (and this CUDA device's) RNG state is restored afterwards, whatever happens.
             with torch.random.fork_rng(devices=cuda), torch.no_grad():
+                # verify: only a shard whose size or mtime changed since it was hashed is hashed again.
                 report = evaluate(self.cache, drafter, head, sample_ids=ids,
                                   budgets=self.ddtree_budgets if budgets is None else budgets,
                                   anchor_stride=anchor_stride, device=device, autocast_dtype=autocast,
-                                  spec=self._spec, keep_drafts=keep)
+                                  spec=self._spec, keep_drafts=keep, verify=self.verify_cache)
         finally:
             for m, was_training in modes:
                 m.training = was_training
@@ -429,7 +488,7 @@ class DFlashEvalCallback(Callback):
         rank, ws = world(trainer)
         ids = self.eval_ids[rank::ws]
         full, budgets, stride = self._profile(reason) if self._spec is not None else (True, self.ddtree_budgets, 1)
-        self.last_eval_full, self.last_eval_stride = full, stride
+        self.last_eval_full, self.last_eval_stride, self.last_eval_budgets = full, stride, budgets
         start = time.perf_counter()
         report, error = None, None
         try:
@@ -446,15 +505,27 @@ class DFlashEvalCallback(Callback):
         total = all_reduce_sum(trainer, torch.cat([flat, torch.tensor([1.0 if error else 0.0], dtype=torch.float64)]))
         failed = int(total[-1].item())
         if failed:
+            # Every rank sees the same total, so every rank counts (and raises) alike.
+            self.failed_evaluations += 1
+            self._failed_in_a_row += 1
             msg = f"DFlashEvalCallback: evaluation at {reason} (global step {step}) failed"
             if error is not None:
                 msg += f" on rank {rank}: {type(error).__name__}: {error}"
             else:
                 msg += f" on {failed} other rank(s); see their warnings"
+            if rank == 0:
+                self._log_failures(trainer, step)
             if self.fail_on_error:
                 raise DFlashEvalError(msg) from error
-            warnings.warn(msg + ". Training continues (fail_on_error=False).", RuntimeWarning, stacklevel=2)
+            k = self.max_failed_evaluations
+            if k and self._failed_in_a_row >= k:
+                raise DFlashEvalError(f"{msg}. {self._failed_in_a_row} evaluations in a row failed "
+                                      f"(max_failed_evaluations={k}): stopping rather than training on "
+                                      "without measurements") from error
+            warnings.warn(msg + f". Training continues (failure {self._failed_in_a_row} in a row; "
+                          f"max_failed_evaluations={k}).", RuntimeWarning, stacklevel=2)
             return
+        self._failed_in_a_row = 0
         template.load_flat(total[:-1])
         summary = summarize(template)
         summary[EVAL_TIME] = time.perf_counter() - start
@@ -470,6 +541,11 @@ class DFlashEvalCallback(Callback):
             return
         by_id = {s.id: s for part in gathered or [] for s in part}
         self.last_samples = [by_id[i] for i in self.eval_ids if i in by_id]
+        self._add_sample_metrics(trainer, step, summary, finite)
+        if full:  # the rank-zero figures (intervals, position taus) under full/ too
+            full_prefix = self.prefix + "full/"
+            finite.update({full_prefix + k[len(self.prefix):]: v for k, v in list(finite.items())
+                           if not k.startswith(full_prefix)})
         self.last_metrics = dict(summary)
         self.history.append({"step": step, **summary})
         try:
@@ -480,11 +556,42 @@ class DFlashEvalCallback(Callback):
             warnings.warn(f"DFlashEvalCallback: logging the evaluation at step {step} failed: "
                           f"{type(e).__name__}: {e}", RuntimeWarning, stacklevel=2)
 
+    def _add_sample_metrics(self, trainer: Trainer, step: int, summary: dict[str, float],
+                            finite: dict[str, float]) -> None:
+        """Rank zero: intervals, position/cycle taus and paired deltas (they need the per-sample lengths,
+        gathered from every rank), then the console line and the progress bar."""
+        try:
+            extra = live_metrics(self.last_samples, self.last_eval_budgets, self._categories, self.reference,
+                                 self.position_edges)
+        except Exception as e:  # an extra figure must not end the training
+            if self.fail_on_error:
+                raise
+            warnings.warn(f"DFlashEvalCallback: intervals at step {step} failed: {type(e).__name__}: {e}",
+                          RuntimeWarning, stacklevel=3)
+            extra = {}
+        summary.update(extra)
+        finite.update({self.prefix + k: v for k, v in extra.items() if math.isfinite(v)})
+        if self.prog_bar and self.prefix + TAU in finite:
+            trainer.progress_bar_metrics[self.prefix + TAU] = finite[self.prefix + TAU]
+        if self.console:
+            rank_zero_info("DFlashEvalCallback " + evaluation_line(step, summary, self.last_eval_budgets,
+                                                                    [b.key for b in self.reference if b.samples]))
+
     # -- logging (rank zero) --------------------------------------------------------------------
+    def _log_failures(self, trainer: Trainer, step: int) -> None:
+        """The failure counter alone, so a panel (or a W&B alert on it) shows evaluations that failed."""
+        try:
+            for lg in trainer.loggers:
+                lg.log_metrics({self.prefix + FAILED_EVALS: float(self.failed_evaluations)}, step=step)
+        except Exception as e:  # logging must not hide the evaluation's own error
+            warnings.warn(f"DFlashEvalCallback: logging the failure counter failed: {type(e).__name__}: {e}",
+                          RuntimeWarning, stacklevel=2)
+
     def _log(self, trainer: Trainer, step: int, scalars: dict[str, float], summary: dict[str, float],
              counts: EvalCounts) -> None:
         metrics = dict(scalars)
         metrics[self.prefix + ANCHOR_STRIDE] = float(self.last_eval_stride)
+        metrics[self.prefix + FAILED_EVALS] = float(self.failed_evaluations)
         metrics.update(baseline_scalars(self.reference, self.prefix))
         for lg in trainer.loggers:
             lg.log_metrics(metrics, step=step)
@@ -522,6 +629,9 @@ class DFlashEvalCallback(Callback):
         live = per_depth(summary, self._spec.block_size)["unconditional"]
         log_evaluation(run, step=step, prefix=self.prefix, live_per_depth=live,
                        hist=counts.data["hist"].tolist(), baselines=self.reference, rows=rows)
+        from .wandb_logging import log_best
+
+        log_best(run, self.history, self.prefix)
 
     def _tokens(self, sample_id: str) -> list[int]:
         """A table sample's token ids, read once (only ``input_ids``: the features can be 100+ MB)."""
@@ -541,7 +651,7 @@ class DFlashEvalCallback(Callback):
             "periodic_ddtree_budgets": list(self.periodic_ddtree_budgets),
             "periodic_anchor_stride": self.periodic_anchor_stride or (self._spec.block_size if self._spec else None),
             "full_every_n_evals": self.full_every_n_evals,
-            "autocast_dtype": self.autocast_dtype,
+            "autocast_dtype": self.autocast_dtype, "position_edges": list(self.position_edges),
         }
 
 
@@ -559,23 +669,9 @@ def _resolve_weight(pl_module: LightningModule, path: str) -> torch.Tensor:
 
 
 def _stratified(ids: Sequence[str], cache: StateCache, n: int, seed: int | None) -> list[str]:
-    """``n`` of ``ids``, round-robin over categories (shuffled per category with ``seed``; in order if None),
-    returned in cache order. A private generator: the global RNG is untouched."""
-    if n <= 0:
-        return []
-    by_cat: dict[str, list[str]] = {}
-    for i in ids:
-        by_cat.setdefault(cache.entry(i).category, []).append(i)
-    if seed is not None:
-        g = torch.Generator().manual_seed(seed)
-        for c in sorted(by_cat):
-            perm = torch.randperm(len(by_cat[c]), generator=g).tolist()
-            by_cat[c] = [by_cat[c][j] for j in perm]
-    chosen: list[str] = []
-    queues = [list(by_cat[c]) for c in sorted(by_cat)]
-    while len(chosen) < n and any(queues):
-        for q in queues:
-            if q and len(chosen) < n:
-                chosen.append(q.pop(0))
-    order = {i: k for k, i in enumerate(ids)}
-    return sorted(chosen, key=order.__getitem__)
+    """``n`` of ``ids`` stratified by category (``states.stratified_ids``), in cache order."""
+    return stratified_ids(ids, lambda i: cache.entry(i).category, n, seed)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -9,8 +9,9 @@ In a few minutes on a laptop, the whole system at toy scale:
    replays the greedy speculative loop on the held-out cache every N steps (W&B offline by default,
    plus a CSVLogger), printing tau per evaluation;
 4. extract the drafter from the final checkpoint (``tools/extract_drafter.py``'s code), score it
-   once more as ``tools/eval_drafter.py`` does (``results.json``), draw plots and write
-   ``summary.json`` with every path.
+   once more as ``tools/eval_drafter.py`` does (``results.json``), do the same for the untrained
+   first checkpoint and compare the two as ``tools/compare_results.py`` does (paired interval and
+   verdict), draw plots and write ``summary.json`` with every path.
 
 Deterministic given ``--seed``: every random choice comes from seeded generators and Lightning
 runs with ``deterministic=True``.
@@ -28,10 +29,24 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import DFlashCBError
-from .metrics import ALL_ANCHOR_TAU, TAU, category_tau, ddtree_tau, depth_acc, depth_acc_cond, hist_frac
+from .metrics import (
+    ALL_ANCHOR_TAU,
+    SPECFORGE_TAU,
+    TAU,
+    category_tau,
+    ci_high,
+    ci_low,
+    ddtree_tau,
+    depth_acc,
+    depth_acc_cond,
+    hist_frac,
+)
+
+if TYPE_CHECKING:
+    from .results import Results
 
 MARKER = ".dflash_demo"  # written first into the output folder: --overwrite only ever deletes a demo's folder
 TAU_GOAL = 2.0
@@ -109,14 +124,22 @@ class Paths:
         self.cache_eval = o / "cache" / "eval"
         self.drafter_config = o / "drafter_config.json"
         self.checkpoint = o / "checkpoints" / "final.ckpt"
+        self.checkpoint_first = o / "checkpoints" / "first.ckpt"  # the untrained drafter, for the comparison
         self.drafter = o / "drafter"
+        self.drafter_first = o / "drafter_first"
         self.results = o / "results.json"
+        self.results_first = o / "results_first.json"
+        self.comparison = o / "comparison"  # .md and .png from the compare tool
         self.plots = o / "plots"
         self.summary = o / "summary.json"
 
 
 class DemoError(DFlashCBError, RuntimeError):
     """A problem the user can fix (output folder, W&B credentials); printed without a traceback."""
+
+
+# Completions here are tens of tokens long, so the position buckets are too (the default is 0..2048+).
+POSITION_EDGES = (0, 8, 16, 32)
 
 
 def _say(msg: str = "") -> None:
@@ -246,7 +269,7 @@ def _fmt(x: Any, nd: int = 3) -> str:
     return "  n/a" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:.{nd}f}"
 
 
-def _tau_printer(eval_cb: Any, budgets: Sequence[int]) -> Any:
+def _tau_printer(eval_cb: Any, budgets: Sequence[int], first_checkpoint: Path) -> Any:
     from lightning.pytorch.callbacks import Callback
 
     class TauTable(Callback):
@@ -261,14 +284,18 @@ def _tau_printer(eval_cb: Any, budgets: Sequence[int]) -> Any:
                 loss = trainer.callback_metrics.get("train/loss")
                 dd = "  ".join(_fmt(h.get(ddtree_tau(b))) for b in budgets)
                 cats = "  ".join(_fmt(h.get(category_tau(c)), 2) for c in ("count", "repeat", "pairs"))
-                _say(f"      {int(h['step']):>5}  {_fmt(h['tau'])}  {dd}  {_fmt(h.get('all_anchor_tau'))}  "
+                tau = f"{_fmt(h['tau'])} [{_fmt(h.get(ci_low(TAU)), 2)}, {_fmt(h.get(ci_high(TAU)), 2)}]"
+                _say(f"      {int(h['step']):>5}  {tau}  {dd}  {_fmt(h.get('all_anchor_tau'))}  "
                      f"{cats}  {_fmt(float(loss) if loss is not None else None)}  "
                      f"{time.perf_counter() - self.start:>5.0f}s")
             self.printed = len(eval_cb.history)
 
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            # The untrained drafter, kept so the compare tool can show what training changed.
+            first_checkpoint.parent.mkdir(parents=True, exist_ok=True)
+            trainer.save_checkpoint(str(first_checkpoint))
             dd = "  ".join(f"dd@{b:<3}" for b in budgets)
-            _say(f"       step    tau  {dd}  all-anc  count repeat pairs   loss   wall")
+            _say(f"       step    tau [95% interval]  {dd}  all-anc  count repeat pairs   loss   wall")
             self._flush(trainer)
 
         def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
@@ -311,9 +338,11 @@ def train_drafter(cfg: DemoConfig, paths: Paths) -> dict[str, Any]:
     csv_logger = CSVLogger(save_dir=str(paths.out), name="csv_logs", version="")
     eval_cb = DFlashEvalCallback(states=str(paths.cache_eval), every_n_train_steps=cfg.eval_every,
                                  ddtree_budgets=cfg.ddtree_budgets, table_samples=3, table_cycles=4,
-                                 tokenizer=S.decode, autocast_dtype="float32")
+                                 tokenizer=S.decode, autocast_dtype="float32", console=False,
+                                 position_edges=POSITION_EDGES)
     trainer = pl.Trainer(max_steps=cfg.steps, max_epochs=-1, accelerator="cpu", devices=1,
-                         logger=[wandb_logger, csv_logger], callbacks=[eval_cb, _tau_printer(eval_cb, cfg.ddtree_budgets)],
+                         logger=[wandb_logger, csv_logger], callbacks=[eval_cb, _tau_printer(eval_cb, cfg.ddtree_budgets,
+                                                                        paths.checkpoint_first)],
                          deterministic=True, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, log_every_n_steps=10, num_sanity_val_steps=0)
     start = time.perf_counter()
@@ -335,24 +364,45 @@ def train_drafter(cfg: DemoConfig, paths: Paths) -> dict[str, Any]:
 
 # -- step 4: extract, score, plot, summarize ---------------------------------------------------
 
-def extract_and_score(cfg: DemoConfig, paths: Paths) -> dict[str, Any]:
+def extract_and_score(cfg: DemoConfig, paths: Paths, checkpoint: Path | None = None, drafter_dir: Path | None = None,
+                      results_path: Path | None = None) -> Results:
     """What a user does with a finished run: tools/extract_drafter.py, then tools/eval_drafter.py."""
     import torch
 
     from .checkpoints import extract_drafter
     from .engine import evaluate
     from .model import DFlashDrafter
-    from .results import report_to_results, write_results
+    from .results import drafter_provenance, report_to_results, write_results
     from .states import StateCache
 
-    extract_drafter(paths.checkpoint, paths.drafter)
+    checkpoint, drafter_dir = checkpoint or paths.checkpoint, drafter_dir or paths.drafter
+    extract_drafter(checkpoint, drafter_dir)
     cache = StateCache(paths.cache_eval)
-    drafter = DFlashDrafter.from_pretrained(paths.drafter, device="cpu").eval()
+    drafter = DFlashDrafter.from_pretrained(drafter_dir, device="cpu").eval()
     report = evaluate(cache, drafter, budgets=cfg.ddtree_budgets, device=torch.device("cpu"))
-    results = report_to_results(report, cache, meta={"drafter": str(paths.drafter.resolve()), "dtype": "float32",
-                                                     "device": "cpu", "head_source": "cache"})
-    write_results(results, paths.results)
+    provenance = {**drafter_provenance(checkpoint), "extracted_to": str(drafter_dir.resolve())}
+    results = report_to_results(report, cache, meta={"drafter": provenance, "dtype": "float32",
+                                                     "device": "cpu", "head_source": "cache"},
+                                position_edges=POSITION_EDGES)
+    write_results(results, results_path or paths.results)
     return results
+
+
+def compare_first_last(paths: Paths, first: Results, last: Results) -> dict[str, Any]:
+    """tools/compare_results.py on the first and the last checkpoint: Markdown, PNG, and the verdict."""
+    from .compare import compare, plot_comparison, render_markdown
+    from .fileio import atomic_write_text
+
+    def label(r: Results) -> str:
+        return f"step {r.meta['drafter'].get('global_step')}"
+
+    c = compare([label(first), label(last)], [first, last], position_edges=POSITION_EDGES)
+    png = plot_comparison(c, paths.comparison.with_suffix(".png"))
+    md = paths.comparison.with_suffix(".md")
+    atomic_write_text(md, render_markdown(c, png.name))
+    d = c.differences[(0, 1)][TAU]
+    return {"text": d.text, "verdict": d.verdict, "delta": d.interval.value, "low": d.interval.low,
+            "high": d.interval.high, "markdown": md, "png": png}
 
 
 def make_plots(history: list[dict[str, float]], block_size: int, budgets: Sequence[int], plots: Path,
@@ -375,6 +425,9 @@ def make_plots(history: list[dict[str, float]], block_size: int, budgets: Sequen
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     ax.plot(steps, [h[TAU] for h in history], "o-", lw=2, label="tau (greedy replay)")
+    ax.fill_between(steps, [h.get(ci_low(TAU), math.nan) for h in history],
+                    [h.get(ci_high(TAU), math.nan) for h in history], color="C0", alpha=0.2,
+                    label="tau: 95% interval over prompts")
     for b in budgets:
         ax.plot(steps, [h.get(ddtree_tau(b), math.nan) for h in history], "s--", label=f"DDTree tau, budget {b}")
     ax.plot(steps, [h.get(ALL_ANCHOR_TAU, math.nan) for h in history], ":", color="gray",
@@ -452,12 +505,14 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     _say("[4/4] extracting the drafter from the final checkpoint and scoring it (tools/extract_drafter.py, "
          "tools/eval_drafter.py)")
     results = extract_and_score(cfg, paths)
+    results_first = extract_and_score(cfg, paths, paths.checkpoint_first, paths.drafter_first, paths.results_first)
+    comparison = compare_first_last(paths, results_first, results)
     hist = tr["history"]
     first, last = hist[0], hist[-1]
     top_budget = max(cfg.ddtree_budgets)
     # The callback's last evaluation and the standalone scoring of the extracted weights must agree exactly.
-    if results["tau"] is not None and abs(results["tau"] - last[TAU]) > 1e-9:
-        raise DemoError(f"the extracted drafter scores tau {results['tau']} but the callback logged {last['tau']} "
+    if results.tau is not None and abs(results.tau - last[TAU]) > 1e-9:
+        raise DemoError(f"the extracted drafter scores tau {results.tau} but the callback logged {last['tau']} "
                         "for the same weights")
     plots = make_plots(hist, cfg.block_size, cfg.ddtree_budgets, paths.plots)
     timings["extract_score_plots"] = time.perf_counter() - t
@@ -467,16 +522,21 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         "prompts_eval": paths.prompts_eval, "cache_train": paths.cache_train, "cache_eval": paths.cache_eval,
         "drafter_config": paths.drafter_config, "checkpoint": paths.checkpoint, "drafter": paths.drafter,
         "results": paths.results, "metrics_csv": tr["csv"], "wandb_run": tr["wandb_dir"],
+        "checkpoint_first": paths.checkpoint_first, "results_first": paths.results_first,
+        "comparison_md": comparison["markdown"], "comparison_png": comparison["png"],
         **{f"plot_{k}": v for k, v in plots.items()}, "summary": paths.summary,
     }
     summary = {
         "tau_first": first[TAU], "tau_last": last[TAU],
+        "tau_last_interval": [last.get(ci_low(TAU)), last.get(ci_high(TAU))],
+        "first_vs_last": {k: comparison[k] for k in ("text", "verdict", "delta", "low", "high")},
         "ddtree_tau_last": last.get(ddtree_tau(top_budget)), "ddtree_budget": top_budget,
         "ddtree_tau_last_by_budget": {str(b): last.get(ddtree_tau(b)) for b in cfg.ddtree_budgets},
         "step_first": int(first["step"]), "step_last": int(last["step"]),
         "tau_goal": TAU_GOAL, "goal_reached": last[TAU] >= TAU_GOAL,
-        "category_tau_last": {k.split("/")[1]: v for k, v in last.items() if k.startswith("category/")},
-        "evaluations": [{"step": int(h["step"]), "tau": h[TAU],
+        "category_tau_last": {k.split("/")[1]: v for k, v in last.items()
+                              if k.startswith("category/") and k == category_tau(k.split("/")[1])},
+        "evaluations": [{"step": int(h["step"]), "tau": h[TAU], "tau_ci": [h.get(ci_low(TAU)), h.get(ci_high(TAU))],
                          **{f"ddtree_b{b}": h.get(ddtree_tau(b)) for b in cfg.ddtree_budgets}} for h in hist],
         "seed": cfg.seed, "quick": cfg.quick, "steps": cfg.steps, "eval_every": cfg.eval_every,
         "block_size": cfg.block_size, "threads": cfg.threads, "wandb_mode": cfg.wandb_mode, "wandb_url": tr["wandb_url"],
@@ -489,18 +549,26 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     return summary
 
 
-def _print_summary(s: dict[str, Any], results: dict[str, Any], cfg: DemoConfig) -> None:
+def _print_summary(s: dict[str, Any], results: Results, cfg: DemoConfig) -> None:
     p = s["paths"]
     _say("")
     _say("=" * 78)
     _say(f"tau (greedy speculative loop, exact offline replay on {s['caches']['eval']['samples']} held-out prompts)")
     _say(f"  first evaluation (step {s['step_first']:>4}): {s['tau_first']:.3f}")
-    _say(f"  last evaluation  (step {s['step_last']:>4}): {s['tau_last']:.3f}"
+    lo, hi = s["tau_last_interval"]
+    _say(f"  last evaluation  (step {s['step_last']:>4}): {s['tau_last']:.3f} [{_fmt(lo, 2)}, {_fmt(hi, 2)}]"
          + ("" if cfg.quick else f"   (goal >= {TAU_GOAL}: {'reached' if s['goal_reached'] else 'NOT reached'})"))
     _say(f"  DDTree tau, budget {s['ddtree_budget']}: {_fmt(s['ddtree_tau_last'])}   per category: "
          + ", ".join(f"{k} {_fmt(v, 2)}" for k, v in sorted(s["category_tau_last"].items())))
-    _say(f"  all-anchor mean: {_fmt(results.get('all_anchor_tau'))}   SpecForge-style estimate: "
-         f"{_fmt(results.get('specforge_sim_tau'))}")
+    _say(f"  all-anchor mean: {_fmt(results.metric(ALL_ANCHOR_TAU))}   SpecForge-style estimate: "
+         f"{_fmt(results.metric(SPECFORGE_TAU))}")
+    _say(f"  first vs last checkpoint (paired, same prompts): {s['first_vs_last']['text']}: "
+         f"{s['first_vs_last']['verdict']}")
+    _say("  [..] = 95% interval over the choice of prompts (cluster bootstrap over the held-out prompts)")
+    for title, key in (("tau by cycle index after the prompt", "cycle"),
+                       ("tau by anchor position in the completion", "position")):
+        rows = results.breakdown.get(key) or {}
+        _say(f"  {title}: " + ", ".join(f"{b} {_fmt(r['tau'], 2)}" for b, r in rows.items() if r["cycles"]))
     _say("")
     _say(f"  W&B run ({s['wandb_mode']}):  {p['wandb_run']}"
          + (f"\n                     {s['wandb_url']}" if s.get("wandb_url") else
@@ -509,6 +577,8 @@ def _print_summary(s: dict[str, Any], results: dict[str, Any], cfg: DemoConfig) 
     _say(f"  results:            {p['results']}  (the extracted drafter {p['drafter']}, scored like "
          "tools/eval_drafter.py)")
     _say(f"  metrics (CSV):      {p['metrics_csv']}")
+    _say(f"  comparison:         {p['comparison_md']}, {p['comparison_png']}  (tools/compare_results.py "
+         f"{p['results_first']} {p['results']})")
     _say(f"  plots:              {p['plot_tau_over_steps']}, {p['plot_per_depth_acceptance']}, "
          f"{p['plot_accepted_lengths_hist']}")
     _say(f"  summary:            {p['summary']}")

@@ -24,6 +24,7 @@ EVAL_TIME = "eval_time_s"
 ANCHORS_DRAFTED = "anchors_drafted"
 ANCHORS_NEEDED = "anchors_needed"
 ANCHOR_STRIDE = "anchor_stride"  # the statistics set's stride (run config and results.json meta)
+FAILED_EVALS = "failed_evaluations"  # evaluations that raised so far in this run (callback)
 
 
 def ddtree_tau(budget: int) -> str:
@@ -44,6 +45,49 @@ def category_tau(category: str) -> str:
 
 def hist_frac(n: int) -> str:
     return f"produced_frac/{n:02d}"
+
+
+# -- uncertainty, comparisons and breakdowns (dflash_cb.bootstrap, dflash_cb.positions, dflash_cb.compare) --
+DELTA_TAU = "delta_tau"  # live minus a baseline, paired on the evaluated samples
+BEST_TAU = "best/tau"  # W&B summary: the best tau of the run so far, and the step it was measured at
+BEST_STEP = "best/step"
+CI_LOW_SUFFIX = "_ci_low"
+CI_HIGH_SUFFIX = "_ci_high"
+
+
+def ci_low(metric: str) -> str:
+    """Lower end of the metric's bootstrap interval (``tau_ci_low``, ``ddtree/tau_b32_ci_low``)."""
+    return metric + CI_LOW_SUFFIX
+
+
+def ci_high(metric: str) -> str:
+    return metric + CI_HIGH_SUFFIX
+
+
+def position_bucket(lo: int, hi: int | None) -> str:
+    """Completion-position bucket ``[lo, hi)``; ``hi`` None = everything from ``lo`` on."""
+    return f"{lo}_{'end' if hi is None else hi}"
+
+
+def position_tau(bucket: str) -> str:
+    return f"position/{bucket}/tau"
+
+
+def position_cycles(bucket: str) -> str:
+    return f"position/{bucket}/cycles"
+
+
+def cycle_bucket(index: int, last: bool = False) -> str:
+    """Cycle-index bucket: ``0``, ``1``, ... and ``<n>plus`` for the last, open one."""
+    return f"{index}plus" if last else str(index)
+
+
+def cycle_tau(bucket: str) -> str:
+    return f"cycle/{bucket}/tau"
+
+
+def cycle_cycles(bucket: str) -> str:
+    return f"cycle/{bucket}/cycles"
 
 
 @dataclass

@@ -216,6 +216,25 @@ def needs_tokenizer(records: Iterable[PromptRecord]) -> bool:
     return any(r.input_ids is None for r in records)
 
 
+# Files one of which a Hugging Face tokenizer folder holds (fast tokenizer, sentencepiece, BPE, WordPiece).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+
+
+def missing_tokenizer_files(path: str | os.PathLike[str]) -> list[str]:
+    """The tokenizer files a local folder lacks (all of ``TOKENIZER_FILES``), or [] if it has one.
+
+    Needed because ``AutoTokenizer`` loads a folder holding only ``config.json`` without complaint,
+    as a tokenizer with an empty vocabulary: every text then "tokenizes to no tokens". A hub id
+    (not a local folder) is not checked here.
+    """
+    folder = Path(path)
+    if not folder.is_dir():
+        return []
+    if any((folder / name).is_file() for name in TOKENIZER_FILES) or any(folder.glob("*.tiktoken")):
+        return []
+    return list(TOKENIZER_FILES)
+
+
 def _to_id_list(value: Any) -> list[int]:
     """Normalise what apply_chat_template returns (list, nested list, tensor, dict/BatchEncoding)."""
     if isinstance(value, Mapping) or (hasattr(value, "keys") and "input_ids" in value):

@@ -1,45 +1,88 @@
-"""A readable text summary of an evaluation (results.json content)."""
+"""A readable text summary of an evaluation (a ``results.Results``)."""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from typing import Any
+
+from .metrics import (
+    ALL_ANCHOR_TAU,
+    DELTA_TAU,
+    EVAL_TIME,
+    SPECFORGE_TAU,
+    T1_TAU_ESTIMATE,
+    TAU,
+    category_tau,
+    ci_high,
+    ci_low,
+    ddtree_tau,
+)
+from .results import Results
 
 
 def _f(x: Any, nd: int = 3) -> str:
     return "n/a" if x is None else f"{x:.{nd}f}"
 
 
-def format_results(res: dict[str, Any]) -> str:
+def with_interval(value: float | None, low: float | None, high: float | None, nd: int = 3) -> str:
+    """``3.094 [2.95, 3.24]`` (just the value when there is no interval)."""
+    if value is None:
+        return "n/a"
+    if low is None or high is None:
+        return f"{value:.{nd}f}"
+    return f"{value:.{nd}f} [{low:.2f}, {high:.2f}]"
+
+
+def metric_with_interval(res: Results, name: str) -> str:
+    return with_interval(res.metric(name), res.metric(ci_low(name)), res.metric(ci_high(name)))
+
+
+def format_results(res: Results) -> str:
     lines = []
-    meta = res.get("meta", {})
+    meta = res.meta
     lines.append(f"cache    {meta.get('cache_path')}  (manifest {str(meta.get('cache_manifest_sha256'))[:12]})")
-    if meta.get("drafter"):
-        lines.append(f"drafter  {meta['drafter']}  dtype={meta.get('dtype')} device={meta.get('device')}")
-    cycles = sum(len(s["acceptance_lengths"]) for s in res["samples"])
-    lines.append(f"samples  {len(res['samples'])}   cycles {cycles}   wall {meta.get('wall_time_s')} s")
+    drafter = meta.get("drafter")
+    if drafter:
+        where = drafter.get("path") if isinstance(drafter, dict) else drafter
+        step = drafter.get("global_step") if isinstance(drafter, dict) else None
+        lines.append(f"drafter  {where}" + (f" (global step {step})" if step is not None else "")
+                     + f"  dtype={meta.get('dtype')} device={meta.get('device')}")
+    cycles = sum(len(s.acceptance_lengths) for s in res.samples)
+    lines.append(f"samples  {len(res.samples)}   cycles {cycles}   wall {meta.get('wall_time_s')} s")
     if meta.get("anchors_drafted") is not None:
         lines.append(f"anchors  drafted {meta['anchors_drafted']}   needed {meta.get('anchors_needed')}   "
                      f"statistics stride {meta.get('anchor_stride')}")
     lines.append("")
-    lines.append(f"  tau (greedy replay)          {_f(res['tau'])}")
-    for b, d in res.get("ddtree", {}).items():
-        lines.append(f"  DDTree tau, budget {b:>4}     {_f(d['tau'])}")
-    lines.append(f"  all-anchor mean accepted     {_f(res.get('all_anchor_tau'))}")
-    lines.append(f"  SpecForge-style product est. {_f(res.get('specforge_sim_tau'))}")
-    t1 = res.get("t1_tau_estimate")
-    if t1:
-        lines.append(f"  tau at temperature 1         {_f(t1['value'])}  (ESTIMATE from top-K target log-probs)")
-    pd = res.get("per_depth", {})
+    lines.append(f"  tau (greedy replay)          {metric_with_interval(res, TAU)}")
+    for b in res.budgets:
+        lines.append(f"  DDTree tau, budget {b:>4}     {metric_with_interval(res, ddtree_tau(b))}")
+    lines.append(f"  all-anchor mean accepted     {_f(res.metric(ALL_ANCHOR_TAU))}")
+    lines.append(f"  SpecForge-style product est. {_f(res.metric(SPECFORGE_TAU))}")
+    if res.metric(T1_TAU_ESTIMATE) is not None:
+        lines.append(f"  tau at temperature 1         {_f(res.metric(T1_TAU_ESTIMATE))}  "
+                     "(ESTIMATE from top-K target log-probs)")
+    lines.append("  [..] = 95% interval over the choice of prompts (cluster bootstrap)")
+    pd = res.per_depth
     if pd.get("unconditional"):
         lines.append("")
         lines.append("  depth        " + " ".join(f"{k:>5d}" for k in range(1, len(pd["unconditional"]) + 1)))
         lines.append("  accept       " + " ".join(f"{_f(v, 2):>5}" for v in pd["unconditional"]))
         lines.append("  accept|prev  " + " ".join(f"{_f(v, 2):>5}" for v in pd["conditional"]))
-    if res.get("per_category"):
+    if res.categories:
         lines.append("")
-        for c, d in sorted(res["per_category"].items()):
-            lines.append(f"  {c:<20} tau {_f(d['tau'])}  ({d['cycles']} cycles)")
-    hist = res.get("histogram", {})
+        for c in res.categories:
+            n = sum(len(s.acceptance_lengths) for s in res.samples if s.category == c)
+            lines.append(f"  {c:<20} tau {metric_with_interval(res, category_tau(c))}  ({n} cycles)")
+    for title, key in (("tau by anchor position in the completion", "position"),
+                       ("tau by cycle index after the prompt", "cycle")):
+        table = res.breakdown.get(key) or {}
+        if table:
+            lines.append("")
+            lines.append(f"  {title}:")
+            for bucket, row in table.items():
+                lines.append(f"    {bucket:<10} {_f(row.get('tau'))}  ({row.get('cycles')} cycles)")
+    hist = res.histogram
     total = sum(hist.values())
     if total:
         lines.append("")
@@ -48,3 +91,25 @@ def format_results(res: dict[str, Any]) -> str:
             if c:
                 lines.append(f"    {int(n):>3} {c:>7}  {'#' * max(1, round(40 * c / total))}")
     return "\n".join(lines)
+
+
+def evaluation_line(step: int, metrics: dict[str, float], budgets: Sequence[int] = (),
+                    baselines: Sequence[str] = ()) -> str:
+    """One console line per evaluation: tau with its interval, DDTree tau at the largest budget, deltas, time."""
+    def get(name: str) -> float | None:
+        v = metrics.get(name)
+        return v if isinstance(v, (int, float)) and math.isfinite(v) else None
+
+    parts = [f"step {step}: tau {with_interval(get(TAU), get(ci_low(TAU)), get(ci_high(TAU)))}"]
+    if budgets:
+        b = max(budgets)
+        parts.append(f"DDTree b{b} {_f(get(ddtree_tau(b)))}")
+    for key in baselines:
+        name = f"{key}/{DELTA_TAU}"
+        if get(name) is not None:
+            lo, hi = get(ci_low(name)), get(ci_high(name))
+            iv = f" [{lo:+.2f}, {hi:+.2f}]" if lo is not None and hi is not None else ""
+            parts.append(f"vs {key.split('/', 1)[1]} {get(name):+.3f}{iv}")
+    if get(EVAL_TIME) is not None:
+        parts.append(f"{get(EVAL_TIME):.2f} s")
+    return "  ".join(parts)

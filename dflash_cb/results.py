@@ -1,7 +1,15 @@
 """``results.json``: what an evaluation measured, and enough metadata to know later what it was.
 
-Written by ``tools/eval_drafter.py`` and read back as a baseline by the callback, which refuses a
-baseline measured on another cache (the manifest hash differs).
+One typed, versioned schema (``Results``), written by ``write_results`` and read by
+``load_results``, nowhere else. Every scalar lives once, in ``metrics`` (names from
+``dflash_cb.metrics``: ``tau``, ``ddtree/tau_b32``, ``category/<c>/tau``, their ``_ci_low`` /
+``_ci_high`` bootstrap intervals, ``position/<b>/tau``, ``cycle/<b>/tau``, ...). The per-sample
+acceptance lengths (greedy and DDTree) are kept too, so any figure can be recomputed on a subset
+of samples (``baselines``) or compared sample by sample (``compare``).
+
+Written by ``tools/eval_drafter.py`` and the demo; read back as a baseline by the callback, which
+refuses a baseline measured on another cache (the manifest hash differs), and by
+``tools/compare_results.py``. Version 1 files (before this schema) are still read.
 """
 
 from __future__ import annotations
@@ -9,92 +17,295 @@ from __future__ import annotations
 import json
 import math
 import os
+import shlex
+import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import __version__, metrics
+from . import __version__
+from .bootstrap import DEFAULT_LEVEL, DEFAULT_RESAMPLES, DEFAULT_SEED, interval_metrics
+from .cli import describe_os_error
 from .engine import EvalReport
-from .metrics import ALL_ANCHOR_TAU, SPECFORGE_TAU, T1_TAU_ESTIMATE, TAU, category_tau, ddtree_tau, per_depth
-from .states import StateCache, atomic_write_bytes
+from .errors import DFlashCBError
+from .fileio import atomic_write_text
+from .metrics import (
+    ANCHOR_STRIDE,
+    ANCHORS_DRAFTED,
+    ANCHORS_NEEDED,
+    T1_TAU_ESTIMATE,
+    TAU,
+    category_tau,
+    ddtree_tau,
+    per_depth,
+)
+from .positions import (
+    DEFAULT_CYCLE_BUCKETS,
+    DEFAULT_POSITION_EDGES,
+    breakdown_metrics,
+    cycle_table,
+    position_table,
+)
+from .states import StateCache
 
 RESULTS_FORMAT = "dflash-cb-results"
-RESULTS_VERSION = 1
+RESULTS_VERSION = 2
 T1_NOTE = ("estimate: expected accepted length at temperature 1 from per-depth overlap sum_x min(p, q) "
            "with the target's stored top-K log-probs, along the greedy path; not an exact replay")
+INTERVAL_NOTE = ("95% cluster-bootstrap percentile intervals over samples (whole samples resampled with their "
+                 "cycles): uncertainty from the choice of prompts, for this cache's prompt distribution")
 
 
-def _clean(x: float) -> float | None:
-    return None if isinstance(x, float) and math.isnan(x) else x
+class ResultsError(DFlashCBError, ValueError):
+    """A results.json that cannot be read or does not belong with the cache it is used with."""
 
 
-def report_to_results(report: EvalReport, cache: StateCache, meta: dict[str, Any] | None = None) -> dict[str, Any]:
+@dataclass
+class SampleRecord:
+    """One scored sample: the same fields as ``engine.SampleResult`` that the metrics need."""
+
+    id: str
+    category: str
+    acceptance_lengths: list[int]
+    ddtree: dict[int, list[int]] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "category": self.category, "acceptance_lengths": list(self.acceptance_lengths),
+                "ddtree": {str(b): list(v) for b, v in sorted(self.ddtree.items())}}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SampleRecord:
+        return cls(str(d["id"]), str(d.get("category", "")), [int(x) for x in d["acceptance_lengths"]],
+                   {int(b): [int(x) for x in v] for b, v in (d.get("ddtree") or {}).items()})
+
+
+@dataclass
+class Results:
+    """The content of a ``results.json`` (version 2)."""
+
+    metrics: dict[str, float | None]
+    samples: list[SampleRecord]
+    per_depth: dict[str, list[float | None]]
+    histogram: dict[str, int]  # produced value -> cycles
+    meta: dict[str, Any]  # cache_path, cache_manifest_sha256, block_size, ddtree_budgets, drafter, ...
+    breakdown: dict[str, Any] = field(default_factory=dict)  # position_edges, position, cycle tables
+    notes: dict[str, str] = field(default_factory=dict)
+
+    # -- accessors: the one way to read a figure ---------------------------------------------
+    def metric(self, name: str) -> float | None:
+        v = self.metrics.get(name)
+        return None if v is None or (isinstance(v, float) and math.isnan(v)) else float(v)
+
+    @property
+    def tau(self) -> float | None:
+        return self.metric(TAU)
+
+    @property
+    def budgets(self) -> list[int]:
+        return [int(b) for b in self.meta.get("ddtree_budgets") or []]
+
+    @property
+    def categories(self) -> list[str]:
+        return sorted({s.category for s in self.samples})
+
+    @property
+    def manifest_sha256(self) -> str | None:
+        return self.meta.get("cache_manifest_sha256")
+
+    @property
+    def block_size(self) -> int | None:
+        b = self.meta.get("block_size")
+        return int(b) if b is not None else None
+
+    # -- (de)serialisation ---------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": RESULTS_FORMAT, "version": RESULTS_VERSION, "meta": self.meta,
+                "metrics": {k: _clean(v) for k, v in self.metrics.items()},
+                "per_depth": self.per_depth, "histogram": self.histogram, "breakdown": self.breakdown,
+                "notes": self.notes, "samples": [s.to_dict() for s in self.samples]}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], where: str = "results") -> Results:
+        if not isinstance(data, dict) or data.get("format") != RESULTS_FORMAT:
+            raise ResultsError(f"{where}: not a dflash-cb results file (format {_get(data, 'format')!r}); "
+                               "produce it with tools/eval_drafter.py")
+        version = data.get("version")
+        try:
+            if version == 1:
+                return _from_v1(data)
+            if version == RESULTS_VERSION:
+                return cls(dict(data.get("metrics") or {}),
+                           [SampleRecord.from_dict(s) for s in data.get("samples") or []],
+                           dict(data.get("per_depth") or {}), dict(data.get("histogram") or {}),
+                           dict(data.get("meta") or {}), dict(data.get("breakdown") or {}),
+                           dict(data.get("notes") or {}))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ResultsError(f"{where}: damaged results file ({type(e).__name__}: {e}); rerun "
+                               "tools/eval_drafter.py to write it again") from e
+        raise ResultsError(f"{where}: results version {version!r} is not known to dflash-cb {__version__} "
+                           f"(it reads 1 and {RESULTS_VERSION}); upgrade dflash-cb or rerun tools/eval_drafter.py")
+
+
+def _get(data: Any, key: str) -> Any:
+    return data.get(key) if isinstance(data, dict) else None
+
+
+def _clean(x: Any) -> Any:
+    return None if isinstance(x, float) and not math.isfinite(x) else x
+
+
+def _from_v1(data: dict[str, Any]) -> Results:
+    """Version 1: tau etc. at top level and under ``metrics``, DDTree lengths in a separate list."""
+    dd = {int(b): {s["id"]: s["acceptance_lengths"] for s in d.get("samples") or []}
+          for b, d in (data.get("ddtree") or {}).items()}
+    samples = [SampleRecord(str(s["id"]), str(s.get("category", "")), [int(x) for x in s["acceptance_lengths"]],
+                            {b: list(v.get(s["id"], [])) for b, v in dd.items()}) for s in data.get("samples") or []]
+    notes = {T1_TAU_ESTIMATE: T1_NOTE} if data.get("t1_tau_estimate") else {}
+    return Results(dict(data.get("metrics") or {}), samples, dict(data.get("per_depth") or {}),
+                   dict(data.get("histogram") or {}), dict(data.get("meta") or {}), {}, notes)
+
+
+# -- building ----------------------------------------------------------------------------------
+
+def derived_metrics(samples: list[Any], budgets: tuple[int, ...] | list[int], categories: tuple[str, ...] | list[str],
+                    position_edges: tuple[int, ...] = DEFAULT_POSITION_EDGES,
+                    cycle_buckets: int = DEFAULT_CYCLE_BUCKETS, n_resamples: int = DEFAULT_RESAMPLES,
+                    seed: int = DEFAULT_SEED) -> tuple[dict[str, float], dict[str, Any]]:
+    """Metrics computed from per-sample lengths: bootstrap intervals and the position / cycle breakdowns.
+
+    Returns (scalars, breakdown tables). Used by ``report_to_results`` and by the callback (on rank
+    zero, from the samples gathered from every rank), so both log the same numbers.
+    """
+    position = position_table(samples, position_edges, categories)
+    cycle = cycle_table(samples, cycle_buckets, categories)
+    scalars = interval_metrics(samples, budgets, categories, n_resamples, seed)
+    scalars.update(breakdown_metrics(position, cycle))
+    tables = {"position_edges": list(position_edges), "position": position, "cycle": cycle,
+              "interval": {"method": "cluster bootstrap over samples, percentile", "resamples": n_resamples,
+                           "level": DEFAULT_LEVEL, "seed": seed}}
+    return scalars, tables
+
+
+def report_to_results(report: EvalReport, cache: StateCache, meta: dict[str, Any] | None = None, *,
+                      position_edges: tuple[int, ...] = DEFAULT_POSITION_EDGES,
+                      n_resamples: int = DEFAULT_RESAMPLES) -> Results:
     summary = report.summary
     counts = report.counts
     hist = counts.data["hist"].tolist()
-    out: dict[str, Any] = {
-        "format": RESULTS_FORMAT,
-        "version": RESULTS_VERSION,
-        "tau": _clean(summary[TAU]),
-        "samples": [{"id": s.id, "category": s.category, "acceptance_lengths": s.acceptance_lengths}
-                    for s in report.samples],
-        "ddtree": {
-            str(b): {"tau": _clean(summary[ddtree_tau(b)]),
-                     "samples": [{"id": s.id, "acceptance_lengths": s.ddtree.get(b, [])} for s in report.samples]}
-            for b in report.budgets
-        },
-        "per_depth": {k: [_clean(v) for v in vals] for k, vals in per_depth(summary, report.spec.block_size).items()},
-        "histogram": {str(n): int(hist[n]) for n in range(1, report.spec.block_size + 1)},
-        "per_category": {
-            c: {"tau": _clean(summary[category_tau(c)]), "cycles": int(counts.data["cat_cycles"][i].item())}
-            for i, c in enumerate(counts.categories)
-        },
-        "all_anchor_tau": _clean(summary[ALL_ANCHOR_TAU]),
-        "specforge_sim_tau": _clean(summary[SPECFORGE_TAU]),
-        "metrics": {k: _clean(v) for k, v in summary.items()},
-        "meta": {
+    scalars, tables = derived_metrics(report.samples, report.budgets, counts.categories, position_edges,
+                                      n_resamples=n_resamples)
+    metrics = {**summary, **scalars}
+    notes = {"intervals": INTERVAL_NOTE}
+    if T1_TAU_ESTIMATE in summary:
+        notes[T1_TAU_ESTIMATE] = T1_NOTE
+    samples = [SampleRecord(s.id, s.category, list(s.acceptance_lengths), {b: list(v) for b, v in s.ddtree.items()})
+               for s in report.samples]
+    return Results(
+        metrics={k: _clean(v) for k, v in metrics.items()},
+        samples=samples,
+        per_depth={k: [_clean(v) for v in vals] for k, vals in per_depth(summary, report.spec.block_size).items()},
+        histogram={str(n): int(hist[n]) for n in range(1, report.spec.block_size + 1)},
+        meta={
             "cache_path": str(cache.path),
             "cache_manifest_sha256": cache.manifest_sha256,
             "block_size": report.spec.block_size,
             "ddtree_budgets": list(report.budgets),
+            "categories": list(counts.categories),
             "dflash_cb_version": __version__,
             "wall_time_s": round(report.wall_time_s, 3),
             "samples_evaluated": len(report.samples),
-            metrics.ANCHOR_STRIDE: report.anchor_stride,
-            metrics.ANCHORS_DRAFTED: int(counts.data["anchors_drafted"].item()),
-            metrics.ANCHORS_NEEDED: int(counts.data["anchors_needed"].item()),
+            ANCHOR_STRIDE: report.anchor_stride,
+            ANCHORS_DRAFTED: int(counts.data["anchors_drafted"].item()),
+            ANCHORS_NEEDED: int(counts.data["anchors_needed"].item()),
             **(meta or {}),
         },
-    }
-    if T1_TAU_ESTIMATE in summary:
-        out["t1_tau_estimate"] = {"value": _clean(summary[T1_TAU_ESTIMATE]), "note": T1_NOTE}
-    return out
+        breakdown=tables,
+        notes=notes,
+    )
 
 
-def write_results(results: dict[str, Any], path: str | os.PathLike) -> None:
+def drafter_provenance(path: str | os.PathLike, global_step: int | None = None) -> dict[str, Any]:
+    """Which drafter was scored: ``{"path", "kind": "folder" | "checkpoint", "global_step"}``.
+
+    A Lightning checkpoint's global step is read from it (``weights_only``, memory-mapped, so no
+    tensor data is loaded); a drafter folder has none unless given.
+    """
+    p = Path(path).resolve()
+    kind = "folder" if p.is_dir() else "checkpoint"
+    if kind == "checkpoint" and global_step is None:
+        try:
+            import torch
+
+            ckpt = torch.load(str(p), map_location="cpu", weights_only=True, mmap=True)
+            step = ckpt.get("global_step") if isinstance(ckpt, dict) else None
+            global_step = int(step) if step is not None else None
+        except Exception:  # provenance is best effort: the evaluation itself already read the file
+            global_step = None
+    return {"path": str(p), "kind": kind, "global_step": global_step}
+
+
+def category_taus(results: Results) -> dict[str, float | None]:
+    return {c: results.metric(category_tau(c)) for c in results.categories}
+
+
+def ddtree_taus(results: Results) -> dict[int, float | None]:
+    return {b: results.metric(ddtree_tau(b)) for b in results.budgets}
+
+
+# -- files ---------------------------------------------------------------------------------
+
+def check_results_path(path: str | os.PathLike) -> Path:
+    """Fail now, not after the evaluation, when ``path`` cannot receive a results file.
+
+    Creates the missing parent folders and writes (then removes) a probe file next to ``path``.
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise ResultsError(f"--out {path}: is a folder; give a file path, e.g. {path / 'results.json'}")
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ResultsError(f"--out {path}: {parent} is a file, not a folder; choose another path")
+            break
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".probe")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ResultsError(f"--out {path}: cannot write there ({describe_os_error(e)})") from None
+    return path
+
+
+def write_results(results: Results, path: str | os.PathLike) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(path, (json.dumps(results, indent=1) + "\n").encode())
+    atomic_write_text(path, json.dumps(results.to_dict(), indent=1) + "\n")
 
 
-def load_results(path: str | os.PathLike, cache: StateCache | None = None) -> dict[str, Any]:
+def load_results(path: str | os.PathLike, cache: StateCache | None = None) -> Results:
     """Read a results.json; with ``cache``, refuse one measured on a different cache."""
     path = Path(path)
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
-        raise FileNotFoundError(f"{path}: no such results file; create it with tools/eval_drafter.py --out {path}") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from e
-    if data.get("format") != RESULTS_FORMAT or data.get("version") != RESULTS_VERSION:
-        raise ValueError(f"{path}: not a dflash-cb results file (format {data.get('format')!r}, "
-                         f"version {data.get('version')!r}); produce it with tools/eval_drafter.py")
-    if cache is not None:
-        theirs = data.get("meta", {}).get("cache_manifest_sha256")
-        if theirs != cache.manifest_sha256:
-            raise ValueError(
-                f"{path}: measured on cache {data.get('meta', {}).get('cache_path')!r} "
-                f"(manifest sha256 {str(theirs)[:12]}...), but this run evaluates {cache.path} "
-                f"(manifest sha256 {cache.manifest_sha256[:12]}...). Numbers from different caches are not "
-                f"comparable: rerun tools/eval_drafter.py --states {cache.path} --out {path}"
-            )
-    return data
+        raise ResultsError(f"{path}: no such results file; create it with tools/eval_drafter.py --out {path}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ResultsError(f"{path}: not valid JSON ({e}); rerun tools/eval_drafter.py --out {path}") from e
+    res = Results.from_dict(data, str(path))
+    if cache is not None and res.manifest_sha256 != cache.manifest_sha256:
+        raise ResultsError(
+            f"{path}: measured on cache {res.meta.get('cache_path')!r} "
+            f"(manifest sha256 {str(res.manifest_sha256)[:12]}...), but this run evaluates {cache.path} "
+            f"(manifest sha256 {cache.manifest_sha256[:12]}...). Numbers from different caches are not "
+            f"comparable: rerun python tools/eval_drafter.py --states {shlex.quote(str(cache.path))} "
+            f"--drafter {shlex.quote(_drafter_path(res.meta))} --out {shlex.quote(str(path))}"
+        )
+    return res
+
+
+def _drafter_path(meta: dict[str, Any]) -> str:
+    """The scored drafter's path from ``meta.drafter`` (a dict since version 2, a string before)."""
+    d = meta.get("drafter")
+    path = d.get("path") if isinstance(d, dict) else d
+    return str(path) if path else "<the reference drafter folder>"

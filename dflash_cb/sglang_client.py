@@ -13,7 +13,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterable
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -107,23 +107,26 @@ class SGLangClient:
                 raise SGLangError(f"{method} {endpoint} cancelled because another request failed")
             response: requests.Response | None = None
             try:
-                response = self.session.request(method, endpoint, json=payload, timeout=self.timeout)
+                deadline = time.monotonic() + self.timeout
+                response = self.session.request(method, endpoint, json=payload, timeout=self.timeout, stream=True)
+                data = self._read_body(response, deadline)
+                text = data.decode("utf-8", errors="replace")
                 status = response.status_code
                 if status == 429 or status >= 500:
-                    raise _Retryable(f"HTTP {status}: {response.text[:200]!r}")
+                    raise _Retryable(f"HTTP {status}: {text[:200]!r}")
                 if status >= 400:
                     raise SGLangError(
-                        f"{method} {endpoint} was rejected with HTTP {status}: {response.text[:500]!r}; "
+                        f"{method} {endpoint} was rejected with HTTP {status}: {text[:500]!r}; "
                         "this is not retried, check the request (token ids within the vocabulary, "
                         "prompt + max_new_tokens within the served context length)"
                     )
                 try:
-                    body = response.json()
-                except (ValueError, json.JSONDecodeError) as exc:
-                    raise _Retryable(f"invalid JSON in the answer ({exc}): {response.text[:200]!r}") from None
+                    body = json.loads(data)
+                except ValueError as exc:
+                    raise _Retryable(f"invalid JSON in the answer ({exc}): {text[:200]!r}") from None
                 return parse(body)
             except requests.Timeout as exc:
-                last_error = f"timed out after {self.timeout:g}s ({type(exc).__name__})"
+                last_error = f"timed out after {self.timeout:g}s ({type(exc).__name__}: {exc})"
             except (requests.ConnectionError, requests.exceptions.ChunkedEncodingError) as exc:
                 # ChunkedEncodingError: the connection dropped mid-answer.
                 last_error = f"connection error: {exc}"
@@ -140,6 +143,30 @@ class SGLangClient:
             f"{method} {endpoint} failed after {attempts} attempt(s) (1 + {self.max_retries} retries, "
             f"backoff {self.backoff:g}s doubling up to {self.max_backoff:g}s); last error: {last_error}"
         )
+
+    def _read_body(self, response: requests.Response, deadline: float) -> bytes:
+        """The whole body, or requests.Timeout once ``deadline`` passes.
+
+        ``timeout`` in requests bounds each socket read, not the request: a server sending a
+        byte every few seconds would hold a request forever. The deadline is checked between
+        reads (each read is itself bounded by the timeout).
+        """
+        chunks = []
+        try:
+            read = getattr(response.raw, "read1", None) or response.raw.read
+            while True:
+                if time.monotonic() > deadline:
+                    raise requests.Timeout(f"no complete answer within {self.timeout:g}s (server too slow)")
+                chunk = read(1 << 16, decode_content=True)
+                if not chunk:
+                    return b"".join(chunks)
+                chunks.append(chunk)
+        except (OSError, ValueError) as exc:  # urllib3's read errors: a dropped or timed-out connection
+            if isinstance(exc, requests.RequestException):
+                raise
+            raise requests.ConnectionError(f"reading the answer failed: {exc}") from exc
+        finally:
+            response.close()
 
     # -- endpoints --------------------------------------------------------------------------
 
@@ -166,6 +193,22 @@ class SGLangClient:
 
         return self._request("GET", "/get_model_info", parse)
 
+    def server_info(self) -> dict[str, Any]:
+        """``GET /get_server_info`` (the server's arguments, e.g. ``speculative_algorithm``); ``{}`` if absent.
+
+        Only describes the server in the manifest, so a server without the endpoint is not an error.
+        Transient failures are retried like every request: the answer is part of the cache's
+        identity, and a resumed run must see the same one.
+        """
+
+        def parse(body: Any) -> dict[str, Any]:
+            return body if isinstance(body, dict) else {}
+
+        try:
+            return self._request("GET", "/get_server_info", parse)
+        except SGLangError:  # HTTP 404 on an older server, or nothing usable after the retries
+            return {}
+
     def generate(
         self,
         input_ids: list[int],
@@ -173,8 +216,14 @@ class SGLangClient:
         stop_token_ids: list[int],
         *,
         cancel: threading.Event | None = None,
+        vocab_size: int | None = None,
     ) -> Completion:
-        """Greedy completion of ``input_ids``; output_ids hold the completion only (no prompt)."""
+        """Greedy completion of ``input_ids``; output_ids hold the completion only (no prompt).
+
+        A completion is accepted only when it is whole: it ends on a stop token or has exactly
+        ``max_new_tokens`` tokens, and (given ``vocab_size``) every id is in the vocabulary.
+        Anything else is a server fault, retried like one, then an SGLangError.
+        """
         payload = {
             "input_ids": [int(t) for t in input_ids],
             "sampling_params": {
@@ -219,6 +268,19 @@ class SGLangClient:
                     "the server may be echoing the prompt in output_ids; "
                     f"{_FIX_MALFORMED}"
                 )
+            if vocab_size is not None:
+                bad = [t for t in output_ids if t >= vocab_size]
+                if bad:
+                    raise _Retryable(f"/generate returned token ids {bad[:5]} outside the target's vocabulary "
+                                     f"[0, {vocab_size}): does the server serve the target?")
+            stops = {int(t) for t in stop_token_ids}
+            if len(output_ids) != max_new_tokens and not (output_ids and output_ids[-1] in stops):
+                # e.g. finish_reason "length" after 3 of 32 tokens: a truncated answer, not a sample
+                raise _Retryable(
+                    f"/generate returned {len(output_ids)} tokens (finish_reason {reason!r}) for "
+                    f"max_new_tokens={max_new_tokens}, neither ending on a stop token {sorted(stops)} nor "
+                    "max_new_tokens long: an incomplete completion"
+                )
             return Completion(output_ids=list(output_ids), finish_reason=kind, meta_info=meta)
 
         return self._request("POST", "/generate", parse, payload=payload, cancel=cancel)
@@ -230,11 +292,13 @@ class SGLangClient:
         stop_token_ids: list[int],
         max_in_flight: int = 8,
         on_result: Callable[[K, Completion], None] | None = None,
+        vocab_size: int | None = None,
     ) -> dict[K, Completion]:
         """Run many greedy completions with up to ``max_in_flight`` requests at the server.
 
         Results come back keyed like the requests, in request order. ``on_result`` is called
-        from this thread as each completion arrives (so it may write files without locks).
+        from this thread as each completion arrives (so it may write files without locks): a
+        caller that journals there loses nothing to a kill.
         On the first failure the rest are cancelled and SGLangError names the failed key.
         """
         if max_in_flight < 1:
@@ -249,13 +313,14 @@ class SGLangClient:
         pool = ThreadPoolExecutor(max_workers=max_in_flight, thread_name_prefix="sglang")
         try:
             futures: dict[Future[Completion], K] = {
-                pool.submit(self.generate, ids, max_new_tokens, stop_token_ids, cancel=cancel): key
+                pool.submit(self.generate, ids, max_new_tokens, stop_token_ids, cancel=cancel,
+                            vocab_size=vocab_size): key
                 for key, ids in items
             }
             order = {k: i for i, k in enumerate(keys)}
             pending = set(futures)
             while pending:
-                done, pending = wait(pending, return_when=FIRST_EXCEPTION)
+                done, pending = wait(pending, return_when=FIRST_COMPLETED)
                 # Hand over every completion that did arrive before raising for a failed one, in
                 # request order: a caller that journals results loses none of them.
                 finished = sorted(done, key=lambda f: order[futures[f]])

@@ -11,7 +11,7 @@ import dataclasses
 import hashlib
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,6 +51,9 @@ class SampleEntry:
     valid_len: int
     finish_reason: str
     index: int = 0  # position in the prompt file
+    # The server's own speculative counters for this request (every spec_* field of SGLang's
+    # meta_info, e.g. spec_verify_ct, spec_accept_length); None when the server sent none.
+    served_spec: dict[str, Any] | None = None
 
     @property
     def total_len(self) -> int:
@@ -78,6 +81,10 @@ class Manifest:
     agreement: dict[str, Any] = field(default_factory=dict)
     target_head: dict[str, Any] | None = None  # file, sha256, tied, vocab_size, hidden_size, dtype
     prompts: dict[str, Any] = field(default_factory=dict)  # file name and sha256 of the prompt set
+    # The server's speculative configuration (/get_server_info: algorithm, draft_model_path,
+    # num_draft_tokens, topk, num_steps); None for local/file references or servers that do not say.
+    served_spec_config: dict[str, Any] | None = None
+    compute_dtype: str | None = None  # dtype the target computed in; None (older caches): the same as dtype
     layer_index_convention: str = LAYER_INDEX_CONVENTION
     format_version: int = FORMAT_VERSION
 
@@ -111,6 +118,8 @@ class Manifest:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "manifest") -> Manifest:
+        if not isinstance(data, dict):
+            raise CacheError(f"{source}: expected a JSON object, got {type(data).__name__}; recompute or restore the cache")
         version = data.get("format_version")
         if version != FORMAT_VERSION:
             raise CacheError(
@@ -118,16 +127,103 @@ class Manifest:
                 "recompute the cache with tools/precompute_states.py of this version"
             )
         data = dict(data)
-        data["shards"] = [ShardEntry(**s) for s in data.get("shards", [])]
-        data["samples"] = [SampleEntry(**s) for s in data.get("samples", [])]
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
             raise CacheError(f"{source}: unknown manifest fields {unknown}; was it written by a newer dflash-cb?")
-        return cls(**data)
+        try:
+            data["shards"] = [ShardEntry(**s) for s in data.get("shards", [])]
+            data["samples"] = [SampleEntry(**s) for s in data.get("samples", [])]
+            manifest = cls(**data)
+        except TypeError as e:  # a missing or misspelled field in an entry
+            raise CacheError(f"{source}: malformed manifest ({e}); recompute or restore the cache") from None
+        for s in manifest.samples:
+            problem = _entry_problem(s)
+            if problem:
+                raise CacheError(f"{source}: sample {s.id!r}: {problem}; the manifest was edited or damaged: "
+                                 "restore it or recompute the cache")
+        return manifest
 
     def write(self, folder: str | os.PathLike) -> None:
         atomic_write_bytes(Path(folder) / MANIFEST_NAME, self.to_json().encode())
+
+
+def _entry_problem(e: SampleEntry) -> str | None:
+    """What is impossible about a sample entry on its own (before its shard is read), or None."""
+    ints = {k: getattr(e, k) for k in ("prompt_len", "completion_len", "valid_len")}
+    bad = [k for k, v in ints.items() if not isinstance(v, int) or isinstance(v, bool)]
+    if bad:
+        return f"{', '.join(bad)} must be integers, got {[ints[k] for k in bad]}"
+    if e.prompt_len < 1 or e.completion_len < 0:
+        return f"prompt_len {e.prompt_len} must be >= 1 and completion_len {e.completion_len} >= 0"
+    if not e.prompt_len <= e.valid_len <= e.total_len:
+        return (f"valid_len {e.valid_len} is outside [prompt_len {e.prompt_len}, "
+                f"prompt_len + completion_len {e.total_len}]")
+    return None
+
+
+def first_disagreement(target_argmax: torch.Tensor, input_ids: torch.Tensor, prompt_len: int) -> int:
+    """``valid_len``: the first completion position t with argmax[t-1] != input_ids[t], else len(input_ids)."""
+    t = input_ids.shape[0]
+    if t <= prompt_len:
+        return t
+    differ = (target_argmax[prompt_len - 1:t - 1] != input_ids[prompt_len:]).nonzero()
+    return prompt_len + int(differ[0]) if len(differ) else t
+
+
+def stratified_ids(ids: Sequence[str], category: Callable[[str], str], n: int, seed: int | None) -> list[str]:
+    """``n`` of ``ids``, round-robin over categories (shuffled per category with ``seed``; in order if
+    None), returned in the order of ``ids``. A private generator: the global RNG is untouched."""
+    if n <= 0:
+        return []
+    by_cat: dict[str, list[str]] = {}
+    for i in ids:
+        by_cat.setdefault(category(i), []).append(i)
+    if seed is not None:
+        g = torch.Generator().manual_seed(seed)
+        for c in sorted(by_cat):
+            perm = torch.randperm(len(by_cat[c]), generator=g).tolist()
+            by_cat[c] = [by_cat[c][j] for j in perm]
+    chosen: list[str] = []
+    queues = [list(by_cat[c]) for c in sorted(by_cat)]
+    while len(chosen) < n and any(queues):
+        for q in queues:
+            if q and len(chosen) < n:
+                chosen.append(q.pop(0))
+    order = {i: k for k, i in enumerate(ids)}
+    return sorted(chosen, key=order.__getitem__)
+
+
+class SampleSelectionError(DFlashCBError, ValueError):
+    """A requested sample subset does not exist in the cache."""
+
+
+def select_sample_ids(cache: StateCache, num_samples: int | None = None, sample_ids: Sequence[str] | None = None,
+                      seed: int = 0) -> list[str]:
+    """The samples an evaluation scores; the callback's ``num_samples``/``sample_ids`` and
+    ``tools/eval_drafter.py --samples/--sample-ids`` both call this, so they pick the same subset.
+
+    ``sample_ids`` wins (duplicates dropped, order kept); else ``num_samples`` draws a fixed subset
+    stratified by category (round-robin, seeded); else every sample, in cache order.
+    """
+    all_ids = [s.id for s in cache.samples]
+    if sample_ids is not None:
+        known = set(all_ids)
+        unknown = [i for i in sample_ids if i not in known]
+        if unknown:
+            raise SampleSelectionError(f"sample ids {unknown[:5]}{' ...' if len(unknown) > 5 else ''} are not in "
+                                       f"the cache {cache.path} (its ids: {', '.join(all_ids[:5])}"
+                                       f"{' ...' if len(all_ids) > 5 else ''})")
+        if not sample_ids:
+            raise SampleSelectionError("the list of sample ids is empty: give at least one id")
+        return list(dict.fromkeys(sample_ids))
+    if num_samples is not None and (isinstance(num_samples, bool) or not isinstance(num_samples, int)
+                                    or num_samples < 1):
+        raise SampleSelectionError(f"the number of samples must be a positive integer (or none for all), "
+                                   f"got {num_samples!r}")
+    if num_samples is None or num_samples >= len(all_ids):
+        return all_ids
+    return stratified_ids(all_ids, lambda i: cache.entry(i).category, num_samples, seed)
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 24) -> str:
@@ -136,6 +232,9 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 24) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+_SAMPLE_TENSORS = ("input_ids", "hidden", "target_argmax", "topk_ids", "topk_logprobs")
 
 
 @dataclass
@@ -185,7 +284,8 @@ class StateCache:
         self.manifest_sha256 = hashlib.sha256(raw).hexdigest()
         self._by_id = {s.id: s for s in self.manifest.samples}
         self._shards = {s.file: s for s in self.manifest.shards}
-        self._verified: set[str] = set()
+        # file -> (size, mtime_ns) when its sha256 was last checked: a changed file is hashed again.
+        self._verified: dict[str, tuple[int, int]] = {}
         for s in self.manifest.samples:
             if s.shard not in self._shards:
                 raise CacheError(f"{manifest_path}: sample {s.id!r} names shard {s.shard!r} that is not listed")
@@ -210,23 +310,43 @@ class StateCache:
         fix = f"rerun tools/precompute_states.py with the same arguments and --out {self.path} to rebuild it"
         if not p.is_file():
             raise CacheError(f"{p}: shard missing; {fix}")
-        size = p.stat().st_size
-        if size != shard.bytes:
-            raise CacheError(f"{p}: shard is {size} bytes, manifest says {shard.bytes} (truncated?); {fix}")
-        if hash_check and shard.file not in self._verified:
+        st = p.stat()
+        if st.st_size != shard.bytes:
+            raise CacheError(f"{p}: shard is {st.st_size} bytes, manifest says {shard.bytes} (truncated?); {fix}")
+        if hash_check and self._verified.get(shard.file) != (st.st_size, st.st_mtime_ns):
+            self._verified.pop(shard.file, None)
             digest = sha256_file(p)
             if digest != shard.sha256:
                 raise CacheError(f"{p}: sha256 {digest[:12]}... does not match the manifest's "
                                  f"{shard.sha256[:12]}... (corrupted); {fix}")
-            self._verified.add(shard.file)
+            self._verified[shard.file] = (st.st_size, st.st_mtime_ns)
         return p
 
-    def verify(self, shard_files: list[str] | None = None) -> None:
-        """Check sizes and sha256 of the given shards (all by default) and of the head file."""
+    def verify(self, shard_files: list[str] | None = None, head: bool | None = None) -> None:
+        """Check sizes and sha256 of the given shards (all by default) and of the head file (by
+        default only when checking all shards).
+
+        A file checked before is hashed again only if its size or modification time changed.
+        """
         for name in shard_files if shard_files is not None else list(self._shards):
             self._check_shard_file(self._shards[name], hash_check=True)
-        if shard_files is None and self.manifest.target_head is not None:
+        if (shard_files is None if head is None else head) and self.manifest.target_head is not None:
             self._check_head(hash_check=True)
+
+    def check_files(self, sample_ids: Sequence[str] | None = None, head: bool = True) -> None:
+        """Cheap presence and size checks (one ``stat`` per file, no hashing) of the shards holding
+        ``sample_ids`` (all by default) and, with ``head``, of the exported head file."""
+        for name in self.shards_of(sample_ids):
+            self._check_shard_file(self._shards[name], hash_check=False)
+        if head and self.manifest.target_head is not None:
+            self._check_head(hash_check=False)
+
+    def shards_of(self, sample_ids: Sequence[str] | None = None) -> list[str]:
+        """The shard files holding ``sample_ids`` (all shards by default), in manifest order."""
+        if sample_ids is None:
+            return list(self._shards)
+        wanted = {self.entry(i).shard for i in sample_ids}
+        return [f for f in self._shards if f in wanted]
 
     # -- data ----------------------------------------------------------------
     def load(self, sample_id: str, device: torch.device | str = "cpu", verify: bool = False) -> CachedSample:
@@ -251,12 +371,62 @@ class StateCache:
         except Exception as e:  # safetensors raises its own error types on a corrupted header
             raise CacheError(f"{path}: cannot read shard ({e}); rerun tools/precompute_states.py with "
                              f"the same arguments and --out {self.path} to rebuild it") from e
-        t = entry.total_len
-        fd = self.manifest.feature_dim
-        if tuple(sample.input_ids.shape) != (t,) or tuple(sample.hidden.shape) != (t, fd):
-            raise CacheError(f"{path}: sample {sample_id!r} has input_ids {tuple(sample.input_ids.shape)} and "
-                             f"hidden {tuple(sample.hidden.shape)}, manifest expects ({t},) and ({t}, {fd})")
+        shapes = {name: tuple(t.shape) for name in _SAMPLE_TENSORS
+                  if (t := getattr(sample, name)) is not None}
+        self._check_entry(entry, shapes, sample.input_ids, sample.target_argmax, path)
         return sample
+
+    def check_samples(self, sample_ids: Sequence[str] | None = None) -> None:
+        """Every manifest field of these samples (all by default) against their shards, reading only
+        the small tensors (``input_ids``, ``target_argmax``; ``hidden``'s shape from the header):
+        a hand-edited or damaged manifest is found before an evaluation starts."""
+        ids = list(sample_ids) if sample_ids is not None else [s.id for s in self.samples]
+        by_shard: dict[str, list[SampleEntry]] = {}
+        for i in ids:
+            by_shard.setdefault(self.entry(i).shard, []).append(self.entry(i))
+        for shard, entries in by_shard.items():
+            path = self._check_shard_file(self._shards[shard], hash_check=False)
+            try:
+                with safe_open(str(path), framework="pt", device="cpu") as f:
+                    keys = set(f.keys())
+                    for e in entries:
+                        shapes = {n: tuple(f.get_slice(f"{e.id}/{n}").get_shape()) for n in _SAMPLE_TENSORS
+                                  if f"{e.id}/{n}" in keys}
+                        if "input_ids" not in shapes or "target_argmax" not in shapes or "hidden" not in shapes:
+                            raise CacheError(f"{path}: tensors of sample {e.id!r} missing; rebuild the cache")
+                        self._check_entry(e, shapes, f.get_tensor(f"{e.id}/input_ids"),
+                                          f.get_tensor(f"{e.id}/target_argmax"), path)
+            except CacheError:
+                raise
+            except Exception as err:  # safetensors' own errors on a damaged header
+                raise CacheError(f"{path}: cannot read shard ({err}); rerun tools/precompute_states.py with "
+                                 f"the same arguments and --out {self.path} to rebuild it") from err
+
+    def _check_entry(self, e: SampleEntry, shapes: dict[str, tuple[int, ...]], input_ids: torch.Tensor,
+                     target_argmax: torch.Tensor, path: Path) -> None:
+        """A sample's manifest fields against its tensors; ``valid_len`` is recomputed from
+        ``target_argmax`` (the manifest is plain JSON: a hand edit must not change a score silently)."""
+        m = self.manifest
+        t, fd, k = e.total_len, m.feature_dim, m.topk_logprobs
+        expected = {"input_ids": (t,), "hidden": (t, fd), "target_argmax": (t,)}
+        if k:
+            expected.update(topk_ids=(t, k), topk_logprobs=(t, k))
+        problems = [f"{name} {shapes[name]} (expected {shape})"
+                    for name, shape in expected.items() if name in shapes and shapes[name] != shape]
+        if not problems:
+            for name, x in (("input_ids", input_ids), ("target_argmax", target_argmax)):
+                if x.numel() and (int(x.min()) < 0 or int(x.max()) >= m.vocab_size):
+                    problems.append(f"{name} holds ids outside the vocabulary [0, {m.vocab_size})")
+        if not problems:
+            valid = first_disagreement(target_argmax, input_ids, e.prompt_len)
+            if valid != e.valid_len:
+                problems.append(f"the manifest says valid_len {e.valid_len}, the stored target_argmax "
+                                f"gives {valid}")
+        if problems:
+            raise CacheError(f"{path}: sample {e.id!r} does not match its manifest entry (prompt_len "
+                             f"{e.prompt_len}, completion_len {e.completion_len}): " + "; ".join(problems)
+                             + f". The manifest or the shard was changed: restore {self.path} or recompute it "
+                             "with tools/precompute_states.py")
 
     def iter_samples(self, ids: list[str] | None = None, device: torch.device | str = "cpu",
                      verify: bool = False) -> Iterator[CachedSample]:
@@ -272,10 +442,12 @@ class StateCache:
         fix = f"rerun tools/precompute_states.py with --out {self.path} to re-export it"
         if not p.is_file():
             raise CacheError(f"{p}: target head file missing; {fix}")
-        if hash_check and info["file"] not in self._verified:
+        st = p.stat()
+        if hash_check and self._verified.get(info["file"]) != (st.st_size, st.st_mtime_ns):
+            self._verified.pop(info["file"], None)
             if sha256_file(p) != info["sha256"]:
                 raise CacheError(f"{p}: sha256 does not match the manifest (corrupted); {fix}")
-            self._verified.add(info["file"])
+            self._verified[info["file"]] = (st.st_size, st.st_mtime_ns)
         return p
 
     @property
@@ -285,11 +457,34 @@ class StateCache:
     def load_head(self, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
                   verify: bool = True) -> TargetHead:
         p = self._check_head(hash_check=verify)
-        with safe_open(str(p), framework="pt", device="cpu") as f:
-            embed = f.get_tensor("embed_tokens.weight")
-            tied = bool(self.manifest.target_head.get("tied", False))
-            head = embed if tied else f.get_tensor("lm_head.weight")
-        return TargetHead(embed, head, tied).to(device, dtype)
+        try:
+            with safe_open(str(p), framework="pt", device="cpu") as f:
+                embed = f.get_tensor("embed_tokens.weight")
+                tied = bool(self.manifest.target_head.get("tied", False))
+                head = embed if tied else f.get_tensor("lm_head.weight")
+        except Exception as e:  # safetensors' own error types on a damaged file
+            raise CacheError(f"{p}: cannot read the target head ({e}); rerun tools/precompute_states.py "
+                             f"with --out {self.path} to re-export it") from e
+        out = TargetHead(embed, head, tied)
+        self.check_head(out, str(p))
+        return out.to(device, dtype)
+
+    def check_head(self, head: TargetHead, source: str) -> None:
+        """Raise CacheMismatchError unless ``head`` is [vocab, hidden] of the cache's target (and tied
+        as the exported head is, when the cache has one)."""
+        m = self.manifest
+        want = (m.vocab_size, m.hidden_size)
+        problems = [f"{name} has shape {tuple(t.shape)}, the cache's target is [vocab {want[0]}, hidden {want[1]}]"
+                    for name, t in (("embed_tokens", head.embed_tokens), ("lm_head", head.lm_head))
+                    if tuple(t.shape) != want]
+        exported = m.target_head
+        if exported is not None and "tied" in exported and bool(exported["tied"]) != head.tied:
+            problems.append(f"{'tied' if head.tied else 'untied'} embedding and head, but the cache's target "
+                            f"is {'tied' if exported['tied'] else 'untied'}")
+        if problems:
+            raise CacheMismatchError(f"{source}: does not fit cache {self.path}:\n  - " + "\n  - ".join(problems)
+                                     + "\nUse the target the cache was made with "
+                                     f"({m.target.get('name_or_path')!r}).")
 
     # -- compatibility -------------------------------------------------------
     def check_drafter(self, spec: dict[str, Any]) -> None:

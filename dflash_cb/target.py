@@ -78,6 +78,8 @@ class TargetConfig:
     config_sha256: str
     eos_token_ids: list[int] = field(default_factory=list)  # generation_config.json, else config.json
     final_logit_softcapping: float | None = None
+    intermediate_size: int = 0  # for memory estimates only (not in the manifest)
+    num_attention_heads: int = 0
 
     def manifest_dict(self) -> dict[str, Any]:
         return {
@@ -133,7 +135,41 @@ def read_target_config(path: str | os.PathLike) -> TargetConfig:
         config_sha256=canonical_sha256(raw),
         eos_token_ids=eos,
         final_logit_softcapping=getattr(text, "final_logit_softcapping", None),
+        intermediate_size=int(getattr(text, "intermediate_size", 0) or 0),
+        num_attention_heads=int(getattr(text, "num_attention_heads", 0) or 0),
     )
+
+
+def _is_vision_key(name: str) -> bool:
+    return "visual" in name or "vision" in name
+
+
+def count_text_parameters(path: str | os.PathLike, config: TargetConfig) -> int:
+    """Parameters the text model loads, from the safetensors headers (no weights read).
+
+    Falls back to an estimate from the config when ``path`` is not a local folder of safetensors.
+    """
+    files = sorted(Path(path).glob("*.safetensors")) if Path(path).is_dir() else []
+    total = 0
+    for f in files:
+        try:
+            with open(f, "rb") as fh:
+                n = int.from_bytes(fh.read(8), "little")
+                header = json.loads(fh.read(n))
+        except (OSError, ValueError):
+            files = []
+            break
+        for name, info in header.items():
+            if name != "__metadata__" and not _is_vision_key(name):
+                count = 1
+                for d in info["shape"]:
+                    count *= int(d)
+                total += count
+    if files:
+        return total
+    h, inter = config.hidden_size, config.intermediate_size or 4 * config.hidden_size
+    heads = 1 if config.tie_word_embeddings else 2
+    return heads * config.vocab_size * h + config.num_layers * (4 * h * h + 3 * h * inter)
 
 
 def check_layer_ids(layer_ids: Sequence[int], num_layers: int, source: str = "--layers") -> list[int]:
@@ -227,7 +263,7 @@ def load_target(path: str | os.PathLike, dtype: str | torch.dtype = "bfloat16",
 
 @dataclass
 class PrefillResult:
-    hidden: torch.Tensor  # [T, len(ids) * hidden] in the target dtype
+    hidden: torch.Tensor  # [T, len(ids) * hidden] in the storage dtype
     target_argmax: torch.Tensor  # int64 [T]: argmax at position t predicts token t + 1
     topk_ids: torch.Tensor | None = None  # int64 [T, K]
     topk_logprobs: torch.Tensor | None = None  # float32 [T, K]
@@ -259,12 +295,17 @@ def capture_layers(layers: nn.ModuleList, layer_ids: Sequence[int], out: torch.T
             h.remove()
 
 
+@torch.no_grad()
 def head_stats(final_hidden: torch.Tensor, lm_head: nn.Module, topk: int = 0, chunk: int = LOGITS_CHUNK,
                softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Argmax (and top-K log-probs) of ``lm_head(final_hidden)`` computed ``chunk`` positions at a time.
 
     Full logits of a 248k vocabulary over 2k tokens are 2 GB in float32; chunks keep it to
-    ``chunk * V`` floats. Logits are computed in the model dtype (as HF does); log-probs in float32.
+    ``chunk * V`` floats. Logits are computed in the model dtype (as HF does). With top-K, one pass
+    over each chunk gives all three: the argmax is read off the top-K (the first maximal index, like
+    ``argmax``), and the log-sum-exp reuses the top-1 value as its shift, exponentiating in place in
+    the logits' dtype and summing in float32 (bfloat16 logits are not copied to float32: the copy cost
+    more than the rest of the top-K; the sum's relative error stays below 2^-8).
     """
     t = final_hidden.shape[0]
     argmax = torch.empty(t, dtype=torch.int64)
@@ -272,27 +313,52 @@ def head_stats(final_hidden: torch.Tensor, lm_head: nn.Module, topk: int = 0, ch
     lps = torch.empty(t, topk, dtype=torch.float32) if topk else None
     for s in range(0, t, chunk):
         logits = lm_head(final_hidden[s:s + chunk])
-        if topk or softcap:  # bf16 -> f32 is exact, so a plain argmax needs no float copy
-            logits = logits.float()
         if softcap:
-            logits = torch.tanh(logits / softcap) * softcap
-        # max().indices: the first maximal index like argmax(), and ~4x faster on CPU for bf16
-        argmax[s:s + chunk] = logits.max(-1).indices
-        if topk:
-            lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-            vals, idx = logits.topk(topk, dim=-1)
-            ids[s:s + chunk] = idx
-            lps[s:s + chunk] = vals - lse
+            logits = torch.tanh(logits.float() / softcap) * softcap
+        if not topk:
+            # max().indices: the first maximal index like argmax(), and ~4x faster on CPU for bf16
+            argmax[s:s + chunk] = logits.max(-1).indices
+            continue
+        # Row slices of about 1 MiB: the top-K, exp and sum passes then run in the core's cache
+        # instead of streaming the whole chunk from memory three times.
+        rows = max(1, (1 << 20) // (logits.shape[-1] * logits.element_size()))
+        for r in range(0, logits.shape[0], rows):
+            _top_k_rows(logits[r:r + rows], topk, s + r, argmax, ids, lps)
     return argmax, ids, lps
+
+
+def _top_k_rows(logits: torch.Tensor, topk: int, at: int, argmax: torch.Tensor, ids: torch.Tensor,
+                lps: torch.Tensor) -> None:
+    """Argmax, top-K ids and log-probs of a few rows of logits (overwritten) into rows ``at..``."""
+    n = logits.shape[0]
+    vals, idx = logits.topk(topk, dim=-1)
+    top = vals[:, :1]
+    tied = vals == top  # ties at the maximum: argmax() takes the smallest index among them
+    argmax[at:at + n] = torch.where(tied, idx, logits.shape[-1]).min(-1).values
+    all_tied = tied[:, -1].nonzero().flatten()
+    if len(all_tied):  # more ties than K: the smallest maximal index may lie outside the top-K
+        argmax[at + all_tied] = logits[all_tied].max(-1).indices
+    ids[at:at + n] = idx
+    # exp in place, summed in float32. Shifting by the max costs a pass; it is needed only where exp
+    # could overflow or underflow (|logit| >= 80).
+    if -80 < float(top.min()) and float(top.max()) < 80:
+        lps[at:at + n] = vals.float() - logits.exp_().sum(-1, keepdim=True, dtype=torch.float32).log()
+    else:
+        total = logits.sub_(top).exp_().sum(-1, keepdim=True, dtype=torch.float32)
+        lps[at:at + n] = vals.float() - top.float() - total.log()
 
 
 @torch.inference_mode()
 def prefill(target: Target, input_ids: Sequence[int] | torch.Tensor, layer_ids: Sequence[int], topk: int = 0,
-            chunk: int = LOGITS_CHUNK) -> PrefillResult:
-    """One forward over ``input_ids``: the selected layers' outputs and the target's argmax at every position."""
+            chunk: int = LOGITS_CHUNK, store_dtype: torch.dtype | None = None) -> PrefillResult:
+    """One forward over ``input_ids``: the selected layers' outputs and the target's argmax at every position.
+
+    The forward and the argmax run in the target's (compute) dtype; the captured states are written
+    straight into a ``store_dtype`` buffer (default: the compute dtype), rounded once by ``copy_``.
+    """
     ids = torch.as_tensor(input_ids, dtype=torch.int64).reshape(1, -1)
     t, h = ids.shape[1], target.config.hidden_size
-    out = torch.empty(t, len(layer_ids) * h, dtype=target.dtype)
+    out = torch.empty(t, len(layer_ids) * h, dtype=store_dtype or target.dtype)
     last = target.config.num_layers - 1
     with capture_layers(target.layers, [i if i != last else 1 << 30 for i in layer_ids], out):
         final = target.base(input_ids=ids, use_cache=False).last_hidden_state[0]

@@ -23,7 +23,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .baselines import Baseline, baseline_scalars, is_headline
-from .metrics import EVAL_TIME
+from .metrics import BEST_STEP, BEST_TAU, EVAL_TIME, TAU
+from .results import Results
 
 DEFAULT_PREFIX = "dflash_eval/"
 STEP_KEY = "trainer/global_step"
@@ -48,6 +49,17 @@ def define_eval_metrics(run: Any, prefix: str = DEFAULT_PREFIX) -> None:
     """Every ``{prefix}*`` series (live, baselines, published) plots against the trainer step."""
     run.define_metric(STEP_KEY)
     run.define_metric(f"{prefix}*", step_metric=STEP_KEY)
+    # The summary keeps the best tau besides the last one (log_best adds the step it was measured at).
+    run.define_metric(f"{prefix}{TAU}", step_metric=STEP_KEY, summary="max,last")
+
+
+def log_best(run: Any, history: Sequence[dict[str, float]], prefix: str = DEFAULT_PREFIX) -> None:
+    """``{prefix}best/tau`` and ``{prefix}best/step`` in the run summary, from the callback's history."""
+    scored = [h for h in history if isinstance(h.get(TAU), float) and math.isfinite(h[TAU])]
+    if scored:
+        best = max(scored, key=lambda h: h[TAU])
+        run.summary[prefix + BEST_TAU] = best[TAU]
+        run.summary[prefix + BEST_STEP] = int(best["step"])
 
 
 # -- text for the samples table ---------------------------------------------------------------
@@ -181,19 +193,20 @@ def log_baselines_summary(run: Any, baselines: Sequence[Baseline], prefix: str =
 
 # -- standalone evaluation (tools/eval_drafter.py --wandb-project) ------------------------------
 
-def results_scalars(results: dict[str, Any], prefix: str = DEFAULT_PREFIX) -> dict[str, float]:
+def results_scalars(results: Results, prefix: str = DEFAULT_PREFIX) -> dict[str, float]:
     """The scalar metrics of a ``results.json`` under the callback's names (NaN/None dropped)."""
     out: dict[str, float] = {}
-    for k, v in (results.get("metrics") or {}).items():
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-            out[prefix + k] = float(v)
-    wall = (results.get("meta") or {}).get("wall_time_s")
+    for k in results.metrics:
+        v = results.metric(k)
+        if v is not None:
+            out[prefix + k] = v
+    wall = results.meta.get("wall_time_s")
     if isinstance(wall, (int, float)):
         out[prefix + EVAL_TIME] = float(wall)
     return out
 
 
-def log_standalone_results(results: dict[str, Any], project: str, name: str | None = None, *,
+def log_standalone_results(results: Results, project: str, name: str | None = None, *,
                            prefix: str = DEFAULT_PREFIX, published: str | os.PathLike | None = None,
                            entity: str | None = None, tags: Sequence[str] | None = None,
                            mode: str | None = None, dir: str | os.PathLike | None = None) -> str:
@@ -204,7 +217,7 @@ def log_standalone_results(results: dict[str, Any], project: str, name: str | No
     """
     import wandb
 
-    meta = results.get("meta") or {}
+    meta = results.meta
     run = wandb.init(project=project, name=name, entity=entity, tags=list(tags) if tags else None, mode=mode,
                      dir=str(dir) if dir else None, job_type="dflash-eval",
                      config={"dflash_eval": {k: v for k, v in meta.items() if v is not None}}, reinit="create_new")
@@ -219,18 +232,18 @@ def log_standalone_results(results: dict[str, Any], project: str, name: str | No
             pf = load_published(published)
             baselines, skipped = pf.baselines, pf.skipped
             scalars.update(baseline_scalars(baselines, prefix))
-        hist_map = results.get("histogram") or {}
+        hist_map = results.histogram
         block = int(meta.get("block_size") or (max((int(n) for n in hist_map), default=0)))
         hist = [0.0] * (block + 1)
         for n, c in hist_map.items():
             if int(n) <= block:
                 hist[int(n)] = float(c)
-        per_depth = (results.get("per_depth") or {}).get("unconditional") or []
+        per_depth = results.per_depth.get("unconditional") or []
         per_depth = [math.nan if v is None else v for v in per_depth]
         rows = []
-        for s in results.get("samples") or []:
-            ls = s["acceptance_lengths"]
-            rows.append([0, s["id"], s.get("category", ""), "", "", "(standalone evaluation: no drafts kept)",
+        for s in results.samples:
+            ls = s.acceptance_lengths
+            rows.append([0, s.id, s.category, "", "", "(standalone evaluation: no drafts kept)",
                          _clip(" ".join(str(k) for k in ls), 1000), sum(ls) / len(ls) if ls else math.nan])
         run.log({**scalars, STEP_KEY: 0})
         log_evaluation(run, step=0, prefix=prefix, live_per_depth=per_depth, hist=hist, baselines=baselines,
@@ -246,6 +259,6 @@ def log_standalone_results(results: dict[str, Any], project: str, name: str | No
 
 __all__ = [
     "DEFAULT_PREFIX", "STEP_KEY", "TABLE_COLUMNS", "define_eval_metrics", "find_wandb_run", "format_blocks",
-    "is_headline", "log_baselines_summary", "log_evaluation", "log_standalone_results", "make_decoder",
+    "is_headline", "log_baselines_summary", "log_best", "log_evaluation", "log_standalone_results", "make_decoder",
     "per_depth_chart", "produced_histogram", "results_scalars", "table_row",
 ]

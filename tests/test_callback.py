@@ -189,20 +189,116 @@ def test_module_head_with_wrong_shape_is_refused(tmp_path, tiny_cache, tiny_draf
         make_trainer(tmp_path, [cb], 2).fit(module, CachedStatesDataModule(str(tiny_cache)))
 
 
-def test_corrupt_shard_warns_and_training_continues(tmp_path, tiny_cache, tiny_drafter_config):
-    broken = tmp_path / "broken_cache"
+class Corrupt(Callback):
+    """Flips one byte of a shard (same size) after the first optimizer step: damage after setup."""
+
+    def __init__(self, shard: Path):
+        self.shard, self.done = shard, False
+
+    def on_train_batch_end(self, trainer, *args):
+        if trainer.global_step == 1 and not self.done:
+            data = bytearray(self.shard.read_bytes())
+            data[-3] ^= 0x01
+            self.shard.write_bytes(bytes(data))
+            self.done = True
+
+
+def test_shard_changed_during_training_is_rehashed_counted_and_stops_after_k(tmp_path, tiny_cache,
+                                                                             tiny_drafter_config):
+    """Items 7 and 12: a shard whose bytes change after setup is hashed again (its mtime changed), the
+    evaluation fails with the sha256 named, dflash_eval/failed_evaluations counts it, training goes on
+    until max_failed_evaluations failures in a row."""
+    broken = tmp_path / "cache"
     shutil.copytree(tiny_cache, broken)
     shard = sorted(broken.glob("states-*.safetensors"))[1]
-    shard.write_bytes(shard.read_bytes()[:-10])  # truncated: detected when the sample is read
     cb = DFlashEvalCallback(states=broken, every_n_train_steps=2, ddtree_budgets=BUDGETS)
-    with pytest.warns(RuntimeWarning, match=r"evaluation at .*failed on rank 0: CacheError: .*truncated") as rec:
-        trainer, _ = fit(tmp_path, tiny_drafter_config, tiny_cache, [cb], max_steps=4, data_cache=tiny_cache)
-    assert trainer.global_step == 4 and cb.history == []
-    assert len([w for w in rec if "DFlashEvalCallback" in str(w.message)]) == 3  # steps 0, 2, 4
+    with pytest.warns(RuntimeWarning, match=r"evaluation at .*failed on rank 0: CacheError: .*sha256") as rec:
+        trainer, _ = fit(tmp_path, tiny_drafter_config, tiny_cache, [Corrupt(shard), cb], max_steps=4,
+                         data_cache=tiny_cache, logger=CSVLogger(tmp_path / "logs"))
+    assert trainer.global_step == 4 and [h["step"] for h in cb.history] == [0]
+    assert len([w for w in rec if "DFlashEvalCallback" in str(w.message)]) == 2  # steps 2 and 4
+    logged = read_csv_metrics(Path(trainer.logger.log_dir) / "metrics.csv")
+    assert {s: v["failed_evaluations"] for s, v in logged.items()} == {0: 0.0, 2: 1.0, 4: 2.0}
 
-    strict = DFlashEvalCallback(states=broken, every_n_train_steps=2, fail_on_error=True)
-    with pytest.raises(DFlashEvalError, match="truncated"):
-        fit(tmp_path / "strict", tiny_drafter_config, tiny_cache, [strict], max_steps=4, data_cache=tiny_cache)
+    shutil.rmtree(broken)
+    shutil.copytree(tiny_cache, broken)
+    strict = DFlashEvalCallback(states=broken, every_n_train_steps=1, ddtree_budgets=BUDGETS, max_failed_evaluations=2)
+    with pytest.warns(RuntimeWarning), pytest.raises(DFlashEvalError, match="2 evaluations in a row failed"):
+        fit(tmp_path / "k", tiny_drafter_config, tiny_cache, [Corrupt(shard), strict], max_steps=6,
+            data_cache=tiny_cache)
+    assert strict.last_eval_step == 2 and strict.failed_evaluations == 2  # steps 1 and 2 failed, then stop
+
+    shutil.rmtree(broken)
+    shutil.copytree(tiny_cache, broken)
+    at_once = DFlashEvalCallback(states=broken, every_n_train_steps=2, fail_on_error=True)
+    with pytest.raises(DFlashEvalError, match="sha256"):
+        fit(tmp_path / "strict", tiny_drafter_config, tiny_cache, [Corrupt(shard), at_once], max_steps=4,
+            data_cache=tiny_cache)
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("truncate", r"shard is \d+ bytes, manifest says \d+ \(truncated\?\)"),
+    ("flip", r"sha256 .* does not match"),
+    ("no_head", r"target head file missing"),
+])
+def test_damaged_cache_stops_fit_at_setup(tmp_path, tiny_cache, tiny_drafter_config, damage, message):
+    """Items 7 and 12: found at setup (a stat per file, sha256 by default), not inside every evaluation."""
+    from dflash_cb.states import CacheError
+
+    broken = tmp_path / "cache"
+    shutil.copytree(tiny_cache, broken)
+    shard = sorted(broken.glob("states-*.safetensors"))[-1]
+    if damage == "truncate":
+        shard.write_bytes(shard.read_bytes()[:-10])
+    elif damage == "flip":
+        data = bytearray(shard.read_bytes())
+        data[-3] ^= 0x01
+        shard.write_bytes(bytes(data))
+    else:
+        (broken / "target_head.safetensors").unlink()
+    steps: list[int] = []
+
+    class Counter(Callback):
+        def on_train_batch_start(self, trainer, *args):
+            steps.append(trainer.global_step)
+
+    cb = DFlashEvalCallback(states=broken, every_n_train_steps=2, ddtree_budgets=BUDGETS)
+    with pytest.raises(CacheError, match=message):
+        fit(tmp_path, tiny_drafter_config, tiny_cache, [cb, Counter()], max_steps=4, data_cache=tiny_cache)
+    assert steps == []
+
+
+def test_non_integer_arguments_are_refused():
+    """Item 11: every_n_train_steps=0.5 used to become 0 (no periodic evaluation) without a word."""
+    for bad in (0.5, 2.0, "3", True):
+        with pytest.raises(ValueError, match="every_n_train_steps must be an integer"):
+            DFlashEvalCallback(states="x", every_n_train_steps=bad)
+    with pytest.raises(ValueError, match="num_samples must be an integer"):
+        DFlashEvalCallback(states="x", num_samples=2.5)
+
+
+@pytest.mark.filterwarnings("ignore:.*ckpt_path.*:UserWarning", "ignore:.*resuming from a checkpoint.*:UserWarning")
+def test_resume_on_a_replaced_cache_warns_and_starts_a_new_series(tmp_path, tiny_cache, tiny_drafter_config):
+    """Item 11: the checkpoint carries the cache's manifest sha256; resumed on another cache at the same
+    path, the old history is not continued (it would mix two caches in one series)."""
+    cache = tmp_path / "cache"
+    shutil.copytree(tiny_cache, cache)
+    cb = DFlashEvalCallback(states=cache, every_n_train_steps=2, ddtree_budgets=[4], eval_on_fit_end=False)
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="{step}", every_n_train_steps=2, save_top_k=-1)
+    fit(tmp_path, tiny_drafter_config, tiny_cache, [cb, ckpt], max_steps=2, checkpointing=True)
+    assert [h["step"] for h in cb.history] == [0, 2]
+    old_sha = StateCache(cache).manifest_sha256
+    manifest = json.loads((cache / "manifest.json").read_text())
+    manifest["samples"] = manifest["samples"][:4]  # "the same path, another cache"
+    (cache / "manifest.json").write_text(json.dumps(manifest, indent=1))
+
+    resumed = DFlashEvalCallback(states=cache, every_n_train_steps=2, ddtree_budgets=[4])
+    with pytest.warns(RuntimeWarning, match="measured on another cache"):
+        fit(tmp_path / "b", tiny_drafter_config, tiny_cache, [resumed], max_steps=4,
+            ckpt_path=str(tmp_path / "ckpt" / "step=2.ckpt"))
+    # A new series: the resumed weights scored on the new cache at step 2, then step 4.
+    assert [h["step"] for h in resumed.history] == [2, 4] and resumed.num_evals == 2
+    assert resumed.state_dict()["cache_manifest_sha256"] == StateCache(cache).manifest_sha256 != old_sha
 
 
 @pytest.mark.filterwarnings("ignore:.*ckpt_path.*:UserWarning", "ignore:.*resuming from a checkpoint.*:UserWarning")
@@ -254,13 +350,18 @@ def test_format_blocks_marks_accepted_spans():
 
 
 def test_cli_yaml_config_parses_into_callback(tmp_path, tiny_cache, tiny_drafter_config):
+    """Item 13: the shipped YAML appends (a user's ModelCheckpoint stays), needs no file of this
+    repository (no published figures by default), and takes command-line overrides."""
     from lightning.pytorch.cli import LightningCLI
 
-    cfg_file = tmp_path / "drafter.json"
-    cfg_file.write_text(json.dumps(tiny_drafter_config))
-    argv = ["--config", str(ROOT / "configs" / "callback" / "dflash_eval.yaml"),
+    user = tmp_path / "my_training.yaml"
+    user.write_text("trainer:\n  callbacks:\n    - class_path: lightning.pytorch.callbacks.ModelCheckpoint\n"
+                    "      init_args: {monitor: dflash_eval/tau, mode: max}\n")
+    argv = ["--config", str(user), "--config", str(ROOT / "configs" / "callback" / "dflash_eval.yaml"),
             f"--model.drafter_config={json.dumps(tiny_drafter_config)}", f"--model.states={tiny_cache}",
-            f"--data.states={tiny_cache}", f"--trainer.default_root_dir={tmp_path}"]
+            f"--data.states={tiny_cache}", f"--trainer.default_root_dir={tmp_path}",
+            "--trainer.callbacks.init_args.every_n_train_steps=1000", "--trainer.max_steps=2",
+            "--trainer.logger=false", "--trainer.enable_progress_bar=false", "--trainer.accelerator=cpu"]
     old = sys.argv
     try:
         sys.argv = ["prog"]
@@ -271,9 +372,16 @@ def test_cli_yaml_config_parses_into_callback(tmp_path, tiny_cache, tiny_drafter
     cbs = [c for c in cli.trainer.callbacks if isinstance(c, DFlashEvalCallback)]
     assert len(cbs) == 1
     cb = cbs[0]
-    assert cb.states == "cached_states/qwen36-27b-v1" and cb.every_n_train_steps == 500
+    assert cb.states == "cached_states/qwen36-27b-v1" and cb.every_n_train_steps == 1000
     assert cb.drafter == "drafter" and cb.ddtree_budgets == (16, 32, 64) and cb.prefix == "dflash_eval/"
-    assert cb.published == "configs/baselines/published.yaml" and cb.fail_on_error is False
+    assert cb.published is None and cb.fail_on_error is False and cb.verify_cache is True
+    assert cb.max_failed_evaluations == 3
+    mine = [c for c in cli.trainer.callbacks if isinstance(c, ModelCheckpoint) and c.monitor == "dflash_eval/tau"]
+    assert len(mine) == 1
+    # And it runs: fit from the YAML (on the test cache), evaluating at the start and the end.
+    cb.states, cb.ddtree_budgets = str(tiny_cache), (4,)
+    cli.trainer.fit(cli.model, cli.datamodule)
+    assert [h["step"] for h in cb.history] == [0, 2] and mine[0].best_model_score is not None
 
 
 def test_state_dict_round_trip():

@@ -155,6 +155,7 @@ def distributed_run(tiny_cache, tiny_drafter_config, tmp_path_factory):
 def test_distributed_logged_metrics_equal_single_process(distributed_run, strategy, tiny_cache, tiny_drafter_config):
     import torch
 
+    from dflash_cb.compare import live_metrics
     from dflash_cb.engine import evaluate
     from dflash_cb.metrics import EVAL_TIME
     from dflash_cb.model import DFlashDrafter
@@ -170,9 +171,13 @@ def test_distributed_logged_metrics_equal_single_process(distributed_run, strate
         drafter.load_state_dict(torch.load(distributed_run / strategy / f"drafter_step{h['step']}.pt"))
         # Periodic evaluations are light (stride = block size, the largest budget); the last step's is full.
         full = h["step"] == MAX_STEPS
-        report = evaluate(cache, drafter.eval(), budgets=BUDGETS if full else BUDGETS[-1:],
-                          anchor_stride=1 if full else drafter.block_size)
-        expected = report.summary
+        budgets = BUDGETS if full else BUDGETS[-1:]
+        report = evaluate(cache, drafter.eval(), budgets=budgets, anchor_stride=1 if full else drafter.block_size)
+        # Counts-based metrics, plus what rank zero derives from the gathered per-sample lengths
+        # (intervals, position/cycle taus): all identical to a single process.
+        categories = sorted({s.category for s in cache.samples})
+        expected = {**report.summary, **live_metrics(report.samples, budgets, categories)}
+        assert any(k.endswith("_ci_low") for k in expected) and "position/0_256/tau" in expected
         assert h["samples"] == len(cache) == expected["samples"]
         for k, v in expected.items():
             got = h[k]

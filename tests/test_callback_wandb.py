@@ -18,7 +18,7 @@ from dflash_cb.baselines import load_measured, load_published
 from dflash_cb.engine import evaluate
 from dflash_cb.lightning_module import CachedStatesDataModule
 from dflash_cb.model import DFlashDrafter
-from dflash_cb.results import report_to_results, write_results
+from dflash_cb.results import load_results, report_to_results, write_results
 from dflash_cb.states import StateCache
 
 BUDGETS = [4, 8]
@@ -131,7 +131,7 @@ def test_wandb_offline_run_holds_metrics_table_chart_and_baselines(tmp_path, tin
     # The reference is restricted to the same 4-sample subset the live evaluation scores.
     ref = load_measured(reference_results, StateCache(tiny_cache), sample_ids=cb.eval_ids)
     assert all(h["dflash_eval/baseline/zlab/tau"] == pytest.approx(ref.metrics["tau"]) for h in evals)
-    full_tau = json.loads(reference_results.read_text())["tau"]
+    full_tau = json.loads(reference_results.read_text())["metrics"]["tau"]
     assert len(cb.eval_ids) == 4 and ref.details["subset"].startswith("4 of 6")
     assert ref.metrics["tau"] == pytest.approx(
         sum(sum(s["acceptance_lengths"]) for s in json.loads(reference_results.read_text())["samples"]
@@ -181,14 +181,14 @@ def test_shipped_published_yaml_logs_nothing_unverified():
 def test_log_standalone_results_uses_the_callback_names(tmp_path, reference_results):
     from dflash_cb.wandb_logging import log_standalone_results
 
-    results = json.loads(reference_results.read_text())
+    results = load_results(reference_results)
     files_dir = log_standalone_results(results, project="dflash-cb-test", name="standalone", mode="offline",
                                        dir=tmp_path, published=write_published(tmp_path / "published.yaml"))
     history, summary, _ = history_and_summary(Path(files_dir).parent)
-    assert summary["dflash_eval/tau"] == pytest.approx(results["tau"])
+    assert summary["dflash_eval/tau"] == pytest.approx(results.tau)
     assert summary["trainer/global_step"] == 0
     assert summary["dflash_eval/published/paper-x/tau"] == 3.5
     for b in BUDGETS:
-        assert summary[f"dflash_eval/ddtree/tau_b{b}"] == pytest.approx(results["ddtree"][str(b)]["tau"])
+        assert summary[f"dflash_eval/ddtree/tau_b{b}"] == pytest.approx(results.metric(f"ddtree/tau_b{b}"))
     assert any("dflash_eval/sample_table/path" in h for h in history)
     assert not any(isinstance(v, float) and math.isnan(v) for v in summary.values())

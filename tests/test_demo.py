@@ -61,9 +61,16 @@ def test_tau_rises_and_every_promised_file_exists(demo: tuple[Path, subprocess.C
     assert {s["category"] for s in manifest["samples"]} == {"count", "repeat", "pairs"}
     # results.json of the extracted drafter equals the callback's last evaluation.
     results = json.loads(Path(summary["paths"]["results"]).read_text())
-    assert results["tau"] == pytest.approx(summary["tau_last"], abs=1e-12)
+    assert results["metrics"]["tau"] == pytest.approx(summary["tau_last"], abs=1e-12)
     # The printed table and summary.
-    assert "step    tau" in proc.stdout and "first evaluation" in proc.stdout
+    assert "step    tau [95% interval]" in proc.stdout and "first evaluation" in proc.stdout
+    # Last vs first checkpoint, paired on the same prompts (tools/compare_results.py): the interval excludes 0.
+    fvl = summary["first_vs_last"]
+    assert fvl["low"] > 0 and fvl["verdict"].endswith("is better") and fvl["text"] in proc.stdout
+    assert fvl["delta"] == pytest.approx(summary["tau_last"] - summary["tau_first"], abs=1e-12)
+    assert fvl["text"] in Path(summary["paths"]["comparison_md"]).read_text()
+    lo, hi = summary["tau_last_interval"]
+    assert lo <= summary["tau_last"] <= hi and lo < hi
 
 
 def test_refuses_to_overwrite_without_flag(demo: tuple[Path, subprocess.CompletedProcess]) -> None:

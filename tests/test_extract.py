@@ -13,6 +13,13 @@ sys.path.insert(0, str(ROOT / "tools"))
 
 import extract_drafter  # noqa: E402
 
+from dflash_cb.cli import run  # noqa: E402
+
+
+def extract(*argv: str) -> int:
+    """The tool as a user runs it: ``run(main)`` turns user errors into one line and exit code 2."""
+    return run(extract_drafter.main, list(argv))
+
 
 @pytest.fixture(scope="module")
 def lightning_ckpt(tiny_cache: Path, tiny_drafter_config: dict, tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -62,11 +69,11 @@ def test_extract_refuses_incomplete_or_unsafe(lightning_ckpt: Path, tiny_drafter
     del ckpt["state_dict"]["drafter.layers.0.mlp.up_proj.weight"]
     broken = tmp_path / "broken.ckpt"
     torch.save(ckpt, broken)
-    assert extract_drafter.main(["--ckpt", str(broken), "--out", str(tmp_path / "x")]) == 2
+    assert extract("--ckpt", str(broken), "--out", str(tmp_path / "x")) == 2
     assert "no key prefix holds a complete DFlash drafter" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
     # With the prefix forced, the missing key is named.
-    assert extract_drafter.main(["--ckpt", str(broken), "--out", str(tmp_path / "x"), "--prefix", "drafter."]) == 2
+    assert extract("--ckpt", str(broken), "--out", str(tmp_path / "x"), "--prefix", "drafter.") == 2
     assert "layers.0.mlp.up_proj.weight" in capsys.readouterr().err
 
     import argparse
@@ -74,8 +81,9 @@ def test_extract_refuses_incomplete_or_unsafe(lightning_ckpt: Path, tiny_drafter
     # Any object that is not a tensor or a plain container must not be unpickled.
     unsafe = tmp_path / "unsafe.ckpt"
     torch.save({"state_dict": ckpt["state_dict"], "extra": argparse.Namespace(x=1)}, unsafe)
-    assert extract_drafter.main(["--ckpt", str(unsafe), "--out", str(tmp_path / "y")]) == 2
-    assert "weights_only=True" in capsys.readouterr().err
+    assert extract("--ckpt", str(unsafe), "--out", str(tmp_path / "y")) == 2
+    err = capsys.readouterr().err
+    assert "argparse.Namespace" in err and "never unpickles" in err and "weights_only=False" not in err
 
     # A plain state dict under another prefix, with the config given explicitly.
     plain = {"model.draft." + k[len("drafter."):]: v for k, v in ckpt["state_dict"].items() if k.startswith("drafter.")}
@@ -83,6 +91,85 @@ def test_extract_refuses_incomplete_or_unsafe(lightning_ckpt: Path, tiny_drafter
         tiny_drafter_config["intermediate_size"], tiny_drafter_config["hidden_size"])
     torch.save(plain, tmp_path / "plain.pt")
     (tmp_path / "cfg.json").write_text(json.dumps(tiny_drafter_config))
-    assert extract_drafter.main(["--ckpt", str(tmp_path / "plain.pt"), "--out", str(tmp_path / "z"),
-                                 "--config", str(tmp_path / "cfg.json")]) == 0
+    assert extract("--ckpt", str(tmp_path / "plain.pt"), "--out", str(tmp_path / "z"),
+                   "--config", str(tmp_path / "cfg.json")) == 0
     assert "'model.draft.'" in capsys.readouterr().out
+
+
+# -- issue 11: robustness ----------------------------------------------------------------------
+
+def test_out_never_deletes_what_the_tool_did_not_create(lightning_ckpt: Path, tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture) -> None:
+    """Item 1: a project folder given as --out survives (refused, or with --overwrite only gains the two
+    drafter files); the folder holding --ckpt is refused even with --overwrite; a drafter folder is replaced."""
+    import shutil
+
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "train.py").write_text("print('mine')\n")
+    assert extract("--ckpt", str(lightning_ckpt), "--out", str(project)) == 2
+    assert "not a drafter folder" in capsys.readouterr().err
+    assert sorted(p.name for p in project.iterdir()) == ["train.py"]
+    assert extract("--ckpt", str(lightning_ckpt), "--out", str(project), "--overwrite") == 0
+    assert sorted(p.name for p in project.iterdir()) == ["config.json", "model.safetensors", "train.py"]
+    assert (project / "train.py").read_text() == "print('mine')\n"
+
+    ckpts = tmp_path / "ckpts"
+    shutil.copytree(lightning_ckpt.parent, ckpts)
+    before = sorted(p.name for p in ckpts.iterdir())
+    for extra in ([], ["--overwrite"]):
+        assert extract("--ckpt", str(ckpts / lightning_ckpt.name), "--out", str(ckpts), *extra) == 2
+        assert "holds the checkpoint" in capsys.readouterr().err
+    assert sorted(p.name for p in ckpts.iterdir()) == before
+
+    drafter = tmp_path / "drafter"
+    assert extract("--ckpt", str(lightning_ckpt), "--out", str(drafter)) == 0
+    first = (drafter / "model.safetensors").stat().st_ino
+    assert extract("--ckpt", str(lightning_ckpt), "--out", str(drafter)) == 0  # an earlier drafter: replaced
+    assert sorted(p.name for p in drafter.iterdir()) == ["config.json", "model.safetensors"]
+    assert (drafter / "model.safetensors").stat().st_ino != first
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no temporaries left
+
+
+def test_bad_inputs_are_one_line_errors(lightning_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Items 14 and 15: not a checkpoint / truncated / a file as --out / a bad --config: one line naming
+    the file, exit 2, never torch's advice to retry with weights_only=False."""
+    import os
+
+    data = lightning_ckpt.read_bytes()
+    cases = {
+        "random.ckpt": (os.urandom(4096), "not a PyTorch checkpoint"),
+        "text.ckpt": (b"epoch: 3\nloss: 0.1\n", "not a PyTorch checkpoint"),
+        "truncated.ckpt": (data[: len(data) // 2], "truncated or damaged"),
+        "truncated.safetensors": (b"\x10\x00\x00\x00\x00\x00\x00\x00{\"a\":", "not a readable safetensors"),
+    }
+    for name, (content, message) in cases.items():
+        (tmp_path / name).write_bytes(content)
+        assert extract("--ckpt", str(tmp_path / name), "--out", str(tmp_path / "d")) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("error: ") and "Traceback" not in err, err
+        assert message in err and str(tmp_path / name) in err and "weights_only=False" not in err, err
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    for out in (a_file, a_file / "sub"):
+        assert extract("--ckpt", str(lightning_ckpt), "--out", str(out)) == 2
+        assert "is a file, not a folder" in capsys.readouterr().err
+    (tmp_path / "cfg.json").write_text("{not json")
+    assert extract("--ckpt", str(lightning_ckpt), "--out", str(tmp_path / "d"), "--config", str(tmp_path / "cfg.json")) == 2
+    err = capsys.readouterr().err
+    assert str(tmp_path / "cfg.json") in err and "not valid JSON" in err
+    assert not (tmp_path / "d").exists()
+
+
+def test_written_files_get_the_umask_mode(lightning_ckpt: Path, tmp_path: Path) -> None:
+    """Item 18: model.safetensors was 0600 (safetensors' own mode) in a 0755 folder."""
+    import os
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        assert extract("--ckpt", str(lightning_ckpt), "--out", str(tmp_path / "d")) == 0
+    finally:
+        os.umask(old)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in [tmp_path / "d", *(tmp_path / "d").iterdir()]}
+    assert modes == {"d": 0o755, "config.json": 0o644, "model.safetensors": 0o644}

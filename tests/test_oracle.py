@@ -115,21 +115,24 @@ def test_eval_tool_matches_oracle(setup, tmp_path: Path) -> None:
     sys.path.insert(0, str(ROOT / "tools"))
     import eval_drafter
 
+    from dflash_cb.results import load_results
+
     setup["ours"].save_pretrained(tmp_path / "drafter")
     out = tmp_path / "results.json"
     assert eval_drafter.main(["--states", str(setup["cache"].path), "--drafter", str(tmp_path / "drafter"),
                               "--out", str(out), "--ddtree-budgets", "4,16", "--dtype", "float32"]) == 0
-    res = json.loads(out.read_text())
-    assert {s["id"]: s["acceptance_lengths"] for s in res["samples"]} == setup["oracle"]
+    res = load_results(out)
+    assert {s.id: s.acceptance_lengths for s in res.samples} == setup["oracle"]
     cycles = [n for v in setup["oracle"].values() for n in v]
-    assert res["tau"] == pytest.approx(sum(cycles) / len(cycles))
-    assert res["meta"]["cache_manifest_sha256"] == setup["cache"].manifest_sha256
+    assert res.tau == pytest.approx(sum(cycles) / len(cycles))
+    assert res.manifest_sha256 == setup["cache"].manifest_sha256
+    assert res.budgets == [4, 16]
     # Cost accounting: a full evaluation drafts every anchor once, no more.
-    meta = res["meta"]
-    assert meta["anchor_stride"] == 1 and meta["anchors_drafted"] == meta["anchors_needed"] > sum(map(len, setup["oracle"].values()))
-    assert set(res["ddtree"]) == {"4", "16"}
+    meta = res.meta
+    assert meta["anchor_stride"] == 1
+    assert meta["anchors_drafted"] == meta["anchors_needed"] > sum(map(len, setup["oracle"].values()))
     # A bigger tree never accepts less on the same cycle structure start.
-    assert res["ddtree"]["16"]["tau"] >= res["ddtree"]["4"]["tau"] - 1e-9
+    assert res.metric("ddtree/tau_b16") >= res.metric("ddtree/tau_b4") - 1e-9
 
 
 def test_generic_runner_matches(setup) -> None:
@@ -195,16 +198,32 @@ def test_disagreement_truncates_scoring(setup, tmp_path: Path) -> None:
     one cut mid-way scores only the cycles before the cut; the others are unchanged."""
     import shutil
 
+    from safetensors.torch import load_file, save_file
+
     from dflash_cb.engine import evaluate
-    from dflash_cb.states import MANIFEST_NAME, StateCache
+    from dflash_cb.states import MANIFEST_NAME, StateCache, sha256_file
 
     src = setup["cache"].path
     dst = tmp_path / "cut"
     shutil.copytree(src, dst)
     manifest = json.loads((dst / MANIFEST_NAME).read_text())
     first, second = manifest["samples"][0], manifest["samples"][1]
-    first["valid_len"] = first["prompt_len"]
-    second["valid_len"] = second["prompt_len"] + 7
+
+    def disagree_at(entry: dict, position: int) -> None:
+        """Make the stored target argmax differ from the served token at ``position`` (the reader
+        recomputes valid_len from it: editing the manifest alone is refused)."""
+        shard = dst / entry["shard"]
+        tensors = load_file(str(shard))
+        argmax = tensors[f"{entry['id']}/target_argmax"].clone()
+        argmax[position - 1] = (int(tensors[f"{entry['id']}/input_ids"][position]) + 1) % manifest["target"]["vocab_size"]
+        tensors[f"{entry['id']}/target_argmax"] = argmax
+        save_file(tensors, str(shard))
+        info = next(s for s in manifest["shards"] if s["file"] == entry["shard"])
+        info["sha256"], info["bytes"] = sha256_file(shard), shard.stat().st_size
+        entry["valid_len"] = position
+
+    disagree_at(first, first["prompt_len"])
+    disagree_at(second, second["prompt_len"] + 7)
     (dst / MANIFEST_NAME).write_text(json.dumps(manifest))
     rep = evaluate(StateCache(dst), setup["ours"], budgets=(4,))
     got = {s.id: s for s in rep.samples}

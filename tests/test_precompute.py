@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -183,12 +184,18 @@ class FakeSGLang:
         self.calls = 0
         self.perturb: dict[tuple[int, ...], int] = {}  # prompt -> completion offset to change
         self.abort: set[tuple[int, ...]] = set()  # prompts answered with finish_reason "abort"
+        self.short: set[tuple[int, ...]] = set()  # prompts answered with 3 tokens and finish_reason "length"
+        self.oov: set[tuple[int, ...]] = set()  # prompts answered with a token id outside the vocabulary
+        self.hold: set[tuple[int, ...]] = set()  # prompts whose answer waits for `release`
+        self.release = threading.Event()
 
     def generate(self, body: dict[str, Any]) -> dict[str, Any]:
         from dflash_cb.target import Target, find_decoder_layers, greedy_generate, read_target_config
 
         sp = body["sampling_params"]
         assert sp["temperature"] == 0
+        if tuple(body["input_ids"]) in self.hold:
+            assert self.release.wait(30)
         with self.lock:
             self.calls += 1
             t = Target(self.model, read_target_config(self.model_path), find_decoder_layers(self.model),
@@ -197,6 +204,10 @@ class FakeSGLang:
         if tuple(body["input_ids"]) in self.abort:
             return {"text": "", "output_ids": out[:2],
                     "meta_info": {"finish_reason": {"type": "abort", "message": "out of memory"}}}
+        if tuple(body["input_ids"]) in self.short:
+            out, reason = out[:3], "length"
+        if tuple(body["input_ids"]) in self.oov:
+            out[-1] = TINY_VOCAB + 5
         k = self.perturb.get(tuple(body["input_ids"]))
         if k is not None and k < len(out):
             out[k] = (out[k] + 1) % TINY_VOCAB
@@ -278,7 +289,7 @@ def test_sglang_abort_fails_and_rerun_resumes(sglang, target_dir, prompts_file, 
     server.abort.add(tuple(prompts[3]))
     out = tmp_path / "ab"
     args = ("--reference", "sglang", "--sglang-url", url, "--max-in-flight", "1")
-    assert run(target_dir, prompts_file, out, *args) == 1
+    assert run(target_dir, prompts_file, out, *args) == 2
     err = capsys.readouterr().err
     assert "abort" in err and "rerun to resume" in err and not (out / MANIFEST_NAME).exists()
     saved = [json.loads(line)["id"] for line in (out / JOURNAL_NAME).read_text().splitlines()]
@@ -378,7 +389,7 @@ def test_parts_merge_equals_single_run(per_shard, target_dir, prompts_file, tmp_
     for i, part in enumerate(parts):
         assert run(target_dir, prompts_file, part, "--num-shards", "2", "--shard-index", str(i), *extra) == 0
         assert StateCache(part).manifest.prompts["part"] == {"num_shards": 2, "shard_index": i}
-    assert merge_main(["--out", str(tmp_path / "merged"), str(parts[0])]) == 1  # a part is missing
+    assert merge_main(["--out", str(tmp_path / "merged"), str(parts[0])]) == 2  # a part is missing
     assert not (tmp_path / "merged" / MANIFEST_NAME).exists()
     assert merge_main(["--out", str(tmp_path / "merged"), *map(str, parts)]) == 0
     merged = tmp_path / "merged"
@@ -391,7 +402,7 @@ def test_parts_merge_equals_single_run(per_shard, target_dir, prompts_file, tmp_
     other = tmp_path / "other"
     assert run(target_dir, prompts_file, other, "--num-shards", "2", "--shard-index", "1", "--max-new-tokens",
                "5", *extra) == 0
-    assert merge_main(["--out", str(tmp_path / "m2"), str(parts[0]), str(other)]) == 1
+    assert merge_main(["--out", str(tmp_path / "m2"), str(parts[0]), str(other)]) == 2
 
 
 def test_yaml_config_and_cli_override(target_dir, prompts_file, tmp_path):
@@ -441,7 +452,7 @@ def test_qwen3_5_target_end_to_end(tmp_path):
         assert f.get_tensor("embed_tokens.weight").shape == (TINY_VOCAB, TINY_HIDDEN)
 
 
-def test_text_and_messages_prompts_use_the_tokenizer(target_dir, tmp_path):
+def test_text_and_messages_prompts_use_the_tokenizer(target_dir, tmp_path, capsys):
     from tiny_target import TINY_WORDS, save_tiny_tokenizer
 
     tok = save_tiny_tokenizer(tmp_path / "tok")
@@ -460,9 +471,13 @@ def test_text_and_messages_prompts_use_the_tokenizer(target_dir, tmp_path):
     c = cache.entry("c")
     assert cache.load("c").input_ids[: c.prompt_len].tolist() == [TINY_WORDS.index(w) for w in words]
     assert cache.entry("t").prompt_len == 6 and cache.entry("t").category == "uncategorized"
-    # without a tokenizer (the tiny target folder has none) text prompts are refused up front
+    # without a tokenizer (the tiny target folder has none) text prompts are refused up front, saying why
+    # (issue 11 item 16: transformers loads such a folder as an empty tokenizer, "no tokens" misleads)
     assert main(["--target", str(target_dir), "--prompts", str(prompts), "--out", str(tmp_path / "n"),
                  "--layers", "1", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert f"--target {target_dir} has no tokenizer files" in err and "pass --tokenizer" in err
+    assert "tokenizes to no tokens" not in err and not (tmp_path / "n").exists()
 
 
 def test_broken_target_is_refused_by_the_tool(prompts_file, tmp_path, capsys):
@@ -470,7 +485,242 @@ def test_broken_target_is_refused_by_the_tool(prompts_file, tmp_path, capsys):
 
     broken = save_tiny_qwen3(tmp_path / "broken")
     delete_tensor(broken, "model.norm.weight")
-    assert run(broken, prompts_file, tmp_path / "o") == 1
+    assert run(broken, prompts_file, tmp_path / "o") == 2
     err = capsys.readouterr().err
     assert "model.norm.weight" in err and "missing from the checkpoint" in err
     assert not (tmp_path / "o" / MANIFEST_NAME).exists()
+
+
+# -- issue 11: the reference journal and the served answers ------------------------------------------------
+
+
+def _prompts(prompts_file: Path) -> list[list[int]]:
+    return [json.loads(line)["input_ids"] for line in prompts_file.read_text().splitlines()]
+
+
+def _journal_ids(path: Path) -> list[str]:
+    return [json.loads(line)["id"] for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_completions_are_journaled_as_they_arrive(sglang, target_dir, prompts_file, tmp_path):
+    """Item 2: with two answers held back by the server, the three that arrived are already on disk."""
+    url, server = sglang
+    prompts = _prompts(prompts_file)
+    server.hold = {tuple(prompts[1]), tuple(prompts[4])}
+    out = tmp_path / "arrive"
+    result: list[int] = []
+    worker = threading.Thread(target=lambda: result.append(
+        run(target_dir, prompts_file, out, "--reference", "sglang", "--sglang-url", url, "--max-in-flight", "5")))
+    worker.start()
+    try:
+        journal = out / JOURNAL_NAME
+        deadline = time.monotonic() + 30
+        while len(_journal_ids(journal)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        # held requests are still open: what is on disk arrived one by one, not at the end
+        assert sorted(_journal_ids(journal)) == ["p000", "p002", "p003"] and worker.is_alive()
+    finally:
+        server.release.set()
+        worker.join(60)
+    assert result == [0] and server.calls == 5
+    assert _journal_ids(out / JOURNAL_NAME) == [f"p{i:03d}" for i in range(5)]
+
+
+def test_short_answer_is_refused_naming_the_prompt(sglang, local_cache, target_dir, prompts_file, tmp_path,
+                                                   capsys):
+    """Item 4: a 'length' answer shorter than max_new_tokens is a server fault, never a cached sample."""
+    url, server = sglang
+    local = StateCache(local_cache)
+    victim = next(s for s in local.samples if s.completion_len > 3 and s.finish_reason == "length")
+    server.short.add(tuple(_prompts(prompts_file)[victim.index]))
+    out = tmp_path / "short"
+    args = ("--reference", "sglang", "--sglang-url", url, "--sglang-retries", "1", "--max-in-flight", "1")
+    assert run(target_dir, prompts_file, out, *args) == 2
+    err = capsys.readouterr().err
+    assert f"request {victim.id!r} failed" in err and "incomplete completion" in err and "2 attempt" in err
+    assert not (out / MANIFEST_NAME).exists() and victim.id not in _journal_ids(out / JOURNAL_NAME)
+    server.short.clear()
+    assert run(target_dir, prompts_file, out, *args) == 0
+    assert StateCache(out).entry(victim.id).completion_len == victim.completion_len
+
+
+def test_out_of_vocabulary_answer_is_never_journaled(sglang, target_dir, prompts_file, tmp_path, capsys):
+    """Item 6: token ids outside the vocabulary fail naming the prompt and never reach the journal."""
+    url, server = sglang
+    server.oov.add(tuple(_prompts(prompts_file)[2]))
+    out = tmp_path / "oov"
+    args = ("--reference", "sglang", "--sglang-url", url, "--sglang-retries", "0", "--max-in-flight", "1")
+    assert run(target_dir, prompts_file, out, *args) == 2
+    err = capsys.readouterr().err
+    assert "request 'p002' failed" in err and f"outside the target's vocabulary [0, {TINY_VOCAB})" in err
+    assert "Traceback" not in err and "p002" not in _journal_ids(out / JOURNAL_NAME)
+    server.oov.clear()
+    assert run(target_dir, prompts_file, out, *args) == 0  # the rerun does not crash on a stale entry
+
+
+def test_journal_entries_are_keyed_by_their_request(sglang, target_dir, prompts_file, tmp_path, capsys):
+    """Item 5: a journal made with other arguments is not reused; one made with the same ones is."""
+    url, server = sglang
+    first = tmp_path / "first"
+    args = ("--reference", "sglang", "--sglang-url", url)
+    assert run(target_dir, prompts_file, first, *args) == 0 and server.calls == 5
+    entry = json.loads((first / JOURNAL_NAME).read_text().splitlines()[0])
+    assert len(entry["request_sha256"]) == 64 and entry["finish_reason"] in ("stop", "length")
+
+    same = tmp_path / "same"  # the journal alone (as a run killed while querying leaves it)
+    same.mkdir()
+    (same / JOURNAL_NAME).write_bytes((first / JOURNAL_NAME).read_bytes())
+    assert run(target_dir, prompts_file, same, *args) == 0 and server.calls == 5
+    assert folder_digest(same) == folder_digest(first)
+
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / JOURNAL_NAME).write_bytes((first / JOURNAL_NAME).read_bytes())
+    capsys.readouterr()
+    assert run(target_dir, prompts_file, other, *args, "--max-new-tokens", "6") == 0
+    assert server.calls == 10 and "5 saved completion(s) were made with other arguments" in capsys.readouterr().err
+    assert all(s.completion_len <= 6 for s in StateCache(other).samples)
+
+
+# -- issue 11 item 19: the resume record grows by appends -------------------------------------------------
+
+
+def test_progress_record_is_appended_not_rewritten(target_dir, prompts_file, tmp_path, monkeypatch):
+    from dflash_cb.precompute import progress
+
+    rewrites, appends = [], []
+    real_start, real_append = progress.atomic_write_text, progress.append_line_durably
+    monkeypatch.setattr(progress, "atomic_write_text", lambda p, t: (rewrites.append(p), real_start(p, t)))
+    monkeypatch.setattr(progress, "append_line_durably", lambda p, t: (appends.append(t), real_append(p, t)))
+    out = tmp_path / "prog"
+    assert run(target_dir, prompts_file, out) == 0
+    # one write of the fingerprint, then O(1) per shard: one line each (five shards, then the head)
+    assert rewrites == [out / PROGRESS_NAME] and len(appends) == 6
+    assert [next(iter(json.loads(a))) for a in appends] == ["shard"] * 5 + ["target_head"]
+
+
+# -- issue 9: compute dtype apart from storage dtype --------------------------------------------------------
+
+
+def test_float32_compute_with_bfloat16_storage(target_dir, prompts_file, tmp_path, capsys):
+    from dflash_cb.target import load_target, prefill
+
+    out = tmp_path / "f32b16"
+    assert main(["--target", str(target_dir), "--prompts", str(prompts_file), "--out", str(out), "--layers", LAYERS,
+                 "--max-new-tokens", "12", "--dtype", "bfloat16", "--compute-dtype", "float32",
+                 "--topk-logprobs", "3", "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    # the ETA after the first sample, and the dtypes next to the agreement
+    assert "first sample:" in err and "tok/s (float32 compute); at most" in err and "tokens left, projected" in err
+    assert "(float32 compute, bfloat16 storage)" in err
+    cache = StateCache(out)
+    assert cache.manifest.dtype == "bfloat16" and cache.manifest.compute_dtype == "float32"
+    target = load_target(target_dir, "float32")
+    for entry in cache.samples:
+        s = cache.load(entry.id)
+        ref = prefill(target, s.input_ids, [0, 2, 3], topk=3)
+        assert s.hidden.dtype == torch.bfloat16 and torch.equal(s.hidden, ref.hidden.to(torch.bfloat16))
+        assert torch.equal(s.target_argmax, ref.target_argmax)  # agreement measured in float32
+    head = cache.load_head()
+    assert cache.manifest.target_head["dtype"] == "bfloat16" and head.embed_tokens.dtype == torch.bfloat16
+    assert torch.equal(head.lm_head, target.model.lm_head.weight.to(torch.bfloat16))
+    log = json.loads((out / "precompute_log.json").read_text())
+    assert log["summary"]["compute_dtype"] == "float32" and log["compute"]["reason"] == "given by --compute-dtype"
+
+
+def test_auto_compute_dtype_follows_the_probe(target_dir, prompts_file, tmp_path):
+    from dflash_cb.precompute import DtypeProbe, PrecomputeArgs, prepare, run_precompute
+    from dflash_cb.target import load_target
+
+    def args(out: str) -> PrecomputeArgs:
+        return PrecomputeArgs(target=str(target_dir), prompts=str(prompts_file), out=str(tmp_path / out),
+                              layers=[0, 2], max_new_tokens=4, dtype="bfloat16", progress=False)
+
+    asked: list[tuple[torch.dtype, int]] = []
+
+    def gflops(fast: torch.dtype):
+        def measure(dtype: torch.dtype, hidden: int) -> float:
+            asked.append((dtype, hidden))
+            return 100.0 if dtype == fast else 20.0
+        return measure
+
+    plenty = lambda: 1 << 40  # noqa: E731
+    plan = prepare(args("a"), log=lambda m: None, probe=DtypeProbe(gflops(torch.float32), plenty))
+    assert plan.compute_dtype == "float32" and plan.header.compute_dtype == "float32"
+    assert sorted(asked, key=str) == sorted([(torch.float32, TINY_HIDDEN), (torch.bfloat16, TINY_HIDDEN)], key=str)
+    assert prepare(args("b"), log=lambda m: None,
+                   probe=DtypeProbe(gflops(torch.bfloat16), plenty)).compute_dtype == "bfloat16"
+    # float32 faster but it would not fit: the float32 need (weights + activations) exceeds what is available
+    tight = prepare(args("c"), log=lambda m: None, probe=DtypeProbe(gflops(torch.float32), lambda: 1 << 20))
+    assert tight.compute_dtype == "bfloat16" and "are available" in tight.compute.reason
+    weights = sum(p.numel() for p in load_target(target_dir, "float32").model.parameters())
+    assert tight.compute.float32_need_bytes > 4 * weights  # at least the float32 weights
+    # a whole run records the choice and the measured figures
+    logged: list[str] = []
+    run_precompute(args("d"), log=logged.append, probe=DtypeProbe(gflops(torch.float32), plenty))
+    assert StateCache(tmp_path / "d").manifest.compute_dtype == "float32"
+    assert any("compute dtype: float32" in m and "100.0 GFLOP/s" in m for m in logged)
+    record = json.loads((tmp_path / "d" / "precompute_log.json").read_text())["compute"]
+    assert record["gflops"] == {"float32": 100.0, "bfloat16": 20.0} and record["compute_dtype"] == "float32"
+
+
+def test_resume_with_another_compute_dtype_is_refused(target_dir, prompts_file, tmp_path, capsys):
+    out = tmp_path / "cd"
+    common = ["--dtype", "bfloat16", "--max-new-tokens", "4"]
+    assert run(target_dir, prompts_file, out, *common, "--compute-dtype", "float32") == 0
+    before = folder_digest(out, skip=())
+    capsys.readouterr()
+    assert run(target_dir, prompts_file, out, *common, "--compute-dtype", "bfloat16") == 2
+    err = capsys.readouterr().err
+    assert "manifest.compute_dtype: existing 'float32', now 'bfloat16'" in err and "--overwrite" in err
+    assert folder_digest(out, skip=()) == before
+    # auto keeps the cache's compute dtype without probing the CPU (the probe would log its figures)
+    assert run(target_dir, prompts_file, out, *common, "--compute-dtype", "auto") == 0
+    assert "GFLOP/s" not in capsys.readouterr().err
+    assert folder_digest(out) == {k: v for k, v in before.items() if k != "precompute_log.json"}
+
+
+# -- issue 11 item 14: OS errors on user paths are one line, exit 2 -------------------------------------------
+
+
+def _one_error_line(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def test_out_paths_that_cannot_be_written(local_cache, target_dir, prompts_file, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("dflash_cb.target.load_target", _must_not_load)
+    a_file = tmp_path / "a_file"
+    a_file.write_text("keep me")
+    assert run(target_dir, prompts_file, a_file / "sub") == 2
+    assert f"{a_file} is a file, not a folder" in _one_error_line(capsys.readouterr().err)
+    assert run(target_dir, prompts_file, a_file) == 2
+    assert "exists and is not a folder" in _one_error_line(capsys.readouterr().err)
+    assert run(target_dir, prompts_file, Path("/proc/dflash-cb-test/x")) == 2
+    assert "/proc/dflash-cb-test" in _one_error_line(capsys.readouterr().err)
+    assert merge_main(["--out", str(a_file), str(local_cache)]) == 2
+    assert "not a folder" in _one_error_line(capsys.readouterr().err)
+    assert a_file.read_text() == "keep me"
+
+
+def test_full_disk_during_a_shard_write_is_one_line(target_dir, prompts_file, tmp_path, capsys):
+    """A write that runs out of room (here: RLIMIT_FSIZE, as a full disk would) fails cleanly, no shard kept."""
+    import resource
+    import signal
+
+    out = tmp_path / "full"
+    old_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, old_limit[1]))
+    try:
+        rc = run(target_dir, prompts_file, out, "--samples-per-shard", "5", "--no-export-head")
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
+        signal.signal(signal.SIGXFSZ, old_handler)
+    assert rc == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert shard_name(0) in line and ("too large" in line or "disk full" in line)
+    assert not (out / MANIFEST_NAME).exists() and not (out / shard_name(0)).exists()
+    assert not list(out.glob(".*.tmp"))
+    assert run(target_dir, prompts_file, out, "--samples-per-shard", "5", "--no-export-head") == 0

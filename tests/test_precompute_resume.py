@@ -58,6 +58,9 @@ def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path, capsys):
     assert 3 <= len(partial) < 30
     # a torn write from the crash, as a kill during the write would leave it
     (out / ".states-00039.safetensors.abc.tmp").write_bytes(b"half a shard")
+    # and a torn append to the resume record (its last line without a newline): ignored
+    with open(out / PROGRESS_NAME, "ab") as f:
+        f.write(b'{"shard": {"file": "states-00029.safetensors", "sha')
 
     # the same command again (in this process, one thread like the killed one, to save a startup)
     capsys.readouterr()

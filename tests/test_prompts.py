@@ -206,3 +206,14 @@ def test_shipped_eval_v1(tokenizer: PreTrainedTokenizerFast) -> None:
             assert any(m["role"] == "assistant" for m in r.messages), r.id
         # Every prompt goes through a chat template without error.
         assert tokenize_prompt(r, tokenizer, {"enable_thinking": False})
+
+
+def test_missing_tokenizer_files(tmp_path: Path) -> None:
+    """A model folder without tokenizer files (transformers would load it as an empty tokenizer)."""
+    from dflash_cb.prompts import missing_tokenizer_files
+
+    (tmp_path / "config.json").write_text("{}")
+    assert "tokenizer.json" in missing_tokenizer_files(tmp_path)
+    (tmp_path / "tokenizer.json").write_text("{}")
+    assert missing_tokenizer_files(tmp_path) == []
+    assert missing_tokenizer_files("Qwen/Qwen3.6-27B") == []  # a hub id is not checked locally

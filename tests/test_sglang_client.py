@@ -83,6 +83,9 @@ class FakeSGLang:
         self.reject_token: int | None = None  # reject (400) only prompts holding this token
         self.delay_s = 0.0  # per-request sleep, to make concurrency visible
         self.health_status = 200
+        self.trickle_s = 0.0  # send the answer's body one byte every trickle_s seconds
+        self.short_first = 0  # this many answers cut to 3 tokens, still claiming finish_reason "length"
+        self.oov = False  # answers holding a token id outside the 128-token vocabulary
 
     def complete(self, body: dict[str, Any]) -> dict[str, Any]:
         params = body["sampling_params"]
@@ -123,6 +126,20 @@ def make_handler(state: FakeSGLang) -> type[BaseHTTPRequestHandler]:
                 pass  # the client gave up (timeout test)
 
         def _json(self, status: int, obj: Any) -> None:
+            if state.trickle_s and status == 200:
+                body = json.dumps(obj).encode()
+                try:
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    for i in range(len(body)):
+                        self.wfile.write(body[i:i + 1])
+                        self.wfile.flush()
+                        time.sleep(state.trickle_s)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass
+                return
             self._send(status, json.dumps(obj).encode())
 
         def do_GET(self) -> None:
@@ -174,7 +191,12 @@ def make_handler(state: FakeSGLang) -> type[BaseHTTPRequestHandler]:
                         },
                     )
                 else:
-                    self._json(200, state.complete(body))
+                    answer = state.complete(body)
+                    if call <= state.short_first:
+                        answer["output_ids"] = answer["output_ids"][:3]
+                    if state.oov:
+                        answer["output_ids"][-1] = 1000
+                    self._json(200, answer)
             finally:
                 with state.lock:
                     state.in_flight -= 1
@@ -359,3 +381,38 @@ def test_generate_many_failure_names_key(server: tuple[str, FakeSGLang]) -> None
         fast_client(url).generate_many(reqs, 4, [], max_in_flight=1)
     # The rest were cancelled: at most the one a worker had already picked up was sent.
     assert state.generate_calls <= 2
+
+
+def test_short_length_answer_is_retried_then_refused(server: tuple[str, FakeSGLang], tiny_model) -> None:
+    """Issue 11 item 4: 3 tokens with finish_reason "length" for max_new_tokens=12 is not a completion."""
+    url, state = server
+    state.short_first = 1
+    comp = fast_client(url).generate(PROMPT, 12, [])
+    assert comp.output_ids == greedy(tiny_model, PROMPT, 12, []) and state.generate_calls == 2
+    state.short_first = 100
+    with pytest.raises(SGLangError, match=r"returned 3 tokens .* an incomplete completion"):
+        fast_client(url, max_retries=2).generate(PROMPT, 12, [])
+    assert state.generate_calls == 2 + 3
+
+
+def test_out_of_vocabulary_ids_are_refused(server: tuple[str, FakeSGLang]) -> None:
+    """Issue 11 item 6: ids the target cannot have produced are a server fault, not a completion."""
+    url, state = server
+    state.oov = True
+    with pytest.raises(SGLangError, match=r"token ids \[1000\] outside the target's vocabulary \[0, 128\)"):
+        fast_client(url, max_retries=1).generate(PROMPT, 8, [], vocab_size=128)
+    seen: list[str] = []
+    with pytest.raises(SGLangError, match="request 'a' failed"):
+        fast_client(url, max_retries=0).generate_many([("a", PROMPT)], 8, [], on_result=lambda k, c: seen.append(k),
+                                                      vocab_size=128)
+    assert seen == []  # nothing handed over for journaling
+
+
+def test_timeout_is_per_request_not_per_read(server: tuple[str, FakeSGLang]) -> None:
+    """Issue 11 item 17: a server trickling a byte every 0.2 s cannot hold a request past the timeout."""
+    url, state = server
+    state.trickle_s = 0.2  # the ~200-byte answer would take ~40 s
+    t0 = time.monotonic()
+    with pytest.raises(SGLangError, match="no complete answer within 1s"):
+        fast_client(url, timeout=1.0, max_retries=0).generate(PROMPT, 8, [])
+    assert time.monotonic() - t0 < 2.5

@@ -148,3 +148,44 @@ def test_bfloat16_load(qwen3_dir):
     target = load_target(qwen3_dir, "bfloat16")
     res = prefill(target, list(range(3, 20)), [1, 2])
     assert res.hidden.dtype == torch.bfloat16 and res.hidden.shape == (17, 2 * TINY_HIDDEN)
+
+
+def test_head_stats_top_k_argmax_keeps_the_first_maximal_index():
+    """One pass over the head: the argmax read off the top-K equals argmax() on ties too."""
+    hidden = torch.eye(4)
+    head = torch.nn.Linear(4, 6, bias=False)
+    with torch.no_grad():
+        head.weight.copy_(torch.tensor([[0, 1, 0, 1], [2, 0, 0, 1], [2, 0, 1, 1], [1, 0, 1, 1],
+                                        [2, 1, 1, 1], [0, 1, 1, 1]], dtype=torch.float32))
+    full = head(hidden)  # row 0: ties at 2 (ids 1, 2, 4); row 3: six-way tie at 1
+    for k in (1, 2, 3, 6):
+        am, ids, lps = head_stats(hidden, head, topk=k, chunk=3)
+        assert torch.equal(am, full.argmax(-1)), k
+        torch.testing.assert_close(lps, torch.log_softmax(full, -1).gather(-1, ids))
+
+
+def test_head_stats_bfloat16_logprobs_close_to_float32():
+    """bfloat16 logits are not copied to float32 for the top-K: the log-probs stay within 0.01 nats."""
+    torch.manual_seed(1)
+    head = torch.nn.Linear(16, 300, bias=False).bfloat16()
+    for scale in (3, 300):  # logits of a few units, and beyond +-80 (exp would overflow unshifted)
+        hidden = (scale * torch.randn(40, 16)).bfloat16()
+        am, ids, lps = head_stats(hidden, head, topk=5, chunk=16)
+        with torch.no_grad():
+            full = head(hidden).float()
+        assert torch.equal(am, full.argmax(-1)) and lps.dtype == torch.float32
+        assert torch.equal(full.gather(-1, ids), full.topk(5).values)
+        ref = torch.log_softmax(full, -1).gather(-1, ids)
+        torch.testing.assert_close(lps, ref, rtol=0, atol=0.01 * max(1.0, ref.abs().max().item() / 100))
+
+
+def test_head_stats_top_k_in_row_slices():
+    """A large vocabulary is processed in row slices of ~1 MiB inside each chunk: same results."""
+    torch.manual_seed(2)
+    hidden = torch.randn(21, 16)
+    head = torch.nn.Linear(16, 40_000, bias=False)  # 160 kB per float32 row: 6 rows per slice
+    am, ids, lps = head_stats(hidden, head, topk=4, chunk=16)
+    with torch.no_grad():
+        full = head(hidden)
+    assert torch.equal(am, full.argmax(-1)) and torch.equal(ids, full.topk(4).indices)
+    torch.testing.assert_close(lps, torch.log_softmax(full, -1).topk(4).values)

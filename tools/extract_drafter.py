@@ -11,8 +11,6 @@ dflash_cb (DFlashDrafter.from_pretrained) and in the reference dflash.model.DFla
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -20,31 +18,29 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main(argv: list[str] | None = None) -> int:
+    import argparse
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", required=True, help="Lightning .ckpt, a torch state dict, or a .safetensors file")
-    p.add_argument("--out", required=True, help="drafter folder to write (replaced atomically if it exists)")
+    p.add_argument("--out", required=True,
+                   help="drafter folder to write: new, empty, or an earlier drafter folder (replaced atomically)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="write config.json and model.safetensors into a non-empty folder that is not a drafter "
+                        "folder (its other files are kept; the folder holding --ckpt is always refused)")
     p.add_argument("--config", default=None,
                    help="drafter config.json (default: hyper_parameters.drafter_config in the checkpoint)")
     p.add_argument("--prefix", default=None, help="key prefix of the drafter in the checkpoint (default: found)")
     args = p.parse_args(argv)
-    from dflash_cb.checkpoints import extract_drafter
+    from dflash_cb.checkpoints import extract_drafter, read_drafter_config
 
-    config = None
-    if args.config:
-        try:
-            config = json.loads(Path(args.config).read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            print(f"error: {args.config}: {e}", file=sys.stderr)
-            return 2
-    try:
-        info = extract_drafter(args.ckpt, args.out, config=config, prefix=args.prefix)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    config = read_drafter_config(args.config) if args.config else None
+    info = extract_drafter(args.ckpt, args.out, config=config, prefix=args.prefix, overwrite=args.overwrite)
     print(f"wrote {args.out}: {info['tensors']} tensors, {info['params'] / 1e6:.2f}M parameters "
           f"(prefix {info['prefix']!r}; dropped {', '.join(info['dropped_entries']) or 'nothing'})")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from dflash_cb.cli import run
+
+    sys.exit(run(main))

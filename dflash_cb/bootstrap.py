@@ -1,0 +1,157 @@
+"""Cluster bootstrap intervals for ratio metrics (tau and friends), plain and paired.
+
+What an interval means: tau is a ratio ``sum(produced) / sum(cycles)`` over the evaluated
+prompts. The 95% interval says how much that number would move if the same drafter were scored
+on another set of prompts drawn from the same distribution as this cache's: it is the
+uncertainty from the *choice of prompts*. It says nothing about other prompt distributions, and
+the replay itself is exact (no noise from the replay).
+
+Why a cluster bootstrap: the cycles of one prompt are correlated (an easy prompt has many long
+cycles), so resampling single cycles would give intervals that are far too narrow. Whole
+samples are resampled, each with all its cycles; a sample's contribution is then just its two
+sums (produced, cycles), and every metric of one resample is a ratio of weighted sums. All
+resamples are one ``[R, S]`` index matrix, so 1,000 resamples of 100 samples cost milliseconds.
+
+Paired comparison: two drafters scored on the *same* prompts are compared by resampling the
+prompts once and taking the difference of the two ratios on each resample. Prompt difficulty
+cancels, so the interval of the difference is much narrower than the two separate intervals
+suggest; a drafter against itself gives exactly [0, 0].
+
+Pure numpy: no I/O, no torch, no W&B.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .metrics import TAU, category_tau, ci_high, ci_low, ddtree_tau
+
+DEFAULT_RESAMPLES = 1000
+DEFAULT_LEVEL = 0.95
+DEFAULT_SEED = 0
+
+
+@dataclass(frozen=True)
+class Sums:
+    """Per-sample sums of one ratio metric: ``value = produced.sum() / cycles.sum()``."""
+
+    produced: np.ndarray  # [S]
+    cycles: np.ndarray  # [S]
+
+    @classmethod
+    def of(cls, produced: list[float] | np.ndarray, cycles: list[float] | np.ndarray) -> Sums:
+        p, c = np.asarray(produced, dtype=np.float64), np.asarray(cycles, dtype=np.float64)
+        if p.shape != c.shape or p.ndim != 1:
+            raise ValueError(f"produced and cycles must be 1-d and of one length, got {p.shape} and {c.shape}")
+        return cls(p, c)
+
+    @property
+    def value(self) -> float:
+        den = self.cycles.sum()
+        return float(self.produced.sum() / den) if den > 0 else math.nan
+
+
+@dataclass(frozen=True)
+class Interval:
+    value: float  # the point estimate on the actual samples
+    low: float
+    high: float
+
+    def excludes_zero(self) -> bool:
+        return self.low > 0 or self.high < 0
+
+
+def resample_indices(n_samples: int, n_resamples: int = DEFAULT_RESAMPLES, seed: int = DEFAULT_SEED) -> np.ndarray:
+    """``[R, S]`` sample indices drawn with replacement (a private, seeded generator)."""
+    if n_samples < 1:
+        raise ValueError("the bootstrap needs at least one sample")
+    if n_resamples < 1:
+        raise ValueError(f"n_resamples must be >= 1, got {n_resamples}")
+    return np.random.default_rng(seed).integers(0, n_samples, size=(n_resamples, n_samples))
+
+
+def _ratios(s: Sums, idx: np.ndarray) -> np.ndarray:
+    """Metric on each resample; NaN where the resample has no cycles for it (e.g. a missing category)."""
+    num = s.produced[idx].sum(axis=1)
+    den = s.cycles[idx].sum(axis=1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(den > 0, num / np.where(den > 0, den, 1.0), np.nan)
+
+
+def _percentiles(draws: np.ndarray, level: float) -> tuple[float, float]:
+    finite = draws[np.isfinite(draws)]
+    if finite.size == 0:
+        return math.nan, math.nan
+    a = (1.0 - level) / 2.0
+    lo, hi = np.quantile(finite, [a, 1.0 - a])
+    return float(lo), float(hi)
+
+
+def intervals(metrics: Mapping[str, Sums], n_resamples: int = DEFAULT_RESAMPLES, seed: int = DEFAULT_SEED,
+              level: float = DEFAULT_LEVEL) -> dict[str, Interval]:
+    """Percentile intervals of every metric, all from the same resamples of the samples.
+
+    Every ``Sums`` must list the same samples in the same order (one entry per sample, zeros where
+    the sample does not count for that metric, e.g. another category).
+    """
+    if not metrics:
+        return {}
+    n = {len(s.produced) for s in metrics.values()}
+    if len(n) != 1:
+        raise ValueError(f"every metric needs one entry per sample; got lengths {sorted(n)}")
+    idx = resample_indices(n.pop(), n_resamples, seed)
+    return {k: Interval(s.value, *_percentiles(_ratios(s, idx), level)) for k, s in metrics.items()}
+
+
+def paired_difference(a: Sums, b: Sums, n_resamples: int = DEFAULT_RESAMPLES, seed: int = DEFAULT_SEED,
+                      level: float = DEFAULT_LEVEL) -> Interval:
+    """``b - a`` with a paired cluster-bootstrap interval: both on the same resampled samples.
+
+    ``a`` and ``b`` list the same samples in the same order.
+    """
+    if a.produced.shape != b.produced.shape:
+        raise ValueError(f"paired samples differ in number: {a.produced.shape[0]} vs {b.produced.shape[0]}")
+    idx = resample_indices(len(a.produced), n_resamples, seed)
+    diff = _ratios(b, idx) - _ratios(a, idx)
+    return Interval(b.value - a.value, *_percentiles(diff, level))
+
+
+# -- from scored samples ---------------------------------------------------------------------
+
+def metric_sums(samples: Sequence[Any], budgets: Sequence[int] = (),
+                categories: Sequence[str] = ()) -> dict[str, Sums]:
+    """Per-sample sums of ``tau``, each DDTree tau and each category tau (``metrics`` names).
+
+    ``samples``: scored samples (``engine.SampleResult`` or ``results.SampleRecord``: ``category``,
+    ``acceptance_lengths``, ``ddtree: {budget: lengths}``), in one fixed order.
+    """
+    produced = [float(sum(s.acceptance_lengths)) for s in samples]
+    cycles = [float(len(s.acceptance_lengths)) for s in samples]
+    out = {TAU: Sums.of(produced, cycles)}
+    for b in budgets:
+        dd = [s.ddtree.get(b, []) for s in samples]
+        out[ddtree_tau(b)] = Sums.of([float(sum(x)) for x in dd], [float(len(x)) for x in dd])
+    for c in categories:
+        mask = [s.category == c for s in samples]
+        out[category_tau(c)] = Sums.of([p if m else 0.0 for p, m in zip(produced, mask, strict=True)],
+                                       [n if m else 0.0 for n, m in zip(cycles, mask, strict=True)])
+    return out
+
+
+def interval_metrics(samples: Sequence[Any], budgets: Sequence[int] = (), categories: Sequence[str] = (),
+                     n_resamples: int = DEFAULT_RESAMPLES, seed: int = DEFAULT_SEED,
+                     level: float = DEFAULT_LEVEL) -> dict[str, float]:
+    """``{<metric>_ci_low, <metric>_ci_high}`` for tau, DDTree taus and category taus (finite ends only)."""
+    if not samples:
+        return {}
+    out: dict[str, float] = {}
+    for k, iv in intervals(metric_sums(samples, budgets, categories), n_resamples, seed, level).items():
+        if math.isfinite(iv.low) and math.isfinite(iv.high):
+            out[ci_low(k)] = iv.low
+            out[ci_high(k)] = iv.high
+    return out

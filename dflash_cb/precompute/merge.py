@@ -1,0 +1,122 @@
+"""Merge the parts of a ``--num-shards N`` precompute into one cache, equal to a single run's."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ..fileio import atomic_path, atomic_write_text
+from ..states import CacheError, Manifest, StateCache
+from .journal import journal_line, read_journal
+from .plan import (
+    JOURNAL_NAME,
+    Log,
+    PrecomputeError,
+    check_out_path,
+    diff,
+    header_dict,
+    is_own_file,
+    stderr_log,
+)
+from .run import build_manifest
+
+# Paths may differ between hosts (same checkpoint elsewhere); everything that shapes the data may not.
+_LOCAL_PATHS = ("target.name_or_path", "prompts.tokenizer")
+
+
+def _common(m: Manifest) -> dict[str, Any]:
+    d = header_dict(m)
+    d["prompts"] = {k: v for k, v in d["prompts"].items() if k != "part"}
+    d["target_head"] = None if m.target_head is None else m.target_head["sha256"]
+    return d
+
+
+def _place(src: Path, dst: Path, link: bool) -> None:
+    """Put ``src`` at ``dst`` atomically: a hard link (no copy of multi-GB shards) or a copy."""
+    with atomic_path(dst) as tmp:
+        if link:
+            tmp.unlink()
+            try:
+                os.link(src, tmp)
+                return
+            except OSError:  # another filesystem, or links not supported
+                pass
+        shutil.copyfile(src, tmp)
+
+
+def merge_parts(out: str | os.PathLike, parts: Sequence[str | os.PathLike], overwrite: bool = False,
+                link: bool = True, verify: bool = True, log: Log = stderr_log) -> Manifest:
+    """Combine ``--num-shards`` parts into one cache, equal to what a single run would have written."""
+    out = Path(out)
+    if not parts:
+        raise PrecomputeError("merge: give at least one part folder")
+    check_out_path(out)
+    caches = []
+    for p in parts:
+        try:
+            caches.append(StateCache(p))
+        except CacheError as e:
+            raise PrecomputeError(f"merge: {e}") from e
+    base = caches[0].manifest
+    for c in caches[1:]:
+        diffs = diff(_common(base), _common(c.manifest))
+        for d in [d for d in diffs if d.split(":")[0] in _LOCAL_PATHS]:
+            log(f"warning: merge: {c.path} differs in {d} (kept {caches[0].path}'s)")
+        diffs = [d for d in diffs if d.split(":")[0] not in _LOCAL_PATHS]
+        if diffs:
+            raise PrecomputeError(f"merge: {c.path} was made with other arguments than {caches[0].path}:\n  - "
+                                  + "\n  - ".join(diffs[:20]))
+    count = int(base.prompts.get("count", -1))
+    seen: dict[int, str] = {}
+    for c in caches:
+        for s in c.manifest.samples:
+            if s.index in seen:
+                raise PrecomputeError(f"merge: prompt #{s.index} ({s.id!r}) is in both {seen[s.index]} and "
+                                      f"{c.path}; give each part once")
+            seen[s.index] = str(c.path)
+    missing = sorted(set(range(count)) - set(seen))
+    if missing:
+        raise PrecomputeError(f"merge: the parts cover {len(seen)} of {count} prompts; missing prompt indices "
+                              f"{missing[:20]} (a part not given or not finished?)")
+    if out.resolve() in {c.path.resolve() for c in caches}:
+        raise PrecomputeError("merge: --out must not be one of the parts")
+    if out.exists() and any(out.iterdir()):
+        if not overwrite:
+            raise PrecomputeError(f"merge: --out {out} is not empty; pass --overwrite to replace it")
+        strangers = sorted(p.name for p in out.iterdir() if not is_own_file(p.name))
+        if strangers:
+            raise PrecomputeError(f"merge: --out {out} holds files that are not part of a cache "
+                                  f"({strangers[:5]}); choose a new or empty folder")
+        for p in out.iterdir():
+            if p.is_file():
+                p.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+
+    shards, samples = [], []
+    for c in caches:
+        if verify:
+            try:
+                c.verify()
+            except CacheError as e:
+                raise PrecomputeError(f"merge: {e}") from e
+        for s in c.manifest.shards:
+            _place(c.path / s.file, out / s.file, link)
+            shards.append(s)
+        samples.extend(c.manifest.samples)
+    head = base.target_head
+    if head is not None:
+        _place(caches[0].path / head["file"], out / head["file"], link)
+    journals: dict[str, dict[str, Any]] = {}
+    for c in caches:
+        journals.update(read_journal(c.path / JOURNAL_NAME)[0])
+    header = Manifest.from_dict(base.to_dict())
+    header.prompts = {k: v for k, v in header.prompts.items() if k != "part"}
+    m = build_manifest(header, shards, samples, head)
+    if journals and all(s.id in journals for s in m.samples):
+        atomic_write_text(out / JOURNAL_NAME, "".join(journal_line(journals[s.id]) for s in m.samples))
+    m.write(out)
+    log(f"merged {len(caches)} part(s) into {out}: {len(m.samples)} samples, {len(m.shards)} shards")
+    return m

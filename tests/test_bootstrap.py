@@ -1,0 +1,179 @@
+"""Bootstrap intervals, position / cycle-index buckets and the results.json schema."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from dflash_cb.bootstrap import Sums, intervals, metric_sums, paired_difference
+from dflash_cb.positions import (
+    anchor_positions,
+    cycle_table,
+    position_labels,
+    position_table,
+)
+from dflash_cb.replay import SampleBounds, replay_walk
+from dflash_cb.results import SampleRecord
+
+
+def synthetic_sums(rng: np.random.Generator, n_samples: int, block: int = 8) -> Sums:
+    """Samples with their own difficulty p ~ Beta(2, 2); longer completions for easier prompts
+    (cycles = 50 + Binomial(100, p)); every cycle produces 1 + Binomial(block - 1, p).
+
+    True tau = E[n (1 + (block-1) p)] / E[n] with E[n] = 100, E[n p] = 50 E[p] + 100 E[p^2] = 25 + 30.
+    """
+    p = rng.beta(2.0, 2.0, n_samples)
+    n = 50 + rng.binomial(100, p)
+    produced = n + rng.binomial(n * (block - 1), p)  # a sum of Binomial(block-1, p) over n cycles
+    return Sums.of(produced, n)
+
+
+TRUE_TAU = (100 + 7 * 55) / 100
+
+
+def test_interval_covers_the_true_tau_in_90_to_99_percent_of_replicates():
+    rng = np.random.default_rng(2026)
+    covered = 0
+    for r in range(200):
+        iv = intervals({"tau": synthetic_sums(rng, 66)}, n_resamples=1000, seed=r)["tau"]
+        covered += iv.low <= TRUE_TAU <= iv.high
+    assert 180 <= covered <= 198, covered  # 90-99% of 200
+
+
+def test_cycle_level_resampling_would_be_too_narrow():
+    """Why samples are the resampling unit: the interval reflects between-prompt variation."""
+    rng = np.random.default_rng(5)
+    s = synthetic_sums(rng, 66)
+    iv = intervals({"tau": s})["tau"]
+    # Binomial-only (independent cycles) standard error of the mean produced per cycle:
+    per_cycle_se = math.sqrt(7 * 0.25 / s.cycles.sum())
+    assert (iv.high - iv.low) > 5 * (2 * 1.96 * per_cycle_se)
+    assert iv.low < iv.value < iv.high and iv.value == pytest.approx(s.produced.sum() / s.cycles.sum())
+
+
+def test_paired_interval_of_a_drafter_against_itself_is_zero():
+    s = synthetic_sums(np.random.default_rng(1), 40)
+    d = paired_difference(s, s)
+    assert (d.value, d.low, d.high) == (0.0, 0.0, 0.0)
+
+
+def test_paired_interval_is_narrower_than_the_separate_ones_and_finds_a_small_gain():
+    rng = np.random.default_rng(3)
+    a = synthetic_sums(rng, 66)
+    # B: every cycle of every sample commits 1 more token with probability 0.1 (tau + 0.1).
+    b = Sums.of(a.produced + rng.binomial(a.cycles.astype(int), 0.1), a.cycles)
+    d = paired_difference(a, b)
+    ia, ib = intervals({"a": a})["a"], intervals({"b": b})["b"]
+    assert d.low > 0 and d.excludes_zero()
+    assert ia.high > ib.low  # separately the intervals overlap: only pairing sees the gain
+    assert (d.high - d.low) < 0.25 * (ia.high - ia.low)
+
+
+def test_same_resamples_for_every_metric_and_nan_for_empty_metrics():
+    samples = [SampleRecord("a", "x", [1, 2, 3], {4: [2, 2]}), SampleRecord("b", "y", [1, 1], {4: [3]})]
+    sums = metric_sums(samples, [4], ["x", "y", "z"])
+    ivs = intervals(sums, n_resamples=200)
+    assert ivs["tau"].value == pytest.approx(8 / 5)
+    assert ivs["ddtree/tau_b4"].value == pytest.approx(7 / 3)
+    assert ivs["category/x/tau"].value == pytest.approx(2.0) and ivs["category/y/tau"].value == 1.0
+    assert math.isnan(ivs["category/z/tau"].value) and math.isnan(ivs["category/z/tau"].low)
+    with pytest.raises(ValueError, match="one entry per sample"):
+        intervals({"a": Sums.of([1], [1]), "b": Sums.of([1, 2], [1, 1])})
+
+
+# -- positions ---------------------------------------------------------------------------------
+
+def test_anchor_positions_follow_the_replay_walk():
+    """Cycle i anchors at prompt_len + sum(produced of earlier cycles): checked against replay_walk,
+    whose per-anchor ``produced`` here encodes the anchor it was read at."""
+    prompt_len, end = 7, 80
+    produced = [1 + (p % 5) for p in range(prompt_len, end)]  # produced at anchor p depends on p
+    tokens = list(range(100))
+    lengths = replay_walk(produced, tokens, SampleBounds(prompt_len, end, 100), [])
+    anchors = prompt_len + anchor_positions(lengths)
+    assert len(lengths) > 10
+    assert lengths == [1 + (int(p) % 5) for p in anchors]
+
+
+def _random_samples(rng: np.random.Generator, n: int) -> list[SampleRecord]:
+    return [SampleRecord(f"s{i}", ["a", "b"][i % 2], rng.integers(1, 9, rng.integers(0, 400)).tolist())
+            for i in range(n)]
+
+
+def test_position_and_cycle_buckets_partition_the_cycles():
+    rng = np.random.default_rng(0)
+    samples = _random_samples(rng, 30)
+    cycles = sum(len(s.acceptance_lengths) for s in samples)
+    tau = sum(sum(s.acceptance_lengths) for s in samples) / cycles
+    for table in (position_table(samples, (0, 64, 256, 512), ["a", "b"]), cycle_table(samples, 5, ["a", "b"])):
+        assert sum(r["cycles"] for r in table.values()) == cycles
+        assert sum(r["tau"] * r["cycles"] for r in table.values() if r["cycles"]) / cycles == pytest.approx(tau)
+        for c in ("a", "b"):
+            assert sum(r["categories"][c]["cycles"] for r in table.values()) == sum(
+                len(s.acceptance_lengths) for s in samples if s.category == c)
+    pos = position_table(samples, (0, 64, 256, 512))
+    assert list(pos) == ["0_64", "64_256", "256_512", "512_end"]
+    # The first cycle of every non-empty sample is cycle bucket 0 and sits at completion position 0.
+    first = cycle_table(samples)["0"]
+    nonempty = [s for s in samples if s.acceptance_lengths]
+    assert first["cycles"] == len(nonempty)
+    assert first["tau"] == pytest.approx(np.mean([s.acceptance_lengths[0] for s in nonempty]))
+    assert position_labels((0, 256, 512, 1024, 2048))[-1] == "2048_end"
+    with pytest.raises(ValueError, match="start at 0"):
+        position_labels((10, 20))
+
+
+# -- results.json ------------------------------------------------------------------------------
+
+def test_results_schema_round_trip_partition_and_refusals(tmp_path, tiny_cache, tiny_drafter_config):
+    import torch
+
+    from dflash_cb.engine import evaluate
+    from dflash_cb.model import DFlashDrafter
+    from dflash_cb.results import ResultsError, load_results, report_to_results, write_results
+    from dflash_cb.states import StateCache
+
+    torch.manual_seed(0)
+    cache = StateCache(tiny_cache)
+    report = evaluate(cache, DFlashDrafter.from_config_dict(tiny_drafter_config).eval(), budgets=[4])
+    res = report_to_results(report, cache, meta={"drafter": {"path": "x", "kind": "folder", "global_step": None}},
+                            position_edges=(0, 4, 8, 16))
+    path = tmp_path / "r.json"
+    write_results(res, path)
+    back = load_results(path, cache)
+    assert back.to_dict() == json.loads(path.read_text())
+    raw = json.loads(path.read_text())
+    assert raw["version"] == 2 and "tau" not in raw  # every scalar once, under metrics
+    assert back.tau == pytest.approx(report.tau)
+    for name in ("tau", "ddtree/tau_b4"):
+        assert back.metric(name + "_ci_low") <= back.metric(name) <= back.metric(name + "_ci_high")
+    # The buckets partition the cycles of a real evaluation.
+    cycles = back.metric("cycles")
+    for kind, labels in (("position", ["0_4", "4_8", "8_16", "16_end"]), ("cycle", ["0", "1", "2", "3", "4plus"])):
+        rows = [back.breakdown[kind][b] for b in labels]
+        assert sum(r["cycles"] for r in rows) == cycles
+        assert sum(back.metric(f"{kind}/{b}/cycles") for b in labels) == cycles
+        assert sum((r["tau"] or 0) * r["cycles"] for r in rows) / cycles == pytest.approx(back.tau)
+
+    # Version 1 files (tau written twice, DDTree lengths apart) are still read.
+    v1 = {"format": "dflash-cb-results", "version": 1, "tau": back.tau, "metrics": {"tau": back.tau},
+          "samples": [{"id": s.id, "category": s.category, "acceptance_lengths": s.acceptance_lengths}
+                      for s in back.samples],
+          "ddtree": {"4": {"tau": 1.0, "samples": [{"id": s.id, "acceptance_lengths": s.ddtree[4]}
+                                                   for s in back.samples]}},
+          "meta": {"cache_manifest_sha256": cache.manifest_sha256, "ddtree_budgets": [4]}}
+    (tmp_path / "v1.json").write_text(json.dumps(v1))
+    old = load_results(tmp_path / "v1.json", cache)
+    assert [s.ddtree for s in old.samples] == [s.ddtree for s in back.samples] and old.tau == back.tau
+
+    (tmp_path / "v9.json").write_text(json.dumps({**raw, "version": 9}))
+    with pytest.raises(ResultsError, match="version 9 is not known"):
+        load_results(tmp_path / "v9.json")
+    (tmp_path / "other.json").write_text(json.dumps({**raw, "meta": {**raw["meta"], "cache_manifest_sha256": "f" * 64}}))
+    with pytest.raises(ResultsError, match=r"ffffffffffff.*not comparable: rerun python tools/eval_drafter.py .* --drafter "):
+        load_results(tmp_path / "other.json", cache)
+    with pytest.raises(ResultsError, match="no such results file"):
+        load_results(tmp_path / "missing.json")

@@ -1,0 +1,215 @@
+"""tools/eval_drafter.py as a user runs it (``run(main)``): bad input is one line naming the file and
+the fix, exit code 2, found before the evaluation; a damaged cache or a wrong target never gives a
+number (issue 11, items 3, 7, 8, 9, 10, 14, 21)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shlex
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_cb.cli import run
+from dflash_cb.states import StateCache, select_sample_ids
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load_tool():
+    spec = importlib.util.spec_from_file_location("eval_drafter_tool", ROOT / "tools" / "eval_drafter.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+TOOL = _load_tool()
+
+
+@pytest.fixture(scope="module")
+def drafter_dir(tiny_drafter_config: dict, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from dflash_cb.model import DFlashDrafter
+
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("drafter") / "drafter"
+    DFlashDrafter.from_config_dict(tiny_drafter_config).save_pretrained(out)
+    return out
+
+
+def evaluate_tool(capsys: pytest.CaptureFixture, cache: Path, drafter: Path, out: Path, *extra: str,
+                  budgets: str = "4") -> tuple[int, str, str]:
+    code = run(TOOL.main, ["--states", str(cache), "--drafter", str(drafter), "--out", str(out),
+                           "--ddtree-budgets", budgets, "--device", "cpu", *extra])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def assert_one_line(code: int, out: str, err: str, *needles: str) -> None:
+    assert code == 2, (out, err)
+    assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    assert "tau (greedy replay)" not in out  # nothing was evaluated
+    for n in needles:
+        assert n in err, (n, err)
+
+
+def test_out_is_checked_before_any_work(tiny_cache, drafter_dir, tmp_path, capsys):
+    """Item 3: an existing folder, a path under a file, an unwritable place: refused first."""
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    for out, needle in ((tmp_path, "is a folder"), (a_file / "sub.json", "is a file, not a folder"),
+                        (Path("/proc/x.json"), "cannot write there")):
+        code, so, se = evaluate_tool(capsys, tiny_cache, drafter_dir, out)
+        assert_one_line(code, so, se, f"--out {out}", needle)
+    # Checked before the cache is even opened.
+    code, so, se = evaluate_tool(capsys, tmp_path / "no_cache", drafter_dir, tmp_path)
+    assert_one_line(code, so, se, "--out", "is a folder")
+
+
+def test_flipped_byte_is_refused_unless_no_verify(tiny_cache, drafter_dir, tmp_path, capsys):
+    """Item 7: a same-size corruption changed tau silently; hashes are now checked by default."""
+    broken = tmp_path / "cache"
+    shutil.copytree(tiny_cache, broken)
+    shard = sorted(broken.glob("states-*.safetensors"))[2]
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0x01
+    shard.write_bytes(bytes(data))
+    code, so, se = evaluate_tool(capsys, broken, drafter_dir, tmp_path / "r.json")
+    assert_one_line(code, so, se, str(shard), "sha256", "does not match")
+    assert not (tmp_path / "r.json").exists()
+    code, so, _ = evaluate_tool(capsys, broken, drafter_dir, tmp_path / "r.json", "--no-verify")
+    assert code == 0 and json.loads((tmp_path / "r.json").read_text())["meta"]["verified"] is False
+
+
+def test_hand_edited_valid_len_is_refused(tiny_cache, drafter_dir, tmp_path, capsys):
+    """Item 8: valid_len is recomputed from the stored target_argmax; beyond the sample it is refused
+    when the manifest is read (it used to crash)."""
+    cache = tmp_path / "cache"
+    shutil.copytree(tiny_cache, cache)
+    manifest = json.loads((cache / "manifest.json").read_text())
+    entry = manifest["samples"][0]
+    real = entry["valid_len"]
+    entry["valid_len"] = entry["prompt_len"] + 1 if real > entry["prompt_len"] + 1 else real - 1
+    (cache / "manifest.json").write_text(json.dumps(manifest))
+    code, so, se = evaluate_tool(capsys, cache, drafter_dir, tmp_path / "r.json")
+    assert_one_line(code, so, se, f"the manifest says valid_len {entry['valid_len']}",
+                    f"target_argmax gives {real}")
+    entry["valid_len"] = entry["prompt_len"] + entry["completion_len"] + 5
+    (cache / "manifest.json").write_text(json.dumps(manifest))
+    code, so, se = evaluate_tool(capsys, cache, drafter_dir, tmp_path / "r.json")
+    assert_one_line(code, so, se, f"valid_len {entry['valid_len']} is outside")
+
+
+def test_target_is_checked_against_the_cache(tiny_cache, drafter_dir, tmp_path, capsys):
+    """Item 9: an untied target without lm_head.weight, or another vocabulary, gave tau 1.0 silently."""
+    from safetensors.torch import load_file, save_file
+
+    target = tiny_cache.parent / "target"
+    weights = load_file(str(target / "model.safetensors"))
+    no_head = tmp_path / "no_head"
+    shutil.copytree(target, no_head)
+    save_file({k: v for k, v in weights.items() if k != "lm_head.weight"}, str(no_head / "model.safetensors"))
+    code, so, se = evaluate_tool(capsys, tiny_cache, drafter_dir, tmp_path / "r.json", "--target", str(no_head))
+    assert_one_line(code, so, se, str(no_head / "config.json"), "tie_word_embeddings is false")
+    (no_head / "config.json").unlink()  # no config to say so: the cache's manifest knows the target is untied
+    code, so, se = evaluate_tool(capsys, tiny_cache, drafter_dir, tmp_path / "r.json", "--target", str(no_head))
+    assert code == 2 and "the cache's target is untied" in se
+
+    other = tmp_path / "other_vocab"
+    shutil.copytree(target, other)
+    big = {k: (torch.zeros(200, v.shape[1]) if k in ("lm_head.weight", "model.embed_tokens.weight") else v)
+           for k, v in weights.items()}
+    save_file(big, str(other / "model.safetensors"))
+    code, so, se = evaluate_tool(capsys, tiny_cache, drafter_dir, tmp_path / "r.json", "--target", str(other))
+    assert code == 2 and "shape (200, 32), the cache's target is [vocab 128" in se
+
+    # The right target gives the cache-head numbers.
+    assert evaluate_tool(capsys, tiny_cache, drafter_dir, tmp_path / "a.json", "--target", str(target))[0] == 0
+    assert evaluate_tool(capsys, tiny_cache, drafter_dir, tmp_path / "b.json")[0] == 0
+    a, b = (json.loads((tmp_path / f"{n}.json").read_text()) for n in "ab")
+    assert a["samples"] == b["samples"]
+
+
+def test_samples_are_positive_stratified_like_the_callback_and_ids_selectable(tiny_cache, drafter_dir, tmp_path,
+                                                                             capsys):
+    """Item 10: --samples 0 / -1 are refused; --samples N is the callback's stratified subset;
+    --sample-ids picks exactly the given ids."""
+    for bad in ("0", "-1", "x"):
+        with pytest.raises(SystemExit) as exc:
+            run(TOOL.main, ["--states", str(tiny_cache), "--drafter", str(drafter_dir), "--out",
+                            str(tmp_path / "r.json"), "--samples", bad])
+        assert exc.value.code == 2 and "positive integer" in capsys.readouterr().err
+    cache = StateCache(tiny_cache)
+    assert evaluate_tool(capsys, tiny_cache, drafter_dir, tmp_path / "r.json", "--samples", "2")[0] == 0
+    got = [s["id"] for s in json.loads((tmp_path / "r.json").read_text())["samples"]]
+    assert got == select_sample_ids(cache, num_samples=2, seed=0)  # what DFlashEvalCallback(num_samples=2) scores
+    assert sorted(cache.entry(i).category for i in got) == ["chat", "code"]  # not the first two prompts
+    assert evaluate_tool(capsys, tiny_cache, drafter_dir, tmp_path / "r.json", "--sample-ids", "p004,p001")[0] == 0
+    assert [s["id"] for s in json.loads((tmp_path / "r.json").read_text())["samples"]] == ["p004", "p001"]
+    code, so, se = evaluate_tool(capsys, tiny_cache, drafter_dir, tmp_path / "r.json", "--sample-ids", "p001,nope")
+    assert_one_line(code, so, se, "['nope'] are not in the cache")
+
+
+def test_user_mistakes_are_one_line_errors(tiny_cache, drafter_dir, tmp_path, capsys):
+    """Item 14: each of these was a traceback (or a misleading message)."""
+    out = tmp_path / "r.json"
+    code, so, se = evaluate_tool(capsys, tiny_cache, drafter_dir, out, budgets="0")
+    assert_one_line(code, so, se, "--ddtree-budgets '0'", "positive integers")
+    code, so, se = evaluate_tool(capsys, tiny_cache, drafter_dir, out, "--device", "cuda:99")
+    assert_one_line(code, so, se, "--device cuda:99")
+
+    bad_cfg = tmp_path / "bad_cfg"
+    shutil.copytree(drafter_dir, bad_cfg)
+    (bad_cfg / "config.json").write_text('{"hidden_size": 32,')
+    code, so, se = evaluate_tool(capsys, tiny_cache, bad_cfg, out)
+    assert_one_line(code, so, se, str(bad_cfg / "config.json"), "not valid JSON")
+    (bad_cfg / "config.json").write_text('{"model_type": "llama"}')
+    code, so, se = evaluate_tool(capsys, tiny_cache, bad_cfg, out)
+    assert_one_line(code, so, se, str(bad_cfg / "config.json"), "not a DFlash drafter config")
+
+    truncated = tmp_path / "truncated"
+    shutil.copytree(drafter_dir, truncated)
+    weights = truncated / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    code, so, se = evaluate_tool(capsys, tiny_cache, truncated, out)
+    assert_one_line(code, so, se, str(weights), "truncated")
+
+    for damage in ("deleted shard", "truncated shard", "corrupted head"):
+        cache = tmp_path / damage.replace(" ", "_")
+        shutil.copytree(tiny_cache, cache)
+        shard = sorted(cache.glob("states-*.safetensors"))[0]
+        if damage == "deleted shard":
+            shard.unlink()
+            needle = "shard missing"
+        elif damage == "truncated shard":
+            shard.write_bytes(shard.read_bytes()[:-7])
+            needle = "truncated?"
+        else:
+            head = cache / "target_head.safetensors"
+            head.write_bytes(b"\0" * head.stat().st_size)
+            needle = "target_head.safetensors: sha256 does not match"
+        code, so, se = evaluate_tool(capsys, cache, drafter_dir, out)
+        assert_one_line(code, so, se, needle)
+        if damage == "corrupted head":  # without hashes, the reader names the file instead of crashing
+            code, so, se = evaluate_tool(capsys, cache, drafter_dir, out, "--no-verify")
+            assert_one_line(code, so, se, "target_head.safetensors: cannot read the target head")
+
+
+def test_baseline_from_another_cache_suggests_a_runnable_command(tiny_cache, drafter_dir, tmp_path, capsys):
+    """Item 21: the suggested eval_drafter.py command lacked the required --drafter."""
+    from dflash_cb.results import load_results
+
+    baseline = tmp_path / "baseline.json"
+    assert evaluate_tool(capsys, tiny_cache, drafter_dir, baseline)[0] == 0
+    data = json.loads(baseline.read_text())
+    data["meta"]["cache_manifest_sha256"] = "0" * 64
+    baseline.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="not comparable") as exc:
+        load_results(baseline, StateCache(tiny_cache))
+    command = str(exc.value).split("rerun ", 1)[1]
+    argv = shlex.split(command)
+    assert argv[:2] == ["python", "tools/eval_drafter.py"] and "--drafter" in argv
+    assert run(TOOL.main, argv[2:] + ["--ddtree-budgets", "4", "--device", "cpu"]) == 0
+    assert load_results(baseline, StateCache(tiny_cache)).meta["drafter"]["path"] == str(drafter_dir.resolve())

@@ -1,0 +1,467 @@
+"""The server's own speculative counters next to the offline replay (``--served-check``).
+
+A real HTTP server on 127.0.0.1 speaks SGLang's native API and answers every ``/generate`` by
+running the reference speculative loop, ``dflash.model.dflash_generate``, with a tiny target and a
+briefly trained drafter; its ``spec_verify_ct`` / ``spec_accept_length`` follow SGLang's
+definitions (rounds; ``completion_tokens / spec_verify_ct``). The precompute records them, the
+replay of the same drafter must count the same rounds on every sample, another drafter must not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from dflash_cb.results import load_results
+
+dm = pytest.importorskip("dflash.model", reason="the oracle: pip install --no-deps dflash==0.1.0")
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYERS = [1, 3]
+MAX_NEW = 40
+BLOCK = 6
+N_PROMPTS = 6
+
+
+def _drafter_config(vocab: int, hidden: int) -> dict:
+    return dict(
+        architectures=["DFlashDraftModel"], model_type="qwen3", vocab_size=vocab, hidden_size=hidden,
+        intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        max_position_embeddings=512, rms_norm_eps=1e-6, num_target_layers=4, block_size=BLOCK,
+        dflash_config={"target_layer_ids": LAYERS, "mask_token_id": vocab - 1},
+    )
+
+
+def _precompute(*args: str) -> int:
+    from dflash_cb.precompute import main
+
+    return main([*args, "--layers", ",".join(map(str, LAYERS)), "--dtype", "float32",
+                 "--max-new-tokens", str(MAX_NEW), "--no-progress"])
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """Tiny target, a local cache to train on, the served drafter (trained) and another one (untrained)."""
+    from tiny_target import random_prompts, save_tiny_qwen3, write_prompts
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from dflash_cb.model import DFlashDrafter
+    from dflash_cb.states import StateCache
+    from dflash_cb.training import dflash_loss, sample_anchors
+
+    root = tmp_path_factory.mktemp("served")
+    target_dir = save_tiny_qwen3(root / "target", seed=3)
+    prompts = write_prompts(root / "prompts.jsonl", random_prompts(N_PROMPTS, (4, 12), seed=5, vocab=120),
+                            categories=["math", "code"])
+    assert _precompute("--target", str(target_dir), "--prompts", str(prompts), "--out", str(root / "local"),
+                       "--reference", "local") == 0
+    cache = StateCache(root / "local")
+    m = cache.manifest
+    cfg = _drafter_config(m.vocab_size, m.hidden_size)
+    torch.manual_seed(0)
+    other = DFlashDrafter.from_config_dict(cfg).eval()
+    served = DFlashDrafter.from_config_dict(cfg)
+    head = cache.load_head()
+    opt = torch.optim.AdamW(served.parameters(), lr=3e-3)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(6):  # a few steps: partial acceptance, so round counts carry information
+        for e in cache.samples:
+            s = cache.load(e.id)
+            anchors = sample_anchors(e.prompt_len, e.valid_len, 16, g)
+            if anchors.numel() == 0:
+                continue
+            loss, _ = dflash_loss(served, head, s.hidden, s.input_ids, anchors, e.valid_len)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    served.eval()
+    served.save_pretrained(root / "drafter-served")
+    other.save_pretrained(root / "drafter-other")
+    ref = dm.DFlashDraftModel(Qwen3Config(**cfg)).eval()
+    ref.load_state_dict(served.state_dict())
+    target = Qwen3ForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    orig = dm._cuda_time
+    dm._cuda_time = time.perf_counter  # dflash_generate times itself with CUDA events
+    try:
+        yield dict(root=root, target_dir=target_dir, prompts=prompts, ref=ref, target=target,
+                   stop=m.stop_token_ids, drafter=root / "drafter-served", other=root / "drafter-other")
+    finally:
+        dm._cuda_time = orig
+
+
+class SpecServer:
+    """SGLang's native API backed by the reference speculative loop (one request at a time)."""
+
+    def __init__(self, world: dict[str, Any]) -> None:
+        self.w = world
+        self.speculative = True
+        self.delay = 0.0
+        self.info: str = "ok"  # "ok" | "missing" (404, an older server) | "garbage" (not JSON)
+        self.lock = threading.Lock()
+        self.calls: Counter[tuple[int, ...]] = Counter()
+        self.rounds: dict[tuple[int, ...], int] = {}  # what dflash_generate counted, per prompt
+
+    def server_info(self) -> dict[str, Any]:
+        spec = self.speculative
+        return {"model_path": str(self.w["target_dir"]), "tp_size": 1,
+                "speculative_algorithm": "DFLASH" if spec else None,
+                "speculative_draft_model_path": str(self.w["drafter"]) if spec else None,
+                "speculative_num_draft_tokens": BLOCK if spec else None,
+                "speculative_eagle_topk": 1 if spec else None, "speculative_num_steps": None}
+
+    def generate(self, body: dict[str, Any]) -> dict[str, Any]:
+        sp = body["sampling_params"]
+        assert sp["temperature"] == 0
+        ids = body["input_ids"]
+        with self.lock:
+            self.calls[tuple(ids)] += 1
+            time.sleep(self.delay)
+            st = dm.dflash_generate(self.w["ref"], self.w["target"], torch.tensor([ids]), sp["max_new_tokens"],
+                                    sp["stop_token_ids"], return_stats=True)
+        out = st.output_ids[0, len(ids):].tolist()
+        rounds = len(st.acceptance_lengths)
+        self.rounds[tuple(ids)] = rounds
+        meta: dict[str, Any] = {"finish_reason": {"type": "stop" if out[-1] in sp["stop_token_ids"] else "length"},
+                                "prompt_tokens": len(ids), "completion_tokens": len(out)}
+        if self.speculative and rounds > 0:  # SGLang writes the fields only after a verification round
+            correct = sum(n - 1 for n in st.acceptance_lengths)
+            meta.update(spec_verify_ct=rounds, spec_accept_length=len(out) / rounds,
+                        spec_num_correct_drafts=correct, spec_num_proposed_drafts=rounds * (BLOCK - 1),
+                        spec_accept_rate=correct / (rounds * (BLOCK - 1)), spec_accept_histogram=[1, 2])
+        return {"text": "", "output_ids": out, "meta_info": meta}
+
+
+@contextlib.contextmanager
+def serve(world: dict[str, Any]) -> Iterator[tuple[str, SpecServer]]:
+    state = SpecServer(world)
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args: Any) -> None:
+            pass
+
+        def _json(self, obj: Any) -> None:
+            data = json.dumps(obj).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self) -> None:
+            if self.path == "/health":
+                self._json({})
+            elif self.path == "/get_model_info":
+                self._json({"model_path": str(world["target_dir"]), "is_generation": True})
+            elif self.path == "/get_server_info" and state.info == "ok":
+                self._json(state.server_info())
+            elif self.path == "/get_server_info" and state.info == "garbage":
+                data = b"<html>oops"
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+            else:
+                self.send_error(404)
+
+        def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            self._json(state.generate(body))
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}", state
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+@pytest.fixture()
+def server(world) -> Iterator[tuple[str, SpecServer]]:
+    with serve(world) as got:
+        yield got
+
+
+def _sglang_args(world: dict[str, Any], url: str, out: Path) -> list[str]:
+    return ["--target", str(world["target_dir"]), "--prompts", str(world["prompts"]), "--out", str(out),
+            "--reference", "sglang", "--sglang-url", url, "--max-in-flight", "1"]
+
+
+def _eval(world: dict[str, Any], cache: Path, drafter: Path, out: Path) -> int:
+    sys.path.insert(0, str(ROOT / "tools"))
+    import eval_drafter
+
+    from dflash_cb.cli import run
+
+    return run(eval_drafter.main, ["--states", str(cache), "--drafter", str(drafter), "--out", str(out),
+                                   "--ddtree-budgets", "", "--served-check"])
+
+
+@pytest.fixture(scope="module")
+def served_cache(world, tmp_path_factory) -> dict[str, Any]:
+    """One precompute against the speculative server (module scope: several tests read it)."""
+    with serve(world) as (url, state):
+        out = tmp_path_factory.mktemp("sg") / "served"
+        assert _precompute(*_sglang_args(world, url, out)) == 0
+        return dict(out=out, rounds=dict(state.rounds), url=url)
+
+
+def test_precompute_records_the_served_counters(world, served_cache) -> None:
+    from dflash_cb.precompute import JOURNAL_NAME
+    from dflash_cb.states import StateCache
+
+    cache = StateCache(served_cache["out"])
+    m = cache.manifest
+    assert m.served_spec_config == {"algorithm": "DFLASH", "draft_model_path": str(world["drafter"]),
+                                    "num_draft_tokens": BLOCK, "topk": 1, "num_steps": None}
+    prompts = [json.loads(line)["input_ids"] for line in world["prompts"].read_text().splitlines()]
+    assert len(m.samples) == N_PROMPTS
+    for e, p in zip(m.samples, prompts, strict=True):
+        assert e.served_spec is not None and e.served_spec["spec_verify_ct"] == served_cache["rounds"][tuple(p)]
+        # every spec_* field is kept, whatever its name
+        assert set(e.served_spec) == {"spec_verify_ct", "spec_accept_length", "spec_num_correct_drafts",
+                                      "spec_num_proposed_drafts", "spec_accept_rate", "spec_accept_histogram"}
+        assert e.served_spec["spec_accept_length"] == pytest.approx(e.completion_len / e.served_spec["spec_verify_ct"])
+    journal = [json.loads(line) for line in (served_cache["out"] / JOURNAL_NAME).read_text().splitlines()]
+    assert [j["served_spec"] for j in journal] == [e.served_spec for e in m.samples]
+
+
+def test_served_check_same_drafter_equal_rounds(world, served_cache, tmp_path, capsys) -> None:
+    out = tmp_path / "r.json"
+    assert _eval(world, served_cache["out"], world["drafter"], out) == 0
+    res = load_results(out)
+    check = res.breakdown["served_check"]
+    s = check["summary"]
+    assert s["samples_compared"] == N_PROMPTS and s["samples_equal_rounds"] == N_PROMPTS and not check["skipped"]
+    offline = {x.id: x.acceptance_lengths for x in res.samples}
+    assert any(n > 1 for v in offline.values() for n in v)  # not a drafter that never gets a token right
+    for x in check["samples"]:
+        assert x["offline_rounds"] == x["served_rounds"] == len(offline[x["id"]])
+        assert x["convention"] == "with_prefill_token"
+        assert x["served_tau"] == pytest.approx(x["offline_tau"])
+    assert s["offline_tau"] == pytest.approx(res.tau) and s["served_tau"] == pytest.approx(res.tau)
+    assert s["mean_abs_tau_diff"] == pytest.approx(0.0)
+    assert s["tau_diff_interval"] == [0.0, 0.0, 0.0]
+    text = capsys.readouterr().out
+    assert f"equal round counts {N_PROMPTS}/{N_PROMPTS}" in text and "differs" not in text
+
+
+def test_served_check_other_drafter_reports_the_difference(world, served_cache, tmp_path, capsys) -> None:
+    out = tmp_path / "r.json"
+    assert _eval(world, served_cache["out"], world["other"], out) == 0
+    check = load_results(out).breakdown["served_check"]
+    s = check["summary"]
+    assert s["samples_compared"] == N_PROMPTS and s["samples_equal_rounds"] < N_PROMPTS
+    assert s["offline_tau"] < s["served_tau"] and s["mean_abs_tau_diff"] > 0
+    assert any("not obviously the evaluated drafter" in w for w in check["warnings"])
+    text = capsys.readouterr().out
+    assert "<- differs" in text
+
+
+def test_server_without_counters(world, server, tmp_path, capsys) -> None:
+    from dflash_cb.precompute import JOURNAL_NAME
+    from dflash_cb.states import StateCache
+
+    url, state = server
+    state.speculative = False
+    out = tmp_path / "plain"
+    assert _precompute(*_sglang_args(world, url, out)) == 0
+    m = StateCache(out).manifest
+    assert all(e.served_spec is None for e in m.samples)
+    assert m.served_spec_config["algorithm"] is None
+    journal = [json.loads(line) for line in (out / JOURNAL_NAME).read_text().splitlines()]
+    assert all(set(j) == {"id", "request_sha256", "output_ids", "finish_reason"} for j in journal)  # no served_spec key
+    capsys.readouterr()
+    assert _eval(world, out, world["drafter"], tmp_path / "r.json") == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: ") and "nothing to compare" in err
+    assert "--speculative-algorithm" in err and not (tmp_path / "r.json").exists()
+
+
+def test_sigkill_during_queries_keeps_the_counters(world, server, tmp_path) -> None:
+    from dflash_cb.precompute import JOURNAL_NAME
+    from dflash_cb.states import MANIFEST_NAME, StateCache
+
+    url, state = server
+    reference = tmp_path / "uninterrupted"  # same server (its URL is in the manifest)
+    assert _precompute(*_sglang_args(world, url, reference)) == 0
+    state.calls.clear()
+    state.delay = 0.15  # slow answers, so the kill lands between two of them
+    out = tmp_path / "killed"
+    args = _sglang_args(world, url, out) + ["--layers", ",".join(map(str, LAYERS)), "--dtype", "float32",
+                                            "--max-new-tokens", str(MAX_NEW), "--no-progress"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, str(ROOT / "tools" / "precompute_states.py"), *args],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=ROOT, env=env)
+    journal = out / JOURNAL_NAME
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and proc.poll() is None:
+            # The first journaled answer: with answers journaled as they arrive the kill lands between two
+            # queries; a client that hands them over all at once puts it just after the last query.
+            if journal.is_file() and journal.read_bytes().count(b"\n") >= 1:
+                break
+            time.sleep(0.005)
+        assert proc.poll() is None, f"finished before it could be killed: {proc.stderr.read().decode()[-2000:]}"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.stderr.close()
+    assert not (out / MANIFEST_NAME).exists()
+    saved = [json.loads(line) for line in journal.read_text().splitlines()]
+    assert 1 <= len(saved) <= N_PROMPTS and all("spec_verify_ct" in j["served_spec"] for j in saved)
+    asked = dict(state.calls)
+    state.delay = 0.0
+    assert _precompute(*_sglang_args(world, url, out)) == 0
+    # the journaled completions were not asked again, and their counters made it into the manifest
+    prompts = [json.loads(line)["input_ids"] for line in world["prompts"].read_text().splitlines()]
+    by_id = {f"p{i:03d}": tuple(p) for i, p in enumerate(prompts)}
+    for j in saved:
+        assert state.calls[by_id[j["id"]]] == asked[by_id[j["id"]]]
+    assert (out / MANIFEST_NAME).read_bytes() == (reference / MANIFEST_NAME).read_bytes()
+    assert (out / JOURNAL_NAME).read_bytes() == (reference / JOURNAL_NAME).read_bytes()
+    assert all(e.served_spec["spec_verify_ct"] >= 1 for e in StateCache(out).samples)
+
+
+# -- the pure part ----------------------------------------------------------------------------------
+
+
+def test_counters_parsing_and_convention() -> None:
+    from dflash_cb.served import (
+        ServedCheckError,
+        convention_of,
+        served_counters,
+        served_rounds_and_tau,
+        server_spec_config,
+        verify_rounds,
+    )
+
+    assert served_counters({"finish_reason": {"type": "stop"}, "completion_tokens": 3}) is None
+    assert served_counters(None) is None
+    got = served_counters({"spec_verify_ct": 4, "spec_accept_length": 2.5, "spec_new_name": [1, 2],
+                           "spec_bad": math.nan, "completion_tokens": 10})
+    assert got == {"spec_accept_length": 2.5, "spec_new_name": [1, 2], "spec_verify_ct": 4}
+    # 10 tokens in 4 rounds: SGLang says 2.5 (it counts the prefill's token), the replay's tau is 9 / 4
+    assert served_rounds_and_tau(got, 10) == (4, 2.25)
+    assert convention_of(got, 10) == "with_prefill_token"
+    assert convention_of({"spec_verify_ct": 4, "spec_accept_length": 2.25}, 10) == "rounds_only"
+    assert convention_of({"spec_verify_ct": 4}, 10) == "unknown"
+    assert verify_rounds({"spec_verify_ct": 0}) is None and verify_rounds({"spec_verify_ct": "3"}) is None
+    assert verify_rounds({"spec_verify_ct": 3.0}) == 3 and verify_rounds(None) is None
+    with pytest.raises(ServedCheckError, match="spec_verify_ct = 0"):
+        served_rounds_and_tau({"spec_verify_ct": 0}, 5)
+    assert server_spec_config({"tp_size": 2}) is None
+    assert server_spec_config({"speculative_algorithm": "DFLASH", "speculative_num_draft_tokens": 16,
+                               "speculative_eagle_topk": 1}) == {"algorithm": "DFLASH", "num_draft_tokens": 16,
+                                                                 "topk": 1}
+
+
+def test_old_manifest_loads_and_served_baseline(served_cache) -> None:
+    from dflash_cb.baselines import baseline_scalars, load_served
+    from dflash_cb.served import served_tau
+    from dflash_cb.states import MANIFEST_NAME, Manifest, StateCache
+
+    data = json.loads((served_cache["out"] / MANIFEST_NAME).read_text())
+    data.pop("served_spec_config")
+    for s in data["samples"]:
+        s.pop("served_spec")
+    old = Manifest.from_dict(data)  # a manifest written before these fields existed
+    assert old.served_spec_config is None and all(s.served_spec is None for s in old.samples)
+
+    cache = StateCache(served_cache["out"])
+    b = load_served(cache)
+    assert b is not None and b.label == "drafter-served (served, measured online)"
+    want = sum(e.completion_len - 1 for e in cache.samples) / sum(e.served_spec["spec_verify_ct"]
+                                                                    for e in cache.samples)
+    assert baseline_scalars([b], "dflash_eval/") == {"dflash_eval/baseline/served/tau": pytest.approx(want)}
+    sub = [cache.samples[0].id]
+    assert served_tau(cache.samples, sub)[0] == pytest.approx(
+        (cache.samples[0].completion_len - 1) / cache.samples[0].served_spec["spec_verify_ct"])
+
+
+def test_only_fully_agreeing_samples_with_counters_are_compared(served_cache) -> None:
+    import dataclasses
+
+    from dflash_cb.served import compare
+    from dflash_cb.states import StateCache
+
+    entries = StateCache(served_cache["out"]).samples
+    cut = dataclasses.replace(entries[0], valid_len=entries[0].prompt_len + 3)  # CPU and server part ways
+    bare = dataclasses.replace(entries[1], served_spec=None)
+    offline = {e.id: [1] * e.served_spec["spec_verify_ct"] for e in entries}
+    check = compare([cut, bare, *entries[2:]], offline, {"num_draft_tokens": BLOCK + 2}, drafter_block_size=BLOCK)
+    assert [s.id for s in check.samples] == [e.id for e in entries[2:]]
+    assert "completion offset 3" in check.skipped[cut.id] and "no served counters" in check.skipped[bare.id]
+    assert check.summary()["samples_equal_rounds"] == len(entries) - 2 and check.summary()["samples_skipped"] == 2
+    assert any("not comparable" in w for w in check.warnings)  # the server drafts another block size
+
+
+def test_callback_logs_the_served_tau(world, served_cache, tmp_path) -> None:
+    import csv
+
+    from lightning.pytorch import Trainer, seed_everything
+    from lightning.pytorch.loggers import CSVLogger
+
+    from dflash_cb import DFlashEvalCallback
+    from dflash_cb.lightning_module import CachedStatesDataModule, DFlashDrafterModule
+    from dflash_cb.served import served_tau
+    from dflash_cb.states import StateCache
+
+    cache = StateCache(served_cache["out"])
+    want = served_tau(cache.samples)[0]
+    seed_everything(0, verbose=False)
+    module = DFlashDrafterModule(_drafter_config(cache.manifest.vocab_size, cache.manifest.hidden_size),
+                                 str(cache.path), lr=1e-2, anchors_per_sample=8)
+    cb = DFlashEvalCallback(states=cache.path, every_n_train_steps=1, ddtree_budgets=[])
+    logger = CSVLogger(str(tmp_path), name="csv")
+    trainer = Trainer(max_steps=1, accelerator="cpu", devices=1, logger=logger, callbacks=[cb],
+                      enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                      log_every_n_steps=1, default_root_dir=str(tmp_path))
+    trainer.fit(module, CachedStatesDataModule(str(cache.path), batch_size=2))
+    with open(Path(logger.log_dir) / "metrics.csv") as f:
+        logged = [float(r["dflash_eval/baseline/served/tau"]) for r in csv.DictReader(f)
+                  if r.get("dflash_eval/baseline/served/tau")]
+    assert logged and all(v == pytest.approx(want) for v in logged)
+    assert any(b.label.endswith("(served, measured online)") for b in cb.reference)
+
+
+def test_server_info_is_optional(server) -> None:
+    from dflash_cb.served import server_spec_config
+    from dflash_cb.sglang_client import SGLangClient
+
+    url, state = server
+    client = SGLangClient(url, max_retries=0)
+    assert server_spec_config(client.server_info())["algorithm"] == "DFLASH"
+    for kind in ("missing", "garbage"):  # an older server, a proxy's error page: no config, no failure
+        state.info = kind
+        assert client.server_info() == {} and server_spec_config(client.server_info()) is None
+
+
+def test_reused_journal_keeps_the_counters(world, served_cache, tmp_path) -> None:
+    from dflash_cb.precompute import JOURNAL_NAME
+    from dflash_cb.states import StateCache
+
+    out = tmp_path / "from_file"
+    assert _precompute("--target", str(world["target_dir"]), "--prompts", str(world["prompts"]), "--out", str(out),
+                       "--reference", "file", "--completions", str(served_cache["out"] / JOURNAL_NAME)) == 0
+    got = StateCache(out).manifest
+    assert got.served_spec_config is None  # the file does not say which server it came from
+    assert [e.served_spec for e in got.samples] == [e.served_spec for e in StateCache(served_cache["out"]).samples]

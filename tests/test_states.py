@@ -1,0 +1,79 @@
+"""The cache reader: manifest fields are bound-checked against the shards, hashes are re-checked
+only for files that changed (issue 11, items 7 and 8)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from dflash_cb import states
+from dflash_cb.states import CacheError, StateCache
+
+
+def copy_cache(src: Path, dst: Path, edit=None) -> Path:
+    shutil.copytree(src, dst)
+    if edit is not None:
+        manifest = json.loads((dst / "manifest.json").read_text())
+        edit(manifest)
+        (dst / "manifest.json").write_text(json.dumps(manifest))
+    return dst
+
+
+def test_manifest_fields_are_checked_against_the_shard(tiny_cache: Path, tmp_path: Path) -> None:
+    """Item 8: a hand-edited valid_len was trusted (a different tau) or crashed when too large."""
+    real = StateCache(tiny_cache).entry("p001")
+
+    def smaller(m):
+        m["samples"][1]["valid_len"] = real.prompt_len
+
+    cache = StateCache(copy_cache(tiny_cache, tmp_path / "a", smaller))
+    with pytest.raises(CacheError, match=rf"'p001'.*valid_len {real.prompt_len}, the stored target_argmax "
+                                         rf"gives {real.valid_len}"):
+        cache.load("p001")
+    with pytest.raises(CacheError, match="valid_len"):
+        cache.check_samples()  # the same check, reading only the small tensors
+    cache.load("p000")  # the other samples are fine
+
+    def too_large(m):
+        m["samples"][1]["valid_len"] = real.total_len + 1
+
+    with pytest.raises(CacheError, match=rf"sample 'p001': valid_len {real.total_len + 1} is outside"):
+        StateCache(copy_cache(tiny_cache, tmp_path / "b", too_large))
+
+    def longer(m):  # lengths must equal the tensors' lengths
+        m["samples"][1]["completion_len"] += 2
+        m["samples"][1]["valid_len"] += 2
+
+    cache = StateCache(copy_cache(tiny_cache, tmp_path / "c", longer))
+    with pytest.raises(CacheError, match=r"input_ids \(\d+,\) \(expected \(\d+,\)\)"):
+        cache.check_samples(["p001"])
+
+    def missing_field(m):
+        del m["samples"][0]["prompt_len"]
+
+    with pytest.raises(CacheError, match="malformed manifest"):
+        StateCache(copy_cache(tiny_cache, tmp_path / "d", missing_field))
+
+
+def test_changed_shard_is_hashed_again_unchanged_is_not(tiny_cache: Path, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Item 7: once verified, a shard is hashed again only when its size or mtime changes."""
+    cache = StateCache(copy_cache(tiny_cache, tmp_path / "cache"))
+    hashed: list[str] = []
+    real_sha = states.sha256_file
+    monkeypatch.setattr(states, "sha256_file", lambda p, *a: hashed.append(Path(p).name) or real_sha(p, *a))
+    cache.verify()
+    n = len(hashed)
+    assert n == len(cache.manifest.shards) + 1  # + the head
+    cache.load("p002", verify=True)
+    assert len(hashed) == n  # unchanged: not hashed again
+    shard = cache.path / cache.entry("p002").shard
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0x01
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CacheError, match="sha256 .* does not match"):
+        cache.load("p002", verify=True)
+    assert hashed[n:] == [shard.name]
