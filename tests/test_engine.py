@@ -81,12 +81,15 @@ def _write_cache(root: Path, drafter: DFlashDrafter, head: TargetHead, most: int
             tokens[-1] = STOP
         sid = f"s{i}"
         top_lp, top_ids = torch.topk(torch.log_softmax(torch.randn(total, VOCAB, generator=g) * 3, -1), TOPK, -1)
-        data = save({f"{sid}/input_ids": tokens, f"{sid}/hidden": feats, f"{sid}/target_argmax": torch.roll(tokens, -1),
+        valid = total if cut is None else prompt + cut
+        argmax = torch.roll(tokens, -1)  # the target's own next token: agrees with the completion ...
+        if valid < total:
+            argmax[valid - 1] = 3 + (tokens[valid] - 2) % (VOCAB - 4)  # ... up to valid_len
+        data = save({f"{sid}/input_ids": tokens, f"{sid}/hidden": feats, f"{sid}/target_argmax": argmax,
                      f"{sid}/topk_ids": top_ids, f"{sid}/topk_logprobs": top_lp})
         name = shard_name(i)
         atomic_write_bytes(root / name, data)
         shards.append(ShardEntry(name, hashlib.sha256(data).hexdigest(), len(data), [sid]))
-        valid = total if cut is None else prompt + cut
         entries.append(SampleEntry(sid, cat, name, prompt, comp, valid, "stop" if end == "stop" else "length", i))
     head_bytes = save({"embed_tokens.weight": head.embed_tokens, "lm_head.weight": head.lm_head})
     atomic_write_bytes(root / HEAD_NAME, head_bytes)
