@@ -7,7 +7,7 @@ fixed anchor-statistics set (every ``anchor_stride``-th anchor from ``prompt_len
 distinct (sample, anchor) is drafted once and its per-walk ``produced`` values are kept, so a
 walk that lands on an anchor drafted earlier (by another walk or for the statistics) reuses it.
 When the drafts so far say a walk almost always advances by one token (tau ~ 1), the round also
-drafts the next few anchors that walk will need with high probability (``_lookahead``), so a
+drafts the next few anchors that walk will need with high probability (``_grow``), so a
 weak drafter does not cost one round per cycle.
 
 Within a round the token-wise work (projections, MLP, norms, the output head and its argmax /
