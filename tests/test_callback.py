@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 import math
 import shutil
@@ -58,10 +57,9 @@ def read_csv_metrics(path: Path, prefix: str = "dflash_eval/") -> dict[int, dict
 
 
 def load_eval_drafter_tool():
-    spec = importlib.util.spec_from_file_location("eval_drafter_tool", ROOT / "tools" / "eval_drafter.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from dflash_cb import eval_cli  # the code behind tools/eval_drafter.py
+
+    return eval_cli
 
 
 def same(a: float, b: float) -> bool:

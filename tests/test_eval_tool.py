@@ -4,7 +4,6 @@ number (issue 11, items 3, 7, 8, 9, 10, 14, 21)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shlex
 import shutil
@@ -19,14 +18,7 @@ from dflash_cb.states import StateCache, select_sample_ids
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _load_tool():
-    spec = importlib.util.spec_from_file_location("eval_drafter_tool", ROOT / "tools" / "eval_drafter.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-TOOL = _load_tool()
+from dflash_cb import eval_cli as TOOL  # noqa: E402  (the code behind tools/eval_drafter.py)
 
 
 @pytest.fixture(scope="module")

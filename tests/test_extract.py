@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tools"))
-
-import extract_drafter  # noqa: E402
-
-from dflash_cb.cli import run  # noqa: E402
+from dflash_cb import extract_cli as extract_drafter  # the code behind tools/extract_drafter.py
+from dflash_cb.cli import run
 
 
 def extract(*argv: str) -> int:

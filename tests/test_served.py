@@ -204,9 +204,7 @@ def _sglang_args(world: dict[str, Any], url: str, out: Path) -> list[str]:
 
 
 def _eval(world: dict[str, Any], cache: Path, drafter: Path, out: Path) -> int:
-    sys.path.insert(0, str(ROOT / "tools"))
-    import eval_drafter
-
+    from dflash_cb import eval_cli as eval_drafter  # the code behind tools/eval_drafter.py
     from dflash_cb.cli import run
 
     return run(eval_drafter.main, ["--states", str(cache), "--drafter", str(drafter), "--out", str(out),
