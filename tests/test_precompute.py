@@ -7,12 +7,12 @@ import json
 import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from local_http import JSONHandler, serve
 from safetensors import safe_open
 from tiny_target import TINY_HIDDEN, TINY_VOCAB, random_prompts, save_tiny_qwen3, write_prompts
 
@@ -220,38 +220,20 @@ class FakeSGLang:
 def sglang(target_dir) -> Iterator[tuple[str, FakeSGLang]]:
     state = FakeSGLang(target_dir)
 
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args: Any) -> None:
-            pass
-
-        def _json(self, obj: Any) -> None:
-            data = json.dumps(obj).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
+    class Handler(JSONHandler):
         def do_GET(self) -> None:
             if self.path == "/health":
-                self._json({})
+                self.send_json({})
             elif self.path == "/get_model_info":
-                self._json({"model_path": state.reported_model, "is_generation": True})
+                self.send_json({"model_path": state.reported_model, "is_generation": True})
             else:
                 self.send_error(404)
 
         def do_POST(self) -> None:
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            self._json(state.generate(body))
+            self.send_json(state.generate(self.read_json()))
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", state
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serve(Handler) as url:
+        yield url, state
 
 
 def test_reference_sglang(sglang, local_cache, target_dir, prompts_file, tmp_path):

@@ -20,12 +20,13 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import local_http
 import pytest
 import torch
+from local_http import JSONHandler
 
 from dflash_cb.results import load_results
 
@@ -150,46 +151,24 @@ class SpecServer:
 def serve(world: dict[str, Any]) -> Iterator[tuple[str, SpecServer]]:
     state = SpecServer(world)
 
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args: Any) -> None:
-            pass
-
-        def _json(self, obj: Any) -> None:
-            data = json.dumps(obj).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
+    class Handler(JSONHandler):
         def do_GET(self) -> None:
             if self.path == "/health":
-                self._json({})
+                self.send_json({})
             elif self.path == "/get_model_info":
-                self._json({"model_path": str(world["target_dir"]), "is_generation": True})
+                self.send_json({"model_path": str(world["target_dir"]), "is_generation": True})
             elif self.path == "/get_server_info" and state.info == "ok":
-                self._json(state.server_info())
+                self.send_json(state.server_info())
             elif self.path == "/get_server_info" and state.info == "garbage":
-                data = b"<html>oops"
-                self.send_response(200)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                self.send_bytes(200, b"<html>oops", ctype="text/html")
             else:
                 self.send_error(404)
 
         def do_POST(self) -> None:
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            self._json(state.generate(body))
+            self.send_json(state.generate(self.read_json()))
 
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{httpd.server_address[1]}", state
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
+    with local_http.serve(Handler) as url:
+        yield url, state
 
 
 @pytest.fixture()

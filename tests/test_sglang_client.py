@@ -11,11 +11,12 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 import pytest
 import torch
+from local_http import JSONHandler, serve
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dflash_cb.sglang_client import Completion, SGLangClient, SGLangError, served_model_mismatch
@@ -111,19 +112,9 @@ class FakeSGLang:
 
 
 def make_handler(state: FakeSGLang) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args: Any) -> None:  # keep pytest output clean
-            pass
-
+    class Handler(JSONHandler):
         def _send(self, status: int, body: bytes, ctype: str = "application/json") -> None:
-            try:
-                self.send_response(status)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-            except (BrokenPipeError, ConnectionResetError):
-                pass  # the client gave up (timeout test)
+            self.send_bytes(status, body, ctype)
 
         def _json(self, status: int, obj: Any) -> None:
             if state.trickle_s and status == 200:
@@ -207,16 +198,8 @@ def make_handler(state: FakeSGLang) -> type[BaseHTTPRequestHandler]:
 @pytest.fixture
 def server(tiny_model: Qwen3ForCausalLM) -> Iterator[tuple[str, FakeSGLang]]:
     state = FakeSGLang(tiny_model)
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(state))
-    httpd.daemon_threads = True
-    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{httpd.server_address[1]}", state
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
-        thread.join(timeout=5)
+    with serve(make_handler(state)) as url:
+        yield url, state
 
 
 def fast_client(url: str, **kw: Any) -> SGLangClient:
