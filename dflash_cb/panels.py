@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .metrics import (
+    ANCHORS_DRAFTED,
+    ANCHORS_NEEDED,
     BEST_STEP,
     BEST_TAU,
     CYCLES,
@@ -54,7 +56,7 @@ class PanelLayout:
     cycle_buckets: Sequence[str] = field(default_factory=lambda: cycle_labels(DEFAULT_CYCLE_BUCKETS))
     baselines: Sequence[str] = ()  # measured: "baseline/<name>" segments (Baseline.key)
     published: Sequence[str] = ()  # "published/<name>"
-    cost: Sequence[str] = (EVAL_TIME, CYCLES, TOKENS)  # plus anchors_* once the engine logs them
+    cost: Sequence[str] = (EVAL_TIME, CYCLES, TOKENS, ANCHORS_DRAFTED, ANCHORS_NEEDED)
 
 
 @dataclass(frozen=True)
@@ -138,7 +140,7 @@ def layout_from_keys(keys: Iterable[str], prefix: str = "dflash_eval/") -> Panel
         cycle_buckets=sorted(grab(r"cycle/(\w+)/tau"), key=lambda b: int(b.rstrip("plus"))),
         baselines=[f"baseline/{n}" for n in grab(r"baseline/([^/]+)/tau")],
         published=[f"published/{n}" for n in grab(r"published/([^/]+)/tau")],
-        cost=[n for n in (EVAL_TIME, CYCLES, TOKENS) if n in keys] + sorted(k for k in keys if k.startswith("anchors")),
+        cost=[n for n in (EVAL_TIME, CYCLES, TOKENS, ANCHORS_DRAFTED, ANCHORS_NEEDED) if n in keys],
     )
 
 
