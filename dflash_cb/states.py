@@ -376,6 +376,19 @@ class StateCache:
         self._check_entry(entry, shapes, sample.input_ids, sample.target_argmax, path)
         return sample
 
+    def token_ids(self, sample_id: str, verify: bool = False) -> list[int]:
+        """A sample's token ids (prompt and completion), reading only ``input_ids`` (the features of
+        one sample can be 100+ MB). The shard's size is checked (and its sha256 with ``verify``)."""
+        entry = self.entry(sample_id)
+        path = self._check_shard_file(self._shards[entry.shard], hash_check=verify)
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                return f.get_tensor(f"{sample_id}/input_ids").tolist()
+        except Exception as e:  # safetensors' own error types on a damaged header or a missing tensor
+            raise CacheError(f"{path}: cannot read the input_ids of sample {sample_id!r} ({e}); rerun "
+                             f"tools/precompute_states.py with the same arguments and --out {self.path} "
+                             "to rebuild it") from e
+
     def check_samples(self, sample_ids: Sequence[str] | None = None) -> None:
         """Every manifest field of these samples (all by default) against their shards, reading only
         the small tensors (``input_ids``, ``target_argmax``; ``hidden``'s shape from the header):

@@ -77,3 +77,13 @@ def test_changed_shard_is_hashed_again_unchanged_is_not(tiny_cache: Path, tmp_pa
     with pytest.raises(CacheError, match="sha256 .* does not match"):
         cache.load("p002", verify=True)
     assert hashed[n:] == [shard.name]
+
+
+def test_token_ids_read_only_input_ids_and_check_the_shard(tiny_cache: Path, tmp_path: Path) -> None:
+    """The W&B table's token ids: the same as a full load's, and a truncated shard is named."""
+    cache = StateCache(copy_cache(tiny_cache, tmp_path / "cache"))
+    assert cache.token_ids("p001") == cache.load("p001").input_ids.tolist()
+    shard = cache.path / cache.entry("p001").shard
+    shard.write_bytes(shard.read_bytes()[:-10])
+    with pytest.raises(CacheError, match=rf"{shard.name}: shard is .* bytes.*truncated"):
+        cache.token_ids("p001")
