@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import math
 import os
-import time
 import warnings
 from collections.abc import Callable, Sequence
 from operator import attrgetter
@@ -48,19 +47,20 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
-from safetensors import safe_open
 from torch import nn
 
 from .baselines import Baseline, baseline_scalars, load_measured, load_published, load_served
 from .compare import live_metrics
-from .distributed import all_reduce_sum, full_parameters, gather_to_zero, sharding_kind, world
-from .engine import DEFAULT_BUDGETS, SampleResult, evaluate
+from .distributed import full_parameters, sharding_kind
+from .engine import DEFAULT_BUDGETS, EvalReport, SampleResult
 from .errors import DFlashCBError
+from .live_eval import RankedEvaluation, evaluate_across_ranks, score_untouched
 from .metrics import ANCHOR_STRIDE, EVAL_TIME, FAILED_EVALS, TAU, EvalCounts, per_depth, summarize
 from .model import DrafterSpec
 from .positions import DEFAULT_POSITION_EDGES, check_edges
 from .report import evaluation_line
 from .states import CacheMismatchError, StateCache, TargetHead, select_sample_ids, stratified_ids
+from .wandb_logging import find_wandb_run, log_best, log_evaluation, make_decoder, sample_rows, start_live_run
 
 DrafterSource = str | Callable[[LightningModule], nn.Module]
 
@@ -448,28 +448,20 @@ class DFlashEvalCallback(Callback):
         return False, self.periodic_ddtree_budgets, self.periodic_anchor_stride or self._spec.block_size
 
     def _local_eval(self, pl_module: LightningModule, ids: list[str], budgets: tuple[int, ...] | None = None,
-                    anchor_stride: int = 1) -> Any:
+                    anchor_stride: int = 1) -> EvalReport:
+        """This rank's share, scored without touching the training state (``live_eval.score_untouched``)."""
         assert self.cache is not None and self._spec is not None
         drafter = self._find_drafter(pl_module)
         param = next(drafter.parameters())
         device = param.device
         autocast = self._autocast(device, param.dtype)
         head = self._target_head(pl_module, device, autocast or param.dtype)
-        modes = [(m, m.training) for m in drafter.modules()]
         keep = self.table_cycles if self.table_samples > 0 and set(ids) & set(self.table_ids) else 0
-        cuda = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
-        drafter.eval()
-        try:
-            # fork_rng: the CPU (and this CUDA device's) RNG state is restored afterwards, whatever happens.
-            with torch.random.fork_rng(devices=cuda), torch.no_grad():
-                # verify: only a shard whose size or mtime changed since it was hashed is hashed again.
-                report = evaluate(self.cache, drafter, head, sample_ids=ids,
-                                  budgets=self.ddtree_budgets if budgets is None else budgets,
-                                  anchor_stride=anchor_stride, device=device, autocast_dtype=autocast,
-                                  spec=self._spec, keep_drafts=keep, verify=self.verify_cache)
-        finally:
-            for m, was_training in modes:
-                m.training = was_training
+        # verify: only a shard whose size or mtime changed since it was hashed is hashed again.
+        report = score_untouched(self.cache, drafter, head, ids, device=device,
+                                 budgets=self.ddtree_budgets if budgets is None else budgets,
+                                 anchor_stride=anchor_stride, autocast_dtype=autocast, spec=self._spec,
+                                 keep_drafts=keep, verify=self.verify_cache)
         table = set(self.table_ids)
         for s in report.samples:
             if s.id not in table:
@@ -485,51 +477,19 @@ class DFlashEvalCallback(Callback):
         step = trainer.global_step
         # Recorded first: a failed evaluation is not retried at the next micro-batch of the same step.
         self.last_eval_step = step
-        rank, ws = world(trainer)
-        ids = self.eval_ids[rank::ws]
         full, budgets, stride = self._profile(reason) if self._spec is not None else (True, self.ddtree_budgets, 1)
         self.last_eval_full, self.last_eval_stride, self.last_eval_budgets = full, stride, budgets
-        start = time.perf_counter()
-        report, error = None, None
-        try:
-            with full_parameters(trainer):  # collective under FSDP: every rank is here at the same step
-                try:
-                    report = self._local_eval(pl_module, ids, budgets, stride)
-                except Exception as e:  # reported to every rank through the all_reduce below
-                    error = e
-        except Exception as e:
-            error = error or e
         template = EvalCounts(self._spec.block_size if self._spec else 2, budgets, self._categories)
-        flat = report.counts.flat() if report is not None else torch.zeros_like(template.flat())
-        # ONE all_reduce: every count, plus the number of ranks that failed.
-        total = all_reduce_sum(trainer, torch.cat([flat, torch.tensor([1.0 if error else 0.0], dtype=torch.float64)]))
-        failed = int(total[-1].item())
-        if failed:
-            # Every rank sees the same total, so every rank counts (and raises) alike.
-            self.failed_evaluations += 1
-            self._failed_in_a_row += 1
-            msg = f"DFlashEvalCallback: evaluation at {reason} (global step {step}) failed"
-            if error is not None:
-                msg += f" on rank {rank}: {type(error).__name__}: {error}"
-            else:
-                msg += f" on {failed} other rank(s); see their warnings"
-            if rank == 0:
-                self._log_failures(trainer, step)
-            if self.fail_on_error:
-                raise DFlashEvalError(msg) from error
-            k = self.max_failed_evaluations
-            if k and self._failed_in_a_row >= k:
-                raise DFlashEvalError(f"{msg}. {self._failed_in_a_row} evaluations in a row failed "
-                                      f"(max_failed_evaluations={k}): stopping rather than training on "
-                                      "without measurements") from error
-            warnings.warn(msg + f". Training continues (failure {self._failed_in_a_row} in a row; "
-                          f"max_failed_evaluations={k}).", RuntimeWarning, stacklevel=2)
+        result = evaluate_across_ranks(trainer, self.eval_ids,
+                                       lambda ids: self._local_eval(pl_module, ids, budgets, stride), template)
+        rank = result.rank
+        if result.failed:
+            self._on_failure(trainer, step, reason, result)
             return
         self._failed_in_a_row = 0
-        template.load_flat(total[:-1])
-        summary = summarize(template)
-        summary[EVAL_TIME] = time.perf_counter() - start
-        gathered = gather_to_zero(trainer, report.samples if report is not None else [])
+        assert result.counts is not None
+        summary = summarize(result.counts)
+        summary[EVAL_TIME] = result.seconds
         self.num_evals += 1
         # Every rank gets the numbers, so ModelCheckpoint/EarlyStopping can monitor them anywhere.
         finite = {self.prefix + k: v for k, v in summary.items() if isinstance(v, float) and math.isfinite(v)}
@@ -539,8 +499,7 @@ class DFlashEvalCallback(Callback):
             trainer.callback_metrics[k] = torch.tensor(v)
         if rank != 0:
             return
-        by_id = {s.id: s for part in gathered or [] for s in part}
-        self.last_samples = [by_id[i] for i in self.eval_ids if i in by_id]
+        self.last_samples = result.samples or []
         self._add_sample_metrics(trainer, step, summary, finite)
         if full:  # the rank-zero figures (intervals, position taus) under full/ too
             full_prefix = self.prefix + "full/"
@@ -549,12 +508,35 @@ class DFlashEvalCallback(Callback):
         self.last_metrics = dict(summary)
         self.history.append({"step": step, **summary})
         try:
-            self._log(trainer, step, finite, summary, template)
+            self._log(trainer, step, finite, summary, result.counts)
         except Exception as e:  # a logging problem must not end the training either
             if self.fail_on_error:
                 raise
             warnings.warn(f"DFlashEvalCallback: logging the evaluation at step {step} failed: "
                           f"{type(e).__name__}: {e}", RuntimeWarning, stacklevel=2)
+
+    def _on_failure(self, trainer: Trainer, step: int, reason: str, result: RankedEvaluation) -> None:
+        """Count the failed evaluation, then raise (``fail_on_error``, too many in a row) or warn."""
+        # Every rank sees the same failed_ranks, so every rank counts (and raises) alike.
+        error = result.error
+        self.failed_evaluations += 1
+        self._failed_in_a_row += 1
+        msg = f"DFlashEvalCallback: evaluation at {reason} (global step {step}) failed"
+        if error is not None:
+            msg += f" on rank {result.rank}: {type(error).__name__}: {error}"
+        else:
+            msg += f" on {result.failed_ranks} other rank(s); see their warnings"
+        if result.rank == 0:
+            self._log_failures(trainer, step)
+        if self.fail_on_error:
+            raise DFlashEvalError(msg) from error
+        k = self.max_failed_evaluations
+        if k and self._failed_in_a_row >= k:
+            raise DFlashEvalError(f"{msg}. {self._failed_in_a_row} evaluations in a row failed "
+                                  f"(max_failed_evaluations={k}): stopping rather than training on "
+                                  "without measurements") from error
+        warnings.warn(msg + f". Training continues (failure {self._failed_in_a_row} in a row; "
+                      f"max_failed_evaluations={k}).", RuntimeWarning, stacklevel=3)
 
     def _add_sample_metrics(self, trainer: Trainer, step: int, summary: dict[str, float],
                             finite: dict[str, float]) -> None:
@@ -596,50 +578,29 @@ class DFlashEvalCallback(Callback):
         for lg in trainer.loggers:
             lg.log_metrics(metrics, step=step)
             lg.save()
-        from .wandb_logging import find_wandb_run, log_baselines_summary, log_evaluation, table_row
-
         run = find_wandb_run(trainer)
         if run is None:
             return
         if not self._wandb_ready:
-            from .wandb_logging import define_eval_metrics
-
-            define_eval_metrics(run, self.prefix)
-            if self.reference or self.published_skipped:
-                log_baselines_summary(run, self.reference, self.prefix, self.published_skipped)
-            run.config.update({f"{self.prefix.rstrip('/')}_config": self._describe()}, allow_val_change=True)
+            start_live_run(run, self.prefix, self.reference, self.published_skipped, self._describe())
             self._wandb_ready = True
-        rows = []
+        rows: list[list[Any]] = []
         if self.table_ids:
             if self._decoder is None:
-                from .wandb_logging import make_decoder
-
                 self._decoder = make_decoder(self.tokenizer)
             assert self.cache is not None
-            by_id = {s.id: s for s in self.last_samples}
-            for sid in self.table_ids:
-                res = by_id.get(sid)
-                if res is None:
-                    continue
-                entry = self.cache.entry(sid)
-                ids = self._tokens(sid)
-                rows.append(table_row(step, sid, entry.category, ids, entry.prompt_len, res.acceptance_lengths,
-                                      res.drafts, self._decoder))
+            rows = sample_rows(step, self.last_samples, self.table_ids, self.cache, self._tokens, self._decoder)
         assert self._spec is not None
         live = per_depth(summary, self._spec.block_size)["unconditional"]
         log_evaluation(run, step=step, prefix=self.prefix, live_per_depth=live,
                        hist=counts.data["hist"].tolist(), baselines=self.reference, rows=rows)
-        from .wandb_logging import log_best
-
         log_best(run, self.history, self.prefix)
 
     def _tokens(self, sample_id: str) -> list[int]:
         """A table sample's token ids, read once (only ``input_ids``: the features can be 100+ MB)."""
         if sample_id not in self._table_tokens:
             assert self.cache is not None
-            entry = self.cache.entry(sample_id)
-            with safe_open(str(self.cache.path / entry.shard), framework="pt") as f:
-                self._table_tokens[sample_id] = f.get_tensor(f"{sample_id}/input_ids").tolist()
+            self._table_tokens[sample_id] = self.cache.token_ids(sample_id)
         return self._table_tokens[sample_id]
 
     def _describe(self) -> dict[str, Any]:

@@ -20,11 +20,15 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .baselines import Baseline, baseline_scalars, is_headline
 from .metrics import BEST_STEP, BEST_TAU, EVAL_TIME, TAU
 from .results import Results
+
+if TYPE_CHECKING:
+    from .engine import SampleResult
+    from .states import StateCache
 
 DEFAULT_PREFIX = "dflash_eval/"
 STEP_KEY = "trainer/global_step"
@@ -51,6 +55,16 @@ def define_eval_metrics(run: Any, prefix: str = DEFAULT_PREFIX) -> None:
     run.define_metric(f"{prefix}*", step_metric=STEP_KEY)
     # The summary keeps the best tau besides the last one (log_best adds the step it was measured at).
     run.define_metric(f"{prefix}{TAU}", step_metric=STEP_KEY, summary="max,last")
+
+
+def start_live_run(run: Any, prefix: str, baselines: Sequence[Baseline], skipped: Sequence[str],
+                   config: dict[str, Any]) -> None:
+    """Once per fit, before the callback's first evaluation is logged: the metric definitions, the
+    baselines in the summary (and the published entries not logged) and the callback's configuration."""
+    define_eval_metrics(run, prefix)
+    if baselines or skipped:
+        log_baselines_summary(run, baselines, prefix, skipped)
+    run.config.update({f"{prefix.rstrip('/')}_config": config}, allow_val_change=True)
 
 
 def log_best(run: Any, history: Sequence[dict[str, float]], prefix: str = DEFAULT_PREFIX) -> None:
@@ -124,6 +138,22 @@ def table_row(step: int, sample_id: str, category: str, input_ids: Sequence[int]
     return [int(step), sample_id, category, _clip(prompt, 2000, left=True),
             _clip(decode(input_ids[prompt_len:ref_end]), 2000), blocks,
             _clip(" ".join(str(k) for k in lengths), 1000), tau]
+
+
+def sample_rows(step: int, samples: Sequence[SampleResult], table_ids: Sequence[str], cache: StateCache,
+                tokens: Callable[[str], Sequence[int]], decode: Decoder) -> list[list[Any]]:
+    """The table rows of ``table_ids`` (in that order) among the evaluated ``samples``; ``tokens``
+    gives a sample's token ids (the callback keeps them, they are read once per fit)."""
+    by_id = {s.id: s for s in samples}
+    rows = []
+    for sid in table_ids:
+        res = by_id.get(sid)
+        if res is None:
+            continue
+        entry = cache.entry(sid)
+        rows.append(table_row(step, sid, entry.category, tokens(sid), entry.prompt_len, res.acceptance_lengths,
+                              res.drafts, decode))
+    return rows
 
 
 # -- per-evaluation logging ---------------------------------------------------------------------
@@ -260,5 +290,5 @@ def log_standalone_results(results: Results, project: str, name: str | None = No
 __all__ = [
     "DEFAULT_PREFIX", "STEP_KEY", "TABLE_COLUMNS", "define_eval_metrics", "find_wandb_run", "format_blocks",
     "is_headline", "log_baselines_summary", "log_best", "log_evaluation", "log_standalone_results", "make_decoder",
-    "per_depth_chart", "produced_histogram", "results_scalars", "table_row",
+    "per_depth_chart", "produced_histogram", "results_scalars", "sample_rows", "start_live_run", "table_row",
 ]
