@@ -338,26 +338,22 @@ class DFlashEvalCallback(Callback):
         # Here (not in on_fit_start) because a resumed run's global step and weights are restored by now.
         if self.cache is not None:
             self._check_resumed_cache()
-        if self.eval_on_fit_start and not self.start_done:
-            self.start_done = True
-            if trainer.global_step != self.last_eval_step:
-                self._evaluate(trainer, pl_module, "fit start")
+        due = fit_start_eval_due(trainer.global_step, self.last_eval_step, self.start_done, self.eval_on_fit_start)
         self.start_done = True
+        if due:
+            self._evaluate(trainer, pl_module, "fit start")
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        step = trainer.global_step
-        n = self.every_n_train_steps
-        # step > 0: with gradient accumulation the first micro-batches end at step 0, before any update.
-        if n > 0 and step > 0 and step % n == 0 and step != self.last_eval_step:
-            # The last step's evaluation is the fit-end one: full, and not repeated by on_train_end.
-            last = self.eval_on_fit_end and 0 < trainer.max_steps <= step
-            self._evaluate(trainer, pl_module, "fit end" if last else f"step {step}")
+        reason = periodic_eval_reason(trainer.global_step, self.every_n_train_steps, self.last_eval_step,
+                                      self.eval_on_fit_end, trainer.max_steps)
+        if reason is not None:
+            self._evaluate(trainer, pl_module, reason)
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # on_train_end, not on_fit_end: loggers and the process group are still up.
-        if self.eval_on_fit_end and (trainer.global_step != self.last_eval_step or not self.last_eval_full):
-            self._evaluate(trainer, pl_module, "fit end")
+        if fit_end_eval_due(trainer.global_step, self.last_eval_step, self.last_eval_full, self.eval_on_fit_end):
+            self._evaluate(trainer, pl_module, FIT_END)
 
     # -- configuration ----------------------------------------------------------------------
     def _select_ids(self) -> list[str]:
@@ -440,9 +436,7 @@ class DFlashEvalCallback(Callback):
 
     def _profile(self, reason: str) -> tuple[bool, tuple[int, ...], int]:
         """(full?, DDTree budgets, anchor stride) of the evaluation about to run."""
-        n = self.full_every_n_evals
-        full = reason == "fit end" or (n > 0 and (self.num_evals + 1) % n == 0)
-        if full:
+        if is_full_evaluation(reason, self.num_evals, self.full_every_n_evals):
             return True, self.ddtree_budgets, 1
         assert self._spec is not None
         return False, self.periodic_ddtree_budgets, self.periodic_anchor_stride or self._spec.block_size
@@ -614,6 +608,39 @@ class DFlashEvalCallback(Callback):
             "full_every_n_evals": self.full_every_n_evals,
             "autocast_dtype": self.autocast_dtype, "position_edges": list(self.position_edges),
         }
+
+
+# -- the schedule: pure decisions, acted on by the hooks -----------------------------------------
+FIT_END = "fit end"  # the reason of the fit-end evaluation (always a full one)
+
+
+def fit_start_eval_due(step: int, last_eval_step: int, start_done: bool, eval_on_fit_start: bool) -> bool:
+    """Evaluate before the first training step? Once per run: a resumed run does not repeat it, nor
+    evaluate again a step already evaluated."""
+    return eval_on_fit_start and not start_done and step != last_eval_step
+
+
+def periodic_eval_reason(step: int, every_n_train_steps: int, last_eval_step: int, eval_on_fit_end: bool,
+                         max_steps: int) -> str | None:
+    """The reason of the evaluation due as optimizer step ``step``'s batch ends (None: no evaluation)."""
+    n = every_n_train_steps
+    # step > 0: with gradient accumulation the first micro-batches end at step 0, before any update.
+    if not (n > 0 and step > 0 and step % n == 0 and step != last_eval_step):
+        return None
+    # The last step's evaluation is the fit-end one: full, and not repeated by on_train_end.
+    return FIT_END if eval_on_fit_end and 0 < max_steps <= step else f"step {step}"
+
+
+def fit_end_eval_due(step: int, last_eval_step: int, last_eval_full: bool, eval_on_fit_end: bool) -> bool:
+    """Evaluate after the last step? Unless that step was just evaluated with the full profile."""
+    return eval_on_fit_end and (step != last_eval_step or not last_eval_full)
+
+
+def is_full_evaluation(reason: str, evals_done: int, full_every_n_evals: int) -> bool:
+    """Full profile (anchor stride 1, every DDTree budget) at fit end and for every N-th evaluation
+    (``full_every_n_evals``; 0 = only at fit end); otherwise the light periodic profile."""
+    n = full_every_n_evals
+    return reason == FIT_END or (n > 0 and (evals_done + 1) % n == 0)
 
 
 def _resolve_weight(pl_module: LightningModule, path: str) -> torch.Tensor:

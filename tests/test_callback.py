@@ -16,7 +16,15 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
 from dflash_cb import DFlashEvalCallback
-from dflash_cb.callback import DFlashEvalError, _stratified
+from dflash_cb.callback import (
+    FIT_END,
+    DFlashEvalError,
+    _stratified,
+    fit_end_eval_due,
+    fit_start_eval_due,
+    is_full_evaluation,
+    periodic_eval_reason,
+)
 from dflash_cb.lightning_module import CachedStatesDataModule, DFlashDrafterModule
 from dflash_cb.metrics import EVAL_TIME
 from dflash_cb.states import CacheMismatchError, StateCache
@@ -390,6 +398,27 @@ def test_state_dict_round_trip():
     other.load_state_dict(cb.state_dict())
     assert (other.last_eval_step, other.num_evals, other.start_done, other.history) == (10, 3, True, cb.history)
     assert other.state_key == cb.state_key != DFlashEvalCallback(states="y").state_key
+
+
+def test_schedule_decisions():
+    """The hooks' decisions as pure functions: when to evaluate, and with which profile."""
+    # every 2 steps, max_steps 6: steps 2 and 4 are periodic, step 6 is the fit-end one
+    assert [periodic_eval_reason(s, 2, -1, True, 6) for s in range(7)] == [
+        None, None, "step 2", None, "step 4", None, FIT_END]
+    assert periodic_eval_reason(6, 2, -1, False, 6) == "step 6"  # no fit-end evaluation asked for
+    assert periodic_eval_reason(6, 2, -1, True, -1) == "step 6"  # no max_steps: the last step is unknown
+    assert periodic_eval_reason(4, 2, 4, True, 6) is None  # the next micro-batch of an evaluated step
+    assert periodic_eval_reason(4, 0, -1, True, 6) is None  # periodic evaluations off
+    assert fit_start_eval_due(0, -1, False, True)
+    assert not fit_start_eval_due(0, -1, True, True)  # resumed: done once per run
+    assert not fit_start_eval_due(10, 10, False, True)  # this step was evaluated already
+    assert not fit_start_eval_due(0, -1, False, False)
+    assert fit_end_eval_due(6, 4, True, True)
+    assert fit_end_eval_due(6, 6, False, True)  # the last step's evaluation was a light one
+    assert not fit_end_eval_due(6, 6, True, True)
+    assert not fit_end_eval_due(6, 4, False, False)
+    assert [is_full_evaluation("step", k, 3) for k in range(6)] == [False, False, True, False, False, True]
+    assert is_full_evaluation(FIT_END, 0, 0) and not any(is_full_evaluation("step", k, 0) for k in range(6))
 
 
 def test_evaluation_profiles():
