@@ -24,7 +24,8 @@ Guarantees, modelled on ``ModelCheckpoint``/``EarlyStopping``:
 - Distributed: rank r scores ``samples[r::world]``; integer counts are summed with one
   ``all_reduce`` before any ratio, so the numbers equal a single-process run's exactly; only rank
   zero logs. Under FSDP (1 or 2) every rank gathers the full parameters once per evaluation and
-  scores its own share (see ``dflash_cb.distributed``). DeepSpeed ZeRO-3 is refused.
+  scores its own share (see ``dflash_cb.live_eval`` and ``dflash_cb.distributed``). DeepSpeed ZeRO-3
+  is refused.
 - ``state_dict``/``load_state_dict`` carry the schedule, so a resumed run neither repeats nor skips
   an evaluation. They also carry the cache's manifest sha256: resumed on another cache, the callback
   warns and starts a new series instead of mixing two caches' numbers.
