@@ -13,7 +13,9 @@ weak drafter does not cost one round per cycle.
 Within a round the token-wise work (projections, MLP, norms, the output head and its argmax /
 top-K reduction) runs on the blocks of all samples together; attention runs per sample against
 that sample's context K/V, computed once per sample per evaluation. The head is applied in row
-chunks and reduced on the fly, so ``[blocks x depth x vocab]`` logits never exist.
+chunks and reduced on the fly, so ``[blocks x depth x vocab]`` logits never exist. The last drafter
+layer stops after its attention (``BlockRows``): its ``o_proj``, MLP and the final norm are
+token-wise, so they run, with the head, only on the block positions that are read.
 No Lightning, W&B or HTTP here.
 """
 
