@@ -416,9 +416,13 @@ class DFlashDrafter(nn.Module):
             rows: slice | torch.Tensor = slice(i, j)
             if count == 1 and lengths is None:
                 # One whole block over its own prefix: everything is visible but for the layers' reach.
-                q_pos = anchors[i:j, None] + torch.arange(n, device=dev)[None, :]
-                k_pos = torch.cat([torch.arange(c, device=dev)[None, :], q_pos], dim=1)
-                parts.append(_AttentionPart(sample, rows, 1, c, 1, self._layer_masks(None, q_pos, k_pos)))
+                if all(layer.self_attn.unrestricted for layer in self.layers):
+                    masks: list[torch.Tensor | None] = [None] * len(self.layers)  # no positions to build
+                else:
+                    q_pos = anchors[i:j, None] + torch.arange(n, device=dev)[None, :]
+                    k_pos = torch.cat([torch.arange(c, device=dev)[None, :], q_pos], dim=1)
+                    masks = self._layer_masks(None, q_pos, k_pos)
+                parts.append(_AttentionPart(sample, rows, 1, c, 1, masks))
                 continue
             if pad:  # repeat the last block; its outputs are dropped
                 rows = torch.cat([torch.arange(i, j, device=dev), torch.full((pad,), j - 1, device=dev)])
