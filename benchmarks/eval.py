@@ -15,7 +15,7 @@ CPU presets print one row per setting, each a ratio measured side by side in one
 
 each with ``anchors_drafted / anchors_needed``. Both wall and process CPU seconds are recorded (on a
 machine shared with other jobs the CPU seconds are the steadier measure); one torch thread by default. "Today's engine" is the ``dflash_cb`` package of
-the git revision ``--baseline-ref`` (default ``main``), extracted with ``git archive`` into a temp
+the git revision ``--baseline-ref`` (default ``c7f1746``, the all-anchor engine before issue 8), extracted with ``git archive`` into a temp
 folder as the package ``dflash_cb_baseline`` and imported next to this checkout's package.
 
 The GPU preset (Qwen3.6-27B drafter shape, random weights, bf16) times the callback's three
@@ -90,7 +90,7 @@ def load_baseline(ref: str):
     subprocess.run(["tar", "-x", "-C", str(tmp)], input=archive.stdout, check=True)
     (tmp / "dflash_cb").rename(tmp / "dflash_cb_baseline")
     sys.path.insert(0, str(tmp))
-    return importlib.import_module("dflash_cb_baseline.engine"), importlib.import_module("dflash_cb_baseline.states")
+    return importlib.import_module("dflash_cb_baseline.engine")
 
 
 def _sync(dev: str) -> None:
@@ -113,15 +113,18 @@ def _lists(rep) -> tuple[list, dict]:
 
 def compare(args, p: dict, drafter, head, tmp: Path) -> dict:
     """The issue-8 table: each row new vs old, interleaved repetitions, identical lists asserted."""
-    base_engine, base_states = load_baseline(args.baseline_ref)
+    base_engine = load_baseline(args.baseline_ref)
+    # The old engine must drive the drafter its fast way (our class, weights shared), or its rows flatter us.
+    if not isinstance(base_engine.as_runner(drafter), base_engine.FastRunner):
+        sys.exit(f"error: the engine at {args.baseline_ref} does not adopt this drafter; pass --baseline-ref REV")
     block = p["block"]
     stride = args.stride or block
     figures: dict = {"rows": {}}
     planted = write_cache(tmp / "planted", p, args.samples, args.prompt, args.tokens, head, dtype=torch.float32,
                           planted=FastRunner(drafter))
     rand = write_cache(tmp / "random", p, args.samples, args.prompt, args.tokens, head, dtype=torch.float32, seed=1)
-    caches = {"planted": (planted, base_states.StateCache(planted.path)),
-              "random": (rand, base_states.StateCache(rand.path))}
+    # Both engines read this checkout's cache format (the old engine only uses load / manifest / samples).
+    caches = {"planted": (planted, planted), "random": (rand, rand)}
 
     def new(cache_kind, budgets, anchor_stride):
         return lambda: evaluate(caches[cache_kind][0], drafter, head, budgets=budgets, anchor_stride=anchor_stride)
@@ -234,7 +237,8 @@ def main() -> None:
     ap.add_argument("--stride", type=int, default=None, help="light anchor stride (default: block size)")
     ap.add_argument("--reps", type=int, default=2, help="interleaved repetitions per row")
     ap.add_argument("--profiles", action="store_true", help="time the three callback profiles (default on GPU presets)")
-    ap.add_argument("--baseline-ref", default="main", help="git revision whose engine is 'today's engine'")
+    ap.add_argument("--baseline-ref", default="c7f1746",
+                    help="git revision whose engine is 'today's engine' (default: the all-anchor engine before issue 8)")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
                     help="drafter, head and cache dtype (default: bfloat16 for qwen36-27b, float32 for cpu presets)")
     ap.add_argument("--threads", type=int, default=1,

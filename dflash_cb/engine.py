@@ -13,7 +13,9 @@ weak drafter does not cost one round per cycle.
 Within a round the token-wise work (projections, MLP, norms, the output head and its argmax /
 top-K reduction) runs on the blocks of all samples together; attention runs per sample against
 that sample's context K/V, computed once per sample per evaluation. The head is applied in row
-chunks and reduced on the fly, so ``[blocks x depth x vocab]`` logits never exist.
+chunks and reduced on the fly, so ``[blocks x depth x vocab]`` logits never exist. The last drafter
+layer stops after its attention (``BlockRows``): its ``o_proj``, MLP and the final norm are
+token-wise, so they run, with the head, only on the block positions that are read.
 No Lightning, W&B or HTTP here.
 """
 
@@ -35,6 +37,8 @@ from .replay import SampleBounds, Walk, cut_produced, leading_matches, next_stop
 from .states import CachedSample, Manifest, StateCache, TargetHead
 
 DEFAULT_BUDGETS = (16, 32, 64)
+# Rows per greedy head call: below about this many, a call costs what reading the head matrix costs.
+_HEAD_ROWS = 16
 
 
 # ---------------------------------------------------------------------------
@@ -66,9 +70,26 @@ class DraftRunner:
                 for st, (lo, hi) in zip(states, segments, strict=True) if hi > lo]
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
+    def block_rows(self, states: Sequence[Any], noise_embedding: torch.Tensor, anchors: torch.Tensor,
+                   segments: Sequence[tuple[int, int]], lengths: torch.Tensor | None = None) -> BlockRows:
+        """Like ``hidden_samples``, but a runner may leave the token-wise tail of the pass undone until
+        ``rows`` asks for the (block, position) pairs a caller reads."""
+        return BlockRows(self.hidden_samples(states, noise_embedding, anchors, segments, lengths))
+
     @property
     def dtype(self) -> torch.dtype:
         return torch.float32
+
+
+class BlockRows:
+    """Drafter hidden states of a batch of blocks, read by (block, position) pairs."""
+
+    def __init__(self, hidden: torch.Tensor):
+        self.hidden = hidden
+
+    def rows(self, block: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """[..., hidden] at ``(block, position)`` (index tensors broadcast together)."""
+        return self.hidden[block, position]
 
 
 class FastRunner(DraftRunner):
@@ -96,6 +117,14 @@ class FastRunner(DraftRunner):
     def hidden_samples(self, states: Sequence[Any], noise_embedding: torch.Tensor, anchors: torch.Tensor,
                        segments: Sequence[tuple[int, int]], lengths: torch.Tensor | None = None) -> torch.Tensor:
         return self.drafter.forward_samples(states, noise_embedding, anchors, segments, lengths, self.attn_mem_bytes)
+
+    def block_rows(self, states: Sequence[Any], noise_embedding: torch.Tensor, anchors: torch.Tensor,
+                   segments: Sequence[tuple[int, int]], lengths: torch.Tensor | None = None) -> BlockRows:
+        # The last layer's o_proj, MLP and norms run later, on the positions read (DeferredBlocks).
+        return self.drafter.forward_samples(states, noise_embedding, anchors, segments, lengths, self.attn_mem_bytes,
+                                            defer_last=True)
+
+
 class ReferenceRunner(DraftRunner):
     """Any module or function with the reference forward signature
     ``f(target_hidden=[1, p, F], noise_embedding=[1, L, H], position_ids=[1, p + L]) -> [1, L, H]``.
@@ -339,8 +368,7 @@ class _Drafting:
         lengths = torch.clamp(wave.loop_end[sample] - anchors, max=n)
         emb = _embed_blocks(wave.tokens[base + anchors], n, spec, head.embed_tokens).to(self.runner.dtype)
         short = lengths if bool((lengths < n).any()) else None
-        hid = self.runner.hidden_samples([lv.state for lv in lives], emb, anchors, segments, short)[:, 1:]
-        flat = hid.reshape(-1, hid.shape[-1]).to(head.lm_head.dtype)
+        blocks = self.runner.block_rows([lv.state for lv in lives], emb, anchors, segments, short)
         depth = torch.arange(1, d + 1, device=dev)[None, :]
         pos = anchors[:, None] + depth  # positions of depths 1..D
         last = (wave.length[sample] - 1)[:, None]
@@ -356,10 +384,12 @@ class _Drafting:
         keep_rows = any(lv.rows is not None for lv in lives)
         out = None
         if self.budgets or keep_rows or bool(sel.all()):
+            every = torch.arange(len(requests), device=dev)[:, None]
+            flat = blocks.rows(every, depth).reshape(len(requests) * d, -1).to(head.lm_head.dtype)
             out = apply_head(flat, head.lm_head, spec, max(self.budgets, default=0), self.head_mem_bytes, tk)
             raw, overlap = out.argmax.view(-1, d), None if out.overlap is None else out.overlap.view(-1, d)
         else:
-            raw, overlap = self._greedy_head(hid, target, sel, tk)
+            raw, overlap = self._greedy_head(blocks, target, sel, tk)
         # Depths past a (tail) block's length get values that never match or score: -2, -inf, 0.
         inside = depth < lengths[:, None]
         argmax = torch.where(inside, raw, -2)
@@ -394,32 +424,42 @@ class _Drafting:
                 alpha = torch.where(valid, overlap, 0.0)[sel]
                 self.counts.add_t1(torch.cumprod(alpha.double(), dim=1).sum(dim=1))
 
-    def _greedy_head(self, hid: torch.Tensor, target: torch.Tensor, sel: torch.Tensor,
+    def _greedy_head(self, blocks: BlockRows, target: torch.Tensor, sel: torch.Tensor,
                      tk: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Greedy-only argmax [N, D]: every depth for the statistics rows ``sel``; for the others only as
         deep as the leading matches reach (the replay reads depth k only when depths 1..k-1 matched),
-        -2 past that. The head is most of a block's cost, and tau ~ 4 reads about a third of it.
-        Returns the argmax and, for ``sel`` rows when ``tk`` is given, the temperature-1 overlap."""
-        n, d, width = hid.shape
+        -2 past that. The head (and the last layer's token-wise tail, ``BlockRows``) is most of a
+        block's cost, and tau ~ 4 reads about a third of it. The live rows go a few depths per head
+        call, about ``_HEAD_ROWS`` rows a call: a call on a handful of rows costs as much as reading
+        the head matrix once. Returns the argmax and, for ``sel`` rows when ``tk`` is given, the
+        temperature-1 overlap."""
+        n, d = target.shape
         head, spec = self.head, self.spec
-        raw = torch.full((n, d), -2, dtype=torch.long, device=hid.device)
+        dev = target.device
+        raw = torch.full((n, d), -2, dtype=torch.long, device=dev)
         overlap = None
         rows = sel.nonzero()[:, 0]
         if rows.numel():
             sub = None if tk is None else tuple(t.view(n, d, -1)[rows].reshape(rows.numel() * d, -1) for t in tk)
-            out = apply_head(hid[rows].reshape(-1, width).to(head.lm_head.dtype), head.lm_head, spec, 0,
+            hid = blocks.rows(rows[:, None], torch.arange(1, d + 1, device=dev)[None, :])
+            out = apply_head(hid.reshape(rows.numel() * d, -1).to(head.lm_head.dtype), head.lm_head, spec, 0,
                              self.head_mem_bytes, sub)
             raw[rows] = out.argmax.view(-1, d)
             if out.overlap is not None:
-                overlap = torch.zeros((n, d), device=hid.device)
+                overlap = torch.zeros((n, d), device=dev)
                 overlap[rows] = out.overlap.view(-1, d)
         live = (~sel).nonzero()[:, 0]
-        for k in range(d):
-            if live.numel() == 0:
-                break
-            am = draft_logits(hid[live, k].to(head.lm_head.dtype), head.lm_head, spec).argmax(dim=-1)
-            raw[live, k] = am
-            live = live[am == target[live, k]]
+        k = 0
+        while k < d and live.numel():
+            c = min(d - k, max(1, _HEAD_ROWS // live.numel()))
+            hid = blocks.rows(live[:, None], torch.arange(k + 1, k + c + 1, device=dev)[None, :])
+            am = draft_logits(hid.reshape(live.numel() * c, -1).to(head.lm_head.dtype), head.lm_head, spec)
+            am = am.argmax(dim=-1).view(-1, c)
+            lead = leading_matches(am, target[live, k:k + c])
+            # Depths up to the first miss are read (the miss decides the cycle); the rest stay -2.
+            raw[live, k:k + c] = torch.where(torch.arange(c, device=dev)[None, :] <= lead[:, None], am, -2)
+            live = live[lead == c]
+            k += c
         return raw, overlap
 
 

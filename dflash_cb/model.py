@@ -209,6 +209,27 @@ class _AttentionPart:
     masks: list[torch.Tensor | None]
 
 
+class DeferredBlocks:
+    """Blocks whose last layer stopped after attention (``forward_samples(defer_last=True)``).
+
+    The rest of that layer and the final norm are token-wise, so ``rows`` computes the output hidden
+    states of any chosen (block, position) pairs alone, the same values a full pass gives them.
+    """
+
+    def __init__(self, drafter: DFlashDrafter, residual: torch.Tensor, attended: torch.Tensor):
+        self.drafter = drafter
+        self.residual = residual  # [A, L, hidden]: the last layer's input
+        self.attended = attended  # [A, L, heads * head_dim]: its attention output before o_proj
+        self.shape = residual.shape
+
+    def rows(self, block: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """Hidden states [..., hidden] at ``(block, position)`` (index tensors broadcast together)."""
+        layer = self.drafter.layers[-1]
+        h = self.residual[block, position] + layer.self_attn.o_proj(self.attended[block, position])
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.drafter.norm(h)
+
+
 class DFlashDecoderLayer(nn.Module):
     def __init__(self, config: Qwen3Config, layer_idx: int):
         super().__init__()
@@ -331,12 +352,15 @@ class DFlashDrafter(nn.Module):
 
     def forward_samples(self, ctx_kvs: Sequence[list[tuple[torch.Tensor, torch.Tensor]]],
                         noise_embedding: torch.Tensor, anchors: torch.Tensor, segments: Sequence[tuple[int, int]],
-                        lengths: torch.Tensor | None = None, attn_mem_bytes: int | None = None) -> torch.Tensor:
+                        lengths: torch.Tensor | None = None, attn_mem_bytes: int | None = None,
+                        defer_last: bool = False) -> torch.Tensor | DeferredBlocks:
         """Blocks of several samples in one pass; rows ``segments[s] = (start, stop)`` belong to sample s.
 
         Token-wise work (projections, norms, MLP) runs on all rows together; attention runs per sample
         against that sample's context K/V ``ctx_kvs[s]`` (from ``context_kv``), in chunks that keep its
         temporaries under ``attn_mem_bytes`` (None: no limit). Segments must cover the rows in order.
+        ``defer_last`` stops after the last layer's attention and returns a ``DeferredBlocks``: what
+        follows (``o_proj``, MLP, norms) is token-wise, so it can run only on the positions a caller reads.
         """
         a, n, _ = noise_embedding.shape
         whole = lengths is None  # every block has the full length
@@ -360,7 +384,10 @@ class DFlashDrafter(nn.Module):
                 o = attn.attend(q[part.rows], bk[part.rows], bv[part.rows], ck[:, :part.context],
                                 cv[:, :part.context], part.masks[li], part.group)
                 outs.append(o[: part.count])
-            h = h + attn.o_proj(torch.cat(outs) if len(outs) > 1 else outs[0])
+            a_out = torch.cat(outs) if len(outs) > 1 else outs[0]
+            if defer_last and li == len(self.layers) - 1:
+                return DeferredBlocks(self, h, a_out)
+            h = h + attn.o_proj(a_out)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.norm(h)
 
@@ -389,9 +416,13 @@ class DFlashDrafter(nn.Module):
             rows: slice | torch.Tensor = slice(i, j)
             if count == 1 and lengths is None:
                 # One whole block over its own prefix: everything is visible but for the layers' reach.
-                q_pos = anchors[i:j, None] + torch.arange(n, device=dev)[None, :]
-                k_pos = torch.cat([torch.arange(c, device=dev)[None, :], q_pos], dim=1)
-                parts.append(_AttentionPart(sample, rows, 1, c, 1, self._layer_masks(None, q_pos, k_pos)))
+                if all(layer.self_attn.unrestricted for layer in self.layers):
+                    masks: list[torch.Tensor | None] = [None] * len(self.layers)  # no positions to build
+                else:
+                    q_pos = anchors[i:j, None] + torch.arange(n, device=dev)[None, :]
+                    k_pos = torch.cat([torch.arange(c, device=dev)[None, :], q_pos], dim=1)
+                    masks = self._layer_masks(None, q_pos, k_pos)
+                parts.append(_AttentionPart(sample, rows, 1, c, 1, masks))
                 continue
             if pad:  # repeat the last block; its outputs are dropped
                 rows = torch.cat([torch.arange(i, j, device=dev), torch.full((pad,), j - 1, device=dev)])

@@ -23,6 +23,7 @@ from safetensors.torch import save
 from test_ddtree import reference_tree_accept
 from transformers import Qwen3Config
 
+from dflash_cb import engine
 from dflash_cb.engine import ReferenceRunner, apply_head, block_embeddings, evaluate
 from dflash_cb.fileio import atomic_write_bytes
 from dflash_cb.model import DFlashDrafter, DrafterSpec
@@ -251,6 +252,21 @@ def test_every_count_equals_brute_force(planted, stride: int) -> None:
         assert data["anchors_needed"].item() == sum(len(b["anchors"]) for b in brute.values())
     else:
         assert data["anchors_needed"].item() < sum(len(b["anchors"]) for b in brute.values())
+
+
+@pytest.mark.parametrize("head_rows", [1, 4, 8, 1000])
+def test_greedy_head_depth_chunks_equal_brute_force(planted, monkeypatch, head_rows: int) -> None:
+    """Greedy-only walk rows run the last layer's tail and the head a few depths per call: one depth
+    per call, several (4 and 8 rows a call: walks go on past a chunk), or every depth at once give the
+    brute-force lists and counts."""
+    monkeypatch.setattr(engine, "_HEAD_ROWS", head_rows)
+    brute = planted["brute"]
+    rep = evaluate(planted["cache"], planted["drafter"], budgets=(), anchor_stride=3)
+    for s in rep.samples:
+        assert s.acceptance_lengths == _walk(brute[s.id], 0), s.id
+    assert any(n > 2 for s in rep.samples for n in s.acceptance_lengths)  # walks that go past one chunk
+    _check_counts(rep, {k: v for k, v in _expected_counts(brute, 3).items()
+                        if not k.startswith("dd") and k != "anchors_needed"})
 
 
 def test_batched_equals_one_sample_at_a_time(planted) -> None:

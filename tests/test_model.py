@@ -45,6 +45,43 @@ def test_batched_blocks_equal_reference_forward(sliding: bool) -> None:
             assert torch.allclose(got_ref_signature, want, atol=1e-5), p
 
 
+@pytest.mark.parametrize("sliding", [False, True])
+def test_deferred_last_layer_rows_equal_reference(sliding: bool) -> None:
+    """forward_samples(defer_last=True): the rows asked for, of samples of very different lengths (tail
+    blocks, a window shorter than the contexts), equal one reference call per anchor and the full pass."""
+    torch.manual_seed(1)
+    cfg = _config(sliding)
+    ref = dm.DFlashDraftModel(cfg).eval()
+    ours = DFlashDrafter(cfg).eval()
+    ours.load_state_dict(ref.state_dict())
+    feats = [torch.randn(t, 64) for t in (3, 120, 40)]
+    # Sample 0: one block right after a 2-token prompt; 1: many long-context blocks; 2: a single tail block.
+    plan = [[2], [7, 50, 51, 90, 117], [38]]
+    anchors = torch.tensor([p for ps in plan for p in ps])
+    segments, lo = [], 0
+    for ps in plan:
+        segments.append((lo, lo + len(ps)))
+        lo += len(ps)
+    lengths = torch.tensor([min(4, f.shape[0] - p) for f, ps in zip(feats, plan, strict=True) for p in ps])
+    emb = torch.randn(len(anchors), 4, 32)
+    with torch.no_grad():
+        kvs = [ours.context_kv(f) for f in feats]
+        full = ours.forward_samples(kvs, emb, anchors, segments, lengths)
+        deferred = ours.forward_samples(kvs, emb, anchors, segments, lengths, defer_last=True)
+        block = torch.tensor([0, 1, 1, 3, 5, 6])  # some blocks, some positions, in any order
+        pos = torch.tensor([1, 3, 0, 2, 1, 1])
+        got = deferred.rows(block, pos)
+        assert torch.allclose(got, full[block, pos], atol=1e-6)
+        every = deferred.rows(torch.arange(len(anchors))[:, None], torch.arange(4)[None, :])
+        assert every.shape == full.shape
+        who = [s for s, ps in enumerate(plan) for _ in ps]
+        for i, p in enumerate(anchors.tolist()):
+            n = int(lengths[i])
+            want = ref(target_hidden=feats[who[i]][None, :p], noise_embedding=emb[i:i + 1, :n],
+                       position_ids=torch.arange(p + n)[None])[0]
+            assert torch.allclose(every[i, :n], want, atol=1e-5), (who[i], p)
+
+
 def test_checkpoint_round_trip_and_strict_loading(tmp_path) -> None:
     from safetensors.torch import load_file, save_file
 
