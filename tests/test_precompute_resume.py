@@ -6,10 +6,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
+from processes import sigkill_when
 from safetensors.torch import load_file
 from tiny_target import random_prompts, save_tiny_qwen3, write_prompts
 
@@ -39,19 +39,7 @@ def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path, capsys):
     out = tmp_path / "killed"
     proc = subprocess.Popen([sys.executable, str(TOOL), *common, "--out", str(out)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=REPO, env=env)
-    try:
-        deadline = time.time() + 60
-        while time.time() < deadline and proc.poll() is None:
-            if len(list(out.glob("states-*.safetensors"))) >= 3:
-                break
-            time.sleep(0.005)
-        assert proc.poll() is None, f"finished before it could be killed: {proc.stderr.read().decode()[-2000:]}"
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.stderr.close()
+    sigkill_when(proc, lambda: len(list(out.glob("states-*.safetensors"))) >= 3, timeout=60)
     assert proc.returncode == -signal.SIGKILL
     assert not (out / MANIFEST_NAME).exists() and (out / PROGRESS_NAME).exists()
     partial = sorted(p.name for p in out.glob("states-*.safetensors"))

@@ -13,7 +13,6 @@ import contextlib
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -27,6 +26,7 @@ import local_http
 import pytest
 import torch
 from local_http import JSONHandler
+from processes import sigkill_when
 
 from dflash_cb.results import load_results
 
@@ -287,21 +287,9 @@ def test_sigkill_during_queries_keeps_the_counters(world, server, tmp_path) -> N
     proc = subprocess.Popen([sys.executable, str(ROOT / "tools" / "precompute_states.py"), *args],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=ROOT, env=env)
     journal = out / JOURNAL_NAME
-    try:
-        deadline = time.time() + 120
-        while time.time() < deadline and proc.poll() is None:
-            # The first journaled answer: with answers journaled as they arrive the kill lands between two
-            # queries; a client that hands them over all at once puts it just after the last query.
-            if journal.is_file() and journal.read_bytes().count(b"\n") >= 1:
-                break
-            time.sleep(0.005)
-        assert proc.poll() is None, f"finished before it could be killed: {proc.stderr.read().decode()[-2000:]}"
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.stderr.close()
+    # The first journaled answer: with answers journaled as they arrive the kill lands between two
+    # queries; a client that hands them over all at once puts it just after the last query.
+    sigkill_when(proc, lambda: journal.is_file() and journal.read_bytes().count(b"\n") >= 1, timeout=120)
     assert not (out / MANIFEST_NAME).exists()
     saved = [json.loads(line) for line in journal.read_text().splitlines()]
     assert 1 <= len(saved) <= N_PROMPTS and all("spec_verify_ct" in j["served_spec"] for j in saved)
