@@ -220,7 +220,6 @@ class DeferredBlocks:
         self.drafter = drafter
         self.residual = residual  # [A, L, hidden]: the last layer's input
         self.attended = attended  # [A, L, heads * head_dim]: its attention output before o_proj
-        self.shape = residual.shape
 
     def rows(self, block: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """Hidden states [..., hidden] at ``(block, position)`` (index tensors broadcast together)."""
