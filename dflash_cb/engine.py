@@ -285,7 +285,6 @@ class _Live:
     id: str
     category: str
     bounds: SampleBounds
-    tok_list: list[int]
     state: Any
     stats: range
     walks: list[Walk]
@@ -643,8 +642,8 @@ def _load_wave(cache: StateCache, ids: list[str], runner: DraftRunner, manifest:
             rows = bounds.anchors[-1]
             state = runner.prepare(sample.hidden[:rows].to(device=device, dtype=runner.dtype))
         walks = [Walk(bounds, tok_list, stops) for _ in range(1 + n_budgets)]
-        lives.append(_Live(sid, sample.entry.category, bounds, tok_list, state, stats_anchors(bounds, stride),
-                           walks, rows={} if keep_rows else None, window=[1] * len(walks), ones=[0] * len(walks)))
+        lives.append(_Live(sid, sample.entry.category, bounds, state, stats_anchors(bounds, stride), walks,
+                           rows={} if keep_rows else None, window=[1] * len(walks), ones=[0] * len(walks)))
         tokens.append(sample.input_ids.long())
         topk.append(None if sample.topk_ids is None else (sample.topk_ids, sample.topk_logprobs))
         del sample  # the features are no longer needed: the state holds what the drafter uses
