@@ -124,16 +124,16 @@ def compare(args, p: dict, drafter, head, tmp: Path) -> dict:
                           planted=FastRunner(drafter))
     rand = write_cache(tmp / "random", p, args.samples, args.prompt, args.tokens, head, dtype=torch.float32, seed=1)
     # Both engines read this checkout's cache format (the old engine only uses load / manifest / samples).
-    caches = {"planted": (planted, planted), "random": (rand, rand)}
+    caches = {"planted": planted, "random": rand}
 
     def new(cache_kind, budgets, anchor_stride):
-        return lambda: evaluate(caches[cache_kind][0], drafter, head, budgets=budgets, anchor_stride=anchor_stride)
+        return lambda: evaluate(caches[cache_kind], drafter, head, budgets=budgets, anchor_stride=anchor_stride)
 
     def old(cache_kind, budgets):
-        return lambda: base_engine.evaluate(caches[cache_kind][1], drafter, head, budgets=budgets)
+        return lambda: base_engine.evaluate(caches[cache_kind], drafter, head, budgets=budgets)
 
     def loop(cache_kind):
-        c = caches[cache_kind][0]
+        c = caches[cache_kind]
         return lambda: [replay_per_cycle(c, drafter, head, s.id) for s in c.samples]
 
     rows = {
@@ -149,7 +149,7 @@ def compare(args, p: dict, drafter, head, tmp: Path) -> dict:
     times: dict[str, dict[str, tuple[list[float], list[float]]]] = {k: {"wall": ([], []), "cpu": ([], [])}
                                                                      for k in rows}
     every = {kind: sum(len(bounds_for(c.load(s.id), c.manifest).anchors) for s in c.samples)
-             for kind, (c, _) in caches.items()}
+             for kind, c in caches.items()}
     total = {name: every["random" if "random" in name else "planted"] for name in rows}
     for rep in range(args.reps):
         for name, (fn_new, fn_other, is_engine) in rows.items():
