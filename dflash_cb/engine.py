@@ -408,13 +408,14 @@ class _Drafting:
             produced += [cut_produced(tree[:, b - 1], anchors, loop_end, first_stop) for b in self.budgets]
         table = torch.stack(produced, dim=1)  # [N, walks]
         rows = argmax.tolist() if keep_rows else None
+        depths = (lengths - 1).tolist() if keep_rows else None
         for r, ((w, p), vals) in enumerate(zip(requests, table.tolist(), strict=True)):
             lv = wave.lives[w]
             lv.known[p] = tuple(vals)
             for j, v in enumerate(vals):
                 lv.ones[j] += v == 1
             if lv.rows is not None:
-                lv.rows[p] = rows[r][: int(min(n, lv.bounds.loop_end - p)) - 1]
+                lv.rows[p] = rows[r][: depths[r]]
         # Anchor statistics on the fixed set only.
         if bool(sel.any()):
             valid = inside & (target >= 0)
