@@ -361,13 +361,11 @@ class DFlashDrafter(nn.Module):
         ``defer_last`` stops after the last layer's attention and returns a ``DeferredBlocks``: what
         follows (``o_proj``, MLP, norms) is token-wise, so it can run only on the positions a caller reads.
         """
-        a, n, _ = noise_embedding.shape
-        whole = lengths is None  # every block has the full length
-        lengths = torch.full_like(anchors, n) if lengths is None else lengths
+        n = noise_embedding.shape[1]
         anchor_list = anchors.tolist()  # one host sync per call: chunking and key trimming need the values
         parts: list[_AttentionPart] = []
         for s, (lo, hi) in enumerate(segments):
-            parts += self._plan_attention(s, lo, hi, anchor_list, anchors, None if whole else lengths, n,
+            parts += self._plan_attention(s, lo, hi, anchor_list, anchors, lengths, n,
                                           attn_mem_bytes, noise_embedding.element_size())
         q_pos = anchors[:, None] + torch.arange(n, device=anchors.device)[None, :]
         cos, sin = self.rotary_emb(noise_embedding, q_pos)
