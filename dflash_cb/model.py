@@ -175,12 +175,6 @@ class DFlashAttention(nn.Module):
             out = out.view(b, h, group, n, d).transpose(1, 2).reshape(a, h, n, d)
         return out.transpose(1, 2).reshape(a, n, h * d)
 
-    def forward(self, x: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor, cos: torch.Tensor,
-                sin: torch.Tensor, mask: torch.Tensor | None, group: int = 1) -> torch.Tensor:
-        """Blocks x [A, L, hidden] attend to their context keys, then themselves (see ``attend``)."""
-        bk, bv = self.project_kv(x, cos, sin)
-        return self.o_proj(self.attend(self.project_q(x, cos, sin), bk, bv, ctx_k, ctx_v, mask, group))
-
     @property
     def unrestricted(self) -> bool:
         """True when this layer sees its whole context prefix and whole block (no position rule)."""
@@ -223,10 +217,8 @@ class DeferredBlocks:
 
     def rows(self, block: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """Hidden states [..., hidden] at ``(block, position)`` (index tensors broadcast together)."""
-        layer = self.drafter.layers[-1]
-        h = self.residual[block, position] + layer.self_attn.o_proj(self.attended[block, position])
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return self.drafter.norm(h)
+        return self.drafter.norm(self.drafter.layers[-1].finish(self.residual[block, position],
+                                                                self.attended[block, position]))
 
 
 class DFlashDecoderLayer(nn.Module):
@@ -239,7 +231,15 @@ class DFlashDecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, ctx_kv: tuple[torch.Tensor, torch.Tensor], cos: torch.Tensor,
                 sin: torch.Tensor, mask: torch.Tensor | None, group: int = 1) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), *ctx_kv, cos, sin, mask, group)
+        attn = self.self_attn
+        x = self.input_layernorm(h)
+        bk, bv = attn.project_kv(x, cos, sin)
+        return self.finish(h, attn.attend(attn.project_q(x, cos, sin), bk, bv, *ctx_kv, mask, group))
+
+    def finish(self, h: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """The layer after its attention, given the layer input ``h`` and the attention output before
+        ``o_proj``: token-wise, so it may run on any subset of positions (``DeferredBlocks``)."""
+        h = h + self.self_attn.o_proj(attended)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -384,8 +384,7 @@ class DFlashDrafter(nn.Module):
             a_out = torch.cat(outs) if len(outs) > 1 else outs[0]
             if defer_last and li == len(self.layers) - 1:
                 return DeferredBlocks(self, h, a_out)
-            h = h + attn.o_proj(a_out)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            h = layer.finish(h, a_out)
         return self.norm(h)
 
     def _plan_attention(self, sample: int, lo: int, hi: int, anchor_list: list[int], anchors: torch.Tensor,
