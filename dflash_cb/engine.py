@@ -309,6 +309,7 @@ class _Wave:
         self.has_stops = bool(stop_token_ids)
         self.loop_end = torch.tensor([lv.bounds.loop_end for lv in lives], device=device)
         self.known_end = torch.tensor([lv.bounds.known_end for lv in lives], device=device)
+        self.prompt_len = torch.tensor([lv.bounds.prompt_len for lv in lives], device=device)
         self.topk = None
         if any(t is not None for t in topk):
             k = max(t[0].shape[1] for t in topk if t is not None)
@@ -378,8 +379,7 @@ class _Drafting:
             # The target's distribution for the token at p + k sits at position p + k - 1.
             at = (base[:, None] + torch.minimum(pos - 1, last)).reshape(-1)
             tk = (wave.topk[0][at], wave.topk[1][at])
-        prompt = torch.tensor([wave.lives[w].bounds.prompt_len for w in who], device=dev)
-        sel = (anchors - prompt) % self.stride == 0  # rows of the anchor-statistics set
+        sel = (anchors - wave.prompt_len[sample]) % self.stride == 0  # rows of the anchor-statistics set
         keep_rows = any(lv.rows is not None for lv in lives)
         out = None
         if self.budgets or keep_rows or bool(sel.all()):
