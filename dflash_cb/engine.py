@@ -142,8 +142,9 @@ class ReferenceRunner(DraftRunner):
         return self._dtype
 
     def state_bytes(self, tokens: int, dtype: torch.dtype) -> int:
+        # The state is the context features themselves, stored in the runner's dtype (not ``dtype``).
         features = len(self.spec.target_layer_ids) * self.spec.target_hidden_size
-        return tokens * features * torch.empty((), dtype=self.dtype).element_size()
+        return tokens * features * self.dtype.itemsize
 
     def hidden(self, state: Any, noise_embedding: torch.Tensor, anchors: torch.Tensor,
                lengths: torch.Tensor | None = None) -> torch.Tensor:

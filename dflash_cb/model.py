@@ -338,7 +338,7 @@ class DFlashDrafter(nn.Module):
     def context_bytes_per_token(self, dtype: torch.dtype) -> int:
         """Bytes of context K/V one cached position costs (all layers, keys and values)."""
         attn = self.layers[0].self_attn
-        elem = torch.empty((), dtype=dtype).element_size()
+        elem = dtype.itemsize
         return len(self.layers) * 2 * attn.num_kv_heads * attn.head_dim * elem
 
     def forward_blocks(self, ctx_kv: list[tuple[torch.Tensor, torch.Tensor]], noise_embedding: torch.Tensor,
