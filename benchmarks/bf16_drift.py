@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _synthetic import PRESETS, make_drafter, make_head, write_cache  # noqa: E402
 
 from dflash_cb.engine import FastRunner, evaluate  # noqa: E402
+from dflash_cb.metrics import ddtree_tau  # noqa: E402
 from dflash_cb.model import DFlashDrafter  # noqa: E402
 from dflash_cb.states import StateCache  # noqa: E402
 
@@ -54,8 +55,7 @@ def drift(cache: StateCache, drafter: torch.nn.Module, head, budgets: tuple[int,
            "tau_bf16": round(bf16.tau, 4), "tau_diff": round(bf16.tau - f32.tau, 4),
            "cycles_changed_share": round(changed / max(total, 1), 4), "samples_with_a_change": samples_changed}
     for b in budgets:
-        key = f"ddtree/tau_b{b}"
-        out[f"ddtree_b{b}_diff"] = round(s16[key] - s32[key], 4)
+        out[f"ddtree_b{b}_diff"] = round(s16[ddtree_tau(b)] - s32[ddtree_tau(b)], 4)
     return out
 
 
