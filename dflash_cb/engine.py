@@ -264,12 +264,8 @@ class SampleResult:
 def block_embeddings(tokens: torch.Tensor, anchors: torch.Tensor, length: int, spec: DrafterSpec,
                      embed: torch.Tensor) -> torch.Tensor:
     """Input embeddings of blocks at ``anchors``: the verified token, then mask tokens."""
-    return _embed_blocks(tokens[anchors], length, spec, embed)
-
-
-def _embed_blocks(first: torch.Tensor, length: int, spec: DrafterSpec, embed: torch.Tensor) -> torch.Tensor:
-    ids = torch.full((first.numel(), length), spec.mask_token_id, dtype=torch.long, device=first.device)
-    ids[:, 0] = first
+    ids = torch.full((anchors.numel(), length), spec.mask_token_id, dtype=torch.long, device=tokens.device)
+    ids[:, 0] = tokens[anchors]
     emb = torch.nn.functional.embedding(ids, embed)
     return emb * spec.input_embedding_scale if spec.input_embedding_scale != 1.0 else emb
 
@@ -367,7 +363,7 @@ class _Drafting:
         anchors = torch.tensor([p for _, p in requests], device=dev)
         base = wave.offset[sample]
         lengths = torch.clamp(wave.loop_end[sample] - anchors, max=n)
-        emb = _embed_blocks(wave.tokens[base + anchors], n, spec, head.embed_tokens).to(self.runner.dtype)
+        emb = block_embeddings(wave.tokens, base + anchors, n, spec, head.embed_tokens).to(self.runner.dtype)
         short = lengths if bool((lengths < n).any()) else None
         blocks = self.runner.block_rows([lv.state for lv in lives], emb, anchors, segments, short)
         depth = torch.arange(1, d + 1, device=dev)[None, :]
