@@ -14,9 +14,10 @@ CPU presets print one row per setting, each a ratio measured side by side in one
 - random completions (tau ~ 1), greedy only, stride 16 vs today's engine,
 
 each with ``anchors_drafted / anchors_needed``. Both wall and process CPU seconds are recorded (on a
-machine shared with other jobs the CPU seconds are the steadier measure); one torch thread by default. "Today's engine" is the ``dflash_cb`` package of
-the git revision ``--baseline-ref`` (default ``c7f1746``, the all-anchor engine before issue 8), extracted with ``git archive`` into a temp
-folder as the package ``dflash_cb_baseline`` and imported next to this checkout's package.
+machine shared with other jobs the CPU seconds are the steadier measure); one torch thread by default.
+"Today's engine" is the ``dflash_cb`` package of the git revision ``--baseline-ref`` (default
+``c7f1746``, the all-anchor engine before issue 8), extracted with ``git archive`` into a temp folder
+as the package ``dflash_cb_baseline`` and imported next to this checkout's package.
 
 The GPU preset (Qwen3.6-27B drafter shape, random weights, bf16) times the callback's three
 profiles, greedy only / callback default (stride = block size, the largest budget) / full, with

@@ -105,7 +105,8 @@ def attention_reach(config: Any, layer_idx: int) -> tuple[int | None, int | None
 
     A layer that the config's ``layer_types`` lists as ``sliding_attention`` sees ``sliding_window``
     positions counting its own (no limit when the config carries no window), and only backwards
-    unless the config sets ``is_causal`` false (then the window is symmetric). Any other layer sees everything, backwards only if ``is_causal`` is set.
+    unless the config sets ``is_causal`` false (then the window is symmetric). Any other layer sees
+    everything, backwards only if ``is_causal`` is set.
     The rule of the public checkpoints, SGLang's DFlash model and SpecForge's masks (docs/method.md).
     """
     kinds = getattr(config, "layer_types", None) or ()
