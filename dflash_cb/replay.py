@@ -46,19 +46,6 @@ def sample_bounds(prompt_len: int, total_len: int, valid_len: int, max_new_token
     return SampleBounds(prompt_len, min(full_end, valid_len), valid_len)
 
 
-def block_lengths(anchors: torch.Tensor, loop_end: int, block_size: int) -> torch.Tensor:
-    """Block length the loop uses at each anchor: shorter only at the tail."""
-    return torch.clamp(loop_end - anchors, max=block_size)
-
-
-def target_windows(tokens: torch.Tensor, anchors: torch.Tensor, depth: int, known_end: int) -> torch.Tensor:
-    """[A, depth] target tokens at p+1..p+depth; -1 (never a token) at or beyond ``known_end``."""
-    pos = anchors[:, None] + torch.arange(1, depth + 1, device=anchors.device)[None, :]
-    ok = pos < known_end
-    out = tokens[pos.clamp(max=tokens.shape[0] - 1)]
-    return torch.where(ok, out, torch.full_like(out, -1))
-
-
 def leading_matches(draft: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """[A, D] draft and target tokens (padding -1 / -2 never match) -> [A] accepted draft tokens."""
     return (draft == target).long().cumprod(dim=1).sum(dim=1)
@@ -83,16 +70,6 @@ def cut_produced(accepted: torch.Tensor, anchors: torch.Tensor, loop_end: torch.
     """
     produced = torch.minimum(accepted + 1, loop_end - anchors - 1)
     return produced if first_stop is None else torch.minimum(produced, first_stop - anchors)
-
-
-def produced_per_anchor(accepted: torch.Tensor, anchors: torch.Tensor, tokens: torch.Tensor,
-                        bounds: SampleBounds, stop_token_ids: Sequence[int]) -> torch.Tensor:
-    """``produced`` a cycle anchored at each p would commit: min(a + 1, end - p - 1), cut at a stop."""
-    first = None
-    if stop_token_ids:
-        nxt = next_stop_positions(tokens, stop_token_ids)
-        first = nxt[(anchors + 1).clamp(max=tokens.shape[0] - 1)]
-    return cut_produced(accepted, anchors, bounds.loop_end, first)
 
 
 class Walk:
@@ -127,7 +104,7 @@ def replay_walk(produced: Sequence[int], tokens: Sequence[int], bounds: SampleBo
                 stop_token_ids: Sequence[int]) -> list[int]:
     """Cycle-by-cycle ``acceptance_lengths`` of the reference loop from per-anchor ``produced``.
 
-    ``produced[i]`` belongs to anchor ``bounds.prompt_len + i`` (see ``produced_per_anchor``).
+    ``produced[i]`` belongs to anchor ``bounds.prompt_len + i``.
     """
     walk = Walk(bounds, tokens, frozenset(stop_token_ids))
     while not walk.done:

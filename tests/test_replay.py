@@ -3,17 +3,42 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 
 import torch
 
 from dflash_cb.replay import (
-    block_lengths,
+    SampleBounds,
+    cut_produced,
     leading_matches,
-    produced_per_anchor,
+    next_stop_positions,
     replay_walk,
     sample_bounds,
-    target_windows,
 )
+
+
+# Whole-table helpers (the engine computes the same per round): one produced value per anchor.
+def block_lengths(anchors: torch.Tensor, loop_end: int, block_size: int) -> torch.Tensor:
+    """Block length the loop uses at each anchor: shorter only at the tail."""
+    return torch.clamp(loop_end - anchors, max=block_size)
+
+
+def target_windows(tokens: torch.Tensor, anchors: torch.Tensor, depth: int, known_end: int) -> torch.Tensor:
+    """[A, depth] target tokens at p+1..p+depth; -1 (never a token) at or beyond ``known_end``."""
+    pos = anchors[:, None] + torch.arange(1, depth + 1, device=anchors.device)[None, :]
+    ok = pos < known_end
+    out = tokens[pos.clamp(max=tokens.shape[0] - 1)]
+    return torch.where(ok, out, torch.full_like(out, -1))
+
+
+def produced_per_anchor(accepted: torch.Tensor, anchors: torch.Tensor, tokens: torch.Tensor,
+                        bounds: SampleBounds, stop_token_ids: Sequence[int]) -> torch.Tensor:
+    """``produced`` a cycle anchored at each p would commit: min(a + 1, end - p - 1), cut at a stop."""
+    first = None
+    if stop_token_ids:
+        nxt = next_stop_positions(tokens, stop_token_ids)
+        first = nxt[(anchors + 1).clamp(max=tokens.shape[0] - 1)]
+    return cut_produced(accepted, anchors, bounds.loop_end, first)
 
 
 def literal_loop(tokens, drafts, n, end, block_size, stops):
