@@ -35,8 +35,6 @@ from .metrics import (
     ANCHORS_NEEDED,
     T1_TAU_ESTIMATE,
     TAU,
-    category_tau,
-    ddtree_tau,
     per_depth,
 )
 from .positions import (
@@ -242,14 +240,6 @@ def drafter_provenance(path: str | os.PathLike, global_step: int | None = None) 
         except Exception:  # provenance is best effort: the evaluation itself already read the file
             global_step = None
     return {"path": str(p), "kind": kind, "global_step": global_step}
-
-
-def category_taus(results: Results) -> dict[str, float | None]:
-    return {c: results.metric(category_tau(c)) for c in results.categories}
-
-
-def ddtree_taus(results: Results) -> dict[int, float | None]:
-    return {b: results.metric(ddtree_tau(b)) for b in results.budgets}
 
 
 # -- files ---------------------------------------------------------------------------------
