@@ -106,11 +106,10 @@ def load_measured(path: str | os.PathLike, cache: StateCache, name: str | None =
     metrics = {k: v for k, v in ((k, _finite(x)) for k, x in res.metrics.items()) if v is not None}
     per_depth = [(_finite(v) if _finite(v) is not None else math.nan)
                  for v in res.per_depth.get("unconditional") or []] or None
-    drafter = res.meta.get("drafter")
     details: dict[str, Any] = {
         "path": str(path),
         "cache_manifest_sha256": res.manifest_sha256,
-        "drafter": drafter.get("path") if isinstance(drafter, dict) else drafter,
+        "drafter": res.drafter_path,
         "dtype": res.meta.get("dtype"),
         "samples_in_file": len(res.samples),
     }

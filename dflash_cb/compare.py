@@ -217,10 +217,8 @@ def render_markdown(c: Comparison, plot_path: str | None = None) -> str:
             lines.append(f"| {bucket} | " + " | ".join(cells) + " |")
     lines += ["", "### Evaluations", ""]
     for label, r in zip(c.labels, c.results, strict=True):
-        d = r.meta.get("drafter")
-        what = d.get("path") if isinstance(d, dict) else d
-        step = d.get("global_step") if isinstance(d, dict) else None
-        lines.append(f"- {label}: drafter `{what}`" + (f" (global step {step})" if step is not None else "")
+        step = r.drafter_step
+        lines.append(f"- {label}: drafter `{r.drafter_path}`" + (f" (global step {step})" if step is not None else "")
                      + f", {len(r.samples)} samples, dtype {r.meta.get('dtype')}")
     if plot_path:
         lines += ["", f"![comparison]({plot_path})"]

@@ -111,6 +111,19 @@ class Results:
         return self.meta.get("cache_manifest_sha256")
 
     @property
+    def drafter_path(self) -> str | None:
+        """The scored drafter's path (``meta.drafter``: a dict since version 2, a string before)."""
+        d = self.meta.get("drafter")
+        path = d.get("path") if isinstance(d, dict) else d
+        return str(path) if path else None
+
+    @property
+    def drafter_step(self) -> int | None:
+        """The scored checkpoint's global step, when known (version 2 only)."""
+        d = self.meta.get("drafter")
+        return d.get("global_step") if isinstance(d, dict) else None
+
+    @property
     def block_size(self) -> int | None:
         b = self.meta.get("block_size")
         return int(b) if b is not None else None
@@ -289,13 +302,6 @@ def load_results(path: str | os.PathLike, cache: StateCache | None = None) -> Re
             f"(manifest sha256 {str(res.manifest_sha256)[:12]}...), but this run evaluates {cache.path} "
             f"(manifest sha256 {cache.manifest_sha256[:12]}...). Numbers from different caches are not "
             f"comparable: rerun python tools/eval_drafter.py --states {shlex.quote(str(cache.path))} "
-            f"--drafter {shlex.quote(_drafter_path(res.meta))} --out {shlex.quote(str(path))}"
+            f"--drafter {shlex.quote(res.drafter_path or '<the reference drafter folder>')} --out {shlex.quote(str(path))}"
         )
     return res
-
-
-def _drafter_path(meta: dict[str, Any]) -> str:
-    """The scored drafter's path from ``meta.drafter`` (a dict since version 2, a string before)."""
-    d = meta.get("drafter")
-    path = d.get("path") if isinstance(d, dict) else d
-    return str(path) if path else "<the reference drafter folder>"
