@@ -238,21 +238,11 @@ def report_to_results(report: EvalReport, cache: StateCache, meta: dict[str, Any
 def drafter_provenance(path: str | os.PathLike, global_step: int | None = None) -> dict[str, Any]:
     """Which drafter was scored: ``{"path", "kind": "folder" | "checkpoint", "global_step"}``.
 
-    A Lightning checkpoint's global step is read from it (``weights_only``, memory-mapped, so no
-    tensor data is loaded); a drafter folder has none unless given.
+    ``global_step``: a Lightning checkpoint's, as ``checkpoints.extract_drafter`` reports it (the
+    checkpoint is read once, there); a drafter folder has none.
     """
     p = Path(path).resolve()
-    kind = "folder" if p.is_dir() else "checkpoint"
-    if kind == "checkpoint" and global_step is None:
-        try:
-            import torch
-
-            ckpt = torch.load(str(p), map_location="cpu", weights_only=True, mmap=True)
-            step = ckpt.get("global_step") if isinstance(ckpt, dict) else None
-            global_step = int(step) if step is not None else None
-        except Exception:  # provenance is best effort: the evaluation itself already read the file
-            global_step = None
-    return {"path": str(p), "kind": kind, "global_step": global_step}
+    return {"path": str(p), "kind": "folder" if p.is_dir() else "checkpoint", "global_step": global_step}
 
 
 # -- files ---------------------------------------------------------------------------------
