@@ -23,6 +23,7 @@ from .bootstrap import DEFAULT_RESAMPLES, DEFAULT_SEED, Interval, intervals, met
 from .errors import DFlashCBError
 from .metrics import DELTA_TAU, TAU, category_tau, ci_high, ci_low, ddtree_tau
 from .positions import DEFAULT_POSITION_EDGES, check_edges, cycle_table, position_table
+from .report import with_interval
 from .results import Results, load_results
 
 
@@ -177,11 +178,10 @@ def _metric_label(metric: str) -> str:
 
 
 def _fmt_iv(iv: Interval) -> str:
-    if not math.isfinite(iv.value):
-        return "n/a"
-    if not (math.isfinite(iv.low) and math.isfinite(iv.high)):
-        return f"{iv.value:.3f}"
-    return f"{iv.value:.3f} [{iv.low:.2f}, {iv.high:.2f}]"
+    def finite(x: float) -> float | None:
+        return x if math.isfinite(x) else None
+
+    return with_interval(finite(iv.value), finite(iv.low), finite(iv.high))
 
 
 def _metrics_order(c: Comparison) -> list[str]:
