@@ -24,7 +24,7 @@ from .errors import DFlashCBError
 from .metrics import DELTA_TAU, TAU, category_tau, ci_high, ci_low, ddtree_tau
 from .positions import DEFAULT_POSITION_EDGES, check_edges, cycle_table, position_table
 from .report import with_interval
-from .results import Results, load_results
+from .results import Results, derived_metrics, load_results
 
 
 class CompareError(DFlashCBError, ValueError):
@@ -103,8 +103,6 @@ def live_metrics(samples: Sequence[Any], budgets: Sequence[int], categories: Seq
                  n_resamples: int = DEFAULT_RESAMPLES, seed: int = DEFAULT_SEED) -> dict[str, float]:
     """What the callback adds to an evaluation's counts, from the per-sample lengths gathered on rank zero:
     intervals, position / cycle-index taus, and ``delta_tau`` against each measured baseline."""
-    from .results import derived_metrics
-
     if not samples:
         return {}
     scalars, _ = derived_metrics(list(samples), tuple(budgets), tuple(categories), tuple(position_edges),
