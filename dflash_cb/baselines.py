@@ -16,21 +16,20 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from .bootstrap import metric_sums
 from .metrics import (
     ALL_ANCHOR_TAU,
     CI_HIGH_SUFFIX,
     CI_LOW_SUFFIX,
     SPECFORGE_TAU,
     TAU,
-    category_tau,
-    ddtree_tau,
 )
 from .results import Results, SampleRecord, load_results
 from .states import StateCache
@@ -83,14 +82,6 @@ def _finite(x: Any) -> float | None:
     return v if math.isfinite(v) else None
 
 
-def _mean(lengths: Iterable[list[int]]) -> float | None:
-    n = s = 0
-    for ls in lengths:
-        n += len(ls)
-        s += sum(ls)
-    return s / n if n else None
-
-
 # -- measured -----------------------------------------------------------------------------
 
 def load_measured(path: str | os.PathLike, cache: StateCache, name: str | None = None,
@@ -106,11 +97,10 @@ def load_measured(path: str | os.PathLike, cache: StateCache, name: str | None =
     metrics = {k: v for k, v in ((k, _finite(x)) for k, x in res.metrics.items()) if v is not None}
     per_depth = [(_finite(v) if _finite(v) is not None else math.nan)
                  for v in res.per_depth.get("unconditional") or []] or None
-    drafter = res.meta.get("drafter")
     details: dict[str, Any] = {
         "path": str(path),
         "cache_manifest_sha256": res.manifest_sha256,
-        "drafter": drafter.get("path") if isinstance(drafter, dict) else drafter,
+        "drafter": res.drafter_path,
         "dtype": res.meta.get("dtype"),
         "samples_in_file": len(res.samples),
     }
@@ -131,21 +121,14 @@ def _restrict(metrics: dict[str, float], res: Results, ids: list[str], details: 
         raise ValueError(f"{details['path']}: the baseline has no results for {len(missing)} of the evaluated "
                          f"samples (e.g. {missing[:3]}); rerun tools/eval_drafter.py on the whole cache")
     chosen = [by_id[i] for i in ids]
-    # Whole-file figures that depend on which samples were scored are dropped, then recomputed on the subset.
+    # Whole-file figures that depend on which samples were scored are dropped; tau, DDTree and
+    # per-category tau are recomputed on the subset (the same per-sample sums as the intervals).
     for k in [k for k in metrics if k.startswith(("category/", "position/", "cycle/")) or k.endswith(
             (CI_LOW_SUFFIX, CI_HIGH_SUFFIX))]:
         del metrics[k]
-    tau = _mean(s.acceptance_lengths for s in chosen)
-    if tau is not None:
-        metrics[TAU] = tau
-    for b in res.budgets:
-        v = _mean(s.ddtree.get(b, []) for s in chosen)
-        if v is not None:
-            metrics[ddtree_tau(b)] = v
-    for c in sorted({s.category for s in chosen}):
-        v = _mean(s.acceptance_lengths for s in chosen if s.category == c)
-        if v is not None:
-            metrics[category_tau(c)] = v
+    for k, sums in metric_sums(chosen, res.budgets, sorted({s.category for s in chosen})).items():
+        if sums.cycles.sum() > 0:
+            metrics[k] = sums.value
     # Aggregated in the file: cannot be restricted, so they describe the whole cache.
     details["subset"] = f"{len(ids)} of {len(by_id)} samples (tau, DDTree, per-category recomputed on the subset; " \
                         "per-depth and all-anchor figures are whole-cache)"

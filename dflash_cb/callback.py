@@ -61,12 +61,13 @@ from .model import DrafterSpec
 from .positions import DEFAULT_POSITION_EDGES, check_edges
 from .report import evaluation_line
 from .states import CacheMismatchError, StateCache, TargetHead, select_sample_ids, stratified_ids
+from .target import DTYPES
 from .wandb_logging import find_wandb_run, log_best, log_evaluation, make_decoder, sample_rows, start_live_run
 
 DrafterSource = str | Callable[[LightningModule], nn.Module]
 
-_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
-           "float32": torch.float32, "fp32": torch.float32}
+# autocast_dtype names: the project's dtype table plus the short spellings.
+_DTYPES = {**DTYPES, "bf16": DTYPES["bfloat16"], "fp16": DTYPES["float16"], "fp32": DTYPES["float32"]}
 
 
 class DFlashEvalError(DFlashCBError, RuntimeError):

@@ -213,7 +213,9 @@ def extract_drafter(ckpt_path: str | os.PathLike, out_dir: str | os.PathLike,
     except OSError as e:
         raise CheckpointError(f"--out {out}: cannot write the drafter there ({describe_os_error(e)})") from None
     dropped = sorted(k for k in ckpt if k not in ("state_dict",))
+    step = ckpt.get("global_step")
     return {"prefix": prefix, "tensors": len(weights), "dropped_entries": dropped,
+            "global_step": int(step) if step is not None else None,
             "params": sum(v.numel() for v in weights.values())}
 
 

@@ -23,7 +23,8 @@ from .bootstrap import DEFAULT_RESAMPLES, DEFAULT_SEED, Interval, intervals, met
 from .errors import DFlashCBError
 from .metrics import DELTA_TAU, TAU, category_tau, ci_high, ci_low, ddtree_tau
 from .positions import DEFAULT_POSITION_EDGES, check_edges, cycle_table, position_table
-from .results import Results, load_results
+from .report import with_interval
+from .results import Results, derived_metrics, load_results
 
 
 class CompareError(DFlashCBError, ValueError):
@@ -102,8 +103,6 @@ def live_metrics(samples: Sequence[Any], budgets: Sequence[int], categories: Seq
                  n_resamples: int = DEFAULT_RESAMPLES, seed: int = DEFAULT_SEED) -> dict[str, float]:
     """What the callback adds to an evaluation's counts, from the per-sample lengths gathered on rank zero:
     intervals, position / cycle-index taus, and ``delta_tau`` against each measured baseline."""
-    from .results import derived_metrics
-
     if not samples:
         return {}
     scalars, _ = derived_metrics(list(samples), tuple(budgets), tuple(categories), tuple(position_edges),
@@ -177,11 +176,10 @@ def _metric_label(metric: str) -> str:
 
 
 def _fmt_iv(iv: Interval) -> str:
-    if not math.isfinite(iv.value):
-        return "n/a"
-    if not (math.isfinite(iv.low) and math.isfinite(iv.high)):
-        return f"{iv.value:.3f}"
-    return f"{iv.value:.3f} [{iv.low:.2f}, {iv.high:.2f}]"
+    def finite(x: float) -> float | None:
+        return x if math.isfinite(x) else None
+
+    return with_interval(finite(iv.value), finite(iv.low), finite(iv.high))
 
 
 def _metrics_order(c: Comparison) -> list[str]:
@@ -217,10 +215,8 @@ def render_markdown(c: Comparison, plot_path: str | None = None) -> str:
             lines.append(f"| {bucket} | " + " | ".join(cells) + " |")
     lines += ["", "### Evaluations", ""]
     for label, r in zip(c.labels, c.results, strict=True):
-        d = r.meta.get("drafter")
-        what = d.get("path") if isinstance(d, dict) else d
-        step = d.get("global_step") if isinstance(d, dict) else None
-        lines.append(f"- {label}: drafter `{what}`" + (f" (global step {step})" if step is not None else "")
+        step = r.drafter_step
+        lines.append(f"- {label}: drafter `{r.drafter_path}`" + (f" (global step {step})" if step is not None else "")
                      + f", {len(r.samples)} samples, dtype {r.meta.get('dtype')}")
     if plot_path:
         lines += ["", f"![comparison]({plot_path})"]

@@ -379,11 +379,11 @@ def extract_and_score(cfg: DemoConfig, paths: Paths, checkpoint: Path | None = N
     from .states import StateCache
 
     checkpoint, drafter_dir = checkpoint or paths.checkpoint, drafter_dir or paths.drafter
-    extract_drafter(checkpoint, drafter_dir)
+    info = extract_drafter(checkpoint, drafter_dir)
     cache = StateCache(paths.cache_eval)
     drafter = DFlashDrafter.from_pretrained(drafter_dir, device="cpu").eval()
     report = evaluate(cache, drafter, budgets=cfg.ddtree_budgets, device=torch.device("cpu"))
-    provenance = {**drafter_provenance(checkpoint), "extracted_to": str(drafter_dir.resolve())}
+    provenance = {**drafter_provenance(checkpoint, info["global_step"]), "extracted_to": str(drafter_dir.resolve())}
     results = report_to_results(report, cache, meta={"drafter": provenance, "dtype": "float32",
                                                      "device": "cpu", "head_source": "cache"},
                                 position_edges=POSITION_EDGES)
@@ -397,7 +397,7 @@ def compare_first_last(paths: Paths, first: Results, last: Results) -> dict[str,
     from .fileio import atomic_write_text
 
     def label(r: Results) -> str:
-        return f"step {r.meta['drafter'].get('global_step')}"
+        return f"step {r.drafter_step}"
 
     c = compare([label(first), label(last)], [first, last], position_edges=POSITION_EDGES)
     png = plot_comparison(c, paths.comparison.with_suffix(".png"))

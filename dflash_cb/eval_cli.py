@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 
+from .positions import DEFAULT_POSITION_EDGES
+
 USAGE = """Score a saved DFlash drafter on a cache of target states: exact tau, DDTree, per-depth acceptance.
 
     python tools/eval_drafter.py --states cached_states/qwen36-27b-v1 --drafter path/to/drafter \\
@@ -92,7 +94,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--served-check", action="store_true",
                    help="compare with the server's own speculative counters stored in the cache (the drafter "
                         "must be the one the server ran during the precompute)")
-    p.add_argument("--position-edges", default="0,256,512,1024,2048",
+    p.add_argument("--position-edges", default=",".join(map(str, DEFAULT_POSITION_EDGES)),
                    help="completion-position buckets for tau by position (results.json breakdown)")
     p.add_argument("--wandb-project", default=None, help="also log the evaluation to this W&B project")
     p.add_argument("--wandb-name", default=None, help="W&B run name")

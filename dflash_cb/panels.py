@@ -41,6 +41,7 @@ from .positions import DEFAULT_CYCLE_BUCKETS, DEFAULT_POSITION_EDGES, cycle_labe
 
 STEP_KEY = "trainer/global_step"  # the same as wandb_logging.STEP_KEY (kept import-free of wandb)
 SAMPLE_TABLE = "sample_table"
+COST_KEYS = (EVAL_TIME, CYCLES, TOKENS, ANCHORS_DRAFTED, ANCHORS_NEEDED)
 SECTIONS = ("Headline", "Uncertainty", "Per category", "Per depth", "By position", "Cost", "Samples")
 
 
@@ -56,7 +57,7 @@ class PanelLayout:
     cycle_buckets: Sequence[str] = field(default_factory=lambda: cycle_labels(DEFAULT_CYCLE_BUCKETS))
     baselines: Sequence[str] = ()  # measured: "baseline/<name>" segments (Baseline.key)
     published: Sequence[str] = ()  # "published/<name>"
-    cost: Sequence[str] = (EVAL_TIME, CYCLES, TOKENS, ANCHORS_DRAFTED, ANCHORS_NEEDED)
+    cost: Sequence[str] = COST_KEYS
 
 
 @dataclass(frozen=True)
@@ -140,7 +141,7 @@ def layout_from_keys(keys: Iterable[str], prefix: str = "dflash_eval/") -> Panel
         cycle_buckets=sorted(grab(r"cycle/(\w+)/tau"), key=lambda b: int(b.rstrip("plus"))),
         baselines=[f"baseline/{n}" for n in grab(r"baseline/([^/]+)/tau")],
         published=[f"published/{n}" for n in grab(r"published/([^/]+)/tau")],
-        cost=[n for n in (EVAL_TIME, CYCLES, TOKENS, ANCHORS_DRAFTED, ANCHORS_NEEDED) if n in keys],
+        cost=[n for n in COST_KEYS if n in keys],
     )
 
 

@@ -42,11 +42,9 @@ def format_results(res: Results) -> str:
     lines = []
     meta = res.meta
     lines.append(f"cache    {meta.get('cache_path')}  (manifest {str(meta.get('cache_manifest_sha256'))[:12]})")
-    drafter = meta.get("drafter")
-    if drafter:
-        where = drafter.get("path") if isinstance(drafter, dict) else drafter
-        step = drafter.get("global_step") if isinstance(drafter, dict) else None
-        lines.append(f"drafter  {where}" + (f" (global step {step})" if step is not None else "")
+    if meta.get("drafter"):
+        step = res.drafter_step
+        lines.append(f"drafter  {res.drafter_path}" + (f" (global step {step})" if step is not None else "")
                      + f"  dtype={meta.get('dtype')} device={meta.get('device')}")
     cycles = sum(len(s.acceptance_lengths) for s in res.samples)
     lines.append(f"samples  {len(res.samples)}   cycles {cycles}   wall {meta.get('wall_time_s')} s")

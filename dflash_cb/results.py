@@ -35,8 +35,6 @@ from .metrics import (
     ANCHORS_NEEDED,
     T1_TAU_ESTIMATE,
     TAU,
-    category_tau,
-    ddtree_tau,
     per_depth,
 )
 from .positions import (
@@ -111,6 +109,19 @@ class Results:
     @property
     def manifest_sha256(self) -> str | None:
         return self.meta.get("cache_manifest_sha256")
+
+    @property
+    def drafter_path(self) -> str | None:
+        """The scored drafter's path (``meta.drafter``: a dict since version 2, a string before)."""
+        d = self.meta.get("drafter")
+        path = d.get("path") if isinstance(d, dict) else d
+        return str(path) if path else None
+
+    @property
+    def drafter_step(self) -> int | None:
+        """The scored checkpoint's global step, when known (version 2 only)."""
+        d = self.meta.get("drafter")
+        return d.get("global_step") if isinstance(d, dict) else None
 
     @property
     def block_size(self) -> int | None:
@@ -227,29 +238,11 @@ def report_to_results(report: EvalReport, cache: StateCache, meta: dict[str, Any
 def drafter_provenance(path: str | os.PathLike, global_step: int | None = None) -> dict[str, Any]:
     """Which drafter was scored: ``{"path", "kind": "folder" | "checkpoint", "global_step"}``.
 
-    A Lightning checkpoint's global step is read from it (``weights_only``, memory-mapped, so no
-    tensor data is loaded); a drafter folder has none unless given.
+    ``global_step``: a Lightning checkpoint's, as ``checkpoints.extract_drafter`` reports it (the
+    checkpoint is read once, there); a drafter folder has none.
     """
     p = Path(path).resolve()
-    kind = "folder" if p.is_dir() else "checkpoint"
-    if kind == "checkpoint" and global_step is None:
-        try:
-            import torch
-
-            ckpt = torch.load(str(p), map_location="cpu", weights_only=True, mmap=True)
-            step = ckpt.get("global_step") if isinstance(ckpt, dict) else None
-            global_step = int(step) if step is not None else None
-        except Exception:  # provenance is best effort: the evaluation itself already read the file
-            global_step = None
-    return {"path": str(p), "kind": kind, "global_step": global_step}
-
-
-def category_taus(results: Results) -> dict[str, float | None]:
-    return {c: results.metric(category_tau(c)) for c in results.categories}
-
-
-def ddtree_taus(results: Results) -> dict[int, float | None]:
-    return {b: results.metric(ddtree_tau(b)) for b in results.budgets}
+    return {"path": str(p), "kind": "folder" if p.is_dir() else "checkpoint", "global_step": global_step}
 
 
 # -- files ---------------------------------------------------------------------------------
@@ -299,13 +292,6 @@ def load_results(path: str | os.PathLike, cache: StateCache | None = None) -> Re
             f"(manifest sha256 {str(res.manifest_sha256)[:12]}...), but this run evaluates {cache.path} "
             f"(manifest sha256 {cache.manifest_sha256[:12]}...). Numbers from different caches are not "
             f"comparable: rerun python tools/eval_drafter.py --states {shlex.quote(str(cache.path))} "
-            f"--drafter {shlex.quote(_drafter_path(res.meta))} --out {shlex.quote(str(path))}"
+            f"--drafter {shlex.quote(res.drafter_path or '<the reference drafter folder>')} --out {shlex.quote(str(path))}"
         )
     return res
-
-
-def _drafter_path(meta: dict[str, Any]) -> str:
-    """The scored drafter's path from ``meta.drafter`` (a dict since version 2, a string before)."""
-    d = meta.get("drafter")
-    path = d.get("path") if isinstance(d, dict) else d
-    return str(path) if path else "<the reference drafter folder>"

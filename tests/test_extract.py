@@ -56,6 +56,14 @@ def test_extract_loads_in_both_and_scores_identically(lightning_ckpt: Path, tiny
     assert [s.ddtree for s in a.samples] == [s.ddtree for s in b.samples]
 
 
+def test_extract_reports_the_checkpoints_global_step(lightning_ckpt: Path, tmp_path: Path) -> None:
+    """The demo's results.json provenance takes the step from here (the checkpoint is read once)."""
+    from dflash_cb.checkpoints import extract_drafter as extract_folder
+
+    info = extract_folder(lightning_ckpt, tmp_path / "drafter")
+    assert info["global_step"] == 4  # the fixture trains max_steps=4 and keeps the last checkpoint
+
+
 def test_extract_refuses_incomplete_or_unsafe(lightning_ckpt: Path, tiny_drafter_config: dict, tmp_path: Path,
                                               capsys: pytest.CaptureFixture) -> None:
     import json
