@@ -53,7 +53,7 @@ from torch import nn
 from .baselines import Baseline, baseline_scalars, load_measured, load_published, load_served
 from .compare import live_metrics
 from .distributed import full_parameters, sharding_kind
-from .engine import DEFAULT_BUDGETS, EvalReport, SampleResult
+from .engine import AUTOCAST_NAMES, DEFAULT_BUDGETS, EvalReport, SampleResult, resolve_autocast
 from .errors import DFlashCBError
 from .live_eval import RankedEvaluation, evaluate_across_ranks, score_untouched
 from .metrics import ANCHOR_STRIDE, EVAL_TIME, FAILED_EVALS, TAU, EvalCounts, per_depth, summarize
@@ -61,13 +61,10 @@ from .model import DrafterSpec
 from .positions import DEFAULT_POSITION_EDGES, check_edges
 from .report import evaluation_line
 from .states import CacheMismatchError, StateCache, TargetHead, select_sample_ids, stratified_ids
-from .target import DTYPES
 from .wandb_logging import find_wandb_run, log_best, log_evaluation, make_decoder, sample_rows, start_live_run
 
 DrafterSource = str | Callable[[LightningModule], nn.Module]
 
-# autocast_dtype names: the project's dtype table plus the short spellings.
-_DTYPES = {**DTYPES, "bf16": DTYPES["bfloat16"], "fp16": DTYPES["float16"], "fp32": DTYPES["float32"]}
 
 
 class DFlashEvalError(DFlashCBError, RuntimeError):
@@ -194,8 +191,9 @@ class DFlashEvalCallback(Callback):
             raise ValueError(f"num_samples must be an integer >= 1 or None (all), got {num_samples!r}")
         if target_lm_head and not target_embed:
             raise ValueError("target_lm_head needs target_embed too (the block embeddings come from the target)")
-        if autocast_dtype not in (None, "auto", *_DTYPES):
-            raise ValueError(f"autocast_dtype must be 'auto', None or one of {sorted(_DTYPES)}, got {autocast_dtype!r}")
+        if autocast_dtype not in (None, "auto", *AUTOCAST_NAMES):
+            raise ValueError(f"autocast_dtype must be 'auto', None or one of {sorted(AUTOCAST_NAMES)}, "
+                             f"got {autocast_dtype!r}")
         if not isinstance(drafter, str) and not callable(drafter):
             raise TypeError("drafter must be an attribute path (str) or a function taking the LightningModule")
         self.states = str(states)
@@ -416,12 +414,7 @@ class DFlashEvalCallback(Callback):
 
     # -- evaluation -------------------------------------------------------------------------
     def _autocast(self, device: torch.device, param_dtype: torch.dtype) -> torch.dtype | None:
-        if self.autocast_dtype is None:
-            return None
-        if self.autocast_dtype == "auto":
-            return torch.bfloat16 if device.type == "cuda" and param_dtype == torch.float32 else None
-        dt = _DTYPES[self.autocast_dtype]
-        return None if dt == torch.float32 else dt
+        return resolve_autocast(self.autocast_dtype, device, param_dtype)
 
     def _target_head(self, pl_module: LightningModule, device: torch.device, dtype: torch.dtype) -> TargetHead:
         if self.target_embed:

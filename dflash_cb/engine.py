@@ -35,6 +35,7 @@ from .metrics import TAU, EvalCounts, summarize
 from .model import DFlashDrafter, DrafterSpec, draft_logits
 from .replay import SampleBounds, Walk, cut_produced, leading_matches, next_stop_positions, sample_bounds
 from .states import CachedSample, Manifest, StateCache, TargetHead
+from .target import DTYPES
 
 DEFAULT_BUDGETS = (16, 32, 64)
 # Rows per greedy head call: below about this many, a call costs what reading the head matrix costs.
@@ -524,6 +525,25 @@ def bounds_for(sample: CachedSample, manifest: Manifest) -> SampleBounds:
     last = int(sample.input_ids[-1]) if e.total_len > 0 else None
     return sample_bounds(e.prompt_len, e.total_len, e.valid_len, manifest.max_new_tokens, last,
                          manifest.stop_token_ids)
+
+
+# Names an evaluation's autocast dtype may be given by: the project's dtype table plus short spellings.
+AUTOCAST_NAMES = {**DTYPES, "bf16": DTYPES["bfloat16"], "fp16": DTYPES["float16"], "fp32": DTYPES["float32"]}
+
+
+def resolve_autocast(requested: str | torch.dtype | None, device: torch.device,
+                     param_dtype: torch.dtype) -> torch.dtype | None:
+    """The autocast dtype of an evaluation: the one rule for the callback and ``eval_drafter.py``.
+
+    ``"auto"``: bfloat16 on CUDA for a float32 drafter (speed where it is cheap), none elsewhere (CPU
+    stays exact float32). None or float32: none. Another name (``AUTOCAST_NAMES``) or dtype: that one.
+    """
+    if requested is None:
+        return None
+    if requested == "auto":
+        return torch.bfloat16 if device.type == "cuda" and param_dtype == torch.float32 else None
+    dt = requested if isinstance(requested, torch.dtype) else AUTOCAST_NAMES[requested]
+    return None if dt == torch.float32 else dt
 
 
 def autocast_context(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:

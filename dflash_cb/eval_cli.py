@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from .checkpoints import load_drafter
-    from .engine import evaluate
+    from .engine import evaluate, resolve_autocast
     from .errors import DFlashCBError
     from .positions import check_edges
     from .report import format_results
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     cache.check_samples(ids)  # manifest fields against the shards (small tensors only)
     if head is None:
         head = cache.load_head(device=device, dtype=torch.float32, verify=args.verify)
-    autocast = torch.bfloat16 if dtype_name == "bfloat16" else None
+    autocast = resolve_autocast(dtype_name, device, next(drafter.parameters()).dtype)
     report = evaluate(cache, drafter, head, sample_ids=ids, budgets=budgets, device=device,
                       autocast_dtype=autocast, verify=args.verify, progress=True, anchor_stride=args.anchor_stride)
     results = report_to_results(report, cache, position_edges=edges, meta={
