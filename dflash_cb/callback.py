@@ -383,13 +383,8 @@ class DFlashEvalCallback(Callback):
         """Cache vs drafter (and head) compatibility; raises CacheMismatchError naming every field."""
         assert self.cache is not None
         drafter = self._find_drafter(pl_module)
-        spec = getattr(drafter, "spec", None)
+        spec = DrafterSpec.of(drafter)
         config = getattr(drafter, "config", None)
-        if not isinstance(spec, DrafterSpec):
-            if config is None:
-                raise TypeError(f"DFlashEvalCallback: {type(drafter).__name__} has neither .spec nor a DFlash .config; "
-                                "the callback needs block size, mask token and target layer ids")
-            spec = DrafterSpec.from_config(config)
         self.cache.check_drafter(spec.as_cache_check())
         m = self.cache.manifest
         problems = []

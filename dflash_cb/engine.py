@@ -193,11 +193,7 @@ def as_runner(drafter: Any, spec: DrafterSpec | None = None, attn_mem_bytes: int
         adopted = adopt_reference_module(drafter)
         if adopted is not None:
             return FastRunner(adopted, attn_mem_bytes)
-    if spec is None:
-        config = _drafter_config(drafter)
-        if config is None:
-            raise TypeError("cannot tell block size, mask token and layer ids of this drafter: pass spec=DrafterSpec(...)")
-        spec = DrafterSpec.from_config(config)
+    spec = spec or DrafterSpec.of(drafter)
     dtype = None
     if isinstance(drafter, nn.Module):
         p = next(drafter.parameters(), None)

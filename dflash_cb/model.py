@@ -54,6 +54,18 @@ class DrafterSpec:
     final_logit_softcapping: float | None = None
 
     @classmethod
+    def of(cls, drafter: Any) -> DrafterSpec:
+        """The spec of any drafter: its ``.spec`` if it has one, else derived from its DFlash ``.config``."""
+        spec = getattr(drafter, "spec", None)
+        if isinstance(spec, DrafterSpec):
+            return spec
+        config = getattr(drafter, "config", None)
+        if config is None:
+            raise TypeError(f"{type(drafter).__name__} has neither .spec nor a DFlash .config, so its block size, "
+                            "mask token and target layer ids are unknown: pass spec=DrafterSpec(...)")
+        return cls.from_config(config)
+
+    @classmethod
     def from_config(cls, config: Any) -> DrafterSpec:
         ids = _dflash_value(config, "target_layer_ids")
         if ids is None:
