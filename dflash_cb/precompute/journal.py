@@ -39,6 +39,7 @@ def journal_entry(sid: str, key: str, output_ids: Sequence[int], finish_reason: 
 
 
 def journal_line(entry: dict[str, Any]) -> str:
+    """One compact JSON line: the format of this journal and of progress.jsonl."""
     return json.dumps(entry, separators=(",", ":")) + "\n"
 
 

@@ -16,11 +16,8 @@ from typing import Any
 
 from ..fileio import append_line_durably, atomic_write_text
 from ..states import SampleEntry, ShardEntry
+from .journal import journal_line as _line
 from .plan import PrecomputeError
-
-
-def _line(obj: dict[str, Any]) -> str:
-    return json.dumps(obj, separators=(",", ":")) + "\n"
 
 
 def shard_record(shard: ShardEntry, samples: Iterable[SampleEntry]) -> dict[str, Any]:
