@@ -140,7 +140,8 @@ def read_target_config(path: str | os.PathLike) -> TargetConfig:
     )
 
 
-def _is_vision_key(name: str) -> bool:
+def is_vision_key(name: str) -> bool:
+    """A vision-language checkpoint's vision-tower tensor (not part of the text model)."""
     return "visual" in name or "vision" in name
 
 
@@ -160,7 +161,7 @@ def count_text_parameters(path: str | os.PathLike, config: TargetConfig) -> int:
             files = []
             break
         for name, info in header.items():
-            if name != "__metadata__" and not _is_vision_key(name):
+            if name != "__metadata__" and not is_vision_key(name):
                 count = 1
                 for d in info["shape"]:
                     count *= int(d)
