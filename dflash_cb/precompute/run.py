@@ -16,7 +16,6 @@ import contextlib
 import dataclasses
 import errno
 import fcntl
-import json
 import os
 import re
 import sys
@@ -91,9 +90,9 @@ def build_manifest(header: Manifest, shards: Sequence[ShardEntry], samples: Sequ
 
 def _safetensors_size(path: Path) -> int:
     """The size a complete safetensors file must have, from its own header."""
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(n))
+    from ..target import safetensors_header
+
+    n, header = safetensors_header(path)
     ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
     return 8 + n + max(ends, default=0)
 
