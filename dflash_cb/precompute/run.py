@@ -387,8 +387,9 @@ def execute(plan: Plan, log: Log = stderr_log) -> dict[str, Any]:
             "timings": {k: round(v, 3) for k, v in timings.items()},
             "warnings": plan.warnings,
         }
+        # the thread count is in the compute record (it shapes the dtype probe's figures too)
         log_record = {"summary": summary, "args": dataclasses.asdict(a), "compute": plan.compute.record(),
-                      "finished_unix": time.time(), "torch_threads": torch.get_num_threads()}
+                      "finished_unix": time.time()}
         atomic_write_json(out / LOG_NAME, log_record)
     log(format_summary(summary))
     return summary
