@@ -318,10 +318,10 @@ def _choose_compute(a: PrecomputeArgs, tcfg: Any, layer_ids: list[int], longest:
     if a.compute_dtype == "auto" and previous in DTYPE_NAMES:
         # a resumed run keeps the cache's compute dtype: mixing two in one cache would be silent
         return ComputeDtypeChoice(previous, f"kept from the existing cache in {a.out}")
-    from ..target import LOGITS_CHUNK, count_text_parameters
+    from ..target import DTYPES, LOGITS_CHUNK, count_text_parameters
 
     need = 4 * count_text_parameters(a.target, tcfg) + activation_bytes(
-        tcfg, longest, len(layer_ids), 4, 2 if a.dtype == "bfloat16" else 4, LOGITS_CHUNK)
+        tcfg, longest, len(layer_ids), 4, DTYPES[a.dtype].itemsize, LOGITS_CHUNK)
     choice = choose_compute_dtype(a.compute_dtype, a.dtype, tcfg.hidden_size, need, probe.gflops, probe.available)
     if choice.gflops:
         import torch
