@@ -15,10 +15,10 @@ from .plan import (
     JOURNAL_NAME,
     Log,
     PrecomputeError,
+    check_only_cache_files,
     check_out_path,
     diff,
     header_dict,
-    is_own_file,
     stderr_log,
 )
 from .run import build_manifest
@@ -86,10 +86,7 @@ def merge_parts(out: str | os.PathLike, parts: Sequence[str | os.PathLike], over
     if out.exists() and any(out.iterdir()):
         if not overwrite:
             raise PrecomputeError(f"merge: --out {out} is not empty; pass --overwrite to replace it")
-        strangers = sorted(p.name for p in out.iterdir() if not is_own_file(p.name))
-        if strangers:
-            raise PrecomputeError(f"merge: --out {out} holds files that are not part of a cache "
-                                  f"({strangers[:5]}); choose a new or empty folder")
+        check_only_cache_files(out, "merge: ")
         for p in out.iterdir():
             if p.is_file():
                 p.unlink()

@@ -301,14 +301,19 @@ def _existing_fingerprint(out: Path) -> tuple[dict[str, Any] | None, str]:
     return None, ""
 
 
-def _check_out_folder(out: Path, a: PrecomputeArgs) -> tuple[dict[str, Any] | None, str]:
-    check_out_path(out)
-    if not out.is_dir() or a.overwrite:
-        return None, ""
+def check_only_cache_files(out: Path, context: str = "") -> None:
+    """Refuse an existing --out holding files a cache does not write: it is the wrong folder."""
     strangers = sorted(p.name for p in out.iterdir() if not is_own_file(p.name))
     if strangers:
-        raise PrecomputeError(f"--out {out}: holds files that are not part of a cache ({strangers[:5]}); "
+        raise PrecomputeError(f"{context}--out {out}: holds files that are not part of a cache ({strangers[:5]}); "
                               "choose a new or empty folder")
+
+
+def _check_out_folder(out: Path, a: PrecomputeArgs) -> tuple[dict[str, Any] | None, str]:
+    """The fingerprint of what an existing --out holds (``check_out_path`` already ran in ``prepare``)."""
+    if not out.is_dir() or a.overwrite:
+        return None, ""
+    check_only_cache_files(out)
     return _existing_fingerprint(out)
 
 
