@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 from collections.abc import Sequence
@@ -27,9 +28,14 @@ from .run import build_manifest
 _LOCAL_PATHS = ("target.name_or_path", "prompts.tokenizer")
 
 
+def _without_part(prompts: dict[str, Any]) -> dict[str, Any]:
+    """A part's ``prompts`` header without ``part``: what the merged cache (a single run's) has."""
+    return {k: v for k, v in prompts.items() if k != "part"}
+
+
 def _common(m: Manifest) -> dict[str, Any]:
     d = header_dict(m)
-    d["prompts"] = {k: v for k, v in d["prompts"].items() if k != "part"}
+    d["prompts"] = _without_part(d["prompts"])
     d["target_head"] = None if m.target_head is None else m.target_head["sha256"]
     return d
 
@@ -109,9 +115,7 @@ def merge_parts(out: str | os.PathLike, parts: Sequence[str | os.PathLike], over
     journals: dict[str, dict[str, Any]] = {}
     for c in caches:
         journals.update(read_journal(c.path / JOURNAL_NAME)[0])
-    header = Manifest.from_dict(base.to_dict())
-    header.prompts = {k: v for k, v in header.prompts.items() if k != "part"}
-    m = build_manifest(header, shards, samples, head)
+    m = build_manifest(dataclasses.replace(base, prompts=_without_part(base.prompts)), shards, samples, head)
     if journals and all(s.id in journals for s in m.samples):
         atomic_write_text(out / JOURNAL_NAME, "".join(journal_line(journals[s.id]) for s in m.samples))
     m.write(out)
