@@ -9,7 +9,6 @@ arguments is never silently reused. The file is also a valid ``--completions`` f
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from collections.abc import Sequence
@@ -17,16 +16,17 @@ from pathlib import Path
 from typing import Any
 
 from ..fileio import append_line_durably
+from ..target import canonical_sha256
 
 _SERVED_MODEL_KEYS = ("model_path", "served_model_name", "tokenizer_path")
 
 
 def request_key(prompt_ids: Sequence[int], sampling_params: dict[str, Any] | None,
                 served_model: dict[str, Any] | None) -> str:
-    """sha256 of what determines a served greedy completion (canonical JSON)."""
+    """sha256 of what determines a served greedy completion (``target.canonical_sha256``)."""
     served = {k: served_model[k] for k in _SERVED_MODEL_KEYS if k in (served_model or {})}
     data = {"input_ids": [int(t) for t in prompt_ids], "sampling_params": sampling_params, "served_model": served}
-    return hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    return canonical_sha256(data)
 
 
 def journal_entry(sid: str, key: str, output_ids: Sequence[int], finish_reason: str,
