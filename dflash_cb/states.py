@@ -305,9 +305,14 @@ class StateCache:
             raise KeyError(f"{self.path}: no sample {sample_id!r}") from None
 
     # -- integrity -----------------------------------------------------------
+    @property
+    def _rebuild_fix(self) -> str:
+        """The fix for a missing or damaged shard, in every message that reports one."""
+        return f"rerun tools/precompute_states.py with the same arguments and --out {self.path} to rebuild it"
+
     def _check_shard_file(self, shard: ShardEntry, hash_check: bool) -> Path:
         p = self.path / shard.file
-        fix = f"rerun tools/precompute_states.py with the same arguments and --out {self.path} to rebuild it"
+        fix = self._rebuild_fix
         if not p.is_file():
             raise CacheError(f"{p}: shard missing; {fix}")
         st = p.stat()
@@ -369,8 +374,7 @@ class StateCache:
         except CacheError:
             raise
         except Exception as e:  # safetensors raises its own error types on a corrupted header
-            raise CacheError(f"{path}: cannot read shard ({e}); rerun tools/precompute_states.py with "
-                             f"the same arguments and --out {self.path} to rebuild it") from e
+            raise CacheError(f"{path}: cannot read shard ({e}); {self._rebuild_fix}") from e
         shapes = {name: tuple(t.shape) for name in _SAMPLE_TENSORS
                   if (t := getattr(sample, name)) is not None}
         self._check_entry(entry, shapes, sample.input_ids, sample.target_argmax, path)
@@ -385,9 +389,8 @@ class StateCache:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 return f.get_tensor(f"{sample_id}/input_ids").tolist()
         except Exception as e:  # safetensors' own error types on a damaged header or a missing tensor
-            raise CacheError(f"{path}: cannot read the input_ids of sample {sample_id!r} ({e}); rerun "
-                             f"tools/precompute_states.py with the same arguments and --out {self.path} "
-                             "to rebuild it") from e
+            raise CacheError(f"{path}: cannot read the input_ids of sample {sample_id!r} ({e}); "
+                             f"{self._rebuild_fix}") from e
 
     def check_samples(self, sample_ids: Sequence[str] | None = None) -> None:
         """Every manifest field of these samples (all by default) against their shards, reading only
@@ -412,8 +415,7 @@ class StateCache:
             except CacheError:
                 raise
             except Exception as err:  # safetensors' own errors on a damaged header
-                raise CacheError(f"{path}: cannot read shard ({err}); rerun tools/precompute_states.py with "
-                                 f"the same arguments and --out {self.path} to rebuild it") from err
+                raise CacheError(f"{path}: cannot read shard ({err}); {self._rebuild_fix}") from err
 
     def _check_entry(self, e: SampleEntry, shapes: dict[str, tuple[int, ...]], input_ids: torch.Tensor,
                      target_argmax: torch.Tensor, path: Path) -> None:
