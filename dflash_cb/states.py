@@ -318,14 +318,23 @@ class StateCache:
         st = p.stat()
         if st.st_size != shard.bytes:
             raise CacheError(f"{p}: shard is {st.st_size} bytes, manifest says {shard.bytes} (truncated?); {fix}")
-        if hash_check and self._verified.get(shard.file) != (st.st_size, st.st_mtime_ns):
-            self._verified.pop(shard.file, None)
-            digest = sha256_file(p)
-            if digest != shard.sha256:
-                raise CacheError(f"{p}: sha256 {digest[:12]}... does not match the manifest's "
-                                 f"{shard.sha256[:12]}... (corrupted); {fix}")
-            self._verified[shard.file] = (st.st_size, st.st_mtime_ns)
+        if hash_check and (digest := self._wrong_digest(shard.file, p, st, shard.sha256)) is not None:
+            raise CacheError(f"{p}: sha256 {digest[:12]}... does not match the manifest's "
+                             f"{shard.sha256[:12]}... (corrupted); {fix}")
         return p
+
+    def _wrong_digest(self, name: str, p: Path, st: os.stat_result, expected: str) -> str | None:
+        """None if ``p`` hashes to ``expected``, else the digest it has. A file that passed before is
+        hashed again only if its size or modification time changed."""
+        seen = (st.st_size, st.st_mtime_ns)
+        if self._verified.get(name) == seen:
+            return None
+        self._verified.pop(name, None)
+        digest = sha256_file(p)
+        if digest != expected:
+            return digest
+        self._verified[name] = seen
+        return None
 
     def verify(self, shard_files: list[str] | None = None, head: bool | None = None) -> None:
         """Check sizes and sha256 of the given shards (all by default) and of the head file (by
@@ -458,11 +467,8 @@ class StateCache:
         if not p.is_file():
             raise CacheError(f"{p}: target head file missing; {fix}")
         st = p.stat()
-        if hash_check and self._verified.get(info["file"]) != (st.st_size, st.st_mtime_ns):
-            self._verified.pop(info["file"], None)
-            if sha256_file(p) != info["sha256"]:
-                raise CacheError(f"{p}: sha256 does not match the manifest (corrupted); {fix}")
-            self._verified[info["file"]] = (st.st_size, st.st_mtime_ns)
+        if hash_check and self._wrong_digest(info["file"], p, st, info["sha256"]) is not None:
+            raise CacheError(f"{p}: sha256 does not match the manifest (corrupted); {fix}")
         return p
 
     @property
