@@ -43,12 +43,16 @@ def journal_line(entry: dict[str, Any]) -> str:
     return json.dumps(entry, separators=(",", ":")) + "\n"
 
 
+def token_ids_ok(ids: Any, vocab: int | None) -> bool:
+    """``ids`` is a list of token ids in ``[0, vocab)`` (any non-negative int without ``vocab``)."""
+    return isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                         and (vocab is None or t < vocab) for t in ids)
+
+
 def _valid(obj: Any, vocab: int | None) -> bool:
     if not isinstance(obj, dict) or not isinstance(obj.get("id"), str) or not isinstance(obj.get("finish_reason"), str):
         return False
-    ids = obj.get("output_ids")
-    return isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                                         and (vocab is None or t < vocab) for t in ids)
+    return token_ids_ok(obj.get("output_ids"), vocab)
 
 
 def read_journal(path: Path, keys: dict[str, str] | None = None,

@@ -30,6 +30,7 @@ from .compute_dtype import (
     choose_compute_dtype,
     matmul_gflops,
 )
+from .journal import token_ids_ok
 
 PROGRESS_NAME = "progress.jsonl"  # resume record: fingerprint line, then one line per finished shard
 LEGACY_PROGRESS_NAME = "progress.json"  # written by earlier versions (rewritten per shard)
@@ -250,8 +251,7 @@ def load_completions_file(path: str, wanted: dict[str, list[int]], all_ids: set[
             raise PrecomputeError(f"{where}: id {sid!r} is not in the prompt file; wrong completions file?")
         if sid in out:
             raise PrecomputeError(f"{where}: duplicate id {sid!r}")
-        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool)
-                                                and 0 <= t < vocab for t in ids):
+        if not token_ids_ok(ids, vocab):
             raise PrecomputeError(f"{where}: 'output_ids' of {sid!r} must be a list of token ids in [0, {vocab})")
         if len(ids) > max_new_tokens:
             raise PrecomputeError(f"{where}: {sid!r} has {len(ids)} completion tokens > --max-new-tokens "
