@@ -167,7 +167,12 @@ def _layers_from_drafter(path: str, num_layers: int) -> list[int]:
         p = p / "config.json"
     if not p.is_file():
         raise PrecomputeError(f"--drafter-config {path}: no such file (give the drafter's config.json)")
-    cfg = read_json(p)
+    try:
+        cfg = json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError) as e:  # read_json's fix (delete it) is for our own files only
+        raise PrecomputeError(f"--drafter-config {p}: unreadable ({e}); give the drafter's config.json") from e
+    if not isinstance(cfg, dict):
+        raise PrecomputeError(f"--drafter-config {p}: not a JSON object; give the drafter's config.json")
     ids = (cfg.get("dflash_config") or {}).get("target_layer_ids", cfg.get("target_layer_ids"))
     if ids is None:
         raise PrecomputeError(f"{p}: no dflash_config.target_layer_ids; pass --layers explicitly")
