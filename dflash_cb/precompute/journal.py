@@ -55,6 +55,18 @@ def _valid(obj: Any, vocab: int | None) -> bool:
     return token_ids_ok(obj.get("output_ids"), vocab)
 
 
+def parse_complete_lines(data: bytes) -> tuple[list[Any], int]:
+    """The JSON values of the newline-terminated lines of an append-only record, and how many lines
+    were not JSON. A last piece without its newline was cut by a crash: it is skipped, not counted."""
+    objs, bad = [], 0
+    for line in data.split(b"\n")[:-1]:
+        try:
+            objs.append(json.loads(line))
+        except ValueError:
+            bad += 1
+    return objs, bad
+
+
 def read_journal(path: Path, keys: dict[str, str] | None = None,
                  vocab: int | None = None) -> tuple[dict[str, dict[str, Any]], int]:
     """Entries by id, and how many lines were ignored.
@@ -64,15 +76,10 @@ def read_journal(path: Path, keys: dict[str, str] | None = None,
     is not ``keys[id]`` (made with other arguments). A later line for an id replaces an earlier one.
     """
     done: dict[str, dict[str, Any]] = {}
-    ignored = 0
     if not path.is_file():
         return done, 0
-    for line in path.read_bytes().split(b"\n")[:-1]:  # the last piece lacks its newline unless complete
-        try:
-            obj = json.loads(line)
-        except ValueError:
-            ignored += 1
-            continue
+    objs, ignored = parse_complete_lines(path.read_bytes())
+    for obj in objs:
         if not _valid(obj, vocab) or (keys is not None and obj.get("request_sha256") != keys.get(obj["id"])):
             ignored += 1
             continue
