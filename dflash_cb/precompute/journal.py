@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..fileio import append_line_durably
+from ..fileio import append_line_durably, atomic_write_text
 from ..target import canonical_sha256
 
 _SERVED_MODEL_KEYS = ("model_path", "served_model_name", "tokenizer_path")
@@ -113,3 +113,9 @@ def drop_torn_tail(path: Path) -> None:
 
 def append_entry(path: Path, entry: dict[str, Any]) -> None:
     append_line_durably(path, journal_line(entry))
+
+
+def write_in_order(path: Path, entries: dict[str, dict[str, Any]], ids: Sequence[str]) -> None:
+    """Rewrite the journal atomically, one line per id in ``ids`` order: a complete cache's journal
+    is then a function of the arguments, like its manifest (a single run and merged parts agree)."""
+    atomic_write_text(path, "".join(journal_line(entries[i]) for i in ids))

@@ -9,9 +9,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..fileio import atomic_path, atomic_write_text
+from ..fileio import atomic_path
 from ..states import CacheError, Manifest, StateCache
-from .journal import journal_line, read_journal
+from .journal import read_journal, write_in_order
 from .plan import (
     JOURNAL_NAME,
     Log,
@@ -117,7 +117,7 @@ def merge_parts(out: str | os.PathLike, parts: Sequence[str | os.PathLike], over
         journals.update(read_journal(c.path / JOURNAL_NAME)[0])
     m = build_manifest(dataclasses.replace(base, prompts=_without_part(base.prompts)), shards, samples, head)
     if journals and all(s.id in journals for s in m.samples):
-        atomic_write_text(out / JOURNAL_NAME, "".join(journal_line(journals[s.id]) for s in m.samples))
+        write_in_order(out / JOURNAL_NAME, journals, [s.id for s in m.samples])
     m.write(out)
     log(f"merged {len(caches)} part(s) into {out}: {len(m.samples)} samples, {len(m.shards)} shards")
     return m

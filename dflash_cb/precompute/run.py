@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ..fileio import atomic_path, atomic_write_json, atomic_write_text
+from ..fileio import atomic_path, atomic_write_json
 from ..served import served_counters
 from ..states import (
     HEAD_NAME,
@@ -39,7 +39,7 @@ from ..states import (
     sha256_file,
     shard_name,
 )
-from .journal import append_entry, drop_torn_tail, journal_entry, journal_line, read_journal, request_key
+from .journal import append_entry, drop_torn_tail, journal_entry, read_journal, request_key, write_in_order
 from .plan import (
     JOURNAL_NAME,
     LEGACY_PROGRESS_NAME,
@@ -361,7 +361,7 @@ def execute(plan: Plan, log: Log = stderr_log) -> dict[str, Any]:
         ids = [s.id for s in manifest.samples]
         if a.reference == "sglang" and all(i in completions for i in ids):
             # sorted once complete, so the journal too is deterministic
-            atomic_write_text(out / JOURNAL_NAME, "".join(journal_line(completions[i]) for i in ids))
+            write_in_order(out / JOURNAL_NAME, completions, ids)
         manifest.write(out)  # last: its presence means "complete"
         (out / PROGRESS_NAME).unlink(missing_ok=True)
 
