@@ -99,7 +99,6 @@ class Plan:
     target: Any  # dflash_cb.target.TargetConfig
     layer_ids: list[int]
     stop_token_ids: list[int]
-    records: list[Any]  # all PromptRecords of the file
     prompt_ids: dict[str, list[int]]  # tokenized prompts of this part, by id
     groups: dict[int, list[Any]]  # shard group -> records of this part, in file order
     header: Manifest  # the manifest without results
@@ -444,6 +443,6 @@ def prepare(args: PrecomputeArgs, log: Log = stderr_log, probe: DtypeProbe | Non
             f"--out {out}: its {source} was made with different arguments:\n  - " + "\n  - ".join(diffs[:20])
             + "\nUse another --out, rerun with the original arguments to resume, or pass --overwrite to "
             "replace that cache")
-    return Plan(args=a, out=out, target=tcfg, layer_ids=layer_ids, stop_token_ids=stop, records=records,
+    return Plan(args=a, out=out, target=tcfg, layer_ids=layer_ids, stop_token_ids=stop,
                 prompt_ids=prompt_ids, groups=groups, header=header, fingerprint=fingerprint, compute=compute,
                 completions=completions, client=client, warnings=warnings)
