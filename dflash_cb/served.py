@@ -157,10 +157,6 @@ class ServedCheck:
     convention: str = CONVENTION
 
     @property
-    def compared(self) -> int:
-        return len(self.samples)
-
-    @property
     def equal_rounds(self) -> int:
         return sum(s.equal for s in self.samples)
 
