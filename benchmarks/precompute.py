@@ -142,7 +142,8 @@ def main() -> None:
 
     from dflash_cb.precompute import PrecomputeArgs, matmul_gflops, run_precompute
     from dflash_cb.precompute.compute_dtype import activation_bytes
-    from dflash_cb.target import load_target, prefill, read_target_config
+    from dflash_cb.target import DTYPES as TARGET_DTYPES
+    from dflash_cb.target import LOGITS_CHUNK, load_target, prefill, read_target_config
 
     work = Path(tempfile.mkdtemp(prefix="dflash-bench-"))
     folders = {m: work / m for m in MODELS}
@@ -246,8 +247,8 @@ def main() -> None:
         cfg = read_target_config(folders[m])
         for d in DTYPES:
             r = run_sub(d, folders[m], argv)
-            elem = 4 if d == "float32" else 2
-            act = activation_bytes(cfg, T, len(LAYER_IDS), elem, 2, 256)
+            act = activation_bytes(cfg, T, len(LAYER_IDS), TARGET_DTYPES[d].itemsize,
+                                   TARGET_DTYPES["bfloat16"].itemsize, LOGITS_CHUNK)
             delta = r["peak"] - baseline["peak"]
             print(f"    {m:7s} {d:9s} weights {r['weights'] * mb:7.1f} MiB + activations {act * mb:6.1f} MiB; "
                   f"tool {delta * mb:7.1f} MiB  ratio {delta / (r['weights'] + act):5.3f}")

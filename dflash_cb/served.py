@@ -7,9 +7,9 @@ request's counters in ``meta_info``. The precompute keeps every ``spec_*`` field
 fields, convert them to this package's convention (one function, :func:`served_rounds_and_tau`),
 and compare them, sample by sample, with the replay of the same drafter on the same cache.
 
-SGLang's convention (read from its source: ``speculative/dflash_info.py`` verify step, and the
-per-request metrics written into ``meta_info``; README, "Check against the server"): every verification round
-(one target forward over a drafted block) adds 1 to ``spec_verify_ct``; the round appends the
+SGLang's convention (cached_states/README.md, ``served_spec``; README, "Check against the
+server"): every verification round (one target forward over a drafted block) adds 1 to
+``spec_verify_ct``; the round appends the
 accepted drafts and the bonus token to the output one at a time, stopping at a stop token or at
 ``max_new_tokens``; ``spec_accept_length = completion_tokens / spec_verify_ct``, where
 ``completion_tokens`` counts every output token, **including the first one, which comes from the
@@ -155,10 +155,6 @@ class ServedCheck:
     server: dict[str, Any] | None
     warnings: list[str] = field(default_factory=list)
     convention: str = CONVENTION
-
-    @property
-    def compared(self) -> int:
-        return len(self.samples)
 
     @property
     def equal_rounds(self) -> int:

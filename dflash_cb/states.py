@@ -305,22 +305,36 @@ class StateCache:
             raise KeyError(f"{self.path}: no sample {sample_id!r}") from None
 
     # -- integrity -----------------------------------------------------------
+    @property
+    def _rebuild_fix(self) -> str:
+        """The fix for a missing or damaged shard, in every message that reports one."""
+        return f"rerun tools/precompute_states.py with the same arguments and --out {self.path} to rebuild it"
+
     def _check_shard_file(self, shard: ShardEntry, hash_check: bool) -> Path:
         p = self.path / shard.file
-        fix = f"rerun tools/precompute_states.py with the same arguments and --out {self.path} to rebuild it"
+        fix = self._rebuild_fix
         if not p.is_file():
             raise CacheError(f"{p}: shard missing; {fix}")
         st = p.stat()
         if st.st_size != shard.bytes:
             raise CacheError(f"{p}: shard is {st.st_size} bytes, manifest says {shard.bytes} (truncated?); {fix}")
-        if hash_check and self._verified.get(shard.file) != (st.st_size, st.st_mtime_ns):
-            self._verified.pop(shard.file, None)
-            digest = sha256_file(p)
-            if digest != shard.sha256:
-                raise CacheError(f"{p}: sha256 {digest[:12]}... does not match the manifest's "
-                                 f"{shard.sha256[:12]}... (corrupted); {fix}")
-            self._verified[shard.file] = (st.st_size, st.st_mtime_ns)
+        if hash_check and (digest := self._wrong_digest(shard.file, p, st, shard.sha256)) is not None:
+            raise CacheError(f"{p}: sha256 {digest[:12]}... does not match the manifest's "
+                             f"{shard.sha256[:12]}... (corrupted); {fix}")
         return p
+
+    def _wrong_digest(self, name: str, p: Path, st: os.stat_result, expected: str) -> str | None:
+        """None if ``p`` hashes to ``expected``, else the digest it has. A file that passed before is
+        hashed again only if its size or modification time changed."""
+        seen = (st.st_size, st.st_mtime_ns)
+        if self._verified.get(name) == seen:
+            return None
+        self._verified.pop(name, None)
+        digest = sha256_file(p)
+        if digest != expected:
+            return digest
+        self._verified[name] = seen
+        return None
 
     def verify(self, shard_files: list[str] | None = None, head: bool | None = None) -> None:
         """Check sizes and sha256 of the given shards (all by default) and of the head file (by
@@ -369,8 +383,7 @@ class StateCache:
         except CacheError:
             raise
         except Exception as e:  # safetensors raises its own error types on a corrupted header
-            raise CacheError(f"{path}: cannot read shard ({e}); rerun tools/precompute_states.py with "
-                             f"the same arguments and --out {self.path} to rebuild it") from e
+            raise CacheError(f"{path}: cannot read shard ({e}); {self._rebuild_fix}") from e
         shapes = {name: tuple(t.shape) for name in _SAMPLE_TENSORS
                   if (t := getattr(sample, name)) is not None}
         self._check_entry(entry, shapes, sample.input_ids, sample.target_argmax, path)
@@ -385,9 +398,8 @@ class StateCache:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 return f.get_tensor(f"{sample_id}/input_ids").tolist()
         except Exception as e:  # safetensors' own error types on a damaged header or a missing tensor
-            raise CacheError(f"{path}: cannot read the input_ids of sample {sample_id!r} ({e}); rerun "
-                             f"tools/precompute_states.py with the same arguments and --out {self.path} "
-                             "to rebuild it") from e
+            raise CacheError(f"{path}: cannot read the input_ids of sample {sample_id!r} ({e}); "
+                             f"{self._rebuild_fix}") from e
 
     def check_samples(self, sample_ids: Sequence[str] | None = None) -> None:
         """Every manifest field of these samples (all by default) against their shards, reading only
@@ -412,8 +424,7 @@ class StateCache:
             except CacheError:
                 raise
             except Exception as err:  # safetensors' own errors on a damaged header
-                raise CacheError(f"{path}: cannot read shard ({err}); rerun tools/precompute_states.py with "
-                                 f"the same arguments and --out {self.path} to rebuild it") from err
+                raise CacheError(f"{path}: cannot read shard ({err}); {self._rebuild_fix}") from err
 
     def _check_entry(self, e: SampleEntry, shapes: dict[str, tuple[int, ...]], input_ids: torch.Tensor,
                      target_argmax: torch.Tensor, path: Path) -> None:
@@ -456,11 +467,8 @@ class StateCache:
         if not p.is_file():
             raise CacheError(f"{p}: target head file missing; {fix}")
         st = p.stat()
-        if hash_check and self._verified.get(info["file"]) != (st.st_size, st.st_mtime_ns):
-            self._verified.pop(info["file"], None)
-            if sha256_file(p) != info["sha256"]:
-                raise CacheError(f"{p}: sha256 does not match the manifest (corrupted); {fix}")
-            self._verified[info["file"]] = (st.st_size, st.st_mtime_ns)
+        if hash_check and self._wrong_digest(info["file"], p, st, info["sha256"]) is not None:
+            raise CacheError(f"{p}: sha256 does not match the manifest (corrupted); {fix}")
         return p
 
     @property

@@ -140,8 +140,17 @@ def read_target_config(path: str | os.PathLike) -> TargetConfig:
     )
 
 
-def _is_vision_key(name: str) -> bool:
+def is_vision_key(name: str) -> bool:
+    """A vision-language checkpoint's vision-tower tensor (not part of the text model)."""
     return "visual" in name or "vision" in name
+
+
+def safetensors_header(path: str | os.PathLike) -> tuple[int, dict[str, Any]]:
+    """A safetensors file's header: its length in bytes and its JSON (names, dtypes, shapes, data
+    offsets counted from the end of the header); no tensor data is read."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        return n, json.loads(f.read(n))
 
 
 def count_text_parameters(path: str | os.PathLike, config: TargetConfig) -> int:
@@ -153,14 +162,12 @@ def count_text_parameters(path: str | os.PathLike, config: TargetConfig) -> int:
     total = 0
     for f in files:
         try:
-            with open(f, "rb") as fh:
-                n = int.from_bytes(fh.read(8), "little")
-                header = json.loads(fh.read(n))
+            _, header = safetensors_header(f)
         except (OSError, ValueError):
             files = []
             break
         for name, info in header.items():
-            if name != "__metadata__" and not _is_vision_key(name):
+            if name != "__metadata__" and not is_vision_key(name):
                 count = 1
                 for d in info["shape"]:
                     count *= int(d)

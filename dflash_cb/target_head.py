@@ -15,6 +15,7 @@ from safetensors import safe_open
 
 from .errors import DFlashCBError
 from .states import TargetHead
+from .target import is_vision_key
 
 
 class TargetHeadError(DFlashCBError, ValueError):
@@ -60,7 +61,7 @@ def load_target_head(path: str | os.PathLike, device: torch.device | str = "cpu"
     folder = Path(path)
     wmap = _weight_map(folder)
     # Text embeddings only: a vision-language target also has vision-tower embeddings.
-    embeds = sorted(k for k in wmap if k.endswith(_EMBED_SUFFIX) and "visual" not in k and "vision" not in k)
+    embeds = sorted(k for k in wmap if k.endswith(_EMBED_SUFFIX) and not is_vision_key(k))
     if not embeds:
         raise TargetHeadError(f"{folder}: no '*{_EMBED_SUFFIX}' tensor in the checkpoint; pass the target's "
                               "own folder (the one the cache was made with)")

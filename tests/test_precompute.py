@@ -417,6 +417,11 @@ def test_drafter_config_layers(target_dir, prompts_file, tmp_path, capsys):
     rc = main(["--target", str(target_dir), "--prompts", str(prompts_file), "--out", str(tmp_path / "e"),
                "--drafter-config", str(drafter), "--no-progress"])
     assert rc == 2 and "num_target_layers=64" in capsys.readouterr().err
+    drafter.write_text("{not json")  # the fix names the drafter's config, never "delete it"
+    rc = main(["--target", str(target_dir), "--prompts", str(prompts_file), "--out", str(tmp_path / "f"),
+               "--drafter-config", str(drafter), "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"--drafter-config {drafter}: unreadable" in err and "delete it" not in err
 
 
 def test_qwen3_5_target_end_to_end(tmp_path):

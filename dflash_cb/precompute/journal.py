@@ -9,24 +9,24 @@ arguments is never silently reused. The file is also a valid ``--completions`` f
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..fileio import append_line_durably
+from ..fileio import append_line_durably, atomic_write_text
+from ..target import canonical_sha256
 
 _SERVED_MODEL_KEYS = ("model_path", "served_model_name", "tokenizer_path")
 
 
 def request_key(prompt_ids: Sequence[int], sampling_params: dict[str, Any] | None,
                 served_model: dict[str, Any] | None) -> str:
-    """sha256 of what determines a served greedy completion (canonical JSON)."""
+    """sha256 of what determines a served greedy completion (``target.canonical_sha256``)."""
     served = {k: served_model[k] for k in _SERVED_MODEL_KEYS if k in (served_model or {})}
     data = {"input_ids": [int(t) for t in prompt_ids], "sampling_params": sampling_params, "served_model": served}
-    return hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    return canonical_sha256(data)
 
 
 def journal_entry(sid: str, key: str, output_ids: Sequence[int], finish_reason: str,
@@ -39,15 +39,32 @@ def journal_entry(sid: str, key: str, output_ids: Sequence[int], finish_reason: 
 
 
 def journal_line(entry: dict[str, Any]) -> str:
+    """One compact JSON line: the format of this journal and of progress.jsonl."""
     return json.dumps(entry, separators=(",", ":")) + "\n"
+
+
+def token_ids_ok(ids: Any, vocab: int | None) -> bool:
+    """``ids`` is a list of token ids in ``[0, vocab)`` (any non-negative int without ``vocab``)."""
+    return isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                         and (vocab is None or t < vocab) for t in ids)
 
 
 def _valid(obj: Any, vocab: int | None) -> bool:
     if not isinstance(obj, dict) or not isinstance(obj.get("id"), str) or not isinstance(obj.get("finish_reason"), str):
         return False
-    ids = obj.get("output_ids")
-    return isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                                         and (vocab is None or t < vocab) for t in ids)
+    return token_ids_ok(obj.get("output_ids"), vocab)
+
+
+def parse_complete_lines(data: bytes) -> tuple[list[Any], int]:
+    """The JSON values of the newline-terminated lines of an append-only record, and how many lines
+    were not JSON. A last piece without its newline was cut by a crash: it is skipped, not counted."""
+    objs, bad = [], 0
+    for line in data.split(b"\n")[:-1]:
+        try:
+            objs.append(json.loads(line))
+        except ValueError:
+            bad += 1
+    return objs, bad
 
 
 def read_journal(path: Path, keys: dict[str, str] | None = None,
@@ -59,15 +76,10 @@ def read_journal(path: Path, keys: dict[str, str] | None = None,
     is not ``keys[id]`` (made with other arguments). A later line for an id replaces an earlier one.
     """
     done: dict[str, dict[str, Any]] = {}
-    ignored = 0
     if not path.is_file():
         return done, 0
-    for line in path.read_bytes().split(b"\n")[:-1]:  # the last piece lacks its newline unless complete
-        try:
-            obj = json.loads(line)
-        except ValueError:
-            ignored += 1
-            continue
+    objs, ignored = parse_complete_lines(path.read_bytes())
+    for obj in objs:
         if not _valid(obj, vocab) or (keys is not None and obj.get("request_sha256") != keys.get(obj["id"])):
             ignored += 1
             continue
@@ -101,3 +113,9 @@ def drop_torn_tail(path: Path) -> None:
 
 def append_entry(path: Path, entry: dict[str, Any]) -> None:
     append_line_durably(path, journal_line(entry))
+
+
+def write_in_order(path: Path, entries: dict[str, dict[str, Any]], ids: Sequence[str]) -> None:
+    """Rewrite the journal atomically, one line per id in ``ids`` order: a complete cache's journal
+    is then a function of the arguments, like its manifest (a single run and merged parts agree)."""
+    atomic_write_text(path, "".join(journal_line(entries[i]) for i in ids))

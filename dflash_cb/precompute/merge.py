@@ -2,23 +2,24 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..fileio import atomic_path, atomic_write_text
+from ..fileio import atomic_path
 from ..states import CacheError, Manifest, StateCache
-from .journal import journal_line, read_journal
+from .journal import read_journal, write_in_order
 from .plan import (
     JOURNAL_NAME,
     Log,
     PrecomputeError,
+    check_only_cache_files,
     check_out_path,
     diff,
     header_dict,
-    is_own_file,
     stderr_log,
 )
 from .run import build_manifest
@@ -27,9 +28,14 @@ from .run import build_manifest
 _LOCAL_PATHS = ("target.name_or_path", "prompts.tokenizer")
 
 
+def _without_part(prompts: dict[str, Any]) -> dict[str, Any]:
+    """A part's ``prompts`` header without ``part``: what the merged cache (a single run's) has."""
+    return {k: v for k, v in prompts.items() if k != "part"}
+
+
 def _common(m: Manifest) -> dict[str, Any]:
     d = header_dict(m)
-    d["prompts"] = {k: v for k, v in d["prompts"].items() if k != "part"}
+    d["prompts"] = _without_part(d["prompts"])
     d["target_head"] = None if m.target_head is None else m.target_head["sha256"]
     return d
 
@@ -86,10 +92,7 @@ def merge_parts(out: str | os.PathLike, parts: Sequence[str | os.PathLike], over
     if out.exists() and any(out.iterdir()):
         if not overwrite:
             raise PrecomputeError(f"merge: --out {out} is not empty; pass --overwrite to replace it")
-        strangers = sorted(p.name for p in out.iterdir() if not is_own_file(p.name))
-        if strangers:
-            raise PrecomputeError(f"merge: --out {out} holds files that are not part of a cache "
-                                  f"({strangers[:5]}); choose a new or empty folder")
+        check_only_cache_files(out, "merge: ")
         for p in out.iterdir():
             if p.is_file():
                 p.unlink()
@@ -112,11 +115,9 @@ def merge_parts(out: str | os.PathLike, parts: Sequence[str | os.PathLike], over
     journals: dict[str, dict[str, Any]] = {}
     for c in caches:
         journals.update(read_journal(c.path / JOURNAL_NAME)[0])
-    header = Manifest.from_dict(base.to_dict())
-    header.prompts = {k: v for k, v in header.prompts.items() if k != "part"}
-    m = build_manifest(header, shards, samples, head)
+    m = build_manifest(dataclasses.replace(base, prompts=_without_part(base.prompts)), shards, samples, head)
     if journals and all(s.id in journals for s in m.samples):
-        atomic_write_text(out / JOURNAL_NAME, "".join(journal_line(journals[s.id]) for s in m.samples))
+        write_in_order(out / JOURNAL_NAME, journals, [s.id for s in m.samples])
     m.write(out)
     log(f"merged {len(caches)} part(s) into {out}: {len(m.samples)} samples, {len(m.shards)} shards")
     return m

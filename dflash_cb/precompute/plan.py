@@ -30,6 +30,7 @@ from .compute_dtype import (
     choose_compute_dtype,
     matmul_gflops,
 )
+from .journal import token_ids_ok
 
 PROGRESS_NAME = "progress.jsonl"  # resume record: fingerprint line, then one line per finished shard
 LEGACY_PROGRESS_NAME = "progress.json"  # written by earlier versions (rewritten per shard)
@@ -98,7 +99,6 @@ class Plan:
     target: Any  # dflash_cb.target.TargetConfig
     layer_ids: list[int]
     stop_token_ids: list[int]
-    records: list[Any]  # all PromptRecords of the file
     prompt_ids: dict[str, list[int]]  # tokenized prompts of this part, by id
     groups: dict[int, list[Any]]  # shard group -> records of this part, in file order
     header: Manifest  # the manifest without results
@@ -166,7 +166,12 @@ def _layers_from_drafter(path: str, num_layers: int) -> list[int]:
         p = p / "config.json"
     if not p.is_file():
         raise PrecomputeError(f"--drafter-config {path}: no such file (give the drafter's config.json)")
-    cfg = read_json(p)
+    try:
+        cfg = json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError) as e:  # read_json's fix (delete it) is for our own files only
+        raise PrecomputeError(f"--drafter-config {p}: unreadable ({e}); give the drafter's config.json") from e
+    if not isinstance(cfg, dict):
+        raise PrecomputeError(f"--drafter-config {p}: not a JSON object; give the drafter's config.json")
     ids = (cfg.get("dflash_config") or {}).get("target_layer_ids", cfg.get("target_layer_ids"))
     if ids is None:
         raise PrecomputeError(f"{p}: no dflash_config.target_layer_ids; pass --layers explicitly")
@@ -250,8 +255,7 @@ def load_completions_file(path: str, wanted: dict[str, list[int]], all_ids: set[
             raise PrecomputeError(f"{where}: id {sid!r} is not in the prompt file; wrong completions file?")
         if sid in out:
             raise PrecomputeError(f"{where}: duplicate id {sid!r}")
-        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool)
-                                                and 0 <= t < vocab for t in ids):
+        if not token_ids_ok(ids, vocab):
             raise PrecomputeError(f"{where}: 'output_ids' of {sid!r} must be a list of token ids in [0, {vocab})")
         if len(ids) > max_new_tokens:
             raise PrecomputeError(f"{where}: {sid!r} has {len(ids)} completion tokens > --max-new-tokens "
@@ -301,14 +305,19 @@ def _existing_fingerprint(out: Path) -> tuple[dict[str, Any] | None, str]:
     return None, ""
 
 
-def _check_out_folder(out: Path, a: PrecomputeArgs) -> tuple[dict[str, Any] | None, str]:
-    check_out_path(out)
-    if not out.is_dir() or a.overwrite:
-        return None, ""
+def check_only_cache_files(out: Path, context: str = "") -> None:
+    """Refuse an existing --out holding files a cache does not write: it is the wrong folder."""
     strangers = sorted(p.name for p in out.iterdir() if not is_own_file(p.name))
     if strangers:
-        raise PrecomputeError(f"--out {out}: holds files that are not part of a cache ({strangers[:5]}); "
+        raise PrecomputeError(f"{context}--out {out}: holds files that are not part of a cache ({strangers[:5]}); "
                               "choose a new or empty folder")
+
+
+def _check_out_folder(out: Path, a: PrecomputeArgs) -> tuple[dict[str, Any] | None, str]:
+    """The fingerprint of what an existing --out holds (``check_out_path`` already ran in ``prepare``)."""
+    if not out.is_dir() or a.overwrite:
+        return None, ""
+    check_only_cache_files(out)
     return _existing_fingerprint(out)
 
 
@@ -318,10 +327,10 @@ def _choose_compute(a: PrecomputeArgs, tcfg: Any, layer_ids: list[int], longest:
     if a.compute_dtype == "auto" and previous in DTYPE_NAMES:
         # a resumed run keeps the cache's compute dtype: mixing two in one cache would be silent
         return ComputeDtypeChoice(previous, f"kept from the existing cache in {a.out}")
-    from ..target import LOGITS_CHUNK, count_text_parameters
+    from ..target import DTYPES, LOGITS_CHUNK, count_text_parameters
 
     need = 4 * count_text_parameters(a.target, tcfg) + activation_bytes(
-        tcfg, longest, len(layer_ids), 4, 2 if a.dtype == "bfloat16" else 4, LOGITS_CHUNK)
+        tcfg, longest, len(layer_ids), 4, DTYPES[a.dtype].itemsize, LOGITS_CHUNK)
     choice = choose_compute_dtype(a.compute_dtype, a.dtype, tcfg.hidden_size, need, probe.gflops, probe.available)
     if choice.gflops:
         import torch
@@ -434,6 +443,6 @@ def prepare(args: PrecomputeArgs, log: Log = stderr_log, probe: DtypeProbe | Non
             f"--out {out}: its {source} was made with different arguments:\n  - " + "\n  - ".join(diffs[:20])
             + "\nUse another --out, rerun with the original arguments to resume, or pass --overwrite to "
             "replace that cache")
-    return Plan(args=a, out=out, target=tcfg, layer_ids=layer_ids, stop_token_ids=stop, records=records,
+    return Plan(args=a, out=out, target=tcfg, layer_ids=layer_ids, stop_token_ids=stop,
                 prompt_ids=prompt_ids, groups=groups, header=header, fingerprint=fingerprint, compute=compute,
                 completions=completions, client=client, warnings=warnings)

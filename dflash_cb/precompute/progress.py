@@ -9,18 +9,15 @@ newline: it is ignored (that shard is then recomputed). The manifest replaces th
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from ..fileio import append_line_durably, atomic_write_text
 from ..states import SampleEntry, ShardEntry
+from .journal import journal_line as _line
+from .journal import parse_complete_lines
 from .plan import PrecomputeError
-
-
-def _line(obj: dict[str, Any]) -> str:
-    return json.dumps(obj, separators=(",", ":")) + "\n"
 
 
 def shard_record(shard: ShardEntry, samples: Iterable[SampleEntry]) -> dict[str, Any]:
@@ -41,13 +38,7 @@ def _lines(path: Path) -> list[Any]:
         data = path.read_bytes()
     except OSError as e:
         raise PrecomputeError(f"{path}: unreadable ({e}); delete it or pass --overwrite") from e
-    out = []
-    for line in data.split(b"\n")[:-1]:  # a last piece without newline was cut by a crash
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
+    return parse_complete_lines(data)[0]
 
 
 def read_progress_fingerprint(path: Path) -> dict[str, Any]:

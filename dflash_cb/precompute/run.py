@@ -16,7 +16,6 @@ import contextlib
 import dataclasses
 import errno
 import fcntl
-import json
 import os
 import re
 import sys
@@ -28,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ..fileio import atomic_path, atomic_write_json, atomic_write_text
+from ..fileio import atomic_path, atomic_write_json
 from ..served import served_counters
 from ..states import (
     HEAD_NAME,
@@ -40,7 +39,7 @@ from ..states import (
     sha256_file,
     shard_name,
 )
-from .journal import append_entry, drop_torn_tail, journal_entry, journal_line, read_journal, request_key
+from .journal import append_entry, drop_torn_tail, journal_entry, read_journal, request_key, write_in_order
 from .plan import (
     JOURNAL_NAME,
     LEGACY_PROGRESS_NAME,
@@ -91,9 +90,9 @@ def build_manifest(header: Manifest, shards: Sequence[ShardEntry], samples: Sequ
 
 def _safetensors_size(path: Path) -> int:
     """The size a complete safetensors file must have, from its own header."""
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(n))
+    from ..target import safetensors_header
+
+    n, header = safetensors_header(path)
     ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
     return 8 + n + max(ends, default=0)
 
@@ -362,7 +361,7 @@ def execute(plan: Plan, log: Log = stderr_log) -> dict[str, Any]:
         ids = [s.id for s in manifest.samples]
         if a.reference == "sglang" and all(i in completions for i in ids):
             # sorted once complete, so the journal too is deterministic
-            atomic_write_text(out / JOURNAL_NAME, "".join(journal_line(completions[i]) for i in ids))
+            write_in_order(out / JOURNAL_NAME, completions, ids)
         manifest.write(out)  # last: its presence means "complete"
         (out / PROGRESS_NAME).unlink(missing_ok=True)
 
@@ -388,8 +387,9 @@ def execute(plan: Plan, log: Log = stderr_log) -> dict[str, Any]:
             "timings": {k: round(v, 3) for k, v in timings.items()},
             "warnings": plan.warnings,
         }
+        # the thread count is in the compute record (it shapes the dtype probe's figures too)
         log_record = {"summary": summary, "args": dataclasses.asdict(a), "compute": plan.compute.record(),
-                      "finished_unix": time.time(), "torch_threads": torch.get_num_threads()}
+                      "finished_unix": time.time()}
         atomic_write_json(out / LOG_NAME, log_record)
     log(format_summary(summary))
     return summary
