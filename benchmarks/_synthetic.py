@@ -11,6 +11,7 @@ from safetensors.torch import save
 from transformers import Qwen3Config
 
 from dflash_cb.engine import FastRunner, apply_head, block_embeddings
+from dflash_cb.fileio import atomic_write_bytes
 from dflash_cb.model import DFlashDrafter
 from dflash_cb.states import (
     HEAD_NAME,
@@ -19,7 +20,6 @@ from dflash_cb.states import (
     ShardEntry,
     StateCache,
     TargetHead,
-    atomic_write_bytes,
     shard_name,
 )
 

@@ -298,7 +298,7 @@ class DFlashEvalCallback(Callback):
             raise RuntimeError("DFlashEvalCallback: DeepSpeed ZeRO stage 3 shards parameters in a way this callback "
                                "cannot gather; use ZeRO stage 1/2, DDP or FSDP")
         self.cache = StateCache(self.states)  # CacheError: no or broken manifest
-        self._categories = tuple(sorted({s.category for s in self.cache.samples}))
+        self._categories = self.cache.categories
         self.eval_ids = self._select_ids()
         # Found now rather than inside every evaluation: a missing or truncated file (a stat each),
         # and with verify_cache a changed byte (sha256).

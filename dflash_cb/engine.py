@@ -602,7 +602,7 @@ def evaluate(cache: StateCache, drafter: Any, head: TargetHead | None = None, *,
     if any(b < 1 for b in budgets):
         raise ValueError(f"DDTree budgets must be positive, got {budgets}")
     ids = list(sample_ids) if sample_ids is not None else [s.id for s in cache.samples]
-    categories = tuple(sorted({s.category for s in cache.samples}))
+    categories = cache.categories
     counts = EvalCounts(spec.block_size, budgets, categories)
     manifest = cache.manifest
     stops = frozenset(manifest.stop_token_ids)

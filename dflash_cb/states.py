@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 
 from .errors import DFlashCBError
-from .fileio import atomic_write_bytes  # noqa: F401  (re-exported: older imports)
+from .fileio import atomic_write_bytes
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -470,6 +470,11 @@ class StateCache:
         if hash_check and self._wrong_digest(info["file"], p, st, info["sha256"]) is not None:
             raise CacheError(f"{p}: sha256 does not match the manifest (corrupted); {fix}")
         return p
+
+    @property
+    def categories(self) -> tuple[str, ...]:
+        """The prompt categories of the cache, sorted: the axis of every per-category count."""
+        return tuple(sorted({s.category for s in self.samples}))
 
     @property
     def has_head(self) -> bool:
