@@ -47,12 +47,11 @@ def _precompute(target: Path, prompts: Path, out: Path, layers: list[int]) -> Pa
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory):
-    from tiny_target import random_prompts, save_tiny_qwen3, write_prompts
+    from tiny_target import random_prompts, save_tiny_qwen3, train_briefly, write_prompts
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from dflash_cb.model import DFlashDrafter
     from dflash_cb.states import StateCache
-    from dflash_cb.training import dflash_loss, sample_anchors
 
     root = tmp_path_factory.mktemp("oracle")
     target_dir = save_tiny_qwen3(root / "target", seed=3)
@@ -62,22 +61,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory):
     m = cache.manifest
     cfg = _drafter_config(m.vocab_size, m.hidden_size)
     torch.manual_seed(0)
-    ours = DFlashDrafter.from_config_dict(cfg)
-    head = cache.load_head()
-    opt = torch.optim.AdamW(ours.parameters(), lr=3e-3)
-    g = torch.Generator().manual_seed(0)
-    # A few steps only: partial acceptance is the interesting regime for an exactness check.
-    for _ in range(6):
-        for e in cache.samples:
-            s = cache.load(e.id)
-            anchors = sample_anchors(e.prompt_len, e.valid_len, 16, g)
-            if anchors.numel() == 0:
-                continue
-            loss, _ = dflash_loss(ours, head, s.hidden, s.input_ids, anchors, e.valid_len)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-    ours.eval()
+    ours = train_briefly(DFlashDrafter.from_config_dict(cfg), cache)  # partial acceptance: the interesting regime
     ref = dm.DFlashDraftModel(Qwen3Config(**cfg)).eval()
     ref.load_state_dict(ours.state_dict())
     target = Qwen3ForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()

@@ -58,12 +58,11 @@ def _precompute(*args: str) -> int:
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """Tiny target, a local cache to train on, the served drafter (trained) and another one (untrained)."""
-    from tiny_target import random_prompts, save_tiny_qwen3, write_prompts
+    from tiny_target import random_prompts, save_tiny_qwen3, train_briefly, write_prompts
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from dflash_cb.model import DFlashDrafter
     from dflash_cb.states import StateCache
-    from dflash_cb.training import dflash_loss, sample_anchors
 
     root = tmp_path_factory.mktemp("served")
     target_dir = save_tiny_qwen3(root / "target", seed=3)
@@ -76,21 +75,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     cfg = _drafter_config(m.vocab_size, m.hidden_size)
     torch.manual_seed(0)
     other = DFlashDrafter.from_config_dict(cfg).eval()
-    served = DFlashDrafter.from_config_dict(cfg)
-    head = cache.load_head()
-    opt = torch.optim.AdamW(served.parameters(), lr=3e-3)
-    g = torch.Generator().manual_seed(0)
-    for _ in range(6):  # a few steps: partial acceptance, so round counts carry information
-        for e in cache.samples:
-            s = cache.load(e.id)
-            anchors = sample_anchors(e.prompt_len, e.valid_len, 16, g)
-            if anchors.numel() == 0:
-                continue
-            loss, _ = dflash_loss(served, head, s.hidden, s.input_ids, anchors, e.valid_len)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-    served.eval()
+    served = train_briefly(DFlashDrafter.from_config_dict(cfg), cache)  # partial acceptance: rounds informative
     served.save_pretrained(root / "drafter-served")
     other.save_pretrained(root / "drafter-other")
     ref = dm.DFlashDraftModel(Qwen3Config(**cfg)).eval()

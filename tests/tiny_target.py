@@ -185,3 +185,24 @@ def save_tiny_tokenizer(folder: str | os.PathLike) -> Path:
     folder = Path(folder)
     tiny_tokenizer().save_pretrained(folder)
     return folder
+
+
+def train_briefly(drafter, cache, epochs: int = 6, lr: float = 3e-3, seed: int = 0):
+    """A few epochs of DFlash training on ``cache``: partial acceptance, the regime where exactness
+    checks (rounds, accepted lengths) carry information. Returns the drafter in eval mode."""
+    from dflash_cb.training import dflash_loss, sample_anchors
+
+    head = cache.load_head()
+    opt = torch.optim.AdamW(drafter.parameters(), lr=lr)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(epochs):
+        for e in cache.samples:
+            s = cache.load(e.id)
+            anchors = sample_anchors(e.prompt_len, e.valid_len, 16, g)
+            if anchors.numel() == 0:
+                continue
+            loss, _ = dflash_loss(drafter, head, s.hidden, s.input_ids, anchors, e.valid_len)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return drafter.eval()
