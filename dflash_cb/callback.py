@@ -81,9 +81,6 @@ class DFlashEvalCallback(Callback):
         drafter: attribute path of the drafter on the LightningModule (``"drafter"``,
             ``"model.draft"``), or a function ``module -> drafter``. Any module with a DFlash config
             (``.spec`` or ``.config``) works; ``torch.compile`` wrappers are unwrapped.
-        eval_on_fit_start: evaluate before the first training step (the untrained baseline). Done
-            once per run: a resumed run does not repeat it.
-        eval_on_fit_end: evaluate after the last step (unless that step was just evaluated).
         target_embed: attribute path of the target's input embedding on the module (an
             ``nn.Embedding`` or a ``[vocab, hidden]`` tensor). With ``target_lm_head``, the head is taken
             from the module (no copy); without both, the cache's exported head is loaded once, onto the
@@ -91,51 +88,13 @@ class DFlashEvalCallback(Callback):
             that already holds the target's matrices for training should name them here instead).
         target_lm_head: attribute path of the target's output head (``nn.Linear`` or tensor). Omit it
             with ``target_embed`` set only when the target ties embedding and head.
-        ddtree_budgets: DDTree node budgets (empty: no DDTree) of the full evaluations.
-        periodic_ddtree_budgets: DDTree budgets of the periodic (light) evaluations; None = the largest of
-            ``ddtree_budgets`` only (each budget's walk visits its own anchors: extra budgets cost nearly a
-            full replay each).
-        periodic_anchor_stride: anchor-statistics stride of the periodic evaluations (per-depth acceptance,
-            all-anchor and estimated taus on every N-th anchor from the prompt end; the tau replays are
-            exact whatever the stride); None = the drafter's block size. Full evaluations use 1.
-        full_every_n_evals: every N-th evaluation is a full one (``anchor_stride=1``, every budget); 0 = only
-            the one at fit end. Full evaluations log the same keys, and again under ``{prefix}full/``.
-        num_samples: evaluate a fixed subset of this many samples (stratified by category, chosen
-            with ``sample_seed``, the same at every evaluation); None = every sample.
-        sample_ids: evaluate exactly these sample ids (overrides ``num_samples``).
-        sample_seed: seed of the subset choice (a private generator: training RNG is not touched).
-        prefix: metric name prefix.
-        baselines: reference ``results.json`` files from ``tools/eval_drafter.py`` on the same cache:
-            ``{name: path}`` or a list of paths (name = file stem). Logged as constant series
-            ``{prefix}baseline/<name>/...`` and in the W&B summary. A file measured on another cache is
-            refused at setup. When the cache holds the server's speculative counters (``served_spec``), the
-            served drafter's online tau is logged too, as ``{prefix}baseline/served/tau`` ("served,
-            measured online").
-        published: YAML of published figures (format: ``configs/baselines/published.yaml`` in the
-            repository), logged as ``{prefix}published/<name>/...``, marked as published, not measured
-            here. Placeholder entries are not logged. Default: none.
-        published_entries: names of the published entries to log (default: every non-placeholder entry).
-        fail_on_error: raise when an evaluation fails instead of warning and going on.
-        max_failed_evaluations: raise ``DFlashEvalError`` when this many evaluations in a row failed
-            (0: never; each failure is still a warning and counts in ``{prefix}failed_evaluations``).
-        autocast_dtype: ``"auto"`` (bfloat16 autocast on CUDA for a float32 drafter, none on CPU),
-            ``"bfloat16"``, ``"float16"``, or ``"float32"``/None (no autocast: exact float32).
-        table_samples: samples shown in the W&B table at each evaluation (0 = no table).
-        table_cycles: cycles (draft blocks) shown per table sample.
-        tokenizer: decodes tokens in the W&B table: a Hugging Face tokenizer path or object, or a function
-            ``ids -> str``; None shows token ids.
-        verify_cache: check the sha256 of every shard to evaluate (and of the exported head) at setup,
-            and before each evaluation hash again any of them whose size or modification time changed.
-            False skips the hashing (a large cache on a slow disk); sizes are always checked at setup.
-        position_edges: completion-position bucket edges for ``{prefix}position/<lo>_<hi>/tau``
-            (the last bucket is open-ended).
         prog_bar: show ``{prefix}tau`` in the progress bar.
         console: print one line per evaluation on rank zero (step, tau with its 95% interval, DDTree tau
             at the largest budget, difference to each measured baseline, wall time).
 
-    Intervals: ``{prefix}<metric>_ci_low``/``_ci_high`` are 95% cluster-bootstrap intervals over the
-    evaluated samples (``dflash_cb.bootstrap``): the uncertainty from the choice of prompts. Under DDP
-    the per-sample acceptance lengths (integers, not tensors) are gathered to rank zero for them.
+    Every other argument (schedule, profiles, samples, baselines, failure policy, W&B table, ...) is
+    ``dflash_cb.evaluator.LiveEvaluator``'s, documented there. Scalars go to every logger at
+    ``trainer.global_step``; tables and charts to the first ``WandbLogger``'s run.
     """
 
     def __init__(

@@ -62,21 +62,71 @@ class DFlashEvalError(DFlashCBError, RuntimeError):
 class LiveEvaluator:
     """Evaluate a DFlash drafter on cached target states during training; framework-neutral.
 
-    Takes the arguments of ``DFlashEvalCallback`` (see there for each one) except the Lightning ones
-    (``drafter``, ``prog_bar``), plus:
-
     Args:
+        states: cache folder written by ``tools/precompute_states.py``.
+        every_n_train_steps: evaluate after every N optimizer steps (``global_step % N == 0``);
+            0 disables the periodic evaluations (start/end ones still run). An integer.
+        eval_on_fit_start: evaluate before the first training step (the untrained baseline). Done
+            once per run: a resumed run does not repeat it.
+        eval_on_fit_end: evaluate after the last step (unless that step was just evaluated).
         target_embed, target_lm_head: the target's input embedding and output head, when the training
-            model holds them (no copy of the cache's export): an ``nn.Embedding``/``nn.Linear``, a
-            ``[vocab, hidden]`` tensor, or an attribute path on the ``model`` passed to ``start``/
-            ``step``/``finish``.
+            model holds them (no copy): an ``nn.Embedding``/``nn.Linear``, a ``[vocab, hidden]`` tensor, or
+            an attribute path on the ``model`` passed to ``start``/``step``/``finish``. Without them the
+            cache's exported head is loaded once, onto the drafter's device, and kept there
+            (Qwen3.6-27B: embedding + head = 5.1 GB in bf16). ``target_lm_head`` may be omitted only when
+            the target ties embedding and head.
+        ddtree_budgets: DDTree node budgets (empty: no DDTree) of the full evaluations.
+        periodic_ddtree_budgets: DDTree budgets of the periodic (light) evaluations; None = the largest of
+            ``ddtree_budgets`` only (each budget's walk visits its own anchors: extra budgets cost nearly a
+            full replay each).
+        periodic_anchor_stride: anchor-statistics stride of the periodic evaluations (per-depth acceptance,
+            all-anchor and estimated taus on every N-th anchor from the prompt end; the tau replays are
+            exact whatever the stride); None = the drafter's block size. Full evaluations use 1.
+        full_every_n_evals: every N-th evaluation is a full one (``anchor_stride=1``, every budget); 0 = only
+            the one at fit end. Full evaluations log the same keys, and again under ``{prefix}full/``.
+        num_samples: evaluate a fixed subset of this many samples (stratified by category, chosen
+            with ``sample_seed``, the same at every evaluation); None = every sample.
+        sample_ids: evaluate exactly these sample ids (overrides ``num_samples``).
+        sample_seed: seed of the subset choice (a private generator: training RNG is not touched).
+        prefix: metric name prefix.
+        baselines: reference ``results.json`` files from ``tools/eval_drafter.py`` on the same cache:
+            ``{name: path}`` or a list of paths (name = file stem). Logged as constant series
+            ``{prefix}baseline/<name>/...`` and in the W&B summary. A file measured on another cache is
+            refused at setup. When the cache holds the server's speculative counters (``served_spec``), the
+            served drafter's online tau is logged too, as ``{prefix}baseline/served/tau`` ("served,
+            measured online").
+        published: YAML of published figures (format: ``configs/baselines/published.yaml`` in the
+            repository), logged as ``{prefix}published/<name>/...``, marked as published, not measured
+            here. Placeholder entries are not logged. Default: none.
+        published_entries: names of the published entries to log (default: every non-placeholder entry).
+        fail_on_error: raise when an evaluation fails instead of warning and going on.
+        max_failed_evaluations: raise ``DFlashEvalError`` when this many evaluations in a row failed
+            (0: never; each failure is still a warning and counts in ``{prefix}failed_evaluations``).
+        autocast_dtype: ``"auto"`` (bfloat16 autocast on CUDA for a float32 drafter, none on CPU),
+            ``"bfloat16"``, ``"float16"``, or ``"float32"``/None (no autocast: exact float32).
+        table_samples: samples shown in the W&B table at each evaluation (0 = no table).
+        table_cycles: cycles (draft blocks) shown per table sample.
+        tokenizer: decodes tokens in the W&B table: a Hugging Face tokenizer path or object, or a function
+            ``ids -> str``; None shows token ids.
+        verify_cache: check the sha256 of every shard to evaluate (and of the exported head) at setup,
+            and before each evaluation hash again any of them whose size or modification time changed.
+            False skips the hashing (a large cache on a slow disk); sizes are always checked at setup.
+        position_edges: completion-position bucket edges for ``{prefix}position/<lo>_<hi>/tau``
+            (the last bucket is open-ended).
+        console: print one line per evaluation on rank zero (step, tau with its 95% interval, DDTree tau
+            at the largest budget, difference to each measured baseline, wall time).
         log: where the numbers go: a function ``log(metrics, step)``, a W&B run (scalars, tables and
-            charts), a ``sinks.MetricsSink``, or a list of these. None: nowhere but the history.
+            charts), a ``sinks.MetricsSink``, or a list of these. None: nowhere but ``history``.
         max_steps: the run's last step, if known: its evaluation is the full fit-end one.
         full_parameters: ``() -> context manager`` that makes sharded parameters whole on every rank
             (default: ``distributed.full_parameters_of(model or drafter)``: FSDP 1 and 2).
         say: prints the console line (rank zero; default ``print``).
         name: names the evaluator in warnings and console lines.
+
+    Intervals: ``{prefix}<metric>_ci_low``/``_ci_high`` are 95% cluster-bootstrap intervals over the
+    evaluated samples (``dflash_cb.bootstrap``): the uncertainty from the choice of prompts. Under
+    ``torch.distributed`` the per-sample acceptance lengths (integers, not tensors) are gathered to
+    rank zero for them.
     """
 
     def __init__(
