@@ -255,32 +255,56 @@ def test_hf_trainer_resume_neither_repeats_nor_skips(tmp_path, tiny_cache, tiny_
     assert steps == [0, 2, 4, 6, 8]
 
 
-# -- the README's plain-loop snippet ------------------------------------------------------------------
+# -- the README's snippets, one per loop ----------------------------------------------------------------
 
-def readme_snippet(title: str) -> str:
+def run_readme_snippet(title: str, tmp_path: Path, cache: Path, cfg: dict, monkeypatch) -> dict[str, Any]:
+    """The snippet under ``title`` as printed, its settings lines pointed at the test cache and drafter."""
+    from dflash_cb import DFlashDrafter
+
     text = (ROOT / "README.md").read_text()
-    section = text[text.index(title):]
-    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    code = re.search(r"```python\n(.*?)```", text[text.index(title):], re.S).group(1)
+    (tmp_path / "drafter_config.json").write_text(json.dumps(cfg))
+    DFlashDrafter.from_config_dict(cfg).save_pretrained(tmp_path / "start")
+    settings = {"TRAIN": str(cache), "STATES": str(cache), "CONFIG": str(tmp_path / "drafter_config.json"),
+                "DRAFTER": str(tmp_path / "start"), "STEPS": 4, "EVERY": 2}
+    for name, value in settings.items():
+        code, n = re.subn(rf"^{name} = .*$", f"{name} = {value!r}", code, flags=re.M)
+        assert n <= 1, name
+    assert "demo_out" not in code  # every path of the snippet is a settings line
+    monkeypatch.chdir(tmp_path)
+    namespace: dict[str, Any] = {"__name__": "readme"}
+    torch.manual_seed(0)
+    exec(compile(code, f"README.md ({title})", "exec"), namespace)
+    return namespace
 
 
 def test_readme_plain_loop_snippet_runs(tmp_path, tiny_cache, tiny_drafter_config, monkeypatch):
-    """The snippet as printed, with only its settings lines pointed at the test cache and drafter."""
-    from dflash_cb import DFlashDrafter
-
-    DFlashDrafter.from_config_dict(tiny_drafter_config).save_pretrained(tmp_path / "start")
-    code = readme_snippet("### A plain PyTorch loop")
-    settings = {"STATES": repr(str(tiny_cache)), "DRAFTER": repr(str(tmp_path / "start")), "STEPS": "4",
-                "EVERY": "2"}
-    for name, value in settings.items():
-        code, n = re.subn(rf"^{name} = .*$", f"{name} = {value}", code, flags=re.M)
-        assert n == 1, name
-    monkeypatch.chdir(tmp_path)
-    namespace: dict[str, Any] = {}
-    exec(compile(code, "README.md", "exec"), namespace)
-    evaluator = namespace["evaluator"]
-    assert [h["step"] for h in evaluator.history] == [0, 2, 4]
+    ns = run_readme_snippet("### 5c. A plain PyTorch loop", tmp_path, tiny_cache, tiny_drafter_config, monkeypatch)
+    assert [h["step"] for h in ns["evaluator"].history] == [0, 2, 4]
     saved = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
     assert saved["dflash_eval"]["last_eval_step"] == 4 and saved["step"] == 4
+
+
+def test_readme_lightning_module_snippet_runs_and_extracts_without_config(tmp_path, tiny_cache, tiny_drafter_config,
+                                                                          monkeypatch):
+    """Issue 17 item 17: the README's own LightningModule trains with the callback, and its checkpoint
+    carries the drafter config, so extract_drafter needs no --config."""
+    from dflash_cb.checkpoints import extract_drafter
+    from dflash_cb.model import DFlashDrafter
+
+    ns = run_readme_snippet("### 5a. Your own LightningModule", tmp_path, tiny_cache, tiny_drafter_config,
+                            monkeypatch)
+    assert [h["step"] for h in ns["callback"].history] == [0, 2, 4]
+    ns["trainer"].save_checkpoint(tmp_path / "last.ckpt")
+    extract_drafter(tmp_path / "last.ckpt", tmp_path / "extracted")
+    got = DFlashDrafter.from_pretrained(tmp_path / "extracted")
+    for k, v in ns["module"].drafter.state_dict().items():
+        assert torch.equal(got.state_dict()[k], v), k
+
+
+def test_readme_hf_trainer_snippet_runs(tmp_path, tiny_cache, tiny_drafter_config, monkeypatch):
+    ns = run_readme_snippet("### 5b. Hugging Face `Trainer`", tmp_path, tiny_cache, tiny_drafter_config, monkeypatch)
+    assert sorted(_evaluations(ns["trainer"])) == [0, 2, 4]
 
 
 if __name__ == "__main__":
