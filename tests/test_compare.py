@@ -221,3 +221,29 @@ def test_labels_out_hashes_and_categories_are_checked(two_results, tmp_path, cap
     sid = json.loads(moved.read_text())["samples"][2]["id"]
     err = _one_line_refusal(capsys, out, str(a), str(moved))
     assert f"{sid!r}: 'elsewhere' in moved" in err and "not describe the same prompts" in err
+
+
+def test_position_buckets_stop_where_the_completions_stop(two_results, tmp_path, capsys):
+    """Issue 17 item 19: buckets past the longest completion printed rows of ``n/a (0 cycles)``."""
+    from dflash_cb.compare import live_metrics
+    from dflash_cb.report import format_results
+
+    a, b = two_results
+    res = load_results(a)
+    longest = max(sum(s.acceptance_lengths) for s in res.samples)
+    assert 0 < longest <= 256  # the tiny cache: every anchor in the first default bucket [0, 256)
+    code, out, err = _run_here(capsys, str(a), str(b), "--out", str(tmp_path / "cmp"), "--resamples", "50")
+    assert code == 0, err
+    assert "| 0_256 |" in out and "256_512" not in out and "2048_plus" not in out and "n/a (0)" not in out
+    text = format_results(res)  # the console report of tools/eval_drafter.py
+    assert "0_256" in text and "256_512" not in text and "(0 cycles)" not in text
+    assert list(res.breakdown["position"]) == ["0_256"]
+    assert not [k for k in res.metrics if k.startswith("position/") and "0_256" not in k]
+    live = live_metrics(res.samples, res.budgets, res.categories, n_resamples=50)  # what the callback logs
+    assert live["position/0_256/cycles"] == sum(len(s.acceptance_lengths) for s in res.samples)
+    assert not [k for k in live if k.startswith("position/") and "0_256" not in k]
+    # Edges within the data keep every bucket up to the one holding the last anchor.
+    cut = longest // 2
+    edges = (0, cut, longest, longest + 5)
+    t = live_metrics(res.samples, [], [], position_edges=edges, n_resamples=20)
+    assert f"position/{cut}_{longest}/cycles" in t and f"position/{longest}_{longest + 5}/cycles" not in t
