@@ -7,6 +7,13 @@ line plot against ``trainer/global_step``. Every key a panel shows is built from
 block size, position buckets, baselines), so a renamed metric breaks ``tests/test_panels.py``
 instead of leaving an empty panel.
 
+The panels follow the callback's evaluation profiles: the light (periodic) evaluations log DDTree
+tau at ``periodic_ddtree_budgets`` only, the full ones every budget and everything again under
+``{prefix}full/``; so the other budgets are shown as their ``full/`` keys. Reference series appear
+only when they are known to be logged. With ``--run`` the run's keys are known (from W&B, or read
+offline from a local offline run folder) and panels none of whose keys were logged are warned
+about; from options alone nothing can be checked.
+
 Uses ``wandb-workspaces`` (W&B's library for views and reports), imported lazily. Building and
 serialising the view needs no network; only ``save()`` talks to W&B.
 """
