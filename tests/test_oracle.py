@@ -117,7 +117,7 @@ def test_eval_tool_matches_oracle(setup, tmp_path: Path) -> None:
     assert res.budgets == [4, 16]
     # Cost accounting: a full evaluation drafts every anchor once, no more.
     meta = res.meta
-    assert meta["anchor_stride"] == 1
+    assert meta["anchor_stride"] == 1 and meta["tail_blocks"] == "reference"
     assert meta["anchors_drafted"] == meta["anchors_needed"] > sum(map(len, setup["oracle"].values()))
     # A bigger tree never accepts less on the same cycle structure start.
     assert res.metric("ddtree/tau_b16") >= res.metric("ddtree/tau_b4") - 1e-9
