@@ -59,6 +59,7 @@ from .live_eval import RankedEvaluation, evaluate_across_ranks, score_untouched
 from .metrics import ANCHOR_STRIDE, EVAL_TIME, FAILED_EVALS, TAU, EvalCounts, per_depth, summarize
 from .model import DrafterSpec
 from .positions import DEFAULT_POSITION_EDGES, check_edges
+from .replay import check_tail_blocks
 from .report import evaluation_line
 from .states import CacheMismatchError, StateCache, TargetHead, select_sample_ids, stratified_ids
 from .wandb_logging import find_wandb_run, log_best, log_evaluation, make_decoder, sample_rows, start_live_run
@@ -132,6 +133,8 @@ class DFlashEvalCallback(Callback):
         prog_bar: show ``{prefix}tau`` in the progress bar.
         console: print one line per evaluation on rank zero (step, tau with its 95% interval, DDTree tau
             at the largest budget, difference to each measured baseline, wall time).
+        tail_blocks: ``"served"`` (full blocks near the end, cut after verification, as SGLang serves) or
+            ``"reference"`` (shortened blocks, as dflash's ``dflash_generate``); docs/method.md, "Tail blocks".
 
     Intervals: ``{prefix}<metric>_ci_low``/``_ci_high`` are 95% cluster-bootstrap intervals over the
     evaluated samples (``dflash_cb.bootstrap``): the uncertainty from the choice of prompts. Under DDP
@@ -169,6 +172,7 @@ class DFlashEvalCallback(Callback):
         position_edges: Sequence[int] = DEFAULT_POSITION_EDGES,
         prog_bar: bool = False,
         console: bool = True,
+        tail_blocks: str = "served",
     ) -> None:
         super().__init__()
         # Only cheap argument checks here (no file access), so a LightningCLI config parses anywhere.
@@ -206,6 +210,7 @@ class DFlashEvalCallback(Callback):
         self.ddtree_budgets = budgets
         self.periodic_ddtree_budgets = periodic
         self.periodic_anchor_stride = periodic_anchor_stride
+        self.tail_blocks = check_tail_blocks(tail_blocks)
         self.full_every_n_evals = int(full_every_n_evals)
         self.last_eval_full = False  # the last evaluation's profile (full: stride 1, every budget)
         self.last_eval_stride = 1
@@ -445,7 +450,7 @@ class DFlashEvalCallback(Callback):
         report = score_untouched(self.cache, drafter, head, ids, device=device,
                                  budgets=self.ddtree_budgets if budgets is None else budgets,
                                  anchor_stride=anchor_stride, autocast_dtype=autocast, spec=self._spec,
-                                 keep_drafts=keep, verify=self.verify_cache)
+                                 keep_drafts=keep, verify=self.verify_cache, tail_blocks=self.tail_blocks)
         table = set(self.table_ids)
         for s in report.samples:
             if s.id not in table:
@@ -595,7 +600,7 @@ class DFlashEvalCallback(Callback):
             "every_n_train_steps": self.every_n_train_steps, "ddtree_budgets": list(self.ddtree_budgets),
             "periodic_ddtree_budgets": list(self.periodic_ddtree_budgets),
             "periodic_anchor_stride": self.periodic_anchor_stride or (self._spec.block_size if self._spec else None),
-            "full_every_n_evals": self.full_every_n_evals,
+            "full_every_n_evals": self.full_every_n_evals, "tail_blocks": self.tail_blocks,
             "autocast_dtype": self.autocast_dtype, "position_edges": list(self.position_edges),
         }
 

@@ -277,6 +277,7 @@ def report_to_results(report: EvalReport, cache: StateCache, meta: dict[str, Any
             "wall_time_s": round(report.wall_time_s, 3),
             "samples_evaluated": len(report.samples),
             ANCHOR_STRIDE: report.anchor_stride,
+            "tail_blocks": report.tail_blocks,  # replay.TAIL_BLOCKS; docs/method.md, "Tail blocks"
             ANCHORS_DRAFTED: int(counts.data["anchors_drafted"].item()),
             ANCHORS_NEEDED: int(counts.data["anchors_needed"].item()),
             **(meta or {}),
