@@ -28,6 +28,7 @@ from .metrics import (
     ALL_ANCHOR_TAU,
     CI_HIGH_SUFFIX,
     CI_LOW_SUFFIX,
+    SERVED_BASELINE,
     SPECFORGE_TAU,
     TAU,
 )
@@ -64,7 +65,7 @@ class Baseline:
     def key(self) -> str:
         """Metric-name segment: ``baseline/<name>``, ``baseline/served`` or ``published/<name>``."""
         if self.kind == SERVED:
-            return "baseline/served"
+            return SERVED_BASELINE
         return f"{'published' if self.kind == PUBLISHED else 'baseline'}/{_slug(self.name)}"
 
 

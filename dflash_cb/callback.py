@@ -128,6 +128,7 @@ class DFlashEvalCallback(Callback):
         position_edges: Sequence[int] = DEFAULT_POSITION_EDGES,
         prog_bar: bool = False,
         console: bool = True,
+        tail_blocks: str = "served",
     ) -> None:
         super().__init__()
         if not isinstance(drafter, str) and not callable(drafter):

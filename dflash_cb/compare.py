@@ -24,7 +24,7 @@ from .errors import DFlashCBError
 from .metrics import DELTA_TAU, TAU, category_tau, ci_high, ci_low, ddtree_tau
 from .positions import DEFAULT_POSITION_EDGES, check_edges, cycle_table, position_table
 from .report import with_interval
-from .results import Results, derived_metrics, load_results
+from .results import Results, check_results_path, derived_metrics, load_results
 
 
 class CompareError(DFlashCBError, ValueError):
@@ -130,6 +130,12 @@ class Comparison:
 
 
 def check_same_cache(labels: Sequence[str], results: Sequence[Results]) -> None:
+    unknown = [label for label, r in zip(labels, results, strict=True) if not r.manifest_sha256]
+    if unknown:  # nothing shows that the files scored the same prompts
+        raise CompareError(
+            f"{', '.join(unknown)}: no cache manifest hash (meta.cache_manifest_sha256), so nothing shows these "
+            "evaluations scored the same prompts. Score the drafters again with tools/eval_drafter.py "
+            "--states <cache>, which records the hash")
     first = results[0].manifest_sha256
     for label, r in zip(labels[1:], results[1:], strict=True):
         if r.manifest_sha256 != first:
@@ -137,6 +143,19 @@ def check_same_cache(labels: Sequence[str], results: Sequence[Results]) -> None:
                 f"{labels[0]} was measured on cache {results[0].meta.get('cache_path')!r} (manifest sha256 "
                 f"{str(first)[:12]}...), {label} on {r.meta.get('cache_path')!r} (manifest sha256 "
                 f"{str(r.manifest_sha256)[:12]}...): tau on different prompts is not comparable. Score both "
+                "drafters on one cache with tools/eval_drafter.py --states <cache>")
+
+
+def check_same_categories(labels: Sequence[str], aligned: Sequence[Sequence[Any]]) -> None:
+    """The same sample id must be the same prompt: a different category means the files disagree on it."""
+    for label, samples in zip(labels[1:], aligned[1:], strict=True):
+        bad = [(a.id, a.category, b.category) for a, b in zip(aligned[0], samples, strict=True)
+               if a.category != b.category]
+        if bad:
+            i, ca, cb = bad[0]
+            raise CompareError(
+                f"{label} and {labels[0]} give {len(bad)} shared sample id(s) different categories (e.g. {i!r}: "
+                f"{cb!r} in {label}, {ca!r} in {labels[0]}): they do not describe the same prompts. Score both "
                 "drafters on one cache with tools/eval_drafter.py --states <cache>")
 
 
@@ -155,6 +174,7 @@ def compare(labels: Sequence[str], results: Sequence[Results], n_resamples: int 
     for r in results:
         by_id = {s.id: s for s in r.samples}
         aligned.append([by_id[i] for i in ids])
+    check_same_categories(labels, aligned)
     budgets = sorted(set.intersection(*(set(r.budgets) for r in results)))
     categories = sorted({s.category for s in aligned[0]})
     ivs = [intervals(metric_sums(s, budgets, categories), n_resamples, seed) for s in aligned]
@@ -248,7 +268,9 @@ def plot_comparison(c: Comparison, path: str | Path) -> Path:
     for k, (label, iv) in enumerate(zip(c.labels, c.intervals, strict=True)):
         vals = np.array([iv[m].value for m in names])
         err = np.array([[iv[m].value - iv[m].low for m in names], [iv[m].high - iv[m].value for m in names]])
-        ax.bar(x + k * width - 0.4 + width / 2, vals, width, yerr=np.nan_to_num(err), capsize=3, label=label)
+        # A few resamples can leave the value outside its percentile interval: no negative error bars.
+        err = np.clip(np.nan_to_num(err), 0.0, None)
+        ax.bar(x + k * width - 0.4 + width / 2, np.nan_to_num(vals), width, yerr=err, capsize=3, label=label)
     ax.set_xticks(x, ["all"] + list(c.categories), rotation=20)
     ax.set(ylabel="tau (95% interval)", title="tau per category")
     ax.legend(fontsize=8)
@@ -271,10 +293,16 @@ def plot_comparison(c: Comparison, path: str | Path) -> Path:
 # -- command line (tools/compare_results.py) ------------------------------------------------
 
 def _labels(paths: Sequence[str], given: str | None) -> list[str]:
-    if given:
+    if given is not None:
         labels = [x.strip() for x in given.split(",")]
         if len(labels) != len(paths):
             raise CompareError(f"--labels has {len(labels)} names for {len(paths)} files; give one per file")
+        if not all(labels):
+            raise CompareError(f"--labels {given!r}: name {labels.index('') + 1} is blank; give a name per file")
+        dup = sorted({x for x in labels if labels.count(x) > 1})
+        if dup:
+            raise CompareError(f"--labels {given!r}: {dup} given more than once; the labels name the columns and "
+                               "the differences, so give each file its own name")
         return labels
     stems = [Path(p).stem for p in paths]
     if len(set(stems)) == len(stems):
@@ -308,14 +336,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.resamples < 1:
         raise CompareError(f"--resamples must be >= 1, got {args.resamples}")
     labels = _labels(args.results, args.labels)
+    out = Path(args.out)
+    md_path, png_path = (check_results_path(out.with_suffix(x), "--out", f"comparison{x}") for x in (".md", ".png"))
     results = [load_results(p) for p in args.results]  # ResultsError names the file and the fix
     c = compare(labels, results, args.resamples, args.seed, edges)
-    out = Path(args.out)
-    png = plot_comparison(c, out.with_suffix(".png"))
-    md = render_markdown(c, png.name)
+    md = render_markdown(c, png_path.name)
     from .fileio import atomic_write_text
 
-    atomic_write_text(out.with_suffix(".md"), md)
+    atomic_write_text(md_path, md)  # first: the comparison is kept even if the plot fails
+    png = plot_comparison(c, png_path)
     print(md)
-    print(f"wrote {out.with_suffix('.md')} and {png}")
+    print(f"wrote {md_path} and {png}")
     return 0

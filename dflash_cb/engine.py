@@ -33,7 +33,16 @@ from torch import nn
 from .ddtree import ddtree_accepted
 from .metrics import TAU, EvalCounts, summarize
 from .model import DFlashDrafter, DrafterSpec, draft_logits
-from .replay import SampleBounds, Walk, cut_produced, leading_matches, next_stop_positions, sample_bounds
+from .replay import (
+    SampleBounds,
+    Walk,
+    block_lengths,
+    check_tail_blocks,
+    cut_produced,
+    leading_matches,
+    next_stop_positions,
+    sample_bounds,
+)
 from .states import CachedSample, Manifest, StateCache, TargetHead
 from .target import DTYPES
 
@@ -256,6 +265,9 @@ class SampleResult:
     drafts: list[list[int]] | None = None
     anchors_drafted: int = 0  # distinct anchors the drafter ran at
     anchors_needed: int = 0  # distinct anchors the walks visited or the statistics set holds
+    # Per greedy cycle: drafts equal to the target's tokens before the stop / max_new_tokens cut (only
+    # tokens the cache knows can match), SGLang's "correct drafts" (served.py).
+    correct_drafts: list[int] = field(default_factory=list)
 
 
 def block_embeddings(tokens: torch.Tensor, anchors: torch.Tensor, length: int, spec: DrafterSpec,
@@ -284,6 +296,7 @@ class _Live:
     walks: list[Walk]
     # anchor -> produced of a cycle there, per walk (greedy first, then each DDTree budget)
     known: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    correct: dict[int, int] = field(default_factory=dict)  # anchor -> greedy leading matches before any cut
     rows: dict[int, list[int]] | None = None  # anchor -> argmax block (keep_drafts only)
     window: list[int] = field(default_factory=list)  # per walk: anchors to draft from its position on
     ones: list[int] = field(default_factory=list)  # per walk kind: drafted anchors whose cycle produced one token
@@ -337,8 +350,9 @@ class _Drafting:
     sample, anchor statistics added to ``counts`` for anchors of the statistics set."""
 
     def __init__(self, runner: DraftRunner, head: TargetHead, spec: DrafterSpec, budgets: tuple[int, ...],
-                 counts: EvalCounts, stride: int, head_mem_bytes: int, max_blocks: int):
+                 counts: EvalCounts, stride: int, head_mem_bytes: int, max_blocks: int, tail_blocks: str):
         self.runner, self.head, self.spec, self.budgets = runner, head, spec, budgets
+        self.tail_blocks = tail_blocks
         self.counts, self.stride, self.head_mem_bytes, self.max_blocks = counts, stride, head_mem_bytes, max_blocks
 
     def run(self, wave: _Wave, requests: list[tuple[int, int]]) -> None:
@@ -359,7 +373,7 @@ class _Drafting:
         sample = torch.tensor(who, device=dev)
         anchors = torch.tensor([p for _, p in requests], device=dev)
         base = wave.offset[sample]
-        lengths = torch.clamp(wave.loop_end[sample] - anchors, max=n)
+        lengths = block_lengths(wave.loop_end[sample], anchors, n, self.tail_blocks)
         emb = block_embeddings(wave.tokens, base + anchors, n, spec, head.embed_tokens).to(self.runner.dtype)
         short = lengths if bool((lengths < n).any()) else None
         blocks = self.runner.block_rows([lv.state for lv in lives], emb, anchors, segments, short)
@@ -403,9 +417,10 @@ class _Drafting:
         table = torch.stack(produced, dim=1)  # [N, walks]
         rows = argmax.tolist() if keep_rows else None
         depths = (lengths - 1).tolist() if keep_rows else None
-        for r, ((w, p), vals) in enumerate(zip(requests, table.tolist(), strict=True)):
+        for r, ((w, p), vals, a) in enumerate(zip(requests, table.tolist(), accepted.tolist(), strict=True)):
             lv = wave.lives[w]
             lv.known[p] = tuple(vals)
+            lv.correct[p] = a
             for j, v in enumerate(vals):
                 lv.ones[j] += v == 1
             if lv.rows is not None:
@@ -486,12 +501,16 @@ def _requests(wave: _Wave, first: bool) -> list[tuple[int, int]]:
     return list(out)
 
 
-def _visited(lengths: Sequence[int], start: int) -> set[int]:
-    out, p = set(), start
+def _anchors_in_order(lengths: Sequence[int], start: int) -> list[int]:
+    out, p = [], start
     for k in lengths:
-        out.add(p)
+        out.append(p)
         p += k
     return out
+
+
+def _visited(lengths: Sequence[int], start: int) -> set[int]:
+    return set(_anchors_in_order(lengths, start))
 
 
 # ---------------------------------------------------------------------------
@@ -506,6 +525,7 @@ class EvalReport:
     spec: DrafterSpec
     budgets: tuple[int, ...]
     anchor_stride: int = 1
+    tail_blocks: str = "served"
 
     @property
     def summary(self) -> dict[str, float]:
@@ -567,7 +587,8 @@ def evaluate(cache: StateCache, drafter: Any, head: TargetHead | None = None, *,
              anchor_stride: int = 1, device: torch.device | str | None = None,
              autocast_dtype: torch.dtype | None = None, spec: DrafterSpec | None = None, verify: bool = False,
              progress: bool = False, attn_mem_bytes: int = 512 << 20, head_mem_bytes: int = 512 << 20,
-             context_mem_bytes: int = 4 << 30, max_blocks: int = 1024, keep_drafts: int = 0) -> EvalReport:
+             context_mem_bytes: int = 4 << 30, max_blocks: int = 1024, keep_drafts: int = 0,
+             tail_blocks: str = "served") -> EvalReport:
     """Score ``drafter`` on ``cache``: exact greedy replay, DDTree per budget, anchor statistics.
 
     ``anchor_stride`` picks the anchor-statistics set (per-depth acceptance, ``all_anchor_tau``, the
@@ -576,6 +597,8 @@ def evaluate(cache: StateCache, drafter: Any, head: TargetHead | None = None, *,
     the stride. ``head`` defaults to the cache's exported target head. ``autocast_dtype`` (e.g.
     bfloat16 on GPU) trades exactness for speed; exactness tests use float32. ``keep_drafts`` > 0
     keeps, per sample, the draft blocks of that many first cycles (``SampleResult.drafts``).
+    ``tail_blocks`` (``replay.TAIL_BLOCKS``): "served" drafts full blocks up to the end, as SGLang;
+    "reference" shortens the last blocks, as ``dflash_generate`` (docs/method.md, "Tail blocks").
 
     Memory: samples are evaluated in waves whose context K/V fit ``context_mem_bytes`` together
     (Qwen3.6-27B drafter in bf16: 5 layers x 2 x 8 KV heads x 128 x 2 bytes = 20 KiB per position,
@@ -585,6 +608,7 @@ def evaluate(cache: StateCache, drafter: Any, head: TargetHead | None = None, *,
     temporaries stay under ``attn_mem_bytes`` per chunk and head logits under ``head_mem_bytes``.
     """
     start = time.perf_counter()
+    check_tail_blocks(tail_blocks)
     if anchor_stride < 1:
         raise ValueError(f"anchor_stride must be >= 1 (1 = every anchor), got {anchor_stride}")
     runner = as_runner(drafter, spec, attn_mem_bytes)
@@ -606,7 +630,7 @@ def evaluate(cache: StateCache, drafter: Any, head: TargetHead | None = None, *,
     counts = EvalCounts(spec.block_size, budgets, categories)
     manifest = cache.manifest
     stops = frozenset(manifest.stop_token_ids)
-    drafting = _Drafting(runner, head, spec, budgets, counts, anchor_stride, head_mem_bytes, max_blocks)
+    drafting = _Drafting(runner, head, spec, budgets, counts, anchor_stride, head_mem_bytes, max_blocks, tail_blocks)
     state_dtype = autocast_dtype or runner.dtype
     bar = None
     if progress:
@@ -640,7 +664,7 @@ def evaluate(cache: StateCache, drafter: Any, head: TargetHead | None = None, *,
         for i, b in enumerate(budgets):
             counts.add_ddtree(i, r.ddtree[b])
         counts.add_cost(r.anchors_drafted, r.anchors_needed)
-    return EvalReport(counts, samples, time.perf_counter() - start, spec, budgets, anchor_stride)
+    return EvalReport(counts, samples, time.perf_counter() - start, spec, budgets, anchor_stride, tail_blocks)
 
 
 def _load_wave(cache: StateCache, ids: list[str], runner: DraftRunner, manifest: Manifest, stops: frozenset[int],
@@ -668,6 +692,7 @@ def _finish(lv: _Live, budgets: tuple[int, ...], keep_drafts: int) -> SampleResu
     greedy = lv.walks[0].lengths
     res = SampleResult(lv.id, lv.category, greedy, {b: w.lengths for b, w in zip(budgets, lv.walks[1:], strict=True)},
                        len(lv.stats))
+    res.correct_drafts = [lv.correct[p] for p in _anchors_in_order(greedy, lv.bounds.prompt_len)]
     if keep_drafts and lv.rows is not None:
         res.drafts = [lv.rows[p] for p in sorted(_visited(greedy[:keep_drafts], lv.bounds.prompt_len))]
     needed = set(lv.stats)

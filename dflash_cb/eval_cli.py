@@ -91,6 +91,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True,
                    help="check the sha256 of every shard to score and of the exported head before scoring "
                         "(default; --no-verify checks sizes only)")
+    p.add_argument("--tail-blocks", choices=["served", "reference"], default="served",
+                   help="near the end: full blocks cut after verification, as SGLang serves (served, default), "
+                        "or shortened blocks, as dflash's dflash_generate (reference); docs/method.md, 'Tail blocks'")
     p.add_argument("--served-check", action="store_true",
                    help="compare with the server's own speculative counters stored in the cache (the drafter "
                         "must be the one the server ran during the precompute)")
@@ -111,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     from .positions import check_edges
     from .report import format_results
     from .results import check_results_path, drafter_provenance, report_to_results, write_results
-    from .served import compare, format_check, has_served_counters, nothing_to_compare
+    from .served import compare, format_check, has_served_counters, nothing_selected, nothing_to_compare
     from .states import StateCache, select_sample_ids
 
     # Cheap checks first, then the files, so nothing is computed for a run that cannot finish.
@@ -123,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
         edges = check_edges([int(x) for x in args.position_edges.split(",") if x.strip()])
     except ValueError as e:
         raise DFlashCBError(f"--position-edges {args.position_edges!r}: {e}") from None
+    if args.served_check and args.tail_blocks != "served":
+        raise DFlashCBError("--served-check with --tail-blocks reference: the server drafts full blocks, so the "
+                            "check always replays with --tail-blocks served; drop --tail-blocks reference")
     device = resolve_device(args.device)
     dtype_name = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     cache = StateCache(args.states)
@@ -130,6 +136,11 @@ def main(argv: list[str] | None = None) -> int:
         raise nothing_to_compare(cache.path)  # before any weights are read
     sample_ids = [i.strip() for i in args.sample_ids.split(",") if i.strip()] if args.sample_ids is not None else None
     ids = select_sample_ids(cache, args.samples, sample_ids, args.sample_seed)
+    if args.served_check:
+        chosen = set(ids)
+        why = nothing_selected(cache.path, [e for e in cache.samples if e.id in chosen])
+        if why is not None:
+            raise why  # the selection holds no sample with comparable counters: before any weights are read
     drafter = load_drafter(args.drafter, device=device)
     cache.check_drafter(drafter.spec.as_cache_check())
     drafter.eval()
@@ -153,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         head = cache.load_head(device=device, dtype=torch.float32, verify=args.verify)
     autocast = resolve_autocast(dtype_name, device, next(drafter.parameters()).dtype)
     report = evaluate(cache, drafter, head, sample_ids=ids, budgets=budgets, device=device,
-                      autocast_dtype=autocast, verify=args.verify, progress=True, anchor_stride=args.anchor_stride)
+                      autocast_dtype=autocast, verify=args.verify, progress=True, anchor_stride=args.anchor_stride,
+                      tail_blocks=args.tail_blocks)
     results = report_to_results(report, cache, position_edges=edges, meta={
         "drafter": drafter_provenance(args.drafter), "dtype": dtype_name, "device": str(device),
         "head_source": args.target or "cache", "verified": bool(args.verify),
@@ -162,7 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     check = None
     if args.served_check:
         check = compare(cache.samples, {s.id: s.acceptance_lengths for s in report.samples},
-                        cache.manifest.served_spec_config, drafter.spec.block_size, args.drafter)
+                        cache.manifest.served_spec_config, drafter.spec.block_size, args.drafter,
+                        correct_drafts={s.id: s.correct_drafts for s in report.samples},
+                        drafter_input_embedding_scale=drafter.spec.input_embedding_scale)
         results.breakdown["served_check"] = check.to_dict()
     print(format_results(results))  # shown before writing: a failing write does not lose the numbers
     if check is not None:

@@ -46,6 +46,7 @@ from .live_eval import RankedEvaluation, evaluate_across_ranks, score_untouched
 from .metrics import ANCHOR_STRIDE, EVAL_TIME, FAILED_EVALS, EvalCounts, per_depth, summarize
 from .model import DrafterSpec
 from .positions import DEFAULT_POSITION_EDGES, check_edges
+from .replay import check_tail_blocks
 from .report import evaluation_line
 from .sinks import MetricsSink, as_sinks
 from .states import CacheMismatchError, StateCache, TargetHead, select_sample_ids, stratified_ids
@@ -115,6 +116,8 @@ class LiveEvaluator:
             (the last bucket is open-ended).
         console: print one line per evaluation on rank zero (step, tau with its 95% interval, DDTree tau
             at the largest budget, difference to each measured baseline, wall time).
+        tail_blocks: ``"served"`` (full blocks near the end, cut after verification, as SGLang serves) or
+            ``"reference"`` (shortened blocks, as dflash's ``dflash_generate``); docs/method.md, "Tail blocks".
         log: where the numbers go: a function ``log(metrics, step)``, a W&B run (scalars, tables and
             charts), a ``sinks.MetricsSink``, or a list of these. None: nowhere but ``history``.
         max_steps: the run's last step, if known: its evaluation is the full fit-end one.
@@ -158,6 +161,7 @@ class LiveEvaluator:
         verify_cache: bool = True,
         position_edges: Sequence[int] = DEFAULT_POSITION_EDGES,
         console: bool = True,
+        tail_blocks: str = "served",
         log: Any = None,
         max_steps: int = -1,
         full_parameters: Callable[[], AbstractContextManager[Any]] | None = None,
@@ -198,6 +202,7 @@ class LiveEvaluator:
         self.ddtree_budgets = budgets
         self.periodic_ddtree_budgets = periodic
         self.periodic_anchor_stride = periodic_anchor_stride
+        self.tail_blocks = check_tail_blocks(tail_blocks)
         self.full_every_n_evals = int(full_every_n_evals)
         self.last_eval_full = False  # the last evaluation's profile (full: stride 1, every budget)
         self.last_eval_stride = 1
@@ -438,7 +443,7 @@ class LiveEvaluator:
         # verify: only a shard whose size or mtime changed since it was hashed is hashed again.
         report = score_untouched(self.cache, drafter, head, ids, device=device, budgets=budgets,
                                  anchor_stride=anchor_stride, autocast_dtype=autocast, spec=self._spec,
-                                 keep_drafts=keep, verify=self.verify_cache)
+                                 keep_drafts=keep, verify=self.verify_cache, tail_blocks=self.tail_blocks)
         table = set(self.table_ids)
         for s in report.samples:
             if s.id not in table:
@@ -577,7 +582,7 @@ class LiveEvaluator:
             "every_n_train_steps": self.every_n_train_steps, "ddtree_budgets": list(self.ddtree_budgets),
             "periodic_ddtree_budgets": list(self.periodic_ddtree_budgets),
             "periodic_anchor_stride": self.periodic_anchor_stride or (self._spec.block_size if self._spec else None),
-            "full_every_n_evals": self.full_every_n_evals,
+            "full_every_n_evals": self.full_every_n_evals, "tail_blocks": self.tail_blocks,
             "autocast_dtype": self.autocast_dtype, "position_edges": list(self.position_edges),
         }
 

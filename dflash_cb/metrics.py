@@ -53,6 +53,8 @@ BEST_TAU = "best/tau"  # W&B summary: the best tau of the run so far, and the st
 BEST_STEP = "best/step"
 CI_LOW_SUFFIX = "_ci_low"
 CI_HIGH_SUFFIX = "_ci_high"
+FULL_PREFIX = "full/"  # a full evaluation's keys, logged again under {prefix}full/ (callback)
+SERVED_BASELINE = "baseline/served"  # the served drafter's online tau (baselines.Baseline.key)
 
 
 def ci_low(metric: str) -> str:

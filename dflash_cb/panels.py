@@ -7,6 +7,13 @@ line plot against ``trainer/global_step``. Every key a panel shows is built from
 block size, position buckets, baselines), so a renamed metric breaks ``tests/test_panels.py``
 instead of leaving an empty panel.
 
+The panels follow the callback's evaluation profiles: the light (periodic) evaluations log DDTree
+tau at ``periodic_ddtree_budgets`` only, the full ones every budget and everything again under
+``{prefix}full/``; so the other budgets are shown as their ``full/`` keys. Reference series appear
+only when they are known to be logged. With ``--run`` the run's keys are known (from W&B, or read
+offline from a local offline run folder) and panels none of whose keys were logged are warned
+about; from options alone nothing can be checked.
+
 Uses ``wandb-workspaces`` (W&B's library for views and reports), imported lazily. Building and
 serialising the view needs no network; only ``save()`` talks to W&B.
 """
@@ -14,10 +21,11 @@ serialising the view needs no network; only ``save()`` talks to W&B.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .errors import DFlashCBError
 from .metrics import (
     ANCHORS_DRAFTED,
     ANCHORS_NEEDED,
@@ -26,6 +34,8 @@ from .metrics import (
     CYCLES,
     DELTA_TAU,
     EVAL_TIME,
+    FULL_PREFIX,
+    SERVED_BASELINE,
     TAU,
     TOKENS,
     category_tau,
@@ -55,9 +65,28 @@ class PanelLayout:
     block_size: int = 16
     position_buckets: Sequence[str] = field(default_factory=lambda: position_labels(DEFAULT_POSITION_EDGES))
     cycle_buckets: Sequence[str] = field(default_factory=lambda: cycle_labels(DEFAULT_CYCLE_BUCKETS))
-    baselines: Sequence[str] = ()  # measured: "baseline/<name>" segments (Baseline.key)
+    baselines: Sequence[str] = ()  # measured: "baseline/<name>" segments (Baseline.key): tau and delta_tau
     published: Sequence[str] = ()  # "published/<name>"
     cost: Sequence[str] = COST_KEYS
+    # Budgets of the light (periodic) evaluations; None = the callback's default, the largest budget.
+    # The other budgets are logged by the full evaluations only, so their panel shows the full/ keys.
+    periodic_budgets: Sequence[int] | None = None
+    served: bool = False  # "baseline/served/tau": the cache holds the server's counters (no samples, no delta)
+    # DDTree budgets each reference ("baseline/<name>", "published/<name>") logged; a reference not
+    # listed gets no DDTree series (a key nobody logged would be an empty line).
+    reference_budgets: Mapping[str, Sequence[int]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.block_size < 2:
+            raise ValueError(f"block size must be >= 2 (a block is the anchor and at least one drafted token), "
+                             f"got {self.block_size}")
+
+    @property
+    def light_budgets(self) -> list[int]:
+        """The budgets logged at every evaluation (light and full)."""
+        if self.periodic_budgets is not None:
+            return sorted(int(b) for b in self.periodic_budgets)
+        return [max(self.budgets)] if self.budgets else []
 
 
 @dataclass(frozen=True)
@@ -73,16 +102,19 @@ class PanelSpec:
 def panel_plan(layout: PanelLayout) -> dict[str, list[PanelSpec]]:
     """Section name -> panels; every key is fully prefixed."""
     p = layout.prefix
-    refs = [*layout.baselines, *layout.published]
-    top = max(layout.budgets) if layout.budgets else None
+    refs = [*layout.baselines, *([SERVED_BASELINE] if layout.served else []), *layout.published]
+    every = layout.light_budgets
+    full_only = [b for b in layout.budgets if b not in every]
+    top = max(every) if every else None
 
     def line(title: str, names: Iterable[str]) -> PanelSpec:
         return PanelSpec("line", title, tuple(p + n for n in names))
 
     headline = [line("tau: live vs references", [TAU] + [f"{r}/{TAU}" for r in refs])]
-    if layout.budgets:
-        headline.append(line("DDTree tau per budget", [ddtree_tau(b) for b in layout.budgets]
-                             + [f"{r}/{ddtree_tau(b)}" for r in layout.baselines for b in layout.budgets]))
+    if every or full_only:
+        title = "DDTree tau per budget" + (" (full/: full evaluations only)" if full_only else "")
+        headline.append(line(title, [ddtree_tau(b) for b in every] + [FULL_PREFIX + ddtree_tau(b) for b in full_only]
+                             + [f"{r}/{ddtree_tau(b)}" for r in refs for b in layout.reference_budgets.get(r, ())]))
     if layout.baselines:
         headline.append(line("live minus baseline (tau, paired)", [f"{b}/{DELTA_TAU}" for b in layout.baselines]))
     headline.append(PanelSpec("scalar", "best tau", (p + BEST_TAU,)))
@@ -123,8 +155,13 @@ def referenced_keys(plan: dict[str, list[PanelSpec]]) -> dict[str, set[str]]:
     return out
 
 
-def layout_from_keys(keys: Iterable[str], prefix: str = "dflash_eval/") -> PanelLayout:
-    """The dimensions of a run from the keys it logged (for a run made with other budgets, categories...)."""
+def layout_from_keys(keys: Iterable[str], prefix: str = "dflash_eval/",
+                     periodic_budgets: Sequence[int] | None = None) -> PanelLayout:
+    """The dimensions of a run from the keys it logged (for a run made with other budgets, categories...).
+
+    ``periodic_budgets``: the budgets of its light evaluations (``light_budgets`` of its history
+    rows); None = the callback's default.
+    """
     keys = [k[len(prefix):] for k in keys if k.startswith(prefix)]
 
     def grab(pattern: str) -> list[str]:
@@ -132,6 +169,10 @@ def layout_from_keys(keys: Iterable[str], prefix: str = "dflash_eval/") -> Panel
         return sorted({m.group(1) for k in keys if (m := rx.fullmatch(k))})
 
     depths = [int(d) for d in grab(r"acceptance/depth_(\d+)")]
+    named = grab(r"baseline/([^/]+)/tau")
+    baselines = [f"baseline/{n}" for n in named if f"baseline/{n}" != SERVED_BASELINE]
+    published = [f"published/{n}" for n in grab(r"published/([^/]+)/tau")]
+    refs = [*baselines, SERVED_BASELINE, *published]
     return PanelLayout(
         prefix=prefix,
         budgets=sorted(int(b) for b in grab(r"ddtree/tau_b(\d+)")),
@@ -139,10 +180,44 @@ def layout_from_keys(keys: Iterable[str], prefix: str = "dflash_eval/") -> Panel
         block_size=(max(depths) + 1) if depths else 16,
         position_buckets=sorted(grab(r"position/(\d+_\w+)/tau"), key=lambda b: int(b.split("_")[0])),
         cycle_buckets=sorted(grab(r"cycle/(\w+)/tau"), key=lambda b: int(b.rstrip("plus"))),
-        baselines=[f"baseline/{n}" for n in grab(r"baseline/([^/]+)/tau")],
-        published=[f"published/{n}" for n in grab(r"published/([^/]+)/tau")],
+        baselines=baselines,
+        published=published,
         cost=[n for n in COST_KEYS if n in keys],
+        periodic_budgets=periodic_budgets,
+        served=SERVED_BASELINE in {f"baseline/{n}" for n in named},
+        reference_budgets={r: bs for r in refs
+                           if (bs := sorted(int(b) for b in grab(re.escape(r) + r"/ddtree/tau_b(\d+)")))},
     )
+
+
+def light_budgets(rows: Iterable[Mapping[str, Any]], prefix: str = "dflash_eval/") -> list[int] | None:
+    """The DDTree budgets a run logged at its light evaluations (rows with ``tau`` but no ``full/tau``).
+
+    None when every evaluation was full (then every budget is logged at every evaluation).
+    """
+    rx = re.compile(re.escape(prefix) + r"ddtree/tau_b(\d+)")
+    light = [r for r in rows if prefix + TAU in r and prefix + FULL_PREFIX + TAU not in r]
+    if not light:
+        return None
+    return sorted({int(m.group(1)) for r in light for k in r if (m := rx.fullmatch(k))})
+
+
+def unlogged_panels(plan: dict[str, list[PanelSpec]], logged: Iterable[str]) -> list[str]:
+    """Titles of the panels none of whose keys the run logged (they would stay empty).
+
+    A table counts as logged when any ``<table>/...`` key is (W&B stores a table's path and type).
+    """
+    logged = set(logged)
+    out = []
+    for panels in plan.values():
+        for spec in panels:
+            if spec.kind == "table":
+                hit = any(k.startswith(t + "/") or k == t for t in spec.keys for k in logged)
+            else:
+                hit = any(k in logged for k in spec.keys)
+            if not hit:
+                out.append(spec.title)
+    return out
 
 
 # -- wandb-workspaces objects --------------------------------------------------------------
@@ -195,15 +270,21 @@ def build_parser() -> Any:
     p.add_argument("--report", action="store_true", help="make a W&B Report with the same panels instead")
     p.add_argument("--url", default=None, help="update this existing saved view (its URL) instead of creating one")
     p.add_argument("--run", default=None,
-                   help="take budgets, categories, block size, buckets and baselines from the keys this run logged "
-                        "(its id in the project); otherwise from the options below")
+                   help="take budgets, categories, block size, buckets and baselines from the keys this run logged: "
+                        "its id in the project (read from W&B), or a local offline run folder "
+                        "(wandb/offline-run-..., read without network); panels it never logged are warned about")
     p.add_argument("--prefix", default="dflash_eval/")
-    p.add_argument("--budgets", default="16,32,64", help="DDTree budgets the callback logs")
+    p.add_argument("--budgets", default="16,32,64", help="DDTree budgets of the full evaluations (ddtree_budgets)")
+    p.add_argument("--periodic-budgets", default=None,
+                   help="DDTree budgets of the light evaluations (periodic_ddtree_budgets; default: the largest "
+                        "budget); the others show as full/ keys, logged by the full evaluations only")
     p.add_argument("--categories", default="", help="comma-separated prompt categories")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--position-edges", default=",".join(map(str, DEFAULT_POSITION_EDGES)))
     p.add_argument("--cycle-buckets", type=int, default=DEFAULT_CYCLE_BUCKETS)
     p.add_argument("--baselines", default="", help="names of the measured baselines (callback baselines=)")
+    p.add_argument("--served", action="store_true",
+                   help="the cache holds the server's counters: show baseline/served/tau (no paired delta)")
     p.add_argument("--published", default="", help="names of the published entries logged")
     p.add_argument("--dry-run", action="store_true", help="print the panels and build the view; do not save")
     return p
@@ -213,41 +294,124 @@ def _csv(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    import json
+class PanelsError(DFlashCBError, ValueError):
+    """Bad panel options, a view URL of the wrong shape, or a W&B call that failed."""
 
-    from .baselines import _slug
-    from .errors import DFlashCBError
 
-    args = build_parser().parse_args(argv)
-    if args.run:
+WANDB_FIX = ("log in with `wandb login` (or set WANDB_API_KEY), check the network and WANDB_BASE_URL, "
+             "or build the panels offline with --dry-run")
+
+
+def check_view_url(url: str) -> str:
+    """A saved workspace view's URL: ``https://<host>/<entity>/<project>?nw=<view id>``, checked offline."""
+    from urllib.parse import parse_qs, urlparse
+
+    u = urlparse(url)
+    parts = [x for x in u.path.split("/") if x]
+    nw = parse_qs(u.query).get("nw", [""])[0]
+    if u.scheme not in ("http", "https") or not u.netloc or len(parts) not in (2, 3) or \
+            (len(parts) == 3 and parts[2] != "workspace") or not nw or nw.startswith("nwuser"):
+        raise PanelsError(f"--url {url!r}: not a saved workspace view; copy the view's URL from the browser, "
+                          "shaped like https://wandb.ai/<entity>/<project>?nw=<view id> (personal views, "
+                          "nw=nwuser..., cannot be updated)")
+    return url
+
+
+def _wandb(what: str, call: Any) -> Any:
+    """Run one W&B call; its failure (no login, no network, a bad URL) becomes one line naming the fix."""
+    try:
+        return call()
+    except DFlashCBError:
+        raise
+    except Exception as e:  # wandb raises many types (UsageError, CommError, requests errors...)
+        text = " ".join(str(e).split())[:300] or type(e).__name__
+        raise PanelsError(f"wandb_panels.py: {what} failed ({type(e).__name__}: {text}); {WANDB_FIX}") from None
+
+
+def _run_history(run: str, entity: str, project: str) -> tuple[list[dict[str, Any]], set[str]]:
+    """(history rows, summary keys) of ``--run``: a local offline run folder, or a run id on W&B."""
+    from pathlib import Path
+
+    if Path(run).exists():
+        from .wandb_offline import offline_history
+
+        rows, summary = offline_history(run)
+        return rows, set(summary)
+
+    def fetch() -> tuple[list[dict[str, Any]], set[str]]:
         import wandb
 
-        run = wandb.Api().run(f"{args.entity}/{args.project}/{args.run}")
-        keys = set(run.summary.keys()) | {k for row in run.scan_history(page_size=1000) for k in row}
-        layout = layout_from_keys(keys, args.prefix)
+        r = wandb.Api().run(f"{entity}/{project}/{run}")
+        return [dict(row) for row in r.scan_history(page_size=1000)], set(r.summary.keys())
+
+    return _wandb(f"reading run {entity}/{project}/{run}", fetch)
+
+
+def _ints(option: str, text: str) -> list[int]:
+    try:
+        values = [int(b) for b in _csv(text)]
+    except ValueError:
+        raise PanelsError(f"{option} {text!r}: give comma-separated integers, e.g. 16,32,64") from None
+    if any(v < 1 for v in values):
+        raise PanelsError(f"{option} {text!r}: budgets must be >= 1")
+    return values
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import json
+    import sys
+
+    from .baselines import _slug
+
+    args = build_parser().parse_args(argv)
+    if args.block_size < 2:
+        raise PanelsError(f"--block-size {args.block_size}: a block is the anchor and at least one drafted "
+                          "token, so the block size is >= 2 (the drafter's block_size, e.g. 16)")
+    if args.url:
+        if args.report:
+            raise PanelsError("--url updates a saved workspace view; a --report is always created anew: "
+                              "drop one of the two")
+        check_view_url(args.url)
+    logged: set[str] | None = None
+    if args.run:
+        rows, summary_keys = _run_history(args.run, args.entity, args.project)
+        logged = {k for row in rows for k in row} | summary_keys
+        layout = layout_from_keys(logged, args.prefix, light_budgets(rows, args.prefix))
     else:
         try:
-            layout = PanelLayout(prefix=args.prefix, budgets=[int(b) for b in _csv(args.budgets)],
+            layout = PanelLayout(prefix=args.prefix, budgets=_ints("--budgets", args.budgets),
                                  categories=_csv(args.categories), block_size=args.block_size,
                                  position_buckets=position_labels([int(x) for x in _csv(args.position_edges)]),
                                  cycle_buckets=cycle_labels(args.cycle_buckets),
                                  baselines=[f"baseline/{_slug(n)}" for n in _csv(args.baselines)],
-                                 published=[f"published/{_slug(n)}" for n in _csv(args.published)])
+                                 published=[f"published/{_slug(n)}" for n in _csv(args.published)],
+                                 periodic_budgets=None if args.periodic_budgets is None
+                                 else _ints("--periodic-budgets", args.periodic_budgets),
+                                 served=args.served)
         except ValueError as e:
-            raise DFlashCBError(f"wandb_panels.py: {e}") from None
+            raise PanelsError(f"wandb_panels.py: {e}") from None
     plan = panel_plan(layout)
+    if logged is not None:  # the run's keys are known: say which panels would stay empty
+        empty = unlogged_panels(plan, logged)
+        total = sum(len(p) for p in plan.values())
+        if len(empty) == total:
+            print(f"warning: run {args.run} logged none of the panels' keys under --prefix {args.prefix!r} "
+                  f"({len(logged)} keys logged); check --prefix (the callback's prefix=) and the run",
+                  file=sys.stderr)
+        elif empty:
+            print(f"warning: run {args.run} logged none of the keys of {len(empty)} panel(s): "
+                  f"{'; '.join(empty)}", file=sys.stderr)
     view = (build_report if args.report else build_workspace)(args.entity, args.project, layout, args.name)
     if args.dry_run:
         print(json.dumps({s: [{"kind": p.kind, "title": p.title, "keys": list(p.keys)} for p in panels]
                           for s, panels in plan.items()}, indent=1))
         return 0
-    if args.url and not args.report:
+    if args.url:
         import wandb_workspaces.workspaces as ws
 
-        existing = ws.Workspace.from_url(args.url)
+        existing = _wandb(f"reading the view {args.url}", lambda: ws.Workspace.from_url(args.url))
         existing.sections = view.sections
         view = existing
-    view.save()  # the only network call (with from_url above)
+    _wandb("saving the view", view.save)  # the only network calls: here, from_url and --run
     print(f"saved {'report' if args.report else 'workspace view'} {args.name!r}: {getattr(view, 'url', '')}")
     return 0

@@ -9,6 +9,7 @@ the prefill's token at 0, is the running sum of the earlier cycles' ``produced``
 
 - Position buckets ``[lo, hi)`` over that completion position (default edges 0, 256, 512, 1024,
   2048, then everything beyond) show decay on long completions and the drafter's sliding window.
+  Buckets starting beyond the samples' longest completion are omitted (``position_table``).
 - Cycle-index buckets (0, 1, 2, 3, then 4 and later) show the first cycles after the prompt,
   where the drafter has seen no completion yet.
 
@@ -99,10 +100,26 @@ def _ratio(num: float, den: float) -> float | None:
     return float(num / den) if den > 0 else None
 
 
+def completion_extent(samples: Sequence[Any]) -> int:
+    """The longest completion the samples replay (a sample's ``sum(acceptance_lengths)``).
+
+    The walk ends where the cached completion ends, whatever the drafter, so this is a property
+    of the samples: every drafter scored on them gets the same extent, hence the same buckets.
+    """
+    return max((int(sum(s.acceptance_lengths)) for s in samples), default=0)
+
+
 def position_table(samples: Sequence[Any], edges: Sequence[int] = DEFAULT_POSITION_EDGES,
                    categories: Sequence[str] = ()) -> dict[str, dict[str, Any]]:
-    """``{bucket: {cycles, tau, categories: {c: {cycles, tau}}}}`` over completion-position buckets."""
-    return _bucket_table(samples, lambda ls: position_index(ls, edges), position_labels(edges), categories)
+    """``{bucket: {cycles, tau, categories: {c: {cycles, tau}}}}`` over completion-position buckets.
+
+    Buckets that start at or beyond the longest completion are left out (no anchor can fall there:
+    a row of ``n/a (0 cycles)`` says nothing), so reports and logged keys stop where the data stops.
+    """
+    e = check_edges(edges)
+    extent = completion_extent(samples)
+    kept = max(1, sum(1 for lo in e if lo < extent))
+    return _bucket_table(samples, lambda ls: position_index(ls, e), position_labels(e)[:kept], categories)
 
 
 def cycle_table(samples: Sequence[Any], n_buckets: int = DEFAULT_CYCLE_BUCKETS,

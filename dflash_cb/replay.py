@@ -20,8 +20,8 @@ import torch
 class SampleBounds:
     """Where the loop runs for one cached sample.
 
-    ``loop_end`` is the reference loop's ``end`` (prompt_len + max_new_tokens) and sets the tail
-    block lengths; ``known_end`` is the cached ``valid_len``: tokens at or past it are unknown or off
+    ``loop_end`` is the reference loop's ``end`` (prompt_len + max_new_tokens): it cuts each cycle's
+    ``produced`` and, under ``tail_blocks="reference"``, shortens the last blocks; ``known_end`` is the cached ``valid_len``: tokens at or past it are unknown or off
     the target's greedy path and never count as a match.
     """
 
@@ -44,6 +44,26 @@ def sample_bounds(prompt_len: int, total_len: int, valid_len: int, max_new_token
         return SampleBounds(prompt_len, full_end, total_len)
     # Off the greedy path (or cut short for another reason): score up to valid_len only.
     return SampleBounds(prompt_len, min(full_end, valid_len), valid_len)
+
+
+# How long a cycle's draft block is near the end of the loop (docs/method.md, "Tail blocks"):
+# "served" drafts a full block every cycle and cuts what verification accepts, as SGLang's DFlash
+# worker does; "reference" shortens the block to the tokens left, as dflash's ``dflash_generate``.
+# Only bidirectional drafter layers see the difference (a shorter block changes their earlier drafts).
+TAIL_BLOCKS = ("served", "reference")
+
+
+def check_tail_blocks(tail_blocks: str) -> str:
+    if tail_blocks not in TAIL_BLOCKS:
+        raise ValueError(f"tail_blocks={tail_blocks!r}: expected one of {', '.join(TAIL_BLOCKS)}")
+    return tail_blocks
+
+
+def block_lengths(loop_end: torch.Tensor, anchors: torch.Tensor, block_size: int, tail_blocks: str) -> torch.Tensor:
+    """[A] drafted block length (anchor included) of a cycle at each anchor under ``tail_blocks``."""
+    if tail_blocks == "served":
+        return torch.full_like(anchors, block_size)
+    return torch.clamp(loop_end - anchors, max=block_size)
 
 
 def leading_matches(draft: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

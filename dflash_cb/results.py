@@ -19,6 +19,7 @@ import math
 import os
 import shlex
 import tempfile
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -73,8 +74,14 @@ class SampleRecord:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SampleRecord:
-        return cls(str(d["id"]), str(d.get("category", "")), [int(x) for x in d["acceptance_lengths"]],
-                   {int(b): [int(x) for x in v] for b, v in (d.get("ddtree") or {}).items()})
+        if not isinstance(d, dict):
+            raise ValueError(f"a sample entry is a {type(d).__name__}, expected an object")
+        dd = d.get("ddtree") or {}
+        if not isinstance(dd, dict):
+            raise ValueError(f"sample {d.get('id')!r}: 'ddtree' is a {type(dd).__name__}; expected "
+                             "{budget: [acceptance lengths]}")
+        return cls(str(d["id"]), str(d.get("category", "")), _lengths(d["acceptance_lengths"], d.get("id")),
+                   {_budget(b, d.get("id")): _lengths(v, d.get("id"), f"ddtree {b!r}") for b, v in dd.items()})
 
 
 @dataclass
@@ -141,20 +148,63 @@ class Results:
             raise ResultsError(f"{where}: not a dflash-cb results file (format {_get(data, 'format')!r}); "
                                "produce it with tools/eval_drafter.py")
         version = data.get("version")
+        res = None
         try:
             if version == 1:
-                return _from_v1(data)
-            if version == RESULTS_VERSION:
-                return cls(dict(data.get("metrics") or {}),
-                           [SampleRecord.from_dict(s) for s in data.get("samples") or []],
-                           dict(data.get("per_depth") or {}), dict(data.get("histogram") or {}),
-                           dict(data.get("meta") or {}), dict(data.get("breakdown") or {}),
-                           dict(data.get("notes") or {}))
+                res = _from_v1(data)
+            elif version == RESULTS_VERSION:
+                res = cls(dict(data.get("metrics") or {}),
+                          [SampleRecord.from_dict(s) for s in data.get("samples") or []],
+                          dict(data.get("per_depth") or {}), dict(data.get("histogram") or {}),
+                          dict(data.get("meta") or {}), dict(data.get("breakdown") or {}),
+                          dict(data.get("notes") or {}))
+            block_size = res.block_size if res is not None else None
         except (KeyError, TypeError, ValueError) as e:
-            raise ResultsError(f"{where}: damaged results file ({type(e).__name__}: {e}); rerun "
+            what = f"missing field {e}" if isinstance(e, KeyError) else str(e)
+            raise ResultsError(f"{where}: damaged results file ({what}); rerun "
                                "tools/eval_drafter.py to write it again") from e
+        if res is not None:
+            check_samples(res.samples, block_size, where)
+            return res
         raise ResultsError(f"{where}: results version {version!r} is not known to dflash-cb {__version__} "
                            f"(it reads 1 and {RESULTS_VERSION}); upgrade dflash-cb or rerun tools/eval_drafter.py")
+
+
+def _lengths(values: Any, sample: Any, what: str = "acceptance_lengths") -> list[int]:
+    if not isinstance(values, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in values):
+        raise ValueError(f"sample {sample!r}: {what} must be a list of integers, got {str(values)[:60]}")
+    return list(values)
+
+
+def _budget(key: Any, sample: Any) -> int:
+    try:
+        b = int(key)
+    except (TypeError, ValueError):
+        raise ValueError(f"sample {sample!r}: ddtree budget {key!r} is not an integer") from None
+    if b < 1:
+        raise ValueError(f"sample {sample!r}: ddtree budget {key!r} is not positive")
+    return b
+
+
+def check_samples(samples: list[SampleRecord], block_size: int | None, where: str) -> None:
+    """Each sample once, and every acceptance length a cycle can produce (``1..block_size``).
+
+    A sample id twice would make any reader keep one copy silently (and move a comparison); a
+    length outside the range cannot come from a replay and would make every figure wrong.
+    """
+    dup = sorted(i for i, n in Counter(s.id for s in samples).items() if n > 1)
+    if dup:
+        raise ResultsError(f"{where}: sample id(s) {dup[:5]}{' ...' if len(dup) > 5 else ''} appear more than once "
+                           "(a results file scores each sample once): rerun tools/eval_drafter.py to write it again")
+    hi = block_size if block_size and block_size >= 1 else None
+    for s in samples:
+        for what, lens in (("acceptance_lengths", s.acceptance_lengths),
+                           *((f"ddtree budget {b}", v) for b, v in sorted(s.ddtree.items()))):
+            bad = [x for x in lens if x < 1 or (hi is not None and x > hi)]
+            if bad:
+                rng = f"1..{hi} (block_size)" if hi is not None else ">= 1"
+                raise ResultsError(f"{where}: sample {s.id!r}: {what} holds {bad[:3]}, outside {rng}: not lengths "
+                                   "a replay produces; rerun tools/eval_drafter.py to write the file again")
 
 
 def _get(data: Any, key: str) -> Any:
@@ -169,8 +219,9 @@ def _from_v1(data: dict[str, Any]) -> Results:
     """Version 1: tau etc. at top level and under ``metrics``, DDTree lengths in a separate list."""
     dd = {int(b): {s["id"]: s["acceptance_lengths"] for s in d.get("samples") or []}
           for b, d in (data.get("ddtree") or {}).items()}
-    samples = [SampleRecord(str(s["id"]), str(s.get("category", "")), [int(x) for x in s["acceptance_lengths"]],
-                            {b: list(v.get(s["id"], [])) for b, v in dd.items()}) for s in data.get("samples") or []]
+    samples = [SampleRecord(str(s["id"]), str(s.get("category", "")), _lengths(s["acceptance_lengths"], s["id"]),
+                            {b: _lengths(list(v.get(s["id"], [])), s["id"], f"ddtree {b}") for b, v in dd.items()})
+               for s in data.get("samples") or []]
     notes = {T1_TAU_ESTIMATE: T1_NOTE} if data.get("t1_tau_estimate") else {}
     return Results(dict(data.get("metrics") or {}), samples, dict(data.get("per_depth") or {}),
                    dict(data.get("histogram") or {}), dict(data.get("meta") or {}), {}, notes)
@@ -226,6 +277,7 @@ def report_to_results(report: EvalReport, cache: StateCache, meta: dict[str, Any
             "wall_time_s": round(report.wall_time_s, 3),
             "samples_evaluated": len(report.samples),
             ANCHOR_STRIDE: report.anchor_stride,
+            "tail_blocks": report.tail_blocks,  # replay.TAIL_BLOCKS; docs/method.md, "Tail blocks"
             ANCHORS_DRAFTED: int(counts.data["anchors_drafted"].item()),
             ANCHORS_NEEDED: int(counts.data["anchors_needed"].item()),
             **(meta or {}),
@@ -247,18 +299,18 @@ def drafter_provenance(path: str | os.PathLike, global_step: int | None = None) 
 
 # -- files ---------------------------------------------------------------------------------
 
-def check_results_path(path: str | os.PathLike) -> Path:
-    """Fail now, not after the evaluation, when ``path`` cannot receive a results file.
+def check_results_path(path: str | os.PathLike, option: str = "--out", example: str = "results.json") -> Path:
+    """Fail now, not after the evaluation, when ``path`` cannot receive an output file (``option`` names it).
 
     Creates the missing parent folders and writes (then removes) a probe file next to ``path``.
     """
     path = Path(path)
     if path.is_dir():
-        raise ResultsError(f"--out {path}: is a folder; give a file path, e.g. {path / 'results.json'}")
+        raise ResultsError(f"{option} {path}: is a folder; give a file path, e.g. {path / example}")
     for parent in path.parents:
         if parent.exists():
             if not parent.is_dir():
-                raise ResultsError(f"--out {path}: {parent} is a file, not a folder; choose another path")
+                raise ResultsError(f"{option} {path}: {parent} is a file, not a folder; choose another path")
             break
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -266,7 +318,7 @@ def check_results_path(path: str | os.PathLike) -> Path:
         os.close(fd)
         os.unlink(probe)
     except OSError as e:
-        raise ResultsError(f"--out {path}: cannot write there ({describe_os_error(e)})") from None
+        raise ResultsError(f"{option} {path}: cannot write there ({describe_os_error(e)})") from None
     return path
 
 

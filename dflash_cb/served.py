@@ -16,6 +16,19 @@ accepted drafts and the bonus token to the output one at a time, stopping at a s
 prefill and belongs to no round**. The replay's tau counts only the tokens committed by rounds,
 so the served tau in our convention is ``(completion_tokens - 1) / spec_verify_ct``, and the
 integers that must agree are the round counts: ``spec_verify_ct`` == the replay's cycles.
+
+Per round SGLang also counts the correct drafts (``spec_num_correct_drafts``, and the histogram
+``spec_correct_drafts_histogram``: entry k = rounds with k correct drafts) before the round's
+output is cut at a stop token or ``max_new_tokens``. The replay (``tail_blocks="served"``, full
+blocks as the server drafts) counts the same leading matches per cycle (``SampleResult.correct_drafts``)
+as far as the cache knows the target's tokens; only a last round whose matches reach the end of
+the completion can have matched more on the server (a "censored" round, checked as a lower bound).
+
+Which samples count (one rule, :func:`comparability`, for the check and the callback's served
+baseline): a sample has counters (``spec_verify_ct`` > 0), was never retracted
+(``num_retractions`` = 0: a retracted request keeps counting rounds across the retraction), the
+CPU prefill agrees with the served completion over its whole length, and the counters are
+possible (no more rounds than committed tokens, a histogram that adds up).
 """
 
 from __future__ import annotations
@@ -31,6 +44,10 @@ from .errors import DFlashCBError
 SPEC_PREFIX = "spec_"
 VERIFY_CT = "spec_verify_ct"
 ACCEPT_LENGTH = "spec_accept_length"
+CORRECT_DRAFTS = "spec_num_correct_drafts"
+HISTOGRAM = "spec_correct_drafts_histogram"
+RETRACTIONS = "num_retractions"  # meta_info, beside the spec_* fields: kept with them
+MASK_EMBEDDING_FILE = "mask_embedding.pt"  # in the draft folder: SGLang overrides the mask token's embedding
 # /get_server_info (the server's arguments) -> the names kept in the manifest header.
 _SERVER_SPEC_KEYS = {
     "speculative_algorithm": "algorithm",
@@ -39,6 +56,8 @@ _SERVER_SPEC_KEYS = {
     "speculative_num_draft_tokens": "num_draft_tokens",
     "speculative_eagle_topk": "topk",
     "speculative_num_steps": "num_steps",
+    "speculative_draft_window_size": "draft_window_size",
+    "page_size": "page_size",
 }
 CONVENTION = ("SGLang: spec_accept_length = completion_tokens / spec_verify_ct, counting the prefill's first "
               "token and every round's bonus token; served tau here = (completion_tokens - 1) / spec_verify_ct, "
@@ -64,7 +83,8 @@ def _json_safe(value: Any) -> bool:
 
 
 def served_counters(meta_info: Mapping[str, Any] | None) -> dict[str, Any] | None:
-    """Every ``spec_*`` field of a ``/generate`` answer's ``meta_info`` (sorted), or None when there is none.
+    """Every ``spec_*`` field of a ``/generate`` answer's ``meta_info`` (sorted), with ``num_retractions``
+    when the answer has spec fields, or None when there is none.
 
     Names are kept as the server sends them (they changed between SGLang versions), values that are
     not JSON-safe (NaN, objects) are dropped. A non-speculative server sends none, and so does a
@@ -75,11 +95,15 @@ def served_counters(meta_info: Mapping[str, Any] | None) -> dict[str, Any] | Non
         return None
     kept = {str(k): (list(v) if isinstance(v, tuple) else v) for k, v in meta_info.items()
             if isinstance(k, str) and k.startswith(SPEC_PREFIX) and _json_safe(v)}
+    if kept and _json_safe(meta_info.get(RETRACTIONS)) and RETRACTIONS in meta_info:
+        kept[RETRACTIONS] = meta_info[RETRACTIONS]
     return {k: kept[k] for k in sorted(kept)} or None
 
 
 def server_spec_config(server_info: Mapping[str, Any] | None) -> dict[str, Any] | None:
-    """The speculative part of ``/get_server_info``: algorithm, draft model, draft tokens, topk, steps.
+    """The speculative part of ``/get_server_info``: algorithm, draft model, draft tokens, topk, steps,
+    the draft window size and the page size, and what the served draft folder says when it is
+    readable from here (:func:`draft_folder_settings`).
 
     None when the server reports none of it (an old server, or one without that endpoint). The
     algorithm is None (or ``"NONE"`` on some versions) when the server does not speculate.
@@ -88,7 +112,28 @@ def server_spec_config(server_info: Mapping[str, Any] | None) -> dict[str, Any] 
         return None
     out = {name: server_info[key] for key, name in _SERVER_SPEC_KEYS.items()
            if key in server_info and _json_safe(server_info[key])}
+    folder = draft_folder_settings(out.get("draft_model_path"))
+    if folder is not None:
+        out["draft_folder"] = folder
     return out or None
+
+
+def draft_folder_settings(path: Any) -> dict[str, Any] | None:
+    """``{"mask_embedding": bool, "input_embedding_scale": float | None}`` of a draft folder readable
+    here (the precompute often runs beside the server), else None (a hub id, another machine)."""
+    if not isinstance(path, str) or not path or not os.path.isdir(path):
+        return None
+    import json
+
+    scale = None
+    try:
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+            cfg = json.load(f)
+        raw = cfg.get("input_embedding_scale", (cfg.get("dflash_config") or {}).get("input_embedding_scale"))
+        scale = float(raw) if isinstance(raw, (int, float)) and not isinstance(raw, bool) else None
+    except (OSError, ValueError, AttributeError):
+        pass
+    return {"mask_embedding": os.path.isfile(os.path.join(path, MASK_EMBEDDING_FILE)), "input_embedding_scale": scale}
 
 
 # -- the convention -------------------------------------------------------------------------------
@@ -130,7 +175,126 @@ def convention_of(counters: Mapping[str, Any], completion_tokens: int) -> str:
     return "unknown"
 
 
+# -- which samples count (the check and the callback's served baseline) ---------------------------
+
+SKIPPED = "skipped"  # nothing to compare, or counters that do not describe the replayed path
+FLAGGED = "flagged"  # counters that cannot be: reported as such, never as a difference
+
+
+def histogram_of(counts: Sequence[int]) -> list[int]:
+    """Per-round counts -> SGLang's histogram layout: entry k = rounds with k (empty when no round)."""
+    out = [0] * (max(counts) + 1) if counts else []
+    for k in counts:
+        out[k] += 1
+    return out
+
+
+def _trim(hist: Sequence[int]) -> list[int]:
+    out = [int(v) for v in hist]
+    while out and out[-1] == 0:
+        out.pop()
+    return out
+
+
+def _whole(v: Any) -> int | None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v != int(v) or v < 0:
+        return None
+    return int(v)
+
+
+def impossible_counters(counters: Mapping[str, Any], completion_tokens: int) -> str | None:
+    """Why these counters cannot describe a served request, or None. Every round commits at least one
+    token (so rounds <= completion_tokens - 1, served tau >= 1); the histogram has one entry per round
+    and its weighted total is the correct-draft count; a round commits at most its correct drafts + 1."""
+    rounds = verify_rounds(counters)
+    if rounds is None:
+        return None
+    committed = completion_tokens - 1
+    if rounds > committed:
+        return (f"{rounds} rounds for {committed} tokens committed by rounds (served tau "
+                f"{committed / rounds:.3f} < 1): every round commits at least one token")
+    correct = counters.get(CORRECT_DRAFTS)
+    hist = counters.get(HISTOGRAM)
+    if hist is not None:
+        if not isinstance(hist, list) or any(_whole(v) is None for v in hist):
+            return f"{HISTOGRAM} = {hist!r}: expected a list of counts"
+        if sum(hist) != rounds:
+            return f"{HISTOGRAM} counts {sum(hist)} rounds, {VERIFY_CT} = {rounds}"
+        if correct is not None and sum(k * v for k, v in enumerate(hist)) != correct:
+            return (f"{HISTOGRAM} adds up to {sum(k * v for k, v in enumerate(hist))} correct drafts, "
+                    f"{CORRECT_DRAFTS} = {correct!r}")
+    if correct is not None:
+        c = _whole(correct)
+        if c is None:
+            return f"{CORRECT_DRAFTS} = {correct!r}: expected a whole number"
+        if committed > c + rounds:
+            return (f"{committed} tokens committed by {rounds} rounds with {c} correct drafts: a round commits at "
+                    "most its correct drafts + 1")
+    return None
+
+
+def comparability(entry: Any) -> tuple[str, str] | None:
+    """None when the sample's served counters are comparable with the replay, else ``(kind, reason)``
+    (kind SKIPPED or FLAGGED). The one definition of "samples whose served counters count", used by
+    ``--served-check`` (:func:`compare`) and the callback's served baseline (:func:`served_tau`)."""
+    counters = getattr(entry, "served_spec", None) or {}
+    if verify_rounds(counters) is None:
+        return SKIPPED, ("no served counters (the server sends none for a request without a verification "
+                         "round, e.g. a completion of one token, or it was not speculating)")
+    retractions = counters.get(RETRACTIONS)
+    if isinstance(retractions, (int, float)) and not isinstance(retractions, bool) and retractions > 0:
+        return SKIPPED, (f"retracted {retractions:g} time(s) on the server (num_retractions): SGLang keeps "
+                         "counting rounds across a retraction, so its counters do not describe one loop")
+    if entry.valid_len < entry.total_len:
+        return SKIPPED, (f"the CPU prefill disagrees with the served completion at completion offset "
+                         f"{entry.valid_len - entry.prompt_len}: the replay stops there, the counters do not")
+    why = impossible_counters(counters, entry.completion_len)
+    if why is not None:
+        return FLAGGED, f"counters that cannot be: {why}"
+    return None
+
+
+def comparable_entries(entries: Sequence[Any], sample_ids: Sequence[str] | None = None) -> list[Any]:
+    wanted = set(sample_ids) if sample_ids is not None else None
+    return [e for e in entries if (wanted is None or e.id in wanted) and comparability(e) is None]
+
+
+# -- settings that make the server's drafts differ from the replay --------------------------------
+
+def incomparable_settings(server: Mapping[str, Any] | None, longest_context: int,
+                          drafter_input_embedding_scale: float = 1.0,
+                          drafter_path: str | os.PathLike | None = None) -> list[str]:
+    """One line per recorded server setting under which the server drafts differently from the replay
+    (SGLang 0.5.23's DFlash worker; docs/method.md, "Tail blocks" and "Check against the server")."""
+    server = server or {}
+    out = []
+    window = server.get("draft_window_size")
+    if isinstance(window, int) and not isinstance(window, bool) and window > 0 and longest_context > window:
+        page = server.get("page_size")
+        extra = (f"; with page size {page} up to {page - 1} more tokens stay visible"
+                 if isinstance(page, int) and page > 1 else "")
+        out.append(f"--speculative-draft-window-size {window}: the server drafts from the last {window} context "
+                   f"tokens only{extra}; the replay sees all of them, and samples reach {longest_context} "
+                   "tokens: drafts there can differ")
+    folder = server.get("draft_folder") or {}
+    local = draft_folder_settings(str(drafter_path)) if drafter_path is not None else None
+    if folder.get("mask_embedding") or (local or {}).get("mask_embedding"):
+        out.append(f"{MASK_EMBEDDING_FILE} in the draft folder: the server replaces the mask token's embedding row "
+                   "with it, the replay uses the target's row: every draft can differ")
+    scales = {float(drafter_input_embedding_scale)}
+    if isinstance(folder.get("input_embedding_scale"), (int, float)):
+        scales.add(float(folder["input_embedding_scale"]))
+    odd = sorted(x for x in scales if x != 1.0)
+    if odd:
+        out.append(f"input_embedding_scale {odd[0]:g}: the server ignores it (block embeddings unscaled), the replay "
+                   "scales them: every draft can differ")
+    return out
+
+
 # -- the comparison -------------------------------------------------------------------------------
+
+EQUAL, CENSORED, DIFFERS = "equal", "equal_censored", "differs"
+
 
 @dataclass
 class SampleCheck:
@@ -142,10 +306,32 @@ class SampleCheck:
     served_tau: float
     served_accept_length: float | None  # as the server reported it (its convention)
     convention: str
+    offline_correct_drafts: int | None = None  # None: the replay's per-cycle counts were not given
+    served_correct_drafts: int | None = None
+    offline_histogram: list[int] | None = None
+    served_histogram: list[int] | None = None
+    # EQUAL; CENSORED (equal, the last round's count a lower bound that the server's meets); DIFFERS;
+    # None when either side has no histogram
+    histogram: str | None = None
 
     @property
     def equal(self) -> bool:
         return self.offline_rounds == self.served_rounds
+
+
+def histogram_status(correct: Sequence[int], censored: bool, served: Sequence[int]) -> str:
+    """Offline per-cycle correct drafts against the server's histogram. ``censored``: the last cycle's
+    matches reached the end of the known completion, so the server may have counted more there."""
+    if _trim(histogram_of(correct)) == _trim(served):
+        return EQUAL
+    if censored and correct:
+        rest = histogram_of(correct[:-1])
+        left = [int(v) for v in served] + [0] * max(0, len(rest) - len(served))
+        for k, v in enumerate(rest):
+            left[k] -= v
+        if min(left, default=0) >= 0 and sum(left) == 1 and left.index(1) >= correct[-1]:
+            return CENSORED
+    return DIFFERS
 
 
 @dataclass
@@ -155,6 +341,12 @@ class ServedCheck:
     server: dict[str, Any] | None
     warnings: list[str] = field(default_factory=list)
     convention: str = CONVENTION
+    flagged: dict[str, str] = field(default_factory=dict)  # sample id -> why its counters cannot be
+    not_comparable: list[str] = field(default_factory=list)  # server settings that change the drafts
+
+    @property
+    def comparable(self) -> bool:
+        return not self.not_comparable
 
     @property
     def equal_rounds(self) -> int:
@@ -169,13 +361,21 @@ class ServedCheck:
         srv_tokens = sum(x.served_tau * x.served_rounds for x in s)
         both = [x for x in s if x.offline_tau is not None]
         diffs = [abs(x.offline_tau - x.served_tau) for x in both]
+        hist = [x for x in s if x.histogram is not None]
         interval = self.paired_interval()
         return {
+            "comparable": self.comparable,
             "samples_compared": len(s),
             "samples_equal_rounds": self.equal_rounds,
+            "samples_with_histogram": len(hist),
+            "samples_equal_histogram": sum(x.histogram in (EQUAL, CENSORED) for x in hist),
+            "samples_histogram_censored": sum(x.histogram == CENSORED for x in hist),
             "samples_skipped": len(self.skipped),
+            "samples_flagged": len(self.flagged),
             "offline_rounds": off_rounds,
             "served_rounds": srv_rounds,
+            "offline_correct_drafts": sum(x.offline_correct_drafts or 0 for x in hist),
+            "served_correct_drafts": sum(x.served_correct_drafts or 0 for x in hist),
             "offline_tau": round(off_tokens / off_rounds, 6) if off_rounds else None,
             "served_tau": round(srv_tokens / srv_rounds, 6) if srv_rounds else None,
             "mean_abs_tau_diff": round(sum(diffs) / len(diffs), 6) if diffs else None,
@@ -201,7 +401,8 @@ class ServedCheck:
 
     def to_dict(self) -> dict[str, Any]:
         return {"summary": self.summary(), "convention": self.convention, "server": self.server,
-                "warnings": list(self.warnings), "skipped": dict(self.skipped),
+                "warnings": list(self.warnings), "not_comparable": list(self.not_comparable),
+                "skipped": dict(self.skipped), "flagged": dict(self.flagged),
                 "samples": [{**asdict(x), "equal": x.equal} for x in self.samples]}
 
 
@@ -216,36 +417,64 @@ def nothing_to_compare(cache_path: str | os.PathLike) -> ServedCheckError:
         "(sglang.launch_server ... --speculative-algorithm DFLASH --speculative-draft-model-path <drafter>)")
 
 
-def compare(entries: Sequence[Any], offline: Mapping[str, Sequence[int]], server: Mapping[str, Any] | None = None,
-            drafter_block_size: int | None = None, drafter_path: str | None = None) -> ServedCheck:
-    """Compare the replay (``offline``: sample id -> acceptance_lengths) with each entry's ``served_spec``.
+def nothing_selected(cache_path: str | os.PathLike, selected: Sequence[Any]) -> ServedCheckError | None:
+    """The error when none of the selected samples has comparable counters (:func:`comparability`), else None."""
+    if not selected or comparable_entries(selected):
+        return None
+    reasons = sorted({why[1].split(":")[0].split(" (")[0] for why in map(comparability, selected) if why})
+    return ServedCheckError(
+        f"{cache_path}: none of the {len(selected)} selected sample(s) has served counters to compare "
+        f"({'; '.join(reasons)}); select samples that do (--sample-ids / --samples), or drop --served-check")
 
-    A sample is compared only when it has counters and the CPU prefill agrees with the served
-    completion over its whole length (``valid_len == total_len``): the server's counters cover the
-    whole completion, a cut replay does not. Skipped samples are listed with the reason.
+
+def compare(entries: Sequence[Any], offline: Mapping[str, Sequence[int]], server: Mapping[str, Any] | None = None,
+            drafter_block_size: int | None = None, drafter_path: str | None = None,
+            correct_drafts: Mapping[str, Sequence[int]] | None = None,
+            drafter_input_embedding_scale: float = 1.0) -> ServedCheck:
+    """Compare the replay (``offline``: sample id -> acceptance_lengths; ``correct_drafts``: sample id ->
+    correct drafts per cycle, from a ``tail_blocks="served"`` replay) with each entry's ``served_spec``.
+
+    Only samples that pass :func:`comparability` are compared; the others are listed as skipped or
+    flagged with the reason. When a recorded server setting makes the server's drafts differ from
+    the replay (:func:`incomparable_settings`) the check says so once and is marked not comparable.
     """
     checks: list[SampleCheck] = []
     skipped: dict[str, str] = {}
+    flagged: dict[str, str] = {}
+    longest = 0
     for e in entries:
         if e.id not in offline:
             continue
-        counters = e.served_spec or {}
-        if verify_rounds(counters) is None:
-            skipped[e.id] = ("no served counters (the server sends none for a request without a verification "
-                             "round, e.g. a completion of one token, or it was not speculating)")
+        why = comparability(e)
+        if why is not None:
+            (skipped if why[0] == SKIPPED else flagged)[e.id] = why[1]
             continue
-        if e.valid_len < e.total_len:
-            skipped[e.id] = (f"the CPU prefill disagrees with the served completion at completion offset "
-                             f"{e.valid_len - e.prompt_len}: the replay stops there, the counters do not")
-            continue
+        counters = e.served_spec
+        longest = max(longest, e.total_len - 1)  # the last anchor's context: every position before it
         rounds, tau = served_rounds_and_tau(counters, e.completion_len)
         lengths = list(offline[e.id])
         length = counters.get(ACCEPT_LENGTH)
-        checks.append(SampleCheck(
+        check = SampleCheck(
             id=e.id, category=e.category, offline_rounds=len(lengths), served_rounds=rounds,
             offline_tau=sum(lengths) / len(lengths) if lengths else None, served_tau=tau,
             served_accept_length=float(length) if isinstance(length, (int, float)) else None,
-            convention=convention_of(counters, e.completion_len)))
+            convention=convention_of(counters, e.completion_len))
+        correct = None if correct_drafts is None else correct_drafts.get(e.id)
+        if correct is not None:
+            correct = [int(k) for k in correct]
+            check.offline_correct_drafts = sum(correct)
+            check.offline_histogram = histogram_of(correct)
+            served_correct = counters.get(CORRECT_DRAFTS)
+            check.served_correct_drafts = _whole(served_correct)
+            hist = counters.get(HISTOGRAM)
+            if isinstance(hist, list):
+                check.served_histogram = [int(v) for v in hist]
+                # The last cycle matched up to the last known token: the server may have matched more.
+                last_anchor = e.prompt_len + sum(lengths[:-1])
+                censored = bool(correct) and (drafter_block_size is None or correct[-1] < drafter_block_size - 1) \
+                    and last_anchor + correct[-1] + 1 >= e.total_len
+                check.histogram = histogram_status(correct, censored, check.served_histogram)
+        checks.append(check)
     warnings = []
     n_draft = (server or {}).get("num_draft_tokens")
     if drafter_block_size is not None and isinstance(n_draft, int) and n_draft != drafter_block_size:
@@ -262,7 +491,10 @@ def compare(entries: Sequence[Any], offline: Mapping[str, Sequence[int]], server
     if odd:
         warnings.append(f"some samples' spec_accept_length does not fit completion_tokens / spec_verify_ct "
                         f"(conventions seen: {odd}); the round counts are still compared")
-    return ServedCheck(checks, skipped, dict(server) if server else None, warnings)
+    settings = incomparable_settings(server, longest, drafter_input_embedding_scale, drafter_path)
+    warnings += [f"not comparable: {w}" for w in settings]
+    return ServedCheck(checks, skipped, dict(server) if server else None, warnings, flagged=flagged,
+                       not_comparable=settings)
 
 
 def format_check(check: ServedCheck, max_rows: int = 40) -> str:
@@ -276,26 +508,37 @@ def format_check(check: ServedCheck, max_rows: int = 40) -> str:
              f"  convention: {check.convention}"]
     if check.server:
         lines.append("  server: " + ", ".join(f"{k}={v}" for k, v in check.server.items()))
+    if not check.comparable:
+        lines.append("  NOT COMPARABLE: a recorded server setting changes the server's drafts (below); "
+                     "differences are expected, not mismatches")
     lines.append(f"  samples compared {s['samples_compared']}, equal round counts {s['samples_equal_rounds']}"
-                 f"/{s['samples_compared']}, skipped {s['samples_skipped']}")
+                 f"/{s['samples_compared']}, skipped {s['samples_skipped']}, flagged {s['samples_flagged']}")
+    if s["samples_with_histogram"]:
+        lines.append(f"  correct-draft histograms equal {s['samples_equal_histogram']}/{s['samples_with_histogram']}"
+                     f" ({s['samples_histogram_censored']} with a censored last round); correct drafts offline "
+                     f"{s['offline_correct_drafts']}, served {s['served_correct_drafts']}")
     lines.append(f"  rounds offline {s['offline_rounds']}, served {s['served_rounds']}; pooled tau offline "
                  f"{f(s['offline_tau'])}, served {f(s['served_tau'])}; mean |tau diff| per sample "
                  f"{f(s['mean_abs_tau_diff'])}")
-    if s["tau_diff_interval"] is not None:
+    if s["tau_diff_interval"] is not None and check.comparable:
         d, lo, hi = s["tau_diff_interval"]
         lines.append(f"  served - offline tau {d:+.3f}, paired 95% interval [{lo:+.3f}, {hi:+.3f}]")
     for w in check.warnings:
         lines.append(f"  warning: {w}")
-    rows = sorted(check.samples, key=lambda x: (x.equal, x.id))
+    rows = sorted(check.samples, key=lambda x: (x.equal and x.histogram != DIFFERS, x.id))
     if rows:
         lines.append(f"  {'sample':<16} {'rounds off':>10} {'served':>7} {'tau off':>8} {'served':>7}  "
                      "server accept_length")
     for x in rows[:max_rows]:
-        mark = "" if x.equal else "  <- differs"
+        mark = "" if x.equal and x.histogram != DIFFERS else ("  <- differs" if check.comparable else "  (differs)")
+        if x.histogram == DIFFERS:
+            mark += f" (histogram offline {x.offline_histogram}, served {x.served_histogram})"
         lines.append(f"  {x.id:<16} {x.offline_rounds:>10} {x.served_rounds:>7} {f(x.offline_tau):>8} "
                      f"{f(x.served_tau):>7}  {f(x.served_accept_length)}{mark}")
     if len(rows) > max_rows:
         lines.append(f"  ... {len(rows) - max_rows} more in the results file")
+    for sid, why in list(check.flagged.items())[:10]:
+        lines.append(f"  flagged {sid}: {why}")
     for sid, why in list(check.skipped.items())[:10]:
         lines.append(f"  skipped {sid}: {why}")
     if len(check.skipped) > 10:
@@ -306,16 +549,11 @@ def format_check(check: ServedCheck, max_rows: int = 40) -> str:
 # -- the served drafter as a baseline (callback) ------------------------------------------------------
 
 def served_tau(entries: Sequence[Any], sample_ids: Sequence[str] | None = None) -> tuple[float, int, int] | None:
-    """Pooled served tau (replay's convention) over the entries with counters: (tau, rounds, samples), or None."""
-    wanted = set(sample_ids) if sample_ids is not None else None
+    """Pooled served tau (replay's convention) over the comparable entries (:func:`comparability`, the
+    samples ``--served-check`` compares): (tau, rounds, samples), or None."""
     rounds = tokens = n = 0
-    for e in entries:
-        if wanted is not None and e.id not in wanted:
-            continue
-        counters = e.served_spec or {}
-        if verify_rounds(counters) is None:
-            continue
-        r, _ = served_rounds_and_tau(counters, e.completion_len)
+    for e in comparable_entries(entries, sample_ids):
+        r, _ = served_rounds_and_tau(e.served_spec, e.completion_len)
         rounds += r
         tokens += e.completion_len - 1
         n += 1

@@ -437,6 +437,7 @@ def test_evaluation_profiles():
     custom = DFlashEvalCallback(states="x", periodic_ddtree_budgets=[8, 4], periodic_anchor_stride=4)
     custom._spec = cb._spec
     assert custom._profile("step") == (False, (4, 8), 4)
-    for bad in ({"periodic_anchor_stride": 0}, {"full_every_n_evals": -1}, {"periodic_ddtree_budgets": [0]}):
+    for bad in ({"periodic_anchor_stride": 0}, {"full_every_n_evals": -1}, {"periodic_ddtree_budgets": [0]},
+                {"tail_blocks": "short"}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             DFlashEvalCallback(states="x", **bad)

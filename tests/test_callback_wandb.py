@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import struct
 import time
 from pathlib import Path
 
@@ -25,35 +24,10 @@ BUDGETS = [4, 8]
 
 
 def wandb_records(run_dir: Path) -> list:
-    """Records of an offline run's ``.wandb`` file (LevelDB-style log: 32 KiB blocks, 7-byte headers)."""
-    from wandb.proto import wandb_internal_pb2 as pb
+    """Records of an offline run's ``.wandb`` file (``dflash_cb.wandb_offline``, also used by the panels tool)."""
+    from dflash_cb.wandb_offline import offline_records
 
-    data = next(Path(run_dir).glob("run-*.wandb")).read_bytes()
-    assert data[:4] == b":W&B"
-    pos, block, out, buf = 7, 32768, [], b""
-    while pos + 7 <= len(data):
-        left = block - pos % block
-        if left < 7:
-            pos += left
-            continue
-        _crc, n, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        pos += 7
-        if kind == 0:  # zero padding up to the block end
-            pos += left - 7
-            continue
-        if pos + n > len(data):  # the writer is still busy with this record
-            break
-        chunk, pos = data[pos:pos + n], pos + n
-        if kind == 1:
-            out.append(chunk)
-        elif kind == 2:
-            buf = chunk
-        elif kind == 3:
-            buf += chunk
-        elif kind == 4:
-            out.append(buf + chunk)
-            buf = b""
-    return [pb.Record.FromString(r) for r in out]
+    return offline_records(run_dir)
 
 
 def finished_records(run_dir: Path, timeout: float = 30.0) -> list:
@@ -67,15 +41,12 @@ def finished_records(run_dir: Path, timeout: float = 30.0) -> list:
 
 
 def history_and_summary(run_dir: Path) -> tuple[list[dict], dict, list]:
-    history, summary, metrics = [], {}, []
-    for r in finished_records(run_dir):
-        kind = r.WhichOneof("record_type")
-        if kind == "history":
-            history.append({(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in r.history.item})
-        elif kind == "summary":
-            summary.update({(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in r.summary.update})
-        elif kind == "metric":
-            metrics.append((r.metric.name or r.metric.glob_name, r.metric.step_metric))
+    from dflash_cb.wandb_offline import offline_history
+
+    records = finished_records(run_dir)  # waits for the exit record: the log is complete
+    history, summary = offline_history(run_dir)
+    metrics = [(r.metric.name or r.metric.glob_name, r.metric.step_metric) for r in records
+               if r.WhichOneof("record_type") == "metric"]
     return history, summary, metrics
 
 

@@ -133,3 +133,117 @@ def test_delta_tau_of_the_live_drafter_against_a_baseline(two_results, tiny_cach
     assert out["baseline/zlab/delta_tau"] == pytest.approx(expected)
     assert out["baseline/zlab/delta_tau_ci_low"] <= out["baseline/zlab/delta_tau"] <= out["baseline/zlab/delta_tau_ci_high"]
     assert delta_metrics(base.samples, [base])["baseline/zlab/delta_tau_ci_high"] == 0.0
+
+
+def _edited(src: Path, dst: Path, edit) -> Path:
+    """A copy of a results.json with ``edit(data)`` applied (a damaged or hand-edited file)."""
+    data = json.loads(src.read_text())
+    edit(data)
+    dst.write_text(json.dumps(data))
+    return dst
+
+
+def _one_line_refusal(capsys, out: Path, *args: str) -> str:
+    code, _, err = _run_here(capsys, *args, "--out", str(out))
+    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+    assert not out.with_suffix(".md").exists() and not out.with_suffix(".png").exists()
+    return err
+
+
+def test_a_sample_id_twice_in_one_file_is_refused_naming_it(two_results, tmp_path, capsys):
+    """Issue 17 item 5: the last copy used to replace the first silently (and the difference moved)."""
+    a, b = two_results
+
+    def twice(d):
+        d["samples"].append({**d["samples"][-1], "acceptance_lengths": [1] * 5})
+
+    dup = _edited(b, tmp_path / "dup.json", twice)
+    err = _one_line_refusal(capsys, tmp_path / "cmp", str(a), str(dup))
+    first_id = json.loads(dup.read_text())["samples"][-1]["id"]
+    assert str(dup) in err and repr(first_id) in err and "more than once" in err
+    with pytest.raises(ValueError, match="more than once"):  # every reader of results files refuses it
+        load_results(dup)
+
+
+def test_impossible_lengths_and_malformed_ddtree_entries_are_one_line(two_results, tmp_path, capsys):
+    """Issue 17 item 8: acceptance lengths outside 1..block_size, a malformed per-sample ``ddtree``."""
+    a, b = two_results
+    block = load_results(b).block_size
+    cases = {
+        "zero": (lambda d: d["samples"][0].__setitem__("acceptance_lengths", [0, 2]), "outside 1.."),
+        "long": (lambda d: d["samples"][1].__setitem__("acceptance_lengths", [block + 1]), f"outside 1..{block}"),
+        "ddlong": (lambda d: d["samples"][1]["ddtree"].__setitem__("4", [block + 3]), "ddtree budget 4 holds"),
+        "ddlist": (lambda d: d["samples"][0].__setitem__("ddtree", [1, 2]), "'ddtree' is a list"),
+        "ddkey": (lambda d: d["samples"][0].__setitem__("ddtree", {"b4": [1]}), "budget 'b4' is not an integer"),
+        "ddvals": (lambda d: d["samples"][0].__setitem__("ddtree", {"4": 3}), "must be a list of integers"),
+        "text": (lambda d: d["samples"][0].__setitem__("acceptance_lengths", ["x"]), "must be a list of integers"),
+    }
+    for name, (edit, needle) in cases.items():
+        bad = _edited(b, tmp_path / f"{name}.json", edit)
+        err = _one_line_refusal(capsys, tmp_path / "cmp", str(a), str(bad))
+        assert str(bad) in err and needle in err and "tools/eval_drafter.py" in err, (name, err)
+
+
+def test_few_resamples_still_write_the_markdown_and_the_plot(two_results, tmp_path, capsys):
+    """Issue 17 item 8: --resamples 1, 2, 5 crashed in matplotlib and no .md was written."""
+    a, b = two_results
+    for n in (1, 2, 5):
+        out = tmp_path / f"r{n}"
+        code, _, err = _run_here(capsys, str(a), str(b), "--resamples", str(n), "--out", str(out))
+        assert code == 0, err
+        assert "## Drafter comparison" in out.with_suffix(".md").read_text()
+        assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_labels_out_hashes_and_categories_are_checked(two_results, tmp_path, capsys):
+    """Issue 17 item 15."""
+    a, b = two_results
+    out = tmp_path / "cmp"
+    assert "given more than once" in _one_line_refusal(capsys, out, str(a), str(b), "--labels", "x,x")
+    assert "name 2 is blank" in _one_line_refusal(capsys, out, str(a), str(b), "--labels", "x, ")
+    assert "name 1 is blank" in _one_line_refusal(capsys, out, str(a), str(b), "--labels", ",y")
+    a_file = tmp_path / "plain"
+    a_file.write_text("not a folder")
+    err = _one_line_refusal(capsys, a_file / "cmp", str(a), str(b))
+    assert f"{a_file} is a file, not a folder" in err and a_file.read_text() == "not a folder"
+
+    def no_hash(d):
+        d["meta"].pop("cache_manifest_sha256")
+
+    na, nb = _edited(a, tmp_path / "na.json", no_hash), _edited(b, tmp_path / "nb.json", no_hash)
+    err = _one_line_refusal(capsys, out, str(na), str(nb))
+    assert "na, nb: no cache manifest hash" in err and "--states" in err
+
+    def recategorise(d):
+        d["samples"][2]["category"] = "elsewhere"
+
+    moved = _edited(b, tmp_path / "moved.json", recategorise)
+    sid = json.loads(moved.read_text())["samples"][2]["id"]
+    err = _one_line_refusal(capsys, out, str(a), str(moved))
+    assert f"{sid!r}: 'elsewhere' in moved" in err and "not describe the same prompts" in err
+
+
+def test_position_buckets_stop_where_the_completions_stop(two_results, tmp_path, capsys):
+    """Issue 17 item 19: buckets past the longest completion printed rows of ``n/a (0 cycles)``."""
+    from dflash_cb.compare import live_metrics
+    from dflash_cb.report import format_results
+
+    a, b = two_results
+    res = load_results(a)
+    longest = max(sum(s.acceptance_lengths) for s in res.samples)
+    assert 0 < longest <= 256  # the tiny cache: every anchor in the first default bucket [0, 256)
+    code, out, err = _run_here(capsys, str(a), str(b), "--out", str(tmp_path / "cmp"), "--resamples", "50")
+    assert code == 0, err
+    assert "| 0_256 |" in out and "256_512" not in out and "2048_plus" not in out and "n/a (0)" not in out
+    text = format_results(res)  # the console report of tools/eval_drafter.py
+    assert "0_256" in text and "256_512" not in text and "(0 cycles)" not in text
+    assert list(res.breakdown["position"]) == ["0_256"]
+    assert not [k for k in res.metrics if k.startswith("position/") and "0_256" not in k]
+    live = live_metrics(res.samples, res.budgets, res.categories, n_resamples=50)  # what the callback logs
+    assert live["position/0_256/cycles"] == sum(len(s.acceptance_lengths) for s in res.samples)
+    assert not [k for k in live if k.startswith("position/") and "0_256" not in k]
+    # Edges within the data keep every bucket up to the one holding the last anchor.
+    cut = longest // 2
+    edges = (0, cut, longest, longest + 5)
+    t = live_metrics(res.samples, [], [], position_edges=edges, n_resamples=20)
+    assert f"position/{cut}_{longest}/cycles" in t and f"position/{longest}_{longest + 5}/cycles" not in t

@@ -1,4 +1,6 @@
-"""Exactness against the ground truth: the reference ``dflash.model.dflash_generate`` loop.
+"""Exactness against the ground truth: the reference ``dflash.model.dflash_generate`` loop
+(``tail_blocks="reference"``) and an independent full-block loop (``tail_blocks="served"``,
+tests/full_block_loop.py).
 
 A tiny Qwen3 target and a briefly trained drafter (so acceptance is neither trivially 1 nor
 trivially full) run the real speculative loop; the same prompts go through our precompute tool
@@ -47,6 +49,7 @@ def _precompute(target: Path, prompts: Path, out: Path, layers: list[int]) -> Pa
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory):
+    from full_block_loop import full_block_generate
     from tiny_target import random_prompts, save_tiny_qwen3, train_briefly, write_prompts
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -69,21 +72,23 @@ def setup(tmp_path_factory: pytest.TempPathFactory):
     orig = dm._cuda_time
     dm._cuda_time = time.perf_counter
     try:
-        oracle = {}
+        oracle, full = {}, {}
         for e in cache.samples:
             prompt = cache.load(e.id).input_ids[: e.prompt_len][None]
             st = dm.dflash_generate(ref, target, prompt, MAX_NEW, m.stop_token_ids, return_stats=True)
             oracle[e.id] = list(st.acceptance_lengths)
+            full[e.id] = full_block_generate(ref, target, prompt[0].tolist(), MAX_NEW, m.stop_token_ids, LAYERS,
+                                             BLOCK, cfg["dflash_config"]["mask_token_id"])
     finally:
         dm._cuda_time = orig
     return dict(root=root, target_dir=target_dir, prompts=prompts, cache=cache, ours=ours, ref=ref, oracle=oracle,
-                cfg=cfg)
+                cfg=cfg, full=full, target=target)
 
 
 def test_engine_matches_dflash_generate(setup) -> None:
     from dflash_cb.engine import evaluate
 
-    rep = evaluate(setup["cache"], setup["ours"], budgets=(4, 16))
+    rep = evaluate(setup["cache"], setup["ours"], budgets=(4, 16), tail_blocks="reference")
     got = {s.id: s.acceptance_lengths for s in rep.samples}
     assert got == setup["oracle"]
     lengths = [n for v in got.values() for n in v]
@@ -91,7 +96,8 @@ def test_engine_matches_dflash_generate(setup) -> None:
     assert any(n > 1 for n in lengths) and any(n == 1 for n in lengths)
     assert 1.0 < rep.tau < BLOCK
     # Reference class in memory (adopted zero-copy) and the generic one-call-per-anchor path agree too.
-    assert {s.id: s.acceptance_lengths for s in evaluate(setup["cache"], setup["ref"], budgets=()).samples} == got
+    assert {s.id: s.acceptance_lengths
+            for s in evaluate(setup["cache"], setup["ref"], budgets=(), tail_blocks="reference").samples} == got
 
 
 def test_eval_tool_matches_oracle(setup, tmp_path: Path) -> None:
@@ -101,7 +107,8 @@ def test_eval_tool_matches_oracle(setup, tmp_path: Path) -> None:
     setup["ours"].save_pretrained(tmp_path / "drafter")
     out = tmp_path / "results.json"
     assert eval_drafter.main(["--states", str(setup["cache"].path), "--drafter", str(tmp_path / "drafter"),
-                              "--out", str(out), "--ddtree-budgets", "4,16", "--dtype", "float32"]) == 0
+                              "--out", str(out), "--ddtree-budgets", "4,16", "--dtype", "float32",
+                              "--tail-blocks", "reference"]) == 0
     res = load_results(out)
     assert {s.id: s.acceptance_lengths for s in res.samples} == setup["oracle"]
     cycles = [n for v in setup["oracle"].values() for n in v]
@@ -110,7 +117,7 @@ def test_eval_tool_matches_oracle(setup, tmp_path: Path) -> None:
     assert res.budgets == [4, 16]
     # Cost accounting: a full evaluation drafts every anchor once, no more.
     meta = res.meta
-    assert meta["anchor_stride"] == 1
+    assert meta["anchor_stride"] == 1 and meta["tail_blocks"] == "reference"
     assert meta["anchors_drafted"] == meta["anchors_needed"] > sum(map(len, setup["oracle"].values()))
     # A bigger tree never accepts less on the same cycle structure start.
     assert res.metric("ddtree/tau_b16") >= res.metric("ddtree/tau_b4") - 1e-9
@@ -122,7 +129,7 @@ def test_generic_runner_matches(setup) -> None:
 
     runner = ReferenceRunner(setup["ref"], DrafterSpec.from_config(setup["ref"].config))
     sub = [e.id for e in setup["cache"].samples[:3]]
-    rep = evaluate(setup["cache"], runner, budgets=(), sample_ids=sub, device="cpu")
+    rep = evaluate(setup["cache"], runner, budgets=(), sample_ids=sub, device="cpu", tail_blocks="reference")
     assert {s.id: s.acceptance_lengths for s in rep.samples} == {k: setup["oracle"][k] for k in sub}
 
 
@@ -151,7 +158,7 @@ def test_temperature_one_estimate_with_stored_topk(setup) -> None:
     assert main(["--target", str(setup["target_dir"]), "--prompts", str(setup["prompts"]), "--out", str(out),
                  "--layers", ",".join(map(str, LAYERS)), "--reference", "local", "--dtype", "float32",
                  "--max-new-tokens", str(MAX_NEW), "--topk-logprobs", "8", "--no-progress"]) == 0
-    rep = evaluate(StateCache(out), setup["ours"], budgets=())
+    rep = evaluate(StateCache(out), setup["ours"], budgets=(), tail_blocks="reference")
     assert {s.id: s.acceptance_lengths for s in rep.samples} == setup["oracle"]
     est = rep.summary[T1_TAU_ESTIMATE]
     assert 1.0 <= est <= BLOCK
@@ -174,9 +181,11 @@ def test_overlap_is_sum_of_min_p_q() -> None:
     assert torch.allclose(out.topk_logprobs, torch.topk(torch.log(q), 3, -1).values, atol=1e-5)
 
 
-def test_disagreement_truncates_scoring(setup, tmp_path: Path) -> None:
+@pytest.mark.parametrize("tail_blocks", ["reference", "served"])
+def test_disagreement_truncates_scoring(setup, tmp_path: Path, tail_blocks: str) -> None:
     """valid_len cuts scoring: a sample off the greedy path at its first token scores no cycle,
-    one cut mid-way scores only the cycles before the cut; the others are unchanged."""
+    one cut mid-way scores only the cycles before the cut; the others are unchanged (under either
+    tail convention, against its own oracle)."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -206,11 +215,52 @@ def test_disagreement_truncates_scoring(setup, tmp_path: Path) -> None:
     disagree_at(first, first["prompt_len"])
     disagree_at(second, second["prompt_len"] + 7)
     (dst / MANIFEST_NAME).write_text(json.dumps(manifest))
-    rep = evaluate(StateCache(dst), setup["ours"], budgets=(4,))
+    rep = evaluate(StateCache(dst), setup["ours"], budgets=(4,), tail_blocks=tail_blocks)
+    oracle = setup["oracle"] if tail_blocks == "reference" else {k: v.acceptance_lengths
+                                                                 for k, v in setup["full"].items()}
     got = {s.id: s for s in rep.samples}
     assert got[first["id"]].acceptance_lengths == [] and got[first["id"]].ddtree[4] == []
     cut = got[second["id"]].acceptance_lengths
-    assert sum(cut) <= 7 - 1 and cut == setup["oracle"][second["id"]][: len(cut)][:-1] + cut[-1:]
-    for sid, lengths in setup["oracle"].items():
+    assert sum(cut) <= 7 - 1 and cut == oracle[second["id"]][: len(cut)][:-1] + cut[-1:]
+    for sid, lengths in oracle.items():
         if sid not in (first["id"], second["id"]):
             assert got[sid].acceptance_lengths == lengths
+
+
+def test_served_tail_blocks_match_a_full_block_loop(setup) -> None:
+    """``tail_blocks="served"`` (the default) reproduces a loop that drafts a full block every cycle
+    and cuts after verification, cycle for cycle, with the sliding-window layer in the drafter; the
+    correct-draft counts agree wherever the cache knows the target's tokens (the loop's last cycle
+    may match past the end of the completion, which the cache cannot see)."""
+    from dflash_cb.engine import evaluate
+
+    rep = evaluate(setup["cache"], setup["ours"], budgets=(4,), keep_drafts=MAX_NEW)
+    assert rep.tail_blocks == "served"
+    for s in rep.samples:
+        want = setup["full"][s.id]
+        assert s.acceptance_lengths == want.acceptance_lengths
+        assert s.correct_drafts[:-1] == want.correct_drafts[:-1] and s.correct_drafts[-1] <= want.correct_drafts[-1]
+        assert s.drafts == want.drafts  # every cycle's block, the tail ones included
+    reached = [e.id for e in setup["cache"].samples if e.completion_len == MAX_NEW]
+    assert reached  # samples that reach max_new_tokens: where the conventions part
+    # The shortened tail blocks of the reference convention draft other tokens (the first drafter
+    # layer is bidirectional), so the two conventions are different loops on this drafter.
+    ref = evaluate(setup["cache"], setup["ours"], budgets=(), keep_drafts=MAX_NEW, tail_blocks="reference")
+    changed = [s.id for s, r in zip(rep.samples, ref.samples, strict=True)
+               if any(a[: len(b)] != b for a, b in zip(s.drafts, r.drafts, strict=False))]
+    assert changed and set(changed) <= set(reached)
+
+
+def test_tail_blocks_do_not_matter_for_causal_layers(setup) -> None:
+    """With every drafter layer causal (sliding window), a shorter block cannot change earlier drafts."""
+    from dflash_cb.engine import evaluate
+    from dflash_cb.model import DFlashDrafter
+
+    cfg = dict(setup["cfg"], layer_types=["sliding_attention", "sliding_attention"], sliding_window=64)
+    causal = DFlashDrafter.from_config_dict(cfg).eval()
+    causal.load_state_dict(setup["ours"].state_dict())
+    served = evaluate(setup["cache"], causal, budgets=(), tail_blocks="served")
+    reference = evaluate(setup["cache"], causal, budgets=(), tail_blocks="reference")
+    assert [s.acceptance_lengths for s in served.samples] == [s.acceptance_lengths for s in reference.samples]
+    with pytest.raises(ValueError, match="tail_blocks='short'"):
+        evaluate(setup["cache"], causal, budgets=(), tail_blocks="short")

@@ -145,3 +145,99 @@ def test_panels_tool_dry_run_builds_the_view_without_network(capsys):
     assert "dflash_eval/baseline/z-lab_drafter/delta_tau_ci_high" in keys and "dflash_eval/acceptance/depth_05" in keys
     assert run(main, ["--entity", "e", "--project", "p", "--position-edges", "3,1", "--dry-run"]) == 2
     assert "position edges must start at 0" in capsys.readouterr().err
+
+
+def _ddtree_panel(plan: dict) -> tuple[str, ...]:
+    (spec,) = [p for p in plan["Headline"] if p.title.startswith("DDTree tau per budget")]
+    return spec.keys
+
+
+def test_panels_show_what_the_light_and_full_profiles_log(offline_run, tiny_drafter_config):
+    """Issue 17 item 18: light evaluations log only the largest budget; the others are full/ keys."""
+    history, cb = offline_run["history"], offline_run["cb"]
+    evals = [h for h in history if "dflash_eval/tau" in h]
+    full = [h for h in evals if "dflash_eval/full/tau" in h]
+    assert cb.periodic_ddtree_budgets == (8,) and full and len(full) < len(evals)  # both profiles ran
+    layout = _layout(cb, tiny_drafter_config["block_size"])  # what a user passes: the callback's configuration
+    keys = _ddtree_panel(panel_plan(layout))
+    assert "dflash_eval/ddtree/tau_b8" in keys and "dflash_eval/full/ddtree/tau_b4" in keys
+    assert "dflash_eval/ddtree/tau_b4" not in keys  # a point at the full evaluations only, unmarked
+    for k in keys:  # every series has a point at every evaluation of its profile
+        for h in (full if "/full/" in k else evals):
+            assert k in h, (k, h["trainer/global_step"])
+    # References: no DDTree key the layout cannot know was logged; from the run's keys, exactly those logged.
+    assert not [k for k in keys if "/baseline/" in k or "/published/" in k]
+    logged = set().union(*history)
+    rows_layout = layout_from_keys(logged | set(offline_run["summary"]), periodic_budgets=[8])
+    keys = _ddtree_panel(panel_plan(rows_layout))
+    assert {"dflash_eval/baseline/zlab/ddtree/tau_b4", "dflash_eval/published/paper-x/ddtree/tau_b8"} <= set(keys)
+    assert set(keys) <= logged
+    # The served baseline: its tau, never a paired delta (it has no per-sample lengths).
+    served = layout_from_keys(logged | {"dflash_eval/baseline/served/tau"})
+    refs = referenced_keys(panel_plan(served))["line"]
+    assert served.served and "baseline/served" not in served.baselines
+    assert "dflash_eval/baseline/served/tau" in refs and not [k for k in refs if "served/delta" in k]
+    assert not [k for k in referenced_keys(panel_plan(layout))["line"] if "/served/" in k]
+
+
+def test_panels_tool_warns_about_panels_the_run_never_logged(offline_run, capsys):
+    """Issue 17 item 16: --run (here a local offline run folder: no network) checks the layout against its keys."""
+    from dflash_cb.cli import run
+    from dflash_cb.panels import main
+
+    args = ["--entity", "e", "--project", "p", "--run", str(offline_run["run_dir"]), "--dry-run"]
+    assert run(main, args) == 0
+    out = capsys.readouterr()
+    assert out.err == "", out.err
+    plan = json.loads(out.out)
+    logged = set().union(*offline_run["history"]) | set(offline_run["summary"])
+    shown = {k for panels in plan.values() for p in panels if p["kind"] == "line" for k in p["keys"]}
+    assert "dflash_eval/full/ddtree/tau_b4" in shown and "dflash_eval/ddtree/tau_b4" not in shown
+    nan_everywhere = {"dflash_eval/" + k for k, v in offline_run["cb"].history[-1].items() if v != v}
+    assert shown <= logged | nan_everywhere, sorted(shown - logged - nan_everywhere)
+    assert run(main, [*args, "--prefix", "eval/"]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith("warning: ") and "logged none of the panels' keys under --prefix 'eval/'" in err
+    assert run(main, ["--entity", "e", "--project", "p", "--block-size", "1", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --block-size 1:") and err.count("\n") == 1
+    assert run(main, ["--entity", "e", "--project", "p", "--run", str(offline_run["run_dir"] / "files"),
+                      "--dry-run"]) == 2
+    assert "no run-*.wandb file" in capsys.readouterr().err
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:  # bound then closed: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_panels_tool_without_login_network_or_a_valid_url_is_one_line(tmp_path, monkeypatch, capsys):
+    """Issue 17 item 8: no W&B login, no network, a malformed --url: one line, exit 2 (only 127.0.0.1 is dialled)."""
+    from dflash_cb.cli import run
+    from dflash_cb.panels import main
+
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc: no login
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{_closed_port()}")
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+    base = ["--entity", "e", "--project", "p", "--budgets", "4,8"]
+
+    def one_line(*extra: str) -> str:
+        assert run(main, [*base, *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1, err
+        return err
+
+    for extra in ((), ("--run", "abc123"), ("--url", "https://wandb.ai/e/p?nw=abc")):
+        err = one_line(*extra)
+        assert "wandb login" in err and "--dry-run" in err, (extra, err)
+    for url in ("not-a-url", "https://wandb.ai/e", "https://wandb.ai/e/p?nw=nwuserme", "https://wandb.ai/e/p"):
+        assert f"--url {url!r}: not a saved workspace view" in one_line("--url", url)
+    assert "drop one of the two" in one_line("--url", "https://wandb.ai/e/p?nw=abc", "--report")
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)  # a key, but nothing answers at WANDB_BASE_URL
+    err = one_line()
+    assert "saving the view failed" in err and "WANDB_BASE_URL" in err

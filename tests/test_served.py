@@ -1,10 +1,13 @@
 """The server's own speculative counters next to the offline replay (``--served-check``).
 
 A real HTTP server on 127.0.0.1 speaks SGLang's native API and answers every ``/generate`` by
-running the reference speculative loop, ``dflash.model.dflash_generate``, with a tiny target and a
-briefly trained drafter; its ``spec_verify_ct`` / ``spec_accept_length`` follow SGLang's
-definitions (rounds; ``completion_tokens / spec_verify_ct``). The precompute records them, the
-replay of the same drafter must count the same rounds on every sample, another drafter must not.
+running a speculative loop that drafts full blocks and cuts after verification, as SGLang's DFlash
+worker does (tests/full_block_loop.py, with the reference ``dflash.model.DFlashDraftModel``), with a
+tiny target and a briefly trained drafter; its ``spec_verify_ct`` / ``spec_accept_length`` /
+``spec_num_correct_drafts`` / ``spec_correct_drafts_histogram`` / ``num_retractions`` follow SGLang's
+definitions (rounds; ``completion_tokens / spec_verify_ct``; correct drafts per round before the
+cut). The precompute records them, the replay of the same drafter must count the same rounds and
+the same histogram on every sample, another drafter must not.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Any
 import local_http
 import pytest
 import torch
+from full_block_loop import full_block_generate
 from local_http import JSONHandler
 from processes import sigkill_when
 
@@ -81,13 +85,8 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     ref = dm.DFlashDraftModel(Qwen3Config(**cfg)).eval()
     ref.load_state_dict(served.state_dict())
     target = Qwen3ForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    orig = dm._cuda_time
-    dm._cuda_time = time.perf_counter  # dflash_generate times itself with CUDA events
-    try:
-        yield dict(root=root, target_dir=target_dir, prompts=prompts, ref=ref, target=target,
-                   stop=m.stop_token_ids, drafter=root / "drafter-served", other=root / "drafter-other")
-    finally:
-        dm._cuda_time = orig
+    yield dict(root=root, target_dir=target_dir, prompts=prompts, ref=ref, target=target, mask=m.vocab_size - 1,
+               stop=m.stop_token_ids, drafter=root / "drafter-served", other=root / "drafter-other")
 
 
 class SpecServer:
@@ -100,7 +99,11 @@ class SpecServer:
         self.info: str = "ok"  # "ok" | "missing" (404, an older server) | "garbage" (not JSON)
         self.lock = threading.Lock()
         self.calls: Counter[tuple[int, ...]] = Counter()
-        self.rounds: dict[tuple[int, ...], int] = {}  # what dflash_generate counted, per prompt
+        self.rounds: dict[tuple[int, ...], int] = {}  # what the loop counted, per prompt
+        self.window: int | None = None  # --speculative-draft-window-size (reported only)
+        self.retracted: set[tuple[int, ...]] = set()  # prompts retracted once (SGLang counts the round again)
+        self.impossible: set[tuple[int, ...]] = set()  # prompts answered with more rounds than tokens
+        self.bare: set[tuple[int, ...]] = set()  # prompts answered without counters
 
     def server_info(self) -> dict[str, Any]:
         spec = self.speculative
@@ -108,7 +111,8 @@ class SpecServer:
                 "speculative_algorithm": "DFLASH" if spec else None,
                 "speculative_draft_model_path": str(self.w["drafter"]) if spec else None,
                 "speculative_num_draft_tokens": BLOCK if spec else None,
-                "speculative_eagle_topk": 1 if spec else None, "speculative_num_steps": None}
+                "speculative_eagle_topk": 1 if spec else None, "speculative_num_steps": None,
+                "speculative_draft_window_size": self.window, "page_size": 1}
 
     def generate(self, body: dict[str, Any]) -> dict[str, Any]:
         sp = body["sampling_params"]
@@ -117,18 +121,28 @@ class SpecServer:
         with self.lock:
             self.calls[tuple(ids)] += 1
             time.sleep(self.delay)
-            st = dm.dflash_generate(self.w["ref"], self.w["target"], torch.tensor([ids]), sp["max_new_tokens"],
-                                    sp["stop_token_ids"], return_stats=True)
-        out = st.output_ids[0, len(ids):].tolist()
-        rounds = len(st.acceptance_lengths)
+            run = full_block_generate(self.w["ref"], self.w["target"], ids, sp["max_new_tokens"], sp["stop_token_ids"],
+                                      LAYERS, BLOCK, self.w["mask"])
+        out = run.output_ids
+        rounds = len(run.acceptance_lengths)
         self.rounds[tuple(ids)] = rounds
         meta: dict[str, Any] = {"finish_reason": {"type": "stop" if out[-1] in sp["stop_token_ids"] else "length"},
-                                "prompt_tokens": len(ids), "completion_tokens": len(out)}
-        if self.speculative and rounds > 0:  # SGLang writes the fields only after a verification round
-            correct = sum(n - 1 for n in st.acceptance_lengths)
+                                "prompt_tokens": len(ids), "completion_tokens": len(out), "num_retractions": 0}
+        hist = [0] * (max(run.correct_drafts, default=0) + 1)
+        for k in run.correct_drafts:
+            hist[k] += 1
+        if tuple(ids) in self.retracted:  # the retracted request ran one round again: SGLang counts both
+            meta["num_retractions"] = 1
+            rounds += 1
+            hist[0] += 1
+        if tuple(ids) in self.impossible:
+            rounds = len(out) + 3
+            hist[0] += rounds - sum(hist)
+        if self.speculative and rounds > 0 and tuple(ids) not in self.bare:  # only after a verification round
+            correct = sum(k * v for k, v in enumerate(hist))
             meta.update(spec_verify_ct=rounds, spec_accept_length=len(out) / rounds,
                         spec_num_correct_drafts=correct, spec_num_proposed_drafts=rounds * (BLOCK - 1),
-                        spec_accept_rate=correct / (rounds * (BLOCK - 1)), spec_accept_histogram=[1, 2])
+                        spec_accept_rate=correct / (rounds * (BLOCK - 1)), spec_correct_drafts_histogram=hist)
         return {"text": "", "output_ids": out, "meta_info": meta}
 
 
@@ -167,12 +181,16 @@ def _sglang_args(world: dict[str, Any], url: str, out: Path) -> list[str]:
             "--reference", "sglang", "--sglang-url", url, "--max-in-flight", "1"]
 
 
-def _eval(world: dict[str, Any], cache: Path, drafter: Path, out: Path) -> int:
+def _eval(world: dict[str, Any], cache: Path, drafter: Path, out: Path, *extra: str) -> int:
     from dflash_cb import eval_cli as eval_drafter  # the code behind tools/eval_drafter.py
     from dflash_cb.cli import run
 
     return run(eval_drafter.main, ["--states", str(cache), "--drafter", str(drafter), "--out", str(out),
-                                   "--ddtree-budgets", "", "--served-check"])
+                                   "--ddtree-budgets", "", "--served-check", *extra])
+
+
+def _prompt_keys(world: dict[str, Any]) -> list[tuple[int, ...]]:
+    return [tuple(json.loads(line)["input_ids"]) for line in world["prompts"].read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")
@@ -191,14 +209,18 @@ def test_precompute_records_the_served_counters(world, served_cache) -> None:
     cache = StateCache(served_cache["out"])
     m = cache.manifest
     assert m.served_spec_config == {"algorithm": "DFLASH", "draft_model_path": str(world["drafter"]),
-                                    "num_draft_tokens": BLOCK, "topk": 1, "num_steps": None}
+                                    "num_draft_tokens": BLOCK, "topk": 1, "num_steps": None,
+                                    "draft_window_size": None, "page_size": 1,
+                                    # the served draft folder is readable here: what it holds is recorded
+                                    "draft_folder": {"mask_embedding": False, "input_embedding_scale": None}}
     prompts = [json.loads(line)["input_ids"] for line in world["prompts"].read_text().splitlines()]
     assert len(m.samples) == N_PROMPTS
     for e, p in zip(m.samples, prompts, strict=True):
         assert e.served_spec is not None and e.served_spec["spec_verify_ct"] == served_cache["rounds"][tuple(p)]
         # every spec_* field is kept, whatever its name
         assert set(e.served_spec) == {"spec_verify_ct", "spec_accept_length", "spec_num_correct_drafts",
-                                      "spec_num_proposed_drafts", "spec_accept_rate", "spec_accept_histogram"}
+                                      "spec_num_proposed_drafts", "spec_accept_rate",
+                                      "spec_correct_drafts_histogram", "num_retractions"}
         assert e.served_spec["spec_accept_length"] == pytest.approx(e.completion_len / e.served_spec["spec_verify_ct"])
     journal = [json.loads(line) for line in (served_cache["out"] / JOURNAL_NAME).read_text().splitlines()]
     assert [j["served_spec"] for j in journal] == [e.served_spec for e in m.samples]
@@ -213,8 +235,13 @@ def test_served_check_same_drafter_equal_rounds(world, served_cache, tmp_path, c
     assert s["samples_compared"] == N_PROMPTS and s["samples_equal_rounds"] == N_PROMPTS and not check["skipped"]
     offline = {x.id: x.acceptance_lengths for x in res.samples}
     assert any(n > 1 for v in offline.values() for n in v)  # not a drafter that never gets a token right
+    # the correct-draft histograms agree sample by sample (a last round that matched to the end of the
+    # completion may have matched more on the server: equal as a lower bound)
+    assert s["samples_with_histogram"] == s["samples_equal_histogram"] == N_PROMPTS and s["comparable"]
+    assert s["offline_correct_drafts"] <= s["served_correct_drafts"]
     for x in check["samples"]:
         assert x["offline_rounds"] == x["served_rounds"] == len(offline[x["id"]])
+        assert x["histogram"] in ("equal", "equal_censored")
         assert x["convention"] == "with_prefill_token"
         assert x["served_tau"] == pytest.approx(x["offline_tau"])
     assert s["offline_tau"] == pytest.approx(res.tau) and s["served_tau"] == pytest.approx(res.tau)
@@ -222,6 +249,7 @@ def test_served_check_same_drafter_equal_rounds(world, served_cache, tmp_path, c
     assert s["tau_diff_interval"] == [0.0, 0.0, 0.0]
     text = capsys.readouterr().out
     assert f"equal round counts {N_PROMPTS}/{N_PROMPTS}" in text and "differs" not in text
+    assert f"correct-draft histograms equal {N_PROMPTS}/{N_PROMPTS}" in text
 
 
 def test_served_check_other_drafter_reports_the_difference(world, served_cache, tmp_path, capsys) -> None:
@@ -231,9 +259,17 @@ def test_served_check_other_drafter_reports_the_difference(world, served_cache, 
     s = check["summary"]
     assert s["samples_compared"] == N_PROMPTS and s["samples_equal_rounds"] < N_PROMPTS
     assert s["offline_tau"] < s["served_tau"] and s["mean_abs_tau_diff"] > 0
+    assert s["samples_equal_histogram"] < N_PROMPTS and s["offline_correct_drafts"] < s["served_correct_drafts"]
     assert any("not obviously the evaluated drafter" in w for w in check["warnings"])
     text = capsys.readouterr().out
     assert "<- differs" in text
+
+
+def test_served_check_refuses_reference_tail_blocks(world, served_cache, tmp_path, capsys) -> None:
+    capsys.readouterr()
+    assert _eval(world, served_cache["out"], world["drafter"], tmp_path / "r.json", "--tail-blocks", "reference") == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--tail-blocks served" in err and not (tmp_path / "r.json").exists()
 
 
 def test_server_without_counters(world, server, tmp_path, capsys) -> None:
@@ -391,6 +427,7 @@ def test_callback_logs_the_served_tau(world, served_cache, tmp_path) -> None:
                   if r.get("dflash_eval/baseline/served/tau")]
     assert logged and all(v == pytest.approx(want) for v in logged)
     assert any(b.label.endswith("(served, measured online)") for b in cb.reference)
+    assert cb._describe()["tail_blocks"] == "served"  # the run's logged config says which tail convention
 
 
 def test_server_info_is_optional(server) -> None:
@@ -415,3 +452,111 @@ def test_reused_journal_keeps_the_counters(world, served_cache, tmp_path) -> Non
     got = StateCache(out).manifest
     assert got.served_spec_config is None  # the file does not say which server it came from
     assert [e.served_spec for e in got.samples] == [e.served_spec for e in StateCache(served_cache["out"]).samples]
+
+
+def test_retracted_impossible_and_bare_samples(world, server, tmp_path, capsys) -> None:
+    """A retracted request is skipped with the reason, counters that cannot be are flagged (never a
+    difference), and a --sample-ids selection with no counters stops before the evaluation; the
+    callback's served baseline counts exactly the samples the check compares."""
+    from dflash_cb.baselines import load_served
+    from dflash_cb.states import StateCache
+
+    url, state = server
+    keys = _prompt_keys(world)
+    state.retracted, state.impossible, state.bare = {keys[0]}, {keys[1]}, {keys[2]}
+    out = tmp_path / "odd"
+    assert _precompute(*_sglang_args(world, url, out)) == 0
+    cache = StateCache(out)
+    ids = [f"p{i:03d}" for i in range(N_PROMPTS)]  # the prompt file's ids, in its order
+    spec = {e.id: e.served_spec for e in cache.samples}
+    assert spec[ids[0]]["num_retractions"] == 1 and spec[ids[3]]["num_retractions"] == 0 and spec[ids[2]] is None
+    capsys.readouterr()
+    assert _eval(world, out, world["drafter"], tmp_path / "bare.json", "--sample-ids", ids[2]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "none of the 1 selected" in err and "no served counters" in err
+    assert not (tmp_path / "bare.json").exists()
+    assert _eval(world, out, world["drafter"], tmp_path / "r.json") == 0
+    check = load_results(tmp_path / "r.json").breakdown["served_check"]
+    s = check["summary"]
+    assert "num_retractions" in check["skipped"][ids[0]] and "no served counters" in check["skipped"][ids[2]]
+    assert list(check["flagged"]) == [ids[1]] and "every round commits at least one token" in check["flagged"][ids[1]]
+    assert s["samples_compared"] == s["samples_equal_rounds"] == s["samples_equal_histogram"] == N_PROMPTS - 3
+    assert s["samples_flagged"] == 1 and s["samples_skipped"] == 2
+    text = capsys.readouterr().out
+    assert f"flagged {ids[1]}: counters that cannot be" in text and "differs" not in text
+    served = load_served(cache)
+    assert served is not None and served.details["samples"] == s["samples_compared"]
+    assert served.metrics["tau"] == pytest.approx(s["served_tau"])
+
+
+def test_draft_window_makes_the_check_not_comparable(world, server, tmp_path, capsys) -> None:
+    """A draft window shorter than the samples changes the server's drafts: one warning naming the
+    setting, the check marked not comparable, no mismatch reported."""
+    url, state = server
+    state.window = 4
+    out = tmp_path / "windowed"
+    assert _precompute(*_sglang_args(world, url, out)) == 0
+    capsys.readouterr()
+    assert _eval(world, out, world["other"], tmp_path / "r.json") == 0
+    check = load_results(tmp_path / "r.json").breakdown["served_check"]
+    assert check["server"]["draft_window_size"] == 4 and not check["summary"]["comparable"]
+    assert len(check["not_comparable"]) == 1 and "--speculative-draft-window-size 4" in check["not_comparable"][0]
+    assert sum("not comparable" in w for w in check["warnings"]) == 1
+    assert check["summary"]["samples_equal_rounds"] < N_PROMPTS  # the drafts differ, and that is not a mismatch
+    text = capsys.readouterr().out
+    assert "NOT COMPARABLE" in text and "<- differs" not in text and "paired 95% interval" not in text
+
+
+def test_served_definitions_pure(tmp_path) -> None:
+    from dflash_cb.served import (
+        CENSORED,
+        DIFFERS,
+        EQUAL,
+        draft_folder_settings,
+        histogram_of,
+        histogram_status,
+        impossible_counters,
+        incomparable_settings,
+    )
+
+    assert histogram_of([0, 2, 2, 1]) == [1, 1, 2] and histogram_of([]) == []
+    assert histogram_status([0, 2, 2, 1], False, [1, 1, 2, 0]) == EQUAL  # trailing zeros do not matter
+    # the last round matched up to the end of the completion: the server may have counted more there
+    assert histogram_status([0, 2, 2, 1], True, [1, 0, 2, 0, 1]) == CENSORED
+    assert histogram_status([0, 2, 2, 1], False, [1, 0, 2, 0, 1]) == DIFFERS
+    assert histogram_status([0, 2, 2, 3], True, [1, 0, 3]) == DIFFERS  # fewer than the replay saw: no
+    ok = {"spec_verify_ct": 3, "spec_num_correct_drafts": 4, "spec_correct_drafts_histogram": [1, 0, 2]}
+    assert impossible_counters(ok, 8) is None
+    assert "every round commits" in impossible_counters(ok, 3)
+    assert "counts 4 rounds" in impossible_counters({**ok, "spec_correct_drafts_histogram": [2, 0, 2]}, 8)
+    assert "adds up to 4" in impossible_counters({**ok, "spec_num_correct_drafts": 5}, 9)
+    assert "at most its correct drafts + 1" in impossible_counters(ok, 9)  # 8 tokens from 3 rounds, 4 correct
+    drafter = tmp_path / "drafter"
+    drafter.mkdir()
+    (drafter / "config.json").write_text(json.dumps({"dflash_config": {"input_embedding_scale": 2.0}}))
+    assert draft_folder_settings(str(drafter)) == {"mask_embedding": False, "input_embedding_scale": 2.0}
+    assert draft_folder_settings("org/a-hub-id") is None
+    (drafter / "mask_embedding.pt").write_bytes(b"")
+    got = incomparable_settings({"draft_folder": draft_folder_settings(str(drafter))}, 100)
+    assert len(got) == 2 and "mask_embedding.pt" in got[0] and "input_embedding_scale 2" in got[1]
+    assert incomparable_settings({"draft_window_size": 128, "page_size": 16}, 100) == []  # the window covers all
+    assert "page size 16" in incomparable_settings({"draft_window_size": 64, "page_size": 16}, 100)[0]
+    assert "input_embedding_scale 0.5" in incomparable_settings(None, 10, drafter_input_embedding_scale=0.5)[0]
+
+
+def test_one_definition_of_comparable_samples(served_cache) -> None:
+    """The callback's served baseline and --served-check count the same samples: a sample whose CPU
+    prefill left the served path (or that was retracted) is in neither."""
+    import dataclasses
+
+    from dflash_cb.served import compare, served_tau
+    from dflash_cb.states import StateCache
+
+    entries = StateCache(served_cache["out"]).samples
+    cut = dataclasses.replace(entries[0], valid_len=entries[0].prompt_len + 3)
+    retracted = dataclasses.replace(entries[1], served_spec={**entries[1].served_spec, "num_retractions": 2})
+    mixed = [cut, retracted, *entries[2:]]
+    check = compare(mixed, {e.id: [1] * e.served_spec["spec_verify_ct"] for e in entries})
+    tau, rounds, n = served_tau(mixed)
+    assert n == len(check.samples) == len(entries) - 2 and rounds == check.summary()["served_rounds"]
+    assert tau == pytest.approx(check.summary()["served_tau"])

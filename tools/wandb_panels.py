@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Create (or update) the dflash-cb W&B workspace view, or with --report a W&B Report.
 
-    python tools/wandb_panels.py --entity E --project P [--run RUN_ID | --budgets 16,32,64 --categories a,b ...]
+    python tools/wandb_panels.py --entity E --project P [--run RUN_ID | --run wandb/offline-run-... |
+                                                         --budgets 16,32,64 --categories a,b ...]
 
 Sections: Headline, Uncertainty, Per category, Per depth, By position, Cost, Samples. Needs
 ``pip install wandb-workspaces`` (the ``panels`` extra) and a W&B login for the final save.
