@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from processes import run_ranks
 from torch import nn
@@ -193,7 +194,7 @@ class DraftTraining(nn.Module):
 
 
 def hf_train(tmp_path: Path, cache: Path, cfg: dict, max_steps: int, every: int, resume: str | None = None,
-             **options: Any):
+             training_args: dict | None = None, **options: Any):
     from transformers import Trainer, TrainingArguments
 
     from dflash_cb import DFlashEvalTrainerCallback
@@ -204,7 +205,7 @@ def hf_train(tmp_path: Path, cache: Path, cfg: dict, max_steps: int, every: int,
     args = TrainingArguments(output_dir=str(tmp_path / "hf"), max_steps=max_steps, per_device_train_batch_size=2,
                              learning_rate=1e-2, lr_scheduler_type="constant", report_to="none", use_cpu=True,
                              save_strategy="steps", save_steps=every, logging_strategy="no", disable_tqdm=True,
-                             seed=0, remove_unused_columns=False, dataloader_num_workers=0)
+                             seed=0, remove_unused_columns=False, dataloader_num_workers=0, **(training_args or {}))
     trainer = Trainer(model=model, args=args, train_dataset=CachedStatesDataset(str(cache)),
                       data_collator=lambda batch: {"samples": batch})
     cb = DFlashEvalTrainerCallback(trainer, states=str(cache), every_n_train_steps=every, drafter="drafter",
@@ -253,6 +254,11 @@ def test_hf_trainer_resume_neither_repeats_nor_skips(tmp_path, tiny_cache, tiny_
     # The resumed Trainer's log history (restored from the checkpoint) has each step once.
     steps = [h["step"] for h in resumed.state.log_history if PREFIX + "tau" in h]
     assert steps == [0, 2, 4, 6, 8]
+    # transformers' own restore rebuilds callbacks from their JSON arguments, without the trainer: one clear line.
+    with pytest.raises(ValueError, match="leave that option False"):
+        hf_train(tmp_path, tiny_cache, tiny_drafter_config, max_steps=8, every=2, eval_on_fit_end=False,
+                 resume=str(tmp_path / "hf" / "checkpoint-4"),
+                 training_args={"restore_callback_states_from_checkpoint": True})
 
 
 # -- the README's snippets, one per loop ----------------------------------------------------------------
