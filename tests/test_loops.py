@@ -78,8 +78,9 @@ def plain_loop(cache: str, cfg: dict, steps: int, every: int, out: Path | None =
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
     step = 0
     logged: dict[int, dict[str, float]] = {}
+    sinks = [lambda metrics, s: logged.__setitem__(s, metrics), *([options.pop("log")] if "log" in options else [])]
     evaluator = LiveEvaluator(cache, every_n_train_steps=every, max_steps=steps, ddtree_budgets=BUDGETS,  # eval
-                              log=lambda metrics, s: logged.__setitem__(s, metrics), console=False, **options)
+                              log=sinks, console=False, **options)
     if state is not None:
         step = state["step"]
         drafter.load_state_dict(state["drafter"])
@@ -133,6 +134,28 @@ def test_plain_loop_resume_neither_repeats_nor_skips(tiny_cache, tiny_drafter_co
     # Restored history [0, 2, 4]; the resumed run evaluates 6 and 8 only (no start evaluation, no second 4).
     assert [h["step"] for h in resumed.history] == [0, 2, 4, 6, 8] and sorted(logged) == [6, 8]
     assert resumed.num_evals == 5
+
+
+def test_plain_loop_into_a_wandb_run_logs_todays_keys_table_and_chart(tmp_path, tiny_cache, tiny_drafter_config):
+    """``log=wandb.init(...)``: the scalars against trainer/global_step, the samples table, the histogram and
+    the per-depth chart, the best tau in the summary: what the Lightning callback's WandbLogger run holds."""
+    import wandb
+    from test_callback_wandb import history_and_summary
+
+    run = wandb.init(project="dflash-cb-test", name="plain", dir=str(tmp_path), mode="offline", reinit="create_new")
+    evaluator, _, _ = plain_loop(str(tiny_cache), tiny_drafter_config, steps=2, every=1, log=run, table_samples=2)
+    run_dir = Path(run.dir).parent
+    run.finish()
+    history, summary, defined = history_and_summary(run_dir)
+    assert ("dflash_eval/*", "trainer/global_step") in defined
+    evals = [h for h in history if PREFIX + "tau" in h]
+    assert [h["trainer/global_step"] for h in evals] == [0, 1, 2] == [h["step"] for h in evaluator.history]
+    assert [h[PREFIX + "tau"] for h in evals] == [h["tau"] for h in evaluator.history]
+    objects = [h for h in history if PREFIX + "sample_table/path" in h]
+    assert [h["trainer/global_step"] for h in objects] == [0, 1, 2]
+    assert all(h[PREFIX + "produced_hist/_type"] == "histogram" for h in objects)
+    assert all(PREFIX + "charts/acceptance_per_depth_table/path" in h for h in objects)
+    assert summary[PREFIX + "best/tau"] == max(h["tau"] for h in evaluator.history)
 
 
 # -- the plain loop under torch.distributed (2 gloo processes) -------------------------------------
