@@ -178,7 +178,7 @@ class DFlashEvalCallback(Callback):
         ev.setup(self._drafter(pl_module, required=False), pl_module)
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self.evaluator._spec is None:
+        if not self.evaluator.validated:
             # The model is wrapped by now: under FSDP, shapes are only right with whole parameters.
             with full_parameters(trainer):
                 self.evaluator.validate(self._drafter(pl_module), pl_module)

@@ -354,7 +354,7 @@ class LiveEvaluator:
     def _ready(self, drafter: nn.Module, model: Any) -> None:
         if self.cache is None:
             self.setup()
-        if self._spec is None:
+        if not self.validated:
             with self._gathered(drafter, model):  # under FSDP, shapes are only right with whole parameters
                 self.validate(drafter, model)
 
@@ -364,6 +364,11 @@ class LiveEvaluator:
         return full_parameters_of(model if isinstance(model, nn.Module) else drafter)
 
     # -- configuration ----------------------------------------------------------------------
+    @property
+    def validated(self) -> bool:
+        """Whether the drafter was checked against the cache (``validate``) since ``setup``."""
+        return self._spec is not None
+
     def validate(self, drafter: nn.Module, model: Any = None) -> None:
         """Cache vs drafter (and head) compatibility; raises CacheMismatchError naming every field."""
         assert self.cache is not None
