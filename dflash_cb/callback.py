@@ -41,7 +41,6 @@ import os
 import warnings
 from collections.abc import Callable, Sequence
 from operator import attrgetter
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -50,6 +49,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
+from . import arguments as check
 from .baselines import Baseline, baseline_scalars, load_measured, load_published, load_served
 from .compare import live_metrics
 from .distributed import full_parameters, sharding_kind
@@ -58,7 +58,7 @@ from .errors import DFlashCBError
 from .live_eval import RankedEvaluation, evaluate_across_ranks, score_untouched
 from .metrics import ANCHOR_STRIDE, EVAL_TIME, FAILED_EVALS, TAU, EvalCounts, per_depth, summarize
 from .model import DrafterSpec
-from .positions import DEFAULT_POSITION_EDGES, check_edges
+from .positions import DEFAULT_POSITION_EDGES
 from .report import evaluation_line
 from .states import CacheMismatchError, StateCache, TargetHead, select_sample_ids, stratified_ids
 from .wandb_logging import find_wandb_run, log_best, log_evaluation, make_decoder, sample_rows, start_live_run
@@ -171,24 +171,12 @@ class DFlashEvalCallback(Callback):
         console: bool = True,
     ) -> None:
         super().__init__()
-        # Only cheap argument checks here (no file access), so a LightningCLI config parses anywhere.
-        for name, value in (("every_n_train_steps", every_n_train_steps),
-                            ("max_failed_evaluations", max_failed_evaluations)):
-            if not _is_int(value) or value < 0:  # 0.5 must not silently become 0
-                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
-        budgets = tuple(sorted({int(b) for b in ddtree_budgets}))
-        if any(b < 1 for b in budgets):
-            raise ValueError(f"ddtree_budgets must be positive, got {list(ddtree_budgets)}")
-        periodic = tuple(sorted({int(b) for b in periodic_ddtree_budgets})) if periodic_ddtree_budgets is not None \
-            else budgets[-1:]
-        if any(b < 1 for b in periodic):
-            raise ValueError(f"periodic_ddtree_budgets must be positive, got {list(periodic_ddtree_budgets or [])}")
-        if periodic_anchor_stride is not None and periodic_anchor_stride < 1:
-            raise ValueError(f"periodic_anchor_stride must be >= 1 or None (block size), got {periodic_anchor_stride}")
-        if full_every_n_evals < 0:
-            raise ValueError(f"full_every_n_evals must be >= 0 (0 = only at fit end), got {full_every_n_evals}")
-        if num_samples is not None and (not _is_int(num_samples) or num_samples < 1):
-            raise ValueError(f"num_samples must be an integer >= 1 or None (all), got {num_samples!r}")
+        # Only cheap argument checks here (no file access), so a LightningCLI config parses anywhere;
+        # one rule (dflash_cb.arguments) for the callback and the tools, each error naming the argument.
+        budgets = tuple(sorted(set(check.int_list("ddtree_budgets", ddtree_budgets, 1, note="[] = no DDTree"))))
+        periodic = check.int_list("periodic_ddtree_budgets", periodic_ddtree_budgets, 1,
+                                  none="the largest of ddtree_budgets")
+        periodic = tuple(sorted(set(periodic))) if periodic is not None else budgets[-1:]
         if target_lm_head and not target_embed:
             raise ValueError("target_lm_head needs target_embed too (the block embeddings come from the target)")
         if autocast_dtype not in (None, "auto", *AUTOCAST_NAMES):
@@ -196,40 +184,44 @@ class DFlashEvalCallback(Callback):
                              f"got {autocast_dtype!r}")
         if not isinstance(drafter, str) and not callable(drafter):
             raise TypeError("drafter must be an attribute path (str) or a function taking the LightningModule")
-        self.states = str(states)
-        self.every_n_train_steps = int(every_n_train_steps)
+        self.states = check.file_path("states", states)
+        self.every_n_train_steps = check.int_at_least("every_n_train_steps", every_n_train_steps, 0,
+                                                      note="0 = no periodic evaluations")
         self.drafter = drafter
-        self.eval_on_fit_start = eval_on_fit_start
-        self.eval_on_fit_end = eval_on_fit_end
+        self.eval_on_fit_start = check.flag("eval_on_fit_start", eval_on_fit_start)
+        self.eval_on_fit_end = check.flag("eval_on_fit_end", eval_on_fit_end)
         self.target_embed = target_embed
         self.target_lm_head = target_lm_head
         self.ddtree_budgets = budgets
         self.periodic_ddtree_budgets = periodic
-        self.periodic_anchor_stride = periodic_anchor_stride
-        self.full_every_n_evals = int(full_every_n_evals)
+        self.periodic_anchor_stride = check.int_at_least("periodic_anchor_stride", periodic_anchor_stride, 1,
+                                                         none="the drafter's block size")
+        self.full_every_n_evals = check.int_at_least("full_every_n_evals", full_every_n_evals, 0,
+                                                     note="0 = only the fit-end evaluation is full")
         self.last_eval_full = False  # the last evaluation's profile (full: stride 1, every budget)
         self.last_eval_stride = 1
         self.last_eval_budgets = budgets
-        self.num_samples = num_samples
-        self.sample_ids = list(sample_ids) if sample_ids is not None else None
-        self.sample_seed = int(sample_seed)
+        self.num_samples = check.int_at_least("num_samples", num_samples, 1, none="every sample")
+        self.sample_ids = check.str_list("sample_ids", sample_ids, none="num_samples decides")
+        self.sample_seed = check.int_at_least("sample_seed", sample_seed, 0)
+        if not isinstance(prefix, str):
+            raise check.ArgumentError(f"prefix={prefix!r}: expected a string, e.g. 'dflash_eval/'")
         self.prefix = prefix
-        if isinstance(baselines, (str, os.PathLike)):
-            baselines = [baselines]
-        self.baselines = dict(baselines) if isinstance(baselines, dict) else (
-            {Path(p).stem: str(p) for p in baselines} if baselines else {})
-        self.published = str(published) if published else None
-        self.published_entries = list(published_entries) if published_entries is not None else None
-        self.fail_on_error = fail_on_error
-        self.max_failed_evaluations = int(max_failed_evaluations)
+        self.baselines = check.baseline_paths("baselines", baselines)
+        self.published = check.path_or_none("published", published)
+        self.published_entries = check.str_list("published_entries", published_entries,
+                                                none="every non-placeholder entry")
+        self.fail_on_error = check.flag("fail_on_error", fail_on_error)
+        self.max_failed_evaluations = check.int_at_least("max_failed_evaluations", max_failed_evaluations, 0,
+                                                         note="0 = never stop")
         self.autocast_dtype = autocast_dtype
-        self.table_samples = int(table_samples)
-        self.table_cycles = int(table_cycles)
+        self.table_samples = check.int_at_least("table_samples", table_samples, 0, note="0 = no table")
+        self.table_cycles = check.int_at_least("table_cycles", table_cycles, 1)
         self.tokenizer = tokenizer
-        self.verify_cache = verify_cache
-        self.position_edges = check_edges(position_edges)  # ValueError naming the edges
-        self.prog_bar = prog_bar
-        self.console = console
+        self.verify_cache = check.flag("verify_cache", verify_cache)
+        self.position_edges = check.position_edges("position_edges", position_edges)
+        self.prog_bar = check.flag("prog_bar", prog_bar)
+        self.console = check.flag("console", console)
 
         # Persistent (state_dict): the schedule and what was measured.
         self.last_eval_step = -1
@@ -650,6 +642,3 @@ def _stratified(ids: Sequence[str], cache: StateCache, n: int, seed: int | None)
     """``n`` of ``ids`` stratified by category (``states.stratified_ids``), in cache order."""
     return stratified_ids(ids, lambda i: cache.entry(i).category, n, seed)
 
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)

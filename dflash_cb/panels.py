@@ -216,6 +216,7 @@ def _csv(text: str) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     import json
 
+    from .arguments import parse_int_list, parse_position_edges
     from .baselines import _slug
     from .errors import DFlashCBError
 
@@ -228,9 +229,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         layout = layout_from_keys(keys, args.prefix)
     else:
         try:
-            layout = PanelLayout(prefix=args.prefix, budgets=[int(b) for b in _csv(args.budgets)],
+            layout = PanelLayout(prefix=args.prefix, budgets=list(parse_int_list("--budgets", args.budgets, 1)),
                                  categories=_csv(args.categories), block_size=args.block_size,
-                                 position_buckets=position_labels([int(x) for x in _csv(args.position_edges)]),
+                                 position_buckets=position_labels(parse_position_edges("--position-edges",
+                                                                                       args.position_edges)),
                                  cycle_buckets=cycle_labels(args.cycle_buckets),
                                  baselines=[f"baseline/{_slug(n)}" for n in _csv(args.baselines)],
                                  published=[f"published/{_slug(n)}" for n in _csv(args.published)])
