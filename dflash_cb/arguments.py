@@ -26,7 +26,8 @@ class ArgumentError(DFlashCBError, ValueError):
     """An argument value of the wrong type or out of range; the message names the argument."""
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
+    """An integer (a Python or numpy one), not a bool."""
     # numbers.Integral covers numpy integers; bool is an int subclass but never a count.
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
@@ -55,7 +56,7 @@ def int_at_least(name: str, value: Any, minimum: int, *, none: str | None = None
     """``value`` as an int >= ``minimum``. With ``none`` (what None means), None is accepted too."""
     if value is None and none is not None:
         return None
-    if not _is_int(value) or value < minimum:
+    if not is_int(value) or value < minimum:
         raise _refuse(name, value, _ints(minimum) + _or_none(none), note)
     return int(value)
 
@@ -69,7 +70,7 @@ def int_list(name: str, values: Any, minimum: int, *, none: str | None = None, n
     expected = f"a list of {_ints(minimum, plural=True)}{_or_none(none)}"
     if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
         raise _refuse(name, values, expected, note)
-    bad = [v for v in values if not _is_int(v) or v < minimum]
+    bad = [v for v in values if not is_int(v) or v < minimum]
     if bad:
         raise _refuse(name, values, f"{expected} ({_are_not(bad)})", note)
     if not values and not empty:
@@ -199,5 +200,5 @@ def parse_str_list(name: str, text: str) -> list[str]:
     return items
 
 
-__all__ = ["ArgumentError", "baseline_paths", "file_path", "flag", "int_at_least", "int_list", "parse_int",
+__all__ = ["ArgumentError", "baseline_paths", "file_path", "flag", "int_at_least", "int_list", "is_int", "parse_int",
            "parse_int_list", "parse_position_edges", "parse_str_list", "path_or_none", "position_edges", "str_list"]

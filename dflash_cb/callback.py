@@ -27,8 +27,11 @@ Guarantees, modelled on ``ModelCheckpoint``/``EarlyStopping``:
   scores its own share (see ``dflash_cb.live_eval`` and ``dflash_cb.distributed``). DeepSpeed ZeRO-3
   is refused.
 - ``state_dict``/``load_state_dict`` carry the schedule, so a resumed run neither repeats nor skips
-  an evaluation. They also carry the cache's manifest sha256: resumed on another cache, the callback
-  warns and starts a new series instead of mixing two caches' numbers.
+  an evaluation. They also carry the cache's manifest sha256 and the sample selection: resumed on
+  another cache or with another ``num_samples``/``sample_ids``/``sample_seed`` (other evaluated ids),
+  the callback warns and starts a new series instead of mixing two caches' or selections' numbers.
+  A malformed saved state warns, naming the field, and starts a new series too
+  (``dflash_cb.eval_state``).
 
 Metric values go to ``trainer.callback_metrics`` too, so ``ModelCheckpoint(monitor="dflash_eval/tau",
 mode="max")`` and ``EarlyStopping`` can use them.
@@ -55,6 +58,7 @@ from .compare import live_metrics
 from .distributed import full_parameters, sharding_kind
 from .engine import AUTOCAST_NAMES, DEFAULT_BUDGETS, EvalReport, SampleResult, resolve_autocast
 from .errors import DFlashCBError
+from .eval_state import EvalState, MalformedStateError, new_series_reason, selection_record
 from .live_eval import RankedEvaluation, evaluate_across_ranks, score_untouched
 from .metrics import ANCHOR_STRIDE, EVAL_TIME, FAILED_EVALS, TAU, EvalCounts, per_depth, summarize
 from .model import DrafterSpec
@@ -230,9 +234,11 @@ class DFlashEvalCallback(Callback):
         self.history: list[dict[str, float]] = []  # rank zero: {"step": s, metric: value, ...} per evaluation
         self.failed_evaluations = 0
         self.cache_manifest_sha256: str | None = None  # the cache the history was measured on
+        self.sample_selection: dict[str, Any] | None = None  # and the samples (eval_state.selection_record)
         # Per fit.
         self.cache: StateCache | None = None
         self.eval_ids: list[str] = []
+        self._selection: dict[str, Any] = {}
         self.table_ids: list[str] = []
         self.reference: list[Baseline] = []
         self.published_skipped: list[str] = []
@@ -254,34 +260,45 @@ class DFlashEvalCallback(Callback):
         return self._generate_state_key(states=self.states, prefix=self.prefix)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"last_eval_step": self.last_eval_step, "num_evals": self.num_evals, "start_done": self.start_done,
-                "history": list(self.history), "last_eval_full": self.last_eval_full,
-                "failed_evaluations": self.failed_evaluations,
-                "cache_manifest_sha256": self.cache.manifest_sha256 if self.cache else self.cache_manifest_sha256}
+        ours = self.cache is not None  # after setup: the cache and selection this run measures
+        return EvalState(self.last_eval_step, self.num_evals, self.start_done, list(self.history), self.last_eval_full,
+                         self.failed_evaluations,
+                         self.cache.manifest_sha256 if self.cache is not None else self.cache_manifest_sha256,
+                         self._selection if ours else self.sample_selection).to_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.last_eval_step = int(state_dict.get("last_eval_step", -1))
-        self.num_evals = int(state_dict.get("num_evals", 0))
-        self.start_done = bool(state_dict.get("start_done", False))
-        self.history = list(state_dict.get("history", []))
-        self.last_eval_full = bool(state_dict.get("last_eval_full", False))
-        self.failed_evaluations = int(state_dict.get("failed_evaluations", 0))
-        self.cache_manifest_sha256 = state_dict.get("cache_manifest_sha256")
+        """Restore the schedule and the history. A malformed state (a missing field, a wrong type, a
+        history that is not a list of evaluations) warns, naming the field, and a new series starts
+        here, as on another cache: the resumed training goes on and its weights are evaluated at
+        once; the checkpoint file is left as it is."""
+        try:
+            saved = EvalState.from_dict(state_dict)
+        except MalformedStateError as e:
+            warnings.warn(f"DFlashEvalCallback: the checkpoint's evaluation state is malformed ({e}); it is "
+                          "ignored and a new series starts here (the checkpoint was edited, damaged, or written by "
+                          "an incompatible version).", RuntimeWarning, stacklevel=2)
+            saved = EvalState()
+        self._restore(saved)
         if self.cache is not None:  # restored after setup, the usual order
-            self._check_resumed_cache()
+            self._check_resumed_series()
 
-    def _check_resumed_cache(self) -> None:
-        """A checkpoint from a run on another cache (same path, replaced contents): start a new series."""
+    def _restore(self, s: EvalState) -> None:
+        self.last_eval_step, self.num_evals, self.start_done = s.last_eval_step, s.num_evals, s.start_done
+        self.history, self.last_eval_full, self.failed_evaluations = s.history, s.last_eval_full, s.failed_evaluations
+        self.cache_manifest_sha256, self.sample_selection = s.cache_manifest_sha256, s.sample_selection
+
+    def _check_resumed_series(self) -> None:
+        """A checkpoint from a run on another cache (same path, replaced contents) or another sample
+        selection (``num_samples``, ``sample_ids``, ``sample_seed``): start a new series."""
         assert self.cache is not None
-        theirs, ours = self.cache_manifest_sha256, self.cache.manifest_sha256
-        if theirs is not None and theirs != ours:
-            warnings.warn(f"DFlashEvalCallback: the checkpoint's evaluations were measured on another cache "
-                          f"(manifest sha256 {theirs[:12]}...) than {self.cache.path} now holds ({ours[:12]}...). "
-                          f"Its {len(self.history)} evaluation(s) are dropped and a new series starts here; "
-                          "numbers from different caches are not comparable.", RuntimeWarning, stacklevel=2)
-            self.history, self.num_evals, self.failed_evaluations = [], 0, 0
-            self.last_eval_step, self.start_done = -1, False  # evaluate the resumed weights on the new cache
-        self.cache_manifest_sha256 = ours
+        reason = new_series_reason(self.cache_manifest_sha256, self.sample_selection, self.cache.manifest_sha256,
+                                   self._selection, self.cache.path)
+        if reason is not None:
+            warnings.warn(f"DFlashEvalCallback: the checkpoint's evaluations were {reason}. Its {len(self.history)} "
+                          "evaluation(s) are dropped and a new series starts here; numbers from different caches or "
+                          "sample selections are not comparable.", RuntimeWarning, stacklevel=2)
+            self._restore(EvalState())  # and the resumed weights are evaluated at once
+        self.cache_manifest_sha256, self.sample_selection = self.cache.manifest_sha256, self._selection
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
@@ -292,6 +309,7 @@ class DFlashEvalCallback(Callback):
         self.cache = StateCache(self.states)  # CacheError: no or broken manifest
         self._categories = self.cache.categories
         self.eval_ids = self._select_ids()
+        self._selection = selection_record(self.eval_ids, self.num_samples, self.sample_ids, self.sample_seed)
         # Found now rather than inside every evaluation: a missing or truncated file (a stat each),
         # and with verify_cache a changed byte (sha256).
         needs_head = not self.target_embed
@@ -300,6 +318,7 @@ class DFlashEvalCallback(Callback):
             self.cache.verify(self.cache.shards_of(self.eval_ids), head=needs_head)
         self.cache.check_samples(self.eval_ids)  # manifest fields against the shards (small tensors only)
         self.cache_manifest_sha256 = self.cache_manifest_sha256 or self.cache.manifest_sha256
+        self.sample_selection = self.sample_selection or self._selection
         self._failed_in_a_row = 0
         self.table_ids = _stratified(self.eval_ids, self.cache, self.table_samples, None)
         self.reference = [load_measured(p, self.cache, name=n, sample_ids=self.eval_ids)
@@ -329,7 +348,7 @@ class DFlashEvalCallback(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # Here (not in on_fit_start) because a resumed run's global step and weights are restored by now.
         if self.cache is not None:
-            self._check_resumed_cache()
+            self._check_resumed_series()
         due = fit_start_eval_due(trainer.global_step, self.last_eval_step, self.start_done, self.eval_on_fit_start)
         self.start_done = True
         if due:
@@ -427,6 +446,7 @@ class DFlashEvalCallback(Callback):
                     anchor_stride: int = 1) -> EvalReport:
         """This rank's share, scored without touching the training state (``live_eval.score_untouched``)."""
         assert self.cache is not None and self._spec is not None
+        self.cache.check_unchanged()  # a folder replaced during training fails here, naming both manifest hashes
         drafter = self._find_drafter(pl_module)
         param = next(drafter.parameters())
         device = param.device
