@@ -27,8 +27,11 @@ Guarantees, modelled on ``ModelCheckpoint``/``EarlyStopping``:
   scores its own share (see ``dflash_cb.live_eval`` and ``dflash_cb.distributed``). DeepSpeed ZeRO-3
   is refused.
 - ``state_dict``/``load_state_dict`` carry the schedule, so a resumed run neither repeats nor skips
-  an evaluation. They also carry the cache's manifest sha256: resumed on another cache, the callback
-  warns and starts a new series instead of mixing two caches' numbers.
+  an evaluation. They also carry the cache's manifest sha256 and the sample selection: resumed on
+  another cache or with another ``num_samples``/``sample_ids``/``sample_seed`` (other evaluated ids),
+  the callback warns and starts a new series instead of mixing two caches' or selections' numbers.
+  A malformed saved state warns, naming the field, and starts a new series too
+  (``dflash_cb.eval_state``).
 
 Metric values go to ``trainer.callback_metrics`` too, so ``ModelCheckpoint(monitor="dflash_eval/tau",
 mode="max")`` and ``EarlyStopping`` can use them.
@@ -50,6 +53,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
+from . import arguments as check
 from .distributed import full_parameters, sharding_kind
 from .engine import DEFAULT_BUDGETS
 from .evaluator import (
@@ -136,7 +140,7 @@ class DFlashEvalCallback(Callback):
         options = {k: v for k, v in locals().items() if k not in ("self", "__class__", "drafter", "prog_bar")}
         self.evaluator = LiveEvaluator(**options, say=rank_zero_info, name=type(self).__name__)
         self.drafter = drafter
-        self.prog_bar = prog_bar
+        self.prog_bar = check.flag("prog_bar", prog_bar)
         self._fast_dev_run_noted = False
 
     # The evaluator's attributes (schedule, history, cache, arguments) read and set as the callback's own.

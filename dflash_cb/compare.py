@@ -326,13 +326,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from .arguments import parse_position_edges
+
     args = build_parser().parse_args(argv)
     if len(args.results) < 2:
         raise CompareError("give at least two results.json files to compare")
-    try:
-        edges = check_edges([int(x) for x in args.position_edges.split(",") if x.strip()])
-    except ValueError as e:
-        raise CompareError(f"--position-edges {args.position_edges!r}: {e}") from None
+    edges = parse_position_edges("--position-edges", args.position_edges)  # the callback's rule
     if args.resamples < 1:
         raise CompareError(f"--resamples must be >= 1, got {args.resamples}")
     labels = _labels(args.results, args.labels)

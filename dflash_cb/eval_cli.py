@@ -19,31 +19,11 @@ before the evaluation starts; a problem is one line naming the file and the fix,
 """
 
 
-def _positive_int(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer (omit the option to score every "
-                                         f"sample), got {n}")
-    return n
-
-
 def parse_budgets(text: str) -> tuple[int, ...]:
-    from .errors import DFlashCBError
+    """``--ddtree-budgets``: comma-separated positive integers, or '' for no DDTree."""
+    from .arguments import parse_int_list
 
-    try:
-        budgets = tuple(int(b) for b in text.split(",") if b.strip())
-    except ValueError:
-        budgets = ()
-        bad = True
-    else:
-        bad = any(b < 1 for b in budgets)
-    if bad:
-        raise DFlashCBError(f"--ddtree-budgets {text!r}: expected comma-separated positive integers "
-                            "(e.g. 16,32,64), or '' to turn DDTree off")
-    return budgets
+    return parse_int_list("--ddtree-budgets", text, 1, note="e.g. 16,32,64, or '' to turn DDTree off")
 
 
 def resolve_device(name: str | None):  # -> torch.device
@@ -74,7 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--drafter", required=True, help="drafter folder (config.json + *.safetensors)")
     p.add_argument("--out", required=True, help="results.json to write (checked before any work)")
     p.add_argument("--ddtree-budgets", default="16,32,64", help="comma-separated node budgets ('' = off)")
-    p.add_argument("--anchor-stride", type=int, default=1,
+    p.add_argument("--anchor-stride", default="1",
                    help="per-depth / all-anchor statistics on every N-th anchor (default 1: every anchor; "
                         "the callback's periodic evaluations use the block size); tau is exact either way")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
@@ -83,11 +63,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--target", default=None,
                    help="target model folder to take the embedding and output head from (default: the cache's export)")
     sel = p.add_mutually_exclusive_group()
-    sel.add_argument("--samples", type=_positive_int, default=None,
+    sel.add_argument("--samples", default=None,
                      help="score a fixed subset of N samples, stratified by category exactly as the callback's "
                           "num_samples (same --sample-seed, same subset)")
     sel.add_argument("--sample-ids", default=None, help="score exactly these comma-separated sample ids")
-    p.add_argument("--sample-seed", type=int, default=0, help="seed of the --samples subset (default 0, as the callback)")
+    p.add_argument("--sample-seed", default="0", help="seed of the --samples subset (default 0, as the callback)")
     p.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True,
                    help="check the sha256 of every shard to score and of the exported head before scoring "
                         "(default; --no-verify checks sizes only)")
@@ -108,10 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import torch
 
+    from .arguments import parse_int, parse_position_edges, parse_str_list
     from .checkpoints import load_drafter
     from .engine import evaluate, resolve_autocast
     from .errors import DFlashCBError
-    from .positions import check_edges
     from .report import format_results
     from .results import check_results_path, drafter_provenance, report_to_results, write_results
     from .served import compare, format_check, has_served_counters, nothing_selected, nothing_to_compare
@@ -119,13 +99,14 @@ def main(argv: list[str] | None = None) -> int:
 
     # Cheap checks first, then the files, so nothing is computed for a run that cannot finish.
     out = check_results_path(args.out)
+    # One rule with the callback's arguments (dflash_cb.arguments): a bad value is one line naming the option.
     budgets = parse_budgets(args.ddtree_budgets)
-    if args.anchor_stride < 1:
-        raise DFlashCBError(f"--anchor-stride {args.anchor_stride}: expected a positive integer (1 = every anchor)")
-    try:
-        edges = check_edges([int(x) for x in args.position_edges.split(",") if x.strip()])
-    except ValueError as e:
-        raise DFlashCBError(f"--position-edges {args.position_edges!r}: {e}") from None
+    anchor_stride = parse_int("--anchor-stride", args.anchor_stride, 1, note="1 = every anchor")
+    num_samples = parse_int("--samples", args.samples, 1, note="omit it to score every sample") \
+        if args.samples is not None else None
+    sample_ids = parse_str_list("--sample-ids", args.sample_ids) if args.sample_ids is not None else None
+    sample_seed = parse_int("--sample-seed", args.sample_seed, 0)
+    edges = parse_position_edges("--position-edges", args.position_edges)
     if args.served_check and args.tail_blocks != "served":
         raise DFlashCBError("--served-check with --tail-blocks reference: the server drafts full blocks, so the "
                             "check always replays with --tail-blocks served; drop --tail-blocks reference")
@@ -134,8 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     cache = StateCache(args.states)
     if args.served_check and not has_served_counters(cache.samples):
         raise nothing_to_compare(cache.path)  # before any weights are read
-    sample_ids = [i.strip() for i in args.sample_ids.split(",") if i.strip()] if args.sample_ids is not None else None
-    ids = select_sample_ids(cache, args.samples, sample_ids, args.sample_seed)
+    ids = select_sample_ids(cache, num_samples, sample_ids, sample_seed)
     if args.served_check:
         chosen = set(ids)
         why = nothing_selected(cache.path, [e for e in cache.samples if e.id in chosen])
@@ -164,12 +144,12 @@ def main(argv: list[str] | None = None) -> int:
         head = cache.load_head(device=device, dtype=torch.float32, verify=args.verify)
     autocast = resolve_autocast(dtype_name, device, next(drafter.parameters()).dtype)
     report = evaluate(cache, drafter, head, sample_ids=ids, budgets=budgets, device=device,
-                      autocast_dtype=autocast, verify=args.verify, progress=True, anchor_stride=args.anchor_stride,
+                      autocast_dtype=autocast, verify=args.verify, progress=True, anchor_stride=anchor_stride,
                       tail_blocks=args.tail_blocks)
     results = report_to_results(report, cache, position_edges=edges, meta={
         "drafter": drafter_provenance(args.drafter), "dtype": dtype_name, "device": str(device),
         "head_source": args.target or "cache", "verified": bool(args.verify),
-        "sample_selection": {"samples": args.samples, "sample_ids": sample_ids, "sample_seed": args.sample_seed},
+        "sample_selection": {"samples": num_samples, "sample_ids": sample_ids, "sample_seed": sample_seed},
     })
     check = None
     if args.served_check:

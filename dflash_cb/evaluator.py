@@ -31,21 +31,22 @@ import warnings
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from operator import attrgetter
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from . import arguments as check
 from .baselines import Baseline, baseline_scalars, load_measured, load_published, load_served
 from .compare import live_metrics
 from .distributed import full_parameters_of
 from .engine import AUTOCAST_NAMES, DEFAULT_BUDGETS, EvalReport, SampleResult, resolve_autocast
 from .errors import DFlashCBError
+from .eval_state import EvalState, MalformedStateError, new_series_reason, selection_record
 from .live_eval import RankedEvaluation, evaluate_across_ranks, score_untouched
 from .metrics import ANCHOR_STRIDE, EVAL_TIME, FAILED_EVALS, EvalCounts, per_depth, summarize
 from .model import DrafterSpec
-from .positions import DEFAULT_POSITION_EDGES, check_edges
+from .positions import DEFAULT_POSITION_EDGES
 from .replay import check_tail_blocks
 from .report import evaluation_line
 from .sinks import MetricsSink, as_sinks
@@ -168,24 +169,12 @@ class LiveEvaluator:
         say: Callable[[str], Any] = print,
         name: str = "LiveEvaluator",
     ) -> None:
-        # Only cheap argument checks here (no file access), so a config parses anywhere.
-        for arg, value in (("every_n_train_steps", every_n_train_steps),
-                           ("max_failed_evaluations", max_failed_evaluations)):
-            if not _is_int(value) or value < 0:  # 0.5 must not silently become 0
-                raise ValueError(f"{arg} must be an integer >= 0, got {value!r}")
-        budgets = tuple(sorted({int(b) for b in ddtree_budgets}))
-        if any(b < 1 for b in budgets):
-            raise ValueError(f"ddtree_budgets must be positive, got {list(ddtree_budgets)}")
-        periodic = tuple(sorted({int(b) for b in periodic_ddtree_budgets})) if periodic_ddtree_budgets is not None \
-            else budgets[-1:]
-        if any(b < 1 for b in periodic):
-            raise ValueError(f"periodic_ddtree_budgets must be positive, got {list(periodic_ddtree_budgets or [])}")
-        if periodic_anchor_stride is not None and periodic_anchor_stride < 1:
-            raise ValueError(f"periodic_anchor_stride must be >= 1 or None (block size), got {periodic_anchor_stride}")
-        if full_every_n_evals < 0:
-            raise ValueError(f"full_every_n_evals must be >= 0 (0 = only at fit end), got {full_every_n_evals}")
-        if num_samples is not None and (not _is_int(num_samples) or num_samples < 1):
-            raise ValueError(f"num_samples must be an integer >= 1 or None (all), got {num_samples!r}")
+        # Only cheap argument checks here (no file access), so a config parses anywhere; one rule
+        # (dflash_cb.arguments) for the evaluator, its adapters and the tools, each error naming the argument.
+        budgets = tuple(sorted(set(check.int_list("ddtree_budgets", ddtree_budgets, 1, note="[] = no DDTree"))))
+        periodic = check.int_list("periodic_ddtree_budgets", periodic_ddtree_budgets, 1,
+                                  none="the largest of ddtree_budgets")
+        periodic = tuple(sorted(set(periodic))) if periodic is not None else budgets[-1:]
         target_embed = None if isinstance(target_embed, str) and not target_embed else target_embed
         target_lm_head = None if isinstance(target_lm_head, str) and not target_lm_head else target_lm_head
         if target_lm_head is not None and target_embed is None:
@@ -193,39 +182,43 @@ class LiveEvaluator:
         if autocast_dtype not in (None, "auto", *AUTOCAST_NAMES):
             raise ValueError(f"autocast_dtype must be 'auto', None or one of {sorted(AUTOCAST_NAMES)}, "
                              f"got {autocast_dtype!r}")
-        self.states = str(states)
-        self.every_n_train_steps = int(every_n_train_steps)
-        self.eval_on_fit_start = eval_on_fit_start
-        self.eval_on_fit_end = eval_on_fit_end
+        self.states = check.file_path("states", states)
+        self.every_n_train_steps = check.int_at_least("every_n_train_steps", every_n_train_steps, 0,
+                                                      note="0 = no periodic evaluations")
+        self.eval_on_fit_start = check.flag("eval_on_fit_start", eval_on_fit_start)
+        self.eval_on_fit_end = check.flag("eval_on_fit_end", eval_on_fit_end)
         self.target_embed = target_embed
         self.target_lm_head = target_lm_head
         self.ddtree_budgets = budgets
         self.periodic_ddtree_budgets = periodic
-        self.periodic_anchor_stride = periodic_anchor_stride
+        self.periodic_anchor_stride = check.int_at_least("periodic_anchor_stride", periodic_anchor_stride, 1,
+                                                         none="the drafter's block size")
         self.tail_blocks = check_tail_blocks(tail_blocks)
-        self.full_every_n_evals = int(full_every_n_evals)
+        self.full_every_n_evals = check.int_at_least("full_every_n_evals", full_every_n_evals, 0,
+                                                     note="0 = only the fit-end evaluation is full")
         self.last_eval_full = False  # the last evaluation's profile (full: stride 1, every budget)
         self.last_eval_stride = 1
         self.last_eval_budgets = budgets
-        self.num_samples = num_samples
-        self.sample_ids = list(sample_ids) if sample_ids is not None else None
-        self.sample_seed = int(sample_seed)
+        self.num_samples = check.int_at_least("num_samples", num_samples, 1, none="every sample")
+        self.sample_ids = check.str_list("sample_ids", sample_ids, none="num_samples decides")
+        self.sample_seed = check.int_at_least("sample_seed", sample_seed, 0)
+        if not isinstance(prefix, str):
+            raise check.ArgumentError(f"prefix={prefix!r}: expected a string, e.g. 'dflash_eval/'")
         self.prefix = prefix
-        if isinstance(baselines, (str, os.PathLike)):
-            baselines = [baselines]
-        self.baselines = dict(baselines) if isinstance(baselines, dict) else (
-            {Path(p).stem: str(p) for p in baselines} if baselines else {})
-        self.published = str(published) if published else None
-        self.published_entries = list(published_entries) if published_entries is not None else None
-        self.fail_on_error = fail_on_error
-        self.max_failed_evaluations = int(max_failed_evaluations)
+        self.baselines = check.baseline_paths("baselines", baselines)
+        self.published = check.path_or_none("published", published)
+        self.published_entries = check.str_list("published_entries", published_entries,
+                                                none="every non-placeholder entry")
+        self.fail_on_error = check.flag("fail_on_error", fail_on_error)
+        self.max_failed_evaluations = check.int_at_least("max_failed_evaluations", max_failed_evaluations, 0,
+                                                         note="0 = never stop")
         self.autocast_dtype = autocast_dtype
-        self.table_samples = int(table_samples)
-        self.table_cycles = int(table_cycles)
+        self.table_samples = check.int_at_least("table_samples", table_samples, 0, note="0 = no table")
+        self.table_cycles = check.int_at_least("table_cycles", table_cycles, 1)
         self.tokenizer = tokenizer
-        self.verify_cache = verify_cache
-        self.position_edges = check_edges(position_edges)  # ValueError naming the edges
-        self.console = console
+        self.verify_cache = check.flag("verify_cache", verify_cache)
+        self.position_edges = check.position_edges("position_edges", position_edges)
+        self.console = check.flag("console", console)
         self.sinks: list[MetricsSink] = as_sinks(log)
         self.max_steps = int(max_steps)
         self.full_parameters = full_parameters
@@ -239,9 +232,11 @@ class LiveEvaluator:
         self.history: list[dict[str, float]] = []  # rank zero: {"step": s, metric: value, ...} per evaluation
         self.failed_evaluations = 0
         self.cache_manifest_sha256: str | None = None  # the cache the history was measured on
+        self.sample_selection: dict[str, Any] | None = None  # and the samples (eval_state.selection_record)
         # Per run (setup).
         self.cache: StateCache | None = None
         self.eval_ids: list[str] = []
+        self._selection: dict[str, Any] = {}
         self.table_ids: list[str] = []
         self.reference: list[Baseline] = []
         self.published_skipped: list[str] = []
@@ -259,34 +254,45 @@ class LiveEvaluator:
 
     # -- resumable state --------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"last_eval_step": self.last_eval_step, "num_evals": self.num_evals, "start_done": self.start_done,
-                "history": list(self.history), "last_eval_full": self.last_eval_full,
-                "failed_evaluations": self.failed_evaluations,
-                "cache_manifest_sha256": self.cache.manifest_sha256 if self.cache else self.cache_manifest_sha256}
+        ours = self.cache is not None  # after setup: the cache and selection this run measures
+        return EvalState(self.last_eval_step, self.num_evals, self.start_done, list(self.history), self.last_eval_full,
+                         self.failed_evaluations,
+                         self.cache.manifest_sha256 if self.cache is not None else self.cache_manifest_sha256,
+                         self._selection if ours else self.sample_selection).to_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.last_eval_step = int(state_dict.get("last_eval_step", -1))
-        self.num_evals = int(state_dict.get("num_evals", 0))
-        self.start_done = bool(state_dict.get("start_done", False))
-        self.history = list(state_dict.get("history", []))
-        self.last_eval_full = bool(state_dict.get("last_eval_full", False))
-        self.failed_evaluations = int(state_dict.get("failed_evaluations", 0))
-        self.cache_manifest_sha256 = state_dict.get("cache_manifest_sha256")
+        """Restore the schedule and the history. A malformed state (a missing field, a wrong type, a
+        history that is not a list of evaluations) warns, naming the field, and a new series starts
+        here, as on another cache: the resumed training goes on and its weights are evaluated at
+        once; the checkpoint file is left as it is."""
+        try:
+            saved = EvalState.from_dict(state_dict)
+        except MalformedStateError as e:
+            warnings.warn(f"{self.name}: the checkpoint's evaluation state is malformed ({e}); it is "
+                          "ignored and a new series starts here (the checkpoint was edited, damaged, or written by "
+                          "an incompatible version).", RuntimeWarning, stacklevel=2)
+            saved = EvalState()
+        self._restore(saved)
         if self.cache is not None:  # restored after setup
-            self.check_resumed_cache()
+            self.check_resumed_series()
 
-    def check_resumed_cache(self) -> None:
-        """A state from a run on another cache (same path, replaced contents): start a new series."""
+    def _restore(self, s: EvalState) -> None:
+        self.last_eval_step, self.num_evals, self.start_done = s.last_eval_step, s.num_evals, s.start_done
+        self.history, self.last_eval_full, self.failed_evaluations = s.history, s.last_eval_full, s.failed_evaluations
+        self.cache_manifest_sha256, self.sample_selection = s.cache_manifest_sha256, s.sample_selection
+
+    def check_resumed_series(self) -> None:
+        """A state from a run on another cache (same path, replaced contents) or another sample
+        selection (``num_samples``, ``sample_ids``, ``sample_seed``): start a new series."""
         assert self.cache is not None
-        theirs, ours = self.cache_manifest_sha256, self.cache.manifest_sha256
-        if theirs is not None and theirs != ours:
-            warnings.warn(f"{self.name}: the checkpoint's evaluations were measured on another cache "
-                          f"(manifest sha256 {theirs[:12]}...) than {self.cache.path} now holds ({ours[:12]}...). "
-                          f"Its {len(self.history)} evaluation(s) are dropped and a new series starts here; "
-                          "numbers from different caches are not comparable.", RuntimeWarning, stacklevel=2)
-            self.history, self.num_evals, self.failed_evaluations = [], 0, 0
-            self.last_eval_step, self.start_done = -1, False  # evaluate the resumed weights on the new cache
-        self.cache_manifest_sha256 = ours
+        reason = new_series_reason(self.cache_manifest_sha256, self.sample_selection, self.cache.manifest_sha256,
+                                   self._selection, self.cache.path)
+        if reason is not None:
+            warnings.warn(f"{self.name}: the checkpoint's evaluations were {reason}. Its {len(self.history)} "
+                          "evaluation(s) are dropped and a new series starts here; numbers from different caches or "
+                          "sample selections are not comparable.", RuntimeWarning, stacklevel=2)
+            self._restore(EvalState())  # and the resumed weights are evaluated at once
+        self.cache_manifest_sha256, self.sample_selection = self.cache.manifest_sha256, self._selection
 
     # -- the loop's calls -------------------------------------------------------------------
     def setup(self, drafter: nn.Module | None = None, model: Any = None) -> None:
@@ -298,6 +304,7 @@ class LiveEvaluator:
         self.cache = StateCache(self.states)  # CacheError: no or broken manifest
         self._categories = self.cache.categories
         self.eval_ids = select_sample_ids(self.cache, self.num_samples, self.sample_ids, self.sample_seed)
+        self._selection = selection_record(self.eval_ids, self.num_samples, self.sample_ids, self.sample_seed)
         # Found now rather than inside every evaluation: a missing or truncated file (a stat each),
         # and with verify_cache a changed byte (sha256).
         needs_head = self.target_embed is None
@@ -305,9 +312,9 @@ class LiveEvaluator:
         if self.verify_cache:
             self.cache.verify(self.cache.shards_of(self.eval_ids), head=needs_head)
         self.cache.check_samples(self.eval_ids)  # manifest fields against the shards (small tensors only)
-        if self.cache_manifest_sha256 is not None:  # a state loaded before setup
-            self.check_resumed_cache()
-        self.cache_manifest_sha256 = self.cache.manifest_sha256
+        if self.cache_manifest_sha256 is not None or self.sample_selection is not None:  # a state loaded before
+            self.check_resumed_series()
+        self.cache_manifest_sha256, self.sample_selection = self.cache.manifest_sha256, self._selection
         self._failed_in_a_row = 0
         self.table_ids = _stratified(self.eval_ids, self.cache, self.table_samples, None)
         self.reference = [load_measured(p, self.cache, name=n, sample_ids=self.eval_ids)
@@ -331,7 +338,7 @@ class LiveEvaluator:
         """Before the first training step: the evaluation of the untrained (or resumed) drafter, once per
         run (``eval_on_fit_start``; a resumed run does not repeat it). Metrics, or None."""
         self._ready(drafter, model)
-        self.check_resumed_cache()
+        self.check_resumed_series()
         due = fit_start_eval_due(global_step, self.last_eval_step, self.start_done, self.eval_on_fit_start)
         self.start_done = True
         return self._evaluate(global_step, drafter, model, "fit start") if due else None
@@ -439,6 +446,7 @@ class LiveEvaluator:
                     anchor_stride: int) -> EvalReport:
         """This rank's share, scored without touching the training state (``live_eval.score_untouched``)."""
         assert self.cache is not None and self._spec is not None
+        self.cache.check_unchanged()  # a folder replaced during training fails here, naming both manifest hashes
         drafter = unwrap(drafter)
         param = next(drafter.parameters())
         device = param.device
@@ -663,10 +671,6 @@ def _describe(source: WeightSource) -> str:
 def _stratified(ids: Sequence[str], cache: StateCache, n: int, seed: int | None) -> list[str]:
     """``n`` of ``ids`` stratified by category (``states.stratified_ids``), in cache order."""
     return stratified_ids(ids, lambda i: cache.entry(i).category, n, seed)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 __all__ = ["FIT_END", "DFlashEvalError", "LiveEvaluator", "find_drafter", "fit_end_eval_due", "fit_start_eval_due",

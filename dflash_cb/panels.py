@@ -347,20 +347,11 @@ def _run_history(run: str, entity: str, project: str) -> tuple[list[dict[str, An
     return _wandb(f"reading run {entity}/{project}/{run}", fetch)
 
 
-def _ints(option: str, text: str) -> list[int]:
-    try:
-        values = [int(b) for b in _csv(text)]
-    except ValueError:
-        raise PanelsError(f"{option} {text!r}: give comma-separated integers, e.g. 16,32,64") from None
-    if any(v < 1 for v in values):
-        raise PanelsError(f"{option} {text!r}: budgets must be >= 1")
-    return values
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     import json
     import sys
 
+    from .arguments import parse_int_list, parse_position_edges
     from .baselines import _slug
 
     args = build_parser().parse_args(argv)
@@ -379,14 +370,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         layout = layout_from_keys(logged, args.prefix, light_budgets(rows, args.prefix))
     else:
         try:
-            layout = PanelLayout(prefix=args.prefix, budgets=_ints("--budgets", args.budgets),
+            layout = PanelLayout(prefix=args.prefix, budgets=list(parse_int_list("--budgets", args.budgets, 1)),
                                  categories=_csv(args.categories), block_size=args.block_size,
-                                 position_buckets=position_labels([int(x) for x in _csv(args.position_edges)]),
+                                 position_buckets=position_labels(parse_position_edges("--position-edges",
+                                                                                       args.position_edges)),
                                  cycle_buckets=cycle_labels(args.cycle_buckets),
                                  baselines=[f"baseline/{_slug(n)}" for n in _csv(args.baselines)],
                                  published=[f"published/{_slug(n)}" for n in _csv(args.published)],
                                  periodic_budgets=None if args.periodic_budgets is None
-                                 else _ints("--periodic-budgets", args.periodic_budgets),
+                                 else list(parse_int_list("--periodic-budgets", args.periodic_budgets, 1)),
                                  served=args.served)
         except ValueError as e:
             raise PanelsError(f"wandb_panels.py: {e}") from None

@@ -226,6 +226,11 @@ def select_sample_ids(cache: StateCache, num_samples: int | None = None, sample_
     return stratified_ids(all_ids, lambda i: cache.entry(i).category, num_samples, seed)
 
 
+def _identity(st: os.stat_result) -> tuple[int, ...]:
+    """What changes when a file is rewritten, replaced by a rename or copied over (copies keep mtime)."""
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 24) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -274,6 +279,7 @@ class StateCache:
             raise CacheError(
                 f"{manifest_path}: no manifest{hint}. Create the cache with tools/precompute_states.py --out {self.path}"
             )
+        self._manifest_seen = _identity(manifest_path.stat())  # before the read: a later change is seen
         raw = manifest_path.read_bytes()
         try:
             data = json.loads(raw)
@@ -335,6 +341,27 @@ class StateCache:
             return digest
         self._verified[name] = seen
         return None
+
+    def check_unchanged(self) -> None:
+        """Raise ``CacheError`` if the folder's manifest is no longer the one this reader opened (the cache
+        was replaced or rebuilt while in use): a ``stat``, and a re-hash of the manifest only when its
+        identity (inode, size, times) changed, so a long run notices a swapped folder, naming both hashes,
+        instead of failing later on a shard that no longer fits."""
+        p = self.path / MANIFEST_NAME
+        try:
+            seen = _identity(p.stat())
+        except OSError as e:
+            raise CacheError(f"{p}: the cache changed: its manifest is gone ({e.strerror}); restore the cache "
+                             f"this run started with, or restart the run on the new one") from None
+        if seen == self._manifest_seen:
+            return
+        digest = hashlib.sha256(p.read_bytes()).hexdigest()
+        if digest != self.manifest_sha256:
+            raise CacheError(f"{self.path}: the cache changed: manifest sha256 {digest[:12]}..., was "
+                             f"{self.manifest_sha256[:12]}... when this run opened it (the folder was replaced or "
+                             "rebuilt); restore that cache, or restart the run on the new one (numbers from "
+                             "different caches are not comparable)")
+        self._manifest_seen = seen  # touched or copied back, same bytes: fine
 
     def verify(self, shard_files: list[str] | None = None, head: bool | None = None) -> None:
         """Check sizes and sha256 of the given shards (all by default) and of the head file (by

@@ -275,12 +275,60 @@ def test_damaged_cache_stops_fit_at_setup(tmp_path, tiny_cache, tiny_drafter_con
 
 
 def test_non_integer_arguments_are_refused():
-    """Item 11: every_n_train_steps=0.5 used to become 0 (no periodic evaluation) without a word."""
+    """Issue 11 item 11: every_n_train_steps=0.5 used to become 0 (no periodic evaluation) without a word."""
     for bad in (0.5, 2.0, "3", True):
-        with pytest.raises(ValueError, match="every_n_train_steps must be an integer"):
+        with pytest.raises(ValueError, match=r"every_n_train_steps=.*: expected an integer >= 0"):
             DFlashEvalCallback(states="x", every_n_train_steps=bad)
-    with pytest.raises(ValueError, match="num_samples must be an integer"):
+    with pytest.raises(ValueError, match="num_samples=2.5: expected a positive integer"):
         DFlashEvalCallback(states="x", num_samples=2.5)
+
+
+@pytest.mark.parametrize("argument, value, expected", [
+    # each of these was accepted (or failed later, far from the argument) before issue 17 item 9
+    ("periodic_anchor_stride", 2.5, "a positive integer or None"),  # every periodic evaluation then failed
+    ("periodic_anchor_stride", "8", "a positive integer or None"),  # a str < int comparison error
+    ("full_every_n_evals", 1.5, "an integer >= 0"),
+    ("ddtree_budgets", [2.7, 16.9], "a list of positive integers (2.7 and 16.9 are not)"),  # became (2, 16)
+    ("ddtree_budgets", 16, "a list of positive integers"),  # 'int' object is not iterable
+    ("periodic_ddtree_budgets", [8.5], "a list of positive integers or None"),
+    ("sample_ids", "eval-count-000", "a list of strings or None (num_samples decides), not a single string"),
+    ("sample_ids", [], "at least one"),
+    ("sample_ids", ["p001", 3], "a list of non-blank strings"),
+    ("table_samples", 2.5, "an integer >= 0"),
+    ("table_cycles", 0, "a positive integer"),
+    ("sample_seed", 1.5, "an integer >= 0"),  # became 1
+    ("num_samples", True, "a positive integer or None"),
+    ("position_edges", [0, 2.5, 8], "a list of integers >= 0 (2.5 is not)"),  # became (0, 2, 8)
+    ("position_edges", [0, 8, 4], "integers from 0, strictly increasing"),
+    ("max_failed_evaluations", "3", "an integer >= 0"),
+    ("every_n_train_steps", None, "an integer >= 0"),
+    ("published_entries", "zlab", "a list of strings or None (every non-placeholder entry), not a single string"),
+    ("baselines", 5, "{name: results.json} or a list of results.json paths"),
+    ("baselines", ["a/results.json", "b/results.json"], "distinct names"),  # one was dropped silently
+    ("eval_on_fit_end", "false", "True or False"),  # a non-empty string is true
+])
+def test_every_argument_is_checked_at_construction_naming_it(argument, value, expected):
+    """Issue 17 item 9: one rule (``dflash_cb.arguments``), one ``ArgumentError`` (a ValueError) per bad
+    value, ``argument=value: expected ...``, at construction: no file is touched, no fit started."""
+    from dflash_cb.arguments import ArgumentError
+
+    with pytest.raises(ArgumentError) as err:
+        DFlashEvalCallback(states="no/such/cache", **{argument: value})
+    assert str(err.value).startswith(f"{argument}={value!r}: expected ") and expected in str(err.value)
+    assert isinstance(err.value, ValueError)
+
+
+def test_valid_arguments_are_normalised():
+    """The checks accept what the YAML config and numpy hand over, and keep the documented meanings."""
+    import numpy as np
+
+    cb = DFlashEvalCallback(states=Path("c"), every_n_train_steps=np.int64(4), ddtree_budgets=[64, 16, 16],
+                            periodic_ddtree_budgets=[], sample_ids=("a", "b"), baselines="r/zlab.json",
+                            position_edges=(0, 8))
+    assert cb.every_n_train_steps == 4 and type(cb.every_n_train_steps) is int and cb.states == "c"
+    assert cb.ddtree_budgets == (16, 64) and cb.periodic_ddtree_budgets == () and cb.sample_ids == ["a", "b"]
+    assert cb.baselines == {"zlab": "r/zlab.json"} and cb.position_edges == (0, 8)
+    assert DFlashEvalCallback(states="c", ddtree_budgets=[]).periodic_ddtree_budgets == ()
 
 
 @pytest.mark.filterwarnings("ignore:.*ckpt_path.*:UserWarning", "ignore:.*resuming from a checkpoint.*:UserWarning")

@@ -129,10 +129,8 @@ def test_samples_are_positive_stratified_like_the_callback_and_ids_selectable(ti
     """Item 10: --samples 0 / -1 are refused; --samples N is the callback's stratified subset;
     --sample-ids picks exactly the given ids."""
     for bad in ("0", "-1", "x"):
-        with pytest.raises(SystemExit) as exc:
-            run(TOOL.main, ["--states", str(tiny_cache), "--drafter", str(drafter_dir), "--out",
-                            str(tmp_path / "r.json"), "--samples", bad])
-        assert exc.value.code == 2 and "positive integer" in capsys.readouterr().err
+        code, so, se = evaluate_tool(capsys, tiny_cache, drafter_dir, tmp_path / "r.json", "--samples", bad)
+        assert_one_line(code, so, se, f"--samples {bad!r}", "positive integer")
     cache = StateCache(tiny_cache)
     assert evaluate_tool(capsys, tiny_cache, drafter_dir, tmp_path / "r.json", "--samples", "2")[0] == 0
     got = [s["id"] for s in json.loads((tmp_path / "r.json").read_text())["samples"]]
@@ -142,6 +140,24 @@ def test_samples_are_positive_stratified_like_the_callback_and_ids_selectable(ti
     assert [s["id"] for s in json.loads((tmp_path / "r.json").read_text())["samples"]] == ["p004", "p001"]
     code, so, se = evaluate_tool(capsys, tiny_cache, drafter_dir, tmp_path / "r.json", "--sample-ids", "p001,nope")
     assert_one_line(code, so, se, "['nope'] are not in the cache")
+
+
+@pytest.mark.parametrize("option, value, expected", [
+    ("--samples", "2.5", "a positive integer"),  # was an argparse usage error, not the shared rule
+    ("--ddtree-budgets", "2.7,16", "comma-separated positive integers"),
+    ("--sample-ids", " , ", "one or more comma-separated values"),  # was "the list of sample ids is empty"
+    ("--sample-seed", "-1", "an integer >= 0"),  # accepted before; the callback's sample_seed refuses it
+    ("--anchor-stride", "1.5", "a positive integer"),
+    ("--position-edges", "0,64,32", "comma-separated integers from 0, strictly increasing"),
+])
+def test_arguments_follow_the_callbacks_rule(tiny_cache, drafter_dir, tmp_path, capsys, option, value, expected):
+    """Issue 17 item 9: the tool's numeric and list options are checked by the callback's rule
+    (``dflash_cb.arguments``): one line ``--option 'value': expected ...``, exit 2, before any work."""
+    budgets = value if option == "--ddtree-budgets" else "4"
+    extra = () if option == "--ddtree-budgets" else (option, value)
+    code, so, se = evaluate_tool(capsys, tiny_cache, drafter_dir, tmp_path / "r.json", *extra, budgets=budgets)
+    assert_one_line(code, so, se, f"{option} {value!r}: expected {expected}")
+    assert not (tmp_path / "r.json").exists()
 
 
 def test_user_mistakes_are_one_line_errors(tiny_cache, drafter_dir, tmp_path, capsys):

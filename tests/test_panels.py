@@ -144,7 +144,10 @@ def test_panels_tool_dry_run_builds_the_view_without_network(capsys):
     keys = {k for panels in plan.values() for p in panels for k in p["keys"]}
     assert "dflash_eval/baseline/z-lab_drafter/delta_tau_ci_high" in keys and "dflash_eval/acceptance/depth_05" in keys
     assert run(main, ["--entity", "e", "--project", "p", "--position-edges", "3,1", "--dry-run"]) == 2
-    assert "position edges must start at 0" in capsys.readouterr().err
+    assert "--position-edges '3,1': expected comma-separated integers from 0, strictly increasing" in capsys.readouterr().err
+    # Issue 17 item 9: the callback's rule (dflash_cb.arguments), naming the option; was "invalid literal for int()".
+    assert run(main, ["--entity", "e", "--project", "p", "--budgets", "16,3x", "--dry-run"]) == 2
+    assert "--budgets '16,3x': expected comma-separated positive integers" in capsys.readouterr().err
 
 
 def _ddtree_panel(plan: dict) -> tuple[str, ...]:
