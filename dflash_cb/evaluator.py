@@ -565,7 +565,7 @@ class LiveEvaluator:
         if run is None:
             return
         if not self._wandb_ready:
-            start_live_run(run, self.prefix, self.reference, self.published_skipped, self.describe())
+            start_live_run(run, self.prefix, self.reference, self.published_skipped, self._describe())
             self._wandb_ready = True
         rows: list[list[Any]] = []
         if self.table_ids:
@@ -586,7 +586,7 @@ class LiveEvaluator:
             self._table_tokens[sample_id] = self.cache.token_ids(sample_id)
         return self._table_tokens[sample_id]
 
-    def describe(self) -> dict[str, Any]:
+    def _describe(self) -> dict[str, Any]:
         """The configuration recorded in the W&B run's config."""
         assert self.cache is not None
         return {
