@@ -18,7 +18,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .baselines import CONVENTIONS
 from .metrics import (
+    ACCEPT_LENGTH_SERVED,
     ANCHORS_DRAFTED,
     ANCHORS_NEEDED,
     BEST_STEP,
@@ -27,6 +29,7 @@ from .metrics import (
     DELTA_TAU,
     EVAL_TIME,
     TAU,
+    TAU_REQUEST_MEAN,
     TOKENS,
     category_tau,
     ci_high,
@@ -56,7 +59,9 @@ class PanelLayout:
     position_buckets: Sequence[str] = field(default_factory=lambda: position_labels(DEFAULT_POSITION_EDGES))
     cycle_buckets: Sequence[str] = field(default_factory=lambda: cycle_labels(DEFAULT_CYCLE_BUCKETS))
     baselines: Sequence[str] = ()  # measured: "baseline/<name>" segments (Baseline.key)
-    published: Sequence[str] = ()  # "published/<name>"
+    # "published/<name>/<metric>": a published figure under the live metric of its convention
+    # (baselines.CONVENTIONS: tau, tau_request_mean or accept_length_served).
+    published: Sequence[str] = ()
     cost: Sequence[str] = COST_KEYS
 
 
@@ -73,13 +78,20 @@ class PanelSpec:
 def panel_plan(layout: PanelLayout) -> dict[str, list[PanelSpec]]:
     """Section name -> panels; every key is fully prefixed."""
     p = layout.prefix
-    refs = [*layout.baselines, *layout.published]
     top = max(layout.budgets) if layout.budgets else None
 
     def line(title: str, names: Iterable[str]) -> PanelSpec:
         return PanelSpec("line", title, tuple(p + n for n in names))
 
-    headline = [line("tau: live vs references", [TAU] + [f"{r}/{TAU}" for r in refs])]
+    def published(metric: str) -> list[str]:
+        return [r for r in layout.published if r.endswith("/" + metric)]
+
+    headline = [line("tau (pooled): live vs references", [TAU] + [f"{b}/{TAU}" for b in layout.baselines]
+                     + published(TAU))]
+    # A published figure is only ever drawn beside the live figure of its own convention.
+    headline += [line(title, [m, *published(m)]) for title, m in (
+        ("tau, mean over requests (dflash.benchmark): live vs published", TAU_REQUEST_MEAN),
+        ("served accept length, mean over requests (SGLang): live vs published", ACCEPT_LENGTH_SERVED))]
     if layout.budgets:
         headline.append(line("DDTree tau per budget", [ddtree_tau(b) for b in layout.budgets]
                              + [f"{r}/{ddtree_tau(b)}" for r in layout.baselines for b in layout.budgets]))
@@ -140,7 +152,8 @@ def layout_from_keys(keys: Iterable[str], prefix: str = "dflash_eval/") -> Panel
         position_buckets=sorted(grab(r"position/(\d+_\w+)/tau"), key=lambda b: int(b.split("_")[0])),
         cycle_buckets=sorted(grab(r"cycle/(\w+)/tau"), key=lambda b: int(b.rstrip("plus"))),
         baselines=[f"baseline/{n}" for n in grab(r"baseline/([^/]+)/tau")],
-        published=[f"published/{n}" for n in grab(r"published/([^/]+)/tau")],
+        published=[f"published/{n}" for n in grab(
+            r"published/([^/]+/(?:" + "|".join(map(re.escape, CONVENTIONS.values())) + "))")],
         cost=[n for n in COST_KEYS if n in keys],
     )
 
@@ -204,13 +217,26 @@ def build_parser() -> Any:
     p.add_argument("--position-edges", default=",".join(map(str, DEFAULT_POSITION_EDGES)))
     p.add_argument("--cycle-buckets", type=int, default=DEFAULT_CYCLE_BUCKETS)
     p.add_argument("--baselines", default="", help="names of the measured baselines (callback baselines=)")
-    p.add_argument("--published", default="", help="names of the published entries logged")
+    p.add_argument("--published", default="",
+                   help="published entries logged: NAME (convention pooled) or NAME:CONVENTION, CONVENTION one of "
+                        + ", ".join(CONVENTIONS))
     p.add_argument("--dry-run", action="store_true", help="print the panels and build the view; do not save")
     return p
 
 
 def _csv(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def _published_key(item: str) -> str:
+    """``NAME`` or ``NAME:CONVENTION`` -> ``published/<slug>/<metric of that convention>``."""
+    from .baselines import _slug
+
+    name, _, convention = item.partition(":")
+    convention = convention or "pooled"
+    if convention not in CONVENTIONS:
+        raise ValueError(f"--published {item!r}: unknown convention {convention!r}; use one of {sorted(CONVENTIONS)}")
+    return f"published/{_slug(name)}/{CONVENTIONS[convention]}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -233,7 +259,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  position_buckets=position_labels([int(x) for x in _csv(args.position_edges)]),
                                  cycle_buckets=cycle_labels(args.cycle_buckets),
                                  baselines=[f"baseline/{_slug(n)}" for n in _csv(args.baselines)],
-                                 published=[f"published/{_slug(n)}" for n in _csv(args.published)])
+                                 published=[_published_key(x) for x in _csv(args.published)])
         except ValueError as e:
             raise DFlashCBError(f"wandb_panels.py: {e}") from None
     plan = panel_plan(layout)

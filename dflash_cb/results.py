@@ -9,7 +9,9 @@ of samples (``baselines``) or compared sample by sample (``compare``).
 
 Written by ``tools/eval_drafter.py`` and the demo; read back as a baseline by the callback, which
 refuses a baseline measured on another cache (the manifest hash differs), and by
-``tools/compare_results.py``. Version 1 files (before this schema) are still read.
+``tools/compare_results.py``. Version 1 files (before this schema) and version 2 files (before
+``specforge_sim_tau`` became ``chain_tau_estimate`` and the per-request means were added) are still
+read: the old name is renamed and the per-request means are recomputed from the stored samples.
 """
 
 from __future__ import annotations
@@ -24,17 +26,21 @@ from pathlib import Path
 from typing import Any
 
 from . import __version__
-from .bootstrap import DEFAULT_LEVEL, DEFAULT_RESAMPLES, DEFAULT_SEED, interval_metrics
+from .bootstrap import DEFAULT_LEVEL, DEFAULT_RESAMPLES, DEFAULT_SEED, interval_metrics, metric_sums
 from .cli import describe_os_error
 from .engine import EvalReport
 from .errors import DFlashCBError
 from .fileio import atomic_write_text
 from .metrics import (
+    ACCEPT_LENGTH_SERVED,
     ANCHOR_STRIDE,
     ANCHORS_DRAFTED,
     ANCHORS_NEEDED,
+    CHAIN_TAU_ESTIMATE,
+    OLD_CHAIN_TAU_ESTIMATE,
     T1_TAU_ESTIMATE,
     TAU,
+    TAU_REQUEST_MEAN,
     per_depth,
 )
 from .positions import (
@@ -47,7 +53,7 @@ from .positions import (
 from .states import StateCache
 
 RESULTS_FORMAT = "dflash-cb-results"
-RESULTS_VERSION = 2
+RESULTS_VERSION = 3
 T1_NOTE = ("estimate: expected accepted length at temperature 1 from per-depth overlap sum_x min(p, q) "
            "with the target's stored top-K log-probs, along the greedy path; not an exact replay")
 INTERVAL_NOTE = ("95% cluster-bootstrap percentile intervals over samples (whole samples resampled with their "
@@ -79,7 +85,7 @@ class SampleRecord:
 
 @dataclass
 class Results:
-    """The content of a ``results.json`` (version 2)."""
+    """The content of a ``results.json`` (version 3)."""
 
     metrics: dict[str, float | None]
     samples: list[SampleRecord]
@@ -119,7 +125,7 @@ class Results:
 
     @property
     def drafter_step(self) -> int | None:
-        """The scored checkpoint's global step, when known (version 2 only)."""
+        """The scored checkpoint's global step, when known (version 2 and later)."""
         d = self.meta.get("drafter")
         return d.get("global_step") if isinstance(d, dict) else None
 
@@ -143,18 +149,19 @@ class Results:
         version = data.get("version")
         try:
             if version == 1:
-                return _from_v1(data)
-            if version == RESULTS_VERSION:
-                return cls(dict(data.get("metrics") or {}),
+                return _upgraded(_from_v1(data))
+            if version in (2, RESULTS_VERSION):
+                res = cls(dict(data.get("metrics") or {}),
                            [SampleRecord.from_dict(s) for s in data.get("samples") or []],
                            dict(data.get("per_depth") or {}), dict(data.get("histogram") or {}),
                            dict(data.get("meta") or {}), dict(data.get("breakdown") or {}),
                            dict(data.get("notes") or {}))
+                return res if version == RESULTS_VERSION else _upgraded(res)
         except (KeyError, TypeError, ValueError) as e:
             raise ResultsError(f"{where}: damaged results file ({type(e).__name__}: {e}); rerun "
                                "tools/eval_drafter.py to write it again") from e
         raise ResultsError(f"{where}: results version {version!r} is not known to dflash-cb {__version__} "
-                           f"(it reads 1 and {RESULTS_VERSION}); upgrade dflash-cb or rerun tools/eval_drafter.py")
+                           f"(it reads 1 to {RESULTS_VERSION}); upgrade dflash-cb or rerun tools/eval_drafter.py")
 
 
 def _get(data: Any, key: str) -> Any:
@@ -174,6 +181,19 @@ def _from_v1(data: dict[str, Any]) -> Results:
     notes = {T1_TAU_ESTIMATE: T1_NOTE} if data.get("t1_tau_estimate") else {}
     return Results(dict(data.get("metrics") or {}), samples, dict(data.get("per_depth") or {}),
                    dict(data.get("histogram") or {}), dict(data.get("meta") or {}), {}, notes)
+
+
+def _upgraded(res: Results) -> Results:
+    """A version 1 or 2 file in today's names: ``specforge_sim_tau`` is ``chain_tau_estimate`` (it was never
+    SpecForge's figure), and the per-request means, absent then, come from the stored per-sample lengths."""
+    m = res.metrics
+    if OLD_CHAIN_TAU_ESTIMATE in m:
+        m.setdefault(CHAIN_TAU_ESTIMATE, m.pop(OLD_CHAIN_TAU_ESTIMATE))
+    if res.samples:
+        sums = metric_sums(res.samples)
+        for name in (TAU_REQUEST_MEAN, ACCEPT_LENGTH_SERVED):
+            m.setdefault(name, _clean(sums[name].value))
+    return res
 
 
 # -- building ----------------------------------------------------------------------------------

@@ -64,7 +64,7 @@ def _layout(cb: DFlashEvalCallback, block_size: int) -> PanelLayout:
     """What a user passes to tools/wandb_panels.py for this run: from its configuration, not its keys."""
     return PanelLayout(budgets=BUDGETS, categories=sorted({s.category for s in cb.cache.samples}),
                        block_size=block_size, position_buckets=position_labels(EDGES), cycle_buckets=cycle_labels(),
-                       baselines=["baseline/zlab"], published=["published/paper-x"])
+                       baselines=["baseline/zlab"], published=["published/paper-x/tau", "published/paper-y/tau_request_mean"])
 
 
 def test_every_panel_key_exists_in_the_logged_run(offline_run, tiny_drafter_config):
