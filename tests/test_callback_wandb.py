@@ -161,7 +161,7 @@ def test_wandb_offline_run_holds_metrics_table_chart_and_baselines(tmp_path, tin
     chart = json.loads((run_dir / "files" / table_entries[-1]["dflash_eval/charts/acceptance_per_depth_table/path"])
                        .read_text())
     series = {row[1] for row in chart["data"]}
-    assert series == {"live @ step 4", "zlab (reference)", "paper-x (published, not measured here)"}
+    assert series == {"live @ step 4", "zlab (reference)", "paper-x (published, not measured here; pooled)"}
 
 
 def test_baseline_from_another_cache_is_refused_before_training(tmp_path, tiny_cache, tiny_drafter_config,
