@@ -145,3 +145,13 @@ def test_panels_tool_dry_run_builds_the_view_without_network(capsys):
     assert "dflash_eval/baseline/z-lab_drafter/delta_tau_ci_high" in keys and "dflash_eval/acceptance/depth_05" in keys
     assert run(main, ["--entity", "e", "--project", "p", "--position-edges", "3,1", "--dry-run"]) == 2
     assert "position edges must start at 0" in capsys.readouterr().err
+    # A published figure is drawn only beside the live figure of its convention (issue 15).
+    assert run(main, ["--entity", "e", "--project", "p", "--published", "paper-a,paper-b:request_mean",
+                      "--dry-run"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    lines = [p["keys"] for p in plan["Headline"]]
+    assert ["dflash_eval/tau_request_mean", "dflash_eval/published/paper-b/tau_request_mean"] in lines
+    assert any("dflash_eval/published/paper-a/tau" in k and "dflash_eval/tau" in k for k in lines)
+    assert not any("dflash_eval/published/paper-b/tau" in k for k in lines)
+    assert run(main, ["--entity", "e", "--project", "p", "--published", "paper-c:median", "--dry-run"]) == 2
+    assert "unknown convention 'median'" in capsys.readouterr().err
