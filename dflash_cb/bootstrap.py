@@ -161,6 +161,13 @@ def metric_sums(samples: Sequence[Any], budgets: Sequence[int] = (),
     return out
 
 
+def request_means(samples: Sequence[Any]) -> dict[str, float]:
+    """``tau_request_mean`` and ``accept_length_served`` of ``samples`` (in their fixed order; a sample
+    without a cycle is left out of both, NaN when none has one)."""
+    sums = metric_sums(samples)
+    return {k: sums[k].value for k in (TAU_REQUEST_MEAN, ACCEPT_LENGTH_SERVED)}
+
+
 def interval_metrics(samples: Sequence[Any], budgets: Sequence[int] = (), categories: Sequence[str] = (),
                      n_resamples: int = DEFAULT_RESAMPLES, seed: int = DEFAULT_SEED,
                      level: float = DEFAULT_LEVEL) -> dict[str, float]:

@@ -25,7 +25,10 @@ CHAIN_TAU_ESTIMATE = "chain_tau_estimate"
 OLD_CHAIN_TAU_ESTIMATE = "specforge_sim_tau"  # its name in results.json versions 1 and 2
 # SpecForge 0.2.0's DFlash accuracy (train/acc, eval/avg_acc, eval/simulated_acc_len) on the statistics set.
 SPECFORGE_ACC = "specforge/acc"
-# Per-request conventions of published tables (docs/method.md, "Conventions"): means over samples.
+# Per-request conventions of published tables (docs/method.md, "Conventions"): means over samples of
+# ``sample_tau`` / ``sample_accept_length_served``, computed from the per-sample lengths in sample order
+# (``bootstrap.request_means``) rather than from summed counts: a float sum over ranks would depend on
+# the split in its last bits.
 TAU_REQUEST_MEAN = "tau_request_mean"
 ACCEPT_LENGTH_SERVED = "accept_length_served"
 T1_TAU_ESTIMATE = "t1_tau_estimate"
@@ -140,8 +143,6 @@ class EvalCounts:
             "dd_cycles": len(self.budgets), "dd_produced": len(self.budgets),
             "t1_sum": 1, "t1_anchors": 1,
             "anchors_drafted": 1, "anchors_needed": 1,
-            # Per-request means: samples with at least one cycle, and the sums of their per-sample values.
-            "req_samples": 1, "req_tau_sum": 1, "req_served_sum": 1,
         }
         for k, n in shapes.items():
             self.data.setdefault(k, torch.zeros(n, dtype=torch.float64))
@@ -166,10 +167,6 @@ class EvalCounts:
         self.data["samples"] += 1
         self.data["cycles"] += len(lengths)
         self.data["produced"] += sum(lengths)
-        if lengths:  # a sample without a cycle has no acceptance length: it stays out of the request means
-            self.data["req_samples"] += 1
-            self.data["req_tau_sum"] += sample_tau(lengths)
-            self.data["req_served_sum"] += sample_accept_length_served(lengths)
         for n in lengths:
             self.data["hist"][n] += 1
         c = self.categories.index(category)
@@ -215,8 +212,6 @@ def summarize(counts: EvalCounts) -> dict[str, float]:
     d = counts.data
     out: dict[str, float] = {
         TAU: _ratio(d["produced"].item(), d["cycles"].item()),
-        TAU_REQUEST_MEAN: _ratio(d["req_tau_sum"].item(), d["req_samples"].item()),
-        ACCEPT_LENGTH_SERVED: _ratio(d["req_served_sum"].item(), d["req_samples"].item()),
         CYCLES: d["cycles"].item(),
         TOKENS: d["produced"].item(),
         SAMPLES: d["samples"].item(),

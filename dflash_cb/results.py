@@ -26,13 +26,12 @@ from pathlib import Path
 from typing import Any
 
 from . import __version__
-from .bootstrap import DEFAULT_LEVEL, DEFAULT_RESAMPLES, DEFAULT_SEED, interval_metrics, metric_sums
+from .bootstrap import DEFAULT_LEVEL, DEFAULT_RESAMPLES, DEFAULT_SEED, interval_metrics, request_means
 from .cli import describe_os_error
 from .engine import EvalReport
 from .errors import DFlashCBError
 from .fileio import atomic_write_text
 from .metrics import (
-    ACCEPT_LENGTH_SERVED,
     ANCHOR_STRIDE,
     ANCHORS_DRAFTED,
     ANCHORS_NEEDED,
@@ -40,7 +39,6 @@ from .metrics import (
     OLD_CHAIN_TAU_ESTIMATE,
     T1_TAU_ESTIMATE,
     TAU,
-    TAU_REQUEST_MEAN,
     per_depth,
 )
 from .positions import (
@@ -190,9 +188,8 @@ def _upgraded(res: Results) -> Results:
     if OLD_CHAIN_TAU_ESTIMATE in m:
         m.setdefault(CHAIN_TAU_ESTIMATE, m.pop(OLD_CHAIN_TAU_ESTIMATE))
     if res.samples:
-        sums = metric_sums(res.samples)
-        for name in (TAU_REQUEST_MEAN, ACCEPT_LENGTH_SERVED):
-            m.setdefault(name, _clean(sums[name].value))
+        for name, v in request_means(res.samples).items():
+            m.setdefault(name, _clean(v))
     return res
 
 
@@ -202,14 +199,16 @@ def derived_metrics(samples: list[Any], budgets: tuple[int, ...] | list[int], ca
                     position_edges: tuple[int, ...] = DEFAULT_POSITION_EDGES,
                     cycle_buckets: int = DEFAULT_CYCLE_BUCKETS, n_resamples: int = DEFAULT_RESAMPLES,
                     seed: int = DEFAULT_SEED) -> tuple[dict[str, float], dict[str, Any]]:
-    """Metrics computed from per-sample lengths: bootstrap intervals and the position / cycle breakdowns.
+    """Metrics computed from per-sample lengths: the per-request means, bootstrap intervals and the
+    position / cycle breakdowns.
 
     Returns (scalars, breakdown tables). Used by ``report_to_results`` and by the callback (on rank
     zero, from the samples gathered from every rank), so both log the same numbers.
     """
     position = position_table(samples, position_edges, categories)
     cycle = cycle_table(samples, cycle_buckets, categories)
-    scalars = interval_metrics(samples, budgets, categories, n_resamples, seed)
+    scalars = request_means(samples)
+    scalars.update(interval_metrics(samples, budgets, categories, n_resamples, seed))
     scalars.update(breakdown_metrics(position, cycle))
     tables = {"position_edges": list(position_edges), "position": position, "cycle": cycle,
               "interval": {"method": "cluster bootstrap over samples, percentile", "resamples": n_resamples,
