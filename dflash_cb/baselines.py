@@ -10,6 +10,9 @@ Two kinds, never mixed up:
 - **published**: figures reported by papers (``configs/baselines/published.yaml``), with their
   source. They were measured on other prompts and hardware: context, not a like-for-like
   comparison. Entries marked ``placeholder: true`` or whose values are null are never logged.
+  Each entry declares the convention of its acceptance length (``CONVENTIONS``: pooled over cycles,
+  mean over requests, or SGLang's served per-request figure) and is shown only beside the live
+  figure of that convention (docs/method.md, "Conventions").
 """
 
 from __future__ import annotations
@@ -25,12 +28,15 @@ import yaml
 
 from .bootstrap import metric_sums
 from .metrics import (
+    ACCEPT_LENGTH_SERVED,
     ALL_ANCHOR_TAU,
+    CHAIN_TAU_ESTIMATE,
     CI_HIGH_SUFFIX,
     CI_LOW_SUFFIX,
     SERVED_BASELINE,
-    SPECFORGE_TAU,
+    SPECFORGE_ACC,
     TAU,
+    TAU_REQUEST_MEAN,
 )
 from .results import Results, SampleRecord, load_results
 from .states import StateCache
@@ -38,6 +44,13 @@ from .states import StateCache
 MEASURED = "measured"
 PUBLISHED = "published"
 SERVED = "served"  # the server's own counters, stored by the precompute (dflash_cb/served.py)
+
+# A published acceptance length's convention -> the live metric that uses the same one.
+CONVENTIONS = {
+    "pooled": TAU,  # all committed tokens over all cycles
+    "request_mean": TAU_REQUEST_MEAN,  # dflash.benchmark "Average Acceptance length"
+    "served_request_mean": ACCEPT_LENGTH_SERVED,  # mean of SGLang's per-request spec_accept_length
+}
 
 
 @dataclass
@@ -59,7 +72,9 @@ class Baseline:
     def label(self) -> str:
         if self.kind == SERVED:
             return f"{self.name} (served, measured online)"
-        return f"{self.name} (published, not measured here)" if self.kind == PUBLISHED else f"{self.name} (reference)"
+        if self.kind == PUBLISHED:
+            return f"{self.name} (published, not measured here; {self.details.get('convention', 'pooled')})"
+        return f"{self.name} (reference)"
 
     @property
     def key(self) -> str:
@@ -168,8 +183,10 @@ def load_published(path: str | os.PathLike, names: Sequence[str] | None = None) 
     """Read the published-figures YAML. Placeholders and entries without numbers are skipped, not logged.
 
     Format: ``entries: [{name, source, url?, target?, drafter?, setting?, placeholder?,
-    metrics: {tau: 6.5, ddtree/tau_b32: ...}, per_depth: [...]?, note?}]``. Metric names are the
-    unprefixed names of ``dflash_cb.metrics`` (``tau``, ``ddtree/tau_b<B>``, ...).
+    convention, metrics: {tau: 6.5, ddtree/tau_b32: ...}, per_depth: [...]?, note?}]``. Metric names are
+    the unprefixed names of ``dflash_cb.metrics`` (``tau``, ``ddtree/tau_b<B>``, ...). ``convention``
+    (required, ``CONVENTIONS``) says how the paper averaged its ``tau``; it is stored under the live
+    metric of that convention (``published_metric``), so it is only ever shown beside that one.
     """
     path = Path(path)
     try:
@@ -190,20 +207,25 @@ def load_published(path: str | os.PathLike, names: Sequence[str] | None = None) 
         if name in seen:
             raise ValueError(f"{path}: duplicate entry name {name!r}")
         seen.add(name)
+        convention = e.get("convention")
+        if convention not in CONVENTIONS:
+            raise ValueError(f"{path}: entry {name!r} has convention {convention!r}; declare how its acceptance "
+                             f"length was averaged: one of {sorted(CONVENTIONS)} (docs/method.md, \"Conventions\")")
         if wanted is not None and name not in wanted:
             continue
         if e.get("placeholder"):
             skipped.append(f"{name}: placeholder ({e.get('note', 'value not verified')})")
             continue
-        metrics = {str(k): v for k, v in ((e.get("metrics") or {}).items()) if _finite(v) is not None}
-        metrics = {k: float(v) for k, v in metrics.items()}
+        metrics = {published_metric(str(k), str(convention), f"{path}: entry {name!r}"): float(v)
+                   for k, v in ((e.get("metrics") or {}).items()) if _finite(v) is not None}
         per_depth = e.get("per_depth")
         per_depth = [float(v) for v in per_depth] if isinstance(per_depth, list) and all(
             _finite(v) is not None for v in per_depth) and per_depth else None
         if not metrics and not per_depth:
             skipped.append(f"{name}: no numbers")
             continue
-        details = {k: e[k] for k in ("url", "target", "drafter", "setting", "note") if e.get(k) is not None}
+        details = {k: e[k] for k in ("url", "target", "drafter", "setting", "note", "convention")
+                   if e.get(k) is not None}
         out.append(Baseline(name, PUBLISHED, metrics, per_depth, source=str(e["source"]), details=details))
     if wanted is not None:
         unknown = sorted(wanted - seen)
@@ -212,13 +234,27 @@ def load_published(path: str | os.PathLike, names: Sequence[str] | None = None) 
     return PublishedFile(out, skipped)
 
 
+def published_metric(metric: str, convention: str, where: str) -> str:
+    """The live metric a published figure stands beside: its ``tau`` goes to the convention's metric.
+
+    Other figures (DDTree tau, ...) exist live only pooled, so a non-pooled entry may give ``tau`` only.
+    """
+    if metric == TAU:
+        return CONVENTIONS[convention]
+    if convention != "pooled":
+        raise ValueError(f"{where}: {metric!r} under convention {convention!r}: dflash-cb measures it pooled only; "
+                         "give it in an entry with convention: pooled, or drop it")
+    return metric
+
+
 # -- what gets logged -----------------------------------------------------------------------
 
 # Headline figures logged as constant series next to the live ones (per-depth goes to the chart).
 def is_headline(metric: str) -> bool:
     if metric.endswith((CI_LOW_SUFFIX, CI_HIGH_SUFFIX)):
         return False  # a baseline's own intervals stay in the run summary, not as series
-    return metric in (TAU, ALL_ANCHOR_TAU, SPECFORGE_TAU) or metric.startswith(("ddtree/", "category/"))
+    return metric in (TAU, TAU_REQUEST_MEAN, ACCEPT_LENGTH_SERVED, ALL_ANCHOR_TAU, SPECFORGE_ACC,
+                      CHAIN_TAU_ESTIMATE) or metric.startswith(("ddtree/", "category/"))
 
 
 def baseline_scalars(baselines: Sequence[Baseline], prefix: str) -> dict[str, float]:

@@ -29,7 +29,17 @@ from typing import Any
 
 import numpy as np
 
-from .metrics import TAU, category_tau, ci_high, ci_low, ddtree_tau
+from .metrics import (
+    ACCEPT_LENGTH_SERVED,
+    TAU,
+    TAU_REQUEST_MEAN,
+    category_tau,
+    ci_high,
+    ci_low,
+    ddtree_tau,
+    sample_accept_length_served,
+    sample_tau,
+)
 
 DEFAULT_RESAMPLES = 1000
 DEFAULT_LEVEL = 0.95
@@ -125,14 +135,22 @@ def paired_difference(a: Sums, b: Sums, n_resamples: int = DEFAULT_RESAMPLES, se
 
 def metric_sums(samples: Sequence[Any], budgets: Sequence[int] = (),
                 categories: Sequence[str] = ()) -> dict[str, Sums]:
-    """Per-sample sums of ``tau``, each DDTree tau and each category tau (``metrics`` names).
+    """Per-sample sums of ``tau``, the per-request means, each DDTree tau and each category tau.
+
+    A per-request mean is a ratio too: each sample with a cycle adds its own value over a weight of
+    one, a sample without a cycle adds nothing (``metrics.EvalCounts.add_cycles``).
 
     ``samples``: scored samples (``engine.SampleResult`` or ``results.SampleRecord``: ``category``,
     ``acceptance_lengths``, ``ddtree: {budget: lengths}``), in one fixed order.
     """
     produced = [float(sum(s.acceptance_lengths)) for s in samples]
     cycles = [float(len(s.acceptance_lengths)) for s in samples]
-    out = {TAU: Sums.of(produced, cycles)}
+    has = [1.0 if s.acceptance_lengths else 0.0 for s in samples]
+    out = {TAU: Sums.of(produced, cycles),
+           TAU_REQUEST_MEAN: Sums.of([sample_tau(s.acceptance_lengths) if s.acceptance_lengths else 0.0
+                                      for s in samples], has),
+           ACCEPT_LENGTH_SERVED: Sums.of([sample_accept_length_served(s.acceptance_lengths)
+                                          if s.acceptance_lengths else 0.0 for s in samples], has)}
     for b in budgets:
         dd = [s.ddtree.get(b, []) for s in samples]
         out[ddtree_tau(b)] = Sums.of([float(sum(x)) for x in dd], [float(len(x)) for x in dd])
@@ -143,10 +161,18 @@ def metric_sums(samples: Sequence[Any], budgets: Sequence[int] = (),
     return out
 
 
+def request_means(samples: Sequence[Any]) -> dict[str, float]:
+    """``tau_request_mean`` and ``accept_length_served`` of ``samples`` (in their fixed order; a sample
+    without a cycle is left out of both, NaN when none has one)."""
+    sums = metric_sums(samples)
+    return {k: sums[k].value for k in (TAU_REQUEST_MEAN, ACCEPT_LENGTH_SERVED)}
+
+
 def interval_metrics(samples: Sequence[Any], budgets: Sequence[int] = (), categories: Sequence[str] = (),
                      n_resamples: int = DEFAULT_RESAMPLES, seed: int = DEFAULT_SEED,
                      level: float = DEFAULT_LEVEL) -> dict[str, float]:
-    """``{<metric>_ci_low, <metric>_ci_high}`` for tau, DDTree taus and category taus (finite ends only)."""
+    """``{<metric>_ci_low, <metric>_ci_high}`` for tau, the per-request means, DDTree taus and category taus
+    (finite ends only)."""
     if not samples:
         return {}
     out: dict[str, float] = {}

@@ -21,7 +21,16 @@ from typing import Any
 
 from .bootstrap import DEFAULT_RESAMPLES, DEFAULT_SEED, Interval, intervals, metric_sums, paired_difference
 from .errors import DFlashCBError
-from .metrics import DELTA_TAU, TAU, category_tau, ci_high, ci_low, ddtree_tau
+from .metrics import (
+    ACCEPT_LENGTH_SERVED,
+    DELTA_TAU,
+    TAU,
+    TAU_REQUEST_MEAN,
+    category_tau,
+    ci_high,
+    ci_low,
+    ddtree_tau,
+)
 from .positions import DEFAULT_POSITION_EDGES, check_edges, cycle_table, position_table
 from .report import with_interval
 from .results import Results, check_results_path, derived_metrics, load_results
@@ -185,9 +194,16 @@ def compare(labels: Sequence[str], results: Sequence[Results], n_resamples: int 
                       check_edges(position_edges))
 
 
+_LABELS = {
+    TAU: "tau (pooled over cycles)",
+    TAU_REQUEST_MEAN: "tau, mean over requests (dflash.benchmark)",
+    ACCEPT_LENGTH_SERVED: "served accept length, mean over requests (SGLang)",
+}
+
+
 def _metric_label(metric: str) -> str:
-    if metric == TAU:
-        return "tau"
+    if metric in _LABELS:
+        return _LABELS[metric]
     if metric.startswith("ddtree/tau_b"):
         return f"DDTree tau, budget {metric.rsplit('_b', 1)[1]}"
     if metric.startswith("category/"):
@@ -203,10 +219,26 @@ def _fmt_iv(iv: Interval) -> str:
 
 
 def _metrics_order(c: Comparison) -> list[str]:
-    return [TAU, *(ddtree_tau(b) for b in c.budgets), *(category_tau(x) for x in c.categories)]
+    return [TAU, TAU_REQUEST_MEAN, ACCEPT_LENGTH_SERVED, *(ddtree_tau(b) for b in c.budgets),
+            *(category_tau(x) for x in c.categories)]
 
 
-def render_markdown(c: Comparison, plot_path: str | None = None) -> str:
+def published_rows(c: Comparison, published: Sequence[Any]) -> list[str]:
+    """Markdown rows: each published figure beside every evaluation's figure of the same convention.
+
+    ``published``: ``baselines.Baseline`` entries of kind published (their metric names already carry the
+    convention, ``baselines.published_metric``). A figure no evaluation has is listed as such.
+    """
+    rows = []
+    for b in published:
+        for m, v in sorted(b.metrics.items()):
+            live = [c.intervals[i][m] if m in c.intervals[i] else None for i in range(len(c.labels))]
+            cells = " | ".join("n/a" if iv is None else _fmt_iv(iv) for iv in live)
+            rows.append(f"| {b.name} | {_metric_label(m)} | {v:.3f} | {cells} |")
+    return rows
+
+
+def render_markdown(c: Comparison, plot_path: str | None = None, published: Sequence[Any] = ()) -> str:
     r0 = c.results[0]
     lines = ["## Drafter comparison", ""]
     lines.append(f"Cache `{r0.meta.get('cache_path')}` (manifest `{str(r0.manifest_sha256)[:12]}`), "
@@ -218,6 +250,11 @@ def render_markdown(c: Comparison, plot_path: str | None = None) -> str:
     lines += ["", "| metric | " + " | ".join(c.labels) + " |", "|---" * (len(c.labels) + 1) + "|"]
     for m in _metrics_order(c):
         lines.append(f"| {_metric_label(m)} | " + " | ".join(_fmt_iv(iv[m]) for iv in c.intervals) + " |")
+    if published:
+        lines += ["", "### Published figures (other prompts and hardware: context, not measured here)", "",
+                  "Each figure stands beside the figure of its own convention on these prompts.", "",
+                  "| published | convention / metric | published value | " + " | ".join(c.labels) + " |",
+                  "|---" * (len(c.labels) + 3) + "|", *published_rows(c, published)]
     lines += ["", "### Paired differences", "", "| pair | metric | difference [95% interval] | verdict |",
               "|---|---|---|---|"]
     for (i, j), d in c.differences.items():
@@ -320,6 +357,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="comparison", help="writes OUT.md and OUT.png (default: ./comparison)")
     p.add_argument("--resamples", type=int, default=DEFAULT_RESAMPLES, help="bootstrap resamples (default 1000)")
     p.add_argument("--seed", type=int, default=DEFAULT_SEED, help="bootstrap seed (default 0)")
+    p.add_argument("--published", default=None,
+                   help="published-figures YAML (configs/baselines/published.yaml format): each figure is listed "
+                        "beside the evaluations' figure of its declared convention")
     p.add_argument("--position-edges", default=",".join(map(str, DEFAULT_POSITION_EDGES)),
                    help="completion-position bucket edges (default 0,256,512,1024,2048)")
     return p
@@ -337,9 +377,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     labels = _labels(args.results, args.labels)
     out = Path(args.out)
     md_path, png_path = (check_results_path(out.with_suffix(x), "--out", f"comparison{x}") for x in (".md", ".png"))
+    published = []
+    if args.published:
+        from .baselines import load_published
+
+        try:
+            published = load_published(args.published).baselines
+        except (OSError, ValueError) as e:
+            raise CompareError(f"--published: {e}") from None
     results = [load_results(p) for p in args.results]  # ResultsError names the file and the fix
     c = compare(labels, results, args.resamples, args.seed, edges)
-    md = render_markdown(c, png_path.name)
+    md = render_markdown(c, png_path.name, published)
     from .fileio import atomic_write_text
 
     atomic_write_text(md_path, md)  # first: the comparison is kept even if the plot fails

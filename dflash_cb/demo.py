@@ -33,9 +33,12 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import DFlashCBError
 from .metrics import (
+    ACCEPT_LENGTH_SERVED,
     ALL_ANCHOR_TAU,
-    SPECFORGE_TAU,
+    CHAIN_TAU_ESTIMATE,
+    SPECFORGE_ACC,
     TAU,
+    TAU_REQUEST_MEAN,
     category_tau,
     ci_high,
     ci_low,
@@ -563,8 +566,11 @@ def _print_summary(s: dict[str, Any], results: Results, cfg: DemoConfig) -> None
          + ("" if cfg.quick else f"   (goal >= {TAU_GOAL}: {'reached' if s['goal_reached'] else 'NOT reached'})"))
     _say(f"  DDTree tau, budget {s['ddtree_budget']}: {_fmt(s['ddtree_tau_last'])}   per category: "
          + ", ".join(f"{k} {_fmt(v, 2)}" for k, v in sorted(s["category_tau_last"].items())))
-    _say(f"  all-anchor mean: {_fmt(results.metric(ALL_ANCHOR_TAU))}   SpecForge-style estimate: "
-         f"{_fmt(results.metric(SPECFORGE_TAU))}")
+    _say(f"  same replay, per-request means: tau {_fmt(results.metric(TAU_REQUEST_MEAN))}   served convention "
+         f"(SGLang spec_accept_length) {_fmt(results.metric(ACCEPT_LENGTH_SERVED))}")
+    _say(f"  all-anchor mean: {_fmt(results.metric(ALL_ANCHOR_TAU))}   SpecForge DFlash accuracy: "
+         f"{_fmt(results.metric(SPECFORGE_ACC))}   independent-depth chain estimate: "
+         f"{_fmt(results.metric(CHAIN_TAU_ESTIMATE))}")
     _say(f"  first vs last checkpoint (paired, same prompts): {s['first_vs_last']['text']}: "
          f"{s['first_vs_last']['verdict']}")
     _say("  [..] = 95% interval over the choice of prompts (cluster bootstrap over the held-out prompts)")

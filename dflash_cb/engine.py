@@ -591,8 +591,8 @@ def evaluate(cache: StateCache, drafter: Any, head: TargetHead | None = None, *,
              tail_blocks: str = "served") -> EvalReport:
     """Score ``drafter`` on ``cache``: exact greedy replay, DDTree per budget, anchor statistics.
 
-    ``anchor_stride`` picks the anchor-statistics set (per-depth acceptance, ``all_anchor_tau``, the
-    SpecForge-style and temperature-1 estimates): every ``anchor_stride``-th anchor from
+    ``anchor_stride`` picks the anchor-statistics set (per-depth acceptance, ``specforge/acc``,
+    ``all_anchor_tau``, the chain and temperature-1 estimates): every ``anchor_stride``-th anchor from
     ``prompt_len``, the same at every evaluation; 1 = every anchor. The replays are exact whatever
     the stride. ``head`` defaults to the cache's exported target head. ``autocast_dtype`` (e.g.
     bfloat16 on GPU) trades exactness for speed; exactness tests use float32. ``keep_drafts`` > 0

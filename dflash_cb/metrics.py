@@ -7,9 +7,12 @@ dividing, so the numbers do not depend on how samples were split into batches or
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+
+from .served import spec_accept_length
 
 # Metric names (logged as ``prefix + name``; the glossary in README.md defines each one).
 TAU = "tau"
@@ -17,7 +20,17 @@ CYCLES = "cycles"
 TOKENS = "committed_tokens"
 SAMPLES = "samples"
 ALL_ANCHOR_TAU = "all_anchor_tau"
-SPECFORGE_TAU = "specforge_sim_tau"
+# 1 + sum_k prod_{j<=k} acceptance/depth_j: a chain of independent depths; no peer logs this for DFlash.
+CHAIN_TAU_ESTIMATE = "chain_tau_estimate"
+OLD_CHAIN_TAU_ESTIMATE = "specforge_sim_tau"  # its name in results.json versions 1 and 2
+# SpecForge 0.2.0's DFlash accuracy (train/acc, eval/avg_acc, eval/simulated_acc_len) on the statistics set.
+SPECFORGE_ACC = "specforge/acc"
+# Per-request conventions of published tables (docs/method.md, "Conventions"): means over samples of
+# ``sample_tau`` / ``sample_accept_length_served``, computed from the per-sample lengths in sample order
+# (``bootstrap.request_means``) rather than from summed counts: a float sum over ranks would depend on
+# the split in its last bits.
+TAU_REQUEST_MEAN = "tau_request_mean"
+ACCEPT_LENGTH_SERVED = "accept_length_served"
 T1_TAU_ESTIMATE = "t1_tau_estimate"
 EVAL_TIME = "eval_time_s"
 # Evaluation cost: distinct anchors the drafter ran at / the replays and the statistics set needed.
@@ -90,6 +103,26 @@ def cycle_tau(bucket: str) -> str:
 
 def cycle_cycles(bucket: str) -> str:
     return f"cycle/{bucket}/cycles"
+
+
+def sample_tau(lengths: Sequence[int]) -> float:
+    """One request's mean acceptance length: its committed tokens over its cycles (NaN without a cycle).
+
+    The per-request number that ``dflash.benchmark`` averages into "Average Acceptance length"
+    (dflash 0.1.0: mean of each request's ``acceptance_lengths``); ``tau_request_mean`` is its mean.
+    """
+    return sum(lengths) / len(lengths) if lengths else math.nan
+
+
+def sample_accept_length_served(lengths: Sequence[int]) -> float:
+    """One request's acceptance length as SGLang serves it (``spec_accept_length``), from its replay.
+
+    SGLang 0.5.23 divides ``completion_tokens`` by ``spec_verify_ct``; its completion includes the
+    prefill's token, which belongs to no cycle: ``(1 + sum(lengths)) / len(lengths)``. SpecForge's
+    SGLang benchmark averages this per-request figure. NaN without a cycle (SGLang then sends no
+    ``spec_*`` fields).
+    """
+    return spec_accept_length(1 + sum(lengths), len(lengths)) if lengths else math.nan
 
 
 @dataclass
@@ -195,14 +228,16 @@ def summarize(counts: EvalCounts) -> dict[str, float]:
     for k, (u, c) in enumerate(zip(uncond, cond, strict=True), start=1):
         out[depth_acc(k)] = u
         out[depth_acc_cond(k)] = c
-    # SpecForge-style estimate: 1 + sum_k prod_{j<=k} acc_j from per-position (unconditional) accuracy.
+    # SpecForge's pooled DFlash accuracy: integer matches over integer weights, every (anchor, depth).
+    out[SPECFORGE_ACC] = _ratio(d["depth_match"].sum().item(), d["depth_total"].sum().item())
+    # Independent-depth chain: 1 + sum_k prod_{j<=k} acc_j from per-position (unconditional) accuracy.
     sim, prod = 1.0, 1.0
     for u in uncond:
         if math.isnan(u):
             break
         prod *= u
         sim += prod
-    out[SPECFORGE_TAU] = sim if d["anchors"].item() > 0 else math.nan
+    out[CHAIN_TAU_ESTIMATE] = sim if d["anchors"].item() > 0 else math.nan
     for i, c in enumerate(counts.categories):
         out[category_tau(c)] = _ratio(d["cat_produced"][i].item(), d["cat_cycles"][i].item())
     total = d["hist"].sum().item()

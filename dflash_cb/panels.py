@@ -25,8 +25,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .baselines import CONVENTIONS
 from .errors import DFlashCBError
 from .metrics import (
+    ACCEPT_LENGTH_SERVED,
     ANCHORS_DRAFTED,
     ANCHORS_NEEDED,
     BEST_STEP,
@@ -37,6 +39,7 @@ from .metrics import (
     FULL_PREFIX,
     SERVED_BASELINE,
     TAU,
+    TAU_REQUEST_MEAN,
     TOKENS,
     category_tau,
     ci_high,
@@ -66,7 +69,9 @@ class PanelLayout:
     position_buckets: Sequence[str] = field(default_factory=lambda: position_labels(DEFAULT_POSITION_EDGES))
     cycle_buckets: Sequence[str] = field(default_factory=lambda: cycle_labels(DEFAULT_CYCLE_BUCKETS))
     baselines: Sequence[str] = ()  # measured: "baseline/<name>" segments (Baseline.key): tau and delta_tau
-    published: Sequence[str] = ()  # "published/<name>"
+    # "published/<name>/<metric>": a published figure under the live metric of its convention
+    # (baselines.CONVENTIONS: tau, tau_request_mean or accept_length_served).
+    published: Sequence[str] = ()
     cost: Sequence[str] = COST_KEYS
     # Budgets of the light (periodic) evaluations; None = the callback's default, the largest budget.
     # The other budgets are logged by the full evaluations only, so their panel shows the full/ keys.
@@ -102,7 +107,6 @@ class PanelSpec:
 def panel_plan(layout: PanelLayout) -> dict[str, list[PanelSpec]]:
     """Section name -> panels; every key is fully prefixed."""
     p = layout.prefix
-    refs = [*layout.baselines, *([SERVED_BASELINE] if layout.served else []), *layout.published]
     every = layout.light_budgets
     full_only = [b for b in layout.budgets if b not in every]
     top = max(every) if every else None
@@ -110,7 +114,17 @@ def panel_plan(layout: PanelLayout) -> dict[str, list[PanelSpec]]:
     def line(title: str, names: Iterable[str]) -> PanelSpec:
         return PanelSpec("line", title, tuple(p + n for n in names))
 
-    headline = [line("tau: live vs references", [TAU] + [f"{r}/{TAU}" for r in refs])]
+    def published(metric: str) -> list[str]:
+        return [r for r in layout.published if r.endswith("/" + metric)]
+
+    # Pooled references: measured baselines, the served counters, and published figures of the pooled convention.
+    refs = [*layout.baselines, *([SERVED_BASELINE] if layout.served else []),
+            *(r.rsplit("/", 1)[0] for r in published(TAU))]
+    headline = [line("tau (pooled): live vs references", [TAU] + [f"{r}/{TAU}" for r in refs])]
+    # A published figure is only ever drawn beside the live figure of its own convention.
+    headline += [line(title, [m, *published(m)]) for title, m in (
+        ("tau, mean over requests (dflash.benchmark): live vs published", TAU_REQUEST_MEAN),
+        ("served accept length, mean over requests (SGLang): live vs published", ACCEPT_LENGTH_SERVED))]
     if every or full_only:
         title = "DDTree tau per budget" + (" (full/: full evaluations only)" if full_only else "")
         headline.append(line(title, [ddtree_tau(b) for b in every] + [FULL_PREFIX + ddtree_tau(b) for b in full_only]
@@ -171,8 +185,9 @@ def layout_from_keys(keys: Iterable[str], prefix: str = "dflash_eval/",
     depths = [int(d) for d in grab(r"acceptance/depth_(\d+)")]
     named = grab(r"baseline/([^/]+)/tau")
     baselines = [f"baseline/{n}" for n in named if f"baseline/{n}" != SERVED_BASELINE]
-    published = [f"published/{n}" for n in grab(r"published/([^/]+)/tau")]
-    refs = [*baselines, SERVED_BASELINE, *published]
+    published = [f"published/{n}" for n in grab(
+        r"published/([^/]+/(?:" + "|".join(map(re.escape, CONVENTIONS.values())) + "))")]
+    refs = [*baselines, SERVED_BASELINE, *(r.rsplit("/", 1)[0] for r in published if r.endswith("/" + TAU))]
     return PanelLayout(
         prefix=prefix,
         budgets=sorted(int(b) for b in grab(r"ddtree/tau_b(\d+)")),
@@ -285,13 +300,26 @@ def build_parser() -> Any:
     p.add_argument("--baselines", default="", help="names of the measured baselines (callback baselines=)")
     p.add_argument("--served", action="store_true",
                    help="the cache holds the server's counters: show baseline/served/tau (no paired delta)")
-    p.add_argument("--published", default="", help="names of the published entries logged")
+    p.add_argument("--published", default="",
+                   help="published entries logged: NAME (convention pooled) or NAME:CONVENTION, CONVENTION one of "
+                        + ", ".join(CONVENTIONS))
     p.add_argument("--dry-run", action="store_true", help="print the panels and build the view; do not save")
     return p
 
 
 def _csv(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def _published_key(item: str) -> str:
+    """``NAME`` or ``NAME:CONVENTION`` -> ``published/<slug>/<metric of that convention>``."""
+    from .baselines import _slug
+
+    name, _, convention = item.partition(":")
+    convention = convention or "pooled"
+    if convention not in CONVENTIONS:
+        raise ValueError(f"--published {item!r}: unknown convention {convention!r}; use one of {sorted(CONVENTIONS)}")
+    return f"published/{_slug(name)}/{CONVENTIONS[convention]}"
 
 
 class PanelsError(DFlashCBError, ValueError):
@@ -376,7 +404,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                                                        args.position_edges)),
                                  cycle_buckets=cycle_labels(args.cycle_buckets),
                                  baselines=[f"baseline/{_slug(n)}" for n in _csv(args.baselines)],
-                                 published=[f"published/{_slug(n)}" for n in _csv(args.published)],
+                                 published=[_published_key(x) for x in _csv(args.published)],
                                  periodic_budgets=None if args.periodic_budgets is None
                                  else list(parse_int_list("--periodic-budgets", args.periodic_budgets, 1)),
                                  served=args.served)

@@ -7,12 +7,15 @@ from collections.abc import Sequence
 from typing import Any
 
 from .metrics import (
+    ACCEPT_LENGTH_SERVED,
     ALL_ANCHOR_TAU,
+    CHAIN_TAU_ESTIMATE,
     DELTA_TAU,
     EVAL_TIME,
-    SPECFORGE_TAU,
+    SPECFORGE_ACC,
     T1_TAU_ESTIMATE,
     TAU,
+    TAU_REQUEST_MEAN,
     category_tau,
     ci_high,
     ci_low,
@@ -52,11 +55,15 @@ def format_results(res: Results) -> str:
         lines.append(f"anchors  drafted {meta['anchors_drafted']}   needed {meta.get('anchors_needed')}   "
                      f"statistics stride {meta.get('anchor_stride')}")
     lines.append("")
-    lines.append(f"  tau (greedy replay)          {metric_with_interval(res, TAU)}")
+    lines.append(f"  tau (greedy replay, pooled)  {metric_with_interval(res, TAU)}")
+    lines.append(f"  tau, mean over requests      {metric_with_interval(res, TAU_REQUEST_MEAN)}  (dflash.benchmark)")
+    lines.append(f"  served accept length         {metric_with_interval(res, ACCEPT_LENGTH_SERVED)}  "
+                 "(SGLang spec_accept_length, request mean)")
     for b in res.budgets:
         lines.append(f"  DDTree tau, budget {b:>4}     {metric_with_interval(res, ddtree_tau(b))}")
     lines.append(f"  all-anchor mean accepted     {_f(res.metric(ALL_ANCHOR_TAU))}")
-    lines.append(f"  SpecForge-style product est. {_f(res.metric(SPECFORGE_TAU))}")
+    lines.append(f"  SpecForge DFlash accuracy    {_f(res.metric(SPECFORGE_ACC))}  (its train/acc, eval/avg_acc)")
+    lines.append(f"  chain estimate (indep.)      {_f(res.metric(CHAIN_TAU_ESTIMATE))}")
     if res.metric(T1_TAU_ESTIMATE) is not None:
         lines.append(f"  tau at temperature 1         {_f(res.metric(T1_TAU_ESTIMATE))}  "
                      "(ESTIMATE from top-K target log-probs)")

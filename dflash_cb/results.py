@@ -9,7 +9,9 @@ of samples (``baselines``) or compared sample by sample (``compare``).
 
 Written by ``tools/eval_drafter.py`` and the demo; read back as a baseline by the callback, which
 refuses a baseline measured on another cache (the manifest hash differs), and by
-``tools/compare_results.py``. Version 1 files (before this schema) are still read.
+``tools/compare_results.py``. Version 1 files (before this schema) and version 2 files (before
+``specforge_sim_tau`` became ``chain_tau_estimate`` and the per-request means were added) are still
+read: the old name is renamed and the per-request means are recomputed from the stored samples.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from . import __version__
-from .bootstrap import DEFAULT_LEVEL, DEFAULT_RESAMPLES, DEFAULT_SEED, interval_metrics
+from .bootstrap import DEFAULT_LEVEL, DEFAULT_RESAMPLES, DEFAULT_SEED, interval_metrics, request_means
 from .cli import describe_os_error
 from .engine import EvalReport
 from .errors import DFlashCBError
@@ -34,6 +36,8 @@ from .metrics import (
     ANCHOR_STRIDE,
     ANCHORS_DRAFTED,
     ANCHORS_NEEDED,
+    CHAIN_TAU_ESTIMATE,
+    OLD_CHAIN_TAU_ESTIMATE,
     T1_TAU_ESTIMATE,
     TAU,
     per_depth,
@@ -48,7 +52,7 @@ from .positions import (
 from .states import StateCache
 
 RESULTS_FORMAT = "dflash-cb-results"
-RESULTS_VERSION = 2
+RESULTS_VERSION = 3
 T1_NOTE = ("estimate: expected accepted length at temperature 1 from per-depth overlap sum_x min(p, q) "
            "with the target's stored top-K log-probs, along the greedy path; not an exact replay")
 INTERVAL_NOTE = ("95% cluster-bootstrap percentile intervals over samples (whole samples resampled with their "
@@ -86,7 +90,7 @@ class SampleRecord:
 
 @dataclass
 class Results:
-    """The content of a ``results.json`` (version 2)."""
+    """The content of a ``results.json`` (version 3)."""
 
     metrics: dict[str, float | None]
     samples: list[SampleRecord]
@@ -126,7 +130,7 @@ class Results:
 
     @property
     def drafter_step(self) -> int | None:
-        """The scored checkpoint's global step, when known (version 2 only)."""
+        """The scored checkpoint's global step, when known (version 2 and later)."""
         d = self.meta.get("drafter")
         return d.get("global_step") if isinstance(d, dict) else None
 
@@ -152,7 +156,7 @@ class Results:
         try:
             if version == 1:
                 res = _from_v1(data)
-            elif version == RESULTS_VERSION:
+            elif version in (2, RESULTS_VERSION):
                 res = cls(dict(data.get("metrics") or {}),
                           [SampleRecord.from_dict(s) for s in data.get("samples") or []],
                           dict(data.get("per_depth") or {}), dict(data.get("histogram") or {}),
@@ -165,9 +169,9 @@ class Results:
                                "tools/eval_drafter.py to write it again") from e
         if res is not None:
             check_samples(res.samples, block_size, where)
-            return res
+            return res if version == RESULTS_VERSION else _upgraded(res)  # older files under today's names
         raise ResultsError(f"{where}: results version {version!r} is not known to dflash-cb {__version__} "
-                           f"(it reads 1 and {RESULTS_VERSION}); upgrade dflash-cb or rerun tools/eval_drafter.py")
+                           f"(it reads 1 to {RESULTS_VERSION}); upgrade dflash-cb or rerun tools/eval_drafter.py")
 
 
 def _lengths(values: Any, sample: Any, what: str = "acceptance_lengths") -> list[int]:
@@ -227,20 +231,34 @@ def _from_v1(data: dict[str, Any]) -> Results:
                    dict(data.get("histogram") or {}), dict(data.get("meta") or {}), {}, notes)
 
 
+def _upgraded(res: Results) -> Results:
+    """A version 1 or 2 file in today's names: ``specforge_sim_tau`` is ``chain_tau_estimate`` (it was never
+    SpecForge's figure), and the per-request means, absent then, come from the stored per-sample lengths."""
+    m = res.metrics
+    if OLD_CHAIN_TAU_ESTIMATE in m:
+        m.setdefault(CHAIN_TAU_ESTIMATE, m.pop(OLD_CHAIN_TAU_ESTIMATE))
+    if res.samples:
+        for name, v in request_means(res.samples).items():
+            m.setdefault(name, _clean(v))
+    return res
+
+
 # -- building ----------------------------------------------------------------------------------
 
 def derived_metrics(samples: list[Any], budgets: tuple[int, ...] | list[int], categories: tuple[str, ...] | list[str],
                     position_edges: tuple[int, ...] = DEFAULT_POSITION_EDGES,
                     cycle_buckets: int = DEFAULT_CYCLE_BUCKETS, n_resamples: int = DEFAULT_RESAMPLES,
                     seed: int = DEFAULT_SEED) -> tuple[dict[str, float], dict[str, Any]]:
-    """Metrics computed from per-sample lengths: bootstrap intervals and the position / cycle breakdowns.
+    """Metrics computed from per-sample lengths: the per-request means, bootstrap intervals and the
+    position / cycle breakdowns.
 
     Returns (scalars, breakdown tables). Used by ``report_to_results`` and by the callback (on rank
     zero, from the samples gathered from every rank), so both log the same numbers.
     """
     position = position_table(samples, position_edges, categories)
     cycle = cycle_table(samples, cycle_buckets, categories)
-    scalars = interval_metrics(samples, budgets, categories, n_resamples, seed)
+    scalars = request_means(samples)
+    scalars.update(interval_metrics(samples, budgets, categories, n_resamples, seed))
     scalars.update(breakdown_metrics(position, cycle))
     tables = {"position_edges": list(position_edges), "position": position, "cycle": cycle,
               "interval": {"method": "cluster bootstrap over samples, percentile", "resamples": n_resamples,

@@ -147,6 +147,15 @@ def verify_rounds(counters: Mapping[str, Any] | None) -> int | None:
     return int(v)
 
 
+def spec_accept_length(completion_tokens: int, rounds: int) -> float:
+    """SGLang's per-request ``spec_accept_length``: ``completion_tokens / spec_verify_ct``.
+
+    SGLang 0.5.23 (``TokenizerManager``, per-request ``meta_info``) divides every output token, the prefill's first one
+    included, by the verification rounds. ``metrics.sample_accept_length_served`` applies it to a replay.
+    """
+    return completion_tokens / rounds
+
+
 def served_rounds_and_tau(counters: Mapping[str, Any], completion_tokens: int) -> tuple[int, float]:
     """``(rounds, tau)`` of one served request in the replay's convention.
 

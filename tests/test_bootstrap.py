@@ -146,7 +146,7 @@ def test_results_schema_round_trip_partition_and_refusals(tmp_path, tiny_cache, 
     back = load_results(path, cache)
     assert back.to_dict() == json.loads(path.read_text())
     raw = json.loads(path.read_text())
-    assert raw["version"] == 2 and "tau" not in raw  # every scalar once, under metrics
+    assert raw["version"] == 3 and "tau" not in raw  # every scalar once, under metrics
     assert back.tau == pytest.approx(report.tau)
     for name in ("tau", "ddtree/tau_b4"):
         assert back.metric(name + "_ci_low") <= back.metric(name) <= back.metric(name + "_ci_high")

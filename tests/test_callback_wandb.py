@@ -64,9 +64,13 @@ def reference_results(tiny_cache, tiny_drafter_config, tmp_path_factory) -> Path
 
 def write_published(path: Path) -> Path:
     path.write_text(yaml.safe_dump({"entries": [
-        {"name": "paper-x", "source": "TEST DATA, not a real paper", "metrics": {"tau": 3.5, "ddtree/tau_b8": 4.0},
-         "per_depth": [0.9, 0.8, 0.7, 0.6, 0.5]},
-        {"name": "unknown-drafter", "source": "model card", "placeholder": True, "metrics": {"tau": None}},
+        {"name": "paper-x", "source": "TEST DATA, not a real paper", "convention": "pooled",
+         "metrics": {"tau": 3.5, "ddtree/tau_b8": 4.0}, "per_depth": [0.9, 0.8, 0.7, 0.6, 0.5]},
+        # A mean over requests: shown only beside the live tau_request_mean, never beside the pooled tau.
+        {"name": "paper-y", "source": "TEST DATA, not a real paper", "convention": "request_mean",
+         "metrics": {"tau": 3.25}},
+        {"name": "unknown-drafter", "source": "model card", "placeholder": True, "convention": "pooled",
+         "metrics": {"tau": None}},
     ]}))
     return path
 
@@ -95,8 +99,13 @@ def test_wandb_offline_run_holds_metrics_table_chart_and_baselines(tmp_path, tin
     keys = set().union(*history)
     for k in ("dflash_eval/ddtree/tau_b4", "dflash_eval/ddtree/tau_b8", "dflash_eval/acceptance/depth_01",
               "dflash_eval/all_anchor_tau", "dflash_eval/category/code/tau", "dflash_eval/eval_time_s",
-              "dflash_eval/baseline/zlab/tau", "dflash_eval/published/paper-x/tau"):
+              "dflash_eval/baseline/zlab/tau", "dflash_eval/published/paper-x/tau", "dflash_eval/specforge/acc",
+              "dflash_eval/tau_request_mean", "dflash_eval/accept_length_served",
+              "dflash_eval/published/paper-y/tau_request_mean"):
         assert k in keys, k
+    # Each published figure sits only under the live metric of its declared convention.
+    assert "dflash_eval/published/paper-y/tau" not in keys
+    assert all(h["dflash_eval/published/paper-y/tau_request_mean"] == 3.25 for h in evals)
     assert not any("unknown-drafter" in k for k in keys | set(summary))  # placeholders are never logged
 
     # The reference is restricted to the same 4-sample subset the live evaluation scores.
@@ -123,7 +132,7 @@ def test_wandb_offline_run_holds_metrics_table_chart_and_baselines(tmp_path, tin
     chart = json.loads((run_dir / "files" / table_entries[-1]["dflash_eval/charts/acceptance_per_depth_table/path"])
                        .read_text())
     series = {row[1] for row in chart["data"]}
-    assert series == {"live @ step 4", "zlab (reference)", "paper-x (published, not measured here)"}
+    assert series == {"live @ step 4", "zlab (reference)", "paper-x (published, not measured here; pooled)"}
 
 
 def test_baseline_from_another_cache_is_refused_before_training(tmp_path, tiny_cache, tiny_drafter_config,

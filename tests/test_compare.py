@@ -60,9 +60,40 @@ def test_tool_writes_markdown_and_png(two_results, tmp_path):
     assert (tmp_path / "cmp.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     ra, rb = load_results(a), load_results(b)
     assert f"**second - first = {rb.tau - ra.tau:+.3f} [" in md
-    assert "| tau |" in md and "DDTree tau, budget 8" in md and "tau, code" in md
+    assert "| tau (pooled over cycles) |" in md and "DDTree tau, budget 8" in md and "tau, code" in md
     assert "### By position in the completion" in md and "| 0_256 |" in md and "| 4plus |" in md
     assert "global step 2" in md and md in proc.stdout
+
+
+def test_published_figures_sit_beside_their_own_convention(two_results, tmp_path, capsys):
+    """Issue 15 item 2: a published figure is listed only beside the live figure of its declared convention."""
+    import yaml
+
+    from dflash_cb.metrics import ACCEPT_LENGTH_SERVED, TAU_REQUEST_MEAN, ci_high, ci_low
+
+    a, b = two_results
+    pub = tmp_path / "pub.yaml"
+    pub.write_text(yaml.safe_dump({"entries": [
+        {"name": "bench-mean", "source": "TEST DATA", "convention": "request_mean", "metrics": {"tau": 6.5}},
+        {"name": "sglang-mean", "source": "TEST DATA", "convention": "served_request_mean", "metrics": {"tau": 7.25}},
+        {"name": "pooled-x", "source": "TEST DATA", "convention": "pooled", "metrics": {"tau": 5.75}}]}))
+    code, out, err = _run_here(capsys, str(a), str(b), "--out", str(tmp_path / "cmp"),
+                               "--published", str(pub))
+    assert code == 0, err
+    rows = {line.split(" | ")[0].strip("| "): line for line in out.splitlines() if line.startswith(
+        ("| bench-mean", "| sglang-mean", "| pooled-x"))}
+    ra, rb = load_results(a), load_results(b)
+    assert "| tau, mean over requests (dflash.benchmark) | 6.500 |" in rows["bench-mean"]
+    assert "| served accept length, mean over requests (SGLang) | 7.250 |" in rows["sglang-mean"]
+    assert "| tau (pooled over cycles) | 5.750 |" in rows["pooled-x"]
+    for name, metric in (("bench-mean", TAU_REQUEST_MEAN), ("sglang-mean", ACCEPT_LENGTH_SERVED)):
+        for r in (ra, rb):  # the live cells are that convention's figure, with its interval
+            assert f"{r.metric(metric):.3f} [{r.metric(ci_low(metric)):.2f}, {r.metric(ci_high(metric)):.2f}]" \
+                in rows[name], (name, rows[name])
+    # A published figure without a convention is refused, naming the entry and the choices.
+    pub.write_text(yaml.safe_dump({"entries": [{"name": "nameless", "source": "TEST DATA", "metrics": {"tau": 6.0}}]}))
+    code, out, err = _run_here(capsys, str(a), str(b), "--out", str(tmp_path / "cmp2"), "--published", str(pub))
+    assert code == 2 and "'nameless'" in err and "request_mean" in err and not (tmp_path / "cmp2.md").exists()
 
 
 def test_a_drafter_against_itself_differs_by_exactly_zero(two_results, tmp_path, capsys):

@@ -64,7 +64,7 @@ def _layout(cb: DFlashEvalCallback, block_size: int) -> PanelLayout:
     """What a user passes to tools/wandb_panels.py for this run: from its configuration, not its keys."""
     return PanelLayout(budgets=BUDGETS, categories=sorted({s.category for s in cb.cache.samples}),
                        block_size=block_size, position_buckets=position_labels(EDGES), cycle_buckets=cycle_labels(),
-                       baselines=["baseline/zlab"], published=["published/paper-x"])
+                       baselines=["baseline/zlab"], published=["published/paper-x/tau", "published/paper-y/tau_request_mean"])
 
 
 def test_every_panel_key_exists_in_the_logged_run(offline_run, tiny_drafter_config):
@@ -148,6 +148,16 @@ def test_panels_tool_dry_run_builds_the_view_without_network(capsys):
     # Issue 17 item 9: the callback's rule (dflash_cb.arguments), naming the option; was "invalid literal for int()".
     assert run(main, ["--entity", "e", "--project", "p", "--budgets", "16,3x", "--dry-run"]) == 2
     assert "--budgets '16,3x': expected comma-separated positive integers" in capsys.readouterr().err
+    # A published figure is drawn only beside the live figure of its convention (issue 15).
+    assert run(main, ["--entity", "e", "--project", "p", "--published", "paper-a,paper-b:request_mean",
+                      "--dry-run"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    lines = [p["keys"] for p in plan["Headline"]]
+    assert ["dflash_eval/tau_request_mean", "dflash_eval/published/paper-b/tau_request_mean"] in lines
+    assert any("dflash_eval/published/paper-a/tau" in k and "dflash_eval/tau" in k for k in lines)
+    assert not any("dflash_eval/published/paper-b/tau" in k for k in lines)
+    assert run(main, ["--entity", "e", "--project", "p", "--published", "paper-c:median", "--dry-run"]) == 2
+    assert "unknown convention 'median'" in capsys.readouterr().err
 
 
 def _ddtree_panel(plan: dict) -> tuple[str, ...]:

@@ -1,0 +1,151 @@
+"""Issue 15 items 1 and 2: figures named after the peer number they equal, and each convention once.
+
+- ``specforge/acc`` is a pooled ratio of integer counts: batch and rank splits give the same number.
+- ``tau_request_mean`` / ``accept_length_served`` follow ``dflash.benchmark`` / SGLang's per-request
+  ``completion_tokens / spec_verify_ct``; samples without a cycle stay out of both. (That they are equal
+  under DDP and in one process, to the bit, is checked by ``tests/test_callback_distributed.py``.)
+- ``results.json`` version 2 (``specforge_sim_tau``) is still read, under today's names.
+- A published figure declares its convention and is stored under the live metric of that convention.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import yaml
+
+from dflash_cb.baselines import load_published
+from dflash_cb.metrics import (
+    ACCEPT_LENGTH_SERVED,
+    CHAIN_TAU_ESTIMATE,
+    SPECFORGE_ACC,
+    TAU,
+    TAU_REQUEST_MEAN,
+    EvalCounts,
+    ci_high,
+    ci_low,
+    summarize,
+)
+from dflash_cb.results import load_results, report_to_results, write_results
+
+
+@pytest.fixture(scope="module")
+def scored(tiny_cache, tiny_drafter_config):
+    from tiny_target import train_briefly
+
+    from dflash_cb.engine import evaluate
+    from dflash_cb.model import DFlashDrafter
+    from dflash_cb.states import StateCache
+
+    cache = StateCache(tiny_cache)
+    torch.manual_seed(3)
+    drafter = train_briefly(DFlashDrafter.from_config_dict(tiny_drafter_config), cache)  # cycles of varied length
+    return cache, drafter, evaluate(cache, drafter, budgets=[4])
+
+
+def test_request_means_follow_the_peers_definitions(scored):
+    cache, _, report = scored
+    res = report_to_results(report, cache)
+    s = res.metrics
+    lengths = {r.id: r.acceptance_lengths for r in report.samples}
+    # dflash.benchmark: the mean over requests of each request's mean acceptance length.
+    per_request = [sum(x) / len(x) for x in lengths.values() if x]
+    assert s[TAU_REQUEST_MEAN] == pytest.approx(sum(per_request) / len(per_request), rel=1e-12)
+    # SGLang: completion_tokens / spec_verify_ct per request, where the completion is the cached one
+    # (the prefill's token included: the replay's tokens plus one).
+    served = []
+    for e in cache.samples:
+        x = lengths[e.id]
+        assert e.valid_len == e.total_len and 1 + sum(x) == e.completion_len
+        served.append(e.completion_len / len(x))
+    assert s[ACCEPT_LENGTH_SERVED] == pytest.approx(sum(served) / len(served), rel=1e-12)
+    assert s[ACCEPT_LENGTH_SERVED] > s[TAU_REQUEST_MEAN]
+    pooled = sum(map(sum, lengths.values())) / sum(map(len, lengths.values()))
+    assert s[TAU] == pytest.approx(pooled) and s[TAU_REQUEST_MEAN] != pytest.approx(pooled, abs=1e-9)
+    for m in (TAU_REQUEST_MEAN, ACCEPT_LENGTH_SERVED):
+        assert res.metric(ci_low(m)) <= res.metric(m) <= res.metric(ci_high(m))
+        assert res.metric(ci_low(m)) < res.metric(ci_high(m))
+
+
+def test_specforge_acc_is_a_ratio_of_integer_counts_that_sums_over_ranks():
+    """What an all_reduce of two ranks' flat counts gives equals one rank's, to the bit."""
+    g = torch.Generator().manual_seed(0)
+    d = 5
+    one, parts = EvalCounts(d + 1, (), ("a",)), [EvalCounts(d + 1, (), ("a",)) for _ in range(2)]
+    for i in range(7):
+        n_anchors = int(torch.randint(1, 9, (1,), generator=g))
+        valid = torch.rand(n_anchors, d, generator=g) < 0.9
+        match = torch.rand(n_anchors, d, generator=g) < 0.5
+        accepted = (match & valid).long().cumprod(1).sum(1)
+        for c in (one, parts[i % 2]):
+            c.add_anchors(accepted, accepted + 1, valid, match)
+    reduced = EvalCounts(d + 1, (), ("a",))
+    reduced.load_flat(parts[0].flat() + parts[1].flat())
+    a, b = summarize(one), summarize(reduced)
+    total = one.data["depth_total"].sum().item()
+    assert a[SPECFORGE_ACC] == b[SPECFORGE_ACC] == one.data["depth_match"].sum().item() / total
+    assert total == int(total) and 0 < a[SPECFORGE_ACC] < 1
+
+
+def test_samples_without_a_cycle_stay_out_of_the_request_means():
+    from dflash_cb.bootstrap import request_means
+    from dflash_cb.results import SampleRecord
+
+    with_empty = [SampleRecord("a", "c", [2, 1]), SampleRecord("b", "c", []), SampleRecord("c", "c", [4])]
+    got = request_means(with_empty)
+    assert got[TAU_REQUEST_MEAN] == (1.5 + 4) / 2
+    assert got[ACCEPT_LENGTH_SERVED] == (4 / 2 + 5 / 1) / 2  # (1 + tokens) / cycles, SGLang's per request
+    assert all(math.isnan(v) for v in request_means([SampleRecord("b", "c", [])]).values())
+
+
+def test_version_2_results_read_under_todays_names(scored, tmp_path):
+    cache, _, report = scored
+    path = tmp_path / "new.json"
+    write_results(report_to_results(report, cache), path)
+    raw = json.loads(path.read_text())
+    assert raw["version"] == 3 and SPECFORGE_ACC in raw["metrics"] and "specforge_sim_tau" not in raw["metrics"]
+    chain = raw["metrics"][CHAIN_TAU_ESTIMATE]
+    # What dflash-cb wrote before this change: version 2, the old name, no per-request means.
+    for k in (TAU_REQUEST_MEAN, ACCEPT_LENGTH_SERVED, SPECFORGE_ACC, CHAIN_TAU_ESTIMATE):
+        raw["metrics"].pop(k)
+    raw["metrics"]["specforge_sim_tau"] = chain
+    raw["version"] = 2
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps(raw))
+    res = load_results(old, cache)
+    assert res.metric(CHAIN_TAU_ESTIMATE) == chain and "specforge_sim_tau" not in res.metrics
+    new = load_results(path, cache)
+    assert res.metric(TAU_REQUEST_MEAN) == new.metric(TAU_REQUEST_MEAN) is not None
+    assert res.metric(ACCEPT_LENGTH_SERVED) == new.metric(ACCEPT_LENGTH_SERVED) is not None
+    assert res.metric(SPECFORGE_ACC) is None  # not recoverable from a version 2 file: absent, not invented
+
+
+def _published(tmp_path, entries):
+    p = tmp_path / "pub.yaml"
+    p.write_text(yaml.safe_dump({"entries": entries}))
+    return p
+
+
+def test_published_figures_live_under_their_conventions_metric(tmp_path):
+    pf = load_published(_published(tmp_path, [
+        {"name": "a", "source": "TEST", "convention": "pooled", "metrics": {"tau": 5.0, "ddtree/tau_b32": 6.0}},
+        {"name": "b", "source": "TEST", "convention": "request_mean", "metrics": {"tau": 5.5}},
+        {"name": "c", "source": "TEST", "convention": "served_request_mean", "metrics": {"tau": 6.5}}]))
+    got = {b.name: (b.metrics, b.label) for b in pf.baselines}
+    assert got["a"][0] == {TAU: 5.0, "ddtree/tau_b32": 6.0} and got["a"][1].endswith("; pooled)")
+    assert got["b"][0] == {TAU_REQUEST_MEAN: 5.5} and "request_mean" in got["b"][1]
+    assert got["c"][0] == {ACCEPT_LENGTH_SERVED: 6.5}
+    with pytest.raises(ValueError, match=r"entry 'x' has convention None.*pooled.*request_mean"):
+        load_published(_published(tmp_path, [{"name": "x", "source": "TEST", "metrics": {"tau": 5.0}}]))
+    with pytest.raises(ValueError, match=r"'ddtree/tau_b32' under convention 'request_mean'"):
+        load_published(_published(tmp_path, [{"name": "y", "source": "TEST", "convention": "request_mean",
+                                              "metrics": {"tau": 5.0, "ddtree/tau_b32": 6.0}}]))
+
+
+def test_no_figure_carries_specforges_name_unless_it_is_specforges(scored):
+    _, _, report = scored
+    names = [k for k in report.summary if "specforge" in k.lower()]
+    assert names == [SPECFORGE_ACC] and not math.isnan(report.summary[SPECFORGE_ACC])

@@ -1,0 +1,180 @@
+"""A second oracle: SpecForge 0.2.0's own DFlash objective and evaluator give our ``specforge/acc``.
+
+SpecForge's DFlash training (``OnlineDFlashModel`` behind ``DFlashTrainStrategy``) reports one
+accuracy, argmax matches over weights across every (anchor, depth >= 1) block position whose label
+is a supervised token; its ``Evaluator`` sums those numerators and denominators over the eval set
+into ``eval/avg_acc`` (= ``eval/simulated_acc_len`` for DFlash). Here it runs with our drafter's
+weights on our cached target states (loss mask = the completion up to ``valid_len``) and must give
+our ``specforge/acc`` and our per-depth ``acceptance/depth_KK``, integer counts equal.
+
+Anchors: SpecForge samples ``min(num_anchors, candidates)`` anchors at random among the positions
+whose token and next token are supervised. With ``num_anchors`` at least the sequence length every
+candidate is taken (the random draw only orders them, and they are sorted), so its anchor set is
+every completion position but the last: our statistics set at stride 1.
+
+Blocks: SpecForge always drafts a full ``block_size`` block; our replay (like ``dflash_generate``)
+shortens the block of an anchor within ``block_size`` of the loop's end. A causal (sliding-window)
+layer does not see later block positions, so the two coincide at every anchor for a drafter whose
+layers are all ``sliding_attention``: that one runs on the shared tiny cache, samples reaching
+``max_new_tokens`` included. A drafter with a full-attention (bidirectional) layer runs on a cache
+whose samples end at a stop token at least ``block_size`` tokens before ``max_new_tokens``, where
+every statistics anchor has a full block in both.
+
+Per-depth counts come from SpecForge's own objective: its per-chunk term function is wrapped to
+also count, per block position, the same matches over the same weights it sums.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+sf_model = pytest.importorskip("specforge.algorithms.common.dflash_family_model",
+                               reason="the oracle: pip install --no-deps specforge==0.2.0")
+from specforge.eval.evaluator import Evaluator  # noqa: E402
+from specforge.modeling.draft.dflash import DFlashDraftModel  # noqa: E402
+from specforge.runtime.contracts import TrainBatch  # noqa: E402
+from specforge.training.strategies.base import DFlashTrainStrategy  # noqa: E402
+
+from dflash_cb.metrics import SPECFORGE_ACC, depth_acc  # noqa: E402
+
+BLOCK = 6
+LAYERS = [0, 2]
+
+
+class _CountingObjective(sf_model.OnlineDFlashModel):
+    """SpecForge's DFlash objective, also keeping its per-position matches and weights (test only)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.match = torch.zeros(self.block_size, dtype=torch.float64)
+        self.weight = torch.zeros(self.block_size, dtype=torch.float64)
+
+    def _dflash_objective_chunk_terms(self, hidden, target_ids, weight_mask):
+        terms = super()._dflash_objective_chunk_terms(hidden, target_ids, weight_mask)
+        with torch.no_grad():
+            b, n, bs, h = hidden.shape
+            pred = self.lm_head(hidden.reshape(b, n * bs, h)).reshape(b, n, bs, -1).argmax(-1)
+            self.match += ((pred == target_ids) & (weight_mask > 0.5)).sum((0, 1)).double()
+            self.weight += weight_mask.sum((0, 1)).double()
+        return terms
+
+
+def _drafter_config(vocab: int, hidden: int, target_layers: int, mask: int, layer_types: list[str]) -> dict:
+    from dflash_cb.lightning_module import tiny_drafter_config
+
+    cfg = tiny_drafter_config(vocab, hidden, target_layers, LAYERS, mask, block_size=BLOCK, num_layers=len(layer_types))
+    # A window shorter than the contexts, so the sliding rule matters.
+    cfg.update(layer_types=layer_types, sliding_window=7, use_sliding_window=True)
+    return cfg
+
+
+def _specforge(cache, drafter, cfg: dict, ids: list[str]) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """SpecForge's evaluator over one batch per cached sample; returns its metrics and per-position counts."""
+    from transformers import Qwen3Config
+
+    sf_cfg = Qwen3Config(**cfg)
+    sf_cfg._attn_implementation = "sdpa"
+    sf_drafter = DFlashDraftModel(sf_cfg).eval()
+    sf_drafter.load_state_dict(drafter.state_dict())
+    head = cache.load_head()
+    lm_head = torch.nn.Linear(head.lm_head.shape[1], head.lm_head.shape[0], bias=False)
+    lm_head.weight.data.copy_(head.lm_head)
+    embed = torch.nn.Embedding.from_pretrained(head.embed_tokens.clone())
+    entries = [cache.entry(i) for i in ids]
+    longest = max(e.total_len for e in entries)
+    model = _CountingObjective(sf_drafter, lm_head, embed, cfg["dflash_config"]["mask_token_id"], block_size=BLOCK,
+                               attention_backend="sdpa", num_anchors=longest).eval()
+    batches = []
+    for e in entries:
+        s = cache.load(e.id)
+        loss_mask = torch.zeros(e.total_len)
+        loss_mask[e.prompt_len:e.valid_len] = 1.0  # the completion on the target's greedy path
+        batches.append(TrainBatch([e.id], "dflash", {"input_ids": s.input_ids.long()[None],
+                                                     "hidden_states": s.hidden.float()[None],
+                                                     "loss_mask": loss_mask[None]}))
+    metrics = Evaluator().run(DFlashTrainStrategy(model).forward_loss, batches)
+    return metrics, model.match, model.weight
+
+
+def _check_parity(cache, drafter, cfg: dict, ids: list[str]) -> dict:
+    from dflash_cb.engine import evaluate
+
+    report = evaluate(cache, drafter, sample_ids=ids, budgets=[], anchor_stride=1)
+    ours = report.summary
+    theirs, match, weight = _specforge(cache, drafter, cfg, ids)
+    d = report.counts.data
+    # Position 0 of a block is the anchor, never scored; positions 1..B-1 are our depths 1..B-1.
+    assert weight[0] == 0
+    assert d["depth_total"].tolist() == weight[1:].tolist()
+    assert d["depth_match"].tolist() == match[1:].tolist()
+    for k in range(1, BLOCK):
+        assert ours[depth_acc(k)] == pytest.approx((match[k] / weight[k]).item(), abs=1e-15)
+    assert ours[SPECFORGE_ACC] == pytest.approx(theirs["eval/avg_acc"], abs=1e-12)
+    assert ours[SPECFORGE_ACC] == pytest.approx(theirs["eval/simulated_acc_len"], abs=1e-12)
+    assert 0.05 < ours[SPECFORGE_ACC] < 0.95  # partial acceptance: the comparison carries information
+    return {"ours": ours[SPECFORGE_ACC], "specforge": theirs["eval/avg_acc"],
+            "matches": int(d["depth_match"].sum()), "weights": int(d["depth_total"].sum()),
+            "per_depth": [ours[depth_acc(k)] for k in range(1, BLOCK)]}
+
+
+def _trained(cfg: dict, cache):
+    from tiny_target import train_briefly
+
+    from dflash_cb.model import DFlashDrafter
+
+    torch.manual_seed(0)
+    return train_briefly(DFlashDrafter.from_config_dict(cfg), cache)
+
+
+def test_sliding_window_drafter_matches_specforge_on_every_anchor(tiny_cache):
+    from conftest import TINY_MASK
+
+    from dflash_cb.states import StateCache
+
+    cache = StateCache(tiny_cache)
+    m = cache.manifest
+    assert all(e.total_len == e.prompt_len + m.max_new_tokens for e in cache.samples)  # tail anchors are in the set
+    cfg = _drafter_config(m.vocab_size, m.hidden_size, int(m.target["num_layers"]), TINY_MASK,
+                          ["sliding_attention", "sliding_attention"])
+    print(_check_parity(cache, _trained(cfg, cache), cfg, [e.id for e in cache.samples]))
+
+
+@pytest.fixture(scope="module")
+def stopping_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A cache whose completions mostly end at a stop token well before ``max_new_tokens``: the token found
+    early in the most greedy completions of the tiny target is made the stop token."""
+    from conftest import build_tiny_cache
+
+    from dflash_cb.precompute import PrecomputeArgs, run_precompute
+    from dflash_cb.states import StateCache
+
+    root = tmp_path_factory.mktemp("stopping")
+    first = StateCache(build_tiny_cache(root, n_prompts=12, max_new_tokens=48))
+    early = Counter()
+    for e in first.samples:
+        early.update(set(first.load(e.id).input_ids[e.prompt_len + 2:e.prompt_len + 20].tolist()))
+    stop = early.most_common(1)[0][0]
+    out = root / "cache_stop"
+    run_precompute(PrecomputeArgs(target=str(root / "target"), prompts=str(root / "prompts.jsonl"), out=str(out),
+                                  layers=LAYERS, reference="local", dtype="float32", max_new_tokens=48,
+                                  stop_token_ids=[stop], progress=False), log=lambda msg: None)
+    return out
+
+
+def test_bidirectional_drafter_matches_specforge_where_blocks_are_full(stopping_cache):
+    from conftest import TINY_MASK
+
+    from dflash_cb.states import StateCache
+
+    cache = StateCache(stopping_cache)
+    m = cache.manifest
+    # The samples that stopped early enough that each statistics anchor has a full block in the replay too.
+    ids = [e.id for e in cache.samples if e.total_len + BLOCK - 2 <= e.prompt_len + m.max_new_tokens]
+    assert len(ids) >= 3, [(e.prompt_len, e.total_len) for e in cache.samples]
+    cfg = _drafter_config(m.vocab_size, m.hidden_size, int(m.target["num_layers"]), TINY_MASK,
+                          ["full_attention", "sliding_attention"])
+    print(_check_parity(cache, _trained(cfg, cache), cfg, ids))
