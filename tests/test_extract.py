@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import oracles
 import pytest
 import torch
 
@@ -34,8 +35,7 @@ def lightning_ckpt(tiny_cache: Path, tiny_drafter_config: dict, tmp_path_factory
 
 
 def test_extract_loads_in_both_and_scores_identically(lightning_ckpt: Path, tiny_cache: Path, tmp_path: Path) -> None:
-    from dflash.model import DFlashDraftModel
-
+    DFlashDraftModel = oracles.require("dflash.model").DFlashDraftModel
     from dflash_cb.engine import evaluate
     from dflash_cb.model import DFlashDrafter
     from dflash_cb.states import StateCache

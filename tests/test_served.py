@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import local_http
+import oracles
 import pytest
 import torch
 from local_http import JSONHandler
@@ -30,7 +31,7 @@ from processes import sigkill_when
 
 from dflash_cb.results import load_results
 
-dm = pytest.importorskip("dflash.model", reason="the oracle: pip install --no-deps dflash==0.1.0")
+dm = oracles.require("dflash.model")
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = [1, 3]
