@@ -21,6 +21,7 @@ from typing import Any
 
 from .bootstrap import DEFAULT_RESAMPLES, DEFAULT_SEED, Interval, intervals, metric_sums, paired_difference
 from .errors import DFlashCBError
+from .fileio import atomic_write_text, check_outputs_apart
 from .metrics import DELTA_TAU, TAU, category_tau, ci_high, ci_low, ddtree_tau
 from .positions import DEFAULT_POSITION_EDGES, check_edges, cycle_table, position_table
 from .report import with_interval
@@ -307,14 +308,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise CompareError(f"--position-edges {args.position_edges!r}: {e}") from None
     if args.resamples < 1:
         raise CompareError(f"--resamples must be >= 1, got {args.resamples}")
+    out = Path(args.out)
+    check_outputs_apart([("results file", p) for p in args.results],
+                        files=[("--out", out.with_suffix(".md")), ("--out", out.with_suffix(".png"))])
     labels = _labels(args.results, args.labels)
     results = [load_results(p) for p in args.results]  # ResultsError names the file and the fix
     c = compare(labels, results, args.resamples, args.seed, edges)
-    out = Path(args.out)
     png = plot_comparison(c, out.with_suffix(".png"))
     md = render_markdown(c, png.name)
-    from .fileio import atomic_write_text
-
     atomic_write_text(out.with_suffix(".md"), md)
     print(md)
     print(f"wrote {out.with_suffix('.md')} and {png}")

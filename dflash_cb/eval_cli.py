@@ -108,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     from .checkpoints import load_drafter
     from .engine import evaluate, resolve_autocast
     from .errors import DFlashCBError
+    from .fileio import check_outputs_apart
     from .positions import check_edges
     from .report import format_results
     from .results import check_results_path, drafter_provenance, report_to_results, write_results
@@ -115,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     from .states import StateCache, select_sample_ids
 
     # Cheap checks first, then the files, so nothing is computed for a run that cannot finish.
+    check_outputs_apart([("--states", args.states), ("--drafter", args.drafter), ("--target", args.target)],
+                        files=[("--out", args.out)])
     out = check_results_path(args.out)
     budgets = parse_budgets(args.ddtree_budgets)
     if args.anchor_stride < 1:

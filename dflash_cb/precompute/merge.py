@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..fileio import atomic_path
+from ..fileio import atomic_path, check_outputs_apart
 from ..states import CacheError, Manifest, StateCache
 from .journal import read_journal, write_in_order
 from .plan import (
@@ -60,6 +60,7 @@ def merge_parts(out: str | os.PathLike, parts: Sequence[str | os.PathLike], over
     if not parts:
         raise PrecomputeError("merge: give at least one part folder")
     check_out_path(out)
+    check_outputs_apart([("part", p) for p in parts], folders=[("--out", out)])
     caches = []
     for p in parts:
         try:
