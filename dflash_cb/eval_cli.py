@@ -5,6 +5,7 @@ before any work, the files it writes); the evaluation itself is ``dflash_cb.engi
 from __future__ import annotations
 
 import argparse
+import sys
 
 from .positions import DEFAULT_POSITION_EDGES
 
@@ -106,10 +107,12 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from .checkpoints import load_drafter
+    from .ddtree import check_ddtree_budgets
     from .engine import evaluate, resolve_autocast
     from .errors import DFlashCBError
     from .fileio import check_outputs_apart
     from .positions import check_edges
+    from .prompts import parse_id_list
     from .report import format_results
     from .results import check_results_path, drafter_provenance, report_to_results, write_results
     from .served import compare, format_check, has_served_counters, nothing_to_compare
@@ -120,21 +123,26 @@ def main(argv: list[str] | None = None) -> int:
                         files=[("--out", args.out)])
     out = check_results_path(args.out)
     budgets = parse_budgets(args.ddtree_budgets)
+    check_ddtree_budgets(budgets, None, None, "--ddtree-budgets")  # the block and vocabulary bound: below
     if args.anchor_stride < 1:
         raise DFlashCBError(f"--anchor-stride {args.anchor_stride}: expected a positive integer (1 = every anchor)")
     try:
         edges = check_edges([int(x) for x in args.position_edges.split(",") if x.strip()])
     except ValueError as e:
         raise DFlashCBError(f"--position-edges {args.position_edges!r}: {e}") from None
+    sample_ids = parse_id_list(args.sample_ids, "--sample-ids") if args.sample_ids is not None else None
     device = resolve_device(args.device)
     dtype_name = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     cache = StateCache(args.states)
     if args.served_check and not has_served_counters(cache.samples):
         raise nothing_to_compare(cache.path)  # before any weights are read
-    sample_ids = [i.strip() for i in args.sample_ids.split(",") if i.strip()] if args.sample_ids is not None else None
     ids = select_sample_ids(cache, args.samples, sample_ids, args.sample_seed)
+    if args.samples is not None and args.samples > len(cache.samples):
+        print(f"warning: --samples {args.samples}: the cache {cache.path} has only {len(cache.samples)} samples; "
+              f"scoring all {len(cache.samples)}", file=sys.stderr)
     drafter = load_drafter(args.drafter, device=device)
     cache.check_drafter(drafter.spec.as_cache_check())
+    check_ddtree_budgets(budgets, drafter.spec.block_size, cache.manifest.vocab_size, "--ddtree-budgets")
     drafter.eval()
     head = None
     if args.target:
