@@ -287,7 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="compare_results.py",
         description="Compare results.json files of drafters scored on one cache: tau, DDTree and per-category tau "
-                    "with 95%% intervals, paired differences with a verdict, Markdown and a PNG.")
+                    "with 95% intervals, paired differences with a verdict, Markdown and a PNG.")
     p.add_argument("results", nargs="+", help="two or more results.json (tools/eval_drafter.py --out)")
     p.add_argument("--labels", default=None, help="comma-separated names, one per file (default: file stems)")
     p.add_argument("--out", default="comparison", help="writes OUT.md and OUT.png (default: ./comparison)")
