@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from .cli import describe_os_error
 from .errors import DFlashCBError
-from .fileio import _umask_mode, atomic_path, atomic_write_text
+from .fileio import _umask_mode, atomic_path, atomic_write_text, check_outputs_apart
 from .model import DFlashDrafter, DrafterSpec, load_state_dict_strict
 
 DRAFTER_FILES = ("config.json", "model.safetensors")
@@ -222,12 +222,9 @@ def extract_drafter(ckpt_path: str | os.PathLike, out_dir: str | os.PathLike,
 def check_drafter_out(out: Path, ckpt_path: str | os.PathLike, overwrite: bool) -> bool:
     """Refuse an ``--out`` that would lose a user's files; True when writing into a foreign folder
     (``overwrite``), False when the tool writes a fresh folder or replaces a drafter folder."""
-    ckpt = Path(ckpt_path).resolve()
     if out.exists() and not out.is_dir():
         raise CheckpointError(f"--out {out}: is a file, not a folder; choose a folder path for the drafter")
-    if ckpt == out.resolve() or out.resolve() in ckpt.parents:
-        raise CheckpointError(f"--out {out}: holds the checkpoint {ckpt_path}; write the drafter to another "
-                              "folder (e.g. drafters/<name>)")
+    check_outputs_apart([("--ckpt", ckpt_path)], folders=[("--out", out)])
     for parent in out.parents:
         if parent.exists():
             if not parent.is_dir():

@@ -21,6 +21,7 @@ from typing import Any
 
 from .bootstrap import DEFAULT_RESAMPLES, DEFAULT_SEED, Interval, intervals, metric_sums, paired_difference
 from .errors import DFlashCBError
+from .fileio import atomic_write_text, check_outputs_apart
 from .metrics import (
     ACCEPT_LENGTH_SERVED,
     DELTA_TAU,
@@ -351,7 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="compare_results.py",
         description="Compare results.json files of drafters scored on one cache: tau, DDTree and per-category tau "
-                    "with 95%% intervals, paired differences with a verdict, Markdown and a PNG.")
+                    "with 95% intervals, paired differences with a verdict, Markdown and a PNG.")
     p.add_argument("results", nargs="+", help="two or more results.json (tools/eval_drafter.py --out)")
     p.add_argument("--labels", default=None, help="comma-separated names, one per file (default: file stems)")
     p.add_argument("--out", default="comparison", help="writes OUT.md and OUT.png (default: ./comparison)")
@@ -374,8 +375,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     edges = parse_position_edges("--position-edges", args.position_edges)  # the callback's rule
     if args.resamples < 1:
         raise CompareError(f"--resamples must be >= 1, got {args.resamples}")
-    labels = _labels(args.results, args.labels)
     out = Path(args.out)
+    check_outputs_apart([("results file", p) for p in args.results],
+                        files=[("--out", out.with_suffix(".md")), ("--out", out.with_suffix(".png"))])
+    labels = _labels(args.results, args.labels)
     md_path, png_path = (check_results_path(out.with_suffix(x), "--out", f"comparison{x}") for x in (".md", ".png"))
     published = []
     if args.published:
@@ -388,8 +391,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     results = [load_results(p) for p in args.results]  # ResultsError names the file and the fix
     c = compare(labels, results, args.resamples, args.seed, edges)
     md = render_markdown(c, png_path.name, published)
-    from .fileio import atomic_write_text
-
     atomic_write_text(md_path, md)  # first: the comparison is kept even if the plot fails
     png = plot_comparison(c, png_path)
     print(md)

@@ -10,7 +10,50 @@ pop, hence every smaller budget too.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
+
+from .errors import DFlashCBError
+
+# Popping costs a pass over all 1 + 2 * B candidate slots, so a run to budget B costs O(B**2) per anchor:
+# 1024 takes seconds per thousand anchors on a CPU core, 100000 took minutes on a 20-token sample. Trees
+# verified in one target forward are far smaller (tens to a few hundred nodes).
+DDTREE_MAX_BUDGET = 1024
+
+
+class DDTreeBudgetError(DFlashCBError, ValueError):
+    """A DDTree node budget larger than any tree of the block and vocabulary can use."""
+
+
+def max_ddtree_budget(block_size: int | None = None, vocab_size: int | None = None) -> int:
+    """The largest DDTree node budget worth running for this block size and vocabulary.
+
+    A tree holds at most ``vocab_size ** d`` distinct nodes at depth ``d`` (each node has at most
+    one child per token), for ``d = 1 .. block_size - 1``; past that every pop is empty. The
+    result is that count, or ``DDTREE_MAX_BUDGET`` when it is smaller (or either is not known yet).
+    """
+    if block_size is None or vocab_size is None:
+        return DDTREE_MAX_BUDGET
+    total, level = 0, 1
+    for _ in range(block_size - 1):
+        level *= vocab_size
+        total += level
+        if total >= DDTREE_MAX_BUDGET:
+            return DDTREE_MAX_BUDGET
+    return total
+
+
+def check_ddtree_budgets(budgets: Iterable[int], block_size: int | None, vocab_size: int | None, name: str) -> None:
+    """Refuse budgets above ``max_ddtree_budget`` (the tools and the callback, before any work)."""
+    limit = max_ddtree_budget(block_size, vocab_size)
+    over = sorted(b for b in budgets if b > limit)
+    if over:
+        why = ("the documented maximum (dflash_cb.ddtree.DDTREE_MAX_BUDGET: the cost grows with the square of "
+               "the budget)"
+               if limit == DDTREE_MAX_BUDGET else
+               f"the most distinct nodes a tree can have with block size {block_size} and vocabulary {vocab_size}")
+        raise DDTreeBudgetError(f"{name} {over}: above {limit}, {why}; use budgets of at most {limit}")
 
 
 def ddtree_accepted(topk_ids: torch.Tensor, topk_logprobs: torch.Tensor, depths: torch.Tensor,

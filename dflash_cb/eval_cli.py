@@ -5,6 +5,7 @@ before any work, the files it writes); the evaluation itself is ``dflash_cb.engi
 from __future__ import annotations
 
 import argparse
+import sys
 
 from .positions import DEFAULT_POSITION_EDGES
 
@@ -88,23 +89,29 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import torch
 
-    from .arguments import parse_int, parse_position_edges, parse_str_list
+    from .arguments import parse_int, parse_position_edges
     from .checkpoints import load_drafter
+    from .ddtree import check_ddtree_budgets
     from .engine import evaluate, resolve_autocast
     from .errors import DFlashCBError
+    from .fileio import check_outputs_apart
+    from .prompts import parse_id_list
     from .report import format_results
     from .results import check_results_path, drafter_provenance, report_to_results, write_results
     from .served import compare, format_check, has_served_counters, nothing_selected, nothing_to_compare
     from .states import StateCache, select_sample_ids
 
     # Cheap checks first, then the files, so nothing is computed for a run that cannot finish.
+    check_outputs_apart([("--states", args.states), ("--drafter", args.drafter), ("--target", args.target)],
+                        files=[("--out", args.out)])
     out = check_results_path(args.out)
     # One rule with the callback's arguments (dflash_cb.arguments): a bad value is one line naming the option.
     budgets = parse_budgets(args.ddtree_budgets)
+    check_ddtree_budgets(budgets, None, None, "--ddtree-budgets")  # the block and vocabulary bound: below
     anchor_stride = parse_int("--anchor-stride", args.anchor_stride, 1, note="1 = every anchor")
     num_samples = parse_int("--samples", args.samples, 1, note="omit it to score every sample") \
         if args.samples is not None else None
-    sample_ids = parse_str_list("--sample-ids", args.sample_ids) if args.sample_ids is not None else None
+    sample_ids = parse_id_list(args.sample_ids, "--sample-ids") if args.sample_ids is not None else None
     sample_seed = parse_int("--sample-seed", args.sample_seed, 0)
     edges = parse_position_edges("--position-edges", args.position_edges)
     if args.served_check and args.tail_blocks != "served":
@@ -116,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.served_check and not has_served_counters(cache.samples):
         raise nothing_to_compare(cache.path)  # before any weights are read
     ids = select_sample_ids(cache, num_samples, sample_ids, sample_seed)
+    if num_samples is not None and num_samples > len(cache.samples):
+        print(f"warning: --samples {num_samples}: the cache {cache.path} has only {len(cache.samples)} samples; "
+              f"scoring all {len(cache.samples)}", file=sys.stderr)
     if args.served_check:
         chosen = set(ids)
         why = nothing_selected(cache.path, [e for e in cache.samples if e.id in chosen])
@@ -123,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             raise why  # the selection holds no sample with comparable counters: before any weights are read
     drafter = load_drafter(args.drafter, device=device)
     cache.check_drafter(drafter.spec.as_cache_check())
+    check_ddtree_budgets(budgets, drafter.spec.block_size, cache.manifest.vocab_size, "--ddtree-budgets")
     drafter.eval()
     head = None
     if args.target:

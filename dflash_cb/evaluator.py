@@ -39,6 +39,7 @@ from torch import nn
 from . import arguments as check
 from .baselines import Baseline, baseline_scalars, load_measured, load_published, load_served
 from .compare import live_metrics
+from .ddtree import check_ddtree_budgets
 from .distributed import full_parameters_of
 from .engine import AUTOCAST_NAMES, DEFAULT_BUDGETS, EvalReport, SampleResult, resolve_autocast
 from .errors import DFlashCBError
@@ -384,6 +385,9 @@ class LiveEvaluator:
         config = getattr(drafter, "config", None)
         self.cache.check_drafter(spec.as_cache_check())
         m = self.cache.manifest
+        for name, budgets in (("ddtree_budgets", self.ddtree_budgets),
+                              ("periodic_ddtree_budgets", self.periodic_ddtree_budgets)):
+            check_ddtree_budgets(budgets, spec.block_size, m.vocab_size, name)  # before any evaluation
         problems = []
         n_target = getattr(config, "num_target_layers", None)
         if n_target is not None and m.target.get("num_layers") is not None and int(n_target) != int(m.target["num_layers"]):

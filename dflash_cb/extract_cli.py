@@ -29,6 +29,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--prefix", default=None, help="key prefix of the drafter in the checkpoint (default: found)")
     args = p.parse_args(argv)
     from .checkpoints import extract_drafter, read_drafter_config
+    from .fileio import check_outputs_apart
+
+    check_outputs_apart([("--ckpt", args.ckpt), ("--config", args.config)], folders=[("--out", args.out)])
 
     config = read_drafter_config(args.config) if args.config else None
     info = extract_drafter(args.ckpt, args.out, config=config, prefix=args.prefix, overwrite=args.overwrite)

@@ -12,9 +12,11 @@ import contextlib
 import json
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
+
+from .errors import DFlashCBError
 
 
 def _umask_mode(base: int = 0o666) -> int:
@@ -71,3 +73,49 @@ def append_line_durably(path: str | os.PathLike, line: str) -> None:
         f.write(line)
         f.flush()
         os.fsync(f.fileno())
+
+
+class OverwritesInputError(DFlashCBError):
+    """An output of a run would be written over (or would replace) a file the same run reads."""
+
+
+PathArg = tuple[str, "str | os.PathLike | None"]
+
+
+def _real(path: str | os.PathLike) -> str:
+    return os.path.realpath(os.path.abspath(os.fspath(path)))
+
+
+def _inside(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+def check_outputs_apart(inputs: Iterable[PathArg], files: Iterable[PathArg] = (),
+                        folders: Iterable[PathArg] = ()) -> None:
+    """Refuse, before any work, an output that would write over something the same run reads.
+
+    Each argument is ``(option name, path)``; ``None`` paths are ignored. Paths are compared
+    resolved (``realpath``: symbolic links, ``..`` and relative paths all followed). An output
+    *file* is refused when it is an input, or an existing file inside an input folder (a cache's
+    manifest or shard, a drafter's weights). An output *folder* (created, filled or replaced by the
+    run) is refused when it is an input or contains one.
+    """
+    ins = [(name, _real(p)) for name, p in inputs if p is not None]
+    for name, p in files:
+        if p is None:
+            continue
+        out = _real(p)
+        for in_name, src in ins:
+            if out == src or (_inside(out, src) and os.path.isdir(src) and os.path.lexists(out)):
+                where = in_name if out == src else f"a file of {in_name} {src}"
+                raise OverwritesInputError(f"{name} {p}: is {where}, an input of this run, and would be "
+                                           f"overwritten; write {name} somewhere else")
+    for name, p in folders:
+        if p is None:
+            continue
+        out = _real(p)
+        for in_name, src in ins:
+            if _inside(src, out):
+                what = "is" if out == src else "contains"
+                raise OverwritesInputError(f"{name} {p}: {what} {in_name} {src}, an input of this run; choose an "
+                                           f"{name} folder apart from the inputs")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,29 @@ MESSAGE_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 
 class PromptFileError(DFlashCBError, ValueError):
     """A prompt file (or one of its records) is invalid; the message says where and how to fix it."""
+
+
+# One rule for sample ids, in the prompt file and in every id list a tool takes (``--sample-ids a,b``):
+# an id the precompute accepts can always be selected again, so no commas and no spaces.
+ID_RULE = "a letter or digit, then letters, digits and . _ : / - (no spaces, no commas)"
+_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]*")
+
+
+def id_problem(value: str) -> str | None:
+    """Why ``value`` is not a valid sample id, or None when it is."""
+    return None if _ID_RE.fullmatch(value) else f"{value!r} does not follow the id rule: {ID_RULE}"
+
+
+def parse_id_list(text: str, name: str) -> list[str]:
+    """A comma-separated id list from the command line (spaces around commas allowed), each id under the
+    prompt file's rule; the list rule itself (non-blank, at least one) is ``arguments.parse_str_list``."""
+    from .arguments import parse_str_list
+
+    ids = parse_str_list(name, text)
+    bad = [problem for problem in map(id_problem, ids) if problem]
+    if bad:
+        raise PromptFileError(f"{name} {text!r}: {bad[0]}")
+    return ids
 
 
 @dataclass(frozen=True)
@@ -114,6 +138,9 @@ def parse_record(obj: Any, *, index: int, line: int, path: str | os.PathLike[str
         raise PromptFileError(f"{where}: 'id' must be a string, got {type(pid).__name__} {pid!r}; quote it")
     if not pid.strip():
         raise PromptFileError(f"{where}: 'id' is empty; give every prompt a unique non-empty string id")
+    problem = id_problem(pid)
+    if problem:
+        raise PromptFileError(f"{where}: 'id' {problem}; tools select samples by comma-separated ids")
 
     category = obj.get("category", DEFAULT_CATEGORY)
     if not isinstance(category, str) or not category.strip():

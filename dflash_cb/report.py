@@ -29,7 +29,7 @@ def _f(x: Any, nd: int = 3) -> str:
 
 
 def with_interval(value: float | None, low: float | None, high: float | None, nd: int = 3) -> str:
-    """``3.094 [2.95, 3.24]`` (just the value when there is no interval)."""
+    """``3.094 [2.77, 3.44]`` (just the value when there is no interval)."""
     if value is None:
         return "n/a"
     if low is None or high is None:

@@ -32,6 +32,18 @@ def shard_name(index: int) -> str:
     return f"states-{index:05d}.safetensors"
 
 
+def merge_staging_path(out: str | os.PathLike) -> Path:
+    """Where tools/merge_states.py builds the merged cache before it replaces ``out``."""
+    out = Path(out)
+    return out.parent / f".{out.name}.merging"
+
+
+def replaced_cache_path(out: str | os.PathLike) -> Path:
+    """Where the previous cache waits, for an instant, while a merged cache takes its place."""
+    out = Path(out)
+    return out.parent / f".{out.name}.replaced"
+
+
 class CacheError(DFlashCBError, RuntimeError):
     """A cache folder is missing, corrupted or from an incompatible version."""
 
@@ -274,7 +286,10 @@ class StateCache:
         manifest_path = self.path / MANIFEST_NAME
         if not manifest_path.is_file():
             hint = ""
-            if self.path.is_dir() and any(self.path.glob("states-*.safetensors")):
+            if merge_staging_path(self.path).exists() or replaced_cache_path(self.path).exists():
+                hint = (" (a tools/merge_states.py run into this folder was interrupted: rerun the same merge "
+                        "command to finish it)")
+            elif self.path.is_dir() and any(self.path.glob("states-*.safetensors")):
                 hint = " (shards exist: the precompute did not finish; rerun the same command to resume)"
             raise CacheError(
                 f"{manifest_path}: no manifest{hint}. Create the cache with tools/precompute_states.py --out {self.path}"

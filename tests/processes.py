@@ -12,14 +12,16 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 
-def sigkill_when(proc: subprocess.Popen, ready: Callable[[], bool], timeout: float) -> None:
-    """Poll ``ready()`` until it holds, then SIGKILL ``proc``; fail if the process ended first."""
+def sigkill_when(proc: subprocess.Popen, ready: Callable[[], bool], timeout: float, poll_s: float = 0.005) -> None:
+    """Poll ``ready()`` until it holds, then SIGKILL ``proc``; fail if the process ended first.
+
+    ``poll_s=0`` spins: for a moment that lasts only milliseconds (a file being copied)."""
     try:
         deadline = time.time() + timeout
         while time.time() < deadline and proc.poll() is None:
             if ready():
                 break
-            time.sleep(0.005)
+            time.sleep(poll_s)
         assert proc.poll() is None, f"finished before it could be killed: {proc.stderr.read().decode()[-2000:]}"
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)

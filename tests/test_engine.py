@@ -17,6 +17,7 @@ import math
 import random
 from pathlib import Path
 
+import oracles
 import pytest
 import torch
 from safetensors.torch import save
@@ -29,7 +30,7 @@ from dflash_cb.fileio import atomic_write_bytes
 from dflash_cb.model import DFlashDrafter, DrafterSpec
 from dflash_cb.states import HEAD_NAME, Manifest, SampleEntry, ShardEntry, StateCache, TargetHead, shard_name
 
-dm = pytest.importorskip("dflash.model", reason="the oracle: pip install --no-deps dflash==0.1.0")
+dm = oracles.require("dflash.model")
 
 VOCAB, HIDDEN, LAYERS, BLOCK, MAX_NEW, STOP, TOPK = 64, 32, [0, 2], 6, 40, 2, 4
 BUDGETS = (3, 8)

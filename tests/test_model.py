@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import oracles
 import pytest
 import torch
 from transformers import Qwen3Config
 
 from dflash_cb.model import DFlashDrafter
 
-dm = pytest.importorskip("dflash.model", reason="the oracle: pip install --no-deps dflash==0.1.0")
+dm = oracles.require("dflash.model")
 
 
 def _config(sliding: bool) -> Qwen3Config:

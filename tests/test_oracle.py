@@ -15,10 +15,11 @@ import json
 import time
 from pathlib import Path
 
+import oracles
 import pytest
 import torch
 
-dm = pytest.importorskip("dflash.model", reason="the oracle: pip install --no-deps dflash==0.1.0")
+dm = oracles.require("dflash.model")
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = [1, 3]  # the drafter's target layers: outputs of decoder layers 1 and 3 of the 4-layer target

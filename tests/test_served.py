@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import local_http
+import oracles
 import pytest
 import torch
 from full_block_loop import full_block_generate
@@ -34,7 +35,7 @@ from processes import sigkill_when
 
 from dflash_cb.results import load_results
 
-dm = pytest.importorskip("dflash.model", reason="the oracle: pip install --no-deps dflash==0.1.0")
+dm = oracles.require("dflash.model")
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = [1, 3]

@@ -9,8 +9,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..fileio import atomic_path
-from ..states import CacheError, Manifest, StateCache
+from ..fileio import atomic_path, check_outputs_apart
+from ..states import CacheError, Manifest, StateCache, merge_staging_path, replaced_cache_path
 from .journal import read_journal, write_in_order
 from .plan import (
     JOURNAL_NAME,
@@ -53,13 +53,54 @@ def _place(src: Path, dst: Path, link: bool) -> None:
         shutil.copyfile(src, tmp)
 
 
+def _samples_per_shard_range(m: Manifest) -> tuple[int, float]:
+    """The ``--samples-per-shard`` values a part's layout allows: shard ``g`` holds ``index // S == g``."""
+    lo, hi = 1, float("inf")
+    for s in m.samples:
+        g = int(s.shard.split("-")[1].split(".")[0])
+        lo = max(lo, s.index // (g + 1) + 1)
+        if g > 0:
+            hi = min(hi, s.index // g)
+    return lo, hi
+
+
+def _check_samples_per_shard(caches: Sequence[StateCache]) -> None:
+    ranges = [_samples_per_shard_range(c.manifest) for c in caches]
+    if max(lo for lo, _ in ranges) > min(hi for _, hi in ranges):
+        def shown(lo: int, hi: float) -> str:
+            return str(lo) if lo == hi else f"{lo}" if hi == float("inf") else f"{lo}..{int(hi)}"
+        each = ", ".join(f"{c.path}: {shown(*r)}" for c, r in zip(caches, ranges, strict=True))
+        raise PrecomputeError(f"merge: the parts were written with different --samples-per-shard ({each}); "
+                              "rerun the parts with one --samples-per-shard value, then merge")
+
+
+def _recover(out: Path, log: Log) -> None:
+    """Finish what an interrupted merge left beside ``out``: the old cache back in place, no staging."""
+    old, staging = replaced_cache_path(out), merge_staging_path(out)
+    if old.exists():
+        if out.exists():  # the new cache was already in place: the old one is no longer needed
+            shutil.rmtree(old)
+        else:  # killed between the two renames: put the old cache back
+            os.rename(old, out)
+            log(f"merge: restored {out} from an interrupted merge")
+    if staging.exists():
+        check_only_cache_files(staging, "merge: ")
+        shutil.rmtree(staging)
+
+
 def merge_parts(out: str | os.PathLike, parts: Sequence[str | os.PathLike], overwrite: bool = False,
                 link: bool = True, verify: bool = True, log: Log = stderr_log) -> Manifest:
-    """Combine ``--num-shards`` parts into one cache, equal to what a single run would have written."""
+    """Combine ``--num-shards`` parts into one cache, equal to what a single run would have written.
+
+    The merged cache is built in a staging folder beside ``out`` and checked there; only then does it
+    replace ``out`` (two renames). A refused, failed or killed merge leaves ``out`` as it was, and
+    running the same command again finishes the job.
+    """
     out = Path(out)
     if not parts:
         raise PrecomputeError("merge: give at least one part folder")
     check_out_path(out)
+    check_outputs_apart([("part", p) for p in parts], folders=[("--out", out)])
     caches = []
     for p in parts:
         try:
@@ -75,6 +116,7 @@ def merge_parts(out: str | os.PathLike, parts: Sequence[str | os.PathLike], over
         if diffs:
             raise PrecomputeError(f"merge: {c.path} was made with other arguments than {caches[0].path}:\n  - "
                                   + "\n  - ".join(diffs[:20]))
+    _check_samples_per_shard(caches)
     count = int(base.prompts.get("count", -1))
     seen: dict[int, str] = {}
     for c in caches:
@@ -87,37 +129,51 @@ def merge_parts(out: str | os.PathLike, parts: Sequence[str | os.PathLike], over
     if missing:
         raise PrecomputeError(f"merge: the parts cover {len(seen)} of {count} prompts; missing prompt indices "
                               f"{missing[:20]} (a part not given or not finished?)")
-    if out.resolve() in {c.path.resolve() for c in caches}:
-        raise PrecomputeError("merge: --out must not be one of the parts")
+    _recover(out, log)
     if out.exists() and any(out.iterdir()):
         if not overwrite:
             raise PrecomputeError(f"merge: --out {out} is not empty; pass --overwrite to replace it")
         check_only_cache_files(out, "merge: ")
-        for p in out.iterdir():
-            if p.is_file():
-                p.unlink()
-    out.mkdir(parents=True, exist_ok=True)
-
-    shards, samples = [], []
-    for c in caches:
-        if verify:
+    if verify:  # every part is hashed before anything is written
+        for c in caches:
             try:
                 c.verify()
             except CacheError as e:
                 raise PrecomputeError(f"merge: {e}") from e
+
+    staging = merge_staging_path(out)
+    staging.mkdir(parents=True)
+    shards, samples = [], []
+    for c in caches:
         for s in c.manifest.shards:
-            _place(c.path / s.file, out / s.file, link)
+            _place(c.path / s.file, staging / s.file, link)
             shards.append(s)
         samples.extend(c.manifest.samples)
     head = base.target_head
     if head is not None:
-        _place(caches[0].path / head["file"], out / head["file"], link)
+        _place(caches[0].path / head["file"], staging / head["file"], link)
     journals: dict[str, dict[str, Any]] = {}
     for c in caches:
         journals.update(read_journal(c.path / JOURNAL_NAME)[0])
     m = build_manifest(dataclasses.replace(base, prompts=_without_part(base.prompts)), shards, samples, head)
     if journals and all(s.id in journals for s in m.samples):
-        write_in_order(out / JOURNAL_NAME, journals, [s.id for s in m.samples])
-    m.write(out)
+        write_in_order(staging / JOURNAL_NAME, journals, [s.id for s in m.samples])
+    m.write(staging)
+    try:  # the staged cache as a reader sees it; copies are hashed again (links share the parts' bytes)
+        staged = StateCache(staging)
+        if verify and not link:
+            staged.verify()
+        else:
+            staged.check_files()
+    except CacheError as e:
+        raise PrecomputeError(f"merge: the merged cache in {staging} failed its check ({e}); {out} is "
+                              "unchanged, rerun the same command") from e
+
+    if out.exists():  # old cache aside, new one in, old one gone; _recover finishes a kill in between
+        os.rename(out, replaced_cache_path(out))
+        os.rename(staging, out)
+        shutil.rmtree(replaced_cache_path(out))
+    else:
+        os.rename(staging, out)
     log(f"merged {len(caches)} part(s) into {out}: {len(m.samples)} samples, {len(m.shards)} shards")
     return m

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import DFlashCBError
+from ..fileio import check_outputs_apart
 from ..served import served_counters, server_spec_config
 from ..states import HEAD_NAME, MANIFEST_NAME, CacheError, Manifest, sha256_file
 from .compute_dtype import (
@@ -348,6 +349,8 @@ def prepare(args: PrecomputeArgs, log: Log = stderr_log, probe: DtypeProbe | Non
     a = args
     check_args(a)
     check_out_path(Path(a.out))
+    check_outputs_apart([("--target", a.target), ("--prompts", a.prompts), ("--drafter-config", a.drafter_config),
+                         ("--completions", a.completions), ("--tokenizer", a.tokenizer)], folders=[("--out", a.out)])
     try:
         tcfg = read_target_config(a.target)
     except TargetError as e:

@@ -1,0 +1,122 @@
+#!/usr/bin/env python
+"""Set up the running interpreter's environment (your venv) if needed, then run the demo or the tests.
+
+    python dev.py demo [demo options]     # e.g. python dev.py demo --quick
+    python dev.py test [pytest options]   # e.g. python dev.py test -x tests/test_replay.py
+    python dev.py setup                   # only the installs
+
+Standard library only, so it runs on a fresh machine with Python >= 3.10 and pip. It installs, into
+the environment of the Python that runs it: torch (only when torch is missing), this checkout
+editable with its ``dev`` extra, then the test oracles without their dependencies (their pins are
+strict and only a few of their modules are imported by the tests). A stamp keyed on pyproject.toml,
+the oracle pins and the interpreter makes a second run skip pip entirely.
+
+Which torch: ``torch==2.13.0`` from pip's configured index, unless ``DFLASH_CB_TORCH_INDEX`` names
+another (``https://download.pytorch.org/whl/cpu`` for the CPU build on a CPU-only machine where the
+default index serves the multi-GB CUDA build). An installed torch (say, a CUDA build on a GPU node)
+is always kept.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+TORCH_PIN = "torch==2.13.0"
+# The test oracles, the one list: reference code the tests compare against, never runtime dependencies.
+ORACLE_PINS = ("dflash==0.1.0", "specforge==0.2.0")
+TORCH_INDEX_ENV = "DFLASH_CB_TORCH_INDEX"
+STAMP = ROOT / ".dev_setup.json"
+# Kept local and quiet in the demo and the tests, whatever the machine's configuration.
+TEST_ENV = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "HF_HUB_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+
+
+def setup_key(pyproject: bytes, oracle_pins: tuple[str, ...] = ORACLE_PINS,
+              interpreter: str = sys.executable) -> str:
+    """What the installs depend on: a change of any of these makes the next run install again."""
+    h = hashlib.sha256(pyproject)
+    h.update("\n".join((*oracle_pins, TORCH_PIN, interpreter, str(ROOT))).encode())
+    return h.hexdigest()
+
+
+def _installed(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _oracle_missing(pins: tuple[str, ...]) -> list[str]:
+    out = []
+    for pin in pins:
+        name, version = pin.split("==")
+        if _installed(name) != version:
+            out.append(pin)
+    return out
+
+
+def pip_commands(torch_installed: bool, oracles_missing: list[str], stamp_ok: bool,
+                 torch_index: str | None) -> list[list[str]]:
+    """The pip argument lists still to run (empty when all is in place)."""
+    cmds = []
+    if not torch_installed:
+        cmds.append(["install", TORCH_PIN] + (["--index-url", torch_index] if torch_index else []))
+    if not stamp_ok or not torch_installed:
+        cmds.append(["install", "-e", f"{ROOT}[dev]"])
+    if oracles_missing:
+        cmds.append(["install", "--no-deps", *oracles_missing])
+    return cmds
+
+
+def _read_stamp() -> dict:
+    try:
+        return json.loads(STAMP.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def setup() -> None:
+    key = setup_key((ROOT / "pyproject.toml").read_bytes())
+    stamp_ok = _read_stamp().get(sys.executable) == key and _installed("dflash-cb") is not None
+    cmds = pip_commands(_installed("torch") is not None, _oracle_missing(ORACLE_PINS), stamp_ok,
+                        os.environ.get(TORCH_INDEX_ENV) or None)
+    for args in cmds:
+        print("dev.py: pip " + " ".join(args), flush=True)
+        subprocess.run([sys.executable, "-m", "pip", "-q", *args], check=True,
+                       env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"})
+    if cmds or not stamp_ok:
+        stamps = _read_stamp()
+        stamps[sys.executable] = key
+        tmp = STAMP.with_suffix(".tmp")
+        tmp.write_text(json.dumps(stamps, indent=1) + "\n")
+        os.replace(tmp, STAMP)
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] not in ("demo", "test", "setup"):
+        print("usage: python dev.py {demo|test|setup} [options]", file=sys.stderr)
+        return 2
+    try:
+        setup()
+    except subprocess.CalledProcessError as e:
+        print(f"dev.py: pip failed (exit {e.returncode}): see its message above", file=sys.stderr)
+        return 2
+    env = {**os.environ, **{k: v for k, v in TEST_ENV.items() if k not in os.environ}}
+    if argv[0] == "setup":
+        return 0
+    if argv[0] == "demo":
+        cmd = [sys.executable, str(ROOT / "tools" / "demo.py"), *argv[1:]]
+    else:
+        cmd = [sys.executable, "-m", "pytest", "-q", *argv[1:]]
+    return subprocess.run(cmd, cwd=ROOT, env=env).returncode  # the demo's / pytest's exit code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

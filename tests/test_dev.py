@@ -1,0 +1,69 @@
+"""The README's two commands: dev.py's install plan, its stamp, and the README / CI agreement."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import dev  # noqa: E402
+
+
+def _first_code_block() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    block = re.search(r"```bash\n(.*?)```", text, re.S)
+    assert block is not None
+    return [line for line in block.group(1).splitlines() if line.strip()]
+
+
+def test_readme_first_block_is_the_two_commands_and_ci_runs_the_test_one() -> None:
+    assert _first_code_block() == ["python dev.py demo", "python dev.py test"]
+    ci = [ln.strip() for ln in (ROOT / ".ci" / "run").read_text().splitlines()]
+    assert "python dev.py test" in ci
+
+
+def test_fresh_environment_plan_installs_torch_first_then_the_project_then_the_oracles() -> None:
+    cmds = dev.pip_commands(torch_installed=False, oracles_missing=list(dev.ORACLE_PINS), stamp_ok=False,
+                            torch_index="https://download.pytorch.org/whl/cpu")
+    assert cmds[0] == ["install", dev.TORCH_PIN, "--index-url", "https://download.pytorch.org/whl/cpu"]
+    assert cmds[1] == ["install", "-e", f"{dev.ROOT}[dev]"]
+    assert cmds[2] == ["install", "--no-deps", "dflash==0.1.0", "specforge==0.2.0"]
+    # without an index, torch comes from pip's configured one; an installed torch is never replaced
+    assert dev.pip_commands(False, [], True, None)[0] == ["install", dev.TORCH_PIN]
+    assert all(dev.TORCH_PIN not in c for c in dev.pip_commands(True, ["dflash==0.1.0"], False, None))
+
+
+def test_nothing_to_install_when_stamped_and_the_oracles_are_there() -> None:
+    assert dev.pip_commands(torch_installed=True, oracles_missing=[], stamp_ok=True, torch_index=None) == []
+    assert dev.pip_commands(True, ["dflash==0.1.0"], True, None) == [["install", "--no-deps", "dflash==0.1.0"]]
+
+
+def test_stamp_key_follows_pyproject_and_the_oracle_pins() -> None:
+    base = dev.setup_key(b"[project]\n", ("dflash==0.1.0",), "/venv/bin/python")
+    assert base == dev.setup_key(b"[project]\n", ("dflash==0.1.0",), "/venv/bin/python")
+    assert base != dev.setup_key(b"[project]\nx = 1\n", ("dflash==0.1.0",), "/venv/bin/python")
+    assert base != dev.setup_key(b"[project]\n", ("dflash==0.1.1",), "/venv/bin/python")
+    assert base != dev.setup_key(b"[project]\n", ("dflash==0.1.0",), "/other/bin/python")
+
+
+def test_the_oracles_this_suite_compares_against_are_installed_at_their_pins() -> None:
+    for pin in dev.ORACLE_PINS:
+        name, version = pin.split("==")
+        assert importlib.metadata.version(name) == version, f"{pin}: run `python dev.py test`"
+
+
+def test_unknown_command_is_refused_with_the_usage(capsys) -> None:
+    assert dev.main(["tests"]) == 2
+    assert "usage: python dev.py {demo|test|setup}" in capsys.readouterr().err
+
+
+def test_no_wheel_files_are_tracked() -> None:
+    import subprocess
+
+    tracked = subprocess.run(["git", "ls-files", "*.whl"], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert tracked.stdout.strip() == ""
+    assert "*.whl" in (ROOT / ".gitignore").read_text().splitlines()
