@@ -103,7 +103,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    import torch
 
     from .checkpoints import load_drafter
     from .engine import evaluate, resolve_autocast
@@ -133,13 +132,15 @@ def main(argv: list[str] | None = None) -> int:
     drafter = load_drafter(args.drafter, device=device)
     cache.check_drafter(drafter.spec.as_cache_check())
     drafter.eval()
+    autocast = resolve_autocast(dtype_name, device, next(drafter.parameters()).dtype)
+    # The head is held in the dtype it computes in: bf16 for a bf16 evaluation, float32 only when asked.
+    head_dtype = autocast or next(drafter.parameters()).dtype
     head = None
     if args.target:
         from .target_head import load_target_head
 
-        head = load_target_head(args.target, device="cpu", dtype=torch.float32)
+        head = load_target_head(args.target, device=device, dtype=head_dtype)
         cache.check_head(head, f"--target {args.target}")  # tie flag, vocabulary and hidden size
-        head = head.to(device)
     elif not cache.has_head:
         from .states import CacheError
 
@@ -150,12 +151,12 @@ def main(argv: list[str] | None = None) -> int:
         cache.verify(cache.shards_of(ids))
     cache.check_samples(ids)  # manifest fields against the shards (small tensors only)
     if head is None:
-        head = cache.load_head(device=device, dtype=torch.float32, verify=args.verify)
-    autocast = resolve_autocast(dtype_name, device, next(drafter.parameters()).dtype)
+        head = cache.load_head(device=device, dtype=head_dtype, verify=args.verify)
     report = evaluate(cache, drafter, head, sample_ids=ids, budgets=budgets, device=device,
                       autocast_dtype=autocast, verify=args.verify, progress=True, anchor_stride=args.anchor_stride)
     results = report_to_results(report, cache, position_edges=edges, meta={
-        "drafter": drafter_provenance(args.drafter), "dtype": dtype_name, "device": str(device),
+        "drafter": drafter_provenance(args.drafter), "dtype": dtype_name, "head_dtype": report.head_dtype,
+        "device": str(device),
         "head_source": args.target or "cache", "verified": bool(args.verify),
         "sample_selection": {"samples": args.samples, "sample_ids": sample_ids, "sample_seed": args.sample_seed},
     })

@@ -45,7 +45,7 @@ def format_results(res: Results) -> str:
     if meta.get("drafter"):
         step = res.drafter_step
         lines.append(f"drafter  {res.drafter_path}" + (f" (global step {step})" if step is not None else "")
-                     + f"  dtype={meta.get('dtype')} device={meta.get('device')}")
+                     + f"  dtype={meta.get('dtype')} head={meta.get('head_dtype')} device={meta.get('device')}")
     cycles = sum(len(s.acceptance_lengths) for s in res.samples)
     lines.append(f"samples  {len(res.samples)}   cycles {cycles}   wall {meta.get('wall_time_s')} s")
     if meta.get("anchors_drafted") is not None:
