@@ -604,7 +604,7 @@ def evaluate(cache: StateCache, drafter: Any, head: TargetHead | None = None, *,
       2,048-token sample, 2.7 GB for 64; samples are evaluated in waves whose K/V fit
       ``context_mem_bytes`` together (4 GiB default: 64 such samples are one wave);
     - bounded buffers: a round drafts at most ``max_blocks`` blocks per pass (token-wise activations
-      ~ ``max_blocks`` x block_size x 3 x intermediate: 1.7 GB at 1,024 blocks in bf16); attention
+      ~ ``max_blocks`` x block_size x (3 x intermediate + 4 x hidden): 2.4 GB at 1,024 blocks in bf16); attention
       temporaries stay under ``attn_mem_bytes`` per chunk, and every vocabulary-sized tensor (the
       head's logits, greedy and statistics rows alike) under ``head_mem_bytes``.
     """

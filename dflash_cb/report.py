@@ -9,6 +9,7 @@ from typing import Any
 from .metrics import (
     ALL_ANCHOR_TAU,
     DELTA_TAU,
+    EVAL_OVERHEAD,
     EVAL_TIME,
     SPECFORGE_TAU,
     T1_TAU_ESTIMATE,
@@ -109,5 +110,6 @@ def evaluation_line(step: int, metrics: dict[str, float], budgets: Sequence[int]
             iv = f" [{lo:+.2f}, {hi:+.2f}]" if lo is not None and hi is not None else ""
             parts.append(f"vs {key.split('/', 1)[1]} {get(name):+.3f}{iv}")
     if get(EVAL_TIME) is not None:
-        parts.append(f"{get(EVAL_TIME):.2f} s")
+        share = get(EVAL_OVERHEAD)
+        parts.append(f"{get(EVAL_TIME):.2f} s" + (f" ({share:.1%} of wall time)" if share is not None else ""))
     return "  ".join(parts)
