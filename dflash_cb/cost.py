@@ -148,7 +148,8 @@ def memory_bound(shape: DrafterShape, context_tokens: int, *, weight_itemsize: i
 
 
 def format_cost(name: str, cost: EvalCost) -> str:
-    return f"{name}: ~{cost.anchors} anchors, ~{cost.gflop:,.0f} GFLOP"
+    gflop = f"{cost.gflop:,.0f}" if cost.gflop >= 100 else f"{cost.gflop:.3g}"
+    return f"{name}: ~{cost.anchors:,} anchors, ~{gflop} GFLOP"
 
 
 def eval_overhead(eval_seconds: float, wall_seconds: float) -> float:
