@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from operator import attrgetter
@@ -55,13 +56,26 @@ from torch import nn
 from . import arguments as check
 from .baselines import Baseline, baseline_scalars, load_measured, load_published, load_served
 from .compare import live_metrics
+from .cost import eval_overhead, predict, setup_line
 from .ddtree import check_ddtree_budgets
 from .distributed import full_parameters, sharding_kind
 from .engine import AUTOCAST_NAMES, DEFAULT_BUDGETS, EvalReport, SampleResult, resolve_autocast
 from .errors import DFlashCBError
 from .eval_state import EvalState, MalformedStateError, new_series_reason, selection_record
-from .live_eval import RankedEvaluation, evaluate_across_ranks, score_untouched
-from .metrics import ANCHOR_STRIDE, EVAL_TIME, FAILED_EVALS, TAU, EvalCounts, per_depth, summarize
+from .live_eval import RankedEvaluation, evaluate_across_ranks, score_untouched, verify_across_ranks
+from .metrics import (
+    ANCHOR_STRIDE,
+    EVAL_OVERHEAD,
+    EVAL_TIME,
+    FAILED_EVALS,
+    SETUP_TIME,
+    TAU,
+    EvalCounts,
+    per_depth,
+    predicted_anchors,
+    predicted_gflop,
+    summarize,
+)
 from .model import DrafterSpec
 from .positions import DEFAULT_POSITION_EDGES
 from .replay import check_tail_blocks
@@ -259,6 +273,8 @@ class DFlashEvalCallback(Callback):
         self._wandb_ready = False
         self._fast_dev_run_noted = False
         self._failed_in_a_row = 0
+        self._setup_note: tuple[int, int, float, float] | None = None  # hashed files, bytes, hash s, setup s
+        self._clock: tuple[float, int] | None = None  # (time, global step) the last evaluation ended at
 
     # -- Lightning plumbing ---------------------------------------------------------------
     @property
@@ -312,6 +328,7 @@ class DFlashEvalCallback(Callback):
         if sharding_kind(trainer) == "deepspeed3":
             raise RuntimeError("DFlashEvalCallback: DeepSpeed ZeRO stage 3 shards parameters in a way this callback "
                                "cannot gather; use ZeRO stage 1/2, DDP or FSDP")
+        started = time.perf_counter()
         self.cache = StateCache(self.states)  # CacheError: no or broken manifest
         self._categories = self.cache.categories
         self.eval_ids = self._select_ids()
@@ -320,8 +337,9 @@ class DFlashEvalCallback(Callback):
         # and with verify_cache a changed byte (sha256).
         needs_head = not self.target_embed
         self.cache.check_files(self.eval_ids, head=needs_head)
-        if self.verify_cache:
-            self.cache.verify(self.cache.shards_of(self.eval_ids), head=needs_head)
+        # Each rank hashes the shards it scores, rank zero the head; files verified earlier in this
+        # process (an earlier fit, unchanged size and mtime) are not hashed again.
+        verified = verify_across_ranks(trainer, self.cache, self.eval_ids, needs_head) if self.verify_cache else None
         self.cache.check_samples(self.eval_ids)  # manifest fields against the shards (small tensors only)
         self.cache_manifest_sha256 = self.cache_manifest_sha256 or self.cache.manifest_sha256
         self.sample_selection = self.sample_selection or self._selection
@@ -344,17 +362,21 @@ class DFlashEvalCallback(Callback):
         self._wandb_ready = False
         if self._find_drafter(pl_module, required=False) is not None:
             self._validate(pl_module)
+        self._setup_note = (verified.files if verified else 0, verified.bytes if verified else 0,
+                            verified.seconds if verified else 0.0, time.perf_counter() - started)
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._spec is None:
             # The model is wrapped by now: under FSDP, shapes are only right with whole parameters.
             with full_parameters(trainer):
                 self._validate(pl_module)
+        self._announce(trainer, pl_module)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # Here (not in on_fit_start) because a resumed run's global step and weights are restored by now.
         if self.cache is not None:
             self._check_resumed_series()
+        self._clock = (time.perf_counter(), trainer.global_step)
         due = fit_start_eval_due(trainer.global_step, self.last_eval_step, self.start_done, self.eval_on_fit_start)
         self.start_done = True
         if due:
@@ -488,6 +510,7 @@ class DFlashEvalCallback(Callback):
         result = evaluate_across_ranks(trainer, self.eval_ids,
                                        lambda ids: self._local_eval(pl_module, ids, budgets, stride), template)
         rank = result.rank
+        since, self._clock = self._clock, (time.perf_counter(), step)
         if result.failed:
             self._on_failure(trainer, step, reason, result)
             return
@@ -495,6 +518,8 @@ class DFlashEvalCallback(Callback):
         assert result.counts is not None
         summary = summarize(result.counts)
         summary[EVAL_TIME] = result.seconds
+        trained = since is not None and since[1] != step  # NaN for an evaluation with no training before it
+        summary[EVAL_OVERHEAD] = eval_overhead(result.seconds, self._clock[0] - since[0]) if trained else math.nan
         self.num_evals += 1
         # Every rank gets the numbers, so ModelCheckpoint/EarlyStopping can monitor them anywhere.
         finite = {self.prefix + k: v for k, v in summary.items() if isinstance(v, float) and math.isfinite(v)}
@@ -563,6 +588,31 @@ class DFlashEvalCallback(Callback):
         if self.console:
             rank_zero_info("DFlashEvalCallback " + evaluation_line(step, summary, self.last_eval_budgets,
                                                                     [b.key for b in self.reference if b.samples]))
+
+    def _announce(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """The first console line (setup time, hashing, predicted cost of a periodic and a full
+        evaluation, ``cost.predict``), and the predicted figures logged, on rank zero."""
+        if self._setup_note is None or self._spec is None or trainer.global_rank != 0:
+            return
+        assert self.cache is not None
+        spec = self._spec
+        last = [h.get(TAU) for h in self.history[-1:]] or [self.last_metrics.get(TAU)]
+        tau = last[0] if isinstance(last[0], float) and math.isfinite(last[0]) else 1.0
+        costs = predict(self._find_drafter(pl_module), spec.block_size,
+                        len(spec.target_layer_ids) * spec.target_hidden_size,
+                        [(e.prompt_len, e.valid_len - e.prompt_len) for e in map(self.cache.entry, self.eval_ids)],
+                        tau, {"periodic": (self.periodic_ddtree_budgets, self.periodic_anchor_stride
+                                           or spec.block_size), "full": (self.ddtree_budgets, 1)})
+        files, nbytes, hash_s, setup_s = self._setup_note
+        if self.console:
+            rank_zero_info("DFlashEvalCallback " + setup_line(len(self.eval_ids), files, nbytes, hash_s, setup_s,
+                                                               tau, costs))
+        scalars = {self.prefix + SETUP_TIME: setup_s}
+        for kind, c in costs.items():
+            scalars[self.prefix + predicted_anchors(kind)] = float(c.anchors)
+            scalars[self.prefix + predicted_gflop(kind)] = c.gflop
+        for lg in trainer.loggers:
+            lg.log_metrics(scalars, step=trainer.global_step)
 
     # -- logging (rank zero) --------------------------------------------------------------------
     def _log_failures(self, trainer: Trainer, step: int) -> None:

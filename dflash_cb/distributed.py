@@ -54,14 +54,19 @@ def all_reduce_sum(trainer: Any, flat: torch.Tensor) -> torch.Tensor:
     return t.cpu()
 
 
+def all_gather(trainer: Any, obj: Any) -> list[Any]:
+    """Every rank's (small, picklable) ``obj`` on every rank, in rank order."""
+    if world(trainer)[1] == 1:
+        return [obj]
+    out: list[Any] = [None] * world(trainer)[1]
+    dist.all_gather_object(out, obj)  # all_gather: supported by every backend, payload is small
+    return out
+
+
 def gather_to_zero(trainer: Any, obj: Any) -> list[Any] | None:
     """Every rank's ``obj`` on rank zero (list in rank order); None on the other ranks."""
-    rank, ws = world(trainer)
-    if ws == 1:
-        return [obj]
-    out: list[Any] = [None] * ws
-    dist.all_gather_object(out, obj)  # all_gather: supported by every backend, payload is small
-    return out if rank == 0 else None
+    out = all_gather(trainer, obj)
+    return out if world(trainer)[0] == 0 else None
 
 
 def _fsdp1_modules(root: nn.Module) -> list[nn.Module]:
