@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 from .errors import DFlashCBError
-from .positions import check_edges
 
 
 class ArgumentError(DFlashCBError, ValueError):
@@ -104,6 +103,15 @@ def flag(name: str, value: Any) -> bool:
 
 
 _EDGES, _EDGES_EXAMPLE = "integers from 0, strictly increasing", "e.g. 0,256,512,1024,2048"
+
+
+def check_edges(edges: Sequence[int]) -> tuple[int, ...]:
+    """Position-bucket edges as a tuple: from 0, strictly increasing (``ValueError`` otherwise)."""
+    e = tuple(int(x) for x in edges)
+    if not e or e[0] != 0 or any(b <= a for a, b in zip(e, e[1:], strict=False)):
+        raise ValueError(f"position edges must start at 0 and increase strictly, got {list(edges)} "
+                         "(e.g. 0,256,512,1024,2048)")
+    return e
 
 
 def position_edges(name: str, values: Any) -> tuple[int, ...]:
@@ -200,5 +208,5 @@ def parse_str_list(name: str, text: str) -> list[str]:
     return items
 
 
-__all__ = ["ArgumentError", "baseline_paths", "file_path", "flag", "int_at_least", "int_list", "is_int", "parse_int",
+__all__ = ["ArgumentError", "baseline_paths", "check_edges", "file_path", "flag", "int_at_least", "int_list", "is_int", "parse_int",
            "parse_int_list", "parse_position_edges", "parse_str_list", "path_or_none", "position_edges", "str_list"]

@@ -186,6 +186,7 @@ class DFlashEvalCallback(Callback):
             # The model is wrapped by now: under FSDP, shapes are only right with whole parameters.
             with full_parameters(trainer):
                 self.evaluator.validate(self._drafter(pl_module), pl_module)
+        self.evaluator.announce(trainer.global_step, self._drafter(pl_module))
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # Here (not in on_fit_start) because a resumed run's global step and weights are restored by now.

@@ -56,14 +56,20 @@ def all_reduce_sum(flat: torch.Tensor) -> torch.Tensor:
     return t.cpu()
 
 
-def gather_to_zero(obj: Any) -> list[Any] | None:
-    """Every rank's ``obj`` on rank zero (list in rank order); None on the other ranks."""
-    rank, ws = world()
+def all_gather(obj: Any) -> list[Any]:
+    """Every rank's (small, picklable) ``obj`` on every rank, in rank order."""
+    ws = world()[1]
     if ws == 1:
         return [obj]
     out: list[Any] = [None] * ws
     dist.all_gather_object(out, obj)  # all_gather: supported by every backend, payload is small
-    return out if rank == 0 else None
+    return out
+
+
+def gather_to_zero(obj: Any) -> list[Any] | None:
+    """Every rank's ``obj`` on rank zero (list in rank order); None on the other ranks."""
+    out = all_gather(obj)
+    return out if world()[0] == 0 else None
 
 
 def _fsdp1_modules(root: nn.Module) -> list[nn.Module]:

@@ -222,17 +222,28 @@ class HeadOutputs:
     overlap: torch.Tensor | None  # [N] sum_x min(p_target(x), q_draft(x)) over the target's stored top-K
 
 
+def head_rows(vocab: int, mem_bytes: int) -> int:
+    """Rows per head call so that a chunk's logits stay under ``mem_bytes``: the matmul's output, its
+    float32 copy and one float32 temporary (soft-cap, log-sum-exp) of [rows, vocab] each."""
+    return max(1, mem_bytes // (vocab * 4 * 3))
+
+
 def apply_head(hidden: torch.Tensor, lm_head: torch.Tensor, spec: DrafterSpec, k: int,
                mem_bytes: int = 512 << 20, target_topk: tuple[torch.Tensor, torch.Tensor] | None = None
                ) -> HeadOutputs:
-    """Logits ``lm_head(hidden) * output_multiplier`` (soft-capped if configured) in row chunks."""
+    """Logits ``lm_head(hidden) * output_multiplier`` (soft-capped if configured) in row chunks.
+
+    The matmul runs in the head's own dtype, outside any autocast: autocast would otherwise cast the
+    whole [vocab, hidden] head at every call (a transient copy of the largest tensor there is)."""
     n = hidden.shape[0]
     vocab = lm_head.shape[0]
-    rows = max(1, mem_bytes // (vocab * 4 * 3))
+    rows = head_rows(vocab, mem_bytes)
     k = min(k, vocab)
     am, ids, lps, ovl = [], [], [], []
+    hidden = hidden.to(lm_head.dtype)
     for i in range(0, n, rows):
-        logits = draft_logits(hidden[i:i + rows], lm_head, spec)
+        with torch.autocast(hidden.device.type, enabled=False):
+            logits = draft_logits(hidden[i:i + rows], lm_head, spec)
         am.append(logits.argmax(dim=-1))
         if k > 0 or target_topk is not None:
             lse = torch.logsumexp(logits, dim=-1, keepdim=True)
@@ -392,7 +403,7 @@ class _Drafting:
         out = None
         if self.budgets or keep_rows or bool(sel.all()):
             every = torch.arange(len(requests), device=dev)[:, None]
-            flat = blocks.rows(every, depth).reshape(len(requests) * d, -1).to(head.lm_head.dtype)
+            flat = blocks.rows(every, depth).reshape(len(requests) * d, -1)
             out = apply_head(flat, head.lm_head, spec, max(self.budgets, default=0), self.head_mem_bytes, tk)
             raw, overlap = out.argmax.view(-1, d), None if out.overlap is None else out.overlap.view(-1, d)
         else:
@@ -451,8 +462,7 @@ class _Drafting:
         if rows.numel():
             sub = None if tk is None else tuple(t.view(n, d, -1)[rows].reshape(rows.numel() * d, -1) for t in tk)
             hid = blocks.rows(rows[:, None], torch.arange(1, d + 1, device=dev)[None, :])
-            out = apply_head(hid.reshape(rows.numel() * d, -1).to(head.lm_head.dtype), head.lm_head, spec, 0,
-                             self.head_mem_bytes, sub)
+            out = apply_head(hid.reshape(rows.numel() * d, -1), head.lm_head, spec, 0, self.head_mem_bytes, sub)
             raw[rows] = out.argmax.view(-1, d)
             if out.overlap is not None:
                 overlap = torch.zeros((n, d), device=dev)
@@ -462,8 +472,10 @@ class _Drafting:
         while k < d and live.numel():
             c = min(d - k, max(1, _HEAD_ROWS // live.numel()))
             hid = blocks.rows(live[:, None], torch.arange(k + 1, k + c + 1, device=dev)[None, :])
-            am = draft_logits(hid.reshape(live.numel() * c, -1).to(head.lm_head.dtype), head.lm_head, spec)
-            am = am.argmax(dim=-1).view(-1, c)
+            # Row-chunked like the statistics rows: at tau ~ 1 every block is live, and a call on all of
+            # them at once would hold [max_blocks, vocab] logits (1 GB at the real vocabulary).
+            am = apply_head(hid.reshape(live.numel() * c, -1), head.lm_head, spec, 0, self.head_mem_bytes)
+            am = am.argmax.view(-1, c)
             lead = leading_matches(am, target[live, k:k + c])
             # Depths up to the first miss are read (the miss decides the cycle); the rest stay -2.
             raw[live, k:k + c] = torch.where(torch.arange(c, device=dev)[None, :] <= lead[:, None], am, -2)
@@ -526,6 +538,7 @@ class EvalReport:
     budgets: tuple[int, ...]
     anchor_stride: int = 1
     tail_blocks: str = "served"
+    head_dtype: str = ""  # the dtype the output head computed in
 
     @property
     def summary(self) -> dict[str, float]:
@@ -600,12 +613,23 @@ def evaluate(cache: StateCache, drafter: Any, head: TargetHead | None = None, *,
     ``tail_blocks`` (``replay.TAIL_BLOCKS``): "served" drafts full blocks up to the end, as SGLang;
     "reference" shortens the last blocks, as ``dflash_generate`` (docs/method.md, "Tail blocks").
 
-    Memory: samples are evaluated in waves whose context K/V fit ``context_mem_bytes`` together
-    (Qwen3.6-27B drafter in bf16: 5 layers x 2 x 8 KV heads x 128 x 2 bytes = 20 KiB per position,
-    42 MB per 2,048-token sample, 2.7 GB for 64 such samples: one wave under the 4 GiB default);
-    a round drafts at most ``max_blocks`` blocks per pass (token-wise activations ~ ``max_blocks`` x
-    block_size x intermediate size: 0.6 GB at 1,024 blocks for that drafter in bf16), attention
-    temporaries stay under ``attn_mem_bytes`` per chunk and head logits under ``head_mem_bytes``.
+    The head runs in its own dtype: a head loaded here (``head`` None) is read in the compute dtype
+    (``autocast_dtype``, else the drafter's), so a bf16 evaluation never holds a float32 head; a
+    given head is used as it is (``EvalReport.head_dtype`` says which).
+
+    Memory model (``cost.memory_bound`` computes it; the README's memory section gives the figures),
+    for the Qwen3.6-27B drafter in bf16 (5 layers, hidden 5120, vocabulary 248,320, block 16):
+
+    - drafter weights: 1.73 B parameters, 3.5 GB;
+    - target embedding + output head, in the compute dtype: 2 x 248,320 x 5,120 x 2 bytes = 5.1 GB
+      (2.5 GB when tied);
+    - context K/V, 5 layers x 2 x 8 KV heads x 128 x 2 bytes = 20 KiB per position: 42 MB per
+      2,048-token sample, 2.7 GB for 64; samples are evaluated in waves whose K/V fit
+      ``context_mem_bytes`` together (4 GiB default: 64 such samples are one wave);
+    - bounded buffers: a round drafts at most ``max_blocks`` blocks per pass (token-wise activations
+      ~ ``max_blocks`` x block_size x (3 x intermediate + 4 x hidden): 2.4 GB at 1,024 blocks in bf16); attention
+      temporaries stay under ``attn_mem_bytes`` per chunk, and every vocabulary-sized tensor (the
+      head's logits, greedy and statistics rows alike) under ``head_mem_bytes``.
     """
     start = time.perf_counter()
     check_tail_blocks(tail_blocks)
@@ -619,7 +643,7 @@ def evaluate(cache: StateCache, drafter: Any, head: TargetHead | None = None, *,
         device = p.weight.device if p is not None else torch.device("cpu")
     device = torch.device(device)
     if head is None:
-        head = cache.load_head(device=device, dtype=runner.dtype)
+        head = cache.load_head(device=device, dtype=autocast_dtype or runner.dtype)
     elif head.embed_tokens.device != device:
         head = head.to(device)
     budgets = tuple(sorted({int(b) for b in budgets}))
@@ -664,7 +688,8 @@ def evaluate(cache: StateCache, drafter: Any, head: TargetHead | None = None, *,
         for i, b in enumerate(budgets):
             counts.add_ddtree(i, r.ddtree[b])
         counts.add_cost(r.anchors_drafted, r.anchors_needed)
-    return EvalReport(counts, samples, time.perf_counter() - start, spec, budgets, anchor_stride, tail_blocks)
+    return EvalReport(counts, samples, time.perf_counter() - start, spec, budgets, anchor_stride, tail_blocks,
+                      str(head.lm_head.dtype).removeprefix("torch."))
 
 
 def _load_wave(cache: StateCache, ids: list[str], runner: DraftRunner, manifest: Manifest, stops: frozenset[int],

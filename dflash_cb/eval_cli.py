@@ -87,7 +87,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    import torch
 
     from .arguments import parse_int, parse_position_edges
     from .checkpoints import load_drafter
@@ -135,13 +134,15 @@ def main(argv: list[str] | None = None) -> int:
     cache.check_drafter(drafter.spec.as_cache_check())
     check_ddtree_budgets(budgets, drafter.spec.block_size, cache.manifest.vocab_size, "--ddtree-budgets")
     drafter.eval()
+    autocast = resolve_autocast(dtype_name, device, next(drafter.parameters()).dtype)
+    # The head is held in the dtype it computes in: bf16 for a bf16 evaluation, float32 only when asked.
+    head_dtype = autocast or next(drafter.parameters()).dtype
     head = None
     if args.target:
         from .target_head import load_target_head
 
-        head = load_target_head(args.target, device="cpu", dtype=torch.float32)
+        head = load_target_head(args.target, device=device, dtype=head_dtype)
         cache.check_head(head, f"--target {args.target}")  # tie flag, vocabulary and hidden size
-        head = head.to(device)
     elif not cache.has_head:
         from .states import CacheError
 
@@ -152,13 +153,13 @@ def main(argv: list[str] | None = None) -> int:
         cache.verify(cache.shards_of(ids))
     cache.check_samples(ids)  # manifest fields against the shards (small tensors only)
     if head is None:
-        head = cache.load_head(device=device, dtype=torch.float32, verify=args.verify)
-    autocast = resolve_autocast(dtype_name, device, next(drafter.parameters()).dtype)
+        head = cache.load_head(device=device, dtype=head_dtype, verify=args.verify)
     report = evaluate(cache, drafter, head, sample_ids=ids, budgets=budgets, device=device,
                       autocast_dtype=autocast, verify=args.verify, progress=True, anchor_stride=anchor_stride,
                       tail_blocks=args.tail_blocks)
     results = report_to_results(report, cache, position_edges=edges, meta={
-        "drafter": drafter_provenance(args.drafter), "dtype": dtype_name, "device": str(device),
+        "drafter": drafter_provenance(args.drafter), "dtype": dtype_name, "head_dtype": report.head_dtype,
+        "device": str(device),
         "head_source": args.target or "cache", "verified": bool(args.verify),
         "sample_selection": {"samples": num_samples, "sample_ids": sample_ids, "sample_seed": sample_seed},
     })

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -39,13 +40,26 @@ from torch import nn
 from . import arguments as check
 from .baselines import Baseline, baseline_scalars, load_measured, load_published, load_served
 from .compare import live_metrics
+from .cost import eval_overhead, predict, setup_line
 from .ddtree import check_ddtree_budgets
-from .distributed import full_parameters_of
+from .distributed import full_parameters_of, world
 from .engine import AUTOCAST_NAMES, DEFAULT_BUDGETS, EvalReport, SampleResult, resolve_autocast
 from .errors import DFlashCBError
 from .eval_state import EvalState, MalformedStateError, new_series_reason, selection_record
-from .live_eval import RankedEvaluation, evaluate_across_ranks, score_untouched
-from .metrics import ANCHOR_STRIDE, EVAL_TIME, FAILED_EVALS, EvalCounts, per_depth, summarize
+from .live_eval import RankedEvaluation, evaluate_across_ranks, score_untouched, verify_across_ranks
+from .metrics import (
+    ANCHOR_STRIDE,
+    EVAL_OVERHEAD,
+    EVAL_TIME,
+    FAILED_EVALS,
+    SETUP_TIME,
+    TAU,
+    EvalCounts,
+    per_depth,
+    predicted_anchors,
+    predicted_gflop,
+    summarize,
+)
 from .model import DrafterSpec
 from .positions import DEFAULT_POSITION_EDGES
 from .replay import check_tail_blocks
@@ -252,6 +266,9 @@ class LiveEvaluator:
         self._table_tokens: dict[str, list[int]] = {}
         self._wandb_ready = False
         self._failed_in_a_row = 0
+        self._setup_note: tuple[int, int, float, float] | None = None  # hashed files, bytes, hash s, setup s
+        self._announced = False
+        self._clock: tuple[float, int] | None = None  # (time, global step) the last evaluation ended at
 
     # -- resumable state --------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -302,6 +319,7 @@ class LiveEvaluator:
         Raises before any training step (``CacheError``, ``CacheMismatchError``, ``ValueError``),
         naming the file or field. ``start``/``step`` call it if the loop did not.
         """
+        started = time.perf_counter()
         self.cache = StateCache(self.states)  # CacheError: no or broken manifest
         self._categories = self.cache.categories
         self.eval_ids = select_sample_ids(self.cache, self.num_samples, self.sample_ids, self.sample_seed)
@@ -310,8 +328,9 @@ class LiveEvaluator:
         # and with verify_cache a changed byte (sha256).
         needs_head = self.target_embed is None
         self.cache.check_files(self.eval_ids, head=needs_head)
-        if self.verify_cache:
-            self.cache.verify(self.cache.shards_of(self.eval_ids), head=needs_head)
+        # Each rank hashes the shards it scores, rank zero the head; files verified earlier in this
+        # process (an earlier run, unchanged size and mtime) are not hashed again.
+        verified = verify_across_ranks(self.cache, self.eval_ids, needs_head) if self.verify_cache else None
         self.cache.check_samples(self.eval_ids)  # manifest fields against the shards (small tensors only)
         if self.cache_manifest_sha256 is not None or self.sample_selection is not None:  # a state loaded before
             self.check_resumed_series()
@@ -332,14 +351,18 @@ class LiveEvaluator:
         self._head_key = None
         self._table_tokens = {}
         self._wandb_ready = False
+        self._announced = False
         if drafter is not None:
             self.validate(drafter, model)
+        self._setup_note = (verified.files if verified else 0, verified.bytes if verified else 0,
+                            verified.seconds if verified else 0.0, time.perf_counter() - started)
 
     def start(self, global_step: int, drafter: nn.Module, model: Any = None) -> dict[str, float] | None:
         """Before the first training step: the evaluation of the untrained (or resumed) drafter, once per
         run (``eval_on_fit_start``; a resumed run does not repeat it). Metrics, or None."""
-        self._ready(drafter, model)
+        self._ready(global_step, drafter, model)
         self.check_resumed_series()
+        self._clock = (time.perf_counter(), global_step)
         due = fit_start_eval_due(global_step, self.last_eval_step, self.start_done, self.eval_on_fit_start)
         self.start_done = True
         return self._evaluate(global_step, drafter, model, "fit start") if due else None
@@ -347,7 +370,7 @@ class LiveEvaluator:
     def step(self, global_step: int, drafter: nn.Module, model: Any = None) -> dict[str, float] | None:
         """After optimizer step ``global_step``: evaluate if it is due. Metrics (rank zero: everything
         logged; other ranks: the counts-based ones), or None (not due, or failed: a warning)."""
-        self._ready(drafter, model)
+        self._ready(global_step, drafter, model)
         reason = periodic_eval_reason(global_step, self.every_n_train_steps, self.last_eval_step,
                                       self.eval_on_fit_end, self.max_steps)
         return self._evaluate(global_step, drafter, model, reason) if reason is not None else None
@@ -356,15 +379,42 @@ class LiveEvaluator:
         """After the last step: the full evaluation (``eval_on_fit_end``), unless that step had one."""
         if not fit_end_eval_due(global_step, self.last_eval_step, self.last_eval_full, self.eval_on_fit_end):
             return None
-        self._ready(drafter, model)
+        self._ready(global_step, drafter, model)
         return self._evaluate(global_step, drafter, model, FIT_END)
 
-    def _ready(self, drafter: nn.Module, model: Any) -> None:
+    def _ready(self, global_step: int, drafter: nn.Module, model: Any) -> None:
         if self.cache is None:
             self.setup()
         if not self.validated:
             with self._gathered(drafter, model):  # under FSDP, shapes are only right with whole parameters
                 self.validate(drafter, model)
+        self.announce(global_step, drafter)
+
+    def announce(self, global_step: int, drafter: nn.Module) -> None:
+        """Once per setup, on rank zero: the first console line (setup time, hashing, predicted cost of a
+        periodic and a full evaluation, ``cost.predict``), and the predicted figures logged."""
+        if self._announced or self._setup_note is None or self._spec is None:
+            return
+        self._announced = True
+        if world()[0] != 0:
+            return
+        assert self.cache is not None
+        spec = self._spec
+        last = [h.get(TAU) for h in self.history[-1:]] or [self.last_metrics.get(TAU)]
+        tau = last[0] if isinstance(last[0], float) and math.isfinite(last[0]) else 1.0
+        costs = predict(unwrap(drafter), spec.block_size, len(spec.target_layer_ids) * spec.target_hidden_size,
+                        [(e.prompt_len, e.valid_len - e.prompt_len) for e in map(self.cache.entry, self.eval_ids)],
+                        tau, {"periodic": (self.periodic_ddtree_budgets, self.periodic_anchor_stride
+                                           or spec.block_size), "full": (self.ddtree_budgets, 1)})
+        files, nbytes, hash_s, setup_s = self._setup_note
+        if self.console:
+            self.say(f"{self.name} " + setup_line(len(self.eval_ids), files, nbytes, hash_s, setup_s, tau, costs))
+        scalars = {self.prefix + SETUP_TIME: setup_s}
+        for kind, c in costs.items():
+            scalars[self.prefix + predicted_anchors(kind)] = float(c.anchors)
+            scalars[self.prefix + predicted_gflop(kind)] = c.gflop
+        for sink in self.sinks:
+            sink.log(scalars, global_step)
 
     def _gathered(self, drafter: nn.Module, model: Any) -> AbstractContextManager[Any]:
         if self.full_parameters is not None:
@@ -475,6 +525,7 @@ class LiveEvaluator:
         template = EvalCounts(self._spec.block_size if self._spec else 2, budgets, self._categories)
         result = evaluate_across_ranks(self.eval_ids, lambda ids: self._local_eval(drafter, model, ids, budgets, stride),
                                        template, lambda: self._gathered(drafter, model))
+        since, self._clock = self._clock, (time.perf_counter(), step)
         if result.failed:
             self._on_failure(step, reason, result)
             return None
@@ -482,6 +533,8 @@ class LiveEvaluator:
         assert result.counts is not None
         summary = summarize(result.counts)
         summary[EVAL_TIME] = result.seconds
+        trained = since is not None and since[1] != step  # NaN for an evaluation with no training before it
+        summary[EVAL_OVERHEAD] = eval_overhead(result.seconds, self._clock[0] - since[0]) if trained else math.nan
         self.num_evals += 1
         # Every rank gets the numbers, so a loop can act on them anywhere (ModelCheckpoint, early stopping).
         finite = {self.prefix + k: v for k, v in summary.items() if isinstance(v, float) and math.isfinite(v)}

@@ -21,10 +21,52 @@ from typing import Any
 import torch
 from torch import nn
 
-from .distributed import all_reduce_sum, gather_to_zero, world
+from .distributed import all_gather, all_reduce_sum, gather_to_zero, world
 from .engine import EvalReport, SampleResult, evaluate
 from .metrics import EvalCounts
-from .states import StateCache, TargetHead
+from .states import CacheError, StateCache, TargetHead
+
+
+def rank_share(ids: Sequence[str], rank: int, world_size: int) -> list[str]:
+    """The samples rank ``rank`` scores (and hashes): every ``world_size``-th from its own position."""
+    return list(ids[rank::world_size])
+
+
+@dataclass
+class SetupCheck:
+    """What ``verify_across_ranks`` hashed, over every rank."""
+
+    files: int
+    bytes: int
+    seconds: float  # the slowest rank's hashing time
+
+
+def verify_across_ranks(cache: StateCache, ids: Sequence[str], head: bool) -> SetupCheck:
+    """sha256 of the shards each rank scores (its ``rank_share``) and, on rank zero, of the exported
+    head; the head's result is shared with the other ranks, which do not hash it. A collective over
+    ``torch.distributed``'s default group (a single process without one): every rank calls it. A file
+    verified before in this process (same size and mtime) is not hashed again.
+
+    A mismatch on any rank raises ``CacheError`` on every rank (no rank trains on while another stops).
+    """
+    rank, ws = world()
+    start, before = time.perf_counter(), len(cache.hashed)
+    error: CacheError | None = None
+    try:
+        cache.verify(cache.shards_of(rank_share(ids, rank, ws)), head=head and rank == 0)
+    except CacheError as e:
+        error = e
+    mine = cache.hashed[before:]
+    parts = all_gather((str(error) if error else None, len(mine), sum(b for _, b in mine),
+                        time.perf_counter() - start))
+    if error is not None:
+        raise error
+    failed = [msg for msg, *_ in parts if msg]
+    if failed:
+        raise CacheError(f"another rank: {failed[0]}")
+    if head and rank != 0:
+        cache.head_verified_elsewhere()
+    return SetupCheck(sum(p[1] for p in parts), sum(p[2] for p in parts), max(p[3] for p in parts))
 
 
 def score_untouched(cache: StateCache, drafter: nn.Module, head: TargetHead, sample_ids: Sequence[str], *,
@@ -82,7 +124,7 @@ def evaluate_across_ranks(ids: Sequence[str], score: Callable[[list[str]], EvalR
     try:
         with (full_parameters or contextlib.nullcontext)():  # collective under FSDP: every rank is here at the same step
             try:
-                report = score(list(ids[rank::ws]))
+                report = score(rank_share(ids, rank, ws))
             except Exception as e:  # reported to every rank through the all_reduce below
                 error = e
     except Exception as e:
@@ -103,4 +145,5 @@ def evaluate_across_ranks(ids: Sequence[str], score: Callable[[list[str]], EvalR
     return RankedEvaluation(rank, 0, error, template, seconds, samples)
 
 
-__all__ = ["RankedEvaluation", "evaluate_across_ranks", "score_untouched"]
+__all__ = ["RankedEvaluation", "SetupCheck", "evaluate_across_ranks", "rank_share", "score_untouched",
+           "verify_across_ranks"]

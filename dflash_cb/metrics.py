@@ -38,6 +38,18 @@ ANCHORS_DRAFTED = "anchors_drafted"
 ANCHORS_NEEDED = "anchors_needed"
 ANCHOR_STRIDE = "anchor_stride"  # the statistics set's stride (run config and results.json meta)
 FAILED_EVALS = "failed_evaluations"  # evaluations that raised so far in this run (callback)
+# The evaluation's share of wall time since the previous one ended (callback; dflash_cb.cost).
+EVAL_OVERHEAD = "eval_overhead"
+SETUP_TIME = "setup_time_s"  # the callback's setup: cache checks and hashing
+
+
+def predicted_anchors(kind: str) -> str:
+    """Anchors one ``kind`` ("periodic" / "full") evaluation is expected to draft (``cost.evaluation_cost``)."""
+    return f"predicted/{kind}_anchors"
+
+
+def predicted_gflop(kind: str) -> str:
+    return f"predicted/{kind}_gflop"
 
 
 def ddtree_tau(budget: int) -> str:

@@ -24,18 +24,11 @@ from typing import Any
 
 import numpy as np
 
+from .arguments import check_edges
 from .metrics import cycle_bucket, cycle_cycles, cycle_tau, position_bucket, position_cycles, position_tau
 
 DEFAULT_POSITION_EDGES: tuple[int, ...] = (0, 256, 512, 1024, 2048)
 DEFAULT_CYCLE_BUCKETS = 5  # cycles 0, 1, 2, 3 and "4plus"
-
-
-def check_edges(edges: Sequence[int]) -> tuple[int, ...]:
-    e = tuple(int(x) for x in edges)
-    if not e or e[0] != 0 or any(b <= a for a, b in zip(e, e[1:], strict=False)):
-        raise ValueError(f"position edges must start at 0 and increase strictly, got {list(edges)} "
-                         "(e.g. 0,256,512,1024,2048)")
-    return e
 
 
 def position_labels(edges: Sequence[int]) -> list[str]:

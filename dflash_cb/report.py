@@ -11,6 +11,7 @@ from .metrics import (
     ALL_ANCHOR_TAU,
     CHAIN_TAU_ESTIMATE,
     DELTA_TAU,
+    EVAL_OVERHEAD,
     EVAL_TIME,
     SPECFORGE_ACC,
     T1_TAU_ESTIMATE,
@@ -48,7 +49,7 @@ def format_results(res: Results) -> str:
     if meta.get("drafter"):
         step = res.drafter_step
         lines.append(f"drafter  {res.drafter_path}" + (f" (global step {step})" if step is not None else "")
-                     + f"  dtype={meta.get('dtype')} device={meta.get('device')}")
+                     + f"  dtype={meta.get('dtype')} head={meta.get('head_dtype')} device={meta.get('device')}")
     cycles = sum(len(s.acceptance_lengths) for s in res.samples)
     lines.append(f"samples  {len(res.samples)}   cycles {cycles}   wall {meta.get('wall_time_s')} s")
     if meta.get("anchors_drafted") is not None:
@@ -116,5 +117,6 @@ def evaluation_line(step: int, metrics: dict[str, float], budgets: Sequence[int]
             iv = f" [{lo:+.2f}, {hi:+.2f}]" if lo is not None and hi is not None else ""
             parts.append(f"vs {key.split('/', 1)[1]} {get(name):+.3f}{iv}")
     if get(EVAL_TIME) is not None:
-        parts.append(f"{get(EVAL_TIME):.2f} s")
+        share = get(EVAL_OVERHEAD)
+        parts.append(f"{get(EVAL_TIME):.2f} s" + (f" ({share:.1%} of wall time)" if share is not None else ""))
     return "  ".join(parts)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -251,6 +252,37 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 24) -> str:
     return h.hexdigest()
 
 
+# Files whose sha256 matched, by (real path, size, mtime_ns, expected sha256), for this process: a
+# new StateCache of the same folder (every Lightning setup makes one) does not hash them again.
+_VERIFIED: set[tuple[str, int, int, str]] = set()
+
+
+def verified_key(path: str | os.PathLike, st: os.stat_result, expected: str) -> tuple[str, int, int, str]:
+    return (os.path.realpath(path), st.st_size, st.st_mtime_ns, expected)
+
+
+def mark_verified(path: str | os.PathLike, expected: str) -> None:
+    """Record that ``path`` (as it is now) matches ``expected``: e.g. another rank hashed it."""
+    _VERIFIED.add(verified_key(path, os.stat(path), expected))
+
+
+def read_tensor(handle: Any, key: str, dtype: torch.dtype | None = None, device: torch.device | str = "cpu",
+                chunk_bytes: int = 64 << 20) -> torch.Tensor:
+    """Tensor ``key`` of an open safetensors file in ``dtype`` on ``device``, with no transient second
+    copy of it: a tensor stored in another dtype is converted in row chunks of ``chunk_bytes`` into
+    its destination (a float32 [248,320 x 5,120] head read as bfloat16 holds 2.5 GB, not 7.6 GB)."""
+    sl = handle.get_slice(key)
+    shape = tuple(sl.get_shape())
+    stored = sl[0:1].dtype if shape and shape[0] else None
+    if dtype is None or stored is None or stored == dtype or len(shape) < 2:
+        return handle.get_tensor(key).to(device=device, dtype=dtype)
+    out = torch.empty(shape, dtype=dtype, device=device)
+    rows = max(1, chunk_bytes // max(1, math.prod(shape[1:]) * stored.itemsize))
+    for i in range(0, shape[0], rows):
+        out[i:i + rows].copy_(sl[i:i + rows])
+    return out
+
+
 _SAMPLE_TENSORS = ("input_ids", "hidden", "target_argmax", "topk_ids", "topk_logprobs")
 
 
@@ -305,8 +337,7 @@ class StateCache:
         self.manifest_sha256 = hashlib.sha256(raw).hexdigest()
         self._by_id = {s.id: s for s in self.manifest.samples}
         self._shards = {s.file: s for s in self.manifest.shards}
-        # file -> (size, mtime_ns) when its sha256 was last checked: a changed file is hashed again.
-        self._verified: dict[str, tuple[int, int]] = {}
+        self.hashed: list[tuple[str, int]] = []  # (file, bytes) this instance actually hashed, in order
         for s in self.manifest.samples:
             if s.shard not in self._shards:
                 raise CacheError(f"{manifest_path}: sample {s.id!r} names shard {s.shard!r} that is not listed")
@@ -347,14 +378,14 @@ class StateCache:
     def _wrong_digest(self, name: str, p: Path, st: os.stat_result, expected: str) -> str | None:
         """None if ``p`` hashes to ``expected``, else the digest it has. A file that passed before is
         hashed again only if its size or modification time changed."""
-        seen = (st.st_size, st.st_mtime_ns)
-        if self._verified.get(name) == seen:
+        key = verified_key(p, st, expected)
+        if key in _VERIFIED:
             return None
-        self._verified.pop(name, None)
         digest = sha256_file(p)
+        self.hashed.append((name, st.st_size))
         if digest != expected:
             return digest
-        self._verified[name] = seen
+        _VERIFIED.add(key)
         return None
 
     def check_unchanged(self) -> None:
@@ -513,6 +544,12 @@ class StateCache:
             raise CacheError(f"{p}: sha256 does not match the manifest (corrupted); {fix}")
         return p
 
+    def head_verified_elsewhere(self) -> None:
+        """Take the exported head as verified, as it is now: another process (rank zero) hashed it."""
+        info = self.manifest.target_head
+        if info is not None:
+            mark_verified(self.path / info["file"], info["sha256"])
+
     @property
     def categories(self) -> tuple[str, ...]:
         """The prompt categories of the cache, sorted: the axis of every per-category count."""
@@ -524,18 +561,20 @@ class StateCache:
 
     def load_head(self, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
                   verify: bool = True) -> TargetHead:
+        """The exported head in ``dtype`` (as stored if None) on ``device``, each tensor read straight
+        into its destination (``read_tensor``): a bf16 evaluation never holds a float32 copy."""
         p = self._check_head(hash_check=verify)
         try:
             with safe_open(str(p), framework="pt", device="cpu") as f:
-                embed = f.get_tensor("embed_tokens.weight")
+                embed = read_tensor(f, "embed_tokens.weight", dtype, device)
                 tied = bool(self.manifest.target_head.get("tied", False))
-                head = embed if tied else f.get_tensor("lm_head.weight")
+                head = embed if tied else read_tensor(f, "lm_head.weight", dtype, device)
         except Exception as e:  # safetensors' own error types on a damaged file
             raise CacheError(f"{p}: cannot read the target head ({e}); rerun tools/precompute_states.py "
                              f"with --out {self.path} to re-export it") from e
         out = TargetHead(embed, head, tied)
         self.check_head(out, str(p))
-        return out.to(device, dtype)
+        return out
 
     def check_head(self, head: TargetHead, source: str) -> None:
         """Raise CacheMismatchError unless ``head`` is [vocab, hidden] of the cache's target (and tied

@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 
 from .errors import DFlashCBError
-from .states import TargetHead
+from .states import TargetHead, read_tensor
 from .target import is_vision_key
 
 
@@ -58,6 +58,8 @@ def _tie_flag(cfg: dict) -> bool | None:
 
 def load_target_head(path: str | os.PathLike, device: torch.device | str = "cpu",
                      dtype: torch.dtype | None = None) -> TargetHead:
+    """The target's embedding and head in ``dtype`` (as stored if None) on ``device``, each read
+    straight into its destination (no float32 copy of a bf16 checkpoint, or the reverse)."""
     folder = Path(path)
     wmap = _weight_map(folder)
     # Text embeddings only: a vision-language target also has vision-tower embeddings.
@@ -82,10 +84,10 @@ def load_target_head(path: str | os.PathLike, device: torch.device | str = "cpu"
     def read(key: str) -> torch.Tensor:
         try:
             with safe_open(str(folder / wmap[key]), framework="pt") as h:
-                return h.get_tensor(key)
+                return read_tensor(h, key, dtype, device)
         except Exception as e:  # truncated file, or the index names a missing one
             raise TargetHeadError(f"{folder / wmap[key]}: cannot read {key!r} ({e}); copy the target again") from None
 
     embed = read(embed_key)
     head = embed if tied else read(head_key)
-    return TargetHead(embed, head, tied).to(device, dtype)
+    return TargetHead(embed, head, tied)

@@ -34,11 +34,14 @@ def _worker(cache: str, cfg_path: str, out: str, strategies: list[str]) -> None:
     from lightning.pytorch import Callback, Trainer, seed_everything
     from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
 
-    from dflash_cb import DFlashEvalCallback
+    from dflash_cb import DFlashEvalCallback, states
     from dflash_cb.distributed import full_parameters, sharding_kind
     from dflash_cb.lightning_module import CachedStatesDataModule, DFlashDrafterModule
 
     cfg = json.loads(Path(cfg_path).read_text())
+    hashed: list[str] = []  # the files sha256 reads in this process, per fit
+    real_sha = states.sha256_file
+    states.sha256_file = lambda p, *a, **k: hashed.append(Path(p).name) or real_sha(p, *a, **k)
 
     class CPUFSDPStrategy(FSDPStrategy):
         """Lightning refuses FSDP without CUDA; torch's FSDP runs on CPU with device_id=cpu."""
@@ -100,6 +103,10 @@ def _worker(cache: str, cfg_path: str, out: str, strategies: list[str]) -> None:
         else:
             strategy, module_cls = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1), FSDP2Module
         module = module_cls(cfg, cache, lr=1e-2, anchors_per_sample=8)
+        if name == STRATEGIES[0]:
+            # The training module reads (and hashes) the head itself on every rank: count the callback's alone.
+            states._VERIFIED.clear()
+            hashed.clear()
         cb = DFlashEvalCallback(states=cache, every_n_train_steps=EVERY, ddtree_budgets=BUDGETS)
         kinds: list = []
         trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=MAX_STEPS, logger=False,
@@ -107,6 +114,8 @@ def _worker(cache: str, cfg_path: str, out: str, strategies: list[str]) -> None:
                           enable_model_summary=False, enable_checkpointing=False, use_distributed_sampler=True)
         trainer.fit(module, CachedStatesDataModule(cache, batch_size=2))
         print(f"{name}: fit done at {time.perf_counter() - t0:.1f} s", flush=True)
+        (folder / f"hashed_rank{trainer.global_rank}.json").write_text(json.dumps(hashed))
+        hashed.clear()
         if trainer.global_rank == 0:
             (folder / "logged.json").write_text(json.dumps({
                 "history": cb.history, "sharding": kinds[-1],
@@ -131,7 +140,7 @@ def test_distributed_logged_metrics_equal_single_process(distributed_run, strate
 
     from dflash_cb.compare import live_metrics
     from dflash_cb.engine import evaluate
-    from dflash_cb.metrics import EVAL_TIME
+    from dflash_cb.metrics import EVAL_OVERHEAD, EVAL_TIME
     from dflash_cb.model import DFlashDrafter
     from dflash_cb.states import StateCache
 
@@ -156,7 +165,7 @@ def test_distributed_logged_metrics_equal_single_process(distributed_run, strate
         for k, v in expected.items():
             got = h[k]
             assert got == v or (got != got and v != v), (strategy, h["step"], k, got, v)  # NaN == NaN here
-        assert set(h) - set(expected) == {"step", EVAL_TIME}
+        assert set(h) - set(expected) == {"step", EVAL_TIME, EVAL_OVERHEAD}
     assert logged["samples"] == {s.id: s.acceptance_lengths for s in report.samples}
 
 
@@ -165,9 +174,26 @@ def test_distributed_runs_agree_with_each_other_at_fit_start(distributed_run):
     firsts = []
     for s in STRATEGIES:
         h = json.loads((distributed_run / s / "logged.json").read_text())["history"][0]
-        firsts.append({k: v for k, v in h.items() if k != "eval_time_s"})
+        firsts.append({k: v for k, v in h.items() if k not in ("eval_time_s", "eval_overhead")})
     assert json.dumps(firsts[0], sort_keys=True) == json.dumps(firsts[1], sort_keys=True) == json.dumps(
         firsts[2], sort_keys=True)
+
+
+def test_each_rank_hashes_only_its_share_and_the_head_once(distributed_run, tiny_cache):
+    """Issue 18 item 3: in the first fit (DDP) rank r hashes the shards of the samples it scores
+    (``ids[r::2]``) and only rank zero the head; the later fits in the same processes (FSDP, FSDP2:
+    new callbacks, new StateCaches) hash nothing."""
+    from dflash_cb.states import StateCache
+
+    cache = StateCache(tiny_cache)
+    ids = [s.id for s in cache.samples]
+    got = {s: [json.loads((distributed_run / s / f"hashed_rank{r}.json").read_text()) for r in range(2)]
+           for s in STRATEGIES}
+    head = cache.manifest.target_head["file"]
+    assert sorted(got["ddp"][0]) == sorted([*cache.shards_of(ids[0::2]), head])
+    assert sorted(got["ddp"][1]) == sorted(cache.shards_of(ids[1::2]))
+    assert not set(got["ddp"][0]) & set(got["ddp"][1]) - {head}
+    assert got["fsdp"] == got["fsdp2"] == [[], []]
 
 
 if __name__ == "__main__":

@@ -345,3 +345,31 @@ def test_weak_drafter_drafts_ahead_without_waste(planted, tmp_path: Path) -> Non
 def test_bad_stride_is_refused(planted) -> None:
     with pytest.raises(ValueError, match="anchor_stride must be >= 1"):
         evaluate(planted["cache"], planted["drafter"], anchor_stride=0)
+
+
+@pytest.mark.parametrize("budgets", [(), BUDGETS])
+def test_every_head_call_stays_under_head_mem_bytes(planted, tmp_path: Path, monkeypatch, budgets) -> None:
+    """Issue 18 item 1: with a budget of two rows of logits, no head call's logits exceed it, on the
+    greedy walk path (tau 1: every block is a live walk row) as on the statistics / DDTree path; the
+    results are those of an unbounded budget."""
+    with torch.no_grad():
+        (tmp_path / "misses").mkdir()
+        cache = _write_cache(tmp_path / "misses", planted["drafter"], planted["head"], most=0)
+    budget = 2 * VOCAB * 4 * 3  # head_rows(): two rows of float32 logits and two temporaries
+    sizes: list[int] = []
+    logits_of = engine.draft_logits
+
+    def counted(*a, **k):
+        out = logits_of(*a, **k)
+        sizes.append(out.numel() * out.element_size())
+        return out
+
+    monkeypatch.setattr(engine, "draft_logits", counted)
+    small = evaluate(cache, planted["drafter"], budgets=budgets, anchor_stride=BLOCK, head_mem_bytes=budget)
+    assert sizes and max(sizes) <= budget // 3, max(sizes)
+    sizes.clear()
+    wide = evaluate(cache, planted["drafter"], budgets=budgets, anchor_stride=BLOCK, head_mem_bytes=1 << 30)
+    assert max(sizes) > budget  # the same evaluation unbounded does hold more at once
+    assert [s.acceptance_lengths for s in small.samples] == [s.acceptance_lengths for s in wide.samples]
+    for k, v in small.counts.data.items():
+        assert torch.allclose(v, wide.counts.data[k]), k

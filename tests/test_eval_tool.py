@@ -221,3 +221,30 @@ def test_baseline_from_another_cache_suggests_a_runnable_command(tiny_cache, dra
     assert argv[:2] == ["python", "tools/eval_drafter.py"] and "--drafter" in argv
     assert run(TOOL.main, argv[2:] + ["--ddtree-budgets", "4", "--device", "cpu"]) == 0
     assert load_results(baseline, StateCache(tiny_cache)).meta["drafter"]["path"] == str(drafter_dir.resolve())
+
+
+def test_bf16_evaluation_holds_no_float32_head(tiny_cache, drafter_dir, tmp_path, capsys, monkeypatch):
+    """Issue 18 item 2: ``--dtype bfloat16`` with the cache's float32 head: the head reaches the engine in
+    bfloat16, no operation allocates a float32 tensor of the head's size (no float32 copy) and no
+    head-sized tensor is made beyond the two bf16 matrices themselves (no transient second copy, no
+    per-call autocast cast); the summary says the head ran in bfloat16."""
+    from allocations import Allocations
+
+    from dflash_cb import engine
+
+    m = StateCache(tiny_cache).manifest
+    assert m.target_head["dtype"] == "float32"
+    heads = []
+    evaluate = engine.evaluate
+    monkeypatch.setattr(engine, "evaluate", lambda cache, drafter, head, **k: heads.append(head) or
+                        evaluate(cache, drafter, head, **k))
+    shapes = {(m.vocab_size, m.hidden_size), (m.hidden_size, m.vocab_size)}  # the head or its transpose
+    with Allocations(lambda t: tuple(t.shape) in shapes) as seen:
+        code, out, err = evaluate_tool(capsys, tiny_cache, drafter_dir, tmp_path / "r.json", "--dtype", "bfloat16")
+    assert code == 0, err
+    assert [h.lm_head.dtype for h in heads] == [torch.bfloat16] and heads[0].embed_tokens.dtype == torch.bfloat16
+    # Only the two destinations of the chunked read (embedding, head), filled in place; nothing else.
+    made = [s for s in seen.seen if s[0] != "aten.copy_.default"]
+    assert [(s[0], s[2]) for s in made] == [("aten.empty.memory_format", torch.bfloat16)] * 2, seen.seen
+    assert "head=bfloat16" in out
+    assert json.loads((tmp_path / "r.json").read_text())["meta"]["head_dtype"] == "bfloat16"

@@ -131,7 +131,8 @@ def test_console_line_per_evaluation(offline_run):
     h = cb.history[-1]
     line = evaluation_line(int(h["step"]), h, BUDGETS, ["baseline/zlab"])
     assert line.startswith(f"step 4: tau {h['tau']:.3f} [{h['tau_ci_low']:.2f}, {h['tau_ci_high']:.2f}]")
-    assert f"DDTree b8 {h['ddtree/tau_b8']:.3f}" in line and "vs zlab " in line and line.endswith(" s")
+    assert f"DDTree b8 {h['ddtree/tau_b8']:.3f}" in line and "vs zlab " in line
+    assert line.endswith(f" s ({h['eval_overhead']:.1%} of wall time)")
 
 
 def test_panels_tool_dry_run_builds_the_view_without_network(capsys):
