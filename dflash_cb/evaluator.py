@@ -134,8 +134,10 @@ class LiveEvaluator:
             at the largest budget, difference to each measured baseline, wall time).
         tail_blocks: ``"served"`` (full blocks near the end, cut after verification, as SGLang serves) or
             ``"reference"`` (shortened blocks, as dflash's ``dflash_generate``); docs/method.md, "Tail blocks".
-        log: where the numbers go: a function ``log(metrics, step)``, a W&B run (scalars, tables and
-            charts), a ``sinks.MetricsSink``, or a list of these. None: nowhere but ``history``.
+        log: where the numbers go (each evaluation's scalars; once, at the first call, the setup's
+            predicted cost; after a failure, the failure counter alone): a function ``log(metrics, step)``,
+            a W&B run (scalars, tables and charts), a ``sinks.MetricsSink``, or a list of these. None:
+            nowhere but ``history``.
         max_steps: the run's last step, if known: its evaluation is the full fit-end one.
         full_parameters: ``() -> context manager`` that makes sharded parameters whole on every rank
             (default: ``distributed.full_parameters_of(model or drafter)``: FSDP 1 and 2).

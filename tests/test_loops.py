@@ -78,7 +78,11 @@ def plain_loop(cache: str, cfg: dict, steps: int, every: int, out: Path | None =
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
     step = 0
     logged: dict[int, dict[str, float]] = {}
-    sinks = [lambda metrics, s: logged.__setitem__(s, metrics), *([options.pop("log")] if "log" in options else [])]
+    def collect(metrics: dict[str, float], s: int) -> None:  # the evaluations (not the setup line's figures)
+        if PREFIX + "tau" in metrics:
+            logged[s] = metrics
+
+    sinks = [collect, *([options.pop("log")] if "log" in options else [])]
     evaluator = LiveEvaluator(cache, every_n_train_steps=every, max_steps=steps, ddtree_budgets=BUDGETS,  # eval
                               log=sinks, console=False, **options)
     if state is not None:
