@@ -6,15 +6,24 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = ["DFlashDrafter", "DFlashEvalCallback", "DrafterSpec", "StateCache", "evaluate", "__version__"]
+__all__ = ["DFlashDrafter", "DFlashEvalCallback", "DFlashEvalTrainerCallback", "DrafterSpec", "LiveEvaluator",
+           "StateCache", "evaluate", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
-    # Lazy: importing the package must not pull in Lightning or W&B for the pure core.
+    # Lazy: importing the package must not pull in Lightning, transformers' Trainer or W&B for the pure core.
     if name == "DFlashEvalCallback":
         from .callback import DFlashEvalCallback
 
         return DFlashEvalCallback
+    if name == "DFlashEvalTrainerCallback":
+        from .hf_callback import DFlashEvalTrainerCallback
+
+        return DFlashEvalTrainerCallback
+    if name == "LiveEvaluator":
+        from .evaluator import LiveEvaluator
+
+        return LiveEvaluator
     if name in ("DFlashDrafter", "DrafterSpec"):
         from . import model
 

@@ -1,4 +1,7 @@
-"""The few collective operations the evaluation callback needs, and sharded-parameter handling.
+"""The few collective operations the live evaluator needs, and sharded-parameter handling.
+
+Collectives use ``torch.distributed`` directly (the default process group, when one is
+initialised), so any training loop works: Lightning, the Hugging Face ``Trainer``, a plain loop.
 
 Design (what makes distributed numbers equal single-process ones):
 
@@ -30,43 +33,43 @@ def dist_ready() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def world(trainer: Any) -> tuple[int, int]:
-    """(rank, world size) as the trainer sees them; (0, 1) without a process group."""
-    ws = int(getattr(trainer, "world_size", 1) or 1)
-    if ws <= 1 or not dist_ready():
+def world() -> tuple[int, int]:
+    """(rank, world size) of the default process group; (0, 1) without one."""
+    if not dist_ready():
         return 0, 1
-    return int(trainer.global_rank), ws
+    return dist.get_rank(), dist.get_world_size()
 
 
-def collective_device(trainer: Any) -> torch.device:
-    """NCCL needs CUDA tensors; gloo takes CPU ones."""
+def collective_device() -> torch.device:
+    """NCCL needs CUDA tensors (on this rank's current device); gloo takes CPU ones."""
     if dist_ready() and dist.get_backend() == "nccl":
-        return torch.device(getattr(trainer.strategy, "root_device", None) or torch.device("cuda"))
+        return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
-def all_reduce_sum(trainer: Any, flat: torch.Tensor) -> torch.Tensor:
+def all_reduce_sum(flat: torch.Tensor) -> torch.Tensor:
     """Sum a float64 vector over ranks (identity in a single process)."""
-    if world(trainer)[1] == 1:
+    if world()[1] == 1:
         return flat
-    t = flat.to(device=collective_device(trainer), dtype=torch.float64)
+    t = flat.to(device=collective_device(), dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t.cpu()
 
 
-def all_gather(trainer: Any, obj: Any) -> list[Any]:
+def all_gather(obj: Any) -> list[Any]:
     """Every rank's (small, picklable) ``obj`` on every rank, in rank order."""
-    if world(trainer)[1] == 1:
+    ws = world()[1]
+    if ws == 1:
         return [obj]
-    out: list[Any] = [None] * world(trainer)[1]
+    out: list[Any] = [None] * ws
     dist.all_gather_object(out, obj)  # all_gather: supported by every backend, payload is small
     return out
 
 
-def gather_to_zero(trainer: Any, obj: Any) -> list[Any] | None:
+def gather_to_zero(obj: Any) -> list[Any] | None:
     """Every rank's ``obj`` on rank zero (list in rank order); None on the other ranks."""
-    out = all_gather(trainer, obj)
-    return out if world(trainer)[0] == 0 else None
+    out = all_gather(obj)
+    return out if world()[0] == 0 else None
 
 
 def _fsdp1_modules(root: nn.Module) -> list[nn.Module]:
@@ -85,15 +88,22 @@ def _fsdp2_modules(root: nn.Module) -> list[nn.Module]:
     return [m for m in root.modules() if isinstance(m, FSDPModule)]
 
 
-def sharding_kind(trainer: Any) -> str | None:
-    """"fsdp1", "fsdp2", "deepspeed3" or None (parameters are whole on every rank)."""
-    strategy = getattr(trainer, "strategy", None)
-    root = getattr(strategy, "model", None)
+def module_sharding(root: nn.Module | None) -> str | None:
+    """"fsdp1", "fsdp2" or None: how ``root``'s parameters are sharded (any training loop)."""
     if isinstance(root, nn.Module):
         if _fsdp1_modules(root):
             return "fsdp1"
         if _fsdp2_modules(root):
             return "fsdp2"
+    return None
+
+
+def sharding_kind(trainer: Any) -> str | None:
+    """"fsdp1", "fsdp2", "deepspeed3" or None (parameters are whole on every rank), for a Lightning trainer."""
+    strategy = getattr(trainer, "strategy", None)
+    kind = module_sharding(getattr(strategy, "model", None))
+    if kind is not None:
+        return kind
     cfg = getattr(strategy, "config", None)
     if type(strategy).__name__.startswith("DeepSpeed") and isinstance(cfg, dict):
         if int(cfg.get("zero_optimization", {}).get("stage", 0)) >= 3:
@@ -102,32 +112,37 @@ def sharding_kind(trainer: Any) -> str | None:
 
 
 @contextlib.contextmanager
-def full_parameters(trainer: Any) -> Iterator[None]:
-    """Make every parameter whole on every rank for the duration (a collective: all ranks must enter).
-
-    Outside a sharded strategy this does nothing. Parameters are gathered without write-back: the
-    evaluation only reads them, and the training copy (and its optimizer state) is left as it was.
+def full_parameters_of(root: nn.Module | None) -> Iterator[None]:
+    """Make every parameter of ``root`` whole on every rank for the duration (a collective under FSDP:
+    all ranks must enter). Outside FSDP this does nothing. Parameters are gathered without write-back:
+    the evaluation only reads them, and the training copy (and its optimizer state) is left as it was.
     """
-    kind = sharding_kind(trainer)
+    kind = module_sharding(root)
     if kind is None:
         yield
         return
-    root = trainer.strategy.model
+    assert root is not None
     if kind == "fsdp1":
         from torch.distributed.fsdp import FullyShardedDataParallel
 
         with FullyShardedDataParallel.summon_full_params(root, writeback=False, recurse=True):
             yield
         return
-    if kind == "fsdp2":
-        mods = _fsdp2_modules(root)
+    mods = _fsdp2_modules(root)
+    for m in mods:
+        m.unshard()
+    try:
+        yield
+    finally:
         for m in mods:
-            m.unshard()
-        try:
-            yield
-        finally:
-            for m in mods:
-                m.reshard()
-        return
-    raise RuntimeError("DeepSpeed ZeRO stage 3 shards parameters in a way this callback cannot gather; "
-                       "use ZeRO stage 1/2, DDP or FSDP")
+            m.reshard()
+
+
+@contextlib.contextmanager
+def full_parameters(trainer: Any) -> Iterator[None]:
+    """``full_parameters_of`` the Lightning trainer's wrapped model; DeepSpeed ZeRO-3 is refused."""
+    if sharding_kind(trainer) == "deepspeed3":
+        raise RuntimeError("DeepSpeed ZeRO stage 3 shards parameters in a way this callback cannot gather; "
+                           "use ZeRO stage 1/2, DDP or FSDP")
+    with full_parameters_of(getattr(getattr(trainer, "strategy", None), "model", None)):
+        yield

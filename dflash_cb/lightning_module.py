@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from .model import DFlashDrafter
 from .states import StateCache, TargetHead
-from .training import dflash_loss, sample_anchors
+from .training import batch_loss
 
 
 class CachedStatesDataset(Dataset):
@@ -122,23 +122,9 @@ class DFlashDrafterModule(LightningModule):
         return TargetHead(self.target_embed, self.target_lm_head, tied=False)
 
     def training_step(self, batch: list[dict[str, Any]], batch_idx: int) -> torch.Tensor:
-        losses, accs = [], []
-        for s in batch:
-            anchors = sample_anchors(int(s["prompt_len"]), int(s["valid_len"]), self.hparams.anchors_per_sample,
-                                     device=self.device)
-            if anchors.numel() == 0:
-                continue
-            hidden = s["hidden"].to(device=self.device, dtype=self.target_embed.dtype)
-            tokens = s["input_ids"].to(self.device)
-            loss, acc = dflash_loss(self.drafter, self.head, hidden, tokens, anchors, int(s["valid_len"]),
-                                    self.hparams.loss_decay)
-            losses.append(loss)
-            accs.append(acc)
-        if not losses:  # nothing to learn in this batch: a zero loss that still touches the graph
-            return sum(p.sum() for p in self.drafter.parameters()) * 0.0
-        loss = torch.stack(losses).mean()
+        loss, acc1 = batch_loss(self.drafter, self.head, batch, self.hparams.anchors_per_sample, self.hparams.loss_decay)
         self.log("train/loss", loss, prog_bar=True, batch_size=len(batch))
-        self.log("train/acc_depth1", torch.stack([a[0] for a in accs]).mean(), batch_size=len(batch))
+        self.log("train/acc_depth1", acc1, batch_size=len(batch))
         return loss
 
     def configure_optimizers(self) -> Any:

@@ -1,6 +1,6 @@
-"""One evaluation of the live (training) drafter, across every rank: what ``DFlashEvalCallback`` runs.
+"""One evaluation of the live (training) drafter, across every rank: what ``LiveEvaluator`` runs.
 
-The callback decides when to evaluate and with which profile, and what to log; this module does
+The evaluator decides when to evaluate and with which profile, and what to log; this module does
 the evaluation itself (the design of the collectives is in ``dflash_cb.distributed``):
 
 - ``score_untouched``: ``engine.evaluate`` on this rank's samples such that nothing training
@@ -12,6 +12,7 @@ the evaluation itself (the design of the collectives is in ``dflash_cb.distribut
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .distributed import all_gather, all_reduce_sum, full_parameters, gather_to_zero, world
+from .distributed import all_gather, all_reduce_sum, gather_to_zero, world
 from .engine import EvalReport, SampleResult, evaluate
 from .metrics import EvalCounts
 from .states import CacheError, StateCache, TargetHead
@@ -40,14 +41,15 @@ class SetupCheck:
     seconds: float  # the slowest rank's hashing time
 
 
-def verify_across_ranks(trainer: Any, cache: StateCache, ids: Sequence[str], head: bool) -> SetupCheck:
+def verify_across_ranks(cache: StateCache, ids: Sequence[str], head: bool) -> SetupCheck:
     """sha256 of the shards each rank scores (its ``rank_share``) and, on rank zero, of the exported
-    head; the head's result is shared with the other ranks, which do not hash it. A collective: every
-    rank calls it. A file verified before in this process (same size and mtime) is not hashed again.
+    head; the head's result is shared with the other ranks, which do not hash it. A collective over
+    ``torch.distributed``'s default group (a single process without one): every rank calls it. A file
+    verified before in this process (same size and mtime) is not hashed again.
 
     A mismatch on any rank raises ``CacheError`` on every rank (no rank trains on while another stops).
     """
-    rank, ws = world(trainer)
+    rank, ws = world()
     start, before = time.perf_counter(), len(cache.hashed)
     error: CacheError | None = None
     try:
@@ -55,8 +57,8 @@ def verify_across_ranks(trainer: Any, cache: StateCache, ids: Sequence[str], hea
     except CacheError as e:
         error = e
     mine = cache.hashed[before:]
-    parts = all_gather(trainer, (str(error) if error else None, len(mine), sum(b for _, b in mine),
-                                 time.perf_counter() - start))
+    parts = all_gather((str(error) if error else None, len(mine), sum(b for _, b in mine),
+                        time.perf_counter() - start))
     if error is not None:
         raise error
     failed = [msg for msg, *_ in parts if msg]
@@ -103,21 +105,24 @@ class RankedEvaluation:
         return self.failed_ranks > 0
 
 
-def evaluate_across_ranks(trainer: Any, ids: Sequence[str], score: Callable[[list[str]], EvalReport],
-                          template: EvalCounts) -> RankedEvaluation:
+def evaluate_across_ranks(ids: Sequence[str], score: Callable[[list[str]], EvalReport], template: EvalCounts,
+                          full_parameters: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
+                          ) -> RankedEvaluation:
     """Rank r runs ``score(ids[r::world])`` with the full parameters on every rank; counts are summed.
 
-    A collective: every rank must call it at the same step. ``template`` is an empty ``EvalCounts``
+    A collective over ``torch.distributed``'s default group (a single process without one): every
+    rank must call it at the same step. ``full_parameters`` makes sharded parameters whole for the
+    duration (e.g. ``distributed.full_parameters_of(model)`` under FSDP; itself a collective). ``template`` is an empty ``EvalCounts``
     of the evaluation's shape (block size, budgets, categories): it stands in for a rank that failed
     and receives the summed counts. A failure on any rank is known on every rank (the ``all_reduce``
     carries an error flag), so nobody waits in a collective that will never come, and every rank
     returns the same ``failed_ranks``; then nothing is gathered.
     """
-    rank, ws = world(trainer)
+    rank, ws = world()
     start = time.perf_counter()
     report, error = None, None
     try:
-        with full_parameters(trainer):  # collective under FSDP: every rank is here at the same step
+        with (full_parameters or contextlib.nullcontext)():  # collective under FSDP: every rank is here at the same step
             try:
                 report = score(rank_share(ids, rank, ws))
             except Exception as e:  # reported to every rank through the all_reduce below
@@ -126,13 +131,13 @@ def evaluate_across_ranks(trainer: Any, ids: Sequence[str], score: Callable[[lis
         error = error or e
     flat = report.counts.flat() if report is not None else torch.zeros_like(template.flat())
     # ONE all_reduce: every count, plus the number of ranks that failed.
-    total = all_reduce_sum(trainer, torch.cat([flat, torch.tensor([1.0 if error else 0.0], dtype=torch.float64)]))
+    total = all_reduce_sum(torch.cat([flat, torch.tensor([1.0 if error else 0.0], dtype=torch.float64)]))
     failed = int(total[-1].item())
     if failed:
         return RankedEvaluation(rank, failed, error, None, time.perf_counter() - start, None)
     template.load_flat(total[:-1])
     seconds = time.perf_counter() - start
-    gathered = gather_to_zero(trainer, report.samples if report is not None else [])
+    gathered = gather_to_zero(report.samples if report is not None else [])
     samples = None
     if gathered is not None:
         by_id = {s.id: s for part in gathered for s in part}

@@ -9,6 +9,9 @@ computation the engine scores.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -52,3 +55,24 @@ def dflash_loss(drafter: DFlashDrafter, head: TargetHead, features: torch.Tensor
         hit = (logits.argmax(-1) == target) & valid
         acc = hit.sum(0).float() / valid.sum(0).clamp(min=1).float()
     return loss, acc
+
+
+def batch_loss(drafter: DFlashDrafter, head: TargetHead, batch: Sequence[dict[str, Any]], anchors_per_sample: int,
+               decay: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The DFlash loss of a batch of cached samples (``lightning_module.CachedStatesDataset`` items):
+    ``anchors_per_sample`` random anchors each, from the global RNG. Returns (mean loss, mean depth-1
+    accuracy); a batch with nothing to learn gives a zero loss that still touches the graph."""
+    device = head.embed_tokens.device
+    losses, accs = [], []
+    for s in batch:
+        anchors = sample_anchors(int(s["prompt_len"]), int(s["valid_len"]), anchors_per_sample, device=device)
+        if anchors.numel() == 0:
+            continue
+        hidden = s["hidden"].to(device=device, dtype=head.embed_tokens.dtype)
+        loss, acc = dflash_loss(drafter, head, hidden, s["input_ids"].to(device), anchors, int(s["valid_len"]), decay)
+        losses.append(loss)
+        accs.append(acc[0])
+    if not losses:
+        zero = sum(p.sum() for p in drafter.parameters()) * 0.0
+        return zero, torch.zeros((), device=device)
+    return torch.stack(losses).mean(), torch.stack(accs).mean()

@@ -1,12 +1,15 @@
-"""Crash tests: SIGKILL a real tool process at a chosen moment."""
+"""Real processes for tests: SIGKILL a tool at a chosen moment; launch a script as torch.distributed ranks."""
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
 
 def sigkill_when(proc: subprocess.Popen, ready: Callable[[], bool], timeout: float, poll_s: float = 0.005) -> None:
@@ -26,3 +29,35 @@ def sigkill_when(proc: subprocess.Popen, ready: Callable[[], bool], timeout: flo
         if proc.poll() is None:
             proc.kill()
         proc.stderr.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(script: str, args: Sequence[str], log_dir: Path, world: int = 2, timeout: float = 300,
+              env: dict[str, str] | None = None) -> None:
+    """Run ``python script *args`` as ``world`` torch.distributed ranks on 127.0.0.1 (RANK/WORLD_SIZE set);
+    fail with the rank's log tail if one exits non-zero."""
+    port = str(_free_port())
+    procs, logs = [], []
+    for rank in range(world):
+        rank_env = {**os.environ, **(env or {}), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+                    "WORLD_SIZE": str(world), "RANK": str(rank), "LOCAL_RANK": str(rank), "NODE_RANK": "0",
+                    "PYTHONWARNINGS": "ignore"}
+        # Output to files, not pipes: a rank blocked on a full pipe would stall the other in a collective.
+        logs.append(log_dir / f"rank{rank}.log")
+        with open(logs[-1], "w") as f:
+            procs.append(subprocess.Popen([sys.executable, script, *args], env=rank_env, stdout=f,
+                                          stderr=subprocess.STDOUT))
+    try:
+        for p in procs:
+            p.wait(timeout=timeout)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for rank, (p, log) in enumerate(zip(procs, logs, strict=True)):
+        assert p.returncode == 0, f"rank {rank} failed:\n{log.read_text()[-6000:]}"

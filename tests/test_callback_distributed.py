@@ -15,13 +15,11 @@ rank takes part in gathering them and the evaluation still sees the whole drafte
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from processes import run_ranks
 
 STRATEGIES = ("ddp", "fsdp", "fsdp2")
 BUDGETS = [4, 8]
@@ -127,36 +125,12 @@ def _worker(cache: str, cfg_path: str, out: str, strategies: list[str]) -> None:
 
 # -- test side ----------------------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def distributed_run(tiny_cache, tiny_drafter_config, tmp_path_factory):
     out = tmp_path_factory.mktemp("dist")
     cfg = out / "drafter.json"
     cfg.write_text(json.dumps(tiny_drafter_config))
-    port = str(_free_port())
-    procs, logs = [], []
-    for rank in range(2):
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": "2", "RANK": str(rank),
-               "LOCAL_RANK": str(rank), "NODE_RANK": "0", "PYTHONWARNINGS": "ignore"}
-        # Output to files, not pipes: a rank blocked on a full pipe would stall the other in a collective.
-        logs.append(out / f"rank{rank}.log")
-        with open(logs[-1], "w") as f:
-            procs.append(subprocess.Popen([sys.executable, __file__, str(tiny_cache), str(cfg), str(out),
-                                           ",".join(STRATEGIES)], env=env, stdout=f, stderr=subprocess.STDOUT))
-    try:
-        for p in procs:
-            p.wait(timeout=300)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for rank, (p, log) in enumerate(zip(procs, logs, strict=True)):
-        assert p.returncode == 0, f"rank {rank} failed:\n{log.read_text()[-6000:]}"
+    run_ranks(__file__, [str(tiny_cache), str(cfg), str(out), ",".join(STRATEGIES)], out)
     return out
 
 

@@ -1,0 +1,344 @@
+"""The live evaluator outside Lightning: a real ``transformers.Trainer`` run and a plain PyTorch loop
+(also under 2-process ``torch.distributed``), on CPU with the tiny drafter and the tiny cache.
+
+Claims checked: at every evaluated step the logged numbers equal ``tools/eval_drafter.py`` on the
+weights of that step; the 2-rank plain loop logs what one process logs; a run resumed from a
+saved state neither repeats nor skips an evaluation; the README's plain-loop snippet runs as shown.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from processes import run_ranks
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+BUDGETS = [4, 8]
+PREFIX = "dflash_eval/"
+
+
+# -- shared: the tool on saved weights ------------------------------------------------------------
+
+def tool_metrics(cache: Path, drafter_dir: Path, out: Path, light: bool, block_size: int) -> dict[str, Any]:
+    """``tools/eval_drafter.py`` on a saved drafter, with the profile of the live evaluation."""
+    from dflash_cb import eval_cli
+
+    profile = (["--anchor-stride", str(block_size), "--ddtree-budgets", str(max(BUDGETS))] if light
+               else ["--ddtree-budgets", ",".join(map(str, BUDGETS))])
+    assert eval_cli.main(["--states", str(cache), "--drafter", str(drafter_dir), "--out", str(out), *profile,
+                          "--device", "cpu", "--dtype", "float32"]) == 0
+    return json.loads(out.read_text())["metrics"]
+
+
+def assert_logged_equals_tool(logged: dict[str, float], expected: dict[str, Any], where: Any) -> None:
+    from test_callback import same
+
+    from dflash_cb.metrics import EVAL_TIME
+
+    assert logged[PREFIX + "tau"] == expected["tau"], where
+    for k, v in expected.items():
+        if k == EVAL_TIME:
+            continue
+        if v is None:  # NaN in results.json, not logged
+            assert PREFIX + k not in logged, (where, k)
+        else:
+            assert same(logged[PREFIX + k], v), (where, k, logged[PREFIX + k], v)
+
+
+# -- the plain loop -------------------------------------------------------------------------------
+
+def plain_loop(cache: str, cfg: dict, steps: int, every: int, out: Path | None = None,
+               state: dict | None = None, grad_sync: bool = False, **options: Any):
+    """A hand-written training loop with the evaluator: 5 added lines, marked ``# eval``.
+
+    ``state``: resume from ``{"step", "drafter", "optimizer", "evaluator"}``. ``out``: the drafter is
+    saved there at every evaluated step. ``grad_sync``: average gradients over ``torch.distributed``
+    ranks (every rank trains on the same batches, so the weights equal a single process's).
+    """
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader
+
+    from dflash_cb import DFlashDrafter, LiveEvaluator
+    from dflash_cb.lightning_module import CachedStatesDataset, collate_samples
+    from dflash_cb.states import StateCache
+    from dflash_cb.training import batch_loss
+
+    torch.manual_seed(0)
+    drafter = DFlashDrafter.from_config_dict(cfg)
+    head = StateCache(cache).load_head(dtype=torch.float32)
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
+    step = 0
+    logged: dict[int, dict[str, float]] = {}
+    def collect(metrics: dict[str, float], s: int) -> None:  # the evaluations (not the setup line's figures)
+        if PREFIX + "tau" in metrics:
+            logged[s] = metrics
+
+    sinks = [collect, *([options.pop("log")] if "log" in options else [])]
+    evaluator = LiveEvaluator(cache, every_n_train_steps=every, max_steps=steps, ddtree_budgets=BUDGETS,  # eval
+                              log=sinks, console=False, **options)
+    if state is not None:
+        step = state["step"]
+        drafter.load_state_dict(state["drafter"])
+        optimizer.load_state_dict(state["optimizer"])
+        evaluator.load_state_dict(state["evaluator"])
+        torch.manual_seed(step)
+
+    def saved(metrics: dict | None) -> None:
+        if metrics is not None and out is not None and (not dist.is_initialized() or dist.get_rank() == 0):
+            drafter.save_pretrained(out / f"drafter_{step}")
+
+    saved(evaluator.start(step, drafter))  # eval
+    data = DataLoader(CachedStatesDataset(cache), batch_size=2, shuffle=True, collate_fn=collate_samples)
+    checkpoints = {}
+    while step < steps:
+        for batch in data:
+            loss, _ = batch_loss(drafter, head, batch, anchors_per_sample=8)
+            loss.backward()
+            if grad_sync and dist.is_initialized():
+                for p in drafter.parameters():
+                    dist.all_reduce(p.grad)
+                    p.grad /= dist.get_world_size()
+            optimizer.step()
+            optimizer.zero_grad()
+            step += 1
+            saved(evaluator.step(step, drafter))  # eval
+            checkpoints[step] = {"step": step, "drafter": {k: v.clone() for k, v in drafter.state_dict().items()},
+                                 "optimizer": optimizer.state_dict(), "evaluator": evaluator.state_dict()}  # eval
+            if step == steps:
+                break
+    saved(evaluator.finish(step, drafter))  # eval
+    return evaluator, logged, checkpoints
+
+
+def test_plain_loop_logs_the_tools_tau_at_every_evaluated_step(tmp_path, tiny_cache, tiny_drafter_config):
+    evaluator, logged, _ = plain_loop(str(tiny_cache), tiny_drafter_config, steps=4, every=2, out=tmp_path)
+    assert sorted(logged) == [0, 2, 4] == [h["step"] for h in evaluator.history]
+    assert logged[4][PREFIX + "tau"] != logged[0][PREFIX + "tau"]  # it trained between evaluations
+    block = tiny_drafter_config["block_size"]
+    for step in (0, 2, 4):
+        expected = tool_metrics(tiny_cache, tmp_path / f"drafter_{step}", tmp_path / f"r{step}.json",
+                                light=step != 4, block_size=block)
+        assert_logged_equals_tool(logged[step], expected, step)
+
+
+def test_plain_loop_resume_neither_repeats_nor_skips(tiny_cache, tiny_drafter_config):
+    first, logged, checkpoints = plain_loop(str(tiny_cache), tiny_drafter_config, steps=5, every=2,
+                                            eval_on_fit_end=False)
+    assert [h["step"] for h in first.history] == [0, 2, 4] and sorted(logged) == [0, 2, 4]
+    resumed, logged, _ = plain_loop(str(tiny_cache), tiny_drafter_config, steps=8, every=2, state=checkpoints[4])
+    # Restored history [0, 2, 4]; the resumed run evaluates 6 and 8 only (no start evaluation, no second 4).
+    assert [h["step"] for h in resumed.history] == [0, 2, 4, 6, 8] and sorted(logged) == [6, 8]
+    assert resumed.num_evals == 5
+
+
+def test_plain_loop_into_a_wandb_run_logs_todays_keys_table_and_chart(tmp_path, tiny_cache, tiny_drafter_config):
+    """``log=wandb.init(...)``: the scalars against trainer/global_step, the samples table, the histogram and
+    the per-depth chart, the best tau in the summary: what the Lightning callback's WandbLogger run holds."""
+    import wandb
+    from test_callback_wandb import history_and_summary
+
+    run = wandb.init(project="dflash-cb-test", name="plain", dir=str(tmp_path), mode="offline", reinit="create_new")
+    evaluator, _, _ = plain_loop(str(tiny_cache), tiny_drafter_config, steps=2, every=1, log=run, table_samples=2)
+    run_dir = Path(run.dir).parent
+    run.finish()
+    history, summary, defined = history_and_summary(run_dir)
+    assert ("dflash_eval/*", "trainer/global_step") in defined
+    evals = [h for h in history if PREFIX + "tau" in h]
+    assert [h["trainer/global_step"] for h in evals] == [0, 1, 2] == [h["step"] for h in evaluator.history]
+    assert [h[PREFIX + "tau"] for h in evals] == [h["tau"] for h in evaluator.history]
+    objects = [h for h in history if PREFIX + "sample_table/path" in h]
+    assert [h["trainer/global_step"] for h in objects] == [0, 1, 2]
+    assert all(h[PREFIX + "produced_hist/_type"] == "histogram" for h in objects)
+    assert all(PREFIX + "charts/acceptance_per_depth_table/path" in h for h in objects)
+    assert summary[PREFIX + "best/tau"] == max(h["tau"] for h in evaluator.history)
+
+
+# -- the plain loop under torch.distributed (2 gloo processes) -------------------------------------
+
+def _worker(cache: str, cfg_path: str, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    cfg = json.loads(Path(cfg_path).read_text())
+    evaluator, logged, _ = plain_loop(cache, cfg, steps=4, every=2, grad_sync=True)
+    rank = dist.get_rank()
+    Path(out, f"rank{rank}.json").write_text(json.dumps({
+        "logged": logged, "history": evaluator.history,
+        "samples": {s.id: s.acceptance_lengths for s in evaluator.last_samples}}))
+    dist.destroy_process_group()
+
+
+def test_plain_loop_on_two_ranks_equals_one_process(tmp_path, tiny_cache, tiny_drafter_config):
+    cfg = tmp_path / "drafter.json"
+    cfg.write_text(json.dumps(tiny_drafter_config))
+    run_ranks(__file__, [str(tiny_cache), str(cfg), str(tmp_path)], tmp_path, env={"PYTHONPATH": str(ROOT)})
+
+    single, logged, _ = plain_loop(str(tiny_cache), tiny_drafter_config, steps=4, every=2)
+    two = json.loads((tmp_path / "rank0.json").read_text())
+    assert sorted(int(s) for s in two["logged"]) == [0, 2, 4] == sorted(logged)
+    for step, metrics in logged.items():
+        theirs = two["logged"][str(step)]
+        assert set(theirs) == set(metrics)
+        for k, v in metrics.items():
+            if not k.endswith(("eval_time_s", "eval_overhead")):  # wall time (also under full/)
+                assert theirs[k] == v, (step, k, theirs[k], v)
+    assert two["samples"] == {s.id: s.acceptance_lengths for s in single.last_samples}
+    # Rank one logs nothing and keeps no history: only rank zero does.
+    other = json.loads((tmp_path / "rank1.json").read_text())
+    assert other["logged"] == {} and other["history"] == []
+
+
+# -- a real transformers.Trainer ----------------------------------------------------------------------
+
+class DraftTraining(nn.Module):
+    """A Hugging Face-trainable module: the drafter plus the target's frozen matrices; forward = DFlash loss."""
+
+    def __init__(self, cfg: dict, cache: str) -> None:
+        super().__init__()
+        from dflash_cb import DFlashDrafter
+        from dflash_cb.states import StateCache
+
+        self.drafter = DFlashDrafter.from_config_dict(cfg)
+        head = StateCache(cache).load_head(dtype=torch.float32)
+        self.register_buffer("target_embed", head.embed_tokens.clone(), persistent=False)
+        self.register_buffer("target_lm_head", head.lm_head.clone(), persistent=False)
+
+    def forward(self, samples: list[dict]) -> dict[str, torch.Tensor]:
+        from dflash_cb.states import TargetHead
+        from dflash_cb.training import batch_loss
+
+        loss, _ = batch_loss(self.drafter, TargetHead(self.target_embed, self.target_lm_head, tied=False), samples, 8)
+        return {"loss": loss}
+
+
+def hf_train(tmp_path: Path, cache: Path, cfg: dict, max_steps: int, every: int, resume: str | None = None,
+             training_args: dict | None = None, **options: Any):
+    from transformers import Trainer, TrainingArguments
+
+    from dflash_cb import DFlashEvalTrainerCallback
+    from dflash_cb.lightning_module import CachedStatesDataset
+
+    torch.manual_seed(0)
+    model = DraftTraining(cfg, str(cache))
+    args = TrainingArguments(output_dir=str(tmp_path / "hf"), max_steps=max_steps, per_device_train_batch_size=2,
+                             learning_rate=1e-2, lr_scheduler_type="constant", report_to="none", use_cpu=True,
+                             save_strategy="steps", save_steps=every, logging_strategy="no", disable_tqdm=True,
+                             seed=0, remove_unused_columns=False, dataloader_num_workers=0, **(training_args or {}))
+    trainer = Trainer(model=model, args=args, train_dataset=CachedStatesDataset(str(cache)),
+                      data_collator=lambda batch: {"samples": batch})
+    cb = DFlashEvalTrainerCallback(trainer, states=str(cache), every_n_train_steps=every, drafter="drafter",
+                                   ddtree_budgets=BUDGETS, console=False, **options)
+    trainer.add_callback(cb)
+    initial = {k: v.clone() for k, v in model.drafter.state_dict().items()}
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer, cb, initial
+
+
+def _evaluations(trainer) -> dict[int, dict[str, float]]:
+    return {h["step"]: h for h in trainer.state.log_history if PREFIX + "tau" in h}
+
+
+def test_hf_trainer_logs_the_tools_tau_at_every_evaluated_step(tmp_path, tiny_cache, tiny_drafter_config):
+    """The metrics reach ``trainer.state.log_history`` through ``trainer.log``; each equals the tool on the
+    checkpoint the Trainer saved at that step (extracted with ``tools/extract_drafter.py``'s code)."""
+    from dflash_cb import DFlashDrafter
+    from dflash_cb.checkpoints import extract_drafter
+
+    trainer, cb, initial = hf_train(tmp_path, tiny_cache, tiny_drafter_config, max_steps=6, every=3)
+    logged = _evaluations(trainer)
+    assert sorted(logged) == [0, 3, 6] == [h["step"] for h in cb.evaluator.history]
+    assert logged[6][PREFIX + "tau"] != logged[0][PREFIX + "tau"]
+    first = DFlashDrafter.from_config_dict(tiny_drafter_config)
+    first.load_state_dict(initial)
+    first.save_pretrained(tmp_path / "drafter_0")
+    for step in (3, 6):
+        extract_drafter(tmp_path / "hf" / f"checkpoint-{step}" / "model.safetensors", tmp_path / f"drafter_{step}",
+                        config=tiny_drafter_config)
+    for step in (0, 3, 6):
+        expected = tool_metrics(tiny_cache, tmp_path / f"drafter_{step}", tmp_path / f"r{step}.json",
+                                light=step != 6, block_size=tiny_drafter_config["block_size"])
+        assert_logged_equals_tool(logged[step], expected, step)
+    saved = json.loads((tmp_path / "hf" / "checkpoint-6" / "trainer_state.json").read_text())
+    state = saved["stateful_callbacks"]["DFlashEvalTrainerCallback"]["attributes"]["evaluator_state"]
+    assert [h["step"] for h in state["history"]] == [0, 3, 6] and state["last_eval_step"] == 6
+
+
+def test_hf_trainer_resume_neither_repeats_nor_skips(tmp_path, tiny_cache, tiny_drafter_config):
+    trainer, cb, _ = hf_train(tmp_path, tiny_cache, tiny_drafter_config, max_steps=5, every=2, eval_on_fit_end=False)
+    assert sorted(_evaluations(trainer)) == [0, 2, 4]
+    resumed, cb2, _ = hf_train(tmp_path, tiny_cache, tiny_drafter_config, max_steps=8, every=2,
+                               resume=str(tmp_path / "hf" / "checkpoint-4"))
+    assert [h["step"] for h in cb2.evaluator.history] == [0, 2, 4, 6, 8] and cb2.evaluator.num_evals == 5
+    # The resumed Trainer's log history (restored from the checkpoint) has each step once.
+    steps = [h["step"] for h in resumed.state.log_history if PREFIX + "tau" in h]
+    assert steps == [0, 2, 4, 6, 8]
+    # transformers' own restore rebuilds callbacks from their JSON arguments, without the trainer: one clear line.
+    with pytest.raises(ValueError, match="leave that option False"):
+        hf_train(tmp_path, tiny_cache, tiny_drafter_config, max_steps=8, every=2, eval_on_fit_end=False,
+                 resume=str(tmp_path / "hf" / "checkpoint-4"),
+                 training_args={"restore_callback_states_from_checkpoint": True})
+
+
+# -- the README's snippets, one per loop ----------------------------------------------------------------
+
+def run_readme_snippet(title: str, tmp_path: Path, cache: Path, cfg: dict, monkeypatch) -> dict[str, Any]:
+    """The snippet under ``title`` as printed, its settings lines pointed at the test cache and drafter."""
+    from dflash_cb import DFlashDrafter
+
+    text = (ROOT / "README.md").read_text()
+    code = re.search(r"```python\n(.*?)```", text[text.index(title):], re.S).group(1)
+    (tmp_path / "drafter_config.json").write_text(json.dumps(cfg))
+    DFlashDrafter.from_config_dict(cfg).save_pretrained(tmp_path / "start")
+    settings = {"TRAIN": str(cache), "STATES": str(cache), "CONFIG": str(tmp_path / "drafter_config.json"),
+                "DRAFTER": str(tmp_path / "start"), "STEPS": 4, "EVERY": 2}
+    for name, value in settings.items():
+        code, n = re.subn(rf"^{name} = .*$", f"{name} = {value!r}", code, flags=re.M)
+        assert n <= 1, name
+    assert "demo_out" not in code  # every path of the snippet is a settings line
+    monkeypatch.chdir(tmp_path)
+    namespace: dict[str, Any] = {"__name__": "readme"}
+    torch.manual_seed(0)
+    exec(compile(code, f"README.md ({title})", "exec"), namespace)
+    return namespace
+
+
+def test_readme_plain_loop_snippet_runs(tmp_path, tiny_cache, tiny_drafter_config, monkeypatch):
+    ns = run_readme_snippet("### 5c. A plain PyTorch loop", tmp_path, tiny_cache, tiny_drafter_config, monkeypatch)
+    assert [h["step"] for h in ns["evaluator"].history] == [0, 2, 4]
+    saved = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
+    assert saved["dflash_eval"]["last_eval_step"] == 4 and saved["step"] == 4
+
+
+def test_readme_lightning_module_snippet_runs_and_extracts_without_config(tmp_path, tiny_cache, tiny_drafter_config,
+                                                                          monkeypatch):
+    """Issue 17 item 17: the README's own LightningModule trains with the callback, and its checkpoint
+    carries the drafter config, so extract_drafter needs no --config."""
+    from dflash_cb.checkpoints import extract_drafter
+    from dflash_cb.model import DFlashDrafter
+
+    ns = run_readme_snippet("### 5a. Your own LightningModule", tmp_path, tiny_cache, tiny_drafter_config,
+                            monkeypatch)
+    assert [h["step"] for h in ns["callback"].history] == [0, 2, 4]
+    ns["trainer"].save_checkpoint(tmp_path / "last.ckpt")
+    extract_drafter(tmp_path / "last.ckpt", tmp_path / "extracted")
+    got = DFlashDrafter.from_pretrained(tmp_path / "extracted")
+    for k, v in ns["module"].drafter.state_dict().items():
+        assert torch.equal(got.state_dict()[k], v), k
+
+
+def test_readme_hf_trainer_snippet_runs(tmp_path, tiny_cache, tiny_drafter_config, monkeypatch):
+    ns = run_readme_snippet("### 5b. Hugging Face `Trainer`", tmp_path, tiny_cache, tiny_drafter_config, monkeypatch)
+    assert sorted(_evaluations(ns["trainer"])) == [0, 2, 4]
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1], sys.argv[2], sys.argv[3])
