@@ -10,10 +10,7 @@ import torch
 from safetensors.torch import save
 from transformers import Qwen3Config
 
-from dflash_cb.engine import FastRunner, apply_head, block_embeddings
-from dflash_cb.fileio import atomic_write_bytes
-from dflash_cb.model import DFlashDrafter
-from dflash_cb.states import (
+from dflash_cb.cache.states import (
     HEAD_NAME,
     Manifest,
     SampleEntry,
@@ -22,6 +19,9 @@ from dflash_cb.states import (
     TargetHead,
     shard_name,
 )
+from dflash_cb.common.fileio import atomic_write_bytes
+from dflash_cb.core.engine import FastRunner, apply_head, block_embeddings
+from dflash_cb.core.model import DFlashDrafter
 
 PRESETS = {
     # The Qwen3.6-27B drafter's shape (issue 3): 5 layers, hidden 5120, 32/8 heads of 128, vocab 248,320.

@@ -26,10 +26,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _synthetic import PRESETS, make_drafter, make_head, write_cache  # noqa: E402
 
-from dflash_cb.engine import FastRunner, evaluate  # noqa: E402
-from dflash_cb.metrics import ddtree_tau  # noqa: E402
-from dflash_cb.model import DFlashDrafter  # noqa: E402
-from dflash_cb.states import StateCache  # noqa: E402
+from dflash_cb.cache.states import StateCache  # noqa: E402
+from dflash_cb.core.engine import FastRunner, evaluate  # noqa: E402
+from dflash_cb.core.metrics import ddtree_tau  # noqa: E402
+from dflash_cb.core.model import DFlashDrafter  # noqa: E402
 
 
 def _cycles(lengths: list[int], start: int) -> set[tuple[int, int]]:

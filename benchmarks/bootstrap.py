@@ -15,8 +15,8 @@ import time
 
 import numpy as np
 
-from dflash_cb.bootstrap import metric_sums, paired_difference
-from dflash_cb.results import SampleRecord, derived_metrics
+from dflash_cb.core.bootstrap import metric_sums, paired_difference
+from dflash_cb.core.results import SampleRecord, derived_metrics
 
 
 def main() -> None:

@@ -38,10 +38,10 @@ from _synthetic import PRESETS, drafter_config, make_drafter, make_head, write_c
 from lightning.pytorch import Callback, Trainer, seed_everything  # noqa: E402
 
 from dflash_cb import DFlashEvalCallback  # noqa: E402
-from dflash_cb.engine import FastRunner, evaluate  # noqa: E402
-from dflash_cb.lightning_module import CachedStatesDataModule, DFlashDrafterModule  # noqa: E402
-from dflash_cb.metrics import EVAL_TIME  # noqa: E402
-from dflash_cb.states import StateCache, TargetHead  # noqa: E402
+from dflash_cb.cache.states import StateCache, TargetHead  # noqa: E402
+from dflash_cb.core.engine import FastRunner, evaluate  # noqa: E402
+from dflash_cb.core.metrics import EVAL_TIME  # noqa: E402
+from dflash_cb.demo.lightning_module import CachedStatesDataModule, DFlashDrafterModule  # noqa: E402
 
 
 def _sync(module: torch.nn.Module) -> None:

@@ -44,8 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _synthetic import PRESETS, make_drafter, make_head, write_cache  # noqa: E402
 
-from dflash_cb.engine import FastRunner, apply_head, as_runner, block_embeddings, bounds_for, evaluate  # noqa: E402
-from dflash_cb.states import StateCache, TargetHead  # noqa: E402
+from dflash_cb.cache.states import StateCache, TargetHead  # noqa: E402
+from dflash_cb.core.engine import FastRunner, apply_head, as_runner, block_embeddings, bounds_for, evaluate  # noqa: E402
 
 
 def replay_per_cycle(cache: StateCache, drafter: torch.nn.Module, head: TargetHead, sample_id: str) -> list[int]:

@@ -83,8 +83,8 @@ def measure(kind: str, folder: str, a: argparse.Namespace) -> None:
     """Subprocess body: do one thing, print peak and current RSS as JSON."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from dflash_cb.precompute import compute_sample, save_safetensors
-    from dflash_cb.target import head_tensors, load_target
+    from dflash_cb.cache.precompute import compute_sample, save_safetensors
+    from dflash_cb.cache.target import head_tensors, load_target
 
     # The baseline includes the code: importing the model class costs ~100 MiB whatever the model size,
     # so every process first builds the model on the meta device (no memory for weights).
@@ -140,10 +140,10 @@ def main() -> None:
         return measure(a.measure, a.model, a)
     argv = [x for x in sys.argv[1:] if x != "--keep"]
 
-    from dflash_cb.precompute import PrecomputeArgs, matmul_gflops, run_precompute
-    from dflash_cb.precompute.compute_dtype import activation_bytes
-    from dflash_cb.target import DTYPES as TARGET_DTYPES
-    from dflash_cb.target import LOGITS_CHUNK, load_target, prefill, read_target_config
+    from dflash_cb.cache.precompute import PrecomputeArgs, matmul_gflops, run_precompute
+    from dflash_cb.cache.precompute.compute_dtype import activation_bytes
+    from dflash_cb.cache.target import DTYPES as TARGET_DTYPES
+    from dflash_cb.cache.target import LOGITS_CHUNK, load_target, prefill, read_target_config
 
     work = Path(tempfile.mkdtemp(prefix="dflash-bench-"))
     folders = {m: work / m for m in MODELS}

@@ -13,27 +13,27 @@ __all__ = ["DFlashDrafter", "DFlashEvalCallback", "DFlashEvalTrainerCallback", "
 def __getattr__(name: str) -> Any:
     # Lazy: importing the package must not pull in Lightning, transformers' Trainer or W&B for the pure core.
     if name == "DFlashEvalCallback":
-        from .callback import DFlashEvalCallback
+        from .integrations.callback import DFlashEvalCallback
 
         return DFlashEvalCallback
     if name == "DFlashEvalTrainerCallback":
-        from .hf_callback import DFlashEvalTrainerCallback
+        from .integrations.hf_callback import DFlashEvalTrainerCallback
 
         return DFlashEvalTrainerCallback
     if name == "LiveEvaluator":
-        from .evaluator import LiveEvaluator
+        from .integrations.evaluator import LiveEvaluator
 
         return LiveEvaluator
     if name in ("DFlashDrafter", "DrafterSpec"):
-        from . import model
+        from .core import model
 
         return getattr(model, name)
     if name == "StateCache":
-        from .states import StateCache
+        from .cache.states import StateCache
 
         return StateCache
     if name == "evaluate":
-        from .engine import evaluate
+        from .core.engine import evaluate
 
         return evaluate
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

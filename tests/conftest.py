@@ -23,7 +23,7 @@ def build_tiny_cache(root: Path, n_prompts: int = 6, max_new_tokens: int = 24, p
     """Tiny target + prompts + cache under ``root``; returns the cache folder."""
     from tiny_target import random_prompts, save_tiny_qwen3, write_prompts
 
-    from dflash_cb.precompute import PrecomputeArgs, run_precompute
+    from dflash_cb.cache.precompute import PrecomputeArgs, run_precompute
 
     target = save_tiny_qwen3(root / "target", seed=0)
     prompts = write_prompts(root / "prompts.jsonl", random_prompts(n_prompts, (5, 10), seed=prompt_seed, vocab=120),
@@ -53,8 +53,8 @@ def tiny_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_drafter_config(tiny_cache: Path) -> dict:
-    from dflash_cb.lightning_module import tiny_drafter_config
-    from dflash_cb.states import StateCache
+    from dflash_cb.cache.states import StateCache
+    from dflash_cb.demo.lightning_module import tiny_drafter_config
 
     m = StateCache(tiny_cache).manifest
     return tiny_drafter_config(m.vocab_size, m.hidden_size, int(m.target["num_layers"]), TINY_LAYER_IDS, TINY_MASK,

@@ -8,15 +8,15 @@ import math
 import numpy as np
 import pytest
 
-from dflash_cb.bootstrap import Sums, intervals, metric_sums, paired_difference
-from dflash_cb.positions import (
+from dflash_cb.core.bootstrap import Sums, intervals, metric_sums, paired_difference
+from dflash_cb.core.positions import (
     anchor_positions,
     cycle_table,
     position_labels,
     position_table,
 )
-from dflash_cb.replay import SampleBounds, replay_walk
-from dflash_cb.results import SampleRecord
+from dflash_cb.core.replay import SampleBounds, replay_walk
+from dflash_cb.core.results import SampleRecord
 
 
 def synthetic_sums(rng: np.random.Generator, n_samples: int, block: int = 8) -> Sums:
@@ -131,10 +131,10 @@ def test_position_and_cycle_buckets_partition_the_cycles():
 def test_results_schema_round_trip_partition_and_refusals(tmp_path, tiny_cache, tiny_drafter_config):
     import torch
 
-    from dflash_cb.engine import evaluate
-    from dflash_cb.model import DFlashDrafter
-    from dflash_cb.results import ResultsError, load_results, report_to_results, write_results
-    from dflash_cb.states import StateCache
+    from dflash_cb.cache.states import StateCache
+    from dflash_cb.core.engine import evaluate
+    from dflash_cb.core.model import DFlashDrafter
+    from dflash_cb.core.results import ResultsError, load_results, report_to_results, write_results
 
     torch.manual_seed(0)
     cache = StateCache(tiny_cache)

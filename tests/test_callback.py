@@ -16,7 +16,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
 from dflash_cb import DFlashEvalCallback
-from dflash_cb.callback import (
+from dflash_cb.cache.states import CacheMismatchError, StateCache
+from dflash_cb.core.metrics import EVAL_TIME
+from dflash_cb.demo.lightning_module import CachedStatesDataModule, DFlashDrafterModule
+from dflash_cb.integrations.callback import (
     FIT_END,
     DFlashEvalError,
     _stratified,
@@ -25,10 +28,7 @@ from dflash_cb.callback import (
     is_full_evaluation,
     periodic_eval_reason,
 )
-from dflash_cb.lightning_module import CachedStatesDataModule, DFlashDrafterModule
-from dflash_cb.metrics import EVAL_TIME
-from dflash_cb.states import CacheMismatchError, StateCache
-from dflash_cb.wandb_logging import format_blocks, make_decoder
+from dflash_cb.integrations.wandb_logging import format_blocks, make_decoder
 
 ROOT = Path(__file__).resolve().parents[1]
 BUDGETS = [4, 8]
@@ -65,7 +65,7 @@ def read_csv_metrics(path: Path, prefix: str = "dflash_eval/") -> dict[int, dict
 
 
 def load_eval_drafter_tool():
-    from dflash_cb import eval_cli  # the code behind tools/eval_drafter.py
+    from dflash_cb.integrations import eval_cli  # the code behind tools/eval_drafter.py
 
     return eval_cli
 
@@ -81,7 +81,7 @@ def test_logged_tau_equals_eval_drafter_on_saved_weights(tmp_path, tiny_cache, t
 
     The callback takes the head from the module's attributes; the tool from the cache's export.
     """
-    from dflash_cb.checkpoints import extract_drafter
+    from dflash_cb.core.checkpoints import extract_drafter
 
     cb = DFlashEvalCallback(states=tiny_cache, every_n_train_steps=3, ddtree_budgets=BUDGETS,
                             target_embed="target_embed", target_lm_head="target_lm_head")
@@ -249,7 +249,7 @@ def test_shard_changed_during_training_is_rehashed_counted_and_stops_after_k(tmp
 ])
 def test_damaged_cache_stops_fit_at_setup(tmp_path, tiny_cache, tiny_drafter_config, damage, message):
     """Items 7 and 12: found at setup (a stat per file, sha256 by default), not inside every evaluation."""
-    from dflash_cb.states import CacheError
+    from dflash_cb.cache.states import CacheError
 
     broken = tmp_path / "cache"
     shutil.copytree(tiny_cache, broken)
@@ -308,9 +308,9 @@ def test_non_integer_arguments_are_refused():
     ("eval_on_fit_end", "false", "True or False"),  # a non-empty string is true
 ])
 def test_every_argument_is_checked_at_construction_naming_it(argument, value, expected):
-    """Issue 17 item 9: one rule (``dflash_cb.arguments``), one ``ArgumentError`` (a ValueError) per bad
+    """Issue 17 item 9: one rule (``dflash_cb.common.arguments``), one ``ArgumentError`` (a ValueError) per bad
     value, ``argument=value: expected ...``, at construction: no file is touched, no fit started."""
-    from dflash_cb.arguments import ArgumentError
+    from dflash_cb.common.arguments import ArgumentError
 
     with pytest.raises(ArgumentError) as err:
         DFlashEvalCallback(states="no/such/cache", **{argument: value})
@@ -471,7 +471,7 @@ def test_schedule_decisions():
 
 def test_evaluation_profiles():
     """Light periodic evaluations, a full one every N-th and at fit end; bad profile values refused early."""
-    from dflash_cb.model import DrafterSpec
+    from dflash_cb.core.model import DrafterSpec
 
     cb = DFlashEvalCallback(states="x", ddtree_budgets=[16, 32, 64], full_every_n_evals=3)
     cb._spec = DrafterSpec(block_size=16, mask_token_id=1, target_layer_ids=(1,), target_hidden_size=8, vocab_size=9)

@@ -34,9 +34,10 @@ def _worker(cache: str, cfg_path: str, out: str, strategies: list[str]) -> None:
     from lightning.pytorch import Callback, Trainer, seed_everything
     from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
 
-    from dflash_cb import DFlashEvalCallback, states
-    from dflash_cb.distributed import full_parameters, sharding_kind
-    from dflash_cb.lightning_module import CachedStatesDataModule, DFlashDrafterModule
+    from dflash_cb import DFlashEvalCallback
+    from dflash_cb.cache import states
+    from dflash_cb.demo.lightning_module import CachedStatesDataModule, DFlashDrafterModule
+    from dflash_cb.integrations.distributed import full_parameters, sharding_kind
 
     cfg = json.loads(Path(cfg_path).read_text())
     hashed: list[str] = []  # the files sha256 reads in this process, per fit
@@ -138,11 +139,11 @@ def distributed_run(tiny_cache, tiny_drafter_config, tmp_path_factory):
 def test_distributed_logged_metrics_equal_single_process(distributed_run, strategy, tiny_cache, tiny_drafter_config):
     import torch
 
-    from dflash_cb.compare import live_metrics
-    from dflash_cb.engine import evaluate
-    from dflash_cb.metrics import EVAL_OVERHEAD, EVAL_TIME
-    from dflash_cb.model import DFlashDrafter
-    from dflash_cb.states import StateCache
+    from dflash_cb.cache.states import StateCache
+    from dflash_cb.core.compare import live_metrics
+    from dflash_cb.core.engine import evaluate
+    from dflash_cb.core.metrics import EVAL_OVERHEAD, EVAL_TIME
+    from dflash_cb.core.model import DFlashDrafter
 
     logged = json.loads((distributed_run / strategy / "logged.json").read_text())
     assert logged["sharding"] == {"ddp": None, "fsdp": "fsdp1", "fsdp2": "fsdp2"}[strategy]
@@ -183,7 +184,7 @@ def test_each_rank_hashes_only_its_share_and_the_head_once(distributed_run, tiny
     """Issue 18 item 3: in the first fit (DDP) rank r hashes the shards of the samples it scores
     (``ids[r::2]``) and only rank zero the head; the later fits in the same processes (FSDP, FSDP2:
     new callbacks, new StateCaches) hash nothing."""
-    from dflash_cb.states import StateCache
+    from dflash_cb.cache.states import StateCache
 
     cache = StateCache(tiny_cache)
     ids = [s.id for s in cache.samples]

@@ -18,9 +18,9 @@ from lightning.pytorch.loggers import CSVLogger
 from test_callback import fit, read_csv_metrics
 
 from dflash_cb import DFlashEvalCallback
-from dflash_cb.callback import DFlashEvalError
-from dflash_cb.eval_state import EvalState, MalformedStateError
-from dflash_cb.states import StateCache
+from dflash_cb.cache.states import StateCache
+from dflash_cb.integrations.callback import DFlashEvalError
+from dflash_cb.integrations.eval_state import EvalState, MalformedStateError
 
 RESUME_NOISE = ("ignore:.*ckpt_path.*:UserWarning", "ignore:.*resuming from a checkpoint.*:UserWarning")
 

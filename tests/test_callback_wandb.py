@@ -13,19 +13,19 @@ import yaml
 from lightning.pytorch import seed_everything
 
 from dflash_cb import DFlashEvalCallback
-from dflash_cb.baselines import load_measured, load_published
-from dflash_cb.engine import evaluate
-from dflash_cb.lightning_module import CachedStatesDataModule
-from dflash_cb.model import DFlashDrafter
-from dflash_cb.results import load_results, report_to_results, write_results
-from dflash_cb.states import StateCache
+from dflash_cb.cache.states import StateCache
+from dflash_cb.core.baselines import load_measured, load_published
+from dflash_cb.core.engine import evaluate
+from dflash_cb.core.model import DFlashDrafter
+from dflash_cb.core.results import load_results, report_to_results, write_results
+from dflash_cb.demo.lightning_module import CachedStatesDataModule
 
 BUDGETS = [4, 8]
 
 
 def wandb_records(run_dir: Path) -> list:
-    """Records of an offline run's ``.wandb`` file (``dflash_cb.wandb_offline``, also used by the panels tool)."""
-    from dflash_cb.wandb_offline import offline_records
+    """Records of an offline run's ``.wandb`` file (``dflash_cb.integrations.wandb_offline``, also used by the panels tool)."""
+    from dflash_cb.integrations.wandb_offline import offline_records
 
     return offline_records(run_dir)
 
@@ -41,7 +41,7 @@ def finished_records(run_dir: Path, timeout: float = 30.0) -> list:
 
 
 def history_and_summary(run_dir: Path) -> tuple[list[dict], dict, list]:
-    from dflash_cb.wandb_offline import offline_history
+    from dflash_cb.integrations.wandb_offline import offline_history
 
     records = finished_records(run_dir)  # waits for the exit record: the log is complete
     history, summary = offline_history(run_dir)
@@ -159,7 +159,7 @@ def test_shipped_published_yaml_logs_nothing_unverified():
 
 
 def test_log_standalone_results_uses_the_callback_names(tmp_path, reference_results):
-    from dflash_cb.wandb_logging import log_standalone_results
+    from dflash_cb.integrations.wandb_logging import log_standalone_results
 
     results = load_results(reference_results)
     files_dir = log_standalone_results(results, project="dflash-cb-test", name="standalone", mode="offline",

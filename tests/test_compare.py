@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_cb.cli import run
-from dflash_cb.compare import compare, delta_metrics, main, render_markdown
-from dflash_cb.results import Results, SampleRecord, load_results, report_to_results, write_results
+from dflash_cb.common.cli import run
+from dflash_cb.core.compare import compare, delta_metrics, main, render_markdown
+from dflash_cb.core.results import Results, SampleRecord, load_results, report_to_results, write_results
 
 ROOT = Path(__file__).resolve().parents[1]
 TOOL = ROOT / "tools" / "compare_results.py"
@@ -36,9 +36,9 @@ def _run_here(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str, str]
 
 @pytest.fixture(scope="module")
 def two_results(tiny_cache, tiny_drafter_config, tmp_path_factory) -> tuple[Path, Path]:
-    from dflash_cb.engine import evaluate
-    from dflash_cb.model import DFlashDrafter
-    from dflash_cb.states import StateCache
+    from dflash_cb.cache.states import StateCache
+    from dflash_cb.core.engine import evaluate
+    from dflash_cb.core.model import DFlashDrafter
 
     cache = StateCache(tiny_cache)
     out = tmp_path_factory.mktemp("cmp")
@@ -69,7 +69,7 @@ def test_published_figures_sit_beside_their_own_convention(two_results, tmp_path
     """Issue 15 item 2: a published figure is listed only beside the live figure of its declared convention."""
     import yaml
 
-    from dflash_cb.metrics import ACCEPT_LENGTH_SERVED, TAU_REQUEST_MEAN, ci_high, ci_low
+    from dflash_cb.core.metrics import ACCEPT_LENGTH_SERVED, TAU_REQUEST_MEAN, ci_high, ci_low
 
     a, b = two_results
     pub = tmp_path / "pub.yaml"
@@ -150,8 +150,8 @@ def test_verdicts_better_worse_and_undetectable():
 
 
 def test_delta_tau_of_the_live_drafter_against_a_baseline(two_results, tiny_cache):
-    from dflash_cb.baselines import load_measured
-    from dflash_cb.states import StateCache
+    from dflash_cb.cache.states import StateCache
+    from dflash_cb.core.baselines import load_measured
 
     a, b = two_results
     cache = StateCache(tiny_cache)
@@ -256,8 +256,8 @@ def test_labels_out_hashes_and_categories_are_checked(two_results, tmp_path, cap
 
 def test_position_buckets_stop_where_the_completions_stop(two_results, tmp_path, capsys):
     """Issue 17 item 19: buckets past the longest completion printed rows of ``n/a (0 cycles)``."""
-    from dflash_cb.compare import live_metrics
-    from dflash_cb.report import format_results
+    from dflash_cb.core.compare import live_metrics
+    from dflash_cb.core.report import format_results
 
     a, b = two_results
     res = load_results(a)

@@ -17,8 +17,8 @@ import pytest
 import torch
 import yaml
 
-from dflash_cb.baselines import load_published
-from dflash_cb.metrics import (
+from dflash_cb.core.baselines import load_published
+from dflash_cb.core.metrics import (
     ACCEPT_LENGTH_SERVED,
     CHAIN_TAU_ESTIMATE,
     SPECFORGE_ACC,
@@ -29,16 +29,16 @@ from dflash_cb.metrics import (
     ci_low,
     summarize,
 )
-from dflash_cb.results import load_results, report_to_results, write_results
+from dflash_cb.core.results import load_results, report_to_results, write_results
 
 
 @pytest.fixture(scope="module")
 def scored(tiny_cache, tiny_drafter_config):
     from tiny_target import train_briefly
 
-    from dflash_cb.engine import evaluate
-    from dflash_cb.model import DFlashDrafter
-    from dflash_cb.states import StateCache
+    from dflash_cb.cache.states import StateCache
+    from dflash_cb.core.engine import evaluate
+    from dflash_cb.core.model import DFlashDrafter
 
     cache = StateCache(tiny_cache)
     torch.manual_seed(3)
@@ -91,8 +91,8 @@ def test_specforge_acc_is_a_ratio_of_integer_counts_that_sums_over_ranks():
 
 
 def test_samples_without_a_cycle_stay_out_of_the_request_means():
-    from dflash_cb.bootstrap import request_means
-    from dflash_cb.results import SampleRecord
+    from dflash_cb.core.bootstrap import request_means
+    from dflash_cb.core.results import SampleRecord
 
     with_empty = [SampleRecord("a", "c", [2, 1]), SampleRecord("b", "c", []), SampleRecord("c", "c", [4])]
     got = request_means(with_empty)

@@ -7,7 +7,7 @@ import heapq
 import pytest
 import torch
 
-from dflash_cb.ddtree import ddtree_accepted
+from dflash_cb.core.ddtree import ddtree_accepted
 
 
 def reference_tree_accept(ids, logp, depth_count, target, budget):

@@ -94,7 +94,7 @@ def test_never_deletes_a_folder_it_did_not_write(tmp_path: Path) -> None:
 
 def test_synthetic_target_writes_structured_text(tmp_path: Path) -> None:
     """The language itself: deterministic, three families, prompts disjoint from held-out ones."""
-    from dflash_cb import synthetic as S
+    from dflash_cb.demo import synthetic as S
 
     a = S.make_prompts(5, seed=3, prefix="eval-")
     b = S.make_prompts(5, seed=3, prefix="eval-")

@@ -24,11 +24,19 @@ from safetensors.torch import save
 from test_ddtree import reference_tree_accept
 from transformers import Qwen3Config
 
-from dflash_cb import engine
-from dflash_cb.engine import ReferenceRunner, apply_head, block_embeddings, evaluate
-from dflash_cb.fileio import atomic_write_bytes
-from dflash_cb.model import DFlashDrafter, DrafterSpec
-from dflash_cb.states import HEAD_NAME, Manifest, SampleEntry, ShardEntry, StateCache, TargetHead, shard_name
+from dflash_cb.cache.states import (
+    HEAD_NAME,
+    Manifest,
+    SampleEntry,
+    ShardEntry,
+    StateCache,
+    TargetHead,
+    shard_name,
+)
+from dflash_cb.common.fileio import atomic_write_bytes
+from dflash_cb.core import engine
+from dflash_cb.core.engine import ReferenceRunner, apply_head, block_embeddings, evaluate
+from dflash_cb.core.model import DFlashDrafter, DrafterSpec
 
 dm = oracles.require("dflash.model")
 

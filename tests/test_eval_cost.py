@@ -13,11 +13,12 @@ from lightning.pytorch.loggers import CSVLogger
 from test_callback import fit, read_csv_metrics
 from torch.utils.flop_counter import FlopCounterMode
 
-from dflash_cb import DFlashEvalCallback, states
-from dflash_cb.cost import DrafterShape, evaluation_cost
-from dflash_cb.engine import evaluate
-from dflash_cb.model import DFlashDrafter
-from dflash_cb.states import StateCache, select_sample_ids
+from dflash_cb import DFlashEvalCallback
+from dflash_cb.cache import states
+from dflash_cb.cache.states import StateCache, select_sample_ids
+from dflash_cb.core.cost import DrafterShape, evaluation_cost
+from dflash_cb.core.engine import evaluate
+from dflash_cb.core.model import DFlashDrafter
 
 
 def count_hashes(monkeypatch) -> list[str]:

@@ -12,18 +12,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_cb.cli import run
-from dflash_cb.states import StateCache, select_sample_ids
+from dflash_cb.cache.states import StateCache, select_sample_ids
+from dflash_cb.common.cli import run
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-from dflash_cb import eval_cli as TOOL  # noqa: E402  (the code behind tools/eval_drafter.py)
+from dflash_cb.integrations import eval_cli as TOOL  # noqa: E402  (the code behind tools/eval_drafter.py)
 
 
 @pytest.fixture(scope="module")
 def drafter_dir(tiny_drafter_config: dict, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from dflash_cb.model import DFlashDrafter
+    from dflash_cb.core.model import DFlashDrafter
 
     torch.manual_seed(0)
     out = tmp_path_factory.mktemp("drafter") / "drafter"
@@ -152,7 +152,7 @@ def test_samples_are_positive_stratified_like_the_callback_and_ids_selectable(ti
 ])
 def test_arguments_follow_the_callbacks_rule(tiny_cache, drafter_dir, tmp_path, capsys, option, value, expected):
     """Issue 17 item 9: the tool's numeric and list options are checked by the callback's rule
-    (``dflash_cb.arguments``): one line ``--option 'value': expected ...``, exit 2, before any work."""
+    (``dflash_cb.common.arguments``): one line ``--option 'value': expected ...``, exit 2, before any work."""
     budgets = value if option == "--ddtree-budgets" else "4"
     extra = () if option == "--ddtree-budgets" else (option, value)
     code, so, se = evaluate_tool(capsys, tiny_cache, drafter_dir, tmp_path / "r.json", *extra, budgets=budgets)
@@ -207,7 +207,7 @@ def test_user_mistakes_are_one_line_errors(tiny_cache, drafter_dir, tmp_path, ca
 
 def test_baseline_from_another_cache_suggests_a_runnable_command(tiny_cache, drafter_dir, tmp_path, capsys):
     """Item 21: the suggested eval_drafter.py command lacked the required --drafter."""
-    from dflash_cb.results import load_results
+    from dflash_cb.core.results import load_results
 
     baseline = tmp_path / "baseline.json"
     assert evaluate_tool(capsys, tiny_cache, drafter_dir, baseline)[0] == 0
@@ -230,7 +230,7 @@ def test_bf16_evaluation_holds_no_float32_head(tiny_cache, drafter_dir, tmp_path
     per-call autocast cast); the summary says the head ran in bfloat16."""
     from allocations import Allocations
 
-    from dflash_cb import engine
+    from dflash_cb.core import engine
 
     m = StateCache(tiny_cache).manifest
     assert m.target_head["dtype"] == "float32"

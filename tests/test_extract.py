@@ -8,8 +8,8 @@ import oracles
 import pytest
 import torch
 
-from dflash_cb import extract_cli as extract_drafter  # the code behind tools/extract_drafter.py
-from dflash_cb.cli import run
+from dflash_cb.common.cli import run
+from dflash_cb.core import extract_cli as extract_drafter  # the code behind tools/extract_drafter.py
 
 
 def extract(*argv: str) -> int:
@@ -22,7 +22,7 @@ def lightning_ckpt(tiny_cache: Path, tiny_drafter_config: dict, tmp_path_factory
     from lightning.pytorch import Trainer, seed_everything
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from dflash_cb.lightning_module import CachedStatesDataModule, DFlashDrafterModule
+    from dflash_cb.demo.lightning_module import CachedStatesDataModule, DFlashDrafterModule
 
     seed_everything(0)
     root = tmp_path_factory.mktemp("extract")
@@ -36,9 +36,9 @@ def lightning_ckpt(tiny_cache: Path, tiny_drafter_config: dict, tmp_path_factory
 
 def test_extract_loads_in_both_and_scores_identically(lightning_ckpt: Path, tiny_cache: Path, tmp_path: Path) -> None:
     DFlashDraftModel = oracles.require("dflash.model").DFlashDraftModel
-    from dflash_cb.engine import evaluate
-    from dflash_cb.model import DFlashDrafter
-    from dflash_cb.states import StateCache
+    from dflash_cb.cache.states import StateCache
+    from dflash_cb.core.engine import evaluate
+    from dflash_cb.core.model import DFlashDrafter
 
     out = tmp_path / "drafter"
     assert extract_drafter.main(["--ckpt", str(lightning_ckpt), "--out", str(out)]) == 0
@@ -58,7 +58,7 @@ def test_extract_loads_in_both_and_scores_identically(lightning_ckpt: Path, tiny
 
 def test_extract_reports_the_checkpoints_global_step(lightning_ckpt: Path, tmp_path: Path) -> None:
     """The demo's results.json provenance takes the step from here (the checkpoint is read once)."""
-    from dflash_cb.checkpoints import extract_drafter as extract_folder
+    from dflash_cb.core.checkpoints import extract_drafter as extract_folder
 
     info = extract_folder(lightning_ckpt, tmp_path / "drafter")
     assert info["global_step"] == 4  # the fixture trains max_steps=4 and keeps the last checkpoint

@@ -12,13 +12,13 @@ import pytest
 import torch
 from lightning.pytorch import seed_everything
 
-from dflash_cb.cli import run
-from dflash_cb.ddtree import DDTREE_MAX_BUDGET, DDTreeBudgetError, ddtree_accepted, max_ddtree_budget
-from dflash_cb.prompts import PromptFileError, load_prompts, parse_id_list
+from dflash_cb.cache.prompts import PromptFileError, load_prompts, parse_id_list
+from dflash_cb.common.cli import run
+from dflash_cb.core.ddtree import DDTREE_MAX_BUDGET, DDTreeBudgetError, ddtree_accepted, max_ddtree_budget
 
 
 def save_drafter(cfg: dict, folder: Path) -> Path:
-    from dflash_cb.model import DFlashDrafter
+    from dflash_cb.core.model import DFlashDrafter
 
     torch.manual_seed(0)
     DFlashDrafter.from_config_dict(cfg).save_pretrained(folder)
@@ -26,7 +26,7 @@ def save_drafter(cfg: dict, folder: Path) -> Path:
 
 
 def eval_tool(capsys, cache: Path, drafter: Path, out: Path, *extra: str) -> tuple[int, str, str]:
-    from dflash_cb import eval_cli
+    from dflash_cb.integrations import eval_cli
 
     code = run(eval_cli.main, ["--states", str(cache), "--drafter", str(drafter), "--out", str(out),
                                "--device", "cpu", *extra])
@@ -66,7 +66,7 @@ def test_callback_refuses_a_budget_above_the_bound_at_setup(tmp_path, tiny_cache
     from lightning.pytorch import Trainer
 
     from dflash_cb import DFlashEvalCallback
-    from dflash_cb.lightning_module import CachedStatesDataModule, DFlashDrafterModule
+    from dflash_cb.demo.lightning_module import CachedStatesDataModule, DFlashDrafterModule
 
     seed_everything(0, verbose=False)
     module = DFlashDrafterModule({**tiny_drafter_config, "block_size": 2}, str(tiny_cache), lr=1e-2)
@@ -90,7 +90,7 @@ def test_prompt_file_ids_follow_the_one_rule(tmp_path, bad):
 
 
 def test_every_shipped_and_demo_id_follows_the_rule_and_round_trips_through_an_id_list():
-    from dflash_cb.synthetic import make_prompts
+    from dflash_cb.demo.synthetic import make_prompts
 
     shipped = [r.id for r in load_prompts(Path(__file__).resolve().parents[1] / "configs/prompts/eval_v1.jsonl")]
     assert len(shipped) == 66

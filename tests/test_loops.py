@@ -30,7 +30,7 @@ PREFIX = "dflash_eval/"
 
 def tool_metrics(cache: Path, drafter_dir: Path, out: Path, light: bool, block_size: int) -> dict[str, Any]:
     """``tools/eval_drafter.py`` on a saved drafter, with the profile of the live evaluation."""
-    from dflash_cb import eval_cli
+    from dflash_cb.integrations import eval_cli
 
     profile = (["--anchor-stride", str(block_size), "--ddtree-budgets", str(max(BUDGETS))] if light
                else ["--ddtree-budgets", ",".join(map(str, BUDGETS))])
@@ -42,7 +42,7 @@ def tool_metrics(cache: Path, drafter_dir: Path, out: Path, light: bool, block_s
 def assert_logged_equals_tool(logged: dict[str, float], expected: dict[str, Any], where: Any) -> None:
     from test_callback import same
 
-    from dflash_cb.metrics import EVAL_TIME
+    from dflash_cb.core.metrics import EVAL_TIME
 
     assert logged[PREFIX + "tau"] == expected["tau"], where
     for k, v in expected.items():
@@ -68,9 +68,9 @@ def plain_loop(cache: str, cfg: dict, steps: int, every: int, out: Path | None =
     from torch.utils.data import DataLoader
 
     from dflash_cb import DFlashDrafter, LiveEvaluator
-    from dflash_cb.lightning_module import CachedStatesDataset, collate_samples
-    from dflash_cb.states import StateCache
-    from dflash_cb.training import batch_loss
+    from dflash_cb.cache.states import StateCache
+    from dflash_cb.core.training import batch_loss
+    from dflash_cb.demo.lightning_module import CachedStatesDataset, collate_samples
 
     torch.manual_seed(0)
     drafter = DFlashDrafter.from_config_dict(cfg)
@@ -205,7 +205,7 @@ class DraftTraining(nn.Module):
     def __init__(self, cfg: dict, cache: str) -> None:
         super().__init__()
         from dflash_cb import DFlashDrafter
-        from dflash_cb.states import StateCache
+        from dflash_cb.cache.states import StateCache
 
         self.drafter = DFlashDrafter.from_config_dict(cfg)
         head = StateCache(cache).load_head(dtype=torch.float32)
@@ -213,8 +213,8 @@ class DraftTraining(nn.Module):
         self.register_buffer("target_lm_head", head.lm_head.clone(), persistent=False)
 
     def forward(self, samples: list[dict]) -> dict[str, torch.Tensor]:
-        from dflash_cb.states import TargetHead
-        from dflash_cb.training import batch_loss
+        from dflash_cb.cache.states import TargetHead
+        from dflash_cb.core.training import batch_loss
 
         loss, _ = batch_loss(self.drafter, TargetHead(self.target_embed, self.target_lm_head, tied=False), samples, 8)
         return {"loss": loss}
@@ -225,7 +225,7 @@ def hf_train(tmp_path: Path, cache: Path, cfg: dict, max_steps: int, every: int,
     from transformers import Trainer, TrainingArguments
 
     from dflash_cb import DFlashEvalTrainerCallback
-    from dflash_cb.lightning_module import CachedStatesDataset
+    from dflash_cb.demo.lightning_module import CachedStatesDataset
 
     torch.manual_seed(0)
     model = DraftTraining(cfg, str(cache))
@@ -251,7 +251,7 @@ def test_hf_trainer_logs_the_tools_tau_at_every_evaluated_step(tmp_path, tiny_ca
     """The metrics reach ``trainer.state.log_history`` through ``trainer.log``; each equals the tool on the
     checkpoint the Trainer saved at that step (extracted with ``tools/extract_drafter.py``'s code)."""
     from dflash_cb import DFlashDrafter
-    from dflash_cb.checkpoints import extract_drafter
+    from dflash_cb.core.checkpoints import extract_drafter
 
     trainer, cb, initial = hf_train(tmp_path, tiny_cache, tiny_drafter_config, max_steps=6, every=3)
     logged = _evaluations(trainer)
@@ -322,8 +322,8 @@ def test_readme_lightning_module_snippet_runs_and_extracts_without_config(tmp_pa
                                                                           monkeypatch):
     """Issue 17 item 17: the README's own LightningModule trains with the callback, and its checkpoint
     carries the drafter config, so extract_drafter needs no --config."""
-    from dflash_cb.checkpoints import extract_drafter
-    from dflash_cb.model import DFlashDrafter
+    from dflash_cb.core.checkpoints import extract_drafter
+    from dflash_cb.core.model import DFlashDrafter
 
     ns = run_readme_snippet("### 5a. Your own LightningModule", tmp_path, tiny_cache, tiny_drafter_config,
                             monkeypatch)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import Qwen3Config
 
-from dflash_cb.model import DFlashDrafter
+from dflash_cb.core.model import DFlashDrafter
 
 dm = oracles.require("dflash.model")
 

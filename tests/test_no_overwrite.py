@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_cb.cli import run
-from dflash_cb.fileio import OverwritesInputError, check_outputs_apart
+from dflash_cb.common.cli import run
+from dflash_cb.common.fileio import OverwritesInputError, check_outputs_apart
 
 
 def digest(folder: Path) -> dict[str, str]:
@@ -21,7 +21,7 @@ def digest(folder: Path) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def drafter_dir(tiny_drafter_config: dict, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from dflash_cb.model import DFlashDrafter
+    from dflash_cb.core.model import DFlashDrafter
 
     torch.manual_seed(0)
     out = tmp_path_factory.mktemp("drafter") / "drafter"
@@ -37,7 +37,7 @@ def one_line_error(code: int, err: str, *needles: str) -> None:
 
 def test_eval_drafter_out_onto_any_input_file_is_refused_and_the_file_untouched(tiny_cache, drafter_dir, tmp_path,
                                                                                 capsys):
-    from dflash_cb import eval_cli
+    from dflash_cb.integrations import eval_cli
 
     cache = tmp_path / "cache"
     shutil.copytree(tiny_cache, cache)
@@ -60,9 +60,9 @@ def test_eval_drafter_out_onto_any_input_file_is_refused_and_the_file_untouched(
 
 
 def test_compare_extract_merge_precompute_refuse_outputs_over_inputs(tiny_cache, tmp_path, capsys):
-    from dflash_cb import compare, extract_cli
-    from dflash_cb.precompute import main as precompute_main
-    from dflash_cb.precompute import merge_main
+    from dflash_cb.cache.precompute import main as precompute_main
+    from dflash_cb.cache.precompute import merge_main
+    from dflash_cb.core import compare, extract_cli
 
     # compare_results: --out X writes X.md and X.png; an input named X.md would be overwritten
     a, b = tmp_path / "a.md", tmp_path / "b.json"

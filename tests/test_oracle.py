@@ -39,7 +39,7 @@ def _drafter_config(vocab: int, hidden: int) -> dict:
 
 
 def _precompute(target: Path, prompts: Path, out: Path, layers: list[int]) -> Path:
-    from dflash_cb.precompute import main
+    from dflash_cb.cache.precompute import main
 
     rc = main(["--target", str(target), "--prompts", str(prompts), "--out", str(out), "--layers",
                ",".join(map(str, layers)), "--reference", "local", "--dtype", "float32",
@@ -54,8 +54,8 @@ def setup(tmp_path_factory: pytest.TempPathFactory):
     from tiny_target import random_prompts, save_tiny_qwen3, train_briefly, write_prompts
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from dflash_cb.model import DFlashDrafter
-    from dflash_cb.states import StateCache
+    from dflash_cb.cache.states import StateCache
+    from dflash_cb.core.model import DFlashDrafter
 
     root = tmp_path_factory.mktemp("oracle")
     target_dir = save_tiny_qwen3(root / "target", seed=3)
@@ -87,7 +87,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory):
 
 
 def test_engine_matches_dflash_generate(setup) -> None:
-    from dflash_cb.engine import evaluate
+    from dflash_cb.core.engine import evaluate
 
     rep = evaluate(setup["cache"], setup["ours"], budgets=(4, 16), tail_blocks="reference")
     got = {s.id: s.acceptance_lengths for s in rep.samples}
@@ -102,8 +102,8 @@ def test_engine_matches_dflash_generate(setup) -> None:
 
 
 def test_eval_tool_matches_oracle(setup, tmp_path: Path) -> None:
-    from dflash_cb import eval_cli as eval_drafter  # the code behind tools/eval_drafter.py
-    from dflash_cb.results import load_results
+    from dflash_cb.core.results import load_results
+    from dflash_cb.integrations import eval_cli as eval_drafter  # the code behind tools/eval_drafter.py
 
     setup["ours"].save_pretrained(tmp_path / "drafter")
     out = tmp_path / "results.json"
@@ -125,8 +125,8 @@ def test_eval_tool_matches_oracle(setup, tmp_path: Path) -> None:
 
 
 def test_generic_runner_matches(setup) -> None:
-    from dflash_cb.engine import ReferenceRunner, evaluate
-    from dflash_cb.model import DrafterSpec
+    from dflash_cb.core.engine import ReferenceRunner, evaluate
+    from dflash_cb.core.model import DrafterSpec
 
     runner = ReferenceRunner(setup["ref"], DrafterSpec.from_config(setup["ref"].config))
     sub = [e.id for e in setup["cache"].samples[:3]]
@@ -136,8 +136,8 @@ def test_generic_runner_matches(setup) -> None:
 
 def test_wrong_layer_offset_is_caught(setup) -> None:
     """A cache that read hidden_states[i] instead of hidden_states[i + 1] must not reproduce the loop."""
-    from dflash_cb.engine import evaluate
-    from dflash_cb.states import MANIFEST_NAME, StateCache
+    from dflash_cb.cache.states import MANIFEST_NAME, StateCache
+    from dflash_cb.core.engine import evaluate
 
     out = _precompute(setup["target_dir"], setup["prompts"], setup["root"] / "cache_offset",
                       [i - 1 for i in LAYERS])
@@ -150,10 +150,10 @@ def test_wrong_layer_offset_is_caught(setup) -> None:
 
 def test_temperature_one_estimate_with_stored_topk(setup) -> None:
     """--topk-logprobs adds the (labelled) temperature-1 estimate; the greedy replay is unchanged."""
-    from dflash_cb.engine import evaluate
-    from dflash_cb.metrics import T1_TAU_ESTIMATE
-    from dflash_cb.precompute import main
-    from dflash_cb.states import StateCache
+    from dflash_cb.cache.precompute import main
+    from dflash_cb.cache.states import StateCache
+    from dflash_cb.core.engine import evaluate
+    from dflash_cb.core.metrics import T1_TAU_ESTIMATE
 
     out = setup["root"] / "cache_topk"
     assert main(["--target", str(setup["target_dir"]), "--prompts", str(setup["prompts"]), "--out", str(out),
@@ -166,8 +166,8 @@ def test_temperature_one_estimate_with_stored_topk(setup) -> None:
 
 
 def test_overlap_is_sum_of_min_p_q() -> None:
-    from dflash_cb.engine import apply_head
-    from dflash_cb.model import DrafterSpec
+    from dflash_cb.core.engine import apply_head
+    from dflash_cb.core.model import DrafterSpec
 
     torch.manual_seed(0)
     hidden, head = torch.randn(5, 8), torch.randn(11, 8)
@@ -191,8 +191,8 @@ def test_disagreement_truncates_scoring(setup, tmp_path: Path, tail_blocks: str)
 
     from safetensors.torch import load_file, save_file
 
-    from dflash_cb.engine import evaluate
-    from dflash_cb.states import MANIFEST_NAME, StateCache, sha256_file
+    from dflash_cb.cache.states import MANIFEST_NAME, StateCache, sha256_file
+    from dflash_cb.core.engine import evaluate
 
     src = setup["cache"].path
     dst = tmp_path / "cut"
@@ -233,7 +233,7 @@ def test_served_tail_blocks_match_a_full_block_loop(setup) -> None:
     and cuts after verification, cycle for cycle, with the sliding-window layer in the drafter; the
     correct-draft counts agree wherever the cache knows the target's tokens (the loop's last cycle
     may match past the end of the completion, which the cache cannot see)."""
-    from dflash_cb.engine import evaluate
+    from dflash_cb.core.engine import evaluate
 
     rep = evaluate(setup["cache"], setup["ours"], budgets=(4,), keep_drafts=MAX_NEW)
     assert rep.tail_blocks == "served"
@@ -254,8 +254,8 @@ def test_served_tail_blocks_match_a_full_block_loop(setup) -> None:
 
 def test_tail_blocks_do_not_matter_for_causal_layers(setup) -> None:
     """With every drafter layer causal (sliding window), a shorter block cannot change earlier drafts."""
-    from dflash_cb.engine import evaluate
-    from dflash_cb.model import DFlashDrafter
+    from dflash_cb.core.engine import evaluate
+    from dflash_cb.core.model import DFlashDrafter
 
     cfg = dict(setup["cfg"], layer_types=["sliding_attention", "sliding_attention"], sliding_window=64)
     causal = DFlashDrafter.from_config_dict(cfg).eval()

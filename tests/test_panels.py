@@ -15,8 +15,10 @@ import torch
 from lightning.pytorch import seed_everything
 
 from dflash_cb import DFlashEvalCallback
-from dflash_cb.lightning_module import CachedStatesDataModule
-from dflash_cb.panels import (
+from dflash_cb.cache.states import StateCache
+from dflash_cb.core.positions import cycle_labels, position_labels
+from dflash_cb.demo.lightning_module import CachedStatesDataModule
+from dflash_cb.integrations.panels import (
     PanelLayout,
     build_report,
     build_workspace,
@@ -24,8 +26,6 @@ from dflash_cb.panels import (
     panel_plan,
     referenced_keys,
 )
-from dflash_cb.positions import cycle_labels, position_labels
-from dflash_cb.states import StateCache
 
 BUDGETS = [4, 8]
 EDGES = (0, 8, 16)
@@ -38,9 +38,9 @@ def offline_run(tiny_cache, tiny_drafter_config, tmp_path_factory) -> dict:
     from test_callback import make_module, make_trainer
     from test_callback_wandb import history_and_summary, write_published
 
-    from dflash_cb.engine import evaluate
-    from dflash_cb.model import DFlashDrafter
-    from dflash_cb.results import report_to_results, write_results
+    from dflash_cb.core.engine import evaluate
+    from dflash_cb.core.model import DFlashDrafter
+    from dflash_cb.core.results import report_to_results, write_results
 
     tmp = tmp_path_factory.mktemp("panels")
     torch.manual_seed(7)
@@ -125,7 +125,7 @@ def test_the_run_holds_intervals_deltas_best_tau_and_positions(offline_run):
 
 
 def test_console_line_per_evaluation(offline_run):
-    from dflash_cb.report import evaluation_line
+    from dflash_cb.core.report import evaluation_line
 
     cb = offline_run["cb"]
     h = cb.history[-1]
@@ -136,8 +136,8 @@ def test_console_line_per_evaluation(offline_run):
 
 
 def test_panels_tool_dry_run_builds_the_view_without_network(capsys):
-    from dflash_cb.cli import run
-    from dflash_cb.panels import main
+    from dflash_cb.common.cli import run
+    from dflash_cb.integrations.panels import main
 
     assert run(main, ["--entity", "e", "--project", "p", "--budgets", "4,8", "--categories", "chat,code",
                       "--baselines", "z-lab drafter", "--block-size", "6", "--dry-run"]) == 0
@@ -146,7 +146,7 @@ def test_panels_tool_dry_run_builds_the_view_without_network(capsys):
     assert "dflash_eval/baseline/z-lab_drafter/delta_tau_ci_high" in keys and "dflash_eval/acceptance/depth_05" in keys
     assert run(main, ["--entity", "e", "--project", "p", "--position-edges", "3,1", "--dry-run"]) == 2
     assert "--position-edges '3,1': expected comma-separated integers from 0, strictly increasing" in capsys.readouterr().err
-    # Issue 17 item 9: the callback's rule (dflash_cb.arguments), naming the option; was "invalid literal for int()".
+    # Issue 17 item 9: the callback's rule (dflash_cb.common.arguments), naming the option; was "invalid literal for int()".
     assert run(main, ["--entity", "e", "--project", "p", "--budgets", "16,3x", "--dry-run"]) == 2
     assert "--budgets '16,3x': expected comma-separated positive integers" in capsys.readouterr().err
     # A published figure is drawn only beside the live figure of its convention (issue 15).
@@ -196,8 +196,8 @@ def test_panels_show_what_the_light_and_full_profiles_log(offline_run, tiny_draf
 
 def test_panels_tool_warns_about_panels_the_run_never_logged(offline_run, capsys):
     """Issue 17 item 16: --run (here a local offline run folder: no network) checks the layout against its keys."""
-    from dflash_cb.cli import run
-    from dflash_cb.panels import main
+    from dflash_cb.common.cli import run
+    from dflash_cb.integrations.panels import main
 
     args = ["--entity", "e", "--project", "p", "--run", str(offline_run["run_dir"]), "--dry-run"]
     assert run(main, args) == 0
@@ -230,8 +230,8 @@ def _closed_port() -> int:
 
 def test_panels_tool_without_login_network_or_a_valid_url_is_one_line(tmp_path, monkeypatch, capsys):
     """Issue 17 item 8: no W&B login, no network, a malformed --url: one line, exit 2 (only 127.0.0.1 is dialled)."""
-    from dflash_cb.cli import run
-    from dflash_cb.panels import main
+    from dflash_cb.common.cli import run
+    from dflash_cb.integrations.panels import main
 
     monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc: no login
     monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))

@@ -16,9 +16,9 @@ from local_http import JSONHandler, serve
 from safetensors import safe_open
 from tiny_target import TINY_HIDDEN, TINY_VOCAB, random_prompts, save_tiny_qwen3, write_prompts
 
-from dflash_cb import precompute
-from dflash_cb.precompute import JOURNAL_NAME, PROGRESS_NAME, main, merge_main
-from dflash_cb.states import HEAD_NAME, MANIFEST_NAME, CacheError, StateCache, shard_name
+from dflash_cb.cache import precompute
+from dflash_cb.cache.precompute import JOURNAL_NAME, PROGRESS_NAME, main, merge_main
+from dflash_cb.cache.states import HEAD_NAME, MANIFEST_NAME, CacheError, StateCache, shard_name
 
 LAYERS = "0,2,3"
 
@@ -73,7 +73,7 @@ def test_local_reference_end_to_end(local_cache, target_dir, prompts_file):
     assert "wall" not in json.dumps(m.to_dict())  # no timing in the manifest: runs are byte-comparable
 
     cache.verify()
-    from dflash_cb.target import load_target, prefill
+    from dflash_cb.cache.target import load_target, prefill
 
     target = load_target(target_dir, "float32")
     prompts = [json.loads(line)["input_ids"] for line in prompts_file.read_text().splitlines()]
@@ -190,7 +190,7 @@ class FakeSGLang:
         self.release = threading.Event()
 
     def generate(self, body: dict[str, Any]) -> dict[str, Any]:
-        from dflash_cb.target import Target, find_decoder_layers, greedy_generate, read_target_config
+        from dflash_cb.cache.target import Target, find_decoder_layers, greedy_generate, read_target_config
 
         sp = body["sampling_params"]
         assert sp["temperature"] == 0
@@ -297,7 +297,7 @@ def test_sglang_served_model_mismatch_warns(sglang, target_dir, prompts_file, tm
 
 
 def test_sglang_server_down_fails_before_loading(target_dir, prompts_file, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr("dflash_cb.target.load_target", _must_not_load)
+    monkeypatch.setattr("dflash_cb.cache.target.load_target", _must_not_load)
     rc = run(target_dir, prompts_file, tmp_path / "o", "--reference", "sglang", "--sglang-url",
              "http://127.0.0.1:9", "--sglang-retries", "0")
     assert rc == 2 and "not reachable" in capsys.readouterr().err
@@ -317,7 +317,7 @@ def test_validation_before_loading(case, local_cache, target_dir, prompts_file, 
     out = tmp_path / "existing"
     shutil.copytree(local_cache, out)
     before = folder_digest(out, skip=())
-    monkeypatch.setattr("dflash_cb.target.load_target", _must_not_load)
+    monkeypatch.setattr("dflash_cb.cache.target.load_target", _must_not_load)
     prompts, extra, expect = prompts_file, ["--topk-logprobs", "4"], ""
     if case == "bad_layer":
         extra += ["--layers", "0,4"]
@@ -573,7 +573,7 @@ def test_journal_entries_are_keyed_by_their_request(sglang, target_dir, prompts_
 
 
 def test_progress_record_is_appended_not_rewritten(target_dir, prompts_file, tmp_path, monkeypatch):
-    from dflash_cb.precompute import progress
+    from dflash_cb.cache.precompute import progress
 
     rewrites, appends = [], []
     real_start, real_append = progress.atomic_write_text, progress.append_line_durably
@@ -590,7 +590,7 @@ def test_progress_record_is_appended_not_rewritten(target_dir, prompts_file, tmp
 
 
 def test_float32_compute_with_bfloat16_storage(target_dir, prompts_file, tmp_path, capsys):
-    from dflash_cb.target import load_target, prefill
+    from dflash_cb.cache.target import load_target, prefill
 
     out = tmp_path / "f32b16"
     assert main(["--target", str(target_dir), "--prompts", str(prompts_file), "--out", str(out), "--layers", LAYERS,
@@ -616,8 +616,8 @@ def test_float32_compute_with_bfloat16_storage(target_dir, prompts_file, tmp_pat
 
 
 def test_auto_compute_dtype_follows_the_probe(target_dir, prompts_file, tmp_path):
-    from dflash_cb.precompute import DtypeProbe, PrecomputeArgs, prepare, run_precompute
-    from dflash_cb.target import load_target
+    from dflash_cb.cache.precompute import DtypeProbe, PrecomputeArgs, prepare, run_precompute
+    from dflash_cb.cache.target import load_target
 
     def args(out: str) -> PrecomputeArgs:
         return PrecomputeArgs(target=str(target_dir), prompts=str(prompts_file), out=str(tmp_path / out),
@@ -677,7 +677,7 @@ def _one_error_line(err: str) -> str:
 
 
 def test_out_paths_that_cannot_be_written(local_cache, target_dir, prompts_file, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr("dflash_cb.target.load_target", _must_not_load)
+    monkeypatch.setattr("dflash_cb.cache.target.load_target", _must_not_load)
     a_file = tmp_path / "a_file"
     a_file.write_text("keep me")
     assert run(target_dir, prompts_file, a_file / "sub") == 2

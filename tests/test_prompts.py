@@ -11,7 +11,7 @@ import pytest
 from tiny_target import TINY_WORDS, tiny_tokenizer
 from transformers import PreTrainedTokenizerFast
 
-from dflash_cb.prompts import (
+from dflash_cb.cache.prompts import (
     PromptFileError,
     PromptRecord,
     check_lengths,
@@ -210,7 +210,7 @@ def test_shipped_eval_v1(tokenizer: PreTrainedTokenizerFast) -> None:
 
 def test_missing_tokenizer_files(tmp_path: Path) -> None:
     """A model folder without tokenizer files (transformers would load it as an empty tokenizer)."""
-    from dflash_cb.prompts import missing_tokenizer_files
+    from dflash_cb.cache.prompts import missing_tokenizer_files
 
     (tmp_path / "config.json").write_text("{}")
     assert "tokenizer.json" in missing_tokenizer_files(tmp_path)

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from dflash_cb.replay import (
+from dflash_cb.core.replay import (
     SampleBounds,
     cut_produced,
     leading_matches,

@@ -33,7 +33,7 @@ from full_block_loop import full_block_generate
 from local_http import JSONHandler
 from processes import sigkill_when
 
-from dflash_cb.results import load_results
+from dflash_cb.core.results import load_results
 
 dm = oracles.require("dflash.model")
 
@@ -54,7 +54,7 @@ def _drafter_config(vocab: int, hidden: int) -> dict:
 
 
 def _precompute(*args: str) -> int:
-    from dflash_cb.precompute import main
+    from dflash_cb.cache.precompute import main
 
     return main([*args, "--layers", ",".join(map(str, LAYERS)), "--dtype", "float32",
                  "--max-new-tokens", str(MAX_NEW), "--no-progress"])
@@ -66,8 +66,8 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     from tiny_target import random_prompts, save_tiny_qwen3, train_briefly, write_prompts
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from dflash_cb.model import DFlashDrafter
-    from dflash_cb.states import StateCache
+    from dflash_cb.cache.states import StateCache
+    from dflash_cb.core.model import DFlashDrafter
 
     root = tmp_path_factory.mktemp("served")
     target_dir = save_tiny_qwen3(root / "target", seed=3)
@@ -183,8 +183,8 @@ def _sglang_args(world: dict[str, Any], url: str, out: Path) -> list[str]:
 
 
 def _eval(world: dict[str, Any], cache: Path, drafter: Path, out: Path, *extra: str) -> int:
-    from dflash_cb import eval_cli as eval_drafter  # the code behind tools/eval_drafter.py
-    from dflash_cb.cli import run
+    from dflash_cb.common.cli import run
+    from dflash_cb.integrations import eval_cli as eval_drafter  # the code behind tools/eval_drafter.py
 
     return run(eval_drafter.main, ["--states", str(cache), "--drafter", str(drafter), "--out", str(out),
                                    "--ddtree-budgets", "", "--served-check", *extra])
@@ -204,8 +204,8 @@ def served_cache(world, tmp_path_factory) -> dict[str, Any]:
 
 
 def test_precompute_records_the_served_counters(world, served_cache) -> None:
-    from dflash_cb.precompute import JOURNAL_NAME
-    from dflash_cb.states import StateCache
+    from dflash_cb.cache.precompute import JOURNAL_NAME
+    from dflash_cb.cache.states import StateCache
 
     cache = StateCache(served_cache["out"])
     m = cache.manifest
@@ -274,8 +274,8 @@ def test_served_check_refuses_reference_tail_blocks(world, served_cache, tmp_pat
 
 
 def test_server_without_counters(world, server, tmp_path, capsys) -> None:
-    from dflash_cb.precompute import JOURNAL_NAME
-    from dflash_cb.states import StateCache
+    from dflash_cb.cache.precompute import JOURNAL_NAME
+    from dflash_cb.cache.states import StateCache
 
     url, state = server
     state.speculative = False
@@ -294,8 +294,8 @@ def test_server_without_counters(world, server, tmp_path, capsys) -> None:
 
 
 def test_sigkill_during_queries_keeps_the_counters(world, server, tmp_path) -> None:
-    from dflash_cb.precompute import JOURNAL_NAME
-    from dflash_cb.states import MANIFEST_NAME, StateCache
+    from dflash_cb.cache.precompute import JOURNAL_NAME
+    from dflash_cb.cache.states import MANIFEST_NAME, StateCache
 
     url, state = server
     reference = tmp_path / "uninterrupted"  # same server (its URL is in the manifest)
@@ -332,7 +332,7 @@ def test_sigkill_during_queries_keeps_the_counters(world, server, tmp_path) -> N
 
 
 def test_counters_parsing_and_convention() -> None:
-    from dflash_cb.served import (
+    from dflash_cb.cache.served import (
         ServedCheckError,
         convention_of,
         served_counters,
@@ -362,9 +362,9 @@ def test_counters_parsing_and_convention() -> None:
 
 
 def test_old_manifest_loads_and_served_baseline(served_cache) -> None:
-    from dflash_cb.baselines import baseline_scalars, load_served
-    from dflash_cb.served import served_tau
-    from dflash_cb.states import MANIFEST_NAME, Manifest, StateCache
+    from dflash_cb.cache.served import served_tau
+    from dflash_cb.cache.states import MANIFEST_NAME, Manifest, StateCache
+    from dflash_cb.core.baselines import baseline_scalars, load_served
 
     data = json.loads((served_cache["out"] / MANIFEST_NAME).read_text())
     data.pop("served_spec_config")
@@ -387,8 +387,8 @@ def test_old_manifest_loads_and_served_baseline(served_cache) -> None:
 def test_only_fully_agreeing_samples_with_counters_are_compared(served_cache) -> None:
     import dataclasses
 
-    from dflash_cb.served import compare
-    from dflash_cb.states import StateCache
+    from dflash_cb.cache.states import StateCache
+    from dflash_cb.core.served_check import compare
 
     entries = StateCache(served_cache["out"]).samples
     cut = dataclasses.replace(entries[0], valid_len=entries[0].prompt_len + 3)  # CPU and server part ways
@@ -408,9 +408,9 @@ def test_callback_logs_the_served_tau(world, served_cache, tmp_path) -> None:
     from lightning.pytorch.loggers import CSVLogger
 
     from dflash_cb import DFlashEvalCallback
-    from dflash_cb.lightning_module import CachedStatesDataModule, DFlashDrafterModule
-    from dflash_cb.served import served_tau
-    from dflash_cb.states import StateCache
+    from dflash_cb.cache.served import served_tau
+    from dflash_cb.cache.states import StateCache
+    from dflash_cb.demo.lightning_module import CachedStatesDataModule, DFlashDrafterModule
 
     cache = StateCache(served_cache["out"])
     want = served_tau(cache.samples)[0]
@@ -432,8 +432,8 @@ def test_callback_logs_the_served_tau(world, served_cache, tmp_path) -> None:
 
 
 def test_server_info_is_optional(server) -> None:
-    from dflash_cb.served import server_spec_config
-    from dflash_cb.sglang_client import SGLangClient
+    from dflash_cb.cache.served import server_spec_config
+    from dflash_cb.cache.sglang_client import SGLangClient
 
     url, state = server
     client = SGLangClient(url, max_retries=0)
@@ -444,8 +444,8 @@ def test_server_info_is_optional(server) -> None:
 
 
 def test_reused_journal_keeps_the_counters(world, served_cache, tmp_path) -> None:
-    from dflash_cb.precompute import JOURNAL_NAME
-    from dflash_cb.states import StateCache
+    from dflash_cb.cache.precompute import JOURNAL_NAME
+    from dflash_cb.cache.states import StateCache
 
     out = tmp_path / "from_file"
     assert _precompute("--target", str(world["target_dir"]), "--prompts", str(world["prompts"]), "--out", str(out),
@@ -459,8 +459,8 @@ def test_retracted_impossible_and_bare_samples(world, server, tmp_path, capsys) 
     """A retracted request is skipped with the reason, counters that cannot be are flagged (never a
     difference), and a --sample-ids selection with no counters stops before the evaluation; the
     callback's served baseline counts exactly the samples the check compares."""
-    from dflash_cb.baselines import load_served
-    from dflash_cb.states import StateCache
+    from dflash_cb.cache.states import StateCache
+    from dflash_cb.core.baselines import load_served
 
     url, state = server
     keys = _prompt_keys(world)
@@ -509,16 +509,13 @@ def test_draft_window_makes_the_check_not_comparable(world, server, tmp_path, ca
 
 
 def test_served_definitions_pure(tmp_path) -> None:
-    from dflash_cb.served import (
-        CENSORED,
-        DIFFERS,
-        EQUAL,
+    from dflash_cb.cache.served import (
         draft_folder_settings,
         histogram_of,
-        histogram_status,
         impossible_counters,
         incomparable_settings,
     )
+    from dflash_cb.core.served_check import CENSORED, DIFFERS, EQUAL, histogram_status
 
     assert histogram_of([0, 2, 2, 1]) == [1, 1, 2] and histogram_of([]) == []
     assert histogram_status([0, 2, 2, 1], False, [1, 1, 2, 0]) == EQUAL  # trailing zeros do not matter
@@ -550,8 +547,9 @@ def test_one_definition_of_comparable_samples(served_cache) -> None:
     prefill left the served path (or that was retracted) is in neither."""
     import dataclasses
 
-    from dflash_cb.served import compare, served_tau
-    from dflash_cb.states import StateCache
+    from dflash_cb.cache.served import served_tau
+    from dflash_cb.cache.states import StateCache
+    from dflash_cb.core.served_check import compare
 
     entries = StateCache(served_cache["out"]).samples
     cut = dataclasses.replace(entries[0], valid_len=entries[0].prompt_len + 3)

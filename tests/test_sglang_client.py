@@ -19,7 +19,7 @@ import torch
 from local_http import JSONHandler, serve
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from dflash_cb.sglang_client import Completion, SGLangClient, SGLangError, served_model_mismatch
+from dflash_cb.cache.sglang_client import Completion, SGLangClient, SGLangError, served_model_mismatch
 
 MODEL_PATH = "/models/Qwen/Qwen3-Tiny-Test"
 

@@ -39,7 +39,7 @@ from specforge.modeling.draft.dflash import DFlashDraftModel  # noqa: E402
 from specforge.runtime.contracts import TrainBatch  # noqa: E402
 from specforge.training.strategies.base import DFlashTrainStrategy  # noqa: E402
 
-from dflash_cb.metrics import SPECFORGE_ACC, depth_acc  # noqa: E402
+from dflash_cb.core.metrics import SPECFORGE_ACC, depth_acc  # noqa: E402
 
 BLOCK = 6
 LAYERS = [0, 2]
@@ -64,7 +64,7 @@ class _CountingObjective(sf_model.OnlineDFlashModel):
 
 
 def _drafter_config(vocab: int, hidden: int, target_layers: int, mask: int, layer_types: list[str]) -> dict:
-    from dflash_cb.lightning_module import tiny_drafter_config
+    from dflash_cb.demo.lightning_module import tiny_drafter_config
 
     cfg = tiny_drafter_config(vocab, hidden, target_layers, LAYERS, mask, block_size=BLOCK, num_layers=len(layer_types))
     # A window shorter than the contexts, so the sliding rule matters.
@@ -101,7 +101,7 @@ def _specforge(cache, drafter, cfg: dict, ids: list[str]) -> tuple[dict, torch.T
 
 
 def _check_parity(cache, drafter, cfg: dict, ids: list[str]) -> dict:
-    from dflash_cb.engine import evaluate
+    from dflash_cb.core.engine import evaluate
 
     report = evaluate(cache, drafter, sample_ids=ids, budgets=[], anchor_stride=1)
     ours = report.summary
@@ -124,7 +124,7 @@ def _check_parity(cache, drafter, cfg: dict, ids: list[str]) -> dict:
 def _trained(cfg: dict, cache):
     from tiny_target import train_briefly
 
-    from dflash_cb.model import DFlashDrafter
+    from dflash_cb.core.model import DFlashDrafter
 
     torch.manual_seed(0)
     return train_briefly(DFlashDrafter.from_config_dict(cfg), cache)
@@ -133,7 +133,7 @@ def _trained(cfg: dict, cache):
 def test_sliding_window_drafter_matches_specforge_on_every_anchor(tiny_cache):
     from conftest import TINY_MASK
 
-    from dflash_cb.states import StateCache
+    from dflash_cb.cache.states import StateCache
 
     cache = StateCache(tiny_cache)
     m = cache.manifest
@@ -149,8 +149,8 @@ def stopping_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     early in the most greedy completions of the tiny target is made the stop token."""
     from conftest import build_tiny_cache
 
-    from dflash_cb.precompute import PrecomputeArgs, run_precompute
-    from dflash_cb.states import StateCache
+    from dflash_cb.cache.precompute import PrecomputeArgs, run_precompute
+    from dflash_cb.cache.states import StateCache
 
     root = tmp_path_factory.mktemp("stopping")
     first = StateCache(build_tiny_cache(root, n_prompts=12, max_new_tokens=48))
@@ -168,7 +168,7 @@ def stopping_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_bidirectional_drafter_matches_specforge_where_blocks_are_full(stopping_cache):
     from conftest import TINY_MASK
 
-    from dflash_cb.states import StateCache
+    from dflash_cb.cache.states import StateCache
 
     cache = StateCache(stopping_cache)
     m = cache.manifest

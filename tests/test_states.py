@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from dflash_cb import states
-from dflash_cb.states import CacheError, StateCache
+from dflash_cb.cache import states
+from dflash_cb.cache.states import CacheError, StateCache
 
 
 def copy_cache(src: Path, dst: Path, edit=None) -> Path:

@@ -1,4 +1,4 @@
-"""dflash_cb.target on real tiny checkpoints: config reading, strict loading, layer capture, chunked head."""
+"""dflash_cb.cache.target on real tiny checkpoints: config reading, strict loading, layer capture, chunked head."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from tiny_target import (
     save_tiny_qwen3_5,
 )
 
-from dflash_cb.target import (
+from dflash_cb.cache.target import (
     TargetError,
     check_layer_ids,
     find_decoder_layers,

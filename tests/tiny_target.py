@@ -190,7 +190,7 @@ def save_tiny_tokenizer(folder: str | os.PathLike) -> Path:
 def train_briefly(drafter, cache, epochs: int = 6, lr: float = 3e-3, seed: int = 0):
     """A few epochs of DFlash training on ``cache``: partial acceptance, the regime where exactness
     checks (rounds, accepted lengths) carry information. Returns the drafter in eval mode."""
-    from dflash_cb.training import dflash_loss, sample_anchors
+    from dflash_cb.core.training import dflash_loss, sample_anchors
 
     head = cache.load_head()
     opt = torch.optim.AdamW(drafter.parameters(), lr=lr)

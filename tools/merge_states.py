@@ -7,7 +7,7 @@ The merged cache equals what a single-host run would have written (same manifest
 
 import sys
 
-from dflash_cb.precompute import merge_main
+from dflash_cb.cache.precompute import merge_main
 
 if __name__ == "__main__":
     sys.exit(merge_main())

@@ -13,8 +13,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from dflash_cb.cli import run  # noqa: E402
-from dflash_cb.panels import main  # noqa: E402
+from dflash_cb.common.cli import run  # noqa: E402
+from dflash_cb.integrations.panels import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(run(main))

@@ -1,0 +1,281 @@
+"""Turn a training checkpoint into a drafter folder (``config.json`` + ``model.safetensors``).
+
+Checkpoints are read with ``torch.load(weights_only=True)``: tensors and plain containers only,
+never arbitrary pickled objects. Optimizer, scheduler and loop state are dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import re
+import shutil
+import tempfile
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..common.cli import describe_os_error
+from ..common.errors import DFlashCBError
+from ..common.fileio import _umask_mode, atomic_path, atomic_write_text, check_outputs_apart
+from .model import DFlashDrafter, DrafterSpec, load_state_dict_strict
+
+DRAFTER_FILES = ("config.json", "model.safetensors")
+
+
+class CheckpointError(DFlashCBError, ValueError):
+    """A checkpoint or drafter folder cannot be read, or an output folder must not be written."""
+
+
+def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """Read a checkpoint with ``torch.load(weights_only=True)`` (or safetensors), telling apart a file
+    that is no checkpoint, a truncated one, and one that really holds non-tensor Python objects."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no such checkpoint file; pass --ckpt the .ckpt/.pt/.safetensors file")
+    if path.suffix == ".safetensors":
+        return {"state_dict": read_safetensors(path)}
+    with open(path, "rb") as f:
+        head = f.read(4)
+    is_zip = head.startswith(b"PK\x03\x04")  # torch.save's default format
+    is_pickle = head[:1] == b"\x80"  # torch's legacy format starts with a pickle protocol byte
+    if not is_zip and not is_pickle:
+        raise CheckpointError(f"{path}: not a PyTorch checkpoint (neither the zip format of torch.save nor a "
+                              f"pickle; it starts with {head!r}); pass the .ckpt written by Lightning's "
+                              "ModelCheckpoint, a torch.save'd state dict or a .safetensors file")
+    if is_zip and not zipfile.is_zipfile(path):
+        raise CheckpointError(f"{path}: truncated or damaged ({path.stat().st_size} bytes, the zip archive "
+                              "has no central directory): copy it again or use another checkpoint")
+    try:
+        obj = torch.load(str(path), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
+        if found:  # a real, intact checkpoint holding some Python object: refuse rather than execute it
+            raise CheckpointError(
+                f"{path}: holds a pickled Python object that is not a tensor or a plain container "
+                f"({found.group(1)}), and this tool never unpickles code. Save the drafter's state_dict "
+                "(or a LightningModule checkpoint whose hyper-parameters are plain values) and try again"
+            ) from None
+        raise CheckpointError(f"{path}: not a checkpoint this tool can read safely ({_first_line(e)}); "
+                              "pass a Lightning .ckpt, a torch.save'd state dict or a .safetensors file") from None
+    except Exception as e:  # torch's reader on a damaged archive (RuntimeError, EOFError, KeyError ...)
+        raise CheckpointError(f"{path}: truncated or damaged checkpoint ({type(e).__name__}: {_first_line(e)}); "
+                              "copy it again or use another checkpoint") from None
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{path}: expected a dict (a Lightning checkpoint or a state dict), "
+                              f"got {type(obj).__name__}")
+    return obj
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+def read_safetensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """``load_file`` with the file named when it is truncated or not a safetensors file."""
+    try:
+        return load_file(str(path))
+    except OSError:
+        raise
+    except Exception as e:  # safetensors' own error type
+        raise CheckpointError(f"{path}: not a readable safetensors file, truncated or damaged ({_first_line(e)}); "
+                              "copy it again or re-create it") from None
+
+
+def load_drafter(path: str | os.PathLike, device: torch.device | str = "cpu") -> DFlashDrafter:
+    """``DFlashDrafter.from_pretrained`` with every problem of the folder reported as a ``CheckpointError``
+    naming the file: a missing or invalid ``config.json``, truncated weights, missing or unexpected keys."""
+    folder = Path(path)
+    cfg_path = folder / "config.json"
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder}: no such drafter folder (a drafter folder holds config.json and "
+                              "model.safetensors; tools/extract_drafter.py makes one from a checkpoint)")
+    if not cfg_path.is_file():
+        raise CheckpointError(f"{cfg_path}: no drafter config; a drafter folder holds config.json and "
+                              "model.safetensors (tools/extract_drafter.py makes one from a checkpoint)")
+    config = read_drafter_config(cfg_path)
+    try:
+        model = DFlashDrafter.from_config_dict(config)
+        DrafterSpec.from_config(model.config)  # block size, mask token, layer ids
+    except Exception as e:  # transformers' config class or the drafter constructor
+        raise CheckpointError(f"{cfg_path}: not a valid DFlash drafter config ({type(e).__name__}: "
+                              f"{_first_line(e)}); compare it with the reference drafter's config.json") from None
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{folder}: no *.safetensors weights next to config.json")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(read_safetensors(f))
+    try:
+        load_state_dict_strict(model, state, source=str(folder))
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+    return model.to(device=device)
+
+
+def read_drafter_config(path: str | os.PathLike) -> dict[str, Any]:
+    """A drafter ``config.json`` as a dict, checked for the DFlash fields the evaluation needs."""
+    path = Path(path)
+    try:
+        config = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e}); fix the file or take the reference "
+                              "drafter's config.json") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got {type(config).__name__}")
+    missing = [k for k in ("hidden_size", "vocab_size", "num_hidden_layers") if k not in config]
+    if not isinstance(config.get("dflash_config"), dict):
+        missing.append("dflash_config")
+    if missing:
+        raise CheckpointError(f"{path}: not a DFlash drafter config (missing {', '.join(missing)}); "
+                              "a drafter config is the config.json of a DFlash drafter folder")
+    return config
+
+
+def state_dict_of(ckpt: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The model weights: Lightning's ``state_dict``, a ``model``/``module`` entry, or the dict itself."""
+    for key in ("state_dict", "model", "module", "model_state_dict"):
+        if isinstance(ckpt.get(key), dict):
+            return {k: v for k, v in ckpt[key].items() if isinstance(v, torch.Tensor)}
+    return {k: v for k, v in ckpt.items() if isinstance(v, torch.Tensor)}
+
+
+def expected_keys(config: dict[str, Any]) -> set[str]:
+    with torch.device("meta"):
+        return set(DFlashDrafter.from_config_dict(config).state_dict())
+
+
+def find_prefix(keys: set[str], expected: set[str]) -> str:
+    """The prefix under which every expected drafter key appears (e.g. ``drafter.`` or ``model.draft.``)."""
+    anchor = "fc.weight"
+    candidates = sorted({k[: -len(anchor)] for k in keys if k.endswith(anchor)})
+    found = [p for p in candidates if all(p + e in keys for e in expected)]
+    if len(found) == 1:
+        return found[0]
+    if not found:
+        near = ", ".join(repr(p) for p in candidates) or "none"
+        raise CheckpointError(f"no key prefix holds a complete DFlash drafter for this config (prefixes ending in "
+                         f"fc.weight: {near}); check --config or pass --prefix")
+    raise CheckpointError(f"several key prefixes hold a complete drafter: {found}; choose one with --prefix")
+
+
+def extract_drafter(ckpt_path: str | os.PathLike, out_dir: str | os.PathLike,
+                    config: dict[str, Any] | None = None, prefix: str | None = None,
+                    overwrite: bool = False) -> dict[str, Any]:
+    """Write ``out_dir`` with the drafter's weights; refuses missing or unexpected keys. Returns a report.
+
+    Nothing the tool did not write is ever deleted: a new or empty ``out_dir`` gets the drafter
+    atomically (temporary folder + rename); an existing drafter folder (``config.json`` and
+    ``model.safetensors`` only) has those two files replaced; any other non-empty folder is
+    refused unless ``overwrite``, and then only those two files are written into it, the rest kept.
+    The folder holding the checkpoint is always refused.
+    """
+    out = Path(out_dir)
+    overwrite_into = check_drafter_out(out, ckpt_path, overwrite)  # before any reading
+    ckpt = load_checkpoint(ckpt_path)
+    if config is None:
+        hp = ckpt.get("hyper_parameters") or {}
+        config = hp.get("drafter_config") if isinstance(hp, dict) else None
+        if not isinstance(config, dict):
+            raise CheckpointError(f"{ckpt_path}: no drafter config stored in the checkpoint "
+                                  "(hyper_parameters.drafter_config); pass --config drafter_config.json")
+    state = state_dict_of(ckpt)
+    try:
+        expected = expected_keys(config)
+    except Exception as e:
+        raise CheckpointError(f"the drafter config is not a valid DFlash config ({type(e).__name__}: "
+                              f"{_first_line(e)}); check --config") from None
+    if prefix is None:
+        prefix = find_prefix(set(state), expected)
+    sub = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+    missing = sorted(expected - set(sub))
+    unexpected = sorted(set(sub) - expected)
+    if missing or unexpected:
+        raise CheckpointError(f"{ckpt_path}: under prefix {prefix!r} the drafter has missing keys {missing[:8]} "
+                              f"and unexpected keys {unexpected[:8]}; check --config / --prefix")
+    weights = {k: v.detach().contiguous().clone() for k, v in sub.items()}
+    # Validate shapes by loading into a real drafter before anything is written.
+    model = DFlashDrafter.from_config_dict(config)
+    try:
+        load_state_dict_strict(model, weights, source=f"{ckpt_path} [{prefix}]")
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+    config_text = json.dumps(config, indent=2) + "\n"
+    try:
+        if overwrite_into:
+            _write_drafter_files(out, weights, config_text)
+        else:
+            _write_drafter_folder(out, weights, config_text)
+    except OSError as e:
+        raise CheckpointError(f"--out {out}: cannot write the drafter there ({describe_os_error(e)})") from None
+    dropped = sorted(k for k in ckpt if k not in ("state_dict",))
+    step = ckpt.get("global_step")
+    return {"prefix": prefix, "tensors": len(weights), "dropped_entries": dropped,
+            "global_step": int(step) if step is not None else None,
+            "params": sum(v.numel() for v in weights.values())}
+
+
+def check_drafter_out(out: Path, ckpt_path: str | os.PathLike, overwrite: bool) -> bool:
+    """Refuse an ``--out`` that would lose a user's files; True when writing into a foreign folder
+    (``overwrite``), False when the tool writes a fresh folder or replaces a drafter folder."""
+    if out.exists() and not out.is_dir():
+        raise CheckpointError(f"--out {out}: is a file, not a folder; choose a folder path for the drafter")
+    check_outputs_apart([("--ckpt", ckpt_path)], folders=[("--out", out)])
+    for parent in out.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise CheckpointError(f"--out {out}: {parent} is a file, not a folder; choose another path")
+            break
+    if not out.is_dir():
+        return False
+    entries = sorted(p.name for p in out.iterdir())
+    if not entries or set(entries) <= set(DRAFTER_FILES):
+        return False
+    if not overwrite:
+        raise CheckpointError(f"--out {out}: the folder is not empty and is not a drafter folder (it holds "
+                              f"{', '.join(entries[:5])}{' ...' if len(entries) > 5 else ''}); choose a new "
+                              "folder, or pass --overwrite to write config.json and model.safetensors into it "
+                              "(other files are kept)")
+    stray = [e for e in entries if e.endswith(".safetensors") and e not in DRAFTER_FILES]
+    if stray:
+        raise CheckpointError(f"--out {out}: holds other weights ({', '.join(stray[:5])}) that a loader would "
+                              "read together with the drafter's; choose a new folder")
+    return True
+
+
+def _write_drafter_files(out: Path, weights: dict[str, torch.Tensor], config_text: str) -> None:
+    """Each file atomically (weights first: a config never points at missing weights)."""
+    with atomic_path(out / "model.safetensors") as tmp:
+        save_file(weights, str(tmp), metadata={"format": "pt"})
+    atomic_write_text(out / "config.json", config_text)
+
+
+def _write_drafter_folder(out: Path, weights: dict[str, torch.Tensor], config_text: str) -> None:
+    """A complete folder next to ``out``, renamed into place; an existing drafter folder is swapped out
+    and only its own two files are removed."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
+    old: Path | None = None
+    try:
+        _write_drafter_files(tmp, weights, config_text)
+        os.chmod(tmp, _umask_mode(0o777))  # mkdtemp makes it private; a drafter folder is meant to be shared
+        if out.is_dir():
+            old = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.old."))
+            os.replace(out, old / "folder")
+        os.replace(tmp, out)
+    except BaseException:
+        if old is not None and not out.exists():
+            os.replace(old / "folder", out)  # put the previous drafter back
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        if old is not None and (old / "folder").is_dir():
+            for name in DRAFTER_FILES:  # checked by check_drafter_out: nothing else is in there
+                (old / "folder" / name).unlink(missing_ok=True)
+            (old / "folder").rmdir()
+        if old is not None:
+            old.rmdir()

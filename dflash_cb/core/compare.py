@@ -1,0 +1,398 @@
+"""Compare evaluations of drafters on the same cache: paired differences with intervals, and a verdict.
+
+Two evaluations on the same cache scored the same prompts, so they are compared *paired*: the
+bootstrap resamples the prompts once and takes the difference on each resample
+(``bootstrap.paired_difference``). The verdict says "B is better" only when the whole 95%
+interval of ``B - A`` lies above zero; otherwise the prompts cannot tell the two apart.
+
+Used by ``tools/compare_results.py`` (files) and by the callback (``delta_metrics``: live drafter
+minus each measured baseline, on the evaluated samples).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import combinations
+from pathlib import Path
+from typing import Any
+
+from ..common.errors import DFlashCBError
+from ..common.fileio import atomic_write_text, check_outputs_apart
+from .bootstrap import DEFAULT_RESAMPLES, DEFAULT_SEED, Interval, intervals, metric_sums, paired_difference
+from .metrics import (
+    ACCEPT_LENGTH_SERVED,
+    DELTA_TAU,
+    TAU,
+    TAU_REQUEST_MEAN,
+    category_tau,
+    ci_high,
+    ci_low,
+    ddtree_tau,
+)
+from .positions import DEFAULT_POSITION_EDGES, check_edges, cycle_table, position_table
+from .report import with_interval
+from .results import Results, check_results_path, derived_metrics, load_results
+
+
+class CompareError(DFlashCBError, ValueError):
+    """Evaluations that cannot be compared (other caches, no shared samples)."""
+
+
+# -- paired differences ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Difference:
+    """``b - a`` for one metric over ``n`` shared samples."""
+
+    a: str
+    b: str
+    metric: str
+    interval: Interval
+    n: int
+
+    @property
+    def text(self) -> str:
+        iv = self.interval
+        return f"{self.b} - {self.a} = {iv.value:+.3f} [{iv.low:+.3f}, {iv.high:+.3f}]"
+
+    @property
+    def verdict(self) -> str:
+        iv = self.interval
+        if not (math.isfinite(iv.low) and math.isfinite(iv.high)):
+            return "no interval (too few cycles)"
+        if iv.low > 0:
+            return f"{self.b} is better"
+        if iv.high < 0:
+            return f"{self.a} is better"
+        return f"no difference detectable with {self.n} prompts"
+
+
+def shared(a: Sequence[Any], b: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+    """The samples scored in both, in ``a``'s order, as two aligned lists."""
+    by_id = {s.id: s for s in b}
+    ids = [s.id for s in a if s.id in by_id]
+    first = {s.id: s for s in a}
+    return [first[i] for i in ids], [by_id[i] for i in ids]
+
+
+def paired(a_samples: Sequence[Any], b_samples: Sequence[Any], la: str, lb: str, budgets: Sequence[int] = (),
+           categories: Sequence[str] = (), n_resamples: int = DEFAULT_RESAMPLES,
+           seed: int = DEFAULT_SEED) -> dict[str, Difference]:
+    """``b - a`` for tau, each DDTree tau and each category tau, on the samples both scored."""
+    sa, sb = shared(a_samples, b_samples)
+    if not sa:
+        raise CompareError(f"{la} and {lb} share no scored sample: nothing to compare")
+    ma, mb = metric_sums(sa, budgets, categories), metric_sums(sb, budgets, categories)
+    return {k: Difference(la, lb, k, paired_difference(ma[k], mb[k], n_resamples, seed), len(sa)) for k in ma}
+
+
+def delta_metrics(live: Sequence[Any], baselines: Sequence[Any], n_resamples: int = DEFAULT_RESAMPLES,
+                  seed: int = DEFAULT_SEED) -> dict[str, float]:
+    """``<baseline key>/delta_tau`` (live minus baseline) and its interval, for measured baselines.
+
+    Paired on the samples both scored (the baseline is restricted to the live evaluation's
+    samples when it is loaded). Published figures have no samples and get none.
+    """
+    out: dict[str, float] = {}
+    for b in baselines:
+        if not b.samples or not live:
+            continue
+        d = paired(b.samples, live, b.name, "live", n_resamples=n_resamples, seed=seed)[TAU].interval
+        name = f"{b.key}/{DELTA_TAU}"
+        out[name] = d.value
+        if math.isfinite(d.low) and math.isfinite(d.high):
+            out[ci_low(name)], out[ci_high(name)] = d.low, d.high
+    return out
+
+
+def live_metrics(samples: Sequence[Any], budgets: Sequence[int], categories: Sequence[str],
+                 baselines: Sequence[Any] = (), position_edges: Sequence[int] = DEFAULT_POSITION_EDGES,
+                 n_resamples: int = DEFAULT_RESAMPLES, seed: int = DEFAULT_SEED) -> dict[str, float]:
+    """What the callback adds to an evaluation's counts, from the per-sample lengths gathered on rank zero:
+    intervals, position / cycle-index taus, and ``delta_tau`` against each measured baseline."""
+    if not samples:
+        return {}
+    scalars, _ = derived_metrics(list(samples), tuple(budgets), tuple(categories), tuple(position_edges),
+                                 n_resamples=n_resamples, seed=seed)
+    scalars.update(delta_metrics(samples, baselines, n_resamples, seed))
+    return scalars
+
+
+# -- a comparison of files ------------------------------------------------------------------
+
+@dataclass
+class Comparison:
+    labels: list[str]
+    results: list[Results]
+    samples: list[list[Any]]  # per evaluation, the samples every evaluation scored, aligned
+    budgets: list[int]  # DDTree budgets every evaluation has
+    categories: list[str]
+    intervals: list[dict[str, Interval]]  # per evaluation, on the shared samples
+    differences: dict[tuple[int, int], dict[str, Difference]]  # (i, j) -> j - i
+    position_edges: tuple[int, ...]
+
+    @property
+    def n(self) -> int:
+        return len(self.samples[0])
+
+
+def check_same_cache(labels: Sequence[str], results: Sequence[Results]) -> None:
+    unknown = [label for label, r in zip(labels, results, strict=True) if not r.manifest_sha256]
+    if unknown:  # nothing shows that the files scored the same prompts
+        raise CompareError(
+            f"{', '.join(unknown)}: no cache manifest hash (meta.cache_manifest_sha256), so nothing shows these "
+            "evaluations scored the same prompts. Score the drafters again with tools/eval_drafter.py "
+            "--states <cache>, which records the hash")
+    first = results[0].manifest_sha256
+    for label, r in zip(labels[1:], results[1:], strict=True):
+        if r.manifest_sha256 != first:
+            raise CompareError(
+                f"{labels[0]} was measured on cache {results[0].meta.get('cache_path')!r} (manifest sha256 "
+                f"{str(first)[:12]}...), {label} on {r.meta.get('cache_path')!r} (manifest sha256 "
+                f"{str(r.manifest_sha256)[:12]}...): tau on different prompts is not comparable. Score both "
+                "drafters on one cache with tools/eval_drafter.py --states <cache>")
+
+
+def check_same_categories(labels: Sequence[str], aligned: Sequence[Sequence[Any]]) -> None:
+    """The same sample id must be the same prompt: a different category means the files disagree on it."""
+    for label, samples in zip(labels[1:], aligned[1:], strict=True):
+        bad = [(a.id, a.category, b.category) for a, b in zip(aligned[0], samples, strict=True)
+               if a.category != b.category]
+        if bad:
+            i, ca, cb = bad[0]
+            raise CompareError(
+                f"{label} and {labels[0]} give {len(bad)} shared sample id(s) different categories (e.g. {i!r}: "
+                f"{cb!r} in {label}, {ca!r} in {labels[0]}): they do not describe the same prompts. Score both "
+                "drafters on one cache with tools/eval_drafter.py --states <cache>")
+
+
+def compare(labels: Sequence[str], results: Sequence[Results], n_resamples: int = DEFAULT_RESAMPLES,
+            seed: int = DEFAULT_SEED, position_edges: Sequence[int] = DEFAULT_POSITION_EDGES) -> Comparison:
+    if len(results) < 2:
+        raise CompareError("compare needs at least two evaluations")
+    check_same_cache(labels, results)
+    ids = [s.id for s in results[0].samples]
+    for r in results[1:]:
+        have = {s.id for s in r.samples}
+        ids = [i for i in ids if i in have]
+    if not ids:
+        raise CompareError(f"{', '.join(labels)} share no scored sample: nothing to compare")
+    aligned = []
+    for r in results:
+        by_id = {s.id: s for s in r.samples}
+        aligned.append([by_id[i] for i in ids])
+    check_same_categories(labels, aligned)
+    budgets = sorted(set.intersection(*(set(r.budgets) for r in results)))
+    categories = sorted({s.category for s in aligned[0]})
+    ivs = [intervals(metric_sums(s, budgets, categories), n_resamples, seed) for s in aligned]
+    diffs = {}
+    for i, j in combinations(range(len(results)), 2):
+        diffs[(i, j)] = paired(aligned[i], aligned[j], labels[i], labels[j], budgets, categories, n_resamples, seed)
+    return Comparison(list(labels), list(results), aligned, budgets, categories, ivs, diffs,
+                      check_edges(position_edges))
+
+
+_LABELS = {
+    TAU: "tau (pooled over cycles)",
+    TAU_REQUEST_MEAN: "tau, mean over requests (dflash.benchmark)",
+    ACCEPT_LENGTH_SERVED: "served accept length, mean over requests (SGLang)",
+}
+
+
+def _metric_label(metric: str) -> str:
+    if metric in _LABELS:
+        return _LABELS[metric]
+    if metric.startswith("ddtree/tau_b"):
+        return f"DDTree tau, budget {metric.rsplit('_b', 1)[1]}"
+    if metric.startswith("category/"):
+        return f"tau, {metric.split('/')[1]}"
+    return metric
+
+
+def _fmt_iv(iv: Interval) -> str:
+    def finite(x: float) -> float | None:
+        return x if math.isfinite(x) else None
+
+    return with_interval(finite(iv.value), finite(iv.low), finite(iv.high))
+
+
+def _metrics_order(c: Comparison) -> list[str]:
+    return [TAU, TAU_REQUEST_MEAN, ACCEPT_LENGTH_SERVED, *(ddtree_tau(b) for b in c.budgets),
+            *(category_tau(x) for x in c.categories)]
+
+
+def published_rows(c: Comparison, published: Sequence[Any]) -> list[str]:
+    """Markdown rows: each published figure beside every evaluation's figure of the same convention.
+
+    ``published``: ``baselines.Baseline`` entries of kind published (their metric names already carry the
+    convention, ``baselines.published_metric``). A figure no evaluation has is listed as such.
+    """
+    rows = []
+    for b in published:
+        for m, v in sorted(b.metrics.items()):
+            live = [c.intervals[i][m] if m in c.intervals[i] else None for i in range(len(c.labels))]
+            cells = " | ".join("n/a" if iv is None else _fmt_iv(iv) for iv in live)
+            rows.append(f"| {b.name} | {_metric_label(m)} | {v:.3f} | {cells} |")
+    return rows
+
+
+def render_markdown(c: Comparison, plot_path: str | None = None, published: Sequence[Any] = ()) -> str:
+    r0 = c.results[0]
+    lines = ["## Drafter comparison", ""]
+    lines.append(f"Cache `{r0.meta.get('cache_path')}` (manifest `{str(r0.manifest_sha256)[:12]}`), "
+                 f"{c.n} prompts scored by every evaluation. Intervals: 95%, cluster bootstrap over prompts "
+                 "(uncertainty from the choice of prompts); differences are paired on the same prompts.")
+    lines.append("")
+    for d in c.differences.values():
+        lines.append(f"- **{d[TAU].text}**: {d[TAU].verdict}")
+    lines += ["", "| metric | " + " | ".join(c.labels) + " |", "|---" * (len(c.labels) + 1) + "|"]
+    for m in _metrics_order(c):
+        lines.append(f"| {_metric_label(m)} | " + " | ".join(_fmt_iv(iv[m]) for iv in c.intervals) + " |")
+    if published:
+        lines += ["", "### Published figures (other prompts and hardware: context, not measured here)", "",
+                  "Each figure stands beside the figure of its own convention on these prompts.", "",
+                  "| published | convention / metric | published value | " + " | ".join(c.labels) + " |",
+                  "|---" * (len(c.labels) + 3) + "|", *published_rows(c, published)]
+    lines += ["", "### Paired differences", "", "| pair | metric | difference [95% interval] | verdict |",
+              "|---|---|---|---|"]
+    for (i, j), d in c.differences.items():
+        for m in _metrics_order(c):
+            x = d[m]
+            lines.append(f"| {c.labels[j]} - {c.labels[i]} | {_metric_label(m)} | {x.interval.value:+.3f} "
+                         f"[{x.interval.low:+.3f}, {x.interval.high:+.3f}] | {x.verdict} |")
+    for title, tables in (("By position in the completion (tau, cycles)",
+                           [position_table(s, c.position_edges) for s in c.samples]),
+                          ("By cycle index after the prompt (tau, cycles)", [cycle_table(s) for s in c.samples])):
+        lines += ["", f"### {title}", "", "| bucket | " + " | ".join(c.labels) + " |", "|---" * (len(c.labels) + 1) + "|"]
+        for bucket in tables[0]:
+            cells = [("n/a" if t[bucket]["tau"] is None else f"{t[bucket]['tau']:.3f}") + f" ({t[bucket]['cycles']})"
+                     for t in tables]
+            lines.append(f"| {bucket} | " + " | ".join(cells) + " |")
+    lines += ["", "### Evaluations", ""]
+    for label, r in zip(c.labels, c.results, strict=True):
+        step = r.drafter_step
+        lines.append(f"- {label}: drafter `{r.drafter_path}`" + (f" (global step {step})" if step is not None else "")
+                     + f", {len(r.samples)} samples, dtype {r.meta.get('dtype')}")
+    if plot_path:
+        lines += ["", f"![comparison]({plot_path})"]
+    return "\n".join(lines) + "\n"
+
+
+def plot_comparison(c: Comparison, path: str | Path) -> Path:
+    """One PNG: per-depth acceptance overlaid, per-category tau bars with intervals, tau by position."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from ..common.fileio import atomic_path
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    ax = axes[0]
+    for label, r in zip(c.labels, c.results, strict=True):
+        ys = [math.nan if v is None else v for v in r.per_depth.get("unconditional") or []]
+        ax.plot(range(1, len(ys) + 1), ys, "o-", label=label)
+    ax.set(xlabel="depth in the block", ylabel="acceptance (unconditional)", title="acceptance per depth",
+           ylim=(0, 1.02))
+    ax.legend(fontsize=8)
+    ax = axes[1]
+    names = [TAU] + [category_tau(x) for x in c.categories]
+    width = 0.8 / len(c.labels)
+    x = np.arange(len(names))
+    for k, (label, iv) in enumerate(zip(c.labels, c.intervals, strict=True)):
+        vals = np.array([iv[m].value for m in names])
+        err = np.array([[iv[m].value - iv[m].low for m in names], [iv[m].high - iv[m].value for m in names]])
+        # A few resamples can leave the value outside its percentile interval: no negative error bars.
+        err = np.clip(np.nan_to_num(err), 0.0, None)
+        ax.bar(x + k * width - 0.4 + width / 2, np.nan_to_num(vals), width, yerr=err, capsize=3, label=label)
+    ax.set_xticks(x, ["all"] + list(c.categories), rotation=20)
+    ax.set(ylabel="tau (95% interval)", title="tau per category")
+    ax.legend(fontsize=8)
+    ax = axes[2]
+    for label, s in zip(c.labels, c.samples, strict=True):
+        t = position_table(s, c.position_edges)
+        ax.plot(list(t), [math.nan if v["tau"] is None else v["tau"] for v in t.values()], "o-", label=label)
+    ax.set(xlabel="anchor position in the completion", ylabel="tau", title="tau by position")
+    ax.tick_params(axis="x", rotation=20)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
+    plt.close(fig)
+    return path
+
+
+# -- command line (tools/compare_results.py) ------------------------------------------------
+
+def _labels(paths: Sequence[str], given: str | None) -> list[str]:
+    if given is not None:
+        labels = [x.strip() for x in given.split(",")]
+        if len(labels) != len(paths):
+            raise CompareError(f"--labels has {len(labels)} names for {len(paths)} files; give one per file")
+        if not all(labels):
+            raise CompareError(f"--labels {given!r}: name {labels.index('') + 1} is blank; give a name per file")
+        dup = sorted({x for x in labels if labels.count(x) > 1})
+        if dup:
+            raise CompareError(f"--labels {given!r}: {dup} given more than once; the labels name the columns and "
+                               "the differences, so give each file its own name")
+        return labels
+    stems = [Path(p).stem for p in paths]
+    if len(set(stems)) == len(stems):
+        return stems
+    return [f"{Path(p).parent.name}/{Path(p).stem}" for p in paths]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="compare_results.py",
+        description="Compare results.json files of drafters scored on one cache: tau, DDTree and per-category tau "
+                    "with 95% intervals, paired differences with a verdict, Markdown and a PNG.")
+    p.add_argument("results", nargs="+", help="two or more results.json (tools/eval_drafter.py --out)")
+    p.add_argument("--labels", default=None, help="comma-separated names, one per file (default: file stems)")
+    p.add_argument("--out", default="comparison", help="writes OUT.md and OUT.png (default: ./comparison)")
+    p.add_argument("--resamples", type=int, default=DEFAULT_RESAMPLES, help="bootstrap resamples (default 1000)")
+    p.add_argument("--seed", type=int, default=DEFAULT_SEED, help="bootstrap seed (default 0)")
+    p.add_argument("--published", default=None,
+                   help="published-figures YAML (configs/baselines/published.yaml format): each figure is listed "
+                        "beside the evaluations' figure of its declared convention")
+    p.add_argument("--position-edges", default=",".join(map(str, DEFAULT_POSITION_EDGES)),
+                   help="completion-position bucket edges (default 0,256,512,1024,2048)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from ..common.arguments import parse_position_edges
+
+    args = build_parser().parse_args(argv)
+    if len(args.results) < 2:
+        raise CompareError("give at least two results.json files to compare")
+    edges = parse_position_edges("--position-edges", args.position_edges)  # the callback's rule
+    if args.resamples < 1:
+        raise CompareError(f"--resamples must be >= 1, got {args.resamples}")
+    out = Path(args.out)
+    check_outputs_apart([("results file", p) for p in args.results],
+                        files=[("--out", out.with_suffix(".md")), ("--out", out.with_suffix(".png"))])
+    labels = _labels(args.results, args.labels)
+    md_path, png_path = (check_results_path(out.with_suffix(x), "--out", f"comparison{x}") for x in (".md", ".png"))
+    published = []
+    if args.published:
+        from .baselines import load_published
+
+        try:
+            published = load_published(args.published).baselines
+        except (OSError, ValueError) as e:
+            raise CompareError(f"--published: {e}") from None
+    results = [load_results(p) for p in args.results]  # ResultsError names the file and the fix
+    c = compare(labels, results, args.resamples, args.seed, edges)
+    md = render_markdown(c, png_path.name, published)
+    atomic_write_text(md_path, md)  # first: the comparison is kept even if the plot fails
+    png = plot_comparison(c, png_path)
+    print(md)
+    print(f"wrote {md_path} and {png}")
+    return 0

@@ -1,0 +1,267 @@
+"""Acceptance metrics: summable counts and the one place metric names are defined.
+
+Every ratio is computed from counts summed over samples (and over ranks under DDP) *before*
+dividing, so the numbers do not depend on how samples were split into batches or processes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ..cache.served import spec_accept_length
+
+# Metric names (logged as ``prefix + name``; the glossary in README.md defines each one).
+TAU = "tau"
+CYCLES = "cycles"
+TOKENS = "committed_tokens"
+SAMPLES = "samples"
+ALL_ANCHOR_TAU = "all_anchor_tau"
+# 1 + sum_k prod_{j<=k} acceptance/depth_j: a chain of independent depths; no peer logs this for DFlash.
+CHAIN_TAU_ESTIMATE = "chain_tau_estimate"
+OLD_CHAIN_TAU_ESTIMATE = "specforge_sim_tau"  # its name in results.json versions 1 and 2
+# SpecForge 0.2.0's DFlash accuracy (train/acc, eval/avg_acc, eval/simulated_acc_len) on the statistics set.
+SPECFORGE_ACC = "specforge/acc"
+# Per-request conventions of published tables (docs/method.md, "Conventions"): means over samples of
+# ``sample_tau`` / ``sample_accept_length_served``, computed from the per-sample lengths in sample order
+# (``bootstrap.request_means``) rather than from summed counts: a float sum over ranks would depend on
+# the split in its last bits.
+TAU_REQUEST_MEAN = "tau_request_mean"
+ACCEPT_LENGTH_SERVED = "accept_length_served"
+T1_TAU_ESTIMATE = "t1_tau_estimate"
+EVAL_TIME = "eval_time_s"
+# Evaluation cost: distinct anchors the drafter ran at / the replays and the statistics set needed.
+ANCHORS_DRAFTED = "anchors_drafted"
+ANCHORS_NEEDED = "anchors_needed"
+ANCHOR_STRIDE = "anchor_stride"  # the statistics set's stride (run config and results.json meta)
+FAILED_EVALS = "failed_evaluations"  # evaluations that raised so far in this run (callback)
+# The evaluation's share of wall time since the previous one ended (callback; dflash_cb.core.cost).
+EVAL_OVERHEAD = "eval_overhead"
+SETUP_TIME = "setup_time_s"  # the callback's setup: cache checks and hashing
+
+
+def predicted_anchors(kind: str) -> str:
+    """Anchors one ``kind`` ("periodic" / "full") evaluation is expected to draft (``cost.evaluation_cost``)."""
+    return f"predicted/{kind}_anchors"
+
+
+def predicted_gflop(kind: str) -> str:
+    return f"predicted/{kind}_gflop"
+
+
+def ddtree_tau(budget: int) -> str:
+    return f"ddtree/tau_b{budget}"
+
+
+def depth_acc(k: int) -> str:
+    return f"acceptance/depth_{k:02d}"
+
+
+def depth_acc_cond(k: int) -> str:
+    return f"acceptance_cond/depth_{k:02d}"
+
+
+def category_tau(category: str) -> str:
+    return f"category/{category}/tau"
+
+
+def hist_frac(n: int) -> str:
+    return f"produced_frac/{n:02d}"
+
+
+# -- uncertainty, comparisons and breakdowns (dflash_cb.core.bootstrap, dflash_cb.core.positions, dflash_cb.core.compare) --
+DELTA_TAU = "delta_tau"  # live minus a baseline, paired on the evaluated samples
+BEST_TAU = "best/tau"  # W&B summary: the best tau of the run so far, and the step it was measured at
+BEST_STEP = "best/step"
+CI_LOW_SUFFIX = "_ci_low"
+CI_HIGH_SUFFIX = "_ci_high"
+FULL_PREFIX = "full/"  # a full evaluation's keys, logged again under {prefix}full/ (callback)
+SERVED_BASELINE = "baseline/served"  # the served drafter's online tau (baselines.Baseline.key)
+
+
+def ci_low(metric: str) -> str:
+    """Lower end of the metric's bootstrap interval (``tau_ci_low``, ``ddtree/tau_b32_ci_low``)."""
+    return metric + CI_LOW_SUFFIX
+
+
+def ci_high(metric: str) -> str:
+    return metric + CI_HIGH_SUFFIX
+
+
+def position_bucket(lo: int, hi: int | None) -> str:
+    """Completion-position bucket ``[lo, hi)``; ``hi`` None = everything from ``lo`` on."""
+    return f"{lo}_{'end' if hi is None else hi}"
+
+
+def position_tau(bucket: str) -> str:
+    return f"position/{bucket}/tau"
+
+
+def position_cycles(bucket: str) -> str:
+    return f"position/{bucket}/cycles"
+
+
+def cycle_bucket(index: int, last: bool = False) -> str:
+    """Cycle-index bucket: ``0``, ``1``, ... and ``<n>plus`` for the last, open one."""
+    return f"{index}plus" if last else str(index)
+
+
+def cycle_tau(bucket: str) -> str:
+    return f"cycle/{bucket}/tau"
+
+
+def cycle_cycles(bucket: str) -> str:
+    return f"cycle/{bucket}/cycles"
+
+
+def sample_tau(lengths: Sequence[int]) -> float:
+    """One request's mean acceptance length: its committed tokens over its cycles (NaN without a cycle).
+
+    The per-request number that ``dflash.benchmark`` averages into "Average Acceptance length"
+    (dflash 0.1.0: mean of each request's ``acceptance_lengths``); ``tau_request_mean`` is its mean.
+    """
+    return sum(lengths) / len(lengths) if lengths else math.nan
+
+
+def sample_accept_length_served(lengths: Sequence[int]) -> float:
+    """One request's acceptance length as SGLang serves it (``spec_accept_length``), from its replay.
+
+    SGLang 0.5.23 divides ``completion_tokens`` by ``spec_verify_ct``; its completion includes the
+    prefill's token, which belongs to no cycle: ``(1 + sum(lengths)) / len(lengths)``. SpecForge's
+    SGLang benchmark averages this per-request figure. NaN without a cycle (SGLang then sends no
+    ``spec_*`` fields).
+    """
+    return spec_accept_length(1 + sum(lengths), len(lengths)) if lengths else math.nan
+
+
+@dataclass
+class EvalCounts:
+    """Integer-valued sums (kept in float64: exact up to 2**53) over scored samples."""
+
+    block_size: int
+    budgets: tuple[int, ...]
+    categories: tuple[str, ...]
+    data: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        d = self.block_size - 1
+        shapes = {
+            "samples": 1, "cycles": 1, "produced": 1,
+            "hist": self.block_size + 1,  # produced values 0..block_size
+            "anchors": 1, "anchor_produced": 1,
+            "depth_total": d, "depth_match": d, "cond_num": d, "cond_den": d,
+            "cat_cycles": len(self.categories), "cat_produced": len(self.categories),
+            "dd_cycles": len(self.budgets), "dd_produced": len(self.budgets),
+            "t1_sum": 1, "t1_anchors": 1,
+            "anchors_drafted": 1, "anchors_needed": 1,
+        }
+        for k, n in shapes.items():
+            self.data.setdefault(k, torch.zeros(n, dtype=torch.float64))
+
+    # -- DDP: one flat vector so a single all_reduce sums everything -----------
+    def flat(self) -> torch.Tensor:
+        return torch.cat([self.data[k] for k in sorted(self.data)])
+
+    def load_flat(self, flat: torch.Tensor) -> None:
+        i = 0
+        for k in sorted(self.data):
+            n = self.data[k].numel()
+            self.data[k] = flat[i:i + n].to(torch.float64).cpu().clone()
+            i += n
+
+    def merge_(self, other: EvalCounts) -> EvalCounts:
+        for k, v in other.data.items():
+            self.data[k] += v
+        return self
+
+    def add_cycles(self, lengths: list[int], category: str) -> None:
+        self.data["samples"] += 1
+        self.data["cycles"] += len(lengths)
+        self.data["produced"] += sum(lengths)
+        for n in lengths:
+            self.data["hist"][n] += 1
+        c = self.categories.index(category)
+        self.data["cat_cycles"][c] += len(lengths)
+        self.data["cat_produced"][c] += sum(lengths)
+
+    def add_ddtree(self, budget_index: int, lengths: list[int]) -> None:
+        self.data["dd_cycles"][budget_index] += len(lengths)
+        self.data["dd_produced"][budget_index] += sum(lengths)
+
+    def add_anchors(self, accepted: torch.Tensor, produced: torch.Tensor, valid_depth: torch.Tensor,
+                    match: torch.Tensor) -> None:
+        """Teacher-forced counts over all anchors of a sample.
+
+        accepted [A]: leading matches; produced [A]; valid_depth [A, D]: the depth exists and its
+        target token is known; match [A, D]: draft == target at that depth.
+        """
+        d = self.block_size - 1
+        depths = torch.arange(1, d + 1, device=accepted.device)
+        self.data["anchors"] += accepted.numel()
+        self.data["anchor_produced"] += produced.sum().item()
+        self.data["depth_total"] += valid_depth.sum(0).double().cpu()
+        self.data["depth_match"] += (match & valid_depth).sum(0).double().cpu()
+        reached = accepted[:, None] >= depths[None, :] - 1  # depths 1..k-1 all matched
+        self.data["cond_den"] += (reached & valid_depth).sum(0).double().cpu()
+        self.data["cond_num"] += (accepted[:, None] >= depths[None, :]).sum(0).double().cpu()
+
+    def add_cost(self, drafted: int, needed: int) -> None:
+        self.data["anchors_drafted"] += drafted
+        self.data["anchors_needed"] += needed
+
+    def add_t1(self, expected_accepted: torch.Tensor) -> None:
+        self.data["t1_sum"] += (expected_accepted.double() + 1).sum().item()
+        self.data["t1_anchors"] += expected_accepted.numel()
+
+
+def _ratio(num: float, den: float) -> float:
+    return num / den if den > 0 else math.nan
+
+
+def summarize(counts: EvalCounts) -> dict[str, float]:
+    """Scalar metrics (unprefixed names) from summed counts."""
+    d = counts.data
+    out: dict[str, float] = {
+        TAU: _ratio(d["produced"].item(), d["cycles"].item()),
+        CYCLES: d["cycles"].item(),
+        TOKENS: d["produced"].item(),
+        SAMPLES: d["samples"].item(),
+        ALL_ANCHOR_TAU: _ratio(d["anchor_produced"].item(), d["anchors"].item()),
+        ANCHORS_DRAFTED: d["anchors_drafted"].item(),
+        ANCHORS_NEEDED: d["anchors_needed"].item(),
+    }
+    for i, b in enumerate(counts.budgets):
+        out[ddtree_tau(b)] = _ratio(d["dd_produced"][i].item(), d["dd_cycles"][i].item())
+    uncond = [_ratio(m, t) for m, t in zip(d["depth_match"].tolist(), d["depth_total"].tolist(), strict=True)]
+    cond = [_ratio(n, m) for n, m in zip(d["cond_num"].tolist(), d["cond_den"].tolist(), strict=True)]
+    for k, (u, c) in enumerate(zip(uncond, cond, strict=True), start=1):
+        out[depth_acc(k)] = u
+        out[depth_acc_cond(k)] = c
+    # SpecForge's pooled DFlash accuracy: integer matches over integer weights, every (anchor, depth).
+    out[SPECFORGE_ACC] = _ratio(d["depth_match"].sum().item(), d["depth_total"].sum().item())
+    # Independent-depth chain: 1 + sum_k prod_{j<=k} acc_j from per-position (unconditional) accuracy.
+    sim, prod = 1.0, 1.0
+    for u in uncond:
+        if math.isnan(u):
+            break
+        prod *= u
+        sim += prod
+    out[CHAIN_TAU_ESTIMATE] = sim if d["anchors"].item() > 0 else math.nan
+    for i, c in enumerate(counts.categories):
+        out[category_tau(c)] = _ratio(d["cat_produced"][i].item(), d["cat_cycles"][i].item())
+    total = d["hist"].sum().item()
+    for n in range(1, counts.block_size + 1):
+        out[hist_frac(n)] = _ratio(d["hist"][n].item(), total)
+    if d["t1_anchors"].item() > 0:
+        out[T1_TAU_ESTIMATE] = _ratio(d["t1_sum"].item(), d["t1_anchors"].item())
+    return out
+
+
+def per_depth(summary: dict[str, float], block_size: int) -> dict[str, list[float]]:
+    return {
+        "unconditional": [summary[depth_acc(k)] for k in range(1, block_size)],
+        "conditional": [summary[depth_acc_cond(k)] for k in range(1, block_size)],
+    }

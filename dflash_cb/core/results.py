@@ -1,0 +1,367 @@
+"""``results.json``: what an evaluation measured, and enough metadata to know later what it was.
+
+One typed, versioned schema (``Results``), written by ``write_results`` and read by
+``load_results``, nowhere else. Every scalar lives once, in ``metrics`` (names from
+``dflash_cb.core.metrics``: ``tau``, ``ddtree/tau_b32``, ``category/<c>/tau``, their ``_ci_low`` /
+``_ci_high`` bootstrap intervals, ``position/<b>/tau``, ``cycle/<b>/tau``, ...). The per-sample
+acceptance lengths (greedy and DDTree) are kept too, so any figure can be recomputed on a subset
+of samples (``baselines``) or compared sample by sample (``compare``).
+
+Written by ``tools/eval_drafter.py`` and the demo; read back as a baseline by the callback, which
+refuses a baseline measured on another cache (the manifest hash differs), and by
+``tools/compare_results.py``. Version 1 files (before this schema) and version 2 files (before
+``specforge_sim_tau`` became ``chain_tau_estimate`` and the per-request means were added) are still
+read: the old name is renamed and the per-request means are recomputed from the stored samples.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shlex
+import tempfile
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .. import __version__
+from ..cache.states import StateCache
+from ..common.cli import describe_os_error
+from ..common.errors import DFlashCBError
+from ..common.fileio import atomic_write_text
+from .bootstrap import DEFAULT_LEVEL, DEFAULT_RESAMPLES, DEFAULT_SEED, interval_metrics, request_means
+from .engine import EvalReport
+from .metrics import (
+    ANCHOR_STRIDE,
+    ANCHORS_DRAFTED,
+    ANCHORS_NEEDED,
+    CHAIN_TAU_ESTIMATE,
+    OLD_CHAIN_TAU_ESTIMATE,
+    T1_TAU_ESTIMATE,
+    TAU,
+    per_depth,
+)
+from .positions import (
+    DEFAULT_CYCLE_BUCKETS,
+    DEFAULT_POSITION_EDGES,
+    breakdown_metrics,
+    cycle_table,
+    position_table,
+)
+
+RESULTS_FORMAT = "dflash-cb-results"
+RESULTS_VERSION = 3
+T1_NOTE = ("estimate: expected accepted length at temperature 1 from per-depth overlap sum_x min(p, q) "
+           "with the target's stored top-K log-probs, along the greedy path; not an exact replay")
+INTERVAL_NOTE = ("95% cluster-bootstrap percentile intervals over samples (whole samples resampled with their "
+                 "cycles): uncertainty from the choice of prompts, for this cache's prompt distribution")
+
+
+class ResultsError(DFlashCBError, ValueError):
+    """A results.json that cannot be read or does not belong with the cache it is used with."""
+
+
+@dataclass
+class SampleRecord:
+    """One scored sample: the same fields as ``engine.SampleResult`` that the metrics need."""
+
+    id: str
+    category: str
+    acceptance_lengths: list[int]
+    ddtree: dict[int, list[int]] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "category": self.category, "acceptance_lengths": list(self.acceptance_lengths),
+                "ddtree": {str(b): list(v) for b, v in sorted(self.ddtree.items())}}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SampleRecord:
+        if not isinstance(d, dict):
+            raise ValueError(f"a sample entry is a {type(d).__name__}, expected an object")
+        dd = d.get("ddtree") or {}
+        if not isinstance(dd, dict):
+            raise ValueError(f"sample {d.get('id')!r}: 'ddtree' is a {type(dd).__name__}; expected "
+                             "{budget: [acceptance lengths]}")
+        return cls(str(d["id"]), str(d.get("category", "")), _lengths(d["acceptance_lengths"], d.get("id")),
+                   {_budget(b, d.get("id")): _lengths(v, d.get("id"), f"ddtree {b!r}") for b, v in dd.items()})
+
+
+@dataclass
+class Results:
+    """The content of a ``results.json`` (version 3)."""
+
+    metrics: dict[str, float | None]
+    samples: list[SampleRecord]
+    per_depth: dict[str, list[float | None]]
+    histogram: dict[str, int]  # produced value -> cycles
+    meta: dict[str, Any]  # cache_path, cache_manifest_sha256, block_size, ddtree_budgets, drafter, ...
+    breakdown: dict[str, Any] = field(default_factory=dict)  # position_edges, position, cycle tables
+    notes: dict[str, str] = field(default_factory=dict)
+
+    # -- accessors: the one way to read a figure ---------------------------------------------
+    def metric(self, name: str) -> float | None:
+        v = self.metrics.get(name)
+        return None if v is None or (isinstance(v, float) and math.isnan(v)) else float(v)
+
+    @property
+    def tau(self) -> float | None:
+        return self.metric(TAU)
+
+    @property
+    def budgets(self) -> list[int]:
+        return [int(b) for b in self.meta.get("ddtree_budgets") or []]
+
+    @property
+    def categories(self) -> list[str]:
+        return sorted({s.category for s in self.samples})
+
+    @property
+    def manifest_sha256(self) -> str | None:
+        return self.meta.get("cache_manifest_sha256")
+
+    @property
+    def drafter_path(self) -> str | None:
+        """The scored drafter's path (``meta.drafter``: a dict since version 2, a string before)."""
+        d = self.meta.get("drafter")
+        path = d.get("path") if isinstance(d, dict) else d
+        return str(path) if path else None
+
+    @property
+    def drafter_step(self) -> int | None:
+        """The scored checkpoint's global step, when known (version 2 and later)."""
+        d = self.meta.get("drafter")
+        return d.get("global_step") if isinstance(d, dict) else None
+
+    @property
+    def block_size(self) -> int | None:
+        b = self.meta.get("block_size")
+        return int(b) if b is not None else None
+
+    # -- (de)serialisation ---------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": RESULTS_FORMAT, "version": RESULTS_VERSION, "meta": self.meta,
+                "metrics": {k: _clean(v) for k, v in self.metrics.items()},
+                "per_depth": self.per_depth, "histogram": self.histogram, "breakdown": self.breakdown,
+                "notes": self.notes, "samples": [s.to_dict() for s in self.samples]}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], where: str = "results") -> Results:
+        if not isinstance(data, dict) or data.get("format") != RESULTS_FORMAT:
+            raise ResultsError(f"{where}: not a dflash-cb results file (format {_get(data, 'format')!r}); "
+                               "produce it with tools/eval_drafter.py")
+        version = data.get("version")
+        res = None
+        try:
+            if version == 1:
+                res = _from_v1(data)
+            elif version in (2, RESULTS_VERSION):
+                res = cls(dict(data.get("metrics") or {}),
+                          [SampleRecord.from_dict(s) for s in data.get("samples") or []],
+                          dict(data.get("per_depth") or {}), dict(data.get("histogram") or {}),
+                          dict(data.get("meta") or {}), dict(data.get("breakdown") or {}),
+                          dict(data.get("notes") or {}))
+            block_size = res.block_size if res is not None else None
+        except (KeyError, TypeError, ValueError) as e:
+            what = f"missing field {e}" if isinstance(e, KeyError) else str(e)
+            raise ResultsError(f"{where}: damaged results file ({what}); rerun "
+                               "tools/eval_drafter.py to write it again") from e
+        if res is not None:
+            check_samples(res.samples, block_size, where)
+            return res if version == RESULTS_VERSION else _upgraded(res)  # older files under today's names
+        raise ResultsError(f"{where}: results version {version!r} is not known to dflash-cb {__version__} "
+                           f"(it reads 1 to {RESULTS_VERSION}); upgrade dflash-cb or rerun tools/eval_drafter.py")
+
+
+def _lengths(values: Any, sample: Any, what: str = "acceptance_lengths") -> list[int]:
+    if not isinstance(values, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in values):
+        raise ValueError(f"sample {sample!r}: {what} must be a list of integers, got {str(values)[:60]}")
+    return list(values)
+
+
+def _budget(key: Any, sample: Any) -> int:
+    try:
+        b = int(key)
+    except (TypeError, ValueError):
+        raise ValueError(f"sample {sample!r}: ddtree budget {key!r} is not an integer") from None
+    if b < 1:
+        raise ValueError(f"sample {sample!r}: ddtree budget {key!r} is not positive")
+    return b
+
+
+def check_samples(samples: list[SampleRecord], block_size: int | None, where: str) -> None:
+    """Each sample once, and every acceptance length a cycle can produce (``1..block_size``).
+
+    A sample id twice would make any reader keep one copy silently (and move a comparison); a
+    length outside the range cannot come from a replay and would make every figure wrong.
+    """
+    dup = sorted(i for i, n in Counter(s.id for s in samples).items() if n > 1)
+    if dup:
+        raise ResultsError(f"{where}: sample id(s) {dup[:5]}{' ...' if len(dup) > 5 else ''} appear more than once "
+                           "(a results file scores each sample once): rerun tools/eval_drafter.py to write it again")
+    hi = block_size if block_size and block_size >= 1 else None
+    for s in samples:
+        for what, lens in (("acceptance_lengths", s.acceptance_lengths),
+                           *((f"ddtree budget {b}", v) for b, v in sorted(s.ddtree.items()))):
+            bad = [x for x in lens if x < 1 or (hi is not None and x > hi)]
+            if bad:
+                rng = f"1..{hi} (block_size)" if hi is not None else ">= 1"
+                raise ResultsError(f"{where}: sample {s.id!r}: {what} holds {bad[:3]}, outside {rng}: not lengths "
+                                   "a replay produces; rerun tools/eval_drafter.py to write the file again")
+
+
+def _get(data: Any, key: str) -> Any:
+    return data.get(key) if isinstance(data, dict) else None
+
+
+def _clean(x: Any) -> Any:
+    return None if isinstance(x, float) and not math.isfinite(x) else x
+
+
+def _from_v1(data: dict[str, Any]) -> Results:
+    """Version 1: tau etc. at top level and under ``metrics``, DDTree lengths in a separate list."""
+    dd = {int(b): {s["id"]: s["acceptance_lengths"] for s in d.get("samples") or []}
+          for b, d in (data.get("ddtree") or {}).items()}
+    samples = [SampleRecord(str(s["id"]), str(s.get("category", "")), _lengths(s["acceptance_lengths"], s["id"]),
+                            {b: _lengths(list(v.get(s["id"], [])), s["id"], f"ddtree {b}") for b, v in dd.items()})
+               for s in data.get("samples") or []]
+    notes = {T1_TAU_ESTIMATE: T1_NOTE} if data.get("t1_tau_estimate") else {}
+    return Results(dict(data.get("metrics") or {}), samples, dict(data.get("per_depth") or {}),
+                   dict(data.get("histogram") or {}), dict(data.get("meta") or {}), {}, notes)
+
+
+def _upgraded(res: Results) -> Results:
+    """A version 1 or 2 file in today's names: ``specforge_sim_tau`` is ``chain_tau_estimate`` (it was never
+    SpecForge's figure), and the per-request means, absent then, come from the stored per-sample lengths."""
+    m = res.metrics
+    if OLD_CHAIN_TAU_ESTIMATE in m:
+        m.setdefault(CHAIN_TAU_ESTIMATE, m.pop(OLD_CHAIN_TAU_ESTIMATE))
+    if res.samples:
+        for name, v in request_means(res.samples).items():
+            m.setdefault(name, _clean(v))
+    return res
+
+
+# -- building ----------------------------------------------------------------------------------
+
+def derived_metrics(samples: list[Any], budgets: tuple[int, ...] | list[int], categories: tuple[str, ...] | list[str],
+                    position_edges: tuple[int, ...] = DEFAULT_POSITION_EDGES,
+                    cycle_buckets: int = DEFAULT_CYCLE_BUCKETS, n_resamples: int = DEFAULT_RESAMPLES,
+                    seed: int = DEFAULT_SEED) -> tuple[dict[str, float], dict[str, Any]]:
+    """Metrics computed from per-sample lengths: the per-request means, bootstrap intervals and the
+    position / cycle breakdowns.
+
+    Returns (scalars, breakdown tables). Used by ``report_to_results`` and by the callback (on rank
+    zero, from the samples gathered from every rank), so both log the same numbers.
+    """
+    position = position_table(samples, position_edges, categories)
+    cycle = cycle_table(samples, cycle_buckets, categories)
+    scalars = request_means(samples)
+    scalars.update(interval_metrics(samples, budgets, categories, n_resamples, seed))
+    scalars.update(breakdown_metrics(position, cycle))
+    tables = {"position_edges": list(position_edges), "position": position, "cycle": cycle,
+              "interval": {"method": "cluster bootstrap over samples, percentile", "resamples": n_resamples,
+                           "level": DEFAULT_LEVEL, "seed": seed}}
+    return scalars, tables
+
+
+def report_to_results(report: EvalReport, cache: StateCache, meta: dict[str, Any] | None = None, *,
+                      position_edges: tuple[int, ...] = DEFAULT_POSITION_EDGES,
+                      n_resamples: int = DEFAULT_RESAMPLES) -> Results:
+    summary = report.summary
+    counts = report.counts
+    hist = counts.data["hist"].tolist()
+    scalars, tables = derived_metrics(report.samples, report.budgets, counts.categories, position_edges,
+                                      n_resamples=n_resamples)
+    metrics = {**summary, **scalars}
+    notes = {"intervals": INTERVAL_NOTE}
+    if T1_TAU_ESTIMATE in summary:
+        notes[T1_TAU_ESTIMATE] = T1_NOTE
+    samples = [SampleRecord(s.id, s.category, list(s.acceptance_lengths), {b: list(v) for b, v in s.ddtree.items()})
+               for s in report.samples]
+    return Results(
+        metrics={k: _clean(v) for k, v in metrics.items()},
+        samples=samples,
+        per_depth={k: [_clean(v) for v in vals] for k, vals in per_depth(summary, report.spec.block_size).items()},
+        histogram={str(n): int(hist[n]) for n in range(1, report.spec.block_size + 1)},
+        meta={
+            "cache_path": str(cache.path),
+            "cache_manifest_sha256": cache.manifest_sha256,
+            "block_size": report.spec.block_size,
+            "ddtree_budgets": list(report.budgets),
+            "categories": list(counts.categories),
+            "dflash_cb_version": __version__,
+            "wall_time_s": round(report.wall_time_s, 3),
+            "samples_evaluated": len(report.samples),
+            ANCHOR_STRIDE: report.anchor_stride,
+            "tail_blocks": report.tail_blocks,  # replay.TAIL_BLOCKS; docs/method.md, "Tail blocks"
+            ANCHORS_DRAFTED: int(counts.data["anchors_drafted"].item()),
+            ANCHORS_NEEDED: int(counts.data["anchors_needed"].item()),
+            **(meta or {}),
+        },
+        breakdown=tables,
+        notes=notes,
+    )
+
+
+def drafter_provenance(path: str | os.PathLike, global_step: int | None = None) -> dict[str, Any]:
+    """Which drafter was scored: ``{"path", "kind": "folder" | "checkpoint", "global_step"}``.
+
+    ``global_step``: a Lightning checkpoint's, as ``checkpoints.extract_drafter`` reports it (the
+    checkpoint is read once, there); a drafter folder has none.
+    """
+    p = Path(path).resolve()
+    return {"path": str(p), "kind": "folder" if p.is_dir() else "checkpoint", "global_step": global_step}
+
+
+# -- files ---------------------------------------------------------------------------------
+
+def check_results_path(path: str | os.PathLike, option: str = "--out", example: str = "results.json") -> Path:
+    """Fail now, not after the evaluation, when ``path`` cannot receive an output file (``option`` names it).
+
+    Creates the missing parent folders and writes (then removes) a probe file next to ``path``.
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise ResultsError(f"{option} {path}: is a folder; give a file path, e.g. {path / example}")
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ResultsError(f"{option} {path}: {parent} is a file, not a folder; choose another path")
+            break
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".probe")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ResultsError(f"{option} {path}: cannot write there ({describe_os_error(e)})") from None
+    return path
+
+
+def write_results(results: Results, path: str | os.PathLike) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps(results.to_dict(), indent=1) + "\n")
+
+
+def load_results(path: str | os.PathLike, cache: StateCache | None = None) -> Results:
+    """Read a results.json; with ``cache``, refuse one measured on a different cache."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ResultsError(f"{path}: no such results file; create it with tools/eval_drafter.py --out {path}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ResultsError(f"{path}: not valid JSON ({e}); rerun tools/eval_drafter.py --out {path}") from e
+    res = Results.from_dict(data, str(path))
+    if cache is not None and res.manifest_sha256 != cache.manifest_sha256:
+        raise ResultsError(
+            f"{path}: measured on cache {res.meta.get('cache_path')!r} "
+            f"(manifest sha256 {str(res.manifest_sha256)[:12]}...), but this run evaluates {cache.path} "
+            f"(manifest sha256 {cache.manifest_sha256[:12]}...). Numbers from different caches are not "
+            f"comparable: rerun python tools/eval_drafter.py --states {shlex.quote(str(cache.path))} "
+            f"--drafter {shlex.quote(res.drafter_path or '<the reference drafter folder>')} --out {shlex.quote(str(path))}"
+        )
+    return res

@@ -1,0 +1,288 @@
+"""The served check: the offline replay against the SGLang server's own speculative counters, per sample.
+
+``tools/eval_drafter.py --served-check`` runs it. The counters' definitions (which fields SGLang sends,
+its convention, which samples are comparable) live with the cache in ``dflash_cb.cache.served``; this
+module compares them with the replay's cycles and correct drafts and summarises the difference with
+the comparison code's paired bootstrap (docs/method.md, *Conventions*).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ..cache.served import (
+    ACCEPT_LENGTH,
+    CONVENTION,
+    CORRECT_DRAFTS,
+    HISTOGRAM,
+    SKIPPED,
+    ServedCheckError,
+    comparability,
+    comparable_entries,
+    convention_of,
+    histogram_of,
+    incomparable_settings,
+    served_rounds_and_tau,
+    trim_histogram,
+    verify_rounds,
+    whole_count,
+)
+from .bootstrap import Sums, paired_difference
+
+EQUAL, CENSORED, DIFFERS = "equal", "equal_censored", "differs"
+
+
+@dataclass
+class SampleCheck:
+    id: str
+    category: str
+    offline_rounds: int
+    served_rounds: int
+    offline_tau: float | None  # None: no round
+    served_tau: float
+    served_accept_length: float | None  # as the server reported it (its convention)
+    convention: str
+    offline_correct_drafts: int | None = None  # None: the replay's per-cycle counts were not given
+    served_correct_drafts: int | None = None
+    offline_histogram: list[int] | None = None
+    served_histogram: list[int] | None = None
+    # EQUAL; CENSORED (equal, the last round's count a lower bound that the server's meets); DIFFERS;
+    # None when either side has no histogram
+    histogram: str | None = None
+
+    @property
+    def equal(self) -> bool:
+        return self.offline_rounds == self.served_rounds
+
+
+def histogram_status(correct: Sequence[int], censored: bool, served: Sequence[int]) -> str:
+    """Offline per-cycle correct drafts against the server's histogram. ``censored``: the last cycle's
+    matches reached the end of the known completion, so the server may have counted more there."""
+    if trim_histogram(histogram_of(correct)) == trim_histogram(served):
+        return EQUAL
+    if censored and correct:
+        rest = histogram_of(correct[:-1])
+        left = [int(v) for v in served] + [0] * max(0, len(rest) - len(served))
+        for k, v in enumerate(rest):
+            left[k] -= v
+        if min(left, default=0) >= 0 and sum(left) == 1 and left.index(1) >= correct[-1]:
+            return CENSORED
+    return DIFFERS
+
+
+@dataclass
+class ServedCheck:
+    samples: list[SampleCheck]
+    skipped: dict[str, str]  # sample id -> why it is not compared
+    server: dict[str, Any] | None
+    warnings: list[str] = field(default_factory=list)
+    convention: str = CONVENTION
+    flagged: dict[str, str] = field(default_factory=dict)  # sample id -> why its counters cannot be
+    not_comparable: list[str] = field(default_factory=list)  # server settings that change the drafts
+
+    @property
+    def comparable(self) -> bool:
+        return not self.not_comparable
+
+    @property
+    def equal_rounds(self) -> int:
+        return sum(s.equal for s in self.samples)
+
+    def summary(self) -> dict[str, Any]:
+        """Counts, pooled taus (sums before the ratio, as everywhere in this package) and per-sample drift."""
+        s = self.samples
+        off_rounds = sum(x.offline_rounds for x in s)
+        srv_rounds = sum(x.served_rounds for x in s)
+        off_tokens = sum((x.offline_tau or 0.0) * x.offline_rounds for x in s)
+        srv_tokens = sum(x.served_tau * x.served_rounds for x in s)
+        both = [x for x in s if x.offline_tau is not None]
+        diffs = [abs(x.offline_tau - x.served_tau) for x in both]
+        hist = [x for x in s if x.histogram is not None]
+        interval = self.paired_interval()
+        return {
+            "comparable": self.comparable,
+            "samples_compared": len(s),
+            "samples_equal_rounds": self.equal_rounds,
+            "samples_with_histogram": len(hist),
+            "samples_equal_histogram": sum(x.histogram in (EQUAL, CENSORED) for x in hist),
+            "samples_histogram_censored": sum(x.histogram == CENSORED for x in hist),
+            "samples_skipped": len(self.skipped),
+            "samples_flagged": len(self.flagged),
+            "offline_rounds": off_rounds,
+            "served_rounds": srv_rounds,
+            "offline_correct_drafts": sum(x.offline_correct_drafts or 0 for x in hist),
+            "served_correct_drafts": sum(x.served_correct_drafts or 0 for x in hist),
+            "offline_tau": round(off_tokens / off_rounds, 6) if off_rounds else None,
+            "served_tau": round(srv_tokens / srv_rounds, 6) if srv_rounds else None,
+            "mean_abs_tau_diff": round(sum(diffs) / len(diffs), 6) if diffs else None,
+            "max_abs_round_diff": max((abs(x.offline_rounds - x.served_rounds) for x in s), default=0),
+            # served minus offline pooled tau, paired cluster-bootstrap 95% interval over the compared samples
+            "tau_diff_interval": None if interval is None else [round(v, 6) for v in interval],
+        }
+
+    def paired_sums(self) -> tuple[list[float], list[float], list[float], list[float]]:
+        """Per compared sample: offline (committed, rounds), served (committed, rounds), in one order."""
+        s = self.samples
+        return ([(x.offline_tau or 0.0) * x.offline_rounds for x in s], [float(x.offline_rounds) for x in s],
+                [x.served_tau * x.served_rounds for x in s], [float(x.served_rounds) for x in s])
+
+    def paired_interval(self) -> tuple[float, float, float] | None:
+        """(served - offline pooled tau, low, high) from the comparison code's paired bootstrap."""
+        if not self.samples:
+            return None
+        off_p, off_c, srv_p, srv_c = self.paired_sums()
+        iv = paired_difference(Sums.of(off_p, off_c), Sums.of(srv_p, srv_c))
+        return iv.value, iv.low, iv.high
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"summary": self.summary(), "convention": self.convention, "server": self.server,
+                "warnings": list(self.warnings), "not_comparable": list(self.not_comparable),
+                "skipped": dict(self.skipped), "flagged": dict(self.flagged),
+                "samples": [{**asdict(x), "equal": x.equal} for x in self.samples]}
+
+
+def has_served_counters(entries: Sequence[Any]) -> bool:
+    return any(verify_rounds(getattr(e, "served_spec", None)) is not None for e in entries)
+
+
+def nothing_to_compare(cache_path: str | os.PathLike) -> ServedCheckError:
+    return ServedCheckError(
+        f"{cache_path}: no sample holds the server's speculative counters (spec_verify_ct), so there is nothing "
+        "to compare; precompute with --reference sglang against a server that runs the drafter "
+        "(sglang.launch_server ... --speculative-algorithm DFLASH --speculative-draft-model-path <drafter>)")
+
+
+def nothing_selected(cache_path: str | os.PathLike, selected: Sequence[Any]) -> ServedCheckError | None:
+    """The error when none of the selected samples has comparable counters (:func:`comparability`), else None."""
+    if not selected or comparable_entries(selected):
+        return None
+    reasons = sorted({why[1].split(":")[0].split(" (")[0] for why in map(comparability, selected) if why})
+    return ServedCheckError(
+        f"{cache_path}: none of the {len(selected)} selected sample(s) has served counters to compare "
+        f"({'; '.join(reasons)}); select samples that do (--sample-ids / --samples), or drop --served-check")
+
+
+def compare(entries: Sequence[Any], offline: Mapping[str, Sequence[int]], server: Mapping[str, Any] | None = None,
+            drafter_block_size: int | None = None, drafter_path: str | None = None,
+            correct_drafts: Mapping[str, Sequence[int]] | None = None,
+            drafter_input_embedding_scale: float = 1.0) -> ServedCheck:
+    """Compare the replay (``offline``: sample id -> acceptance_lengths; ``correct_drafts``: sample id ->
+    correct drafts per cycle, from a ``tail_blocks="served"`` replay) with each entry's ``served_spec``.
+
+    Only samples that pass :func:`comparability` are compared; the others are listed as skipped or
+    flagged with the reason. When a recorded server setting makes the server's drafts differ from
+    the replay (:func:`incomparable_settings`) the check says so once and is marked not comparable.
+    """
+    checks: list[SampleCheck] = []
+    skipped: dict[str, str] = {}
+    flagged: dict[str, str] = {}
+    longest = 0
+    for e in entries:
+        if e.id not in offline:
+            continue
+        why = comparability(e)
+        if why is not None:
+            (skipped if why[0] == SKIPPED else flagged)[e.id] = why[1]
+            continue
+        counters = e.served_spec
+        longest = max(longest, e.total_len - 1)  # the last anchor's context: every position before it
+        rounds, tau = served_rounds_and_tau(counters, e.completion_len)
+        lengths = list(offline[e.id])
+        length = counters.get(ACCEPT_LENGTH)
+        check = SampleCheck(
+            id=e.id, category=e.category, offline_rounds=len(lengths), served_rounds=rounds,
+            offline_tau=sum(lengths) / len(lengths) if lengths else None, served_tau=tau,
+            served_accept_length=float(length) if isinstance(length, (int, float)) else None,
+            convention=convention_of(counters, e.completion_len))
+        correct = None if correct_drafts is None else correct_drafts.get(e.id)
+        if correct is not None:
+            correct = [int(k) for k in correct]
+            check.offline_correct_drafts = sum(correct)
+            check.offline_histogram = histogram_of(correct)
+            served_correct = counters.get(CORRECT_DRAFTS)
+            check.served_correct_drafts = whole_count(served_correct)
+            hist = counters.get(HISTOGRAM)
+            if isinstance(hist, list):
+                check.served_histogram = [int(v) for v in hist]
+                # The last cycle matched up to the last known token: the server may have matched more.
+                last_anchor = e.prompt_len + sum(lengths[:-1])
+                censored = bool(correct) and (drafter_block_size is None or correct[-1] < drafter_block_size - 1) \
+                    and last_anchor + correct[-1] + 1 >= e.total_len
+                check.histogram = histogram_status(correct, censored, check.served_histogram)
+        checks.append(check)
+    warnings = []
+    n_draft = (server or {}).get("num_draft_tokens")
+    if drafter_block_size is not None and isinstance(n_draft, int) and n_draft != drafter_block_size:
+        warnings.append(f"the server drafts {n_draft} tokens per round, the evaluated drafter's block size is "
+                        f"{drafter_block_size}: round counts are not comparable")
+    served_path = (server or {}).get("draft_model_path")
+    if drafter_path and isinstance(served_path, str) and served_path:
+        a = os.path.basename(str(served_path).rstrip("/")).lower()
+        b = os.path.basename(str(drafter_path).rstrip("/")).lower()
+        if a != b:
+            warnings.append(f"the server speculates with {served_path!r}, not obviously the evaluated drafter "
+                            f"{drafter_path!r}: differences may just mean different drafters")
+    odd = sorted({c.convention for c in checks} - {"with_prefill_token"})
+    if odd:
+        warnings.append(f"some samples' spec_accept_length does not fit completion_tokens / spec_verify_ct "
+                        f"(conventions seen: {odd}); the round counts are still compared")
+    settings = incomparable_settings(server, longest, drafter_input_embedding_scale, drafter_path)
+    warnings += [f"not comparable: {w}" for w in settings]
+    return ServedCheck(checks, skipped, dict(server) if server else None, warnings, flagged=flagged,
+                       not_comparable=settings)
+
+
+def format_check(check: ServedCheck, max_rows: int = 40) -> str:
+    """A readable report: the convention, the summary, then one line per sample (differences first)."""
+    s = check.summary()
+
+    def f(x: float | None) -> str:
+        return "n/a" if x is None else f"{x:.3f}"
+
+    lines = ["served check: offline replay vs the server's own counters (SGLang spec_verify_ct)",
+             f"  convention: {check.convention}"]
+    if check.server:
+        lines.append("  server: " + ", ".join(f"{k}={v}" for k, v in check.server.items()))
+    if not check.comparable:
+        lines.append("  NOT COMPARABLE: a recorded server setting changes the server's drafts (below); "
+                     "differences are expected, not mismatches")
+    lines.append(f"  samples compared {s['samples_compared']}, equal round counts {s['samples_equal_rounds']}"
+                 f"/{s['samples_compared']}, skipped {s['samples_skipped']}, flagged {s['samples_flagged']}")
+    if s["samples_with_histogram"]:
+        lines.append(f"  correct-draft histograms equal {s['samples_equal_histogram']}/{s['samples_with_histogram']}"
+                     f" ({s['samples_histogram_censored']} with a censored last round); correct drafts offline "
+                     f"{s['offline_correct_drafts']}, served {s['served_correct_drafts']}")
+    lines.append(f"  rounds offline {s['offline_rounds']}, served {s['served_rounds']}; pooled tau offline "
+                 f"{f(s['offline_tau'])}, served {f(s['served_tau'])}; mean |tau diff| per sample "
+                 f"{f(s['mean_abs_tau_diff'])}")
+    if s["tau_diff_interval"] is not None and check.comparable:
+        d, lo, hi = s["tau_diff_interval"]
+        lines.append(f"  served - offline tau {d:+.3f}, paired 95% interval [{lo:+.3f}, {hi:+.3f}]")
+    for w in check.warnings:
+        lines.append(f"  warning: {w}")
+    rows = sorted(check.samples, key=lambda x: (x.equal and x.histogram != DIFFERS, x.id))
+    if rows:
+        lines.append(f"  {'sample':<16} {'rounds off':>10} {'served':>7} {'tau off':>8} {'served':>7}  "
+                     "server accept_length")
+    for x in rows[:max_rows]:
+        mark = "" if x.equal and x.histogram != DIFFERS else ("  <- differs" if check.comparable else "  (differs)")
+        if x.histogram == DIFFERS:
+            mark += f" (histogram offline {x.offline_histogram}, served {x.served_histogram})"
+        lines.append(f"  {x.id:<16} {x.offline_rounds:>10} {x.served_rounds:>7} {f(x.offline_tau):>8} "
+                     f"{f(x.served_tau):>7}  {f(x.served_accept_length)}{mark}")
+    if len(rows) > max_rows:
+        lines.append(f"  ... {len(rows) - max_rows} more in the results file")
+    for sid, why in list(check.flagged.items())[:10]:
+        lines.append(f"  flagged {sid}: {why}")
+    for sid, why in list(check.skipped.items())[:10]:
+        lines.append(f"  skipped {sid}: {why}")
+    if len(check.skipped) > 10:
+        lines.append(f"  ... {len(check.skipped) - 10} more skipped")
+    return "\n".join(lines)
+
+
+# -- the served drafter as a baseline (callback) ------------------------------------------------------
+

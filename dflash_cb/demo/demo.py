@@ -1,0 +1,635 @@
+"""The end-to-end CPU demo behind ``python tools/demo.py``.
+
+In a few minutes on a laptop, the whole system at toy scale:
+
+1. train a tiny Qwen3 target on a synthetic language (``dflash_cb.demo.synthetic``) and save it;
+2. precompute its hidden states for a training and a held-out evaluation prompt set with the real
+   tool (``tools/precompute_states.py --reference local --dtype float32``);
+3. train a DFlash drafter with Lightning (``DFlashDrafterModule``) while ``DFlashEvalCallback``
+   replays the greedy speculative loop on the held-out cache every N steps (W&B offline by default,
+   plus a CSVLogger), printing tau per evaluation;
+4. extract the drafter from the final checkpoint (``tools/extract_drafter.py``'s code), score it
+   once more as ``tools/eval_drafter.py`` does (``results.json``), do the same for the untrained
+   first checkpoint and compare the two as ``tools/compare_results.py`` does (paired interval and
+   verdict), draw plots and write ``summary.json`` with every path.
+
+Deterministic given ``--seed``: every random choice comes from seeded generators and Lightning
+runs with ``deterministic=True``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..common.errors import DFlashCBError
+from ..core.metrics import (
+    ACCEPT_LENGTH_SERVED,
+    ALL_ANCHOR_TAU,
+    CHAIN_TAU_ESTIMATE,
+    SPECFORGE_ACC,
+    TAU,
+    TAU_REQUEST_MEAN,
+    category_tau,
+    ci_high,
+    ci_low,
+    ddtree_tau,
+    depth_acc,
+    depth_acc_cond,
+    hist_frac,
+)
+
+if TYPE_CHECKING:
+    from ..core.results import Results
+
+MARKER = ".dflash_demo"  # written first into the output folder: --overwrite only ever deletes a demo's folder
+TAU_GOAL = 2.0
+
+
+@dataclass
+class DemoConfig:
+    """Every knob of the demo; ``resolve`` applies the command line and the ``--quick`` preset."""
+
+    out: Path = Path("demo_out")
+    seed: int = 0
+    steps: int = 1200  # drafter optimizer steps
+    eval_every: int = 100
+    quick: bool = False
+    overwrite: bool = False
+    wandb_mode: str = "offline"
+    wandb_project: str = "dflash-cb-demo"
+    threads: int = 1
+    block_size: int = 8
+    # Sizes (set from --quick in ``resolve``).
+    target_steps: int = 600
+    train_prompts_per_family: int = 150
+    eval_prompts_per_family: int = 10
+    drafter_layers: int = 2
+    batch_size: int = 4
+    lr: float = 2e-3
+    ddtree_budgets: tuple[int, ...] = (16, 32)
+    max_new_tokens: int = 40
+    layer_ids: tuple[int, ...] = (0, 1, 2)
+    require_goal: bool = True  # exit non-zero when the last tau is below TAU_GOAL
+
+    @classmethod
+    def resolve(cls, out: str | os.PathLike = "demo_out", seed: int = 0, steps: int | None = None,
+                eval_every: int | None = None, quick: bool = False, **kw: Any) -> DemoConfig:
+        if quick:  # the CI form: same pipeline, smaller everything; tau must rise, not reach the goal
+            base = dict(steps=150, eval_every=50, target_steps=200, train_prompts_per_family=30,
+                        eval_prompts_per_family=4, ddtree_budgets=(16,), require_goal=False)
+        else:
+            base = {}
+        if steps is not None:
+            base["steps"] = steps
+        if eval_every is not None:
+            base["eval_every"] = eval_every
+        cfg = cls(out=Path(out), seed=seed, quick=quick, **{**base, **kw})
+        if cfg.steps < 1 or cfg.eval_every < 1:
+            raise ValueError("--steps and --eval-every must be >= 1")
+        if cfg.wandb_mode not in ("offline", "online"):
+            raise ValueError(f"--wandb-mode must be offline or online, got {cfg.wandb_mode!r}")
+        return cfg
+
+
+@dataclass
+class Paths:
+    """Where the demo writes each thing, under ``out``."""
+
+    out: Path
+    target: Path = field(init=False)
+    prompts_train: Path = field(init=False)
+    prompts_eval: Path = field(init=False)
+    cache_train: Path = field(init=False)
+    cache_eval: Path = field(init=False)
+    drafter_config: Path = field(init=False)
+    checkpoint: Path = field(init=False)
+    drafter: Path = field(init=False)
+    results: Path = field(init=False)
+    plots: Path = field(init=False)
+    summary: Path = field(init=False)
+
+    def __post_init__(self) -> None:
+        o = self.out
+        self.target = o / "target"
+        self.prompts_train = o / "prompts" / "train.jsonl"
+        self.prompts_eval = o / "prompts" / "eval.jsonl"
+        self.cache_train = o / "cache" / "train"
+        self.cache_eval = o / "cache" / "eval"
+        self.drafter_config = o / "drafter_config.json"
+        self.checkpoint = o / "checkpoints" / "final.ckpt"
+        self.checkpoint_first = o / "checkpoints" / "first.ckpt"  # the untrained drafter, for the comparison
+        self.drafter = o / "drafter"
+        self.drafter_first = o / "drafter_first"
+        self.results = o / "results.json"
+        self.results_first = o / "results_first.json"
+        self.comparison = o / "comparison"  # .md and .png from the compare tool
+        self.plots = o / "plots"
+        self.summary = o / "summary.json"
+
+
+class DemoError(DFlashCBError, RuntimeError):
+    """A problem the user can fix (output folder, W&B credentials); printed without a traceback."""
+
+
+# Completions here are tens of tokens long, so the position buckets are too (the default is 0..2048+).
+POSITION_EDGES = (0, 8, 16, 32)
+
+
+def _say(msg: str = "") -> None:
+    print(msg, flush=True)
+
+
+def prepare_out(cfg: DemoConfig) -> Paths:
+    """Create the output folder; refuse to touch an existing one unless it is a demo's and ``overwrite``."""
+    out = cfg.out
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        if not cfg.overwrite:
+            raise DemoError(f"{out} already exists and is not empty (a previous demo?); pass --overwrite to "
+                            "replace it, or --out DIR for another folder")
+        if not (out / MARKER).is_file():
+            # Never rm -rf a folder the demo did not create, even when asked to overwrite.
+            raise DemoError(f"{out} exists but was not written by the demo (no {MARKER} file); "
+                            "refusing to delete it: choose another --out")
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / MARKER).write_text("written by python tools/demo.py; --overwrite may delete this folder\n")
+    return Paths(out)
+
+
+def _quiet() -> None:
+    """Keep the demo's own output readable: no per-file progress bars or tips from the libraries."""
+    import logging
+    import warnings
+
+    import lightning.pytorch  # noqa: F401  (imported first: its import resets its loggers to INFO)
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    for name in ("lightning.pytorch", "lightning.fabric", "lightning"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", message=r".*LeafSpec.*")
+
+
+def _setup_torch(cfg: DemoConfig) -> None:
+    import torch
+
+    # Tiny matrices: one thread is as fast as two, and under CPU contention far faster (no spin-waits).
+    torch.set_num_threads(max(1, cfg.threads))
+    torch.manual_seed(cfg.seed)
+    torch.use_deterministic_algorithms(True)
+
+
+# -- steps 1 and 2: target, prompts, caches ---------------------------------------------------
+
+def build_target(cfg: DemoConfig, paths: Paths) -> dict[str, Any]:
+    from . import synthetic as S
+
+    spec = S.TargetSpec(steps=cfg.target_steps)
+    _say(f"[1/4] training the tiny target (Qwen3ForCausalLM, {spec.num_layers} layers, hidden {spec.hidden_size}, "
+         f"vocab {S.VOCAB_SIZE}) on the synthetic language: {spec.steps} steps")
+    rep = S.train_tiny_target(paths.target, seed=cfg.seed, spec=spec, log=_say)
+    eval_set = S.make_prompts(cfg.eval_prompts_per_family, cfg.seed, prefix="eval-")
+    train_set = S.make_prompts(cfg.train_prompts_per_family, cfg.seed, prefix="train-",
+                               exclude=[r["input_ids"] for r in eval_set])
+    S.write_prompts_jsonl(paths.prompts_eval, eval_set)
+    S.write_prompts_jsonl(paths.prompts_train, train_set)
+    # The target must write structured text, not one repeated token: check its greedy completions.
+    from transformers import Qwen3ForCausalLM
+
+    model = Qwen3ForCausalLM.from_pretrained(paths.target).eval()
+    shown = [next(r for r in eval_set if r["category"] == fam) for fam in S.FAMILIES]
+    completions = S.greedy_completions(model, [r["input_ids"] for r in eval_set], cfg.max_new_tokens)
+    distinct = [len(set(c)) for c in completions]
+    if min(distinct) < 3:
+        raise DemoError(f"the tiny target's greedy completions are degenerate (distinct tokens per completion: "
+                        f"{distinct}); try another --seed")
+    _say(f"      trained in {rep.train_seconds:.1f}s, loss {rep.final_loss:.3f}; fresh prompts completed "
+         "exactly as the language says: " + ", ".join(f"{k} {v:.0%}" for k, v in rep.exact_match.items()))
+    by_id = {r["id"]: c for r, c in zip(eval_set, completions, strict=True)}
+    examples = []
+    for r in shown:
+        c = by_id[r["id"]]
+        _say(f"      {r['category']:>6}: {S.decode(r['input_ids'])}  =>  {S.decode(c)}")
+        examples.append({"id": r["id"], "prompt": S.decode(r["input_ids"]), "completion": S.decode(c)})
+    _say(f"      prompts: {len(train_set)} for training ({paths.prompts_train}), {len(eval_set)} held out "
+         f"({paths.prompts_eval})")
+    return {"train_seconds": rep.train_seconds, "final_loss": rep.final_loss, "exact_match": rep.exact_match,
+            "examples": examples, "min_distinct_tokens": min(distinct),
+            "train_prompts": len(train_set), "eval_prompts": len(eval_set)}
+
+
+def precompute_argv(cfg: DemoConfig, target: Path, prompts: Path, out: Path) -> list[str]:
+    return ["--target", str(target), "--prompts", str(prompts), "--out", str(out),
+            "--layers", ",".join(str(i) for i in cfg.layer_ids), "--reference", "local", "--dtype", "float32",
+            "--max-new-tokens", str(cfg.max_new_tokens), "--samples-per-shard", "64", "--no-progress"]
+
+
+def build_caches(cfg: DemoConfig, paths: Paths) -> dict[str, Any]:
+    from ..cache.precompute import main as precompute_main
+    from ..cache.states import StateCache
+
+    _say("[2/4] precomputing target states with the real tool (greedy completions by the target itself):")
+    info: dict[str, Any] = {}
+    for name, prompts, cache in (("train", paths.prompts_train, paths.cache_train),
+                                 ("eval", paths.prompts_eval, paths.cache_eval)):
+        argv = precompute_argv(cfg, paths.target, prompts, cache)
+        _say("      python tools/precompute_states.py " + " ".join(argv))
+        start = time.perf_counter()
+        rc = precompute_main(argv)  # the tool's own entry point, in this process (no second torch import)
+        if rc != 0:
+            raise DemoError(f"tools/precompute_states.py failed (exit {rc}) for the {name} cache; see above")
+        m = StateCache(cache).manifest
+        info[name] = {"samples": len(m.samples), "tokens": sum(s.total_len for s in m.samples),
+                      "agreement": m.agreement.get("token_agreement"), "seconds": time.perf_counter() - start}
+    return info
+
+
+# -- step 3: the drafter, trained with Lightning and the callback ----------------------------
+
+def drafter_config(cfg: DemoConfig) -> dict[str, Any]:
+    from . import synthetic as S
+    from .lightning_module import tiny_drafter_config
+
+    t = S.TargetSpec()
+    return tiny_drafter_config(vocab_size=S.VOCAB_SIZE, target_hidden=t.hidden_size, target_layers=t.num_layers,
+                               layer_ids=list(cfg.layer_ids), mask_token_id=S.MASK_TOKEN_ID,
+                               block_size=cfg.block_size, num_layers=cfg.drafter_layers, heads=4, kv_heads=2,
+                               head_dim=16, intermediate_size=3 * t.hidden_size)
+
+
+def _fmt(x: Any, nd: int = 3) -> str:
+    return "  n/a" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:.{nd}f}"
+
+
+def _tau_printer(eval_cb: Any, budgets: Sequence[int], first_checkpoint: Path) -> Any:
+    from lightning.pytorch.callbacks import Callback
+
+    class TauTable(Callback):
+        """Prints each new evaluation of ``eval_cb`` as a table row (runs after it: callbacks run in order)."""
+
+        def __init__(self) -> None:
+            self.printed = 0
+            self.start = time.perf_counter()
+
+        def _flush(self, trainer: Any) -> None:
+            for h in eval_cb.history[self.printed:]:
+                loss = trainer.callback_metrics.get("train/loss")
+                dd = "  ".join(_fmt(h.get(ddtree_tau(b))) for b in budgets)
+                cats = "  ".join(_fmt(h.get(category_tau(c)), 2) for c in ("count", "repeat", "pairs"))
+                tau = f"{_fmt(h['tau'])} [{_fmt(h.get(ci_low(TAU)), 2)}, {_fmt(h.get(ci_high(TAU)), 2)}]"
+                _say(f"      {int(h['step']):>5}  {tau}  {dd}  {_fmt(h.get('all_anchor_tau'))}  "
+                     f"{cats}  {_fmt(float(loss) if loss is not None else None)}  "
+                     f"{time.perf_counter() - self.start:>5.0f}s")
+            self.printed = len(eval_cb.history)
+
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            # The untrained drafter, kept so the compare tool can show what training changed.
+            first_checkpoint.parent.mkdir(parents=True, exist_ok=True)
+            trainer.save_checkpoint(str(first_checkpoint))
+            dd = "  ".join(f"dd@{b:<3}" for b in budgets)
+            _say(f"       step    tau [95% interval]  {dd}  all-anc  count repeat pairs   loss   wall")
+            self._flush(trainer)
+
+        def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+            self._flush(trainer)
+
+        def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+            self._flush(trainer)
+
+    return TauTable()
+
+
+def train_drafter(cfg: DemoConfig, paths: Paths) -> dict[str, Any]:
+    import lightning.pytorch as pl
+    from lightning.pytorch.loggers import CSVLogger, WandbLogger
+
+    from ..integrations.callback import DFlashEvalCallback
+    from . import synthetic as S
+    from .lightning_module import CachedStatesDataModule, DFlashDrafterModule
+
+    dcfg = drafter_config(cfg)
+    paths.drafter_config.write_text(json.dumps(dcfg, indent=2) + "\n")
+    pl.seed_everything(cfg.seed, workers=True, verbose=False)
+    module = DFlashDrafterModule(dcfg, states=str(paths.cache_train), lr=cfg.lr, anchors_per_sample=16,
+                                 warmup_steps=30, init_seed=cfg.seed)
+    data = CachedStatesDataModule(str(paths.cache_train), batch_size=cfg.batch_size, shuffle=True)
+    n_params = sum(p.numel() for p in module.drafter.parameters())
+    _say(f"[3/4] training a DFlash drafter ({cfg.drafter_layers} layers, block {cfg.block_size}, "
+         f"{n_params / 1e3:.0f}k parameters) with Lightning for {cfg.steps} steps; DFlashEvalCallback replays the "
+         f"greedy loop on the {len(S.FAMILIES)}-category held-out cache every {cfg.eval_every} steps")
+
+    # W&B: offline unless asked (then the user's own login and settings apply); runs land under --out.
+    os.environ["WANDB_MODE"] = cfg.wandb_mode
+    os.environ.setdefault("WANDB_SILENT", "true")
+    wandb_logger = WandbLogger(project=cfg.wandb_project, name=f"demo-seed{cfg.seed}", save_dir=str(paths.out),
+                               offline=cfg.wandb_mode == "offline",
+                               config={"demo": {k: (str(v) if isinstance(v, Path) else v)
+                                                for k, v in asdict(cfg).items()}})
+    # Lightning passes anonymous=None explicitly, which only makes wandb print a deprecation warning.
+    getattr(wandb_logger, "_wandb_init", {}).pop("anonymous", None)
+    csv_logger = CSVLogger(save_dir=str(paths.out), name="csv_logs", version="")
+    # At toy scale a full evaluation (every anchor, every budget) costs next to nothing, so the demo
+    # runs the full profile each time; a real run keeps the light periodic defaults.
+    eval_cb = DFlashEvalCallback(states=str(paths.cache_eval), every_n_train_steps=cfg.eval_every,
+                                 ddtree_budgets=cfg.ddtree_budgets, periodic_ddtree_budgets=cfg.ddtree_budgets,
+                                 periodic_anchor_stride=1, table_samples=3, table_cycles=4,
+                                 tokenizer=S.decode, autocast_dtype="float32", console=False,
+                                 position_edges=POSITION_EDGES)
+    trainer = pl.Trainer(max_steps=cfg.steps, max_epochs=-1, accelerator="cpu", devices=1,
+                         logger=[wandb_logger, csv_logger], callbacks=[eval_cb, _tau_printer(eval_cb, cfg.ddtree_budgets,
+                                                                        paths.checkpoint_first)],
+                         deterministic=True, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, log_every_n_steps=10, num_sanity_val_steps=0)
+    start = time.perf_counter()
+    trainer.fit(module, datamodule=data)
+    seconds = time.perf_counter() - start
+    paths.checkpoint.parent.mkdir(parents=True, exist_ok=True)
+    trainer.save_checkpoint(str(paths.checkpoint))
+    run = wandb_logger.experiment
+    run_dir = Path(run.dir).parent  # .../wandb/offline-run-<time>-<id>; run.dir is its files/ folder
+    run_url = getattr(run, "url", None) if cfg.wandb_mode == "online" else None
+    import wandb
+
+    wandb.finish()
+    if not eval_cb.history:
+        raise DemoError("DFlashEvalCallback logged no evaluation; see the warnings above")
+    return {"history": eval_cb.history, "seconds": seconds, "params": n_params,
+            "wandb_dir": run_dir, "wandb_url": run_url, "csv": Path(csv_logger.log_dir) / "metrics.csv"}
+
+
+# -- step 4: extract, score, plot, summarize ---------------------------------------------------
+
+def extract_and_score(cfg: DemoConfig, paths: Paths, checkpoint: Path | None = None, drafter_dir: Path | None = None,
+                      results_path: Path | None = None) -> Results:
+    """What a user does with a finished run: tools/extract_drafter.py, then tools/eval_drafter.py."""
+    import torch
+
+    from ..cache.states import StateCache
+    from ..core.checkpoints import extract_drafter
+    from ..core.engine import evaluate
+    from ..core.model import DFlashDrafter
+    from ..core.results import drafter_provenance, report_to_results, write_results
+
+    checkpoint, drafter_dir = checkpoint or paths.checkpoint, drafter_dir or paths.drafter
+    info = extract_drafter(checkpoint, drafter_dir)
+    cache = StateCache(paths.cache_eval)
+    drafter = DFlashDrafter.from_pretrained(drafter_dir, device="cpu").eval()
+    report = evaluate(cache, drafter, budgets=cfg.ddtree_budgets, device=torch.device("cpu"))
+    provenance = {**drafter_provenance(checkpoint, info["global_step"]), "extracted_to": str(drafter_dir.resolve())}
+    results = report_to_results(report, cache, meta={"drafter": provenance, "dtype": "float32",
+                                                     "device": "cpu", "head_source": "cache"},
+                                position_edges=POSITION_EDGES)
+    write_results(results, results_path or paths.results)
+    return results
+
+
+def compare_first_last(paths: Paths, first: Results, last: Results) -> dict[str, Any]:
+    """tools/compare_results.py on the first and the last checkpoint: Markdown, PNG, and the verdict."""
+    from ..common.fileio import atomic_write_text
+    from ..core.compare import compare, plot_comparison, render_markdown
+
+    def label(r: Results) -> str:
+        return f"step {r.drafter_step}"
+
+    c = compare([label(first), label(last)], [first, last], position_edges=POSITION_EDGES)
+    png = plot_comparison(c, paths.comparison.with_suffix(".png"))
+    md = paths.comparison.with_suffix(".md")
+    atomic_write_text(md, render_markdown(c, png.name))
+    d = c.differences[(0, 1)][TAU]
+    return {"text": d.text, "verdict": d.verdict, "delta": d.interval.value, "low": d.interval.low,
+            "high": d.interval.high, "markdown": md, "png": png}
+
+
+def make_plots(history: list[dict[str, float]], block_size: int, budgets: Sequence[int], plots: Path,
+               goal: float = TAU_GOAL) -> dict[str, Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display needed
+    import matplotlib.pyplot as plt
+
+    plots.mkdir(parents=True, exist_ok=True)
+    steps = [h["step"] for h in history]
+    out: dict[str, Path] = {}
+
+    def save(fig: Any, ax: Any, name: str) -> None:
+        ax.legend(fontsize=8)
+        out[name] = plots / f"{name}.png"
+        fig.tight_layout()
+        fig.savefig(out[name], dpi=110)
+        plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    ax.plot(steps, [h[TAU] for h in history], "o-", lw=2, label="tau (greedy replay)")
+    ax.fill_between(steps, [h.get(ci_low(TAU), math.nan) for h in history],
+                    [h.get(ci_high(TAU), math.nan) for h in history], color="C0", alpha=0.2,
+                    label="tau: 95% interval over prompts")
+    for b in budgets:
+        ax.plot(steps, [h.get(ddtree_tau(b), math.nan) for h in history], "s--", label=f"DDTree tau, budget {b}")
+    ax.plot(steps, [h.get(ALL_ANCHOR_TAU, math.nan) for h in history], ":", color="gray",
+            label="all-anchor mean accepted + 1")
+    ax.axhline(goal, color="red", lw=0.8, alpha=0.6)
+    ax.set(xlabel="training step", ylabel="tokens per drafter call", title="DFlash drafter: tau while it trains")
+    ax.grid(alpha=0.3)
+    save(fig, ax, "tau_over_steps")
+
+    depths = list(range(1, block_size))
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for h, style, colors in ((history[0], ":", ("0.55", "0.75")), (history[-1], "-", ("C0", "C1"))):
+        ax.plot(depths, [h.get(depth_acc(k), math.nan) for k in depths], "o" + style, color=colors[0],
+                label=f"step {int(h['step'])}: P(draft at depth k = target)")
+        # NaN where no anchor got that deep (e.g. the untrained drafter): not drawn.
+        ax.plot(depths, [h.get(depth_acc_cond(k), math.nan) for k in depths], "^" + style, color=colors[1],
+                label=f"step {int(h['step'])}: same, given depths < k all matched")
+    ax.set(xlabel="block depth k", ylabel="acceptance", ylim=(-0.02, 1.02), title="per-depth acceptance (all anchors)")
+    ax.grid(alpha=0.3)
+    save(fig, ax, "per_depth_acceptance")
+
+    ns = list(range(1, block_size + 1))
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    w = 0.4
+    for off, h, color in ((-w / 2, history[0], "0.6"), (w / 2, history[-1], "C0")):
+        ax.bar([n + off for n in ns], [h.get(hist_frac(n), 0.0) or 0.0 for n in ns], width=w, color=color,
+               label=f"step {int(h['step'])} (tau {h[TAU]:.2f})")
+    ax.set(xlabel="tokens committed per cycle (accepted + 1)", ylabel="fraction of cycles", xticks=ns,
+           title="accepted lengths per speculative cycle")
+    ax.grid(alpha=0.3, axis="y")
+    save(fig, ax, "accepted_lengths_hist")
+    return out
+
+
+def _clean(x: Any) -> Any:
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_clean(v) for v in x]
+    return x
+
+
+def check_wandb(mode: str) -> None:
+    """Online mode needs credentials; find out now, not after the target has been trained."""
+    if mode != "online":
+        return
+    import wandb
+
+    if not wandb.login(prompt=False, verify=False):
+        raise DemoError("--wandb-mode online: W&B has no credentials here; run `wandb login` (or set "
+                        "WANDB_API_KEY), or leave the default --wandb-mode offline and `wandb sync` the run later")
+
+
+def run_demo(cfg: DemoConfig) -> dict[str, Any]:
+    """The whole demo; returns the summary (also written to ``summary.json``)."""
+    t0 = time.perf_counter()
+    check_wandb(cfg.wandb_mode)
+    paths = prepare_out(cfg)
+    _quiet()
+    _setup_torch(cfg)
+    _say(f"dflash-cb demo: seed {cfg.seed}, output in {paths.out}/" + (" (quick)" if cfg.quick else ""))
+    timings: dict[str, float] = {}
+    t = time.perf_counter()
+    target_info = build_target(cfg, paths)
+    timings["target"] = time.perf_counter() - t
+    t = time.perf_counter()
+    cache_info = build_caches(cfg, paths)
+    timings["precompute"] = time.perf_counter() - t
+    t = time.perf_counter()
+    tr = train_drafter(cfg, paths)
+    timings["drafter_training"] = time.perf_counter() - t
+    t = time.perf_counter()
+    _say("[4/4] extracting the drafter from the final checkpoint and scoring it (tools/extract_drafter.py, "
+         "tools/eval_drafter.py)")
+    results = extract_and_score(cfg, paths)
+    results_first = extract_and_score(cfg, paths, paths.checkpoint_first, paths.drafter_first, paths.results_first)
+    comparison = compare_first_last(paths, results_first, results)
+    hist = tr["history"]
+    first, last = hist[0], hist[-1]
+    top_budget = max(cfg.ddtree_budgets)
+    # The callback's last evaluation and the standalone scoring of the extracted weights must agree exactly.
+    if results.tau is not None and abs(results.tau - last[TAU]) > 1e-9:
+        raise DemoError(f"the extracted drafter scores tau {results.tau} but the callback logged {last['tau']} "
+                        "for the same weights")
+    plots = make_plots(hist, cfg.block_size, cfg.ddtree_budgets, paths.plots)
+    timings["extract_score_plots"] = time.perf_counter() - t
+    timings["total"] = time.perf_counter() - t0
+    files = {
+        "out": paths.out, "target": paths.target, "prompts_train": paths.prompts_train,
+        "prompts_eval": paths.prompts_eval, "cache_train": paths.cache_train, "cache_eval": paths.cache_eval,
+        "drafter_config": paths.drafter_config, "checkpoint": paths.checkpoint, "drafter": paths.drafter,
+        "results": paths.results, "metrics_csv": tr["csv"], "wandb_run": tr["wandb_dir"],
+        "checkpoint_first": paths.checkpoint_first, "results_first": paths.results_first,
+        "comparison_md": comparison["markdown"], "comparison_png": comparison["png"],
+        **{f"plot_{k}": v for k, v in plots.items()}, "summary": paths.summary,
+    }
+    summary = {
+        "tau_first": first[TAU], "tau_last": last[TAU],
+        "tau_last_interval": [last.get(ci_low(TAU)), last.get(ci_high(TAU))],
+        "first_vs_last": {k: comparison[k] for k in ("text", "verdict", "delta", "low", "high")},
+        "ddtree_tau_last": last.get(ddtree_tau(top_budget)), "ddtree_budget": top_budget,
+        "ddtree_tau_last_by_budget": {str(b): last.get(ddtree_tau(b)) for b in cfg.ddtree_budgets},
+        "step_first": int(first["step"]), "step_last": int(last["step"]),
+        "tau_goal": TAU_GOAL, "goal_reached": last[TAU] >= TAU_GOAL,
+        "category_tau_last": {k.split("/")[1]: v for k, v in last.items()
+                              if k.startswith("category/") and k == category_tau(k.split("/")[1])},
+        "evaluations": [{"step": int(h["step"]), "tau": h[TAU], "tau_ci": [h.get(ci_low(TAU)), h.get(ci_high(TAU))],
+                         **{f"ddtree_b{b}": h.get(ddtree_tau(b)) for b in cfg.ddtree_budgets}} for h in hist],
+        "seed": cfg.seed, "quick": cfg.quick, "steps": cfg.steps, "eval_every": cfg.eval_every,
+        "block_size": cfg.block_size, "threads": cfg.threads, "wandb_mode": cfg.wandb_mode, "wandb_url": tr["wandb_url"],
+        "target": target_info, "caches": cache_info, "drafter_params": tr["params"],
+        "timings_s": {k: round(v, 1) for k, v in timings.items()},
+        "paths": {k: str(v) for k, v in files.items()},
+    }
+    paths.summary.write_text(json.dumps(_clean(summary), indent=1) + "\n")
+    _print_summary(summary, results, cfg)
+    return summary
+
+
+def _print_summary(s: dict[str, Any], results: Results, cfg: DemoConfig) -> None:
+    p = s["paths"]
+    _say("")
+    _say("=" * 78)
+    _say(f"tau (greedy speculative loop, exact offline replay on {s['caches']['eval']['samples']} held-out prompts)")
+    _say(f"  first evaluation (step {s['step_first']:>4}): {s['tau_first']:.3f}")
+    lo, hi = s["tau_last_interval"]
+    _say(f"  last evaluation  (step {s['step_last']:>4}): {s['tau_last']:.3f} [{_fmt(lo, 2)}, {_fmt(hi, 2)}]"
+         + ("" if cfg.quick else f"   (goal >= {TAU_GOAL}: {'reached' if s['goal_reached'] else 'NOT reached'})"))
+    _say(f"  DDTree tau, budget {s['ddtree_budget']}: {_fmt(s['ddtree_tau_last'])}   per category: "
+         + ", ".join(f"{k} {_fmt(v, 2)}" for k, v in sorted(s["category_tau_last"].items())))
+    _say(f"  same replay, per-request means: tau {_fmt(results.metric(TAU_REQUEST_MEAN))}   served convention "
+         f"(SGLang spec_accept_length) {_fmt(results.metric(ACCEPT_LENGTH_SERVED))}")
+    _say(f"  all-anchor mean: {_fmt(results.metric(ALL_ANCHOR_TAU))}   SpecForge DFlash accuracy: "
+         f"{_fmt(results.metric(SPECFORGE_ACC))}   independent-depth chain estimate: "
+         f"{_fmt(results.metric(CHAIN_TAU_ESTIMATE))}")
+    _say(f"  first vs last checkpoint (paired, same prompts): {s['first_vs_last']['text']}: "
+         f"{s['first_vs_last']['verdict']}")
+    _say("  [..] = 95% interval over the choice of prompts (cluster bootstrap over the held-out prompts)")
+    for title, key in (("tau by cycle index after the prompt", "cycle"),
+                       ("tau by anchor position in the completion", "position")):
+        rows = results.breakdown.get(key) or {}
+        _say(f"  {title}: " + ", ".join(f"{b} {_fmt(r['tau'], 2)}" for b, r in rows.items() if r["cycles"]))
+    _say("")
+    _say(f"  W&B run ({s['wandb_mode']}):  {p['wandb_run']}"
+         + (f"\n                     {s['wandb_url']}" if s.get("wandb_url") else
+            f"\n                     upload later with: wandb sync {p['wandb_run']}"))
+    _say(f"  caches:             {p['cache_train']} (training), {p['cache_eval']} (evaluation)")
+    _say(f"  results:            {p['results']}  (the extracted drafter {p['drafter']}, scored like "
+         "tools/eval_drafter.py)")
+    _say(f"  metrics (CSV):      {p['metrics_csv']}")
+    _say(f"  comparison:         {p['comparison_md']}, {p['comparison_png']}  (tools/compare_results.py "
+         f"{p['results_first']} {p['results']})")
+    _say(f"  plots:              {p['plot_tau_over_steps']}, {p['plot_per_depth_acceptance']}, "
+         f"{p['plot_accepted_lengths_hist']}")
+    _say(f"  summary:            {p['summary']}")
+    t = s["timings_s"]
+    _say(f"  wall time:          {t['total']:.0f}s (target {t['target']:.0f}s, precompute {t['precompute']:.0f}s, "
+         f"drafter training {t['drafter_training']:.0f}s)")
+    _say("=" * 78)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="demo.py",
+        description="End-to-end CPU demo: tiny target -> precomputed states -> DFlash drafter trained with "
+                    "Lightning and DFlashEvalCallback (tau per evaluation, W&B offline, plots, summary.json).")
+    p.add_argument("--out", default="demo_out", help="output folder (default: demo_out)")
+    p.add_argument("--seed", type=int, default=0, help="seed of everything (default 0)")
+    p.add_argument("--steps", type=int, default=None, help="drafter training steps (default 1200; --quick: 150)")
+    p.add_argument("--eval-every", type=int, default=None, help="evaluate every N steps (default 100; --quick: 50)")
+    p.add_argument("--quick", action="store_true",
+                   help="reduced form for CI (smaller target training, fewer prompts and steps; no tau goal)")
+    p.add_argument("--overwrite", action="store_true", help="replace a previous demo's output folder")
+    p.add_argument("--wandb-mode", choices=["offline", "online"], default="offline",
+                   help="offline (default; sync later with `wandb sync`) or online (needs `wandb login`)")
+    p.add_argument("--wandb-project", default="dflash-cb-demo", help="W&B project (default dflash-cb-demo)")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: fastest for these sizes)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    try:
+        cfg = DemoConfig.resolve(a.out, a.seed, a.steps, a.eval_every, a.quick, overwrite=a.overwrite,
+                                 wandb_mode=a.wandb_mode, wandb_project=a.wandb_project, threads=a.threads)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        summary = run_demo(cfg)
+    except DemoError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if cfg.require_goal and not summary["goal_reached"]:
+        print(f"error: the last tau {summary['tau_last']:.3f} is below {TAU_GOAL}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,242 @@
+"""``DFlashEvalCallback``: the drafter's exact offline tau, measured while it trains.
+
+Add it to a ``Trainer`` (or three lines of LightningCLI YAML, ``configs/callback/dflash_eval.yaml``)::
+
+    trainer = Trainer(callbacks=[DFlashEvalCallback(states="cached_states/qwen36-27b-v1",
+                                                    every_n_train_steps=500)], logger=WandbLogger(...))
+
+Every ``every_n_train_steps`` optimizer steps (and, by default, before the first and after the
+last step) it replays the greedy speculative loop on the cached target states with the drafter's
+current weights (``dflash_cb.core.engine.evaluate``) and logs ``dflash_eval/tau``, DDTree tau per
+budget, per-depth acceptance, per-category tau, ... to every logger at ``trainer.global_step``.
+
+Guarantees, modelled on ``ModelCheckpoint``/``EarlyStopping``:
+
+- Configuration errors (no cache, a missing or truncated shard or head file, a shard whose sha256
+  differs, cache vs drafter mismatch, a baseline from another cache) stop ``fit`` before the first
+  training step, naming the file or field.
+- An evaluation changes nothing training depends on: it runs under ``torch.no_grad`` with the
+  drafter in eval mode (each submodule's mode restored afterwards), restores the CPU and CUDA
+  RNG states, never touches the optimizer or gradients, and keeps no tensors afterwards.
+- Failures inside an evaluation (e.g. a shard damaged after setup: one whose size or modification
+  time changed is hashed again) warn, count in ``{prefix}failed_evaluations``, and training goes on,
+  unless ``fail_on_error=True`` or ``max_failed_evaluations`` evaluations in a row failed.
+- Distributed: rank r scores ``samples[r::world]``; integer counts are summed with one
+  ``all_reduce`` before any ratio, so the numbers equal a single-process run's exactly; only rank
+  zero logs. Under FSDP (1 or 2) every rank gathers the full parameters once per evaluation and
+  scores its own share (see ``dflash_cb.integrations.live_eval`` and ``dflash_cb.integrations.distributed``). DeepSpeed ZeRO-3
+  is refused.
+- ``state_dict``/``load_state_dict`` carry the schedule, so a resumed run neither repeats nor skips
+  an evaluation. They also carry the cache's manifest sha256 and the sample selection: resumed on
+  another cache or with another ``num_samples``/``sample_ids``/``sample_seed`` (other evaluated ids),
+  the callback warns and starts a new series instead of mixing two caches' or selections' numbers.
+  A malformed saved state warns, naming the field, and starts a new series too
+  (``dflash_cb.integrations.eval_state``).
+
+Metric values go to ``trainer.callback_metrics`` too, so ``ModelCheckpoint(monitor="dflash_eval/tau",
+mode="max")`` and ``EarlyStopping`` can use them.
+
+The callback is a thin adapter: the evaluation, its schedule, failure policy, state and logging are
+``dflash_cb.integrations.evaluator.LiveEvaluator`` (the same object serves the Hugging Face ``Trainer`` and plain
+loops); this file maps Lightning's hooks, loggers, FSDP strategies and ``callback_metrics`` onto it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info
+from torch import nn
+
+from ..common import arguments as check
+from ..core.engine import DEFAULT_BUDGETS
+from ..core.metrics import TAU
+from ..core.positions import DEFAULT_POSITION_EDGES
+from .distributed import full_parameters, sharding_kind
+from .evaluator import (
+    FIT_END,
+    DFlashEvalError,
+    LiveEvaluator,
+    _stratified,
+    find_drafter,
+    fit_end_eval_due,
+    fit_start_eval_due,
+    is_full_evaluation,
+    periodic_eval_reason,
+)
+from .sinks import MetricsSink
+from .wandb_logging import find_wandb_run
+
+DrafterSource = str | Callable[[LightningModule], nn.Module]
+
+
+class DFlashEvalCallback(Callback):
+    """Evaluate a DFlash drafter on cached target states during training and log the exact tau.
+
+    Args:
+        states: cache folder written by ``tools/precompute_states.py``.
+        every_n_train_steps: evaluate after every N optimizer steps (``trainer.global_step % N == 0``);
+            0 disables the periodic evaluations (start/end ones still run). An integer.
+        drafter: attribute path of the drafter on the LightningModule (``"drafter"``,
+            ``"model.draft"``), or a function ``module -> drafter``. Any module with a DFlash config
+            (``.spec`` or ``.config``) works; ``torch.compile`` wrappers are unwrapped.
+        target_embed: attribute path of the target's input embedding on the module (an
+            ``nn.Embedding`` or a ``[vocab, hidden]`` tensor). With ``target_lm_head``, the head is taken
+            from the module (no copy); without both, the cache's exported head is loaded once, onto the
+            drafter's device, and kept there (Qwen3.6-27B: embedding + head = 5.1 GB in bf16; a module
+            that already holds the target's matrices for training should name them here instead).
+        target_lm_head: attribute path of the target's output head (``nn.Linear`` or tensor). Omit it
+            with ``target_embed`` set only when the target ties embedding and head.
+        prog_bar: show ``{prefix}tau`` in the progress bar.
+        console: print one line per evaluation on rank zero (step, tau with its 95% interval, DDTree tau
+            at the largest budget, difference to each measured baseline, wall time).
+
+    Every other argument (schedule, profiles, samples, baselines, failure policy, W&B table, ...) is
+    ``dflash_cb.integrations.evaluator.LiveEvaluator``'s, documented there. Scalars go to every logger at
+    ``trainer.global_step``; tables and charts to the first ``WandbLogger``'s run.
+    """
+
+    def __init__(
+        self,
+        states: str | os.PathLike,
+        every_n_train_steps: int = 500,
+        drafter: DrafterSource = "drafter",
+        *,
+        eval_on_fit_start: bool = True,
+        eval_on_fit_end: bool = True,
+        target_embed: str | None = None,
+        target_lm_head: str | None = None,
+        ddtree_budgets: Sequence[int] = DEFAULT_BUDGETS,
+        periodic_ddtree_budgets: Sequence[int] | None = None,
+        periodic_anchor_stride: int | None = None,
+        full_every_n_evals: int = 0,
+        num_samples: int | None = None,
+        sample_ids: Sequence[str] | None = None,
+        sample_seed: int = 0,
+        prefix: str = "dflash_eval/",
+        baselines: dict[str, str] | Sequence[str] | None = None,
+        published: str | os.PathLike | None = None,
+        published_entries: Sequence[str] | None = None,
+        fail_on_error: bool = False,
+        max_failed_evaluations: int = 3,
+        autocast_dtype: str | None = "auto",
+        table_samples: int = 4,
+        table_cycles: int = 4,
+        tokenizer: Any = None,
+        verify_cache: bool = True,
+        position_edges: Sequence[int] = DEFAULT_POSITION_EDGES,
+        prog_bar: bool = False,
+        console: bool = True,
+        tail_blocks: str = "served",
+    ) -> None:
+        super().__init__()
+        if not isinstance(drafter, str) and not callable(drafter):
+            raise TypeError("drafter must be an attribute path (str) or a function taking the LightningModule")
+        options = {k: v for k, v in locals().items() if k not in ("self", "__class__", "drafter", "prog_bar")}
+        self.evaluator = LiveEvaluator(**options, say=rank_zero_info, name=type(self).__name__)
+        self.drafter = drafter
+        self.prog_bar = check.flag("prog_bar", prog_bar)
+        self._fast_dev_run_noted = False
+
+    # The evaluator's attributes (schedule, history, cache, arguments) read and set as the callback's own.
+    def __getattr__(self, name: str) -> Any:
+        evaluator = self.__dict__.get("evaluator")
+        if evaluator is None or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(evaluator, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        evaluator = self.__dict__.get("evaluator")
+        if evaluator is not None and name not in self.__dict__ and name in evaluator.__dict__:
+            setattr(evaluator, name, value)
+        else:
+            super().__setattr__(name, value)
+
+    # -- Lightning plumbing ---------------------------------------------------------------
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(states=self.states, prefix=self.prefix)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.evaluator.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.evaluator.load_state_dict(state_dict)
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        if sharding_kind(trainer) == "deepspeed3":
+            raise RuntimeError("DFlashEvalCallback: DeepSpeed ZeRO stage 3 shards parameters in a way this callback "
+                               "cannot gather; use ZeRO stage 1/2, DDP or FSDP")
+        ev = self.evaluator
+        ev.sinks = [LightningLoggers(trainer)]
+        ev.max_steps = trainer.max_steps
+        ev.full_parameters = lambda: full_parameters(trainer)
+        # The drafter may only exist after configure_model (FSDP); then on_fit_start validates it.
+        ev.setup(self._drafter(pl_module, required=False), pl_module)
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not self.evaluator.validated:
+            # The model is wrapped by now: under FSDP, shapes are only right with whole parameters.
+            with full_parameters(trainer):
+                self.evaluator.validate(self._drafter(pl_module), pl_module)
+        self.evaluator.announce(trainer.global_step, self._drafter(pl_module))
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Here (not in on_fit_start) because a resumed run's global step and weights are restored by now.
+        if not self._skipped(trainer):
+            self._publish(trainer, self.evaluator.start(trainer.global_step, self._drafter(pl_module), pl_module))
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if not self._skipped(trainer):
+            self._publish(trainer, self.evaluator.step(trainer.global_step, self._drafter(pl_module), pl_module))
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # on_train_end, not on_fit_end: loggers and the process group are still up.
+        if not self._skipped(trainer):
+            self._publish(trainer, self.evaluator.finish(trainer.global_step, self._drafter(pl_module), pl_module))
+
+    def _drafter(self, pl_module: LightningModule, required: bool = True) -> nn.Module | None:
+        return find_drafter(pl_module, self.drafter, type(self).__name__, required)
+
+    def _skipped(self, trainer: Trainer) -> bool:
+        if trainer.fast_dev_run and not self._fast_dev_run_noted:
+            rank_zero_info("DFlashEvalCallback: evaluations are skipped under fast_dev_run")
+            self._fast_dev_run_noted = True
+        return bool(trainer.fast_dev_run)
+
+    def _publish(self, trainer: Trainer, metrics: dict[str, float] | None) -> None:
+        """Every rank's numbers into ``callback_metrics`` (ModelCheckpoint, EarlyStopping); the progress bar."""
+        if metrics is None:
+            return
+        for k, v in self.evaluator.last_shared.items():
+            trainer.callback_metrics[k] = torch.tensor(v)
+        tau = self.prefix + TAU
+        if self.prog_bar and trainer.global_rank == 0 and tau in metrics:
+            trainer.progress_bar_metrics[tau] = metrics[tau]
+
+
+class LightningLoggers(MetricsSink):
+    """The evaluator's scalars to every logger of the trainer; tables and charts to its ``WandbLogger``."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        for lg in self.trainer.loggers:
+            lg.log_metrics(metrics, step=step)
+            lg.save()
+
+    def wandb_run(self) -> Any | None:
+        return find_wandb_run(self.trainer)
+
+
+__all__ = ["FIT_END", "DFlashEvalCallback", "DFlashEvalError", "LightningLoggers", "_stratified", "fit_end_eval_due",
+           "fit_start_eval_due", "is_full_evaluation", "periodic_eval_reason"]

@@ -1,0 +1,437 @@
+"""The W&B comparison panels, built from code (``tools/wandb_panels.py``).
+
+A saved workspace view (or, with ``--report``, a W&B Report) with the sections *Headline*,
+*Uncertainty*, *Per category*, *Per depth*, *By position*, *Cost* and the samples table, every
+line plot against ``trainer/global_step``. Every key a panel shows is built from the names in
+``dflash_cb.core.metrics`` and the run's dimensions (``PanelLayout``: DDTree budgets, categories,
+block size, position buckets, baselines), so a renamed metric breaks ``tests/test_panels.py``
+instead of leaving an empty panel.
+
+The panels follow the callback's evaluation profiles: the light (periodic) evaluations log DDTree
+tau at ``periodic_ddtree_budgets`` only, the full ones every budget and everything again under
+``{prefix}full/``; so the other budgets are shown as their ``full/`` keys. Reference series appear
+only when they are known to be logged. With ``--run`` the run's keys are known (from W&B, or read
+offline from a local offline run folder) and panels none of whose keys were logged are warned
+about; from options alone nothing can be checked.
+
+Uses ``wandb-workspaces`` (W&B's library for views and reports), imported lazily. Building and
+serialising the view needs no network; only ``save()`` talks to W&B.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..common.errors import DFlashCBError
+from ..core.baselines import CONVENTIONS
+from ..core.metrics import (
+    ACCEPT_LENGTH_SERVED,
+    ANCHORS_DRAFTED,
+    ANCHORS_NEEDED,
+    BEST_STEP,
+    BEST_TAU,
+    CYCLES,
+    DELTA_TAU,
+    EVAL_TIME,
+    FULL_PREFIX,
+    SERVED_BASELINE,
+    TAU,
+    TAU_REQUEST_MEAN,
+    TOKENS,
+    category_tau,
+    ci_high,
+    ci_low,
+    cycle_tau,
+    ddtree_tau,
+    depth_acc,
+    depth_acc_cond,
+    position_tau,
+)
+from ..core.positions import DEFAULT_CYCLE_BUCKETS, DEFAULT_POSITION_EDGES, cycle_labels, position_labels
+
+STEP_KEY = "trainer/global_step"  # the same as wandb_logging.STEP_KEY (kept import-free of wandb)
+SAMPLE_TABLE = "sample_table"
+COST_KEYS = (EVAL_TIME, CYCLES, TOKENS, ANCHORS_DRAFTED, ANCHORS_NEEDED)
+SECTIONS = ("Headline", "Uncertainty", "Per category", "Per depth", "By position", "Cost", "Samples")
+
+
+@dataclass
+class PanelLayout:
+    """What the run logs, besides the fixed names: the dimensions the keys are built from."""
+
+    prefix: str = "dflash_eval/"
+    budgets: Sequence[int] = (16, 32, 64)
+    categories: Sequence[str] = ()
+    block_size: int = 16
+    position_buckets: Sequence[str] = field(default_factory=lambda: position_labels(DEFAULT_POSITION_EDGES))
+    cycle_buckets: Sequence[str] = field(default_factory=lambda: cycle_labels(DEFAULT_CYCLE_BUCKETS))
+    baselines: Sequence[str] = ()  # measured: "baseline/<name>" segments (Baseline.key): tau and delta_tau
+    # "published/<name>/<metric>": a published figure under the live metric of its convention
+    # (baselines.CONVENTIONS: tau, tau_request_mean or accept_length_served).
+    published: Sequence[str] = ()
+    cost: Sequence[str] = COST_KEYS
+    # Budgets of the light (periodic) evaluations; None = the callback's default, the largest budget.
+    # The other budgets are logged by the full evaluations only, so their panel shows the full/ keys.
+    periodic_budgets: Sequence[int] | None = None
+    served: bool = False  # "baseline/served/tau": the cache holds the server's counters (no samples, no delta)
+    # DDTree budgets each reference ("baseline/<name>", "published/<name>") logged; a reference not
+    # listed gets no DDTree series (a key nobody logged would be an empty line).
+    reference_budgets: Mapping[str, Sequence[int]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.block_size < 2:
+            raise ValueError(f"block size must be >= 2 (a block is the anchor and at least one drafted token), "
+                             f"got {self.block_size}")
+
+    @property
+    def light_budgets(self) -> list[int]:
+        """The budgets logged at every evaluation (light and full)."""
+        if self.periodic_budgets is not None:
+            return sorted(int(b) for b in self.periodic_budgets)
+        return [max(self.budgets)] if self.budgets else []
+
+
+@dataclass(frozen=True)
+class PanelSpec:
+    """One panel, independent of wandb-workspaces: a line plot of ``keys`` against the step, a
+    scalar (a summary key), or a table (a logged ``wandb.Table``)."""
+
+    kind: str  # "line", "scalar" or "table"
+    title: str
+    keys: tuple[str, ...]
+
+
+def panel_plan(layout: PanelLayout) -> dict[str, list[PanelSpec]]:
+    """Section name -> panels; every key is fully prefixed."""
+    p = layout.prefix
+    every = layout.light_budgets
+    full_only = [b for b in layout.budgets if b not in every]
+    top = max(every) if every else None
+
+    def line(title: str, names: Iterable[str]) -> PanelSpec:
+        return PanelSpec("line", title, tuple(p + n for n in names))
+
+    def published(metric: str) -> list[str]:
+        return [r for r in layout.published if r.endswith("/" + metric)]
+
+    # Pooled references: measured baselines, the served counters, and published figures of the pooled convention.
+    refs = [*layout.baselines, *([SERVED_BASELINE] if layout.served else []),
+            *(r.rsplit("/", 1)[0] for r in published(TAU))]
+    headline = [line("tau (pooled): live vs references", [TAU] + [f"{r}/{TAU}" for r in refs])]
+    # A published figure is only ever drawn beside the live figure of its own convention.
+    headline += [line(title, [m, *published(m)]) for title, m in (
+        ("tau, mean over requests (dflash.benchmark): live vs published", TAU_REQUEST_MEAN),
+        ("served accept length, mean over requests (SGLang): live vs published", ACCEPT_LENGTH_SERVED))]
+    if every or full_only:
+        title = "DDTree tau per budget" + (" (full/: full evaluations only)" if full_only else "")
+        headline.append(line(title, [ddtree_tau(b) for b in every] + [FULL_PREFIX + ddtree_tau(b) for b in full_only]
+                             + [f"{r}/{ddtree_tau(b)}" for r in refs for b in layout.reference_budgets.get(r, ())]))
+    if layout.baselines:
+        headline.append(line("live minus baseline (tau, paired)", [f"{b}/{DELTA_TAU}" for b in layout.baselines]))
+    headline.append(PanelSpec("scalar", "best tau", (p + BEST_TAU,)))
+    headline.append(PanelSpec("scalar", "step of the best tau", (p + BEST_STEP,)))
+
+    uncertainty = [line("tau with its 95% interval", [TAU, ci_low(TAU), ci_high(TAU)])]
+    if top is not None:
+        m = ddtree_tau(top)
+        uncertainty.append(line(f"DDTree tau (budget {top}) with its 95% interval", [m, ci_low(m), ci_high(m)]))
+    for b in layout.baselines:
+        m = f"{b}/{DELTA_TAU}"
+        uncertainty.append(line(f"live - {b.split('/', 1)[1]}: paired 95% interval", [m, ci_low(m), ci_high(m)]))
+
+    per_category = [line("tau per category", [category_tau(c) for c in layout.categories])] if layout.categories else []
+    per_category += [line(f"tau, {c}, with its 95% interval",
+                          [category_tau(c), ci_low(category_tau(c)), ci_high(category_tau(c))])
+                     for c in layout.categories]
+
+    depths = range(1, layout.block_size)
+    per_depth = [line("acceptance per depth (unconditional)", [depth_acc(k) for k in depths]),
+                 line("acceptance per depth (given the previous depths matched)", [depth_acc_cond(k) for k in depths])]
+
+    by_position = [line("tau by anchor position in the completion", [position_tau(b) for b in layout.position_buckets]),
+                   line("tau by cycle index after the prompt", [cycle_tau(b) for b in layout.cycle_buckets])]
+
+    cost = [line(f"cost: {n}", [n]) for n in layout.cost]
+    samples = [PanelSpec("table", "samples: drafts vs target, per cycle", (p + SAMPLE_TABLE,))]
+    return dict(zip(SECTIONS, [headline, uncertainty, per_category, per_depth, by_position, cost, samples],
+                    strict=True))
+
+
+def referenced_keys(plan: dict[str, list[PanelSpec]]) -> dict[str, set[str]]:
+    """``{"line": history keys, "scalar": summary keys, "table": table keys}`` referenced by the plan."""
+    out: dict[str, set[str]] = {"line": set(), "scalar": set(), "table": set()}
+    for panels in plan.values():
+        for spec in panels:
+            out[spec.kind].update(spec.keys)
+    return out
+
+
+def layout_from_keys(keys: Iterable[str], prefix: str = "dflash_eval/",
+                     periodic_budgets: Sequence[int] | None = None) -> PanelLayout:
+    """The dimensions of a run from the keys it logged (for a run made with other budgets, categories...).
+
+    ``periodic_budgets``: the budgets of its light evaluations (``light_budgets`` of its history
+    rows); None = the callback's default.
+    """
+    keys = [k[len(prefix):] for k in keys if k.startswith(prefix)]
+
+    def grab(pattern: str) -> list[str]:
+        rx = re.compile(pattern)
+        return sorted({m.group(1) for k in keys if (m := rx.fullmatch(k))})
+
+    depths = [int(d) for d in grab(r"acceptance/depth_(\d+)")]
+    named = grab(r"baseline/([^/]+)/tau")
+    baselines = [f"baseline/{n}" for n in named if f"baseline/{n}" != SERVED_BASELINE]
+    published = [f"published/{n}" for n in grab(
+        r"published/([^/]+/(?:" + "|".join(map(re.escape, CONVENTIONS.values())) + "))")]
+    refs = [*baselines, SERVED_BASELINE, *(r.rsplit("/", 1)[0] for r in published if r.endswith("/" + TAU))]
+    return PanelLayout(
+        prefix=prefix,
+        budgets=sorted(int(b) for b in grab(r"ddtree/tau_b(\d+)")),
+        categories=grab(r"category/(.+)/tau"),
+        block_size=(max(depths) + 1) if depths else 16,
+        position_buckets=sorted(grab(r"position/(\d+_\w+)/tau"), key=lambda b: int(b.split("_")[0])),
+        cycle_buckets=sorted(grab(r"cycle/(\w+)/tau"), key=lambda b: int(b.rstrip("plus"))),
+        baselines=baselines,
+        published=published,
+        cost=[n for n in COST_KEYS if n in keys],
+        periodic_budgets=periodic_budgets,
+        served=SERVED_BASELINE in {f"baseline/{n}" for n in named},
+        reference_budgets={r: bs for r in refs
+                           if (bs := sorted(int(b) for b in grab(re.escape(r) + r"/ddtree/tau_b(\d+)")))},
+    )
+
+
+def light_budgets(rows: Iterable[Mapping[str, Any]], prefix: str = "dflash_eval/") -> list[int] | None:
+    """The DDTree budgets a run logged at its light evaluations (rows with ``tau`` but no ``full/tau``).
+
+    None when every evaluation was full (then every budget is logged at every evaluation).
+    """
+    rx = re.compile(re.escape(prefix) + r"ddtree/tau_b(\d+)")
+    light = [r for r in rows if prefix + TAU in r and prefix + FULL_PREFIX + TAU not in r]
+    if not light:
+        return None
+    return sorted({int(m.group(1)) for r in light for k in r if (m := rx.fullmatch(k))})
+
+
+def unlogged_panels(plan: dict[str, list[PanelSpec]], logged: Iterable[str]) -> list[str]:
+    """Titles of the panels none of whose keys the run logged (they would stay empty).
+
+    A table counts as logged when any ``<table>/...`` key is (W&B stores a table's path and type).
+    """
+    logged = set(logged)
+    out = []
+    for panels in plan.values():
+        for spec in panels:
+            if spec.kind == "table":
+                hit = any(k.startswith(t + "/") or k == t for t in spec.keys for k in logged)
+            else:
+                hit = any(k in logged for k in spec.keys)
+            if not hit:
+                out.append(spec.title)
+    return out
+
+
+# -- wandb-workspaces objects --------------------------------------------------------------
+
+def _panel(spec: PanelSpec) -> Any:
+    import wandb_workspaces.reports.v2 as wr
+
+    if spec.kind == "line":
+        return wr.LinePlot(title=spec.title, x=STEP_KEY, y=list(spec.keys))
+    if spec.kind == "scalar":
+        return wr.ScalarChart(title=spec.title, metric=wr.SummaryMetric(spec.keys[0]))
+    return wr.WeavePanelSummaryTable(table_name=spec.keys[0])
+
+
+def build_workspace(entity: str, project: str, layout: PanelLayout, name: str = "dflash-cb: drafter evaluation") -> Any:
+    """A saved-view object (``wandb_workspaces.workspaces.Workspace``); call ``.save()`` to create it."""
+    import wandb_workspaces.workspaces as ws
+
+    sections = [ws.Section(name=title, panels=[_panel(s) for s in panels], is_open=title in ("Headline", "Uncertainty"))
+                for title, panels in panel_plan(layout).items() if panels]
+    return ws.Workspace(entity=entity, project=project, name=name, sections=sections,
+                        settings=ws.WorkspaceSettings(x_axis=STEP_KEY))
+
+
+def build_report(entity: str, project: str, layout: PanelLayout, title: str = "dflash-cb: drafter evaluation") -> Any:
+    """The same panels as a W&B Report (one panel grid per section, over the project's runs)."""
+    import wandb_workspaces.reports.v2 as wr
+
+    blocks: list[Any] = [wr.P("tau is the exact acceptance length of the drafter replayed on cached target states; "
+                              "intervals are 95% cluster-bootstrap intervals over the evaluated prompts.")]
+    for title_, panels in panel_plan(layout).items():
+        if panels:
+            blocks += [wr.H2(title_), wr.PanelGrid(runsets=[wr.Runset(entity=entity, project=project)],
+                                                   panels=[_panel(s) for s in panels])]
+    return wr.Report(project=project, entity=entity, title=title, blocks=blocks)
+
+
+# -- command line (tools/wandb_panels.py) ---------------------------------------------------
+
+def build_parser() -> Any:
+    import argparse
+
+    p = argparse.ArgumentParser(
+        prog="wandb_panels.py",
+        description="Create or update a saved W&B workspace view (or, with --report, a Report) with the "
+                    "dflash-cb panels: Headline, Uncertainty, Per category, Per depth, By position, Cost, Samples.")
+    p.add_argument("--entity", required=True)
+    p.add_argument("--project", required=True)
+    p.add_argument("--name", default="dflash-cb: drafter evaluation", help="view (or report) name")
+    p.add_argument("--report", action="store_true", help="make a W&B Report with the same panels instead")
+    p.add_argument("--url", default=None, help="update this existing saved view (its URL) instead of creating one")
+    p.add_argument("--run", default=None,
+                   help="take budgets, categories, block size, buckets and baselines from the keys this run logged: "
+                        "its id in the project (read from W&B), or a local offline run folder "
+                        "(wandb/offline-run-..., read without network); panels it never logged are warned about")
+    p.add_argument("--prefix", default="dflash_eval/")
+    p.add_argument("--budgets", default="16,32,64", help="DDTree budgets of the full evaluations (ddtree_budgets)")
+    p.add_argument("--periodic-budgets", default=None,
+                   help="DDTree budgets of the light evaluations (periodic_ddtree_budgets; default: the largest "
+                        "budget); the others show as full/ keys, logged by the full evaluations only")
+    p.add_argument("--categories", default="", help="comma-separated prompt categories")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--position-edges", default=",".join(map(str, DEFAULT_POSITION_EDGES)))
+    p.add_argument("--cycle-buckets", type=int, default=DEFAULT_CYCLE_BUCKETS)
+    p.add_argument("--baselines", default="", help="names of the measured baselines (callback baselines=)")
+    p.add_argument("--served", action="store_true",
+                   help="the cache holds the server's counters: show baseline/served/tau (no paired delta)")
+    p.add_argument("--published", default="",
+                   help="published entries logged: NAME (convention pooled) or NAME:CONVENTION, CONVENTION one of "
+                        + ", ".join(CONVENTIONS))
+    p.add_argument("--dry-run", action="store_true", help="print the panels and build the view; do not save")
+    return p
+
+
+def _csv(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def _published_key(item: str) -> str:
+    """``NAME`` or ``NAME:CONVENTION`` -> ``published/<slug>/<metric of that convention>``."""
+    from ..core.baselines import _slug
+
+    name, _, convention = item.partition(":")
+    convention = convention or "pooled"
+    if convention not in CONVENTIONS:
+        raise ValueError(f"--published {item!r}: unknown convention {convention!r}; use one of {sorted(CONVENTIONS)}")
+    return f"published/{_slug(name)}/{CONVENTIONS[convention]}"
+
+
+class PanelsError(DFlashCBError, ValueError):
+    """Bad panel options, a view URL of the wrong shape, or a W&B call that failed."""
+
+
+WANDB_FIX = ("log in with `wandb login` (or set WANDB_API_KEY), check the network and WANDB_BASE_URL, "
+             "or build the panels offline with --dry-run")
+
+
+def check_view_url(url: str) -> str:
+    """A saved workspace view's URL: ``https://<host>/<entity>/<project>?nw=<view id>``, checked offline."""
+    from urllib.parse import parse_qs, urlparse
+
+    u = urlparse(url)
+    parts = [x for x in u.path.split("/") if x]
+    nw = parse_qs(u.query).get("nw", [""])[0]
+    if u.scheme not in ("http", "https") or not u.netloc or len(parts) not in (2, 3) or \
+            (len(parts) == 3 and parts[2] != "workspace") or not nw or nw.startswith("nwuser"):
+        raise PanelsError(f"--url {url!r}: not a saved workspace view; copy the view's URL from the browser, "
+                          "shaped like https://wandb.ai/<entity>/<project>?nw=<view id> (personal views, "
+                          "nw=nwuser..., cannot be updated)")
+    return url
+
+
+def _wandb(what: str, call: Any) -> Any:
+    """Run one W&B call; its failure (no login, no network, a bad URL) becomes one line naming the fix."""
+    try:
+        return call()
+    except DFlashCBError:
+        raise
+    except Exception as e:  # wandb raises many types (UsageError, CommError, requests errors...)
+        text = " ".join(str(e).split())[:300] or type(e).__name__
+        raise PanelsError(f"wandb_panels.py: {what} failed ({type(e).__name__}: {text}); {WANDB_FIX}") from None
+
+
+def _run_history(run: str, entity: str, project: str) -> tuple[list[dict[str, Any]], set[str]]:
+    """(history rows, summary keys) of ``--run``: a local offline run folder, or a run id on W&B."""
+    from pathlib import Path
+
+    if Path(run).exists():
+        from .wandb_offline import offline_history
+
+        rows, summary = offline_history(run)
+        return rows, set(summary)
+
+    def fetch() -> tuple[list[dict[str, Any]], set[str]]:
+        import wandb
+
+        r = wandb.Api().run(f"{entity}/{project}/{run}")
+        return [dict(row) for row in r.scan_history(page_size=1000)], set(r.summary.keys())
+
+    return _wandb(f"reading run {entity}/{project}/{run}", fetch)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import json
+    import sys
+
+    from ..common.arguments import parse_int_list, parse_position_edges
+    from ..core.baselines import _slug
+
+    args = build_parser().parse_args(argv)
+    if args.block_size < 2:
+        raise PanelsError(f"--block-size {args.block_size}: a block is the anchor and at least one drafted "
+                          "token, so the block size is >= 2 (the drafter's block_size, e.g. 16)")
+    if args.url:
+        if args.report:
+            raise PanelsError("--url updates a saved workspace view; a --report is always created anew: "
+                              "drop one of the two")
+        check_view_url(args.url)
+    logged: set[str] | None = None
+    if args.run:
+        rows, summary_keys = _run_history(args.run, args.entity, args.project)
+        logged = {k for row in rows for k in row} | summary_keys
+        layout = layout_from_keys(logged, args.prefix, light_budgets(rows, args.prefix))
+    else:
+        try:
+            layout = PanelLayout(prefix=args.prefix, budgets=list(parse_int_list("--budgets", args.budgets, 1)),
+                                 categories=_csv(args.categories), block_size=args.block_size,
+                                 position_buckets=position_labels(parse_position_edges("--position-edges",
+                                                                                       args.position_edges)),
+                                 cycle_buckets=cycle_labels(args.cycle_buckets),
+                                 baselines=[f"baseline/{_slug(n)}" for n in _csv(args.baselines)],
+                                 published=[_published_key(x) for x in _csv(args.published)],
+                                 periodic_budgets=None if args.periodic_budgets is None
+                                 else list(parse_int_list("--periodic-budgets", args.periodic_budgets, 1)),
+                                 served=args.served)
+        except ValueError as e:
+            raise PanelsError(f"wandb_panels.py: {e}") from None
+    plan = panel_plan(layout)
+    if logged is not None:  # the run's keys are known: say which panels would stay empty
+        empty = unlogged_panels(plan, logged)
+        total = sum(len(p) for p in plan.values())
+        if len(empty) == total:
+            print(f"warning: run {args.run} logged none of the panels' keys under --prefix {args.prefix!r} "
+                  f"({len(logged)} keys logged); check --prefix (the callback's prefix=) and the run",
+                  file=sys.stderr)
+        elif empty:
+            print(f"warning: run {args.run} logged none of the keys of {len(empty)} panel(s): "
+                  f"{'; '.join(empty)}", file=sys.stderr)
+    view = (build_report if args.report else build_workspace)(args.entity, args.project, layout, args.name)
+    if args.dry_run:
+        print(json.dumps({s: [{"kind": p.kind, "title": p.title, "keys": list(p.keys)} for p in panels]
+                          for s, panels in plan.items()}, indent=1))
+        return 0
+    if args.url:
+        import wandb_workspaces.workspaces as ws
+
+        existing = _wandb(f"reading the view {args.url}", lambda: ws.Workspace.from_url(args.url))
+        existing.sections = view.sections
+        view = existing
+    _wandb("saving the view", view.save)  # the only network calls: here, from_url and --run
+    print(f"saved {'report' if args.report else 'workspace view'} {args.name!r}: {getattr(view, 'url', '')}")
+    return 0
