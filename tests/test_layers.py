@@ -1,0 +1,65 @@
+"""The package is layered: each folder of ``dflash_cb/`` imports only from its own layer and the layers below.
+
+common -> cache -> core -> integrations -> demo (see the README's *Repository* section). The check
+reads every module's imports (module level and inside functions) from its source, so a lazy import
+that climbs a layer is caught too.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "dflash_cb"
+LAYERS = ("common", "cache", "core", "integrations", "demo")
+
+
+def _imports(path: Path) -> set[str]:
+    """Absolute names of the dflash_cb modules ``path`` imports."""
+    module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    if path.name == "__init__.py":
+        package = module.removesuffix(".__init__")
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+                names = [f"{target}.{a.name}" for a in node.names] if not node.module else [target]
+            else:
+                names = [node.module or ""]
+            out.update(n for n in names if n == "dflash_cb" or n.startswith("dflash_cb."))
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.startswith("dflash_cb"))
+    return out
+
+
+def _layer(name: str) -> str | None:
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in LAYERS else None
+
+
+def test_the_folders_are_the_layers():
+    top = sorted(p.name for p in PACKAGE.iterdir() if not p.name.startswith("__"))
+    assert top == sorted(LAYERS), top  # every module lives in a layer folder; only __init__ at the top
+
+
+def test_no_module_imports_from_a_layer_above_its_own():
+    climbing = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        own = _layer(".".join(path.relative_to(PACKAGE.parent).parts))
+        if own is None:  # dflash_cb/__init__.py: lazy re-exports of the public names
+            continue
+        for name in sorted(_imports(path)):
+            theirs = _layer(name)
+            if theirs is not None and LAYERS.index(theirs) > LAYERS.index(own):
+                climbing.append(f"{path.relative_to(PACKAGE.parent)} imports {name} ({own} < {theirs})")
+    assert not climbing, "\n".join(climbing)
+
+
+def test_the_public_names_still_import_from_the_package():
+    import dflash_cb
+
+    for name in dflash_cb.__all__:
+        assert getattr(dflash_cb, name) is not None, name
