@@ -101,6 +101,8 @@ class DFlashEvalCallback(Callback):
     ``trainer.global_step``; tables and charts to the first ``WandbLogger``'s run.
     """
 
+    # The arguments are spelled out, not **kwargs, so LightningCLI (jsonargparse) can configure the callback
+    # from YAML; LiveEvaluator checks each one (dflash_cb.common.arguments) and documents it.
     def __init__(
         self,
         states: str | os.PathLike,
