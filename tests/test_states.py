@@ -87,3 +87,23 @@ def test_token_ids_read_only_input_ids_and_check_the_shard(tiny_cache: Path, tmp
     shard.write_bytes(shard.read_bytes()[:-10])
     with pytest.raises(CacheError, match=rf"{shard.name}: shard is .* bytes.*truncated"):
         cache.token_ids("p001")
+
+
+def test_a_rewrite_that_restores_the_mtime_is_hashed_again(tiny_cache: Path, tmp_path: Path) -> None:
+    """Same size, modification time put back (``cp -p``, rsync --times): the status-change time still
+    moved, so the damaged shard is hashed again, here and in a new reader of the same process."""
+    import os
+
+    cache = StateCache(copy_cache(tiny_cache, tmp_path / "cache"))
+    cache.verify()
+    shard = cache.path / cache.entry("p002").shard
+    st = shard.stat()
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0x01
+    shard.write_bytes(bytes(data))
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert (shard.stat().st_size, shard.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+    with pytest.raises(CacheError, match="sha256 .* does not match"):
+        cache.load("p002", verify=True)
+    with pytest.raises(CacheError, match="sha256 .* does not match"):
+        StateCache(cache.path).load("p002", verify=True)

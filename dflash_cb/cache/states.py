@@ -239,8 +239,9 @@ def select_sample_ids(cache: StateCache, num_samples: int | None = None, sample_
     return stratified_ids(all_ids, lambda i: cache.entry(i).category, num_samples, seed)
 
 
-def _identity(st: os.stat_result) -> tuple[int, ...]:
-    """What changes when a file is rewritten, replaced by a rename or copied over (copies keep mtime)."""
+def file_identity(st: os.stat_result) -> tuple[int, ...]:
+    """What changes when a file is rewritten, replaced by a rename or copied over: a copy or a rewrite
+    that keeps (or restores) the modification time still changes the inode or the status-change time."""
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
@@ -252,13 +253,13 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 24) -> str:
     return h.hexdigest()
 
 
-# Files whose sha256 matched, by (real path, size, mtime_ns, expected sha256), for this process: a
-# new StateCache of the same folder (every Lightning setup makes one) does not hash them again.
-_VERIFIED: set[tuple[str, int, int, str]] = set()
+# Files whose sha256 matched, by (real path, file_identity, expected sha256), for this process: a new
+# StateCache of the same folder (every Lightning setup makes one) does not hash them again.
+_VERIFIED: set[tuple[str, tuple[int, ...], str]] = set()
 
 
-def verified_key(path: str | os.PathLike, st: os.stat_result, expected: str) -> tuple[str, int, int, str]:
-    return (os.path.realpath(path), st.st_size, st.st_mtime_ns, expected)
+def verified_key(path: str | os.PathLike, st: os.stat_result, expected: str) -> tuple[str, tuple[int, ...], str]:
+    return (os.path.realpath(path), file_identity(st), expected)
 
 
 def mark_verified(path: str | os.PathLike, expected: str) -> None:
@@ -326,7 +327,7 @@ class StateCache:
             raise CacheError(
                 f"{manifest_path}: no manifest{hint}. Create the cache with tools/precompute_states.py --out {self.path}"
             )
-        self._manifest_seen = _identity(manifest_path.stat())  # before the read: a later change is seen
+        self._manifest_seen = file_identity(manifest_path.stat())  # before the read: a later change is seen
         raw = manifest_path.read_bytes()
         try:
             data = json.loads(raw)
@@ -377,7 +378,7 @@ class StateCache:
 
     def _wrong_digest(self, name: str, p: Path, st: os.stat_result, expected: str) -> str | None:
         """None if ``p`` hashes to ``expected``, else the digest it has. A file that passed before is
-        hashed again only if its size or modification time changed."""
+        hashed again only if it changed (``file_identity``: size, times, inode)."""
         key = verified_key(p, st, expected)
         if key in _VERIFIED:
             return None
@@ -395,7 +396,7 @@ class StateCache:
         instead of failing later on a shard that no longer fits."""
         p = self.path / MANIFEST_NAME
         try:
-            seen = _identity(p.stat())
+            seen = file_identity(p.stat())
         except OSError as e:
             raise CacheError(f"{p}: the cache changed: its manifest is gone ({e.strerror}); restore the cache "
                              f"this run started with, or restart the run on the new one") from None
@@ -413,7 +414,7 @@ class StateCache:
         """Check sizes and sha256 of the given shards (all by default) and of the head file (by
         default only when checking all shards).
 
-        A file checked before is hashed again only if its size or modification time changed.
+        A file checked before is hashed again only if it changed (``file_identity``: size, times, inode).
         """
         for name in shard_files if shard_files is not None else list(self._shards):
             self._check_shard_file(self._shards[name], hash_check=True)

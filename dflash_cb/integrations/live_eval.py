@@ -45,7 +45,7 @@ def verify_across_ranks(cache: StateCache, ids: Sequence[str], head: bool) -> Se
     """sha256 of the shards each rank scores (its ``rank_share``) and, on rank zero, of the exported
     head; the head's result is shared with the other ranks, which do not hash it. A collective over
     ``torch.distributed``'s default group (a single process without one): every rank calls it. A file
-    verified before in this process (same size and mtime) is not hashed again.
+    verified before in this process (unchanged ``states.file_identity``) is not hashed again.
 
     A mismatch on any rank raises ``CacheError`` on every rank (no rank trains on while another stops).
     """
