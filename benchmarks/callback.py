@@ -60,7 +60,7 @@ class StepTimer(Callback):
         self._evals_at_last = 0
 
     def _n_evals(self) -> int:
-        return self.eval_cb.num_evals if self.eval_cb is not None else 0
+        return self.eval_cb.evaluator.state.num_evals if self.eval_cb is not None else 0
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         _sync(pl_module)
@@ -81,7 +81,7 @@ class BareEvaluate(Callback):
         self._seen = 0
 
     def on_train_batch_end(self, trainer, pl_module, *args):
-        n = self.eval_cb.num_evals
+        n = self.eval_cb.evaluator.state.num_evals
         if n == self._seen:
             return
         self._seen = n

@@ -16,13 +16,14 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
 from dflash_cb import DFlashEvalCallback
-from dflash_cb.cache.states import CacheMismatchError, StateCache
+from dflash_cb.cache.states import CacheMismatchError, StateCache, stratified_ids
 from dflash_cb.core.metrics import EVAL_TIME
 from dflash_cb.demo.lightning_module import CachedStatesDataModule, DFlashDrafterModule
-from dflash_cb.integrations.callback import (
+from dflash_cb.integrations.evaluator import DFlashEvalError
+from dflash_cb.integrations.schedule import (
     FIT_END,
-    DFlashEvalError,
-    _stratified,
+    Profile,
+    choose_profile,
     fit_end_eval_due,
     fit_start_eval_due,
     is_full_evaluation,
@@ -121,7 +122,7 @@ def test_logged_tau_equals_eval_drafter_on_saved_weights(tmp_path, tiny_cache, t
                 assert same(got[k], v), (step, k, got[k], v)
         # The callback's per-sample results agree too (rank zero keeps the last evaluation's).
     res = json.loads((tmp_path / "results_6.json").read_text())
-    assert [s.acceptance_lengths for s in cb.last_samples] == [s["acceptance_lengths"] for s in res["samples"]]
+    assert [s.acceptance_lengths for s in cb.evaluator.last_samples] == [s["acceptance_lengths"] for s in res["samples"]]
 
 
 class Probe(Callback):
@@ -232,7 +233,7 @@ def test_shard_changed_during_training_is_rehashed_counted_and_stops_after_k(tmp
     with pytest.warns(RuntimeWarning), pytest.raises(DFlashEvalError, match="2 evaluations in a row failed"):
         fit(tmp_path / "k", tiny_drafter_config, tiny_cache, [Corrupt(shard), strict], max_steps=6,
             data_cache=tiny_cache)
-    assert strict.last_eval_step == 2 and strict.failed_evaluations == 2  # steps 1 and 2 failed, then stop
+    assert strict.evaluator.state.last_eval_step == 2 and strict.evaluator.state.failed_evaluations == 2  # steps 1 and 2 failed, then stop
 
     shutil.rmtree(broken)
     shutil.copytree(tiny_cache, broken)
@@ -325,10 +326,10 @@ def test_valid_arguments_are_normalised():
     cb = DFlashEvalCallback(states=Path("c"), every_n_train_steps=np.int64(4), ddtree_budgets=[64, 16, 16],
                             periodic_ddtree_budgets=[], sample_ids=("a", "b"), baselines="r/zlab.json",
                             position_edges=(0, 8))
-    assert cb.every_n_train_steps == 4 and type(cb.every_n_train_steps) is int and cb.states == "c"
-    assert cb.ddtree_budgets == (16, 64) and cb.periodic_ddtree_budgets == () and cb.sample_ids == ["a", "b"]
-    assert cb.baselines == {"zlab": "r/zlab.json"} and cb.position_edges == (0, 8)
-    assert DFlashEvalCallback(states="c", ddtree_budgets=[]).periodic_ddtree_budgets == ()
+    assert cb.config.every_n_train_steps == 4 and type(cb.config.every_n_train_steps) is int and cb.config.states == "c"
+    assert cb.config.ddtree_budgets == (16, 64) and cb.config.light_budgets == () and cb.config.sample_ids == ("a", "b")
+    assert cb.config.baselines == {"zlab": "r/zlab.json"} and cb.config.position_edges == (0, 8)
+    assert DFlashEvalCallback(states="c", ddtree_budgets=[]).config.light_budgets == ()
 
 
 @pytest.mark.filterwarnings("ignore:.*ckpt_path.*:UserWarning", "ignore:.*resuming from a checkpoint.*:UserWarning")
@@ -351,7 +352,7 @@ def test_resume_on_a_replaced_cache_warns_and_starts_a_new_series(tmp_path, tiny
         fit(tmp_path / "b", tiny_drafter_config, tiny_cache, [resumed], max_steps=4,
             ckpt_path=str(tmp_path / "ckpt" / "step=2.ckpt"))
     # A new series: the resumed weights scored on the new cache at step 2, then step 4.
-    assert [h["step"] for h in resumed.history] == [2, 4] and resumed.num_evals == 2
+    assert [h["step"] for h in resumed.history] == [2, 4] and resumed.evaluator.state.num_evals == 2
     assert resumed.state_dict()["cache_manifest_sha256"] == StateCache(cache).manifest_sha256 != old_sha
 
 
@@ -370,19 +371,22 @@ def test_resume_neither_repeats_nor_skips(tmp_path, tiny_cache, tiny_drafter_con
                      ckpt_path=str(tmp_path / "ckpt" / "step=4.ckpt"))
     # Restored history [0, 2, 4], then 6 and 8: no second evaluation at 4, none missing.
     assert [h["step"] for h in resumed.history] == [0, 2, 4, 6, 8]
-    assert resumed.num_evals == 5 and trainer.global_step == 8
+    assert resumed.evaluator.state.num_evals == 5 and trainer.global_step == 8
 
 
 def test_subset_is_fixed_and_stratified(tiny_cache):
     cache = StateCache(tiny_cache)
     ids = [s.id for s in cache.samples]
-    a = _stratified(ids, cache, 4, seed=3)
-    assert a == _stratified(ids, cache, 4, seed=3) and len(a) == 4
+    def category(i):
+        return cache.entry(i).category
+
+    a = stratified_ids(ids, category, 4, seed=3)
+    assert a == stratified_ids(ids, category, 4, seed=3) and len(a) == 4
     cats = [cache.entry(i).category for i in a]
     assert sorted(cats) == ["chat", "chat", "code", "code"]
     assert a == sorted(a, key=ids.index)
     rng = torch.get_rng_state()
-    _stratified(ids, cache, 4, seed=5)
+    stratified_ids(ids, category, 4, seed=5)
     assert torch.equal(rng, torch.get_rng_state())
 
 
@@ -415,6 +419,7 @@ def test_cli_yaml_config_parses_into_callback(tmp_path, tiny_cache, tiny_drafter
             f"--model.drafter_config={json.dumps(tiny_drafter_config)}", f"--model.states={tiny_cache}",
             f"--data.states={tiny_cache}", f"--trainer.default_root_dir={tmp_path}",
             "--trainer.callbacks.init_args.every_n_train_steps=1000", "--trainer.max_steps=2",
+            # (states: overridden below to the test cache, budgets to one small one)
             "--trainer.logger=false", "--trainer.enable_progress_bar=false", "--trainer.accelerator=cpu"]
     old = sys.argv
     try:
@@ -426,25 +431,36 @@ def test_cli_yaml_config_parses_into_callback(tmp_path, tiny_cache, tiny_drafter
     cbs = [c for c in cli.trainer.callbacks if isinstance(c, DFlashEvalCallback)]
     assert len(cbs) == 1
     cb = cbs[0]
-    assert cb.states == "cached_states/qwen36-27b-v1" and cb.every_n_train_steps == 1000
-    assert cb.drafter == "drafter" and cb.ddtree_budgets == (16, 32, 64) and cb.prefix == "dflash_eval/"
-    assert cb.published is None and cb.fail_on_error is False and cb.verify_cache is True
-    assert cb.max_failed_evaluations == 3
+    assert cb.config.states == "cached_states/qwen36-27b-v1" and cb.config.every_n_train_steps == 1000
+    assert cb.drafter == "drafter" and cb.config.ddtree_budgets == (16, 32, 64) and cb.config.prefix == "dflash_eval/"
+    assert cb.config.published is None and cb.config.fail_on_error is False and cb.config.verify_cache is True
+    assert cb.config.max_failed_evaluations == 3
     mine = [c for c in cli.trainer.callbacks if isinstance(c, ModelCheckpoint) and c.monitor == "dflash_eval/tau"]
     assert len(mine) == 1
-    # And it runs: fit from the YAML (on the test cache), evaluating at the start and the end.
-    cb.states, cb.ddtree_budgets = str(tiny_cache), (4,)
+    # And it runs: fit from the YAML with command-line overrides (on the test cache), evaluating at the
+    # start and the end.
+    argv += [f"--trainer.callbacks.init_args.states={tiny_cache}", "--trainer.callbacks.init_args.ddtree_budgets=[4]"]
+    try:
+        sys.argv = ["prog"]
+        cli = LightningCLI(DFlashDrafterModule, CachedStatesDataModule, run=False, args=argv,
+                           save_config_kwargs={"overwrite": True})
+    finally:
+        sys.argv = old
+    cb = next(c for c in cli.trainer.callbacks if isinstance(c, DFlashEvalCallback))
+    mine = [c for c in cli.trainer.callbacks if isinstance(c, ModelCheckpoint) and c.monitor == "dflash_eval/tau"]
+    assert cb.config.states == str(tiny_cache) and cb.config.ddtree_budgets == (4,)
     cli.trainer.fit(cli.model, cli.datamodule)
     assert [h["step"] for h in cb.history] == [0, 2] and mine[0].best_model_score is not None
 
 
 def test_state_dict_round_trip():
     cb = DFlashEvalCallback(states="x", every_n_train_steps=5)
-    cb.last_eval_step, cb.num_evals, cb.start_done = 10, 3, True
-    cb.history = [{"step": 10, "tau": 2.0}]
+    saved = {**cb.state_dict(), "last_eval_step": 10, "num_evals": 3, "start_done": True,
+             "history": [{"step": 10, "tau": 2.0}]}
     other = DFlashEvalCallback(states="x", every_n_train_steps=5)
-    other.load_state_dict(cb.state_dict())
-    assert (other.last_eval_step, other.num_evals, other.start_done, other.history) == (10, 3, True, cb.history)
+    other.load_state_dict(saved)
+    s = other.evaluator.state
+    assert (s.last_eval_step, s.num_evals, s.start_done, other.history) == (10, 3, True, saved["history"])
     assert other.state_key == cb.state_key != DFlashEvalCallback(states="y").state_key
 
 
@@ -471,20 +487,15 @@ def test_schedule_decisions():
 
 def test_evaluation_profiles():
     """Light periodic evaluations, a full one every N-th and at fit end; bad profile values refused early."""
-    from dflash_cb.core.model import DrafterSpec
-
-    cb = DFlashEvalCallback(states="x", ddtree_budgets=[16, 32, 64], full_every_n_evals=3)
-    cb._spec = DrafterSpec(block_size=16, mask_token_id=1, target_layer_ids=(1,), target_hidden_size=8, vocab_size=9)
-    plan = []
-    for _ in range(6):
-        plan.append(cb._profile("step"))
-        cb.num_evals += 1
-    light, full = (False, (64,), 16), (True, (16, 32, 64), 1)
+    cfg = DFlashEvalCallback(states="x", ddtree_budgets=[16, 32, 64], full_every_n_evals=3).config
+    plan = [choose_profile("step", k, cfg.full_every_n_evals, cfg.ddtree_budgets, cfg.light_budgets,
+                           cfg.light_stride(16)) for k in range(6)]
+    light, full = Profile(False, (64,), 16), Profile(True, (16, 32, 64), 1)
     assert plan == [light, light, full, light, light, full]
-    assert cb._profile("fit end") == full
-    custom = DFlashEvalCallback(states="x", periodic_ddtree_budgets=[8, 4], periodic_anchor_stride=4)
-    custom._spec = cb._spec
-    assert custom._profile("step") == (False, (4, 8), 4)
+    assert choose_profile(FIT_END, 0, 3, cfg.ddtree_budgets, cfg.light_budgets, cfg.light_stride(16)) == full
+    custom = DFlashEvalCallback(states="x", periodic_ddtree_budgets=[8, 4], periodic_anchor_stride=4).config
+    assert choose_profile("step", 0, 0, custom.ddtree_budgets, custom.light_budgets,
+                          custom.light_stride(16)) == Profile(False, (4, 8), 4)
     for bad in ({"periodic_anchor_stride": 0}, {"full_every_n_evals": -1}, {"periodic_ddtree_budgets": [0]},
                 {"tail_blocks": "short"}):
         with pytest.raises(ValueError, match=next(iter(bad))):

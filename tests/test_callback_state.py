@@ -19,8 +19,8 @@ from test_callback import fit, read_csv_metrics
 
 from dflash_cb import DFlashEvalCallback
 from dflash_cb.cache.states import StateCache
-from dflash_cb.integrations.callback import DFlashEvalError
 from dflash_cb.integrations.eval_state import EvalState, MalformedStateError
+from dflash_cb.integrations.evaluator import DFlashEvalError
 
 RESUME_NOISE = ("ignore:.*ckpt_path.*:UserWarning", "ignore:.*resuming from a checkpoint.*:UserWarning")
 
@@ -44,7 +44,7 @@ def three_sample_ckpt(tmp_path_factory, tiny_cache, tiny_drafter_config) -> tupl
     cb = make_cb(tiny_cache, num_samples=3, eval_on_fit_end=False)
     ckpt = ModelCheckpoint(dirpath=root / "ckpt", filename="{step}", every_n_train_steps=2, save_top_k=-1)
     fit(root, tiny_drafter_config, tiny_cache, [cb, ckpt], max_steps=2, checkpointing=True)
-    assert steps(cb) == [0, 2] and len(cb.eval_ids) == 3
+    assert steps(cb) == [0, 2] and len(cb.evaluator.eval_ids) == 3
     return root / "ckpt" / "step=2.ckpt", cb
 
 
@@ -68,21 +68,21 @@ def test_resume_with_another_sample_selection_starts_a_new_series(tmp_path, tiny
     resumed = make_cb(tiny_cache, **selection)
     with pytest.warns(RuntimeWarning, match=message):
         fit(tmp_path, tiny_drafter_config, tiny_cache, [resumed], max_steps=4, ckpt_path=str(ckpt))
-    assert set(resumed.eval_ids) != set(first.eval_ids)
+    assert set(resumed.evaluator.eval_ids) != set(first.evaluator.eval_ids)
     # A new series: the resumed weights scored on the new selection at step 2, then step 4.
-    assert steps(resumed) == [2, 4] and resumed.num_evals == 2
-    assert resumed.state_dict()["sample_selection"]["count"] == len(resumed.eval_ids)
+    assert steps(resumed) == [2, 4] and resumed.evaluator.state.num_evals == 2
+    assert resumed.state_dict()["sample_selection"]["count"] == len(resumed.evaluator.eval_ids)
 
 
 @pytest.mark.filterwarnings(*RESUME_NOISE)
 def test_resume_with_the_same_ids_goes_on(tmp_path, tiny_cache, tiny_drafter_config, three_sample_ckpt):
     """The evaluated ids decide, not how they were asked for: the same 3 ids by name continue the series."""
     ckpt, first = three_sample_ckpt
-    same = make_cb(tiny_cache, sample_ids=list(first.eval_ids))
+    same = make_cb(tiny_cache, sample_ids=list(first.evaluator.eval_ids))
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
         fit(tmp_path, tiny_drafter_config, tiny_cache, [same], max_steps=4, ckpt_path=str(ckpt))
-    assert ours(rec) == [] and steps(same) == [0, 2, 4] and same.num_evals == 3
+    assert ours(rec) == [] and steps(same) == [0, 2, 4] and same.evaluator.state.num_evals == 3
 
 
 # -- item 8: a malformed saved state ---------------------------------------------------------------
@@ -120,7 +120,7 @@ def test_malformed_state_warns_naming_the_field_and_starts_a_new_series(change, 
     cb = make_cb("x")
     with pytest.warns(RuntimeWarning, match=rf"evaluation state is malformed \({field}.*new series starts here"):
         cb.load_state_dict(state)
-    assert (cb.history, cb.num_evals, cb.last_eval_step, cb.start_done, cb.failed_evaluations) == ([], 0, -1, False, 0)
+    assert (cb.history, cb.evaluator.state.num_evals, cb.evaluator.state.last_eval_step, cb.evaluator.state.start_done, cb.evaluator.state.failed_evaluations) == ([], 0, -1, False, 0)
     assert cb.state_dict() == EvalState().to_dict()
 
 
@@ -133,7 +133,7 @@ def test_well_formed_states_load_without_a_word():
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             cb.load_state_dict(state)
-        assert steps(cb) == [0, 4] and cb.num_evals == 2 and cb.start_done
+        assert steps(cb) == [0, 4] and cb.evaluator.state.num_evals == 2 and cb.evaluator.state.start_done
     with pytest.raises(MalformedStateError, match="history"):
         EvalState.from_dict({**GOOD, "history": {}})
 
@@ -189,7 +189,7 @@ def test_cache_replaced_during_training_fails_the_evaluation_naming_both_hashes(
     with pytest.warns(RuntimeWarning, match=r"evaluation at step 2 .*failed on rank 0: CacheError: .*" + changed) as rec:
         trainer, _ = fit(tmp_path, tiny_drafter_config, tiny_cache, [SwapCache(folder, other_cache), cb], max_steps=4,
                          data_cache=tiny_cache, logger=CSVLogger(tmp_path / "logs"))
-    assert trainer.global_step == 4 and steps(cb) == [0] and cb.failed_evaluations == 2
+    assert trainer.global_step == 4 and steps(cb) == [0] and cb.evaluator.state.failed_evaluations == 2
     assert all("the cache changed" in m and "truncated" not in m for m in ours(rec))  # steps 2 and 4 (fit end)
     logged = read_csv_metrics(Path(trainer.logger.log_dir) / "metrics.csv")
     assert {s: v["failed_evaluations"] for s, v in logged.items()} == {0: 0.0, 2: 1.0, 4: 2.0}

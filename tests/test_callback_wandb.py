@@ -109,15 +109,15 @@ def test_wandb_offline_run_holds_metrics_table_chart_and_baselines(tmp_path, tin
     assert not any("unknown-drafter" in k for k in keys | set(summary))  # placeholders are never logged
 
     # The reference is restricted to the same 4-sample subset the live evaluation scores.
-    ref = load_measured(reference_results, StateCache(tiny_cache), sample_ids=cb.eval_ids)
+    ref = load_measured(reference_results, StateCache(tiny_cache), sample_ids=cb.evaluator.eval_ids)
     assert all(h["dflash_eval/baseline/zlab/tau"] == pytest.approx(ref.metrics["tau"]) for h in evals)
     full_tau = json.loads(reference_results.read_text())["metrics"]["tau"]
-    assert len(cb.eval_ids) == 4 and ref.details["subset"].startswith("4 of 6")
+    assert len(cb.evaluator.eval_ids) == 4 and ref.details["subset"].startswith("4 of 6")
     assert ref.metrics["tau"] == pytest.approx(
         sum(sum(s["acceptance_lengths"]) for s in json.loads(reference_results.read_text())["samples"]
-            if s["id"] in cb.eval_ids)
+            if s["id"] in cb.evaluator.eval_ids)
         / sum(len(s["acceptance_lengths"]) for s in json.loads(reference_results.read_text())["samples"]
-              if s["id"] in cb.eval_ids)) and isinstance(full_tau, float)
+              if s["id"] in cb.evaluator.eval_ids)) and isinstance(full_tau, float)
     assert summary["dflash_eval/baseline/zlab/acceptance/depth_01"] == pytest.approx(ref.metrics["acceptance/depth_01"])
     assert summary["dflash_eval/published/paper-x/ddtree/tau_b8"] == 4.0
 

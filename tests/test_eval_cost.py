@@ -39,13 +39,13 @@ def test_setup_hashes_each_file_once_per_process(tmp_path, tiny_cache, tiny_draf
     cb = DFlashEvalCallback(states=cache, every_n_train_steps=2, ddtree_budgets=[4], num_samples=4)
     fit(tmp_path / "a", tiny_drafter_config, cache, [cb], max_steps=4)
     sc = StateCache(cache)
-    want = sorted([*sc.shards_of(cb.eval_ids), sc.manifest.target_head["file"]])
-    assert len(cb.eval_ids) == 4 < len(sc.shards_of()) and sorted(hashed) == want
+    want = sorted([*sc.shards_of(cb.evaluator.eval_ids), sc.manifest.target_head["file"]])
+    assert len(cb.evaluator.eval_ids) == 4 < len(sc.shards_of()) and sorted(hashed) == want
     hashed.clear()
     fit(tmp_path / "b", tiny_drafter_config, cache, [DFlashEvalCallback(states=cache, every_n_train_steps=2,
                                                                          num_samples=4)], max_steps=2)
     assert hashed == []
-    shard = cache / sc.shards_of(cb.eval_ids)[0]
+    shard = cache / sc.shards_of(cb.evaluator.eval_ids)[0]
     st = shard.stat()
     os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
     fit(tmp_path / "c", tiny_drafter_config, cache, [DFlashEvalCallback(states=cache, every_n_train_steps=2,

@@ -137,7 +137,7 @@ def test_plain_loop_resume_neither_repeats_nor_skips(tiny_cache, tiny_drafter_co
     resumed, logged, _ = plain_loop(str(tiny_cache), tiny_drafter_config, steps=8, every=2, state=checkpoints[4])
     # Restored history [0, 2, 4]; the resumed run evaluates 6 and 8 only (no start evaluation, no second 4).
     assert [h["step"] for h in resumed.history] == [0, 2, 4, 6, 8] and sorted(logged) == [6, 8]
-    assert resumed.num_evals == 5
+    assert resumed.state.num_evals == 5
 
 
 def test_plain_loop_into_a_wandb_run_logs_todays_keys_table_and_chart(tmp_path, tiny_cache, tiny_drafter_config):
@@ -277,7 +277,7 @@ def test_hf_trainer_resume_neither_repeats_nor_skips(tmp_path, tiny_cache, tiny_
     assert sorted(_evaluations(trainer)) == [0, 2, 4]
     resumed, cb2, _ = hf_train(tmp_path, tiny_cache, tiny_drafter_config, max_steps=8, every=2,
                                resume=str(tmp_path / "hf" / "checkpoint-4"))
-    assert [h["step"] for h in cb2.evaluator.history] == [0, 2, 4, 6, 8] and cb2.evaluator.num_evals == 5
+    assert [h["step"] for h in cb2.evaluator.history] == [0, 2, 4, 6, 8] and cb2.evaluator.state.num_evals == 5
     # The resumed Trainer's log history (restored from the checkpoint) has each step once.
     steps = [h["step"] for h in resumed.state.log_history if PREFIX + "tau" in h]
     assert steps == [0, 2, 4, 6, 8]

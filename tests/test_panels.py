@@ -62,7 +62,7 @@ def offline_run(tiny_cache, tiny_drafter_config, tmp_path_factory) -> dict:
 
 def _layout(cb: DFlashEvalCallback, block_size: int) -> PanelLayout:
     """What a user passes to tools/wandb_panels.py for this run: from its configuration, not its keys."""
-    return PanelLayout(budgets=BUDGETS, categories=sorted({s.category for s in cb.cache.samples}),
+    return PanelLayout(budgets=BUDGETS, categories=sorted({s.category for s in cb.evaluator.session.cache.samples}),
                        block_size=block_size, position_buckets=position_labels(EDGES), cycle_buckets=cycle_labels(),
                        baselines=["baseline/zlab"], published=["published/paper-x/tau", "published/paper-y/tau_request_mean"])
 
@@ -171,7 +171,7 @@ def test_panels_show_what_the_light_and_full_profiles_log(offline_run, tiny_draf
     history, cb = offline_run["history"], offline_run["cb"]
     evals = [h for h in history if "dflash_eval/tau" in h]
     full = [h for h in evals if "dflash_eval/full/tau" in h]
-    assert cb.periodic_ddtree_budgets == (8,) and full and len(full) < len(evals)  # both profiles ran
+    assert cb.config.light_budgets == (8,) and full and len(full) < len(evals)  # both profiles ran
     layout = _layout(cb, tiny_drafter_config["block_size"])  # what a user passes: the callback's configuration
     keys = _ddtree_panel(panel_plan(layout))
     assert "dflash_eval/ddtree/tau_b8" in keys and "dflash_eval/full/ddtree/tau_b4" in keys

@@ -427,8 +427,8 @@ def test_callback_logs_the_served_tau(world, served_cache, tmp_path) -> None:
         logged = [float(r["dflash_eval/baseline/served/tau"]) for r in csv.DictReader(f)
                   if r.get("dflash_eval/baseline/served/tau")]
     assert logged and all(v == pytest.approx(want) for v in logged)
-    assert any(b.label.endswith("(served, measured online)") for b in cb.reference)
-    assert cb._describe()["tail_blocks"] == "served"  # the run's logged config says which tail convention
+    assert any(b.label.endswith("(served, measured online)") for b in cb.evaluator.session.baselines)
+    assert cb.evaluator.describe()["tail_blocks"] == "served"  # the run's logged config says which tail convention
 
 
 def test_server_info_is_optional(server) -> None:

@@ -14,6 +14,8 @@ import torch
 
 from ..cache.served import spec_accept_length
 
+# The live evaluation's default name prefix (``{prefix}tau``); every default in the package is this one.
+DEFAULT_PREFIX = "dflash_eval/"
 # Metric names (logged as ``prefix + name``; the glossary in README.md defines each one).
 TAU = "tau"
 CYCLES = "cycles"

@@ -11,6 +11,7 @@ context prefix). The block, its attention and the sliding-window rule: docs/meth
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Sequence
@@ -85,6 +86,11 @@ class DrafterSpec:
             output_multiplier=float(_dflash_value(config, "output_multiplier", 1.0) or 1.0),
             final_logit_softcapping=float(softcap) if softcap else None,
         )
+
+    def differences(self, other: DrafterSpec) -> list[tuple[str, Any, Any]]:
+        """``(field, this value, other value)`` for every field that differs."""
+        return [(f.name, getattr(self, f.name), getattr(other, f.name)) for f in dataclasses.fields(self)
+                if getattr(self, f.name) != getattr(other, f.name)]
 
     def as_cache_check(self) -> dict[str, Any]:
         return {

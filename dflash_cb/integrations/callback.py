@@ -57,19 +57,11 @@ from ..common import arguments as check
 from ..core.engine import DEFAULT_BUDGETS
 from ..core.metrics import TAU
 from ..core.positions import DEFAULT_POSITION_EDGES
+from .config import DEFAULT_PREFIX, AutocastName, EvalConfig, TailBlocks
 from .distributed import full_parameters, sharding_kind
-from .evaluator import (
-    FIT_END,
-    DFlashEvalError,
-    LiveEvaluator,
-    _stratified,
-    find_drafter,
-    fit_end_eval_due,
-    fit_start_eval_due,
-    is_full_evaluation,
-    periodic_eval_reason,
-)
-from .sinks import MetricsSink
+from .drafter_source import find_drafter
+from .evaluator import LiveEvaluator
+from .sinks import MetricsSink, WandbSink
 from .wandb_logging import find_wandb_run
 
 DrafterSource = str | Callable[[LightningModule], nn.Module]
@@ -102,7 +94,7 @@ class DFlashEvalCallback(Callback):
     """
 
     # The arguments are spelled out, not **kwargs, so LightningCLI (jsonargparse) can configure the callback
-    # from YAML; LiveEvaluator checks each one (dflash_cb.common.arguments) and documents it.
+    # from YAML; they are EvalConfig's fields plus drafter and prog_bar (tests/test_config.py checks it).
     def __init__(
         self,
         states: str | os.PathLike,
@@ -120,49 +112,55 @@ class DFlashEvalCallback(Callback):
         num_samples: int | None = None,
         sample_ids: Sequence[str] | None = None,
         sample_seed: int = 0,
-        prefix: str = "dflash_eval/",
+        prefix: str = DEFAULT_PREFIX,
         baselines: dict[str, str] | Sequence[str] | None = None,
         published: str | os.PathLike | None = None,
         published_entries: Sequence[str] | None = None,
         fail_on_error: bool = False,
         max_failed_evaluations: int = 3,
-        autocast_dtype: str | None = "auto",
+        autocast_dtype: AutocastName | None = "auto",
         table_samples: int = 4,
         table_cycles: int = 4,
         tokenizer: Any = None,
         verify_cache: bool = True,
         position_edges: Sequence[int] = DEFAULT_POSITION_EDGES,
-        prog_bar: bool = False,
         console: bool = True,
-        tail_blocks: str = "served",
+        tail_blocks: TailBlocks = "served",
+        prog_bar: bool = False,
     ) -> None:
         super().__init__()
         if not isinstance(drafter, str) and not callable(drafter):
-            raise TypeError("drafter must be an attribute path (str) or a function taking the LightningModule")
-        options = {k: v for k, v in locals().items() if k not in ("self", "__class__", "drafter", "prog_bar")}
-        self.evaluator = LiveEvaluator(**options, say=rank_zero_info, name=type(self).__name__)
+            raise check.ArgumentError(f"drafter={drafter!r}: expected an attribute path (str) or a function taking "
+                                      "the LightningModule")
+        config = EvalConfig(
+            states=states, every_n_train_steps=every_n_train_steps, eval_on_fit_start=eval_on_fit_start,
+            eval_on_fit_end=eval_on_fit_end, target_embed=target_embed, target_lm_head=target_lm_head,
+            ddtree_budgets=ddtree_budgets, periodic_ddtree_budgets=periodic_ddtree_budgets,
+            periodic_anchor_stride=periodic_anchor_stride, full_every_n_evals=full_every_n_evals,
+            num_samples=num_samples, sample_ids=sample_ids, sample_seed=sample_seed, prefix=prefix,
+            baselines=baselines, published=published, published_entries=published_entries,
+            fail_on_error=fail_on_error, max_failed_evaluations=max_failed_evaluations,
+            autocast_dtype=autocast_dtype, table_samples=table_samples, table_cycles=table_cycles,
+            tokenizer=tokenizer, verify_cache=verify_cache, position_edges=position_edges, console=console,
+            tail_blocks=tail_blocks)
+        self.evaluator = LiveEvaluator(config, say=rank_zero_info, name=type(self).__name__)
         self.drafter = drafter
         self.prog_bar = check.flag("prog_bar", prog_bar)
         self._fast_dev_run_noted = False
 
-    # The evaluator's attributes (schedule, history, cache, arguments) read and set as the callback's own.
-    def __getattr__(self, name: str) -> Any:
-        evaluator = self.__dict__.get("evaluator")
-        if evaluator is None or name.startswith("__"):
-            raise AttributeError(name)
-        return getattr(evaluator, name)
+    @property
+    def config(self) -> EvalConfig:
+        return self.evaluator.config
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        evaluator = self.__dict__.get("evaluator")
-        if evaluator is not None and name not in self.__dict__ and name in evaluator.__dict__:
-            setattr(evaluator, name, value)
-        else:
-            super().__setattr__(name, value)
+    @property
+    def history(self) -> list[dict[str, float]]:
+        """Rank zero: ``{"step": s, metric: value, ...}`` per evaluation (``LiveEvaluator.history``)."""
+        return self.evaluator.history
 
     # -- Lightning plumbing ---------------------------------------------------------------
     @property
     def state_key(self) -> str:
-        return self._generate_state_key(states=self.states, prefix=self.prefix)
+        return self._generate_state_key(states=self.config.states, prefix=self.config.prefix)
 
     def state_dict(self) -> dict[str, Any]:
         return self.evaluator.state_dict()
@@ -176,19 +174,20 @@ class DFlashEvalCallback(Callback):
         if sharding_kind(trainer) == "deepspeed3":
             raise RuntimeError("DFlashEvalCallback: DeepSpeed ZeRO stage 3 shards parameters in a way this callback "
                                "cannot gather; use ZeRO stage 1/2, DDP or FSDP")
-        ev = self.evaluator
-        ev.sinks = [LightningLoggers(trainer)]
-        ev.max_steps = trainer.max_steps
-        ev.full_parameters = lambda: full_parameters(trainer)
+        sinks: list[MetricsSink] = [LightningLoggers(trainer)]
+        run = find_wandb_run(trainer)
+        if run is not None:  # the scalars go through the WandbLogger; the run gets the tables and charts
+            sinks.append(WandbSink(run, scalars=False))
         # The drafter may only exist after configure_model (FSDP); then on_fit_start validates it.
-        ev.setup(self._drafter(pl_module, required=False), pl_module)
+        self.evaluator.setup(self._drafter(pl_module, required=False), pl_module, sinks=sinks,
+                             max_steps=trainer.max_steps, full_parameters=lambda: full_parameters(trainer))
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not self.evaluator.validated:
             # The model is wrapped by now: under FSDP, shapes are only right with whole parameters.
             with full_parameters(trainer):
                 self.evaluator.validate(self._drafter(pl_module), pl_module)
-        self.evaluator.announce(trainer.global_step, self._drafter(pl_module))
+        self.evaluator.report_setup(trainer.global_step, self._drafter(pl_module))
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # Here (not in on_fit_start) because a resumed run's global step and weights are restored by now.
@@ -220,13 +219,13 @@ class DFlashEvalCallback(Callback):
             return
         for k, v in self.evaluator.last_shared.items():
             trainer.callback_metrics[k] = torch.tensor(v)
-        tau = self.prefix + TAU
+        tau = self.config.prefix + TAU
         if self.prog_bar and trainer.global_rank == 0 and tau in metrics:
             trainer.progress_bar_metrics[tau] = metrics[tau]
 
 
 class LightningLoggers(MetricsSink):
-    """The evaluator's scalars to every logger of the trainer; tables and charts to its ``WandbLogger``."""
+    """The evaluator's scalars to every logger of the trainer."""
 
     def __init__(self, trainer: Trainer) -> None:
         self.trainer = trainer
@@ -236,9 +235,8 @@ class LightningLoggers(MetricsSink):
             lg.log_metrics(metrics, step=step)
             lg.save()
 
-    def wandb_run(self) -> Any | None:
-        return find_wandb_run(self.trainer)
+    def __str__(self) -> str:
+        return "Lightning loggers"
 
 
-__all__ = ["FIT_END", "DFlashEvalCallback", "DFlashEvalError", "LightningLoggers", "_stratified", "fit_end_eval_due",
-           "fit_start_eval_due", "is_full_evaluation", "periodic_eval_reason"]
+__all__ = ["DFlashEvalCallback", "LightningLoggers"]

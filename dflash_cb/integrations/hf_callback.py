@@ -24,15 +24,21 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from typing import Any
 
 from torch import nn
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
+from ..common import arguments as check
+from ..core.engine import DEFAULT_BUDGETS
+from ..core.positions import DEFAULT_POSITION_EDGES
+from .config import DEFAULT_PREFIX, AutocastName, EvalConfig, TailBlocks, WeightSource, config_fields
 from .distributed import full_parameters_of
-from .evaluator import DrafterSource, LiveEvaluator, find_drafter
-from .sinks import MetricsSink
+from .drafter_source import DrafterSource, find_drafter
+from .evaluator import LiveEvaluator
+from .sinks import MetricsSink, WandbSink
 
 
 class DFlashEvalTrainerCallback(TrainerCallback, ExportableState):
@@ -45,22 +51,67 @@ class DFlashEvalTrainerCallback(TrainerCallback, ExportableState):
         every_n_train_steps: evaluate after every N optimizer steps (``state.global_step``).
         drafter: attribute path of the drafter on the trainer's model (``"drafter"``), a function
             ``model -> drafter``, or None when the model is the drafter.
-        **options: every other ``DFlashEvalCallback``/``LiveEvaluator`` argument (``ddtree_budgets``,
-            ``num_samples``, ``baselines``, ``target_embed``/``target_lm_head`` as attribute paths on
-            the model, ...).
+
+    Every other argument is ``EvalConfig``'s (``dflash_cb.integrations.config``), documented there;
+    ``target_embed``/``target_lm_head`` are attribute paths on the trainer's model.
     """
 
-    def __init__(self, trainer: Any = None, states: str | os.PathLike = "", every_n_train_steps: int = 500,
-                 drafter: DrafterSource = "drafter", **options: Any) -> None:
+    def __init__(
+        self,
+        trainer: Any = None,
+        states: str | os.PathLike = "",
+        every_n_train_steps: int = 500,
+        drafter: DrafterSource = "drafter",
+        *,
+        eval_on_fit_start: bool = True,
+        eval_on_fit_end: bool = True,
+        target_embed: WeightSource | None = None,
+        target_lm_head: WeightSource | None = None,
+        ddtree_budgets: Sequence[int] = DEFAULT_BUDGETS,
+        periodic_ddtree_budgets: Sequence[int] | None = None,
+        periodic_anchor_stride: int | None = None,
+        full_every_n_evals: int = 0,
+        num_samples: int | None = None,
+        sample_ids: Sequence[str] | None = None,
+        sample_seed: int = 0,
+        prefix: str = DEFAULT_PREFIX,
+        baselines: dict[str, str] | Sequence[str] | None = None,
+        published: str | os.PathLike | None = None,
+        published_entries: Sequence[str] | None = None,
+        fail_on_error: bool = False,
+        max_failed_evaluations: int = 3,
+        autocast_dtype: AutocastName | None = "auto",
+        table_samples: int = 4,
+        table_cycles: int = 4,
+        tokenizer: Any = None,
+        verify_cache: bool = True,
+        position_edges: Sequence[int] = DEFAULT_POSITION_EDGES,
+        console: bool = True,
+        tail_blocks: TailBlocks = "served",
+    ) -> None:
         if not states:
-            raise ValueError("DFlashEvalTrainerCallback: states= (the cache folder) is required")
+            raise check.ArgumentError("DFlashEvalTrainerCallback: states= (the cache folder) is required")
         self.trainer = trainer
         self.drafter = drafter
+        config = EvalConfig(
+            states=states, every_n_train_steps=every_n_train_steps, eval_on_fit_start=eval_on_fit_start,
+            eval_on_fit_end=eval_on_fit_end, target_embed=target_embed, target_lm_head=target_lm_head,
+            ddtree_budgets=ddtree_budgets, periodic_ddtree_budgets=periodic_ddtree_budgets,
+            periodic_anchor_stride=periodic_anchor_stride, full_every_n_evals=full_every_n_evals,
+            num_samples=num_samples, sample_ids=sample_ids, sample_seed=sample_seed, prefix=prefix,
+            baselines=baselines, published=published, published_entries=published_entries,
+            fail_on_error=fail_on_error, max_failed_evaluations=max_failed_evaluations,
+            autocast_dtype=autocast_dtype, table_samples=table_samples, table_cycles=table_cycles,
+            tokenizer=tokenizer, verify_cache=verify_cache, position_edges=position_edges, console=console,
+            tail_blocks=tail_blocks)
+        self.evaluator = LiveEvaluator(config, name=type(self).__name__)
         # The JSON-able arguments, for ExportableState (transformers stores them in trainer_state.json).
-        self.arguments = {k: v for k, v in {"states": str(states), "every_n_train_steps": every_n_train_steps,
-                                            "drafter": drafter, **options}.items() if _jsonable(v)}
-        self.evaluator = LiveEvaluator(states, every_n_train_steps, name=type(self).__name__,
-                                       log=TrainerLog(self), **options)
+        given = {"drafter": drafter, **{name: getattr(config, name) for name in config_fields()}}
+        self.arguments = {k: _jsonable(v) for k, v in given.items() if _jsonable(v) is not _NOT_JSON}
+
+    @property
+    def config(self) -> EvalConfig:
+        return self.evaluator.config
 
     # -- ExportableState -----------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
@@ -79,23 +130,26 @@ class DFlashEvalTrainerCallback(TrainerCallback, ExportableState):
         saved = (state.stateful_callbacks or {}).get(type(self).__name__)
         for entry in saved if isinstance(saved, list) else [saved]:
             args = (entry or {}).get("args", {})
-            if (args.get("states"), args.get("prefix", "dflash_eval/")) == (self.evaluator.states, self.evaluator.prefix):
+            if (args.get("states"), args.get("prefix", DEFAULT_PREFIX)) == (self.config.states, self.config.prefix):
                 self.evaluator.load_state_dict(entry["attributes"]["evaluator_state"])
                 return
 
     # -- hooks ----------------------------------------------------------------------------------
     def on_train_begin(self, args: Any, state: Any, control: Any, model: nn.Module | None = None, **kw: Any) -> None:
         if self.trainer is None:
-            raise ValueError("DFlashEvalTrainerCallback needs the trainer it logs through: "
-                             "trainer.add_callback(DFlashEvalTrainerCallback(trainer, states=...)); with "
-                             "restore_callback_states_from_checkpoint=True transformers rebuilds callbacks "
-                             "without it: leave that option False (this callback restores its own state)")
-        ev = self.evaluator
+            raise check.ArgumentError(
+                "DFlashEvalTrainerCallback needs the trainer it logs through: "
+                "trainer.add_callback(DFlashEvalTrainerCallback(trainer, states=...)); with "
+                "restore_callback_states_from_checkpoint=True transformers rebuilds callbacks "
+                "without it: leave that option False (this callback restores its own state)")
         self._restore(state)  # a resumed run: trainer_state.json is loaded by now
-        ev.max_steps = int(state.max_steps or -1)
-        ev.full_parameters = lambda: full_parameters_of(model)
-        ev.setup(None, model)
-        ev.start(state.global_step, self._drafter(model), model)
+        sinks: list[MetricsSink] = [TrainerLog(self)]
+        report_to = getattr(self.trainer.args, "report_to", None) or []
+        if "wandb" in report_to or report_to == "all":
+            sinks.append(WandbSink(_current_wandb_run, scalars=False))
+        self.evaluator.setup(None, model, sinks=sinks, max_steps=int(state.max_steps or -1),
+                             full_parameters=lambda: full_parameters_of(model))
+        self.evaluator.start(state.global_step, self._drafter(model), model)
 
     def on_step_end(self, args: Any, state: Any, control: Any, model: nn.Module | None = None, **kw: Any) -> None:
         self.evaluator.step(state.global_step, self._drafter(model), model)
@@ -105,15 +159,14 @@ class DFlashEvalTrainerCallback(TrainerCallback, ExportableState):
 
     def _drafter(self, model: nn.Module | None) -> nn.Module:
         if model is None:
-            raise ValueError("DFlashEvalTrainerCallback: the trainer passed no model to the callback")
+            raise check.ArgumentError("DFlashEvalTrainerCallback: the trainer passed no model to the callback")
         drafter = find_drafter(model, self.drafter, type(self).__name__)
         assert drafter is not None
         return drafter
 
 
 class TrainerLog(MetricsSink):
-    """The evaluator's scalars through ``trainer.log`` (log history and every ``report_to`` integration);
-    the W&B run of the ``wandb`` integration for tables and charts."""
+    """The evaluator's scalars through ``trainer.log`` (log history and every ``report_to`` integration)."""
 
     def __init__(self, callback: DFlashEvalTrainerCallback) -> None:
         self.callback = callback
@@ -121,21 +174,25 @@ class TrainerLog(MetricsSink):
     def log(self, metrics: dict[str, float], step: int) -> None:
         self.callback.trainer.log(dict(metrics))
 
-    def wandb_run(self) -> Any | None:
-        report_to = getattr(self.callback.trainer.args, "report_to", None) or []
-        if "wandb" not in report_to and report_to != "all":
-            return None
-        import wandb
-
-        return wandb.run
+    def __str__(self) -> str:
+        return "trainer.log"
 
 
-def _jsonable(value: Any) -> bool:
+def _current_wandb_run() -> Any | None:
+    import wandb
+
+    return wandb.run
+
+
+_NOT_JSON = object()
+
+
+def _jsonable(value: Any) -> Any:
+    """``value`` as JSON (tuples as lists), or ``_NOT_JSON``."""
     try:
-        json.dumps(value)
+        return json.loads(json.dumps(value))
     except (TypeError, ValueError):
-        return False
-    return True
+        return _NOT_JSON
 
 
 __all__ = ["DFlashEvalTrainerCallback", "TrainerLog"]

@@ -34,6 +34,7 @@ from ..core.metrics import (
     BEST_STEP,
     BEST_TAU,
     CYCLES,
+    DEFAULT_PREFIX,
     DELTA_TAU,
     EVAL_TIME,
     FULL_PREFIX,
@@ -62,7 +63,7 @@ SECTIONS = ("Headline", "Uncertainty", "Per category", "Per depth", "By position
 class PanelLayout:
     """What the run logs, besides the fixed names: the dimensions the keys are built from."""
 
-    prefix: str = "dflash_eval/"
+    prefix: str = DEFAULT_PREFIX
     budgets: Sequence[int] = (16, 32, 64)
     categories: Sequence[str] = ()
     block_size: int = 16
@@ -169,7 +170,7 @@ def referenced_keys(plan: dict[str, list[PanelSpec]]) -> dict[str, set[str]]:
     return out
 
 
-def layout_from_keys(keys: Iterable[str], prefix: str = "dflash_eval/",
+def layout_from_keys(keys: Iterable[str], prefix: str = DEFAULT_PREFIX,
                      periodic_budgets: Sequence[int] | None = None) -> PanelLayout:
     """The dimensions of a run from the keys it logged (for a run made with other budgets, categories...).
 
@@ -205,7 +206,7 @@ def layout_from_keys(keys: Iterable[str], prefix: str = "dflash_eval/",
     )
 
 
-def light_budgets(rows: Iterable[Mapping[str, Any]], prefix: str = "dflash_eval/") -> list[int] | None:
+def light_budgets(rows: Iterable[Mapping[str, Any]], prefix: str = DEFAULT_PREFIX) -> list[int] | None:
     """The DDTree budgets a run logged at its light evaluations (rows with ``tau`` but no ``full/tau``).
 
     None when every evaluation was full (then every budget is logged at every evaluation).
@@ -288,7 +289,7 @@ def build_parser() -> Any:
                    help="take budgets, categories, block size, buckets and baselines from the keys this run logged: "
                         "its id in the project (read from W&B), or a local offline run folder "
                         "(wandb/offline-run-..., read without network); panels it never logged are warned about")
-    p.add_argument("--prefix", default="dflash_eval/")
+    p.add_argument("--prefix", default=DEFAULT_PREFIX)
     p.add_argument("--budgets", default="16,32,64", help="DDTree budgets of the full evaluations (ddtree_budgets)")
     p.add_argument("--periodic-budgets", default=None,
                    help="DDTree budgets of the light evaluations (periodic_ddtree_budgets; default: the largest "

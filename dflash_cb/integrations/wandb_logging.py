@@ -23,14 +23,12 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..core.baselines import Baseline, baseline_scalars, is_headline
-from ..core.metrics import BEST_STEP, BEST_TAU, EVAL_TIME, TAU
+from ..core.metrics import BEST_STEP, BEST_TAU, DEFAULT_PREFIX, EVAL_TIME, TAU
 from ..core.results import Results
 
 if TYPE_CHECKING:
-    from ..cache.states import StateCache
-    from ..core.engine import SampleResult
+    pass
 
-DEFAULT_PREFIX = "dflash_eval/"
 STEP_KEY = "trainer/global_step"
 TABLE_COLUMNS = ["step", "sample", "category", "prompt", "reference", "drafter_blocks", "acceptance_lengths", "tau"]
 
@@ -138,22 +136,6 @@ def table_row(step: int, sample_id: str, category: str, input_ids: Sequence[int]
     return [int(step), sample_id, category, _clip(prompt, 2000, left=True),
             _clip(decode(input_ids[prompt_len:ref_end]), 2000), blocks,
             _clip(" ".join(str(k) for k in lengths), 1000), tau]
-
-
-def sample_rows(step: int, samples: Sequence[SampleResult], table_ids: Sequence[str], cache: StateCache,
-                tokens: Callable[[str], Sequence[int]], decode: Decoder) -> list[list[Any]]:
-    """The table rows of ``table_ids`` (in that order) among the evaluated ``samples``; ``tokens``
-    gives a sample's token ids (the callback keeps them, they are read once per fit)."""
-    by_id = {s.id: s for s in samples}
-    rows = []
-    for sid in table_ids:
-        res = by_id.get(sid)
-        if res is None:
-            continue
-        entry = cache.entry(sid)
-        rows.append(table_row(step, sid, entry.category, tokens(sid), entry.prompt_len, res.acceptance_lengths,
-                              res.drafts, decode))
-    return rows
 
 
 # -- per-evaluation logging ---------------------------------------------------------------------
@@ -290,5 +272,5 @@ def log_standalone_results(results: Results, project: str, name: str | None = No
 __all__ = [
     "DEFAULT_PREFIX", "STEP_KEY", "TABLE_COLUMNS", "define_eval_metrics", "find_wandb_run", "format_blocks",
     "is_headline", "log_baselines_summary", "log_best", "log_evaluation", "log_standalone_results", "make_decoder",
-    "per_depth_chart", "produced_histogram", "results_scalars", "sample_rows", "start_live_run", "table_row",
+    "per_depth_chart", "produced_histogram", "results_scalars", "start_live_run", "table_row",
 ]

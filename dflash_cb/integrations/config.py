@@ -1,0 +1,214 @@
+"""``EvalConfig``: every option of the live evaluation, checked once, in one frozen object.
+
+The evaluator (``evaluator.LiveEvaluator``) takes one; each adapter (Lightning, Hugging Face, SpecForge)
+builds it from its own arguments and adds only what its loop needs (where the drafter is, the progress
+bar). ``tests/test_config.py`` checks that the adapters' signatures are the config's fields plus their own,
+so an option added here reaches every loop or fails a test. Pure: no file access (a config parses
+anywhere, e.g. on a login node before the cache is copied), one rule for every value
+(``dflash_cb.common.arguments``): nothing is coerced, each error names the argument.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from ..common import arguments as check
+from ..core.engine import AUTOCAST_NAMES, DEFAULT_BUDGETS
+from ..core.metrics import DEFAULT_PREFIX
+from ..core.positions import DEFAULT_POSITION_EDGES
+from ..core.replay import TAIL_BLOCKS
+
+# The target's embedding or head: an attribute path on the training model, a module, or the matrix itself.
+WeightSource = str | nn.Module | torch.Tensor
+TailBlocks = Literal["served", "reference"]
+AutocastName = Literal["auto", "bfloat16", "bf16", "float16", "fp16", "float32", "fp32"]
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """What to evaluate, when, and how to report it; the same in every training loop.
+
+    Args:
+        states: cache folder written by ``tools/precompute_states.py``.
+        every_n_train_steps: evaluate after every N optimizer steps (``global_step % N == 0``);
+            0 disables the periodic evaluations (start/end ones still run).
+        eval_on_fit_start: evaluate before the first training step (the untrained baseline). Done
+            once per run: a resumed run does not repeat it.
+        eval_on_fit_end: evaluate after the last step (unless that step was just evaluated).
+        target_embed, target_lm_head: the target's input embedding and output head, when the training
+            model holds them (no copy): an ``nn.Embedding``/``nn.Linear``, a ``[vocab, hidden]`` tensor, or
+            an attribute path on the training model. Without them the cache's exported head is loaded
+            once, onto the drafter's device, and kept there (Qwen3.6-27B: embedding + head = 5.1 GB in
+            bf16). ``target_lm_head`` may be omitted only when the target ties embedding and head.
+        ddtree_budgets: DDTree node budgets (empty: no DDTree) of the full evaluations.
+        periodic_ddtree_budgets: DDTree budgets of the periodic (light) evaluations; None = the largest of
+            ``ddtree_budgets`` only (each budget's walk visits its own anchors: extra budgets cost nearly a
+            full replay each).
+        periodic_anchor_stride: anchor-statistics stride of the periodic evaluations (per-depth acceptance,
+            all-anchor and estimated taus on every N-th anchor; the tau replays are exact whatever the
+            stride); None = the drafter's block size. Full evaluations use 1.
+        full_every_n_evals: every N-th evaluation is a full one (``anchor_stride=1``, every budget); 0 = only
+            the one at fit end.
+        num_samples: evaluate a fixed subset of this many samples (stratified by category, chosen
+            with ``sample_seed``, the same at every evaluation); None = every sample.
+        sample_ids: evaluate exactly these sample ids (overrides ``num_samples``).
+        sample_seed: seed of the subset choice (a private generator: training RNG is not touched).
+        prefix: metric name prefix.
+        baselines: reference ``results.json`` files from ``tools/eval_drafter.py`` on the same cache:
+            ``{name: path}`` or a list of paths (name = file stem). Logged as constant series
+            ``{prefix}baseline/<name>/...`` and in the W&B summary. A file measured on another cache is
+            refused at setup. When the cache holds the server's speculative counters (``served_spec``), the
+            served drafter's online tau is logged too, as ``{prefix}baseline/served/tau``.
+        published: YAML of published figures (format: ``configs/baselines/published.yaml``), logged as
+            ``{prefix}published/<name>/...``, marked as published, not measured here. Placeholder entries
+            are not logged. Default: none.
+        published_entries: names of the published entries to log (default: every non-placeholder entry).
+        fail_on_error: raise when an evaluation fails instead of warning and going on.
+        max_failed_evaluations: raise ``DFlashEvalError`` when this many evaluations in a row failed
+            (0: never; each failure is still a warning and counts in ``{prefix}failed_evaluations``).
+        autocast_dtype: ``"auto"`` (bfloat16 autocast on CUDA for a float32 drafter, none on CPU),
+            ``"bfloat16"``, ``"float16"``, or ``"float32"``/None (no autocast: exact float32).
+        table_samples: samples shown in the W&B table at each evaluation (0 = no table).
+        table_cycles: cycles (draft blocks) shown per table sample.
+        tokenizer: decodes tokens in the W&B table: a Hugging Face tokenizer path or object, or a function
+            ``ids -> str``; None shows token ids.
+        verify_cache: check the sha256 of every shard to evaluate (and of the exported head) at setup,
+            and before each evaluation hash again any of them that changed (``states.file_identity``).
+            False skips the hashing (a large cache on a slow disk); sizes are always checked at setup.
+        position_edges: completion-position bucket edges for ``{prefix}position/<lo>_<hi>/tau``
+            (the last bucket is open-ended).
+        console: print one line per evaluation on rank zero (step, tau with its 95% interval, DDTree tau
+            at the largest budget, difference to each measured baseline, wall time).
+        tail_blocks: ``"served"`` (full blocks near the end, cut after verification, as SGLang serves) or
+            ``"reference"`` (shortened blocks, as dflash's ``dflash_generate``); docs/method.md, "Tail blocks".
+
+    Intervals: ``{prefix}<metric>_ci_low``/``_ci_high`` are 95% cluster-bootstrap intervals over the
+    evaluated samples (``dflash_cb.core.bootstrap``): the uncertainty from the choice of prompts.
+    """
+
+    states: str | os.PathLike
+    every_n_train_steps: int = 500
+    eval_on_fit_start: bool = True
+    eval_on_fit_end: bool = True
+    target_embed: WeightSource | None = None
+    target_lm_head: WeightSource | None = None
+    ddtree_budgets: Sequence[int] = DEFAULT_BUDGETS
+    periodic_ddtree_budgets: Sequence[int] | None = None
+    periodic_anchor_stride: int | None = None
+    full_every_n_evals: int = 0
+    num_samples: int | None = None
+    sample_ids: Sequence[str] | None = None
+    sample_seed: int = 0
+    prefix: str = DEFAULT_PREFIX
+    baselines: dict[str, str] | Sequence[str] | None = None
+    published: str | os.PathLike | None = None
+    published_entries: Sequence[str] | None = None
+    fail_on_error: bool = False
+    max_failed_evaluations: int = 3
+    autocast_dtype: AutocastName | None = "auto"
+    table_samples: int = 4
+    table_cycles: int = 4
+    tokenizer: Any = field(default=None, compare=False)
+    verify_cache: bool = True
+    position_edges: Sequence[int] = DEFAULT_POSITION_EDGES
+    console: bool = True
+    tail_blocks: TailBlocks = "served"
+
+    def __post_init__(self) -> None:
+        # Normalised in place (frozen: object.__setattr__), so every reader sees one spelling: paths as str,
+        # budgets sorted and unique, lists as tuples.
+        def put(name: str, value: Any) -> None:
+            object.__setattr__(self, name, value)
+
+        budgets = tuple(sorted(set(check.int_list("ddtree_budgets", self.ddtree_budgets, 1, note="[] = no DDTree"))))
+        put("ddtree_budgets", budgets)
+        periodic = check.int_list("periodic_ddtree_budgets", self.periodic_ddtree_budgets, 1,
+                                  none="the largest of ddtree_budgets")
+        put("periodic_ddtree_budgets", tuple(sorted(set(periodic))) if periodic is not None else None)
+        embed = None if isinstance(self.target_embed, str) and not self.target_embed else self.target_embed
+        head = None if isinstance(self.target_lm_head, str) and not self.target_lm_head else self.target_lm_head
+        for name, source in (("target_embed", embed), ("target_lm_head", head)):
+            if source is not None and not isinstance(source, (str, nn.Embedding, nn.Linear, torch.Tensor)):
+                raise check.ArgumentError(f"{name}={type(source).__name__}: expected an attribute path on the "
+                                          "training model, an nn.Embedding/nn.Linear or a [vocab, hidden] tensor")
+        if head is not None and embed is None:
+            raise check.ArgumentError("target_lm_head needs target_embed too (the block embeddings come from the "
+                                      "target)")
+        put("target_embed", embed)
+        put("target_lm_head", head)
+        if self.autocast_dtype not in (None, "auto", *AUTOCAST_NAMES):
+            raise check.ArgumentError(f"autocast_dtype={self.autocast_dtype!r}: expected 'auto', None or one of "
+                                      f"{sorted(AUTOCAST_NAMES)}")
+        if self.tail_blocks not in TAIL_BLOCKS:
+            raise check.ArgumentError(f"tail_blocks={self.tail_blocks!r}: expected one of {', '.join(TAIL_BLOCKS)} "
+                                      "(docs/method.md, 'Tail blocks')")
+        put("states", check.file_path("states", self.states))
+        put("every_n_train_steps", check.int_at_least("every_n_train_steps", self.every_n_train_steps, 0,
+                                                      note="0 = no periodic evaluations"))
+        for name in ("eval_on_fit_start", "eval_on_fit_end", "fail_on_error", "verify_cache", "console"):
+            check.flag(name, getattr(self, name))
+        put("periodic_anchor_stride", check.int_at_least("periodic_anchor_stride", self.periodic_anchor_stride, 1,
+                                                         none="the drafter's block size"))
+        put("full_every_n_evals", check.int_at_least("full_every_n_evals", self.full_every_n_evals, 0,
+                                                     note="0 = only the fit-end evaluation is full"))
+        put("num_samples", check.int_at_least("num_samples", self.num_samples, 1, none="every sample"))
+        ids = check.str_list("sample_ids", self.sample_ids, none="num_samples decides")
+        put("sample_ids", tuple(ids) if ids is not None else None)
+        put("sample_seed", check.int_at_least("sample_seed", self.sample_seed, 0))
+        if not isinstance(self.prefix, str):
+            raise check.ArgumentError(f"prefix={self.prefix!r}: expected a string, e.g. {DEFAULT_PREFIX!r}")
+        put("baselines", check.baseline_paths("baselines", self.baselines))
+        put("published", check.path_or_none("published", self.published))
+        entries = check.str_list("published_entries", self.published_entries, none="every non-placeholder entry")
+        put("published_entries", tuple(entries) if entries is not None else None)
+        put("max_failed_evaluations", check.int_at_least("max_failed_evaluations", self.max_failed_evaluations, 0,
+                                                         note="0 = never stop"))
+        put("table_samples", check.int_at_least("table_samples", self.table_samples, 0, note="0 = no table"))
+        put("table_cycles", check.int_at_least("table_cycles", self.table_cycles, 1))
+        put("position_edges", check.position_edges("position_edges", self.position_edges))
+
+    # -- derived -----------------------------------------------------------------------------
+    @property
+    def light_budgets(self) -> tuple[int, ...]:
+        """The DDTree budgets of a periodic (light) evaluation."""
+        if self.periodic_ddtree_budgets is not None:
+            return tuple(self.periodic_ddtree_budgets)
+        return tuple(self.ddtree_budgets)[-1:]
+
+    def light_stride(self, block_size: int) -> int:
+        """The anchor-statistics stride of a periodic evaluation, for a drafter of ``block_size``."""
+        return self.periodic_anchor_stride or block_size
+
+    @property
+    def needs_cache_head(self) -> bool:
+        """Whether the cache's exported embedding and head are used (the model holds no target weights)."""
+        return self.target_embed is None
+
+    def replace(self, **changes: Any) -> EvalConfig:
+        """A copy with ``changes``, checked like a new one."""
+        return dataclasses.replace(self, **changes)
+
+    def describe(self, block_size: int | None = None) -> dict[str, Any]:
+        """The settings recorded in a run's configuration (W&B ``{prefix}config``)."""
+        return {
+            "states": self.states, "every_n_train_steps": self.every_n_train_steps,
+            "ddtree_budgets": list(self.ddtree_budgets), "periodic_ddtree_budgets": list(self.light_budgets),
+            "periodic_anchor_stride": self.light_stride(block_size) if block_size else self.periodic_anchor_stride,
+            "full_every_n_evals": self.full_every_n_evals, "tail_blocks": self.tail_blocks,
+            "autocast_dtype": self.autocast_dtype, "position_edges": list(self.position_edges),
+        }
+
+
+def config_fields() -> tuple[str, ...]:
+    """The option names, in order (the adapters' signatures repeat them: ``tests/test_config.py``)."""
+    return tuple(f.name for f in dataclasses.fields(EvalConfig))
+
+
+__all__ = ["DEFAULT_PREFIX", "AutocastName", "EvalConfig", "TailBlocks", "WeightSource", "config_fields"]

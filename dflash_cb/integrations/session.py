@@ -1,0 +1,122 @@
+"""One training run's evaluation session: everything ``LiveEvaluator.setup`` opens and checks, built fresh.
+
+A session holds what a run needs and a checkpoint does not: the opened cache and the evaluated ids, the
+baselines and published figures, the drafter's spec once checked, the target head loaded for it, where the
+numbers go (sinks), and the cost of the setup. ``open_session`` builds one from an ``EvalConfig`` and raises,
+before any training step, naming the file or field (``CacheError``, ``CacheMismatchError``,
+``ArgumentError``). Nothing here survives a new ``setup``: a resumed or re-run fit opens a new session, so
+no per-run field can be forgotten in a reset.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..cache.states import StateCache, TargetHead, select_sample_ids, stratified_ids
+from ..core.baselines import Baseline, load_measured, load_published, load_served
+from ..core.model import DrafterSpec
+from .config import EvalConfig
+from .eval_state import selection_record
+from .live_eval import SetupCheck, verify_across_ranks
+from .sinks import MetricsSink, TableSample
+
+
+@dataclass
+class LoopContext:
+    """What the training loop supplies for a run: where the numbers go, its last step, and how to make
+    sharded parameters whole (``distributed.full_parameters_of`` when None)."""
+
+    sinks: list[MetricsSink] = field(default_factory=list)
+    max_steps: int = -1  # the run's last optimizer step, -1 when unknown
+    full_parameters: Callable[[], AbstractContextManager[Any]] | None = None
+
+
+class HeadCache:
+    """The cache's exported target embedding and head, loaded once per (device, dtype) and kept."""
+
+    def __init__(self, cache: StateCache, verify: bool):
+        self.cache, self.verify = cache, verify
+        self._head: TargetHead | None = None
+        self._key: tuple[str, torch.dtype] | None = None
+
+    def get(self, device: torch.device, dtype: torch.dtype) -> TargetHead:
+        key = (str(device), dtype)
+        if self._head is None or self._key != key:
+            # sha256-checked the first time in this process; reloaded only if the device or dtype moves.
+            self._head = self.cache.load_head(device=device, dtype=dtype, verify=self.verify)
+            self._key = key
+        return self._head
+
+
+@dataclass
+class EvalSession:
+    """One run's opened cache, selection, references and loop context (``open_session``)."""
+
+    cache: StateCache
+    eval_ids: list[str]
+    selection: dict[str, Any]  # eval_state.selection_record of eval_ids
+    table_ids: list[str]  # the samples shown in the W&B table
+    baselines: list[Baseline]  # measured files, the server's own counters, published figures
+    published_skipped: list[str]
+    loop: LoopContext
+    head: HeadCache
+    verified: SetupCheck | None  # what the setup hashed (None: verify_cache=False)
+    setup_seconds: float = 0.0
+    spec: DrafterSpec | None = None  # the drafter as checked against the cache (``LiveEvaluator.validate``)
+    setup_reported: bool = False  # the setup's console line and predicted cost
+    sinks_begun: bool = False  # the sinks' begin() (the run's configuration)
+    failed_in_a_row: int = 0
+    # (time, global step) the last evaluation ended at: the training time between evaluations.
+    clock: tuple[float, int] | None = None
+    _tokens: dict[str, list[int]] = field(default_factory=dict)
+
+    @property
+    def categories(self) -> tuple[str, ...]:
+        return self.cache.categories
+
+    def table_sample(self, sample_id: str, lengths: list[int], drafts: list[list[int]] | None) -> TableSample:
+        """A W&B table sample; its token ids are read once per run (only ``input_ids``: the features
+        can be 100+ MB)."""
+        if sample_id not in self._tokens:
+            self._tokens[sample_id] = self.cache.token_ids(sample_id)
+        entry = self.cache.entry(sample_id)
+        return TableSample(sample_id, entry.category, self._tokens[sample_id], entry.prompt_len, lengths, drafts)
+
+
+def open_session(config: EvalConfig, loop: LoopContext) -> EvalSession:
+    """Open and check the cache for ``config``, choose the samples, load the references.
+
+    A collective under ``torch.distributed`` when ``verify_cache`` (each rank hashes the shards it
+    scores, rank zero the head): every rank calls it.
+    """
+    started = time.perf_counter()
+    cache = StateCache(config.states)  # CacheError: no or broken manifest
+    eval_ids = select_sample_ids(cache, config.num_samples, config.sample_ids, config.sample_seed)
+    # A missing or truncated file is found now (a stat each), not inside an evaluation; with
+    # verify_cache a changed byte too (sha256; files verified before in this process are not hashed again).
+    cache.check_files(eval_ids, head=config.needs_cache_head)
+    verified = verify_across_ranks(cache, eval_ids, config.needs_cache_head) if config.verify_cache else None
+    cache.check_samples(eval_ids)  # manifest fields against the shards (small tensors only)
+    baselines = [load_measured(p, cache, name=n, sample_ids=eval_ids) for n, p in config.baselines.items()]
+    served = load_served(cache, eval_ids)  # the server's own counters, when the cache has them
+    if served is not None:
+        baselines.append(served)
+    skipped: list[str] = []
+    if config.published:
+        published = load_published(config.published, config.published_entries)
+        baselines += published.baselines
+        skipped = published.skipped
+    table_ids = stratified_ids(eval_ids, lambda i: cache.entry(i).category, config.table_samples, None)
+    return EvalSession(cache, eval_ids, selection_record(eval_ids, config.num_samples, config.sample_ids,
+                                                         config.sample_seed),
+                       table_ids, baselines, skipped, loop, HeadCache(cache, config.verify_cache), verified,
+                       time.perf_counter() - started)
+
+
+__all__ = ["EvalSession", "HeadCache", "LoopContext", "open_session"]

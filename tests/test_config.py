@@ -1,0 +1,69 @@
+"""One configuration for every loop: the adapters' arguments are ``EvalConfig``'s fields plus their own."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import pytest
+
+from dflash_cb.common.arguments import ArgumentError
+from dflash_cb.integrations.callback import DFlashEvalCallback
+from dflash_cb.integrations.config import EvalConfig, config_fields
+from dflash_cb.integrations.evaluator import LiveEvaluator
+from dflash_cb.integrations.hf_callback import DFlashEvalTrainerCallback
+
+OWN = {DFlashEvalCallback: ("drafter", "prog_bar"), DFlashEvalTrainerCallback: ("trainer", "drafter")}
+
+
+@pytest.mark.parametrize("adapter", list(OWN), ids=lambda a: a.__name__)
+def test_adapter_parameters_are_the_config_fields_plus_their_own(adapter):
+    params = inspect.signature(adapter.__init__).parameters
+    names = [n for n in params if n != "self"]
+    own = OWN[adapter]
+    assert sorted(names) == sorted((*config_fields(), *own))
+    defaults = {f.name: f.default for f in dataclasses.fields(EvalConfig)}
+    for name in config_fields():
+        if name == "states":
+            continue
+        assert params[name].default == defaults[name], name
+
+
+@pytest.mark.parametrize("adapter", list(OWN), ids=lambda a: a.__name__)
+def test_adapter_builds_the_config_from_every_argument(adapter):
+    """Every argument reaches the config (none forgotten in the explicit call)."""
+    given = {"every_n_train_steps": 7, "eval_on_fit_start": False, "eval_on_fit_end": False,
+             "target_embed": "embed", "target_lm_head": "head", "ddtree_budgets": [8, 4],
+             "periodic_ddtree_budgets": [4], "periodic_anchor_stride": 3, "full_every_n_evals": 2,
+             "num_samples": 5, "sample_ids": ["a"], "sample_seed": 9, "prefix": "x/", "baselines": {"b": "b.json"},
+             "published": "p.yaml", "published_entries": ["e"], "fail_on_error": True, "max_failed_evaluations": 1,
+             "autocast_dtype": "bfloat16", "table_samples": 2, "table_cycles": 3, "tokenizer": "tok",
+             "verify_cache": False, "position_edges": [0, 4], "console": False, "tail_blocks": "reference"}
+    assert set(given) == set(config_fields()) - {"states"}
+    cb = adapter(states="c", **given)
+    expected = EvalConfig(states="c", **given)
+    assert cb.evaluator.config == expected and cb.evaluator.config.tokenizer == "tok"
+
+
+def test_config_is_frozen_and_replace_checks_again():
+    cfg = EvalConfig("c", every_n_train_steps=4)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.every_n_train_steps = 5  # type: ignore[misc]
+    assert cfg.replace(every_n_train_steps=5).every_n_train_steps == 5
+    with pytest.raises(ArgumentError, match="every_n_train_steps=2.5"):
+        cfg.replace(every_n_train_steps=2.5)
+
+
+def test_evaluator_takes_a_config_or_the_same_options():
+    cfg = EvalConfig("c", every_n_train_steps=4, num_samples=3)
+    assert LiveEvaluator(cfg).config == LiveEvaluator("c", every_n_train_steps=4, num_samples=3).config
+    with pytest.raises(ArgumentError, match="num_samples given beside an EvalConfig"):
+        LiveEvaluator(cfg, num_samples=2)
+
+
+def test_adapters_do_not_forward_attributes():
+    """The callback is no proxy: a write to it cannot bypass the config's checks."""
+    cb = DFlashEvalCallback(states="c")
+    with pytest.raises(AttributeError):
+        _ = cb.ddtree_budgets
+    assert cb.evaluator.config is cb.config
