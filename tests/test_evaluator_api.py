@@ -1,0 +1,172 @@
+"""``LiveEvaluator`` used directly, as a plain loop would: its calls, its steps, its sinks, its drafter.
+
+The rules: every argument and step is checked (nothing coerced, a ``DFlashCBError`` naming it), a logging
+failure never ends the training and never starves another sink, and a drafter that changed since setup
+fails that evaluation under the failure policy instead of logging impossible numbers.
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from dflash_cb import DFlashDrafter, LiveEvaluator
+from dflash_cb.common.arguments import ArgumentError
+from dflash_cb.common.errors import DFlashCBError
+from dflash_cb.integrations.evaluator import DFlashEvalError
+
+ROOT = Path(__file__).resolve().parents[1]
+PREFIX = "dflash_eval/"
+
+
+def drafter(cfg: dict, block_size: int | None = None, seed: int = 0) -> DFlashDrafter:
+    torch.manual_seed(seed)
+    return DFlashDrafter.from_config_dict({**cfg, "block_size": block_size or cfg["block_size"]})
+
+
+def evaluator(cache: Path, **options) -> LiveEvaluator:
+    options.setdefault("ddtree_budgets", [4])
+    options.setdefault("every_n_train_steps", 1)
+    return LiveEvaluator(str(cache), console=False, **options)
+
+
+# -- the drafter, checked at every evaluation -----------------------------------------------------
+
+@pytest.mark.parametrize(("first", "then"), [(4, 8), (8, 4)])
+def test_a_drafter_of_another_block_size_fails_that_evaluation_naming_both(tiny_cache, tiny_drafter_config,
+                                                                             first, then):
+    logged = []
+    ev = evaluator(tiny_cache, log=lambda m, s: logged.append((s, m)), eval_on_fit_start=True)
+    ev.start(0, drafter(tiny_drafter_config, first))
+    with pytest.warns(RuntimeWarning, match=rf"DrafterChangedError: .*block_size {first} -> {then}"):
+        assert ev.step(1, drafter(tiny_drafter_config, then)) is None
+    taus = [m[PREFIX + "tau"] for _, m in logged if PREFIX + "tau" in m]
+    assert len(taus) == 1 and 1.0 <= taus[0] <= first  # only the first drafter's evaluation was logged
+    assert ev.state.failed_evaluations == 1 and [h["step"] for h in ev.history] == [0]
+    strict = evaluator(tiny_cache, fail_on_error=True)
+    strict.start(0, drafter(tiny_drafter_config, first))
+    with pytest.raises(DFlashEvalError, match=rf"block_size {first} -> {then}"):
+        strict.step(1, drafter(tiny_drafter_config, then))
+
+
+def test_the_same_drafter_with_new_weights_is_evaluated(tiny_cache, tiny_drafter_config):
+    ev = evaluator(tiny_cache)
+    ev.start(0, drafter(tiny_drafter_config, seed=0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        assert ev.step(1, drafter(tiny_drafter_config, seed=1)) is not None
+
+
+def test_a_data_parallel_wrapper_is_looked_through(tiny_cache, tiny_drafter_config):
+    plain, wrapped = evaluator(tiny_cache), evaluator(tiny_cache)
+    d = drafter(tiny_drafter_config)
+    a = plain.start(0, d)
+    b = wrapped.start(0, nn.DataParallel(d))
+    assert a[PREFIX + "tau"] == b[PREFIX + "tau"]
+
+
+def test_a_module_that_is_no_drafter_says_where_to_point(tiny_cache):
+    class Wrapper(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.Linear(2, 2)
+
+    with pytest.raises(DFlashCBError, match=r"point drafter= at the DFlash module") as err:
+        evaluator(tiny_cache).start(0, Wrapper())
+    assert "spec=DrafterSpec" not in str(err.value)
+
+
+# -- steps and arguments --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bad", ["5", 2.5, 5.0, True, torch.tensor(5), -1, None])
+def test_a_step_that_is_not_an_optimizer_step_is_refused_naming_it(tiny_cache, tiny_drafter_config, bad):
+    ev = evaluator(tiny_cache)
+    d = drafter(tiny_drafter_config)
+    ev.start(0, d)
+    with pytest.raises(ArgumentError, match=r"step\(global_step="):
+        ev.step(bad, d)
+    with pytest.raises(ArgumentError, match=r"finish\(global_step="):
+        ev.finish(bad, d)
+
+
+def test_steps_that_go_back_and_a_step_before_start_are_refused(tiny_cache, tiny_drafter_config):
+    d = drafter(tiny_drafter_config)
+    ev = evaluator(tiny_cache, every_n_train_steps=5)
+    with pytest.raises(ArgumentError, match=r"step\(global_step=5\) before start\(\)"):
+        ev.step(5, d)
+    assert ev.history == []
+    ev.start(0, d)
+    ev.step(10, d)
+    with pytest.raises(ArgumentError, match=r"global_step=5\) after step 10: steps must not go back"):
+        ev.step(5, d)
+    ev.step(10, d)  # the same step again (another micro-batch) is fine and not evaluated twice
+    assert [h["step"] for h in ev.history] == [0, 10]
+
+
+@pytest.mark.parametrize(("value", "ok"), [(None, True), (-1, True), (7, True), ("3", False), (2.5, False),
+                                          (True, False), (-2, False)])
+def test_max_steps_is_an_integer_or_unknown(tiny_cache, value, ok):
+    if ok:
+        LiveEvaluator(str(tiny_cache), max_steps=value)
+    else:
+        with pytest.raises(ArgumentError, match="max_steps="):
+            LiveEvaluator(str(tiny_cache), max_steps=value)
+
+
+def test_log_must_be_a_sink_a_function_or_a_run(tiny_cache):
+    with pytest.raises(ArgumentError, match="log=int"):
+        LiveEvaluator(str(tiny_cache), log=3)
+
+
+# -- sinks: a logging failure never ends the training ------------------------------------------------
+
+def test_a_raising_sink_is_named_and_the_others_still_get_everything(tiny_cache, tiny_drafter_config):
+    got = []
+
+    def broken(metrics, step):
+        raise OSError("disk full")
+
+    ev = evaluator(tiny_cache, log=[broken, lambda m, s: got.append((s, PREFIX + "tau" in m))], max_steps=1)
+    d = drafter(tiny_drafter_config)
+    with pytest.warns(RuntimeWarning, match=r"logging .* to log function .*broken failed: OSError: disk full") as rec:
+        ev.start(0, d)  # the setup's predicted cost, then the start evaluation
+        ev.step(1, d)
+        ev.finish(1, d)
+    # the predicted cost, then each evaluation, reached the good sink
+    assert got == [(0, False), (0, True), (1, True)]
+    assert [h["step"] for h in ev.history] == [0, 1]
+    assert all("training goes on" in str(w.message) for w in rec if "broken" in str(w.message))
+
+
+def test_a_sink_failing_with_fail_on_error_still_does_not_end_the_training(tiny_cache, tiny_drafter_config):
+    def broken(metrics, step):
+        raise RuntimeError("tracker down")
+
+    ev = evaluator(tiny_cache, log=broken, fail_on_error=True)
+    with pytest.warns(RuntimeWarning, match="tracker down"):
+        metrics = ev.start(0, drafter(tiny_drafter_config))
+    assert math.isfinite(metrics[PREFIX + "tau"])
+
+
+# -- LightningCLI: a wrong value is one clean message ------------------------------------------------
+
+def test_lightning_cli_refuses_an_unknown_tail_mode_in_a_few_lines(tmp_path):
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text("trainer:\n  callbacks:\n    - class_path: dflash_cb.DFlashEvalCallback\n"
+                   "      init_args: {states: c, tail_blocks: servd}\n")
+    script = ("import sys\nfrom lightning.pytorch.cli import LightningCLI\n"
+              "from dflash_cb.demo.lightning_module import CachedStatesDataModule, DFlashDrafterModule\n"
+              "LightningCLI(DFlashDrafterModule, CachedStatesDataModule, run=False)\n")
+    r = subprocess.run([sys.executable, "-c", script, "--config", str(cfg), "--model.drafter_config={}",
+                        "--model.states=c", "--data.states=c"], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode != 0
+    # jsonargparse's own message (the usage, then the key and the allowed values), not a double traceback
+    assert 'Parser key "tail_blocks"' in r.stderr and "Literal['served', 'reference']" in r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
