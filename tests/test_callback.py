@@ -7,6 +7,7 @@ import json
 import math
 import shutil
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -122,7 +123,7 @@ def test_logged_tau_equals_eval_drafter_on_saved_weights(tmp_path, tiny_cache, t
                 assert same(got[k], v), (step, k, got[k], v)
         # The callback's per-sample results agree too (rank zero keeps the last evaluation's).
     res = json.loads((tmp_path / "results_6.json").read_text())
-    assert [s.acceptance_lengths for s in cb.evaluator.last_samples] == [s["acceptance_lengths"] for s in res["samples"]]
+    assert [s.acceptance_lengths for s in cb.evaluator.last.samples] == [s["acceptance_lengths"] for s in res["samples"]]
 
 
 class Probe(Callback):
@@ -357,7 +358,8 @@ def test_resume_on_a_replaced_cache_warns_and_starts_a_new_series(tmp_path, tiny
 
 
 @pytest.mark.filterwarnings("ignore:.*ckpt_path.*:UserWarning", "ignore:.*resuming from a checkpoint.*:UserWarning")
-def test_resume_neither_repeats_nor_skips(tmp_path, tiny_cache, tiny_drafter_config):
+@pytest.mark.parametrize("spelling", ["as saved", "trailing slash", "relative"])
+def test_resume_neither_repeats_nor_skips(tmp_path, tiny_cache, tiny_drafter_config, monkeypatch, spelling):
     cb = DFlashEvalCallback(states=tiny_cache, every_n_train_steps=2, ddtree_budgets=[4], eval_on_fit_end=False)
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="{step}", every_n_train_steps=2, save_top_k=-1)
     fit(tmp_path, tiny_drafter_config, tiny_cache, [cb, ckpt], max_steps=5, checkpointing=True)
@@ -366,9 +368,15 @@ def test_resume_neither_repeats_nor_skips(tmp_path, tiny_cache, tiny_drafter_con
     state = torch.load(tmp_path / "ckpt" / "step=4.ckpt", weights_only=False)["callbacks"][cb.state_key]
     assert state["last_eval_step"] == 4 and state["start_done"]
 
-    resumed = DFlashEvalCallback(states=tiny_cache, every_n_train_steps=2, ddtree_budgets=[4])
-    trainer, _ = fit(tmp_path / "b", tiny_drafter_config, tiny_cache, [resumed], max_steps=8,
-                     ckpt_path=str(tmp_path / "ckpt" / "step=4.ckpt"))
+    # The same cache, whatever the spelling of its path: the state is found by the prefix, the cache by its hash.
+    states = {"as saved": str(tiny_cache), "trailing slash": str(tiny_cache) + "/", "relative": tiny_cache.name}[spelling]
+    if spelling == "relative":
+        monkeypatch.chdir(tiny_cache.parent)
+    resumed = DFlashEvalCallback(states=states, every_n_train_steps=2, ddtree_budgets=[4])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*DFlashEval.*")  # restored (no "add the callbacks"), no new series
+        trainer, _ = fit(tmp_path / "b", tiny_drafter_config, tiny_cache, [resumed], max_steps=8,
+                         ckpt_path=str(tmp_path / "ckpt" / "step=4.ckpt"))
     # Restored history [0, 2, 4], then 6 and 8: no second evaluation at 4, none missing.
     assert [h["step"] for h in resumed.history] == [0, 2, 4, 6, 8]
     assert resumed.evaluator.state.num_evals == 5 and trainer.global_step == 8
@@ -461,7 +469,9 @@ def test_state_dict_round_trip():
     other.load_state_dict(saved)
     s = other.evaluator.state
     assert (s.last_eval_step, s.num_evals, s.start_done, other.history) == (10, 3, True, saved["history"])
-    assert other.state_key == cb.state_key != DFlashEvalCallback(states="y").state_key
+    # The state key is the prefix: the same state whatever the spelling of the cache's path.
+    assert other.state_key == cb.state_key == DFlashEvalCallback(states="x/").state_key
+    assert cb.state_key != DFlashEvalCallback(states="x", prefix="b/").state_key
 
 
 def test_schedule_decisions():
@@ -500,3 +510,20 @@ def test_evaluation_profiles():
                 {"tail_blocks": "short"}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             DFlashEvalCallback(states="x", **bad)
+
+
+def test_model_checkpoint_recipe_keeps_the_best_tau_of_its_own_step(tmp_path, tiny_cache, tiny_drafter_config):
+    """The documented recipe: cadences aligned, the tau in a filename without a nested folder; the kept
+    checkpoint carries the tau measured at its own step (``dflash_eval/step`` says which)."""
+    cb = DFlashEvalCallback(states=tiny_cache, every_n_train_steps=2, ddtree_budgets=BUDGETS)
+    best = ModelCheckpoint(dirpath=tmp_path / "best", monitor="dflash_eval/tau", mode="max", every_n_train_steps=2,
+                           filename="step{step}-tau{dflash_eval/tau:.4f}", auto_insert_metric_name=False)
+    trainer, _ = fit(tmp_path, tiny_drafter_config, tiny_cache, [cb, best], max_steps=6, checkpointing=True)
+    path = Path(best.best_model_path)
+    assert path.parent == tmp_path / "best"  # no folder made of the metric's name
+    step = int(path.name.split("-")[0].removeprefix("step"))
+    by_step = {h["step"]: h["tau"] for h in cb.history}
+    assert best.best_model_score.item() == pytest.approx(by_step[step], rel=1e-6)
+    assert by_step[step] == max(by_step[s] for s in (2, 4, 6))
+    assert path.name == f"step{step}-tau{by_step[step]:.4f}.ckpt"
+    assert trainer.callback_metrics["dflash_eval/step"].item() == 6

@@ -120,7 +120,7 @@ def _worker(cache: str, cfg_path: str, out: str, strategies: list[str]) -> None:
         if trainer.global_rank == 0:
             (folder / "logged.json").write_text(json.dumps({
                 "history": cb.history, "sharding": kinds[-1],
-                "samples": {s.id: s.acceptance_lengths for s in cb.evaluator.last_samples},
+                "samples": {s.id: s.acceptance_lengths for s in cb.evaluator.last.samples},
             }))
 
 

@@ -248,3 +248,29 @@ def test_bf16_evaluation_holds_no_float32_head(tiny_cache, drafter_dir, tmp_path
     assert [(s[0], s[2]) for s in made] == [("aten.empty.memory_format", torch.bfloat16)] * 2, seen.seen
     assert "head=bfloat16" in out
     assert json.loads((tmp_path / "r.json").read_text())["meta"]["head_dtype"] == "bfloat16"
+
+
+def test_wandb_run_records_the_drafter_cache_and_settings_and_can_be_shown(tiny_cache, drafter_dir, tmp_path,
+                                                                             capsys, monkeypatch):
+    """``--wandb-project`` (offline): the run's config names the drafter, the cache's hash and the settings,
+    and the printed command shows the run's series without network."""
+    from dflash_cb.integrations import panels
+    from dflash_cb.integrations.wandb_offline import offline_config
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.chdir(tmp_path)
+    code, out, err = evaluate_tool(capsys, tiny_cache, drafter_dir, tmp_path / "r.json", "--wandb-project", "p",
+                                   "--anchor-stride", "3", "--tail-blocks", "reference")
+    assert code == 0, err
+    command = next(ln for ln in out.splitlines() if ln.startswith("logged to W&B")).split("see it with ", 1)[1]
+    argv = shlex.split(command)
+    assert argv[:2] == ["python", "tools/wandb_panels.py"]
+    config = offline_config(argv[argv.index("--run") + 1])["dflash_eval"]
+    results = json.loads((tmp_path / "r.json").read_text())
+    assert config["drafter"]["path"] == results["meta"]["drafter"]["path"] == str(drafter_dir)
+    assert config["cache_manifest_sha256"] == StateCache(tiny_cache).manifest_sha256
+    assert config["anchor_stride"] == 3 and config["tail_blocks"] == "reference" and config["dtype"] == "float32"
+    assert panels.main(argv[2:]) == 0
+    shown = capsys.readouterr().out
+    assert "config dflash_eval:" in shown and str(drafter_dir) in shown
+    assert shown.splitlines()[-1].split()[:2] == ["0", f"{results['metrics']['tau']:.4f}"]

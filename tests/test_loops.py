@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,8 @@ import pytest
 import torch
 from processes import run_ranks
 from torch import nn
+
+from dflash_cb.common.errors import DFlashCBError
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -173,7 +176,7 @@ def _worker(cache: str, cfg_path: str, out: str) -> None:
     rank = dist.get_rank()
     Path(out, f"rank{rank}.json").write_text(json.dumps({
         "logged": logged, "history": evaluator.history,
-        "samples": {s.id: s.acceptance_lengths for s in evaluator.last_samples}}))
+        "samples": {s.id: s.acceptance_lengths for s in evaluator.last.samples}}))
     dist.destroy_process_group()
 
 
@@ -191,7 +194,7 @@ def test_plain_loop_on_two_ranks_equals_one_process(tmp_path, tiny_cache, tiny_d
         for k, v in metrics.items():
             if not k.endswith(("eval_time_s", "eval_overhead")):  # wall time (also under full/)
                 assert theirs[k] == v, (step, k, theirs[k], v)
-    assert two["samples"] == {s.id: s.acceptance_lengths for s in single.last_samples}
+    assert two["samples"] == {s.id: s.acceptance_lengths for s in single.last.samples}
     # Rank one logs nothing and keeps no history: only rank zero does.
     other = json.loads((tmp_path / "rank1.json").read_text())
     assert other["logged"] == {} and other["history"] == []
@@ -221,7 +224,7 @@ class DraftTraining(nn.Module):
 
 
 def hf_train(tmp_path: Path, cache: Path, cfg: dict, max_steps: int, every: int, resume: str | None = None,
-             training_args: dict | None = None, **options: Any):
+             training_args: dict | None = None, eval_dataset: Any = None, **options: Any):
     from transformers import Trainer, TrainingArguments
 
     from dflash_cb import DFlashEvalTrainerCallback
@@ -229,15 +232,20 @@ def hf_train(tmp_path: Path, cache: Path, cfg: dict, max_steps: int, every: int,
 
     torch.manual_seed(0)
     model = DraftTraining(cfg, str(cache))
-    args = TrainingArguments(output_dir=str(tmp_path / "hf"), max_steps=max_steps, per_device_train_batch_size=2,
-                             learning_rate=1e-2, lr_scheduler_type="constant", report_to="none", use_cpu=True,
-                             save_strategy="steps", save_steps=every, logging_strategy="no", disable_tqdm=True,
-                             seed=0, remove_unused_columns=False, dataloader_num_workers=0, **(training_args or {}))
+    settings = {"output_dir": str(tmp_path / "hf"), "max_steps": max_steps, "per_device_train_batch_size": 2,
+                "learning_rate": 1e-2, "lr_scheduler_type": "constant", "report_to": "none", "use_cpu": True,
+                "save_strategy": "steps", "save_steps": every, "logging_strategy": "no", "disable_tqdm": True,
+                "seed": 0, "remove_unused_columns": False, "dataloader_num_workers": 0}
+    args = TrainingArguments(**{**settings, **(training_args or {})})
     trainer = Trainer(model=model, args=args, train_dataset=CachedStatesDataset(str(cache)),
-                      data_collator=lambda batch: {"samples": batch})
+                      eval_dataset=eval_dataset, data_collator=lambda batch: {"samples": batch})
+    options.setdefault("console", False)
+    extra = options.pop("extra_callbacks", [])
     cb = DFlashEvalTrainerCallback(trainer, states=str(cache), every_n_train_steps=every, drafter="drafter",
-                                   ddtree_budgets=BUDGETS, console=False, **options)
+                                   ddtree_budgets=BUDGETS, **options)
     trainer.add_callback(cb)
+    for make in extra:
+        trainer.add_callback(make(trainer))
     initial = {k: v.clone() for k, v in model.drafter.state_dict().items()}
     trainer.train(resume_from_checkpoint=resume)
     return trainer, cb, initial
@@ -282,10 +290,132 @@ def test_hf_trainer_resume_neither_repeats_nor_skips(tmp_path, tiny_cache, tiny_
     steps = [h["step"] for h in resumed.state.log_history if PREFIX + "tau" in h]
     assert steps == [0, 2, 4, 6, 8]
     # transformers' own restore rebuilds callbacks from their JSON arguments, without the trainer: one clear line.
-    with pytest.raises(ValueError, match="leave that option False"):
+    with pytest.raises(DFlashCBError, match="leave that option False"):
         hf_train(tmp_path, tiny_cache, tiny_drafter_config, max_steps=8, every=2, eval_on_fit_end=False,
                  resume=str(tmp_path / "hf" / "checkpoint-4"),
                  training_args={"restore_callback_states_from_checkpoint": True})
+
+
+def test_hf_run_reporting_to_wandb_gets_working_panels_and_one_console_line(tmp_path, tiny_cache,
+                                                                              tiny_drafter_config, monkeypatch,
+                                                                              capsys):
+    """A Trainer with ``report_to="wandb"`` (offline): the evaluator's series sit in the run under their own
+    names and step axis, so the panels tool, given only the run, finds every panel's keys; the console
+    gets one line per evaluation; ``--show`` prints the series."""
+    import wandb
+
+    from dflash_cb.integrations import panels
+
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_PROJECT", "dflash-cb-test")
+    trainer, cb, _ = hf_train(tmp_path, tiny_cache, tiny_drafter_config, max_steps=6, every=3, console=True,
+                              table_samples=2, training_args={"report_to": "wandb", "run_name": "hf",
+                                                              "logging_strategy": "steps", "logging_steps": 1})
+    run_dir = Path(wandb.run.dir).parent
+    wandb.finish()
+    out = capsys.readouterr().out
+    lines = [ln for ln in out.splitlines() if "dflash_eval" in ln or "DFlashEvalTrainerCallback" in ln]
+    assert [ln.split(":")[0] for ln in lines if " step " in ln] == [
+        "DFlashEvalTrainerCallback step 0", "DFlashEvalTrainerCallback step 3", "DFlashEvalTrainerCallback step 6"]
+    assert not any("'dflash_eval/" in ln for ln in out.splitlines())  # no dict of every key
+    from test_callback_wandb import history_and_summary
+
+    rows, summary, _ = history_and_summary(run_dir)
+    taus = [r for r in rows if PREFIX + "tau" in r]
+    assert [r["trainer/global_step"] for r in taus] == [0, 3, 6]  # every tau row has the panels' x-axis
+    assert not any(k.startswith("train/" + PREFIX) for r in rows for k in r)  # not renamed by the integration
+    assert summary[PREFIX + "best/tau"] == max(r[PREFIX + "tau"] for r in taus)
+    assert any(k.startswith(PREFIX + "sample_table") for r in rows for k in r)
+    # The Trainer's own record still has them (log_history, trainer_state.json).
+    assert sorted(_evaluations(trainer)) == [0, 3, 6]
+    assert panels.main(["--run", str(run_dir), "--dry-run", "--entity", "e", "--project", "p"]) == 0
+    err = capsys.readouterr().err
+    assert "warning" not in err, err
+    assert panels.main(["--run", str(run_dir), "--show"]) == 0
+    shown = capsys.readouterr().out.splitlines()
+    assert shown[0].startswith("config dflash_eval_config: ") and str(tiny_cache) in shown[0]
+    shown = [ln for ln in shown if not ln.startswith("config ")]
+    assert shown[0].split()[:2] == ["step", "tau"] and [ln.split()[0] for ln in shown[1:]] == ["0", "3", "6"]
+    assert shown[1].split()[1] == f"{taus[0][PREFIX + 'tau']:.4f}"
+
+
+def _two_callbacks(trainer):
+    from dflash_cb import DFlashEvalTrainerCallback
+
+    return DFlashEvalTrainerCallback(trainer, states=trainer.train_dataset.states, every_n_train_steps=2,
+                                     drafter="drafter", ddtree_budgets=[4], console=False, prefix="b/",
+                                     eval_on_fit_end=False)
+
+
+def test_hf_two_callbacks_resume_each_from_their_latest_state(tmp_path, tiny_cache, tiny_drafter_config):
+    first, cb_a, _ = hf_train(tmp_path, tiny_cache, tiny_drafter_config, max_steps=5, every=2, prefix="a/",
+                              eval_on_fit_end=False, extra_callbacks=[_two_callbacks])
+    cb_b = next(c for c in first.callback_handler.callbacks if getattr(c, "config", None) and c.config.prefix == "b/")
+    assert [h["step"] for h in cb_a.evaluator.history] == [0, 2, 4] == [h["step"] for h in cb_b.evaluator.history]
+    resumed, cb_a2, _ = hf_train(tmp_path, tiny_cache, tiny_drafter_config, max_steps=8, every=2, prefix="a/",
+                                 resume=str(tmp_path / "hf" / "checkpoint-4"), extra_callbacks=[_two_callbacks])
+    cb_b2 = next(c for c in resumed.callback_handler.callbacks
+                 if getattr(c, "config", None) and c.config.prefix == "b/")
+    assert [h["step"] for h in cb_a2.evaluator.history] == [0, 2, 4, 6, 8]
+    assert [h["step"] for h in cb_b2.evaluator.history] == [0, 2, 4, 6, 8]
+
+
+@pytest.mark.parametrize("spelling", ["trailing slash", "relative"])
+def test_hf_resume_finds_the_state_whatever_the_spelling_of_the_cache(tmp_path, tiny_cache, tiny_drafter_config,
+                                                                      monkeypatch, spelling):
+    hf_train(tmp_path, tiny_cache, tiny_drafter_config, max_steps=5, every=2, eval_on_fit_end=False)
+    if spelling == "relative":
+        monkeypatch.chdir(tiny_cache.parent)
+        states = Path(tiny_cache.name)
+    else:
+        states = Path(str(tiny_cache) + "/")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no "new series" warning either
+        _, cb, _ = hf_train(tmp_path, Path(str(states)), tiny_drafter_config, max_steps=8, every=2,
+                            resume=str(tmp_path / "hf" / "checkpoint-4"))
+    assert [h["step"] for h in cb.evaluator.history] == [0, 2, 4, 6, 8]
+
+
+def test_hf_second_train_on_the_same_trainer_starts_a_new_series(tmp_path, tiny_cache, tiny_drafter_config):
+    trainer, cb, _ = hf_train(tmp_path, tiny_cache, tiny_drafter_config, max_steps=4, every=2)
+    assert [h["step"] for h in cb.evaluator.history] == [0, 2, 4]
+    with pytest.warns(RuntimeWarning, match="a new series starts"):
+        trainer.train()
+    assert [h["step"] for h in cb.evaluator.history] == [0, 2, 4]  # not [0, 2, 4, 2, 4]
+    assert cb.evaluator.state.num_evals == 3
+
+
+def test_two_callbacks_with_one_prefix_are_refused_naming_it(tmp_path, tiny_cache, tiny_drafter_config):
+    from lightning.pytorch import Trainer
+
+    from dflash_cb import DFlashEvalCallback, DFlashEvalTrainerCallback
+
+    def same_prefix(trainer):
+        return DFlashEvalTrainerCallback(trainer, states=str(tiny_cache), drafter="drafter")
+
+    with pytest.raises(DFlashCBError, match=r"two callbacks with prefix='dflash_eval/'.*own prefix="):
+        hf_train(tmp_path, tiny_cache, tiny_drafter_config, max_steps=2, every=2, extra_callbacks=[same_prefix])
+    # Lightning refuses two callbacks with one state key when the Trainer is built; the state key is the prefix.
+    with pytest.raises(RuntimeError, match="state_key"):
+        Trainer(callbacks=[DFlashEvalCallback(states=str(tiny_cache)), DFlashEvalCallback(states="elsewhere")],
+                logger=False)
+    Trainer(callbacks=[DFlashEvalCallback(states=str(tiny_cache)),
+                       DFlashEvalCallback(states=str(tiny_cache), prefix="b/")], logger=False)
+
+
+def test_hf_keeps_the_checkpoint_with_the_best_tau_of_its_own_step(tmp_path, tiny_cache, tiny_drafter_config):
+    """``metric_for_best_model="dflash_eval/tau"`` with the Trainer's evaluations every 3 steps and the
+    callback's every 2: at each Trainer evaluation the callback supplies that step's tau."""
+    from dflash_cb.demo.lightning_module import CachedStatesDataset
+
+    trainer, cb, _ = hf_train(tmp_path, tiny_cache, tiny_drafter_config, max_steps=6, every=2, training_args={
+        "eval_strategy": "steps", "eval_steps": 3, "save_strategy": "best", "save_steps": 3,
+        "metric_for_best_model": PREFIX + "tau", "greater_is_better": True, "per_device_eval_batch_size": 2},
+        eval_dataset=CachedStatesDataset(str(tiny_cache)))
+    by_step = {h["step"]: h["tau"] for h in cb.evaluator.history}
+    assert {3, 6} <= set(by_step)  # the Trainer's evaluation steps were measured
+    best_step = int(Path(trainer.state.best_model_checkpoint).name.split("-")[1])
+    assert trainer.state.best_metric == by_step[best_step] == max(by_step[3], by_step[6])
 
 
 # -- the README's snippets, one per loop ----------------------------------------------------------------
@@ -311,11 +441,47 @@ def run_readme_snippet(title: str, tmp_path: Path, cache: Path, cfg: dict, monke
     return namespace
 
 
-def test_readme_plain_loop_snippet_runs(tmp_path, tiny_cache, tiny_drafter_config, monkeypatch):
+def test_readme_plain_loop_snippet_runs(tmp_path, tiny_cache, tiny_drafter_config, monkeypatch, capsys):
+    from dflash_cb import DFlashDrafter
+    from dflash_cb.common.cli import run
+    from dflash_cb.core import extract_cli
+
     ns = run_readme_snippet("### 5c. A plain PyTorch loop", tmp_path, tiny_cache, tiny_drafter_config, monkeypatch)
     assert [h["step"] for h in ns["evaluator"].history] == [0, 2, 4]
-    saved = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
+    saved = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
     assert saved["dflash_eval"]["last_eval_step"] == 4 and saved["step"] == 4
+    # The plain loop's checkpoint gives its drafter back (the config from --config, as the loop read it).
+    capsys.readouterr()
+    assert run(extract_cli.main, ["--ckpt", str(tmp_path / "checkpoint.pt"), "--out", str(tmp_path / "out"),
+                                  "--config", str(tmp_path / "drafter_config.json")]) == 0
+    line = capsys.readouterr().out
+    assert "from entry 'drafter'" in line and "dropped dflash_eval, optimizer, step" in line
+    got = DFlashDrafter.from_pretrained(tmp_path / "out")
+    for k, v in ns["drafter"].state_dict().items():
+        assert torch.equal(got.state_dict()[k], v), k
+
+
+def test_extract_from_a_hugging_face_checkpoint_folder(tmp_path, tiny_cache, tiny_drafter_config, capsys):
+    """``--ckpt hf_out/checkpoint-N``: the folder the Trainer writes; the summary names what was left behind."""
+    import json as _json
+
+    from dflash_cb import DFlashDrafter
+    from dflash_cb.common.cli import run
+    from dflash_cb.core import extract_cli
+
+    trainer, _, _ = hf_train(tmp_path, tiny_cache, tiny_drafter_config, max_steps=3, every=3)
+    (tmp_path / "cfg.json").write_text(_json.dumps(tiny_drafter_config))
+    capsys.readouterr()
+    assert run(extract_cli.main, ["--ckpt", str(tmp_path / "hf" / "checkpoint-3"), "--out", str(tmp_path / "d"),
+                                  "--config", str(tmp_path / "cfg.json")]) == 0
+    line = capsys.readouterr().out
+    assert "prefix 'drafter.'" in line and "fc.weight" not in line.split("from")[1]
+    got = DFlashDrafter.from_pretrained(tmp_path / "d")
+    for k, v in trainer.model.drafter.state_dict().items():
+        assert torch.equal(got.state_dict()[k], v), k
+    # Without --config: one line naming the fix.
+    assert run(extract_cli.main, ["--ckpt", str(tmp_path / "hf" / "checkpoint-3"), "--out", str(tmp_path / "e")]) == 2
+    assert "pass --config" in capsys.readouterr().err
 
 
 def test_readme_lightning_module_snippet_runs_and_extracts_without_config(tmp_path, tiny_cache, tiny_drafter_config,

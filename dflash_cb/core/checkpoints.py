@@ -35,8 +35,11 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     """Read a checkpoint with ``torch.load(weights_only=True)`` (or safetensors), telling apart a file
     that is no checkpoint, a truncated one, and one that really holds non-tensor Python objects."""
     path = Path(path)
+    if path.is_dir():
+        return load_checkpoint_folder(path)
     if not path.is_file():
-        raise CheckpointError(f"{path}: no such checkpoint file; pass --ckpt the .ckpt/.pt/.safetensors file")
+        raise CheckpointError(f"{path}: no such checkpoint file or folder; pass --ckpt a .ckpt/.pt/.safetensors file "
+                              "or a Hugging Face checkpoint-N folder")
     if path.suffix == ".safetensors":
         return {"state_dict": read_safetensors(path)}
     with open(path, "rb") as f:
@@ -136,12 +139,103 @@ def read_drafter_config(path: str | os.PathLike) -> dict[str, Any]:
     return config
 
 
+# Where a loop keeps its weights: Lightning's ``state_dict``, common ``torch.save`` layouts, the whole dict.
+_WEIGHT_KEYS = ("state_dict", "model", "module", "model_state_dict")
+# Where a checkpoint may carry the drafter's config: a LightningModule's hyper-parameters, a plain loop's entry.
+_CONFIG_KEYS = ("drafter_config", "config")
+
+
+def load_checkpoint_folder(folder: Path) -> dict[str, Any]:
+    """A Hugging Face ``Trainer`` checkpoint folder (``checkpoint-N``): its model weights (``model.safetensors``,
+    sharded ``model-*-of-*.safetensors``, or ``pytorch_model.bin``), and its ``config.json`` when that is a
+    DFlash drafter config (a ``PreTrainedModel`` drafter)."""
+    shards = sorted(folder.glob("model*.safetensors"))
+    if shards:
+        state: dict[str, torch.Tensor] = {}
+        for f in shards:
+            state.update(read_safetensors(f))
+        ckpt: dict[str, Any] = {"state_dict": state}
+    elif (folder / "pytorch_model.bin").is_file():
+        ckpt = {"state_dict": state_dict_of(load_checkpoint(folder / "pytorch_model.bin"))}
+    else:
+        raise CheckpointError(f"{folder}: a folder without model weights (no model.safetensors, model-*.safetensors "
+                              "or pytorch_model.bin); pass a Hugging Face checkpoint-N folder, a .ckpt/.pt file or "
+                              "a .safetensors file")
+    step = _trainer_state_step(folder / "trainer_state.json")
+    if step is not None:
+        ckpt["global_step"] = step
+    cfg = folder / "config.json"
+    if cfg.is_file():
+        try:
+            ckpt["drafter_config"] = read_drafter_config(cfg)
+        except CheckpointError:
+            pass  # the training model's own config, not a drafter's: --config gives it
+    return ckpt
+
+
+def _trainer_state_step(path: Path) -> int | None:
+    try:
+        step = json.loads(path.read_text()).get("global_step")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return step if isinstance(step, int) else None
+
+
+def stored_config(ckpt: dict[str, Any]) -> dict[str, Any] | None:
+    """The drafter config a checkpoint carries: ``hyper_parameters.drafter_config`` (a LightningModule's
+    ``save_hyperparameters``), or a top-level ``drafter_config``/``config`` entry (a plain loop's checkpoint,
+    a Hugging Face folder's ``config.json``)."""
+    hp = ckpt.get("hyper_parameters")
+    found = [hp.get("drafter_config")] if isinstance(hp, dict) else []
+    found += [ckpt.get(k) for k in _CONFIG_KEYS]
+    return next((c for c in found if isinstance(c, dict) and isinstance(c.get("dflash_config"), dict)), None)
+
+
+def weight_sources(ckpt: dict[str, Any]) -> list[tuple[str, dict[str, torch.Tensor]]]:
+    """``(entry, tensors)`` where weights may be: the usual entries, any other top-level dict of tensors (a plain
+    loop's ``{"drafter": drafter.state_dict(), ...}``), and the checkpoint itself (a bare state dict)."""
+    out = []
+    for key, value in ckpt.items():
+        if isinstance(value, dict):
+            tensors = {k: v for k, v in value.items() if isinstance(v, torch.Tensor)}
+            if tensors and (key in _WEIGHT_KEYS or len(tensors) == len(value)):
+                out.append((key, tensors))
+    top = {k: v for k, v in ckpt.items() if isinstance(v, torch.Tensor)}
+    if top:
+        out.append(("", top))
+    return out
+
+
 def state_dict_of(ckpt: dict[str, Any]) -> dict[str, torch.Tensor]:
     """The model weights: Lightning's ``state_dict``, a ``model``/``module`` entry, or the dict itself."""
-    for key in ("state_dict", "model", "module", "model_state_dict"):
+    for key in _WEIGHT_KEYS:
         if isinstance(ckpt.get(key), dict):
             return {k: v for k, v in ckpt[key].items() if isinstance(v, torch.Tensor)}
     return {k: v for k, v in ckpt.items() if isinstance(v, torch.Tensor)}
+
+
+def locate_drafter(ckpt: dict[str, Any], expected: set[str], prefix: str | None,
+                   where: str) -> tuple[str, str, dict[str, torch.Tensor]]:
+    """``(entry, prefix, tensors)`` of the one place in ``ckpt`` holding a complete drafter."""
+    sources = weight_sources(ckpt)
+    if not sources:
+        raise CheckpointError(f"{where}: holds no tensors; pass the checkpoint that has the drafter's weights")
+    found, errors = [], []
+    for entry, tensors in sources:
+        try:
+            p = prefix if prefix is not None else find_prefix(set(tensors), expected)
+        except CheckpointError as e:
+            errors.append(e)
+            continue
+        if any(k.startswith(p) for k in tensors):
+            found.append((entry, p, tensors))
+    if not found:
+        raise errors[0] if errors else CheckpointError(f"{where}: no key starts with --prefix {prefix!r}")
+    if len(found) > 1:
+        names = ", ".join(repr(e or "(top level)") for e, _, _ in found)
+        raise CheckpointError(f"{where}: several entries hold a complete drafter ({names}); keep one in the "
+                              "checkpoint or extract from a file holding only the drafter's state dict")
+    return found[0]
 
 
 def expected_keys(config: dict[str, Any]) -> set[str]:
@@ -178,19 +272,17 @@ def extract_drafter(ckpt_path: str | os.PathLike, out_dir: str | os.PathLike,
     overwrite_into = check_drafter_out(out, ckpt_path, overwrite)  # before any reading
     ckpt = load_checkpoint(ckpt_path)
     if config is None:
-        hp = ckpt.get("hyper_parameters") or {}
-        config = hp.get("drafter_config") if isinstance(hp, dict) else None
-        if not isinstance(config, dict):
+        config = stored_config(ckpt)
+        if config is None:
             raise CheckpointError(f"{ckpt_path}: no drafter config stored in the checkpoint "
-                                  "(hyper_parameters.drafter_config); pass --config drafter_config.json")
-    state = state_dict_of(ckpt)
+                                  "(hyper_parameters.drafter_config, or a drafter_config entry); pass --config "
+                                  "drafter_config.json")
     try:
         expected = expected_keys(config)
     except Exception as e:
         raise CheckpointError(f"the drafter config is not a valid DFlash config ({type(e).__name__}: "
                               f"{_first_line(e)}); check --config") from None
-    if prefix is None:
-        prefix = find_prefix(set(state), expected)
+    entry, prefix, state = locate_drafter(ckpt, expected, prefix, str(ckpt_path))
     sub = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
     missing = sorted(expected - set(sub))
     unexpected = sorted(set(sub) - expected)
@@ -212,10 +304,12 @@ def extract_drafter(ckpt_path: str | os.PathLike, out_dir: str | os.PathLike,
             _write_drafter_folder(out, weights, config_text)
     except OSError as e:
         raise CheckpointError(f"--out {out}: cannot write the drafter there ({describe_os_error(e)})") from None
-    dropped = sorted(k for k in ckpt if k not in ("state_dict",))
     step = ckpt.get("global_step")
-    return {"prefix": prefix, "tensors": len(weights), "dropped_entries": dropped,
-            "global_step": int(step) if step is not None else None,
+    # What was left behind: the checkpoint's other entries, and tensors beside the drafter's.
+    dropped = [k for k in ckpt if k != entry] if entry else [k for k, v in ckpt.items() if not isinstance(v, torch.Tensor)]
+    return {"entry": entry, "prefix": prefix, "tensors": len(weights), "dropped_entries": sorted(dropped),
+            "other_tensors": sorted(k for k in state if not k.startswith(prefix)),
+            "global_step": int(step) if isinstance(step, int) else None,
             "params": sum(v.numel() for v in weights.values())}
 
 
@@ -279,3 +373,21 @@ def _write_drafter_folder(out: Path, weights: dict[str, torch.Tensor], config_te
             (old / "folder").rmdir()
         if old is not None:
             old.rmdir()
+
+
+def describe_source(entry: str, prefix: str) -> str:
+    """``entry 'drafter'``, ``'state_dict', prefix 'drafter.'``: where the drafter's weights were found."""
+    where = f"entry {entry!r}" if entry else "the top level"
+    return f"{where}, prefix {prefix!r}" if prefix else where
+
+
+def describe_dropped(info: dict[str, Any], shown: int = 6) -> str:
+    """What extraction left behind, for the summary line."""
+    parts = []
+    entries, tensors = info["dropped_entries"], info["other_tensors"]
+    if entries:
+        parts.append("dropped " + ", ".join(entries))
+    if tensors:
+        more = f", ... ({len(tensors) - shown} more)" if len(tensors) > shown else ""
+        parts.append(f"{len(tensors)} other tensor(s) not copied: {', '.join(tensors[:shown])}{more}")
+    return "; ".join(parts) or "nothing else in it"

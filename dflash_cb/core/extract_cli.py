@@ -18,7 +18,9 @@ dflash_cb (DFlashDrafter.from_pretrained) and in the reference dflash.model.DFla
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=USAGE, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ckpt", required=True, help="Lightning .ckpt, a torch state dict, or a .safetensors file")
+    p.add_argument("--ckpt", required=True,
+                   help="Lightning .ckpt, a Hugging Face checkpoint-N folder, a plain loop's torch.save'd checkpoint "
+                        "(the drafter's state dict in any entry) or a .safetensors file")
     p.add_argument("--out", required=True,
                    help="drafter folder to write: new, empty, or an earlier drafter folder (replaced atomically)")
     p.add_argument("--overwrite", action="store_true",
@@ -29,12 +31,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--prefix", default=None, help="key prefix of the drafter in the checkpoint (default: found)")
     args = p.parse_args(argv)
     from ..common.fileio import check_outputs_apart
-    from .checkpoints import extract_drafter, read_drafter_config
+    from .checkpoints import describe_dropped, describe_source, extract_drafter, read_drafter_config
 
     check_outputs_apart([("--ckpt", args.ckpt), ("--config", args.config)], folders=[("--out", args.out)])
 
     config = read_drafter_config(args.config) if args.config else None
     info = extract_drafter(args.ckpt, args.out, config=config, prefix=args.prefix, overwrite=args.overwrite)
     print(f"wrote {args.out}: {info['tensors']} tensors, {info['params'] / 1e6:.2f}M parameters "
-          f"(prefix {info['prefix']!r}; dropped {', '.join(info['dropped_entries']) or 'nothing'})")
+          f"(from {describe_source(info['entry'], info['prefix'])}; {describe_dropped(info)})")
     return 0

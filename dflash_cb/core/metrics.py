@@ -43,6 +43,11 @@ FAILED_EVALS = "failed_evaluations"  # evaluations that raised so far in this ru
 # The evaluation's share of wall time since the previous one ended (callback; dflash_cb.core.cost).
 EVAL_OVERHEAD = "eval_overhead"
 SETUP_TIME = "setup_time_s"  # the callback's setup: cache checks and hashing
+# The optimizer step an evaluation measured, logged beside its figures: a checkpoint kept by tau can show
+# the step its tau belongs to (``{dflash_eval/step}`` in a ModelCheckpoint filename).
+EVAL_STEP = "step"
+# The x-axis of every live series in W&B: the optimizer step, whatever the loop (Lightning's own key).
+STEP_KEY = "trainer/global_step"
 
 
 def predicted_anchors(kind: str) -> str:

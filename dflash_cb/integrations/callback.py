@@ -89,8 +89,21 @@ class DFlashEvalCallback(Callback):
             at the largest budget, difference to each measured baseline, wall time).
 
     Every other argument (schedule, profiles, samples, baselines, failure policy, W&B table, ...) is
-    ``dflash_cb.integrations.evaluator.LiveEvaluator``'s, documented there. Scalars go to every logger at
+    ``dflash_cb.integrations.config.EvalConfig``'s, documented there. Scalars go to every logger at
     ``trainer.global_step``; tables and charts to the first ``WandbLogger``'s run.
+
+    Checkpointing: the callback's state (schedule, history) is saved in Lightning checkpoints under its
+    ``state_key``, which is its ``prefix``: several callbacks in one Trainer (another cache, another sample
+    selection) each need their own ``prefix=`` (Lightning refuses two with one state key), and a resumed run
+    finds the state whatever the spelling of ``states``. To keep the checkpoint with the best tau, align the
+    cadences so each checkpoint carries the tau of its own step::
+
+        DFlashEvalCallback(states=..., every_n_train_steps=500)
+        ModelCheckpoint(monitor="dflash_eval/tau", mode="max", every_n_train_steps=500,
+                        filename="step{step}-tau{dflash_eval/tau:.4f}", auto_insert_metric_name=False)
+
+    (``auto_insert_metric_name=False``: the inserted name ``dflash_eval/tau=`` would make a folder.) The
+    metrics also carry ``dflash_eval/step``, the step each figure measured.
     """
 
     # The arguments are spelled out, not **kwargs, so LightningCLI (jsonargparse) can configure the callback
@@ -160,7 +173,10 @@ class DFlashEvalCallback(Callback):
     # -- Lightning plumbing ---------------------------------------------------------------
     @property
     def state_key(self) -> str:
-        return self._generate_state_key(states=self.config.states, prefix=self.config.prefix)
+        # The prefix alone: a resumed run finds its state whatever the spelling of the cache's path (the
+        # evaluator then checks the cache itself, by its manifest sha256). Two callbacks on one Trainer
+        # therefore need two prefixes, which their metrics need anyway.
+        return self._generate_state_key(prefix=self.config.prefix)
 
     def state_dict(self) -> dict[str, Any]:
         return self.evaluator.state_dict()
@@ -217,7 +233,8 @@ class DFlashEvalCallback(Callback):
         """Every rank's numbers into ``callback_metrics`` (ModelCheckpoint, EarlyStopping); the progress bar."""
         if metrics is None:
             return
-        for k, v in self.evaluator.last_shared.items():
+        assert self.evaluator.last is not None
+        for k, v in self.evaluator.last.shared.items():
             trainer.callback_metrics[k] = torch.tensor(v)
         tau = self.config.prefix + TAU
         if self.prog_bar and trainer.global_rank == 0 and tau in metrics:

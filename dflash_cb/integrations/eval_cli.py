@@ -5,7 +5,9 @@ before any work, the files it writes); the evaluation itself is ``dflash_cb.core
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
+from pathlib import Path
 
 from ..core.positions import DEFAULT_POSITION_EDGES
 
@@ -184,5 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.wandb_project:
         from .wandb_logging import log_standalone_results
 
-        log_standalone_results(results, project=args.wandb_project, name=args.wandb_name)
+        run_dir = Path(log_standalone_results(results, project=args.wandb_project, name=args.wandb_name)).parent
+        how = (f"; see it with python tools/wandb_panels.py --run {shlex.quote(str(run_dir))} --show"
+               if run_dir.name.startswith("offline-run") else "")
+        print(f"logged to W&B project {args.wandb_project}: {run_dir}{how}")
     return 0

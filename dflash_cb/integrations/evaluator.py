@@ -51,6 +51,7 @@ from ..core.engine import EvalReport, SampleResult, resolve_autocast
 from ..core.metrics import (
     ANCHOR_STRIDE,
     EVAL_OVERHEAD,
+    EVAL_STEP,
     EVAL_TIME,
     FAILED_EVALS,
     FULL_PREFIX,
@@ -87,6 +88,17 @@ class DFlashEvalError(DFlashCBError, RuntimeError):
 
 class DrafterChangedError(DFlashCBError, ValueError):
     """The drafter passed to an evaluation is not the one checked at setup (block size, layers, ...)."""
+
+
+@dataclass
+class LastEvaluation:
+    """The last successful evaluation, as this rank knows it."""
+
+    step: int
+    metrics: dict[str, float]  # what the call returned (rank zero: everything logged; others: counts-based)
+    shared: dict[str, float]  # every rank: the counts-based figures, the same on each (callback_metrics)
+    summary: dict[str, float]  # rank zero: unprefixed figures, intervals included ({} elsewhere)
+    samples: list[SampleResult]  # rank zero: every evaluated sample, in eval_ids order ([] elsewhere)
 
 
 @dataclass
@@ -146,9 +158,7 @@ class LiveEvaluator:
         self._default_loop = LoopContext(as_sinks(log), _check_max_steps(max_steps), full_parameters)
         self.state = EvalState()  # what a checkpoint carries (state_dict / load_state_dict)
         self.session: EvalSession | None = None  # the run's, built by setup
-        self.last_metrics: dict[str, float] = {}  # rank zero: the last evaluation's summary
-        self.last_shared: dict[str, float] = {}  # every rank: the last evaluation's counts-based metrics
-        self.last_samples: list[SampleResult] = []  # rank zero: every evaluated sample, in eval_ids order
+        self.last: LastEvaluation | None = None  # the last evaluation that succeeded, in this process
         self._last_seen_step: int | None = None  # the loop's last call, to refuse steps that go back
 
     # -- read-only views ------------------------------------------------------------------------
@@ -232,6 +242,15 @@ class LiveEvaluator:
         run (``eval_on_fit_start``; a resumed run does not repeat it). Metrics, or None."""
         self._ready(global_step, drafter, model, "start")
         assert self.session is not None
+        if global_step < self.state.last_eval_step:
+            # A loop that starts again from an earlier step without restoring a checkpoint (a second
+            # trainer.train(), a restart without resume) is a new run: its numbers are a new series.
+            warnings.warn(f"{self.name}: start at global step {global_step}, before the last evaluated step "
+                          f"{self.state.last_eval_step}, without a restored state: a new training run, so a new "
+                          f"series starts (the {len(self.history)} earlier evaluation(s) are dropped)",
+                          RuntimeWarning, stacklevel=2)
+            self.state = EvalState()
+            self._continue_series()
         self.session.clock = (time.perf_counter(), global_step)
         due = fit_start_eval_due(global_step, self.state.last_eval_step, self.state.start_done,
                                  self.config.eval_on_fit_start)
@@ -255,6 +274,16 @@ class LiveEvaluator:
             return None
         self._ready(global_step, drafter, model, "finish")
         return self._evaluate(global_step, drafter, model, FIT_END)
+
+    def metrics_at(self, global_step: int, drafter: nn.Module, model: Any = None) -> dict[str, float] | None:
+        """The metrics of step ``global_step``: the last evaluation's when it measured this step, else an
+        evaluation now (light, logged like the others). For a loop that picks its best checkpoint at its own
+        evaluations (Hugging Face's ``metric_for_best_model``, SpecForge's best metric): the checkpoint then
+        carries the tau of its own step. None when this step's evaluation failed."""
+        self._ready(global_step, drafter, model, "metrics_at")
+        if self.state.last_eval_step == global_step:
+            return dict(self.last.metrics) if self.last is not None and self.last.step == global_step else None
+        return self._evaluate(global_step, drafter, model, f"step {global_step}")
 
     def _check_step(self, global_step: Any, call: str) -> None:
         """Steps are integers that never go back within a session (a resumed run opens a new one)."""
@@ -290,7 +319,7 @@ class LiveEvaluator:
         if world()[0] != 0:
             return
         spec, cfg = s.spec, self.config
-        last = self.history[-1].get(TAU) if self.history else self.last_metrics.get(TAU)
+        last = self.history[-1].get(TAU) if self.history else None
         tau = last if isinstance(last, float) and math.isfinite(last) else 1.0
         costs = predict(unwrap(drafter), spec.block_size, len(spec.target_layer_ids) * spec.target_hidden_size,
                         [(e.prompt_len, e.valid_len - e.prompt_len) for e in map(s.cache.entry, s.eval_ids)],
@@ -433,18 +462,17 @@ class LiveEvaluator:
         shared = _prefixed(summary, prefix)
         if m.profile.full:  # the same keys again under full/, so a panel can show the full evaluations apart
             shared.update(_prefixed(summary, prefix + FULL_PREFIX))
+        shared[prefix + EVAL_STEP] = float(m.step)
         # Every rank gets the counts-based numbers, so a loop can act on them anywhere (ModelCheckpoint, ...).
-        self.last_shared = dict(shared)
         if m.rank != 0:
+            self.last = LastEvaluation(m.step, dict(shared), dict(shared), {}, [])
             return shared
-        self.last_samples = m.samples
         extra = self._sample_metrics(m)
         summary.update(extra)
         metrics = dict(shared)
         metrics.update(_prefixed(extra, prefix))
         if m.profile.full:
             metrics.update(_prefixed(extra, prefix + FULL_PREFIX))
-        self.last_metrics = dict(summary)
         self.state.history.append({"step": m.step, **summary})
         if self.config.console:
             self.say(f"{self.name} " + evaluation_line(m.step, summary, m.profile.budgets,
@@ -458,6 +486,7 @@ class LiveEvaluator:
                                   m.counts.data["hist"].tolist(), s.baselines, self.history,
                                   lambda: self._table(m.samples))
         self._to_sinks(f"the evaluation at step {m.step}", m.step, lambda sink: sink.evaluation(record))
+        self.last = LastEvaluation(m.step, dict(metrics), dict(shared), dict(summary), m.samples)
         return metrics
 
     def _sample_metrics(self, m: Measurement) -> dict[str, float]:
@@ -552,4 +581,4 @@ def _check_max_steps(max_steps: Any) -> int:
     return int(max_steps)
 
 
-__all__ = ["DFlashEvalError", "DrafterChangedError", "LiveEvaluator", "Measurement"]
+__all__ = ["DFlashEvalError", "DrafterChangedError", "LastEvaluation", "LiveEvaluator", "Measurement"]

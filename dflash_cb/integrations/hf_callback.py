@@ -7,15 +7,22 @@ A thin adapter over ``dflash_cb.integrations.evaluator.LiveEvaluator``, like ``D
                                                    every_n_train_steps=500, drafter="drafter"))
 
 - Hooks: ``on_train_begin`` (setup, the fit-start evaluation), ``on_step_end`` (after each optimizer
-  step, at ``state.global_step``), ``on_train_end`` (the full fit-end evaluation).
-- The numbers go through ``trainer.log``: they land in ``trainer.state.log_history`` and reach every
-  ``report_to`` integration (W&B, TensorBoard, ...). Tables and charts go to the W&B run when
-  ``report_to`` includes ``wandb``. (The Trainer's W&B integration prefixes scalar names with
-  ``train/``: ``train/dflash_eval/tau``.)
+  step, at ``state.global_step``), ``on_evaluate`` (this step's figures for ``metric_for_best_model``),
+  ``on_train_end`` (the full fit-end evaluation).
+- The numbers go into ``trainer.state.log_history`` and every ``report_to`` integration (``TrainerLog``);
+  W&B gets them straight from the evaluator, with the tables and charts, under the same names and step
+  axis (``trainer/global_step``) as a Lightning or plain-loop run, so ``tools/wandb_panels.py`` builds the
+  same panels. The console gets one line per evaluation, not the Trainer's dict of every key.
+- Keep the checkpoint with the best tau: ``TrainingArguments(eval_strategy="steps", eval_steps=N,
+  save_strategy="best", metric_for_best_model="dflash_eval/tau", greater_is_better=True)``; at each of the
+  Trainer's evaluations the callback supplies the tau of that step (evaluating then if its own schedule did
+  not), so the kept checkpoint carries its own step's tau.
 - State: an ``ExportableState``, so the schedule and history are saved in each checkpoint's
-  ``trainer_state.json``; on ``train(resume_from_checkpoint=...)`` the callback restores them itself
+  ``trainer_state.json``; on ``train(resume_from_checkpoint=...)`` the callback restores its latest entry
+  (matched by prefix; the cache by its manifest sha256, whatever the path's spelling)
   (``restore_callback_states_from_checkpoint`` is not needed; leave it False: when True, transformers
   rebuilds callbacks from their saved JSON arguments, without the trainer this one logs through).
+  A second ``train()`` on the same Trainer starts from step 0: a new series.
 - Distributed (DDP, FSDP through accelerate): every rank evaluates its share; sharded parameters of
   the model are gathered for the evaluation (``distributed.full_parameters_of``).
 """
@@ -105,6 +112,8 @@ class DFlashEvalTrainerCallback(TrainerCallback, ExportableState):
             tokenizer=tokenizer, verify_cache=verify_cache, position_edges=position_edges, console=console,
             tail_blocks=tail_blocks)
         self.evaluator = LiveEvaluator(config, name=type(self).__name__)
+        if trainer is not None:
+            _check_one_per_prefix(self, trainer)
         # The JSON-able arguments, for ExportableState (transformers stores them in trainer_state.json).
         given = {"drafter": drafter, **{name: getattr(config, name) for name in config_fields()}}
         self.arguments = {k: _jsonable(v) for k, v in given.items() if _jsonable(v) is not _NOT_JSON}
@@ -126,13 +135,18 @@ class DFlashEvalTrainerCallback(TrainerCallback, ExportableState):
         self.evaluator.load_state_dict(state)
 
     def _restore(self, state: Any) -> None:
-        """The saved state of this callback in a resumed ``trainer_state.json`` (the same cache and prefix)."""
+        """This callback's saved state in a resumed ``trainer_state.json``: the latest entry with this prefix.
+
+        transformers keeps one entry per callback instance when a callback class is there once, and appends
+        every instance's state at each save when it is there more than once: the last entry of a prefix is
+        its state at that checkpoint. The cache is matched by the evaluator (its manifest sha256), so any
+        spelling of the same folder restores, and another cache starts a new series with a warning."""
         saved = (state.stateful_callbacks or {}).get(type(self).__name__)
-        for entry in saved if isinstance(saved, list) else [saved]:
-            args = (entry or {}).get("args", {})
-            if (args.get("states"), args.get("prefix", DEFAULT_PREFIX)) == (self.config.states, self.config.prefix):
-                self.evaluator.load_state_dict(entry["attributes"]["evaluator_state"])
-                return
+        entries = saved if isinstance(saved, list) else [saved]
+        mine = [e for e in entries if isinstance(e, dict)
+                and (e.get("args") or {}).get("prefix", DEFAULT_PREFIX) == self.config.prefix]
+        if mine:
+            self.evaluator.load_state_dict((mine[-1].get("attributes") or {}).get("evaluator_state"))
 
     # -- hooks ----------------------------------------------------------------------------------
     def on_train_begin(self, args: Any, state: Any, control: Any, model: nn.Module | None = None, **kw: Any) -> None:
@@ -142,17 +156,33 @@ class DFlashEvalTrainerCallback(TrainerCallback, ExportableState):
                 "trainer.add_callback(DFlashEvalTrainerCallback(trainer, states=...)); with "
                 "restore_callback_states_from_checkpoint=True transformers rebuilds callbacks "
                 "without it: leave that option False (this callback restores its own state)")
-        self._restore(state)  # a resumed run: trainer_state.json is loaded by now
-        sinks: list[MetricsSink] = [TrainerLog(self)]
+        _check_one_per_prefix(self, self.trainer)
+        sinks: list[MetricsSink] = [TrainerLog(self.trainer)]
         report_to = getattr(self.trainer.args, "report_to", None) or []
         if "wandb" in report_to or report_to == "all":
-            sinks.append(WandbSink(_current_wandb_run, scalars=False))
+            # Straight into the run, under the evaluator's own names and step axis (trainer/global_step), as
+            # Lightning's WandbLogger and a plain loop log them: the same panels fit every loop.
+            sinks.append(WandbSink(_current_wandb_run))
         self.evaluator.setup(None, model, sinks=sinks, max_steps=int(state.max_steps or -1),
                              full_parameters=lambda: full_parameters_of(model))
+        if state.global_step > 0:
+            self._restore(state)  # a resumed run: trainer_state.json is loaded by now
         self.evaluator.start(state.global_step, self._drafter(model), model)
 
     def on_step_end(self, args: Any, state: Any, control: Any, model: nn.Module | None = None, **kw: Any) -> None:
         self.evaluator.step(state.global_step, self._drafter(model), model)
+
+    def on_evaluate(self, args: Any, state: Any, control: Any, metrics: dict[str, float] | None = None,
+                    model: nn.Module | None = None, **kw: Any) -> None:
+        """With ``metric_for_best_model`` naming one of this callback's metrics (``"dflash_eval/tau"``), the
+        evaluation's metrics get this step's figures (``eval_``-prefixed, as the Trainer looks them up), so
+        the Trainer keeps the checkpoint with the best tau of its own step."""
+        best = getattr(args, "metric_for_best_model", None) or ""
+        if metrics is None or not best.removeprefix("eval_").startswith(self.config.prefix):
+            return
+        ours = self.evaluator.metrics_at(state.global_step, self._drafter(model), model)
+        for k, v in (ours or {}).items():
+            metrics[f"eval_{k}"] = v
 
     def on_train_end(self, args: Any, state: Any, control: Any, model: nn.Module | None = None, **kw: Any) -> None:
         self.evaluator.finish(state.global_step, self._drafter(model), model)
@@ -165,17 +195,40 @@ class DFlashEvalTrainerCallback(TrainerCallback, ExportableState):
         return drafter
 
 
-class TrainerLog(MetricsSink):
-    """The evaluator's scalars through ``trainer.log`` (log history and every ``report_to`` integration)."""
+def _check_one_per_prefix(callback: DFlashEvalTrainerCallback, trainer: Any) -> None:
+    """Two evaluations under one prefix would log over each other and share one saved state."""
+    handler = getattr(trainer, "callback_handler", None)
+    others = [c for c in getattr(handler, "callbacks", []) if isinstance(c, DFlashEvalTrainerCallback)
+              and c is not callback and c.config.prefix == callback.config.prefix]
+    if others:
+        raise check.ArgumentError(f"DFlashEvalTrainerCallback: two callbacks with prefix={callback.config.prefix!r} "
+                                  "on one Trainer; give each its own prefix= (e.g. 'dflash_eval/' and "
+                                  "'dflash_eval_b/'): their metrics and saved states would collide")
 
-    def __init__(self, callback: DFlashEvalTrainerCallback) -> None:
-        self.callback = callback
+
+class TrainerLog(MetricsSink):
+    """The evaluator's scalars into the Trainer's own record: ``state.log_history`` (so they are in every
+    checkpoint's ``trainer_state.json``) and every ``report_to`` integration but W&B (which gets them
+    straight, under the evaluator's names: ``WandbSink``). The console printers are skipped: the evaluator
+    prints one line per evaluation instead of the Trainer's whole dict."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        self.callback.trainer.log(dict(metrics))
+        from transformers.integrations import WandbCallback
+        from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+        t = self.trainer
+        t.state.log_history.append({**metrics, "step": int(step)})
+        skip = (PrinterCallback, ProgressCallback, WandbCallback, DFlashEvalTrainerCallback)
+        for cb in t.callback_handler.callbacks:
+            if isinstance(cb, skip) or type(cb).on_log is TrainerCallback.on_log:
+                continue
+            cb.on_log(t.args, t.state, t.control, logs=dict(metrics), model=t.model)
 
     def __str__(self) -> str:
-        return "trainer.log"
+        return "the Trainer's log"
 
 
 def _current_wandb_run() -> Any | None:

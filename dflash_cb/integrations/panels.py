@@ -29,6 +29,7 @@ from ..common.errors import DFlashCBError
 from ..core.baselines import CONVENTIONS
 from ..core.metrics import (
     ACCEPT_LENGTH_SERVED,
+    ALL_ANCHOR_TAU,
     ANCHORS_DRAFTED,
     ANCHORS_NEEDED,
     BEST_STEP,
@@ -36,9 +37,12 @@ from ..core.metrics import (
     CYCLES,
     DEFAULT_PREFIX,
     DELTA_TAU,
+    EVAL_STEP,
     EVAL_TIME,
     FULL_PREFIX,
     SERVED_BASELINE,
+    SPECFORGE_ACC,
+    STEP_KEY,
     TAU,
     TAU_REQUEST_MEAN,
     TOKENS,
@@ -53,7 +57,6 @@ from ..core.metrics import (
 )
 from ..core.positions import DEFAULT_CYCLE_BUCKETS, DEFAULT_POSITION_EDGES, cycle_labels, position_labels
 
-STEP_KEY = "trainer/global_step"  # the same as wandb_logging.STEP_KEY (kept import-free of wandb)
 SAMPLE_TABLE = "sample_table"
 COST_KEYS = (EVAL_TIME, CYCLES, TOKENS, ANCHORS_DRAFTED, ANCHORS_NEEDED)
 SECTIONS = ("Headline", "Uncertainty", "Per category", "Per depth", "By position", "Cost", "Samples")
@@ -280,8 +283,8 @@ def build_parser() -> Any:
         prog="wandb_panels.py",
         description="Create or update a saved W&B workspace view (or, with --report, a Report) with the "
                     "dflash-cb panels: Headline, Uncertainty, Per category, Per depth, By position, Cost, Samples.")
-    p.add_argument("--entity", required=True)
-    p.add_argument("--project", required=True)
+    p.add_argument("--entity", default=None, help="W&B entity (not needed with --show on a local run folder)")
+    p.add_argument("--project", default=None, help="W&B project (not needed with --show on a local run folder)")
     p.add_argument("--name", default="dflash-cb: drafter evaluation", help="view (or report) name")
     p.add_argument("--report", action="store_true", help="make a W&B Report with the same panels instead")
     p.add_argument("--url", default=None, help="update this existing saved view (its URL) instead of creating one")
@@ -305,7 +308,40 @@ def build_parser() -> Any:
                    help="published entries logged: NAME (convention pooled) or NAME:CONVENTION, CONVENTION one of "
                         + ", ".join(CONVENTIONS))
     p.add_argument("--dry-run", action="store_true", help="print the panels and build the view; do not save")
+    p.add_argument("--show", action="store_true",
+                   help="print the series --run logged (one row per evaluation: step, tau with its interval, DDTree, "
+                        "statistics, full/ figures) and stop; no login needed for a local offline run folder")
     return p
+
+
+def series_table(rows: Iterable[Mapping[str, Any]], prefix: str = DEFAULT_PREFIX) -> str:
+    """The evaluations a run logged under ``prefix``, one line each, in step order: what a panel plots."""
+    evals: dict[int, dict[str, Any]] = {}
+    for row in rows:
+        if prefix + TAU in row:
+            step = row.get(STEP_KEY, row.get(prefix + EVAL_STEP, row.get("_step")))
+            evals.setdefault(int(step), {}).update(row)
+    if not evals:
+        return f"(no evaluation logged under {prefix!r})"
+    keys = sorted({k for r in evals.values() for k in r}, key=str)
+    ddtree = sorted((k for k in keys if re.fullmatch(re.escape(prefix) + r"ddtree/tau_b\d+", k)),
+                    key=lambda k: int(k.rsplit("b", 1)[1]))
+    columns = [(TAU, prefix + TAU), *[(k[len(prefix):], k) for k in ddtree],
+               (SPECFORGE_ACC, prefix + SPECFORGE_ACC), (ALL_ANCHOR_TAU, prefix + ALL_ANCHOR_TAU),
+               (FULL_PREFIX + TAU, prefix + FULL_PREFIX + TAU)]
+    columns = [(name, key) for name, key in columns if any(key in r for r in evals.values())]
+    lines = ["step".rjust(8) + "".join(f"  {name:>22}" for name, _ in columns)]
+    for step in sorted(evals):
+        r = evals[step]
+        cells = []
+        for _, key in columns:
+            v = r.get(key)
+            lo, hi = r.get(ci_low(key)), r.get(ci_high(key))
+            text = "" if v is None else f"{v:.4f}" + (f" [{lo:.2f}, {hi:.2f}]" if lo is not None and hi is not None
+                                                      else "")
+            cells.append(f"  {text:>22}")
+        lines.append(f"{step:>8}" + "".join(cells))
+    return "\n".join(lines)
 
 
 def _csv(text: str) -> list[str]:
@@ -379,6 +415,7 @@ def _run_history(run: str, entity: str, project: str) -> tuple[list[dict[str, An
 def main(argv: Sequence[str] | None = None) -> int:
     import json
     import sys
+    from pathlib import Path
 
     from ..common.arguments import parse_int_list, parse_position_edges
     from ..core.baselines import _slug
@@ -392,9 +429,25 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise PanelsError("--url updates a saved workspace view; a --report is always created anew: "
                               "drop one of the two")
         check_view_url(args.url)
+    if args.show and not args.run:
+        raise PanelsError("--show prints the series of a run: give --run (a local offline run folder, or a run id "
+                          "with --entity and --project)")
+    if not args.show and not (args.entity and args.project):
+        raise PanelsError("--entity and --project are required to build the panels (the W&B project the runs log "
+                          "to); --show --run <folder> needs neither")
     logged: set[str] | None = None
     if args.run:
         rows, summary_keys = _run_history(args.run, args.entity, args.project)
+        if args.show:
+            if Path(args.run).exists():
+                from .wandb_offline import offline_config
+
+                ours = args.prefix.rstrip("/")  # {prefix}config, {prefix}baselines; eval_drafter's run: the prefix
+                for key, value in offline_config(args.run).items():
+                    if key.startswith(ours):
+                        print(f"config {key}: {json.dumps(value, sort_keys=True)[:2000]}")
+            print(series_table(rows, args.prefix))
+            return 0
         logged = {k for row in rows for k in row} | summary_keys
         layout = layout_from_keys(logged, args.prefix, light_budgets(rows, args.prefix))
     else:

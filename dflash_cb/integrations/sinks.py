@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..core.baselines import Baseline
+from ..core.metrics import STEP_KEY
 
 
 @dataclass
@@ -117,8 +118,6 @@ class WandbSink(MetricsSink):
         self._tokenizer, self._decode = run.tokenizer, None
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        from .wandb_logging import STEP_KEY
-
         wandb_run = self.run
         if self.scalars and wandb_run is not None:
             wandb_run.log({**metrics, STEP_KEY: int(step)})

@@ -23,13 +23,12 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..core.baselines import Baseline, baseline_scalars, is_headline
-from ..core.metrics import BEST_STEP, BEST_TAU, DEFAULT_PREFIX, EVAL_TIME, TAU
+from ..core.metrics import BEST_STEP, BEST_TAU, DEFAULT_PREFIX, EVAL_TIME, STEP_KEY, TAU
 from ..core.results import Results
 
 if TYPE_CHECKING:
     pass
 
-STEP_KEY = "trainer/global_step"
 TABLE_COLUMNS = ["step", "sample", "category", "prompt", "reference", "drafter_blocks", "acceptance_lengths", "tau"]
 
 

@@ -81,3 +81,16 @@ def offline_history(run_dir: str | os.PathLike) -> tuple[list[dict[str, Any]], d
         elif kind == "summary":
             summary.update({(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in r.summary.update})
     return rows, summary
+
+
+def offline_config(run_dir: str | os.PathLike) -> dict[str, Any]:
+    """The run's configuration (``wandb.init(config=...)`` and later ``run.config.update``), as logged."""
+    config: dict[str, Any] = {}
+    for r in offline_records(run_dir):
+        kind = r.WhichOneof("record_type")
+        items = r.run.config.update if kind == "run" else r.config.update if kind == "config" else []
+        for i in items:
+            key = i.key or "/".join(i.nested_key)
+            if key != "_wandb":
+                config[key] = json.loads(i.value_json)
+    return config
