@@ -195,6 +195,9 @@ def test_published_yaml_errors_name_the_file_and_line(tmp_path):
     path.write_text("entries:\n\t- name: a\n")
     with pytest.raises(PublishedError, match=rf"^{path}:2:1: not valid YAML"):
         load_published(path)
+    path.write_bytes(b"entries: \xff\xfe\n")
+    with pytest.raises(PublishedError, match=rf"^{path}: not a text file"):
+        load_published(path)
 
 
 def test_requested_entries_must_have_numbers_and_budgets_a_live_counterpart(tmp_path):

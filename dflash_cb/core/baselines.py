@@ -219,6 +219,9 @@ def load_published(path: str | os.PathLike, names: Sequence[str] | None = None,
         text = path.read_text()
     except FileNotFoundError:
         raise PublishedError(f"{path}: no such published-figures file (see configs/baselines/published.yaml)") from None
+    except UnicodeDecodeError as e:
+        raise PublishedError(f"{path}: not a text file ({e.reason} at byte {e.start}); give the YAML of published "
+                             "figures (configs/baselines/published.yaml)") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
