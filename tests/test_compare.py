@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -278,3 +280,162 @@ def test_position_buckets_stop_where_the_completions_stop(two_results, tmp_path,
     edges = (0, cut, longest, longest + 5)
     t = live_metrics(res.samples, [], [], position_edges=edges, n_resamples=20)
     assert f"position/{cut}_{longest}/cycles" in t and f"position/{longest}_{longest + 5}/cycles" not in t
+
+
+# -- the .md and the .png together ----------------------------------------------------------------
+
+def test_a_full_disk_replaces_neither_the_markdown_nor_the_plot(two_results, tmp_path, capsys):
+    """With room for the new .md but not the .png, the old comparison stays whole (the new .md would
+    embed the old plot) and the error names the .png."""
+    import resource
+    import signal
+
+    a, b = two_results
+    out = tmp_path / "cmp"
+    code, _, err = _run_here(capsys, str(a), str(b), "--out", str(out), "--resamples", "50", "--labels", "old1,old2")
+    assert code == 0, err
+    md, png = out.with_suffix(".md").read_bytes(), out.with_suffix(".png").read_bytes()
+    limit = 2 * len(md) + 4096
+    assert limit < len(png)  # room for a new .md, not for a new .png
+
+    def cap() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+    proc = subprocess.run([sys.executable, str(TOOL), str(a), str(b), "--out", str(out), "--resamples", "50",
+                           "--labels", "new1,new2"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          preexec_fn=cap)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.splitlines()[-1].startswith(f"error: {out.with_suffix('.png')}: File too large (")
+    assert out.with_suffix(".md").read_bytes() == md and out.with_suffix(".png").read_bytes() == png
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cmp.md", "cmp.png"]  # no temporaries left
+
+
+def test_a_failed_second_rename_puts_the_first_file_back(two_results, tmp_path):
+    from dflash_cb.core.compare import write_comparison
+
+    a, b = two_results
+    c = compare(["A", "B"], [load_results(a), load_results(b)], n_resamples=20)
+    md, png = tmp_path / "cmp.md", tmp_path / "cmp.png"
+    md.write_text("the previous comparison\n")
+    png.mkdir()  # a folder (not empty) where the plot goes: its rename fails after the .md's succeeded
+    (png / "keep").write_text("x")
+    with pytest.raises(OSError) as e:
+        write_comparison(c, md, png)
+    assert e.value.filename == str(png) or e.value.filename2 == str(png)
+    assert md.read_text() == "the previous comparison\n" and (png / "keep").read_text() == "x"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cmp.md", "cmp.png"]
+    png_new = tmp_path / "fresh.png"  # and with nothing in the way both are written
+    write_comparison(c, md, png_new)
+    assert "![comparison](fresh.png)" in md.read_text() and png_new.read_bytes()[:4] == b"\x89PNG"
+
+
+# -- tail blocks ---------------------------------------------------------------------------------
+
+def test_other_tail_blocks_are_warned_about_and_shown(two_results, tmp_path, capsys):
+    """Near max_new_tokens the two conventions replay different blocks: a comparison across them is
+    flagged (stderr and the Markdown), each evaluation's convention is listed, an unknown one refused."""
+    a, b = two_results
+    assert load_results(a).tail_blocks == "served"
+    code, out, err = _run_here(capsys, str(a), str(b), "--out", str(tmp_path / "same"), "--resamples", "20")
+    assert code == 0 and "warning" not in err and "Warning" not in out
+    assert out.count(", tail blocks served") == 2
+
+    ref = _edited(b, tmp_path / "ref.json", lambda d: d["meta"].__setitem__("tail_blocks", "reference"))
+    code, out, err = _run_here(capsys, str(a), str(ref), "--out", str(tmp_path / "mixed"), "--resamples", "20")
+    assert code == 0, err
+    assert err.startswith("warning: tail_blocks differ (first 'served', ref 'reference')") and "--tail-blocks" in err
+    md = (tmp_path / "mixed.md").read_text()
+    assert "**Warning:** tail_blocks differ" in md and ", tail blocks reference" in md and ", tail blocks served" in md
+
+    unsaid = _edited(b, tmp_path / "unsaid.json", lambda d: d["meta"].pop("tail_blocks"))
+    code, out, err = _run_here(capsys, str(a), str(unsaid), "--out", str(tmp_path / "unsaid"), "--resamples", "20")
+    assert code == 0 and "unsaid (not recorded)" in err and ", tail blocks not recorded" in out
+
+    junk = _edited(b, tmp_path / "junk.json", lambda d: d["meta"].__setitem__("tail_blocks", "junk"))
+    err = _one_line_refusal(capsys, tmp_path / "cmp", str(a), str(junk))
+    assert f"{junk}: meta.tail_blocks is 'junk', expected one of served, reference" in err
+
+
+def test_a_baseline_with_other_tail_blocks_is_warned_about(two_results, tiny_cache, tmp_path):
+    from dflash_cb.cache.states import StateCache
+    from dflash_cb.core.baselines import load_measured
+
+    a, _ = two_results
+    cache = StateCache(tiny_cache)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load_measured(a, cache, tail_blocks="served").details["tail_blocks"] == "served"
+    with pytest.warns(RuntimeWarning, match=r"tail_blocks differ \(this run 'reference', baseline .*first.json "
+                                            r"'served'\)"):
+        load_measured(a, cache, tail_blocks="reference")
+    old = _edited(a, tmp_path / "old.json", lambda d: (d.__setitem__("version", 2), d["meta"].pop("tail_blocks")))
+    # Written before the choice was recorded: the replay then shortened the tail blocks.
+    assert load_results(old).tail_blocks == "reference"
+    with pytest.warns(RuntimeWarning, match="this run 'served', baseline .*old.json 'reference'"):
+        load_measured(old, cache, tail_blocks="served")
+
+
+# -- malformed fields of a results file --------------------------------------------------------
+
+def test_malformed_meta_and_metrics_are_one_line_naming_file_and_field(two_results, tiny_cache, tmp_path, capsys):
+    """Budgets, block size, figures and histogram as readers use them: never coerced, never dropped."""
+    from dflash_cb.cache.states import StateCache
+    from dflash_cb.core.baselines import load_measured
+    from dflash_cb.core.results import ResultsError
+
+    a, b = two_results
+
+    def v1(d):  # the version 1 layout, with its separate per-budget ``ddtree`` as a list
+        d.update(version=1, ddtree=[{"samples": []}])
+
+    cases = {
+        "int": (lambda d: d["meta"].__setitem__("ddtree_budgets", 32), "meta.ddtree_budgets is 32"),
+        "strs": (lambda d: d["meta"].__setitem__("ddtree_budgets", ["16", "x"]), "meta.ddtree_budgets is ['16', 'x']"),
+        "bool": (lambda d: d["meta"].__setitem__("ddtree_budgets", [True, 8]), "meta.ddtree_budgets is [True, 8]"),
+        "twice": (lambda d: d["meta"].__setitem__("ddtree_budgets", [4, 4, 8]), "distinct positive integers"),
+        "extra": (lambda d: d["meta"].__setitem__("ddtree_budgets", [4, 8, 16]), "lists [16] but no sample holds"),
+        "fewer": (lambda d: d["meta"].__setitem__("ddtree_budgets", [4]), "budget(s) [8], not in meta.ddtree_budgets"),
+        "block": (lambda d: d["meta"].__setitem__("block_size", "6"), "meta.block_size is '6', expected a positive"),
+        "tau": (lambda d: d["metrics"].__setitem__("tau", "abc"), "metrics.tau is 'abc', not a number"),
+        "flag": (lambda d: d["metrics"].__setitem__("ddtree/tau_b8", True), "metrics.ddtree/tau_b8 is True"),
+        "depth": (lambda d: d["per_depth"].__setitem__("unconditional", ["x"]), "per_depth.unconditional is ['x']"),
+        "hist": (lambda d: d["histogram"].__setitem__("two", 3), "histogram entry 'two': 3"),
+        "v1list": (v1, "'ddtree' is [{'samples': []}]"),
+    }
+    cache = StateCache(tiny_cache)
+    for name, (edit, needle) in cases.items():
+        bad = _edited(b, tmp_path / f"{name}.json", edit)
+        err = _one_line_refusal(capsys, tmp_path / "cmp", str(a), str(bad))
+        assert str(bad) in err and needle in err and "tools/eval_drafter.py" in err, (name, err)
+        with pytest.raises(ResultsError, match=re.escape(needle)):  # the callback's baselines read it the same way
+            load_measured(bad, cache)
+
+
+# -- published figures through the tool ----------------------------------------------------------
+
+def test_published_files_that_cannot_be_used_are_one_line_naming_file_entry_and_field(two_results, tmp_path, capsys):
+    import yaml
+
+    a, b = two_results
+    pub = tmp_path / "pub.yaml"
+    pub.write_text("entries:\n  - name: x\n    source: [unclosed\n")
+    err = _one_line_refusal(capsys, tmp_path / "cmp", str(a), str(b), "--published", str(pub))
+    assert f"--published: {pub}:4:1: not valid YAML" in err, err
+
+    def refused(entry: dict, needle: str) -> None:
+        pub.write_text(yaml.safe_dump({"entries": [entry]}))
+        err = _one_line_refusal(capsys, tmp_path / "cmp", str(a), str(b), "--published", str(pub))
+        assert f"--published: {pub}: entry {entry['name']!r}" in err and needle in err, err
+
+    base = {"source": "TEST DATA", "convention": "pooled"}
+    refused({**base, "name": "comma", "metrics": {"tau": "6,5"}}, "metrics.tau is '6,5', not a number")
+    refused({**base, "name": "low", "metrics": {"tau": 0.5}}, "metrics.tau is 0.5: an acceptance length is at least 1")
+    refused({**base, "name": "typo", "metrics": {"tua": 6.0}}, "metrics.tua: not a figure dflash-cb logs")
+    # Budget 23 is not one the evaluations have (they have 4 and 8): it would stand beside nothing.
+    refused({**base, "name": "b23", "metrics": {"ddtree/tau_b23": 6.0}},
+            "metrics.ddtree/tau_b23 has no live counterpart (the DDTree budgets evaluated are [4, 8])")
+    pub.write_text(yaml.safe_dump({"entries": [{**base, "name": "b8", "metrics": {"ddtree/tau_b8": 2.5}}]}))
+    code, out, err = _run_here(capsys, str(a), str(b), "--out", str(tmp_path / "ok"), "--published", str(pub),
+                               "--resamples", "20")
+    assert code == 0 and "| b8 | DDTree tau, budget 8 | 2.500 |" in out, err

@@ -145,6 +145,80 @@ def test_published_figures_live_under_their_conventions_metric(tmp_path):
                                               "metrics": {"tau": 5.0, "ddtree/tau_b32": 6.0}}]))
 
 
+def test_published_figures_are_checked_naming_file_entry_and_field(tmp_path):
+    """Every entry, placeholders included: a value that is not a number, one no convention allows, an
+    unknown field or metric name, a non-boolean placeholder, two names under one metric key."""
+    from dflash_cb.core.baselines import PublishedError
+
+    base = {"source": "TEST", "convention": "pooled"}
+    cases = [
+        ({"name": "comma", "metrics": {"tau": "6,5"}}, "entry 'comma': metrics.tau is '6,5', not a number"),
+        ({"name": "flag", "metrics": {"tau": True}}, "entry 'flag': metrics.tau is True, not a number"),
+        ({"name": "low", "metrics": {"tau": 0.5}}, "entry 'low': metrics.tau is 0.5: an acceptance length is at least 1"),
+        ({"name": "neg", "metrics": {"ddtree/tau_b32": -2}}, "entry 'neg': metrics.ddtree/tau_b32 is -2"),
+        ({"name": "acc", "metrics": {"specforge/acc": 1.5}}, "metrics.specforge/acc is 1.5: an acceptance is a "
+                                                             "fraction in [0, 1]"),
+        ({"name": "depth", "metrics": {"tau": 3.0}, "per_depth": [0.9, 1.2]}, "entry 'depth': per_depth[1] is 1.2"),
+        ({"name": "depths", "per_depth": "0.9, 0.8"}, "entry 'depths': per_depth is '0.9, 0.8'; expected a list"),
+        ({"name": "tua", "metrics": {"tua": 6.0}}, "entry 'tua': metrics.tua: not a figure dflash-cb logs"),
+        ({"name": "b032", "metrics": {"ddtree/tau_b032": 6.0}}, "metrics.ddtree/tau_b032: not a figure"),
+        ({"name": "direct", "metrics": {"tau_request_mean": 6.0}},
+         "metrics.tau_request_mean: give it as tau with convention: request_mean"),
+        ({"name": "ph", "placeholder": "false", "metrics": {"tau": 6.0}},
+         "entry 'ph': placeholder is 'false'; write true or false (unquoted)"),
+        ({"name": "field", "metric": {"tau": 6.0}}, "entry 'field': unknown field(s) ['metric']"),
+        ({"name": "nums", "metrics": [6.0]}, "entry 'nums': metrics is [6.0]; expected {metric: value}"),
+        ({"name": "ph2", "placeholder": True, "metrics": {"tau": "6,5"}}, "entry 'ph2': metrics.tau is '6,5'"),
+    ]
+    for entry, needle in cases:
+        path = _published(tmp_path, [{**base, **entry}])
+        with pytest.raises(PublishedError) as e:
+            load_published(path)
+        assert str(e.value).startswith(f"{path}: ") and needle in str(e.value), (entry, str(e.value))
+    path = _published(tmp_path, [{**base, "name": "paper a", "metrics": {"tau": 3.0}},
+                                 {**base, "name": "paper_a", "metrics": {"tau": 4.0}}])
+    with pytest.raises(PublishedError, match=r"entry 'paper_a': logged as published/paper_a/\.\.\. like entry "
+                                             r"'paper a'; rename one of them"):
+        load_published(path)
+    path = _published(tmp_path, [{**base, "name": 7, "metrics": {"tau": 3.0}}])
+    with pytest.raises(PublishedError, match="entry 0 needs at least 'name' and 'source'"):
+        load_published(path)
+
+
+def test_published_yaml_errors_name_the_file_and_line(tmp_path):
+    from dflash_cb.core.baselines import PublishedError
+
+    path = tmp_path / "pub.yaml"
+    path.write_text("entries:\n  - name: a\n    source: TEST\n    metrics: {tau: 6.5\n")
+    with pytest.raises(PublishedError, match=rf"^{path}:5:1: not valid YAML \(expected ',' or '}}'"):
+        load_published(path)
+    path.write_text("entries:\n\t- name: a\n")
+    with pytest.raises(PublishedError, match=rf"^{path}:2:1: not valid YAML"):
+        load_published(path)
+    path.write_bytes(b"entries: \xff\xfe\n")
+    with pytest.raises(PublishedError, match=rf"^{path}: not a text file"):
+        load_published(path)
+
+
+def test_requested_entries_must_have_numbers_and_budgets_a_live_counterpart(tmp_path):
+    from dflash_cb.core.baselines import PublishedError
+
+    path = _published(tmp_path, [
+        {"name": "real", "source": "TEST", "convention": "pooled", "metrics": {"tau": 5.0, "ddtree/tau_b32": 6.0}},
+        {"name": "unverified", "source": "TEST", "convention": "pooled", "placeholder": True, "metrics": {"tau": 6.0}},
+        {"name": "empty", "source": "TEST", "convention": "pooled", "metrics": {"tau": None}}])
+    pf = load_published(path)  # not requested: skipped, and said in the run config
+    assert [b.name for b in pf.baselines] == ["real"] and [s.split(":")[0] for s in pf.skipped] == ["unverified",
+                                                                                                     "empty"]
+    for name, why in (("unverified", "placeholder: true"), ("empty", "no numbers")):
+        with pytest.raises(PublishedError, match=f"entry '{name}' is requested \\(published_entries\\) but has {why}"):
+            load_published(path, ["real", name])
+    assert load_published(path, ["real"], budgets=[16, 32]).baselines[0].metrics["ddtree/tau_b32"] == 6.0
+    with pytest.raises(PublishedError, match=r"entry 'real': metrics.ddtree/tau_b32 has no live counterpart \(the "
+                                             r"DDTree budgets evaluated are \[16, 64\]\)"):
+        load_published(path, budgets=[64, 16])
+
+
 def test_no_figure_carries_specforges_name_unless_it_is_specforges(scored):
     _, _, report = scored
     names = [k for k in report.summary if "specforge" in k.lower()]

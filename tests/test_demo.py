@@ -28,7 +28,7 @@ def _non_empty(path: Path) -> bool:
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess]:
-    out = tmp_path_factory.mktemp("demo") / "out"
+    out = tmp_path_factory.mktemp("demo") / "out with spaces"  # the printed commands must survive a paste
     proc = _run("--quick", "--out", str(out), "--seed", "0")
     assert proc.returncode == 0, f"demo failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     return out, proc
@@ -71,6 +71,25 @@ def test_tau_rises_and_every_promised_file_exists(demo: tuple[Path, subprocess.C
     assert fvl["text"] in Path(summary["paths"]["comparison_md"]).read_text()
     lo, hi = summary["tau_last_interval"]
     assert lo <= summary["tau_last"] <= hi and lo < hi
+
+
+def test_printed_commands_paste_into_a_shell(demo: tuple[Path, subprocess.CompletedProcess]) -> None:
+    """The follow-up commands are quoted: split as a shell splits them, each path is one argument, and
+    the comparison command, run as printed, writes the demo's comparison again, byte for byte."""
+    import shlex
+
+    out, proc = demo
+    lines = proc.stdout.splitlines()
+    sync = next(line for line in lines if "upload later with: " in line).split("upload later with: ")[1]
+    assert shlex.split(sync)[:2] == ["wandb", "sync"] and Path(shlex.split(sync)[2]).is_dir()
+    caches = [shlex.split(line.strip()) for line in lines if "tools/precompute_states.py --target" in line]
+    assert len(caches) == 2 and all(Path(c[c.index("--out") + 1]).parent == out / "cache" for c in caches)
+    again = shlex.split(next(line for line in lines if "again: " in line).split("again: ")[1])
+    md = (out / "comparison.md").read_bytes()
+    (out / "comparison.md").unlink()
+    rerun = subprocess.run([sys.executable, *again[1:]], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr
+    assert (out / "comparison.md").read_bytes() == md
 
 
 def test_refuses_to_overwrite_without_flag(demo: tuple[Path, subprocess.CompletedProcess]) -> None:

@@ -128,29 +128,54 @@ def path_or_none(name: str, value: Any) -> str | None:
     return None if value is None else file_path(name, value)
 
 
+# ``baseline/served/...`` holds the server's own online tau (``core.metrics.SERVED_BASELINE``): a
+# measured baseline of that name would mix its figures with the server's under one key.
+SERVED_BASELINE_NAME = "served"
+
+
+def metric_segment(name: str) -> str:
+    """A reference's name as one segment of a metric name (``baseline/<segment>/tau``): characters other
+    than letters, digits and ``-_.`` become ``_``."""
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name).strip("_") or "unnamed"
+
+
 def baseline_paths(name: str, value: Any) -> dict[str, str]:
     """Reference results files as ``{name: path}``: from a dict, a list of paths (name = the file's
-    stem; two files with one stem are refused rather than one silently dropped), or None (none)."""
+    stem; two files with one stem are refused rather than one silently dropped), or None (none).
+
+    Two names that give one metric segment (``a b``, ``a_b``) are refused, and so is the name
+    ``served`` (from a dict or a file stem), reserved for the server's online tau."""
     if value is None:
         return {}
     if isinstance(value, dict):
         bad = [k for k in value if not isinstance(k, str) or not k.strip()]
         if bad:
             raise _refuse(name, value, f"non-blank strings as names ({_are_not(bad)})")
-        return {k: file_path(f"{name}[{k!r}]", v) for k, v in value.items()}
-    if isinstance(value, (str, os.PathLike)):
-        value = [value]
-    if not isinstance(value, Sequence) or isinstance(value, bytes):
-        raise _refuse(name, value, "{name: results.json} or a list of results.json paths")
-    by_stem: dict[str, str] = {}
-    for i, v in enumerate(value):
-        p = file_path(f"{name}[{i}]", v)
-        stem = Path(p).stem
-        if stem in by_stem:
-            raise _refuse(name, value, f"files with distinct names ({by_stem[stem]!r} and {p!r} are both "
-                                       f"{stem!r})", "name them: {name: path, ...}")
-        by_stem[stem] = p
-    return by_stem
+        named = {k: file_path(f"{name}[{k!r}]", v) for k, v in value.items()}
+    else:
+        paths = [value] if isinstance(value, (str, os.PathLike)) else value
+        if not isinstance(paths, Sequence) or isinstance(paths, bytes):
+            raise _refuse(name, value, "{name: results.json} or a list of results.json paths")
+        named = {}
+        for i, v in enumerate(paths):
+            p = file_path(f"{name}[{i}]", v)
+            stem = Path(p).stem
+            if stem in named:
+                raise _refuse(name, value, f"files with distinct names ({named[stem]!r} and {p!r} are both "
+                                           f"{stem!r})", "name them: {name: path, ...}")
+            named[stem] = p
+    segments: dict[str, str] = {}
+    for key, p in named.items():
+        seg = metric_segment(key)
+        if seg == SERVED_BASELINE_NAME:
+            raise _refuse(name, value, f"a name other than {key!r} for {p!r}",
+                          f"baseline/{SERVED_BASELINE_NAME}/ is the server's online tau (from the cache's served "
+                          f"counters); name the file another way, e.g. {{{(key + '_file')!r}: {p!r}}}")
+        if seg in segments:
+            raise _refuse(name, value, f"names that give distinct metric names ({segments[seg]!r} and {key!r} are "
+                                       f"both logged as baseline/{seg}/...)", "rename one of them")
+        segments[seg] = key
+    return named
 
 
 def file_path(name: str, value: Any) -> str:
@@ -208,5 +233,6 @@ def parse_str_list(name: str, text: str) -> list[str]:
     return items
 
 
-__all__ = ["ArgumentError", "baseline_paths", "check_edges", "file_path", "flag", "int_at_least", "int_list", "is_int", "parse_int",
-           "parse_int_list", "parse_position_edges", "parse_str_list", "path_or_none", "position_edges", "str_list"]
+__all__ = ["SERVED_BASELINE_NAME", "ArgumentError", "baseline_paths", "check_edges", "file_path", "flag", "int_at_least",
+           "int_list", "is_int", "metric_segment", "parse_int", "parse_int_list", "parse_position_edges", "parse_str_list",
+           "path_or_none", "position_edges", "str_list"]

@@ -20,6 +20,8 @@ EXIT_USER_ERROR = 2
 _OS_FIXES = {
     errno.ENOSPC: "free disk space or choose another folder, then rerun the same command",
     errno.EDQUOT: "free disk space or choose another folder, then rerun the same command",
+    errno.EFBIG: "the file outgrew the size limit (ulimit -f) or the filesystem's largest file: raise the limit or "
+                 "choose another folder, then rerun the same command",
     errno.EACCES: "choose a path you can write to, or fix its permissions",
     errno.EPERM: "choose a path you can write to, or fix its permissions",
     errno.EROFS: "the filesystem is read-only: choose another path",

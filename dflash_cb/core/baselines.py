@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import math
 import os
+import re
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +29,8 @@ from typing import Any
 import yaml
 
 from ..cache.states import StateCache
+from ..common.arguments import metric_segment as _slug
+from ..common.errors import DFlashCBError
 from .bootstrap import metric_sums
 from .metrics import (
     ACCEPT_LENGTH_SERVED,
@@ -38,8 +42,9 @@ from .metrics import (
     SPECFORGE_ACC,
     TAU,
     TAU_REQUEST_MEAN,
+    ddtree_tau,
 )
-from .results import Results, SampleRecord, load_results
+from .results import Results, SampleRecord, load_results, tail_blocks_mismatch
 
 MEASURED = "measured"
 PUBLISHED = "published"
@@ -84,10 +89,6 @@ class Baseline:
         return f"{'published' if self.kind == PUBLISHED else 'baseline'}/{_slug(self.name)}"
 
 
-def _slug(name: str) -> str:
-    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name).strip("_") or "unnamed"
-
-
 def _finite(x: Any) -> float | None:
     if x is None or isinstance(x, bool):
         return None
@@ -101,13 +102,19 @@ def _finite(x: Any) -> float | None:
 # -- measured -----------------------------------------------------------------------------
 
 def load_measured(path: str | os.PathLike, cache: StateCache, name: str | None = None,
-                  sample_ids: Sequence[str] | None = None) -> Baseline:
+                  sample_ids: Sequence[str] | None = None, tail_blocks: str | None = None) -> Baseline:
     """A ``results.json`` as a baseline; refused if it was measured on another cache.
 
     ``sample_ids``: the samples the live evaluation scores. Tau, DDTree tau and per-category tau
     are recomputed on them; per-depth acceptance (stored aggregated) stays the whole-cache figure.
+    ``tail_blocks``: the live evaluation's convention; a file replayed with another one (or that does
+    not say) is warned about (``RuntimeWarning``), as ``tools/compare_results.py`` does.
     """
     res = load_results(path, cache)
+    if tail_blocks is not None:
+        mismatch = tail_blocks_mismatch([("this run", tail_blocks), (f"baseline {path}", res.tail_blocks)])
+        if mismatch:
+            warnings.warn(mismatch, RuntimeWarning, stacklevel=2)
     name = name or Path(path).stem
     # Every scalar the file holds (one place: ``Results.metrics``), intervals and breakdowns included.
     metrics = {k: v for k, v in ((k, _finite(x)) for k, x in res.metrics.items()) if v is not None}
@@ -118,6 +125,7 @@ def load_measured(path: str | os.PathLike, cache: StateCache, name: str | None =
         "cache_manifest_sha256": res.manifest_sha256,
         "drafter": res.drafter_path,
         "dtype": res.meta.get("dtype"),
+        "tail_blocks": res.tail_blocks,
         "samples_in_file": len(res.samples),
     }
     samples = res.samples
@@ -179,7 +187,19 @@ class PublishedFile:
     skipped: list[str]  # "name: why" for placeholder or empty entries
 
 
-def load_published(path: str | os.PathLike, names: Sequence[str] | None = None) -> PublishedFile:
+class PublishedError(DFlashCBError, ValueError):
+    """A published-figures file that cannot be used as it is; the message names the file, entry and field."""
+
+
+_ENTRY_FIELDS = ("name", "source", "url", "target", "drafter", "setting", "placeholder", "convention", "metrics",
+                 "per_depth", "note")
+# Figures a paper may report that the live evaluation logs too, pooled (``tau`` goes by the convention).
+_POOLED_FIGURES = (ALL_ANCHOR_TAU, CHAIN_TAU_ESTIMATE, SPECFORGE_ACC)
+_FRACTIONS = (SPECFORGE_ACC,)  # a share of matches, in [0, 1]; every other figure is a length, >= 1
+
+
+def load_published(path: str | os.PathLike, names: Sequence[str] | None = None,
+                   budgets: Sequence[int] | None = None) -> PublishedFile:
     """Read the published-figures YAML. Placeholders and entries without numbers are skipped, not logged.
 
     Format: ``entries: [{name, source, url?, target?, drafter?, setting?, placeholder?,
@@ -187,63 +207,144 @@ def load_published(path: str | os.PathLike, names: Sequence[str] | None = None) 
     the unprefixed names of ``dflash_cb.core.metrics`` (``tau``, ``ddtree/tau_b<B>``, ...). ``convention``
     (required, ``CONVENTIONS``) says how the paper averaged its ``tau``; it is stored under the live
     metric of that convention (``published_metric``), so it is only ever shown beside that one.
+
+    Everything is checked, placeholders included: ``PublishedError`` names the file (and line, for a
+    YAML error), the entry and the field for an unknown field or metric, a value that is not a number
+    or null (``"6,5"``), a figure no convention allows (a tau below 1, an accuracy outside [0, 1]), a
+    ``placeholder`` that is not true/false, two names logged under one key, an entry of ``names`` that
+    has no numbers to log, and with ``budgets`` (the live DDTree budgets) a DDTree figure at another budget.
     """
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text())
+        text = path.read_text()
     except FileNotFoundError:
-        raise FileNotFoundError(f"{path}: no such published-figures file (see configs/baselines/published.yaml)") from None
-    entries = (data or {}).get("entries")
+        raise PublishedError(f"{path}: no such published-figures file (see configs/baselines/published.yaml)") from None
+    except UnicodeDecodeError as e:
+        raise PublishedError(f"{path}: not a text file ({e.reason} at byte {e.start}); give the YAML of published "
+                             "figures (configs/baselines/published.yaml)") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise PublishedError(f"{path}{at}: not valid YAML ({problem}); see configs/baselines/published.yaml "
+                             "for the format") from None
+    entries = data.get("entries") if isinstance(data, dict) else None
     if not isinstance(entries, list):
-        raise ValueError(f"{path}: expected a top-level 'entries:' list")
+        raise PublishedError(f"{path}: expected a top-level 'entries:' list")
     wanted = set(names) if names is not None else None
     out: list[Baseline] = []
     skipped: list[str] = []
-    seen: set[str] = set()
+    seen: dict[str, str] = {}  # metric segment -> entry name
     for i, e in enumerate(entries):
-        if not isinstance(e, dict) or not e.get("name") or not e.get("source"):
-            raise ValueError(f"{path}: entry {i} needs at least 'name' and 'source'")
-        name = str(e["name"])
-        if name in seen:
-            raise ValueError(f"{path}: duplicate entry name {name!r}")
-        seen.add(name)
-        convention = e.get("convention")
-        if convention not in CONVENTIONS:
-            raise ValueError(f"{path}: entry {name!r} has convention {convention!r}; declare how its acceptance "
-                             f"length was averaged: one of {sorted(CONVENTIONS)} (docs/method.md, \"Conventions\")")
+        name, convention, metrics, per_depth = _published_entry(path, i, e, seen)
         if wanted is not None and name not in wanted:
             continue
-        if e.get("placeholder"):
-            skipped.append(f"{name}: placeholder ({e.get('note', 'value not verified')})")
+        why = (f"placeholder ({e.get('note', 'value not verified')})" if e.get("placeholder")
+               else None if metrics or per_depth else "no numbers")
+        if why is not None:
+            if wanted is not None:
+                raise PublishedError(f"{path}: entry {name!r} is requested (published_entries) but has "
+                                     f"{'no numbers' if why == 'no numbers' else 'placeholder: true'}; verify its "
+                                     "figures and fill them in, or leave it out of published_entries")
+            skipped.append(f"{name}: {why}")
             continue
-        metrics = {published_metric(str(k), str(convention), f"{path}: entry {name!r}"): float(v)
-                   for k, v in ((e.get("metrics") or {}).items()) if _finite(v) is not None}
-        per_depth = e.get("per_depth")
-        per_depth = [float(v) for v in per_depth] if isinstance(per_depth, list) and all(
-            _finite(v) is not None for v in per_depth) and per_depth else None
-        if not metrics and not per_depth:
-            skipped.append(f"{name}: no numbers")
-            continue
+        if budgets is not None:
+            _check_budgets(f"{path}: entry {name!r}", metrics, budgets)
         details = {k: e[k] for k in ("url", "target", "drafter", "setting", "note", "convention")
                    if e.get(k) is not None}
         out.append(Baseline(name, PUBLISHED, metrics, per_depth, source=str(e["source"]), details=details))
     if wanted is not None:
-        unknown = sorted(wanted - seen)
+        unknown = sorted(wanted - set(seen.values()))
         if unknown:
-            raise ValueError(f"{path}: no entries named {unknown}; known: {sorted(seen)}")
+            raise PublishedError(f"{path}: no entries named {unknown}; known: {sorted(seen.values())}")
     return PublishedFile(out, skipped)
+
+
+def _published_entry(path: Path, i: int, e: Any, seen: dict[str, str]
+                     ) -> tuple[str, str, dict[str, float], list[float] | None]:
+    """One entry checked: (name, convention, figures under their live names, per-depth acceptance)."""
+    if not isinstance(e, dict) or not _text(e.get("name")) or not _text(e.get("source")):
+        raise PublishedError(f"{path}: entry {i} needs at least 'name' and 'source' (non-blank text)")
+    name = e["name"]
+    where = f"{path}: entry {name!r}"
+    unknown = sorted(str(k) for k in e if k not in _ENTRY_FIELDS)
+    if unknown:
+        raise PublishedError(f"{where}: unknown field(s) {unknown}; an entry has {', '.join(_ENTRY_FIELDS)}")
+    key = _slug(name)
+    if key in seen:
+        raise PublishedError(f"{where}: " + (f"duplicate entry name {name!r}" if seen[key] == name else
+                             f"logged as published/{key}/... like entry {seen[key]!r}; rename one of them"))
+    seen[key] = name
+    convention = e.get("convention")
+    if convention not in CONVENTIONS:
+        raise PublishedError(f"{where} has convention {convention!r}; declare how its acceptance "
+                             f"length was averaged: one of {sorted(CONVENTIONS)} (docs/method.md, \"Conventions\")")
+    if not isinstance(e.get("placeholder", False), bool):
+        raise PublishedError(f"{where}: placeholder is {e['placeholder']!r}; write true or false (unquoted)")
+    raw = e.get("metrics")
+    if raw is not None and not isinstance(raw, dict):
+        raise PublishedError(f"{where}: metrics is {raw!r}; expected {{metric: value}}, e.g. {{tau: 6.5}}")
+    metrics: dict[str, float] = {}
+    for k, v in (raw or {}).items():
+        live = published_metric(str(k), convention, where)
+        value = _figure(f"{where}: metrics.{k}", v, fraction=k in _FRACTIONS)
+        if value is not None:
+            metrics[live] = value
+    per_depth = e.get("per_depth")
+    if per_depth is not None:
+        if not isinstance(per_depth, list):
+            raise PublishedError(f"{where}: per_depth is {per_depth!r}; expected a list of acceptances, depth 1 first")
+        per_depth = [_figure(f"{where}: per_depth[{d}]", v, fraction=True) for d, v in enumerate(per_depth)]
+        per_depth = [math.nan if v is None else v for v in per_depth] if any(v is not None for v in per_depth) else None
+    return name, convention, metrics, per_depth
+
+
+def _text(x: Any) -> bool:
+    return isinstance(x, str) and bool(x.strip())
+
+
+def _figure(where: str, v: Any, fraction: bool) -> float | None:
+    """A published value: a finite number (None: not known yet), one a convention allows."""
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise PublishedError(f"{where} is {v!r}, not a number; write it as a number (6.5) or null")
+    if fraction and not 0.0 <= v <= 1.0:
+        raise PublishedError(f"{where} is {v!r}: an acceptance is a fraction in [0, 1]")
+    if not fraction and v < 1.0:
+        raise PublishedError(f"{where} is {v!r}: an acceptance length is at least 1 (every cycle commits the "
+                             "target's own token; docs/method.md)")
+    return float(v)
+
+
+def _check_budgets(where: str, metrics: dict[str, float], budgets: Sequence[int]) -> None:
+    live = {ddtree_tau(b) for b in budgets}
+    other = sorted(m for m in metrics if m.startswith("ddtree/") and m not in live)
+    if other:
+        raise PublishedError(f"{where}: metrics.{other[0]} has no live counterpart (the DDTree budgets evaluated are "
+                             f"{sorted(budgets)}); drop it or evaluate that budget")
 
 
 def published_metric(metric: str, convention: str, where: str) -> str:
     """The live metric a published figure stands beside: its ``tau`` goes to the convention's metric.
 
     Other figures (DDTree tau, ...) exist live only pooled, so a non-pooled entry may give ``tau`` only.
+    A name the live evaluation never logs (a typo, a per-request name given directly) is refused.
     """
     if metric == TAU:
         return CONVENTIONS[convention]
+    if metric in CONVENTIONS.values():
+        given = next(c for c, m in CONVENTIONS.items() if m == metric)
+        raise PublishedError(f"{where}: metrics.{metric}: give it as tau with convention: {given}")
+    if not (metric in _POOLED_FIGURES or re.fullmatch(r"ddtree/tau_b[1-9][0-9]*", metric)
+            or re.fullmatch(r"category/[^/]+/tau", metric)):
+        raise PublishedError(f"{where}: metrics.{metric}: not a figure dflash-cb logs; use tau, ddtree/tau_b<budget>, "
+                             f"category/<category>/tau, {', '.join(_POOLED_FIGURES)}")
     if convention != "pooled":
-        raise ValueError(f"{where}: {metric!r} under convention {convention!r}: dflash-cb measures it pooled only; "
-                         "give it in an entry with convention: pooled, or drop it")
+        raise PublishedError(f"{where}: {metric!r} under convention {convention!r}: dflash-cb measures it pooled only; "
+                             "give it in an entry with convention: pooled, or drop it")
     return metric
 
 

@@ -21,7 +21,14 @@ from safetensors.torch import load_file, save_file
 
 from ..common.cli import describe_os_error
 from ..common.errors import DFlashCBError
-from ..common.fileio import _umask_mode, atomic_path, atomic_write_text, check_outputs_apart
+from ..common.fileio import (
+    _umask_mode,
+    atomic_path,
+    atomic_write_text,
+    check_outputs_apart,
+    naming_failures,
+    output_path,
+)
 from .model import DFlashDrafter, DrafterSpec, load_state_dict_strict
 
 DRAFTER_FILES = ("config.json", "model.safetensors")
@@ -268,7 +275,7 @@ def extract_drafter(ckpt_path: str | os.PathLike, out_dir: str | os.PathLike,
     refused unless ``overwrite``, and then only those two files are written into it, the rest kept.
     The folder holding the checkpoint is always refused.
     """
-    out = Path(out_dir)
+    out = output_path(out_dir)  # a symbolic link is written through: the link keeps pointing at the drafter
     overwrite_into = check_drafter_out(out, ckpt_path, overwrite)  # before any reading
     ckpt = load_checkpoint(ckpt_path)
     if config is None:
@@ -302,8 +309,9 @@ def extract_drafter(ckpt_path: str | os.PathLike, out_dir: str | os.PathLike,
             _write_drafter_files(out, weights, config_text)
         else:
             _write_drafter_folder(out, weights, config_text)
-    except OSError as e:
-        raise CheckpointError(f"--out {out}: cannot write the drafter there ({describe_os_error(e)})") from None
+    except OSError as e:  # names the file (fileio.naming_failures), e.g. a full disk
+        kept = "" if overwrite_into else f"; --out {out} is as it was"
+        raise CheckpointError(f"{describe_os_error(e)}: the drafter could not be written{kept}") from None
     step = ckpt.get("global_step")
     # What was left behind: the checkpoint's other entries, and tensors beside the drafter's.
     dropped = [k for k in ckpt if k != entry] if entry else [k for k, v in ckpt.items() if not isinstance(v, torch.Tensor)]
@@ -341,11 +349,15 @@ def check_drafter_out(out: Path, ckpt_path: str | os.PathLike, overwrite: bool) 
     return True
 
 
-def _write_drafter_files(out: Path, weights: dict[str, torch.Tensor], config_text: str) -> None:
-    """Each file atomically (weights first: a config never points at missing weights)."""
-    with atomic_path(out / "model.safetensors") as tmp:
+def _write_drafter_files(out: Path, weights: dict[str, torch.Tensor], config_text: str,
+                         shown: Path | None = None) -> None:
+    """Each file atomically (weights first: a config never points at missing weights). ``shown``: the
+    folder a failure names when ``out`` is a temporary one."""
+    shown = shown or out
+    with naming_failures(shown / "model.safetensors", temp=f"{out}{os.sep}"), atomic_path(out / "model.safetensors") as tmp:
         save_file(weights, str(tmp), metadata={"format": "pt"})
-    atomic_write_text(out / "config.json", config_text)
+    with naming_failures(shown / "config.json", temp=f"{out}{os.sep}"):
+        atomic_write_text(out / "config.json", config_text)
 
 
 def _write_drafter_folder(out: Path, weights: dict[str, torch.Tensor], config_text: str) -> None:
@@ -355,7 +367,7 @@ def _write_drafter_folder(out: Path, weights: dict[str, torch.Tensor], config_te
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
     old: Path | None = None
     try:
-        _write_drafter_files(tmp, weights, config_text)
+        _write_drafter_files(tmp, weights, config_text, shown=out)
         os.chmod(tmp, _umask_mode(0o777))  # mkdtemp makes it private; a drafter folder is meant to be shared
         if out.is_dir():
             old = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.old."))

@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import combinations
 from pathlib import Path
 from typing import Any
 
 from ..common.errors import DFlashCBError
-from ..common.fileio import atomic_write_text, check_outputs_apart
+from ..common.fileio import atomic_paths, check_outputs_apart, naming_failures
 from .bootstrap import DEFAULT_RESAMPLES, DEFAULT_SEED, Interval, intervals, metric_sums, paired_difference
 from .metrics import (
     ACCEPT_LENGTH_SERVED,
@@ -34,7 +35,7 @@ from .metrics import (
 )
 from .positions import DEFAULT_POSITION_EDGES, check_edges, cycle_table, position_table
 from .report import with_interval
-from .results import Results, check_results_path, derived_metrics, load_results
+from .results import Results, check_results_path, derived_metrics, load_results, tail_blocks_mismatch
 
 
 class CompareError(DFlashCBError, ValueError):
@@ -133,6 +134,7 @@ class Comparison:
     intervals: list[dict[str, Interval]]  # per evaluation, on the shared samples
     differences: dict[tuple[int, int], dict[str, Difference]]  # (i, j) -> j - i
     position_edges: tuple[int, ...]
+    warnings: list[str] = field(default_factory=list)  # why the figures may not be like for like
 
     @property
     def n(self) -> int:
@@ -169,6 +171,11 @@ def check_same_categories(labels: Sequence[str], aligned: Sequence[Sequence[Any]
                 "drafters on one cache with tools/eval_drafter.py --states <cache>")
 
 
+def shared_budgets(results: Sequence[Results]) -> list[int]:
+    """The DDTree budgets every evaluation has."""
+    return sorted(set.intersection(*(set(r.budgets) for r in results)))
+
+
 def compare(labels: Sequence[str], results: Sequence[Results], n_resamples: int = DEFAULT_RESAMPLES,
             seed: int = DEFAULT_SEED, position_edges: Sequence[int] = DEFAULT_POSITION_EDGES) -> Comparison:
     if len(results) < 2:
@@ -185,14 +192,15 @@ def compare(labels: Sequence[str], results: Sequence[Results], n_resamples: int 
         by_id = {s.id: s for s in r.samples}
         aligned.append([by_id[i] for i in ids])
     check_same_categories(labels, aligned)
-    budgets = sorted(set.intersection(*(set(r.budgets) for r in results)))
+    budgets = shared_budgets(results)
     categories = sorted({s.category for s in aligned[0]})
     ivs = [intervals(metric_sums(s, budgets, categories), n_resamples, seed) for s in aligned]
     diffs = {}
     for i, j in combinations(range(len(results)), 2):
         diffs[(i, j)] = paired(aligned[i], aligned[j], labels[i], labels[j], budgets, categories, n_resamples, seed)
+    notes = [m for m in [tail_blocks_mismatch(list(zip(labels, (r.tail_blocks for r in results), strict=True)))] if m]
     return Comparison(list(labels), list(results), aligned, budgets, categories, ivs, diffs,
-                      check_edges(position_edges))
+                      check_edges(position_edges), notes)
 
 
 _LABELS = {
@@ -246,6 +254,8 @@ def render_markdown(c: Comparison, plot_path: str | None = None, published: Sequ
                  f"{c.n} prompts scored by every evaluation. Intervals: 95%, cluster bootstrap over prompts "
                  "(uncertainty from the choice of prompts); differences are paired on the same prompts.")
     lines.append("")
+    for w in c.warnings:
+        lines += [f"**Warning:** {w}", ""]
     for d in c.differences.values():
         lines.append(f"- **{d[TAU].text}**: {d[TAU].verdict}")
     lines += ["", "| metric | " + " | ".join(c.labels) + " |", "|---" * (len(c.labels) + 1) + "|"]
@@ -275,21 +285,22 @@ def render_markdown(c: Comparison, plot_path: str | None = None, published: Sequ
     for label, r in zip(c.labels, c.results, strict=True):
         step = r.drafter_step
         lines.append(f"- {label}: drafter `{r.drafter_path}`" + (f" (global step {step})" if step is not None else "")
-                     + f", {len(r.samples)} samples, dtype {r.meta.get('dtype')}")
+                     + f", {len(r.samples)} samples, dtype {r.meta.get('dtype')}, tail blocks "
+                     + (r.tail_blocks or "not recorded"))
     if plot_path:
         lines += ["", f"![comparison]({plot_path})"]
     return "\n".join(lines) + "\n"
 
 
 def plot_comparison(c: Comparison, path: str | Path) -> Path:
-    """One PNG: per-depth acceptance overlaid, per-category tau bars with intervals, tau by position."""
+    """One PNG: per-depth acceptance overlaid, per-category tau bars with intervals, tau by position.
+
+    Written to ``path`` as it is (``write_comparison`` gives it a temporary path and renames it)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
-
-    from ..common.fileio import atomic_path
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     ax = axes[0]
@@ -321,11 +332,28 @@ def plot_comparison(c: Comparison, path: str | Path) -> Path:
     ax.legend(fontsize=8)
     fig.tight_layout()
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=110)
-    plt.close(fig)
+    try:
+        with naming_failures(path):
+            fig.savefig(path, format="png", dpi=110)
+    finally:
+        plt.close(fig)
     return path
+
+
+def write_comparison(c: Comparison, md_path: str | Path, png_path: str | Path,
+                     published: Sequence[Any] = ()) -> str:
+    """Write ``comparison.md`` and the ``.png`` it embeds: both, or (on a failure) neither is replaced,
+    so a report never shows another comparison's plot. Returns the Markdown."""
+    md_path, png_path = Path(md_path), Path(png_path)
+    md = render_markdown(c, png_path.name, published)
+    md_path.parent.mkdir(parents=True, exist_ok=True)
+    png_path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_paths(md_path, png_path) as (md_tmp, png_tmp):
+        with naming_failures(md_path), open(md_tmp, "w") as f:
+            f.write(md)
+        with naming_failures(png_path):
+            plot_comparison(c, png_tmp)
+    return md
 
 
 # -- command line (tools/compare_results.py) ------------------------------------------------
@@ -380,19 +408,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                         files=[("--out", out.with_suffix(".md")), ("--out", out.with_suffix(".png"))])
     labels = _labels(args.results, args.labels)
     md_path, png_path = (check_results_path(out.with_suffix(x), "--out", f"comparison{x}") for x in (".md", ".png"))
+    results = [load_results(p) for p in args.results]  # ResultsError names the file and the fix
     published = []
     if args.published:
         from .baselines import load_published
 
-        try:
-            published = load_published(args.published).baselines
+        try:  # a DDTree figure must stand beside a budget every evaluation has
+            published = load_published(args.published, budgets=shared_budgets(results)).baselines
         except (OSError, ValueError) as e:
             raise CompareError(f"--published: {e}") from None
-    results = [load_results(p) for p in args.results]  # ResultsError names the file and the fix
     c = compare(labels, results, args.resamples, args.seed, edges)
-    md = render_markdown(c, png_path.name, published)
-    atomic_write_text(md_path, md)  # first: the comparison is kept even if the plot fails
-    png = plot_comparison(c, png_path)
+    for w in c.warnings:
+        print(f"warning: {w}", file=sys.stderr)
+    md = write_comparison(c, md_path, png_path, published)
     print(md)
-    print(f"wrote {md_path} and {png}")
+    print(f"wrote {md_path} and {png_path}")
     return 0

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..cache.served import spec_accept_length
+from ..common.arguments import SERVED_BASELINE_NAME
 
 # The live evaluation's default name prefix (``{prefix}tau``); every default in the package is this one.
 DEFAULT_PREFIX = "dflash_eval/"
@@ -86,7 +87,7 @@ BEST_STEP = "best/step"
 CI_LOW_SUFFIX = "_ci_low"
 CI_HIGH_SUFFIX = "_ci_high"
 FULL_PREFIX = "full/"  # a full evaluation's keys, logged again under {prefix}full/ (callback)
-SERVED_BASELINE = "baseline/served"  # the served drafter's online tau (baselines.Baseline.key)
+SERVED_BASELINE = f"baseline/{SERVED_BASELINE_NAME}"  # the served drafter's online tau (baselines.Baseline.key)
 
 
 def ci_low(metric: str) -> str:

@@ -22,15 +22,17 @@ import os
 import shlex
 import tempfile
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .. import __version__
 from ..cache.states import StateCache
+from ..common.arguments import is_int
 from ..common.cli import describe_os_error
 from ..common.errors import DFlashCBError
-from ..common.fileio import atomic_write_text
+from ..common.fileio import atomic_write_text, output_path
 from .bootstrap import DEFAULT_LEVEL, DEFAULT_RESAMPLES, DEFAULT_SEED, interval_metrics, request_means
 from .engine import EvalReport
 from .metrics import (
@@ -50,6 +52,7 @@ from .positions import (
     cycle_table,
     position_table,
 )
+from .replay import TAIL_BLOCKS
 
 RESULTS_FORMAT = "dflash-cb-results"
 RESULTS_VERSION = 3
@@ -139,6 +142,11 @@ class Results:
         b = self.meta.get("block_size")
         return int(b) if b is not None else None
 
+    @property
+    def tail_blocks(self) -> str | None:
+        """The replay's tail-block convention (``replay.TAIL_BLOCKS``), None when the file does not say."""
+        return self.meta.get("tail_blocks")
+
     # -- (de)serialisation ---------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         return {"format": RESULTS_FORMAT, "version": RESULTS_VERSION, "meta": self.meta,
@@ -162,12 +170,17 @@ class Results:
                           dict(data.get("per_depth") or {}), dict(data.get("histogram") or {}),
                           dict(data.get("meta") or {}), dict(data.get("breakdown") or {}),
                           dict(data.get("notes") or {}))
+            if res is not None:
+                _check_meta(res.meta, where)
             block_size = res.block_size if res is not None else None
+        except ResultsError:
+            raise
         except (KeyError, TypeError, ValueError) as e:
             what = f"missing field {e}" if isinstance(e, KeyError) else str(e)
             raise ResultsError(f"{where}: damaged results file ({what}); rerun "
                                "tools/eval_drafter.py to write it again") from e
         if res is not None:
+            check_fields(res, where)
             check_samples(res.samples, block_size, where)
             return res if version == RESULTS_VERSION else _upgraded(res)  # older files under today's names
         raise ResultsError(f"{where}: results version {version!r} is not known to dflash-cb {__version__} "
@@ -211,6 +224,70 @@ def check_samples(samples: list[SampleRecord], block_size: int | None, where: st
                                    "a replay produces; rerun tools/eval_drafter.py to write the file again")
 
 
+_RERUN = "rerun tools/eval_drafter.py to write it again"
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _check_meta(meta: Any, where: str) -> None:
+    """The meta fields readers compute with: nothing is coerced (``"16"`` is not a budget, ``True`` not a size)."""
+    if not isinstance(meta, dict):
+        raise ResultsError(f"{where}: 'meta' is a {type(meta).__name__}, expected an object; {_RERUN}")
+    budgets = meta.get("ddtree_budgets")
+    if budgets is not None and (not isinstance(budgets, list) or not all(
+            is_int(b) and b >= 1 for b in budgets) or len(set(budgets)) != len(budgets)):
+        raise ResultsError(f"{where}: meta.ddtree_budgets is {budgets!r}, expected a list of distinct positive "
+                           f"integers; {_RERUN}")
+    block = meta.get("block_size")
+    if block is not None and not (is_int(block) and block >= 1):
+        raise ResultsError(f"{where}: meta.block_size is {block!r}, expected a positive integer; {_RERUN}")
+    tail = meta.get("tail_blocks")
+    if tail is not None and tail not in TAIL_BLOCKS:
+        raise ResultsError(f"{where}: meta.tail_blocks is {tail!r}, expected one of {', '.join(TAIL_BLOCKS)} "
+                           f"(docs/method.md, \"Tail blocks\"); {_RERUN}")
+
+
+def check_fields(res: Results, where: str) -> None:
+    """Every figure a reader uses is a number (or null): a string ``tau`` would otherwise vanish from the
+    series without a word. Per-sample DDTree lengths exist exactly for the file's budgets."""
+    bad = {k: v for k, v in res.metrics.items() if v is not None and not _is_number(v)}
+    if bad:
+        k, v = next(iter(bad.items()))
+        raise ResultsError(f"{where}: metrics.{k} is {v!r}, not a number"
+                           + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else "") + f"; {_RERUN}")
+    for name, values in res.per_depth.items():
+        if not isinstance(values, list) or not all(v is None or _is_number(v) for v in values):
+            raise ResultsError(f"{where}: per_depth.{name} is {str(values)[:60]}, expected a list of numbers; {_RERUN}")
+    for n, count in res.histogram.items():
+        if not (str(n).isdigit() and is_int(count) and count >= 0):
+            raise ResultsError(f"{where}: histogram entry {n!r}: {count!r}, expected \"<length>\": <cycles>; {_RERUN}")
+    budgets = set(res.budgets)
+    stray = sorted({b for s in res.samples for b in s.ddtree} - budgets)
+    if stray:
+        raise ResultsError(f"{where}: samples hold DDTree lengths for budget(s) {stray}, not in meta.ddtree_budgets "
+                           f"{sorted(budgets)}; {_RERUN}")
+    scored = [s for s in res.samples if s.acceptance_lengths]
+    empty = sorted(b for b in budgets if scored and not any(s.ddtree.get(b) for s in scored))
+    if empty:
+        raise ResultsError(f"{where}: meta.ddtree_budgets lists {empty} but no sample holds DDTree lengths for "
+                           f"{'it' if len(empty) == 1 else 'them'}; {_RERUN}")
+
+
+def tail_blocks_mismatch(labelled: Sequence[tuple[str, str | None]]) -> str | None:
+    """What to say when evaluations set side by side replayed the tail blocks differently (or one does not
+    say how): near ``max_new_tokens`` the two conventions draft blocks of different lengths, so a
+    bidirectional drafter's tau differs there (docs/method.md, "Tail blocks"). None when they agree."""
+    values = {v for _, v in labelled}
+    if len(values) == 1 and None not in values:
+        return None
+    shown = ", ".join(f"{label} {v!r}" if v else f"{label} (not recorded)" for label, v in labelled)
+    return (f"tail_blocks differ ({shown}): near max_new_tokens the replays draft blocks of different lengths "
+            "(docs/method.md, \"Tail blocks\"), so the figures are not like for like; score each with "
+            "tools/eval_drafter.py --tail-blocks <the same value>")
+
+
 def _get(data: Any, key: str) -> Any:
     return data.get(key) if isinstance(data, dict) else None
 
@@ -221,8 +298,12 @@ def _clean(x: Any) -> Any:
 
 def _from_v1(data: dict[str, Any]) -> Results:
     """Version 1: tau etc. at top level and under ``metrics``, DDTree lengths in a separate list."""
-    dd = {int(b): {s["id"]: s["acceptance_lengths"] for s in d.get("samples") or []}
-          for b, d in (data.get("ddtree") or {}).items()}
+    ddtree = data.get("ddtree") or {}
+    if not isinstance(ddtree, dict) or not all(isinstance(d, dict) and isinstance(d.get("samples") or [], list)
+                                               for d in ddtree.values()):
+        raise ValueError(f"'ddtree' is {str(ddtree)[:60]}; a version 1 file holds {{budget: {{samples: [...]}}}}")
+    dd = {_budget(b, "(version 1 ddtree)"): {s["id"]: s["acceptance_lengths"] for s in d.get("samples") or []}
+          for b, d in ddtree.items()}
     samples = [SampleRecord(str(s["id"]), str(s.get("category", "")), _lengths(s["acceptance_lengths"], s["id"]),
                             {b: _lengths(list(v.get(s["id"], [])), s["id"], f"ddtree {b}") for b, v in dd.items()})
                for s in data.get("samples") or []]
@@ -235,6 +316,9 @@ def _upgraded(res: Results) -> Results:
     """A version 1 or 2 file in today's names: ``specforge_sim_tau`` is ``chain_tau_estimate`` (it was never
     SpecForge's figure), and the per-request means, absent then, come from the stored per-sample lengths."""
     m = res.metrics
+    # Files written before the choice was recorded come from the one replay there was then, which
+    # shortened the last blocks (today's "reference").
+    res.meta.setdefault("tail_blocks", "reference")
     if OLD_CHAIN_TAU_ESTIMATE in m:
         m.setdefault(CHAIN_TAU_ESTIMATE, m.pop(OLD_CHAIN_TAU_ESTIMATE))
     if res.samples:
@@ -323,16 +407,17 @@ def check_results_path(path: str | os.PathLike, option: str = "--out", example: 
     Creates the missing parent folders and writes (then removes) a probe file next to ``path``.
     """
     path = Path(path)
-    if path.is_dir():
+    real = output_path(path)  # a symbolic link is written through: check where the file will land
+    if real.is_dir():
         raise ResultsError(f"{option} {path}: is a folder; give a file path, e.g. {path / example}")
-    for parent in path.parents:
+    for parent in real.parents:
         if parent.exists():
             if not parent.is_dir():
                 raise ResultsError(f"{option} {path}: {parent} is a file, not a folder; choose another path")
             break
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".probe")
+        real.parent.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=real.parent, prefix=f".{real.name}.", suffix=".probe")
         os.close(fd)
         os.unlink(probe)
     except OSError as e:
@@ -342,7 +427,7 @@ def check_results_path(path: str | os.PathLike, option: str = "--out", example: 
 
 def write_results(results: Results, path: str | os.PathLike) -> None:
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    output_path(path).parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, json.dumps(results.to_dict(), indent=1) + "\n")
 
 

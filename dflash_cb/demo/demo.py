@@ -20,9 +20,9 @@ runs with ``deterministic=True``.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
+import shlex
 import shutil
 import sys
 import time
@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..common.errors import DFlashCBError
+from ..common.fileio import atomic_path, atomic_write_json, atomic_write_text, naming_failures, output_path
 from ..core.metrics import (
     ACCEPT_LENGTH_SERVED,
     ALL_ANCHOR_TAU,
@@ -151,7 +152,7 @@ def _say(msg: str = "") -> None:
 
 def prepare_out(cfg: DemoConfig) -> Paths:
     """Create the output folder; refuse to touch an existing one unless it is a demo's and ``overwrite``."""
-    out = cfg.out
+    out = output_path(cfg.out)  # a symbolic link is written through: the link keeps pointing at the output
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         if not cfg.overwrite:
             raise DemoError(f"{out} already exists and is not empty (a previous demo?); pass --overwrite to "
@@ -162,7 +163,7 @@ def prepare_out(cfg: DemoConfig) -> Paths:
                             "refusing to delete it: choose another --out")
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / MARKER).write_text("written by python tools/demo.py; --overwrite may delete this folder\n")
+    atomic_write_text(out / MARKER, "written by python tools/demo.py; --overwrite may delete this folder\n")
     return Paths(out)
 
 
@@ -244,7 +245,7 @@ def build_caches(cfg: DemoConfig, paths: Paths) -> dict[str, Any]:
     for name, prompts, cache in (("train", paths.prompts_train, paths.cache_train),
                                  ("eval", paths.prompts_eval, paths.cache_eval)):
         argv = precompute_argv(cfg, paths.target, prompts, cache)
-        _say("      python tools/precompute_states.py " + " ".join(argv))
+        _say("      " + shlex.join(["python", "tools/precompute_states.py", *argv]))
         start = time.perf_counter()
         rc = precompute_main(argv)  # the tool's own entry point, in this process (no second torch import)
         if rc != 0:
@@ -296,7 +297,8 @@ def _tau_printer(eval_cb: Any, budgets: Sequence[int], first_checkpoint: Path) -
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
             # The untrained drafter, kept so the compare tool can show what training changed.
             first_checkpoint.parent.mkdir(parents=True, exist_ok=True)
-            trainer.save_checkpoint(str(first_checkpoint))
+            with naming_failures(first_checkpoint):  # Lightning's write error names no file
+                trainer.save_checkpoint(str(first_checkpoint))
             dd = "  ".join(f"dd@{b:<3}" for b in budgets)
             _say(f"       step    tau [95% interval]  {dd}  all-anc  count repeat pairs   loss   wall")
             self._flush(trainer)
@@ -319,7 +321,7 @@ def train_drafter(cfg: DemoConfig, paths: Paths) -> dict[str, Any]:
     from .lightning_module import CachedStatesDataModule, DFlashDrafterModule
 
     dcfg = drafter_config(cfg)
-    paths.drafter_config.write_text(json.dumps(dcfg, indent=2) + "\n")
+    atomic_write_json(paths.drafter_config, dcfg, indent=2)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     module = DFlashDrafterModule(dcfg, states=str(paths.cache_train), lr=cfg.lr, anchors_per_sample=16,
                                  warmup_steps=30, init_seed=cfg.seed)
@@ -352,10 +354,12 @@ def train_drafter(cfg: DemoConfig, paths: Paths) -> dict[str, Any]:
                          deterministic=True, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, log_every_n_steps=10, num_sanity_val_steps=0)
     start = time.perf_counter()
-    trainer.fit(module, datamodule=data)
+    with naming_failures(paths.out):  # the loggers' writes (CSV, W&B) land under --out and name no file
+        trainer.fit(module, datamodule=data)
     seconds = time.perf_counter() - start
     paths.checkpoint.parent.mkdir(parents=True, exist_ok=True)
-    trainer.save_checkpoint(str(paths.checkpoint))
+    with naming_failures(paths.checkpoint):
+        trainer.save_checkpoint(str(paths.checkpoint))
     run = wandb_logger.experiment
     run_dir = Path(run.dir).parent  # .../wandb/offline-run-<time>-<id>; run.dir is its files/ folder
     run_url = getattr(run, "url", None) if cfg.wandb_mode == "online" else None
@@ -396,19 +400,22 @@ def extract_and_score(cfg: DemoConfig, paths: Paths, checkpoint: Path | None = N
 
 def compare_first_last(paths: Paths, first: Results, last: Results) -> dict[str, Any]:
     """tools/compare_results.py on the first and the last checkpoint: Markdown, PNG, and the verdict."""
-    from ..common.fileio import atomic_write_text
-    from ..core.compare import compare, plot_comparison, render_markdown
+    from ..core.compare import compare, write_comparison
 
     def label(r: Results) -> str:
         return f"step {r.drafter_step}"
 
-    c = compare([label(first), label(last)], [first, last], position_edges=POSITION_EDGES)
-    png = plot_comparison(c, paths.comparison.with_suffix(".png"))
-    md = paths.comparison.with_suffix(".md")
-    atomic_write_text(md, render_markdown(c, png.name))
+    labels = [label(first), label(last)]
+    c = compare(labels, [first, last], position_edges=POSITION_EDGES)
+    md, png = paths.comparison.with_suffix(".md"), paths.comparison.with_suffix(".png")
+    write_comparison(c, md, png)
     d = c.differences[(0, 1)][TAU]
+    # The same comparison from the shell, quoted so that it can be pasted whatever the folder's name.
+    command = shlex.join(["python", "tools/compare_results.py", str(paths.results_first), str(paths.results),
+                          "--labels", ",".join(labels), "--position-edges", ",".join(map(str, POSITION_EDGES)),
+                          "--out", str(paths.comparison)])
     return {"text": d.text, "verdict": d.verdict, "delta": d.interval.value, "low": d.interval.low,
-            "high": d.interval.high, "markdown": md, "png": png}
+            "high": d.interval.high, "markdown": md, "png": png, "command": command}
 
 
 def make_plots(history: list[dict[str, float]], block_size: int, budgets: Sequence[int], plots: Path,
@@ -426,7 +433,8 @@ def make_plots(history: list[dict[str, float]], block_size: int, budgets: Sequen
         ax.legend(fontsize=8)
         out[name] = plots / f"{name}.png"
         fig.tight_layout()
-        fig.savefig(out[name], dpi=110)
+        with atomic_path(out[name]) as tmp:
+            fig.savefig(tmp, format="png", dpi=110)
         plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
@@ -535,7 +543,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     summary = {
         "tau_first": first[TAU], "tau_last": last[TAU],
         "tau_last_interval": [last.get(ci_low(TAU)), last.get(ci_high(TAU))],
-        "first_vs_last": {k: comparison[k] for k in ("text", "verdict", "delta", "low", "high")},
+        "first_vs_last": {k: comparison[k] for k in ("text", "verdict", "delta", "low", "high", "command")},
         "ddtree_tau_last": last.get(ddtree_tau(top_budget)), "ddtree_budget": top_budget,
         "ddtree_tau_last_by_budget": {str(b): last.get(ddtree_tau(b)) for b in cfg.ddtree_budgets},
         "step_first": int(first["step"]), "step_last": int(last["step"]),
@@ -550,7 +558,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         "timings_s": {k: round(v, 1) for k, v in timings.items()},
         "paths": {k: str(v) for k, v in files.items()},
     }
-    paths.summary.write_text(json.dumps(_clean(summary), indent=1) + "\n")
+    atomic_write_json(paths.summary, _clean(summary), indent=1)
     _print_summary(summary, results, cfg)
     return summary
 
@@ -581,13 +589,13 @@ def _print_summary(s: dict[str, Any], results: Results, cfg: DemoConfig) -> None
     _say("")
     _say(f"  W&B run ({s['wandb_mode']}):  {p['wandb_run']}"
          + (f"\n                     {s['wandb_url']}" if s.get("wandb_url") else
-            f"\n                     upload later with: wandb sync {p['wandb_run']}"))
+            f"\n                     upload later with: {shlex.join(['wandb', 'sync', p['wandb_run']])}"))
     _say(f"  caches:             {p['cache_train']} (training), {p['cache_eval']} (evaluation)")
     _say(f"  results:            {p['results']}  (the extracted drafter {p['drafter']}, scored like "
          "tools/eval_drafter.py)")
     _say(f"  metrics (CSV):      {p['metrics_csv']}")
-    _say(f"  comparison:         {p['comparison_md']}, {p['comparison_png']}  (tools/compare_results.py "
-         f"{p['results_first']} {p['results']})")
+    _say(f"  comparison:         {p['comparison_md']}, {p['comparison_png']}")
+    _say(f"                      again: {s['first_vs_last']['command']}")
     _say(f"  plots:              {p['plot_tau_over_steps']}, {p['plot_per_depth_acceptance']}, "
          f"{p['plot_accepted_lengths_hist']}")
     _say(f"  summary:            {p['summary']}")

@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from ..common.fileio import atomic_write_text, naming_failures
+
 # -- vocabulary -----------------------------------------------------------------------------
 PAD, BOS, EOS, MASK, SEP = 0, 1, 2, 3, 4
 MARKERS = {"count": 5, "repeat": 6, "pairs": 7}
@@ -135,7 +137,7 @@ def make_prompts(n_per_family: int, seed: int, prefix: str = "",
 def write_prompts_jsonl(path: str | os.PathLike, records: Sequence[dict[str, Any]]) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in records))
     return path
 
 
@@ -240,8 +242,9 @@ def train_tiny_target(out: str | os.PathLike, seed: int = 0, spec: TargetSpec | 
     model.generation_config = GenerationConfig(bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD,
                                                do_sample=False)
     out = Path(out)
-    model.save_pretrained(out)
-    (out / "synthetic_language.json").write_text(json.dumps(
+    with naming_failures(out):  # transformers' write errors name no file
+        model.save_pretrained(out)
+    atomic_write_text(out / "synthetic_language.json", json.dumps(
         {"vocab_size": VOCAB_SIZE, "families": list(FAMILIES), "mask_token_id": MASK_TOKEN_ID,
          "seed": seed, "train_steps": spec.steps, "final_loss": loss_val,
          "tokens": {str(t): token_str(t) for t in range(VOCAB_SIZE)}}, indent=1) + "\n")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shutil
@@ -9,8 +10,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ...common.fileio import atomic_path, check_outputs_apart
-from ..states import CacheError, Manifest, StateCache, merge_staging_path, replaced_cache_path
+from ...common.fileio import atomic_path, check_outputs_apart, naming_failures, output_path
+from ..states import MANIFEST_NAME, CacheError, Manifest, StateCache, merge_staging_path, replaced_cache_path
 from .journal import read_journal, write_in_order
 from .plan import (
     JOURNAL_NAME,
@@ -53,6 +54,11 @@ def _place(src: Path, dst: Path, link: bool) -> None:
         shutil.copyfile(src, tmp)
 
 
+def _staged(staging: Path, out: Path, name: str) -> contextlib.AbstractContextManager[None]:
+    """A failed write of ``staging/name`` names the file the merge makes, ``out/name``."""
+    return naming_failures(out / name, temp=str(staging / name))
+
+
 def _samples_per_shard_range(m: Manifest) -> tuple[int, float]:
     """The ``--samples-per-shard`` values a part's layout allows: shard ``g`` holds ``index // S == g``."""
     lo, hi = 1, float("inf")
@@ -88,6 +94,32 @@ def _recover(out: Path, log: Log) -> None:
         shutil.rmtree(staging)
 
 
+def _stage(caches: Sequence[StateCache], staging: Path, out: Path, link: bool) -> Manifest:
+    """Place every part's shards, the head, the journal and the manifest in ``staging``."""
+    base = caches[0].manifest
+    shards, samples = [], []
+    for c in caches:
+        for s in c.manifest.shards:
+            with _staged(staging, out, s.file):
+                _place(c.path / s.file, staging / s.file, link)
+            shards.append(s)
+        samples.extend(c.manifest.samples)
+    head = base.target_head
+    if head is not None:
+        with _staged(staging, out, head["file"]):
+            _place(caches[0].path / head["file"], staging / head["file"], link)
+    journals: dict[str, dict[str, Any]] = {}
+    for c in caches:
+        journals.update(read_journal(c.path / JOURNAL_NAME)[0])
+    m = build_manifest(dataclasses.replace(base, prompts=_without_part(base.prompts)), shards, samples, head)
+    if journals and all(s.id in journals for s in m.samples):
+        with _staged(staging, out, JOURNAL_NAME):
+            write_in_order(staging / JOURNAL_NAME, journals, [s.id for s in m.samples])
+    with _staged(staging, out, MANIFEST_NAME):
+        m.write(staging)
+    return m
+
+
 def merge_parts(out: str | os.PathLike, parts: Sequence[str | os.PathLike], overwrite: bool = False,
                 link: bool = True, verify: bool = True, log: Log = stderr_log) -> Manifest:
     """Combine ``--num-shards`` parts into one cache, equal to what a single run would have written.
@@ -96,7 +128,7 @@ def merge_parts(out: str | os.PathLike, parts: Sequence[str | os.PathLike], over
     replace ``out`` (two renames). A refused, failed or killed merge leaves ``out`` as it was, and
     running the same command again finishes the job.
     """
-    out = Path(out)
+    out = output_path(out)  # a symbolic link is written through: the link keeps pointing at the merged cache
     if not parts:
         raise PrecomputeError("merge: give at least one part folder")
     check_out_path(out)
@@ -143,22 +175,11 @@ def merge_parts(out: str | os.PathLike, parts: Sequence[str | os.PathLike], over
 
     staging = merge_staging_path(out)
     staging.mkdir(parents=True)
-    shards, samples = [], []
-    for c in caches:
-        for s in c.manifest.shards:
-            _place(c.path / s.file, staging / s.file, link)
-            shards.append(s)
-        samples.extend(c.manifest.samples)
-    head = base.target_head
-    if head is not None:
-        _place(caches[0].path / head["file"], staging / head["file"], link)
-    journals: dict[str, dict[str, Any]] = {}
-    for c in caches:
-        journals.update(read_journal(c.path / JOURNAL_NAME)[0])
-    m = build_manifest(dataclasses.replace(base, prompts=_without_part(base.prompts)), shards, samples, head)
-    if journals and all(s.id in journals for s in m.samples):
-        write_in_order(staging / JOURNAL_NAME, journals, [s.id for s in m.samples])
-    m.write(staging)
+    try:
+        m = _stage(caches, staging, out, link)
+    except OSError:  # a full disk: the partial copy would only take more of it
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     try:  # the staged cache as a reader sees it; copies are hashed again (links share the parts' bytes)
         staged = StateCache(staging)
         if verify and not link:

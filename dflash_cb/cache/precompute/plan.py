@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ...common.errors import DFlashCBError
-from ...common.fileio import check_outputs_apart
+from ...common.fileio import check_outputs_apart, output_path
 from ..served import served_counters, server_spec_config
 from ..states import HEAD_NAME, MANIFEST_NAME, CacheError, Manifest, sha256_file
 from .compute_dtype import (
@@ -348,7 +348,7 @@ def prepare(args: PrecomputeArgs, log: Log = stderr_log, probe: DtypeProbe | Non
 
     a = args
     check_args(a)
-    check_out_path(Path(a.out))
+    check_out_path(output_path(a.out))
     check_outputs_apart([("--target", a.target), ("--prompts", a.prompts), ("--drafter-config", a.drafter_config),
                          ("--completions", a.completions), ("--tokenizer", a.tokenizer)], folders=[("--out", a.out)])
     try:
@@ -431,7 +431,7 @@ def prepare(args: PrecomputeArgs, log: Log = stderr_log, probe: DtypeProbe | Non
         prompts_info["part"] = {"num_shards": N, "shard_index": part}
 
     # -- output folder, then the compute dtype (a resumed run keeps the cache's)
-    out = Path(a.out)
+    out = output_path(a.out)  # a symbolic link is written through (fileio.output_path)
     old, source = _check_out_folder(out, a)
     longest = max((len(v) for v in prompt_ids.values()), default=0) + a.max_new_tokens
     compute = _choose_compute(a, tcfg, layer_ids, longest, old, probe or DtypeProbe(), log)

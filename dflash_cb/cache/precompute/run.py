@@ -17,7 +17,6 @@ import dataclasses
 import errno
 import fcntl
 import os
-import re
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -106,16 +105,8 @@ def save_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[str,
     """
     from safetensors.torch import save_file
 
-    with atomic_path(path) as tmp:
-        try:
-            save_file(tensors, str(tmp), metadata={"format": "pt"})
-        except OSError:
-            raise
-        except Exception as e:  # safetensors' own error type wraps the OS error
-            code = re.search(r"os error (\d+)", str(e))
-            if code:
-                raise OSError(int(code[1]), os.strerror(int(code[1])), str(path)) from e
-            raise
+    with atomic_path(path) as tmp:  # a failed write is an OSError naming ``path``
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
         size, expected = os.path.getsize(tmp), _safetensors_size(tmp)
         if size != expected:
             raise OSError(errno.ENOSPC, f"short write, {size} of {expected} bytes (disk full?)", str(path))
