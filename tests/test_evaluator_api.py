@@ -170,3 +170,19 @@ def test_lightning_cli_refuses_an_unknown_tail_mode_in_a_few_lines(tmp_path):
     # jsonargparse's own message (the usage, then the key and the allowed values), not a double traceback
     assert 'Parser key "tail_blocks"' in r.stderr and "Literal['served', 'reference']" in r.stderr
     assert "Traceback" not in r.stderr, r.stderr
+
+
+def test_a_baseline_replayed_with_other_tail_blocks_is_warned_about_at_setup(tiny_cache, tiny_drafter_config,
+                                                                             tmp_path):
+    from dflash_cb.cache.states import StateCache
+    from dflash_cb.core.engine import evaluate
+    from dflash_cb.core.results import report_to_results, write_results
+
+    cache = StateCache(tiny_cache)
+    write_results(report_to_results(evaluate(cache, drafter(tiny_drafter_config).eval(), budgets=[4],
+                                             tail_blocks="reference"), cache), tmp_path / "ref.json")
+    with pytest.warns(RuntimeWarning, match="tail"):
+        evaluator(tiny_cache, baselines={"ref": str(tmp_path / "ref.json")}).setup()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        evaluator(tiny_cache, baselines={"ref": str(tmp_path / "ref.json")}, tail_blocks="reference").setup()

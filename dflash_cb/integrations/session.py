@@ -103,13 +103,17 @@ def open_session(config: EvalConfig, loop: LoopContext) -> EvalSession:
     cache.check_files(eval_ids, head=config.needs_cache_head)
     verified = verify_across_ranks(cache, eval_ids, config.needs_cache_head) if config.verify_cache else None
     cache.check_samples(eval_ids)  # manifest fields against the shards (small tensors only)
-    baselines = [load_measured(p, cache, name=n, sample_ids=eval_ids) for n, p in config.baselines.items()]
+    # A file replayed with other tail blocks is warned about (results.tail_blocks_mismatch).
+    baselines = [load_measured(p, cache, name=n, sample_ids=eval_ids, tail_blocks=config.tail_blocks)
+                 for n, p in config.baselines.items()]
     served = load_served(cache, eval_ids)  # the server's own counters, when the cache has them
     if served is not None:
         baselines.append(served)
     skipped: list[str] = []
     if config.published:
-        published = load_published(config.published, config.published_entries)
+        # A published DDTree figure needs a budget this run logs (its live counterpart).
+        published = load_published(config.published, config.published_entries,
+                                   budgets=sorted({*config.ddtree_budgets, *config.light_budgets}))
         baselines += published.baselines
         skipped = published.skipped
     table_ids = stratified_ids(eval_ids, lambda i: cache.entry(i).category, config.table_samples, None)
