@@ -264,7 +264,7 @@ def malformed_counters(counters: Mapping[str, Any]) -> str | None:
             return f"malformed {key}: {counters[key]!r} (expected a whole number >= 0)"
     hist = counters.get(HISTOGRAM)
     if HISTOGRAM in counters and (not isinstance(hist, list) or any(whole_count(v) is None for v in hist)):
-        return f"malformed {HISTOGRAM}: {hist!r:.80} (expected a list of counts)"
+        return f"malformed {HISTOGRAM}: {_clip(hist)} (expected a list of counts)"
     length = counters.get(ACCEPT_LENGTH)
     if ACCEPT_LENGTH in counters and (isinstance(length, bool) or not isinstance(length, (int, float))
                                       or not math.isfinite(length) or length < 0):
