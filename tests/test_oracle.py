@@ -48,9 +48,29 @@ def _precompute(target: Path, prompts: Path, out: Path, layers: list[int]) -> Pa
     return out
 
 
+def _run_loops(cache, ref, target, cfg: dict, block: int) -> tuple[dict, dict]:
+    """Per sample: dflash_generate's acceptance lengths and the full-block loop's run, both at ``block``."""
+    from full_block_loop import full_block_generate
+
+    stops = cache.manifest.stop_token_ids
+    # dflash_generate times itself with CUDA events; on CPU a wall clock does the same job.
+    orig = dm._cuda_time
+    dm._cuda_time = time.perf_counter
+    try:
+        oracle, full = {}, {}
+        for e in cache.samples:
+            prompt = cache.load(e.id).input_ids[: e.prompt_len][None]
+            st = dm.dflash_generate(ref, target, prompt, MAX_NEW, stops, block_size=block, return_stats=True)
+            oracle[e.id] = list(st.acceptance_lengths)
+            full[e.id] = full_block_generate(ref, target, prompt[0].tolist(), MAX_NEW, stops, LAYERS, block,
+                                             cfg["dflash_config"]["mask_token_id"])
+    finally:
+        dm._cuda_time = orig
+    return oracle, full
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory):
-    from full_block_loop import full_block_generate
     from tiny_target import random_prompts, save_tiny_qwen3, train_briefly, write_prompts
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -69,19 +89,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory):
     ref = dm.DFlashDraftModel(Qwen3Config(**cfg)).eval()
     ref.load_state_dict(ours.state_dict())
     target = Qwen3ForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    # dflash_generate times itself with CUDA events; on CPU a wall clock does the same job.
-    orig = dm._cuda_time
-    dm._cuda_time = time.perf_counter
-    try:
-        oracle, full = {}, {}
-        for e in cache.samples:
-            prompt = cache.load(e.id).input_ids[: e.prompt_len][None]
-            st = dm.dflash_generate(ref, target, prompt, MAX_NEW, m.stop_token_ids, return_stats=True)
-            oracle[e.id] = list(st.acceptance_lengths)
-            full[e.id] = full_block_generate(ref, target, prompt[0].tolist(), MAX_NEW, m.stop_token_ids, LAYERS,
-                                             BLOCK, cfg["dflash_config"]["mask_token_id"])
-    finally:
-        dm._cuda_time = orig
+    oracle, full = _run_loops(cache, ref, target, cfg, BLOCK)
     return dict(root=root, target_dir=target_dir, prompts=prompts, cache=cache, ours=ours, ref=ref, oracle=oracle,
                 cfg=cfg, full=full, target=target)
 
@@ -274,22 +282,7 @@ SMALL = 4  # a served block shorter than the drafter's BLOCK (SGLang's --specula
 def small_block(setup):
     """The reference loop (``dflash_generate(block_size=SMALL)``) and the full-block loop run with the
     same drafter at a block of SMALL: both take the block as an argument."""
-    from full_block_loop import full_block_generate
-
-    cache, m = setup["cache"], setup["cache"].manifest
-    orig = dm._cuda_time
-    dm._cuda_time = time.perf_counter
-    try:
-        reference, full = {}, {}
-        for e in cache.samples:
-            prompt = cache.load(e.id).input_ids[: e.prompt_len][None]
-            st = dm.dflash_generate(setup["ref"], setup["target"], prompt, MAX_NEW, m.stop_token_ids,
-                                    block_size=SMALL, return_stats=True)
-            reference[e.id] = list(st.acceptance_lengths)
-            full[e.id] = full_block_generate(setup["ref"], setup["target"], prompt[0].tolist(), MAX_NEW,
-                                             m.stop_token_ids, LAYERS, SMALL, setup["cfg"]["dflash_config"]["mask_token_id"])
-    finally:
-        dm._cuda_time = orig
+    reference, full = _run_loops(setup["cache"], setup["ref"], setup["target"], setup["cfg"], SMALL)
     return dict(reference=reference, full=full)
 
 
