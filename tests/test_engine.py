@@ -381,3 +381,35 @@ def test_every_head_call_stays_under_head_mem_bytes(planted, tmp_path: Path, mon
     assert [s.acceptance_lengths for s in small.samples] == [s.acceptance_lengths for s in wide.samples]
     for k, v in small.counts.data.items():
         assert torch.allclose(v, wide.counts.data[k]), k
+
+
+@pytest.mark.parametrize("tail_blocks", ["served", "reference"])
+def test_smaller_block_is_the_drafter_declared_at_that_block(planted, tail_blocks: str) -> None:
+    """``block_size=4`` on a block-6 drafter drafts what the same weights declared with block 4 draft:
+    every replay (greedy, DDTree) and every statistic (with 3 depths) equal, under either tail rule;
+    the report keeps the drafter's spec and says which block it drafted."""
+    cache, drafter = planted["cache"], planted["drafter"]
+    config = _config()
+    config.block_size = 4
+    small = DFlashDrafter(config).eval()
+    small.load_state_dict(drafter.state_dict())
+    assert small.spec.block_size == 4
+    got = evaluate(cache, drafter, budgets=BUDGETS, anchor_stride=2, tail_blocks=tail_blocks, block_size=4)
+    want = evaluate(cache, small, budgets=BUDGETS, anchor_stride=2, tail_blocks=tail_blocks)
+    assert got.block_size == 4 and got.spec.block_size == BLOCK and got.counts.data["depth_total"].numel() == 3
+    assert [(s.acceptance_lengths, s.ddtree, s.correct_drafts) for s in got.samples] == [
+        (s.acceptance_lengths, s.ddtree, s.correct_drafts) for s in want.samples]
+    for k, v in want.counts.data.items():
+        assert torch.equal(got.counts.data[k], v), k
+    assert max(n for s in got.samples for n in s.acceptance_lengths) <= 4
+    full = evaluate(cache, drafter, budgets=(), anchor_stride=2, tail_blocks=tail_blocks)
+    assert full.block_size == BLOCK  # the default: the drafter's block
+    assert [s.acceptance_lengths for s in full.samples] != [s.acceptance_lengths for s in got.samples]
+
+
+@pytest.mark.parametrize("bad", [1, 0, BLOCK + 1, 2.5, 4.0, "4", True])
+def test_block_size_outside_the_drafters_is_refused(planted, bad) -> None:
+    from dflash_cb.common.errors import DFlashCBError
+
+    with pytest.raises(DFlashCBError, match=rf"block_size={bad!r}: expected an integer from 2 to {BLOCK}"):
+        evaluate(planted["cache"], planted["drafter"], budgets=(), block_size=bad)

@@ -22,6 +22,7 @@ No Lightning, W&B or HTTP here.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -39,6 +40,7 @@ from .replay import (
     SampleBounds,
     Walk,
     block_lengths,
+    check_block_size,
     check_tail_blocks,
     cut_produced,
     leading_matches,
@@ -548,6 +550,11 @@ class EvalReport:
     def tau(self) -> float:
         return self.summary[TAU]
 
+    @property
+    def block_size(self) -> int:
+        """The block every cycle drafted (``evaluate(block_size=...)``); ``spec.block_size`` is the drafter's."""
+        return self.counts.block_size
+
 
 def bounds_for(sample: CachedSample, manifest: Manifest) -> SampleBounds:
     e = sample.entry
@@ -601,7 +608,7 @@ def evaluate(cache: StateCache, drafter: Any, head: TargetHead | None = None, *,
              autocast_dtype: torch.dtype | None = None, spec: DrafterSpec | None = None, verify: bool = False,
              progress: bool = False, attn_mem_bytes: int = 512 << 20, head_mem_bytes: int = 512 << 20,
              context_mem_bytes: int = 4 << 30, max_blocks: int = 1024, keep_drafts: int = 0,
-             tail_blocks: str = "served") -> EvalReport:
+             tail_blocks: str = "served", block_size: int | None = None) -> EvalReport:
     """Score ``drafter`` on ``cache``: exact greedy replay, DDTree per budget, anchor statistics.
 
     ``anchor_stride`` picks the anchor-statistics set (per-depth acceptance, ``specforge/acc``,
@@ -612,6 +619,9 @@ def evaluate(cache: StateCache, drafter: Any, head: TargetHead | None = None, *,
     keeps, per sample, the draft blocks of that many first cycles (``SampleResult.drafts``).
     ``tail_blocks`` (``replay.TAIL_BLOCKS``): "served" drafts full blocks up to the end, as SGLang;
     "reference" shortens the last blocks, as ``dflash_generate`` (docs/method.md, "Tail blocks").
+    ``block_size`` (``replay.check_block_size``: 2 .. the drafter's, None = the drafter's) is the block
+    every cycle drafts, as a server started with a smaller block does; the tail rules and the
+    per-depth statistics follow it (``EvalReport.block_size``).
 
     The head runs in its own dtype: a head loaded here (``head`` None) is read in the compute dtype
     (``autocast_dtype``, else the drafter's), so a bf16 evaluation never holds a float32 head; a
@@ -638,6 +648,8 @@ def evaluate(cache: StateCache, drafter: Any, head: TargetHead | None = None, *,
     runner = as_runner(drafter, spec, attn_mem_bytes)
     spec = runner.spec
     cache.check_drafter(spec.as_cache_check())
+    block = check_block_size(block_size, spec.block_size)
+    drafting_spec = dataclasses.replace(spec, block_size=block)  # what the cycles draft; the report keeps spec
     if device is None:
         p = getattr(getattr(runner, "drafter", None), "fc", None)
         device = p.weight.device if p is not None else torch.device("cpu")
@@ -651,10 +663,10 @@ def evaluate(cache: StateCache, drafter: Any, head: TargetHead | None = None, *,
         raise ValueError(f"DDTree budgets must be positive, got {budgets}")
     ids = list(sample_ids) if sample_ids is not None else [s.id for s in cache.samples]
     categories = cache.categories
-    counts = EvalCounts(spec.block_size, budgets, categories)
+    counts = EvalCounts(block, budgets, categories)
     manifest = cache.manifest
     stops = frozenset(manifest.stop_token_ids)
-    drafting = _Drafting(runner, head, spec, budgets, counts, anchor_stride, head_mem_bytes, max_blocks, tail_blocks)
+    drafting = _Drafting(runner, head, drafting_spec, budgets, counts, anchor_stride, head_mem_bytes, max_blocks, tail_blocks)
     state_dtype = autocast_dtype or runner.dtype
     bar = None
     if progress:
@@ -669,7 +681,7 @@ def evaluate(cache: StateCache, drafter: Any, head: TargetHead | None = None, *,
             first = True
             while True:
                 for lv in wave.lives:
-                    _advance(lv, 8 * spec.block_size)
+                    _advance(lv, 8 * block)
                 requests = _requests(wave, first)
                 first = False
                 if not requests:

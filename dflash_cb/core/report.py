@@ -52,6 +52,10 @@ def format_results(res: Results) -> str:
                      + f"  dtype={meta.get('dtype')} head={meta.get('head_dtype')} device={meta.get('device')}")
     cycles = sum(len(s.acceptance_lengths) for s in res.samples)
     lines.append(f"samples  {len(res.samples)}   cycles {cycles}   wall {meta.get('wall_time_s')} s")
+    if meta.get("block_size") is not None:
+        drafter_block = meta.get("drafter_block_size")
+        lines.append(f"block    {meta['block_size']}" + (f" (the drafter's is {drafter_block})" if drafter_block
+                                                          not in (None, meta["block_size"]) else ""))
     if meta.get("anchors_drafted") is not None:
         lines.append(f"anchors  drafted {meta['anchors_drafted']}   needed {meta.get('anchors_needed')}   "
                      f"statistics stride {meta.get('anchor_stride')}")

@@ -367,12 +367,13 @@ def report_to_results(report: EvalReport, cache: StateCache, meta: dict[str, Any
     return Results(
         metrics={k: _clean(v) for k, v in metrics.items()},
         samples=samples,
-        per_depth={k: [_clean(v) for v in vals] for k, vals in per_depth(summary, report.spec.block_size).items()},
-        histogram={str(n): int(hist[n]) for n in range(1, report.spec.block_size + 1)},
+        per_depth={k: [_clean(v) for v in vals] for k, vals in per_depth(summary, report.block_size).items()},
+        histogram={str(n): int(hist[n]) for n in range(1, report.block_size + 1)},
         meta={
             "cache_path": str(cache.path),
             "cache_manifest_sha256": cache.manifest_sha256,
-            "block_size": report.spec.block_size,
+            "block_size": report.block_size,  # the block every cycle drafted (evaluate(block_size=...))
+            "drafter_block_size": report.spec.block_size,  # the drafter's trained block (>= block_size)
             "ddtree_budgets": list(report.budgets),
             "categories": list(counts.categories),
             "dflash_cb_version": __version__,

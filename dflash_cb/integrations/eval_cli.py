@@ -15,7 +15,7 @@ USAGE = """Score a saved DFlash drafter on a cache of target states: exact tau, 
 
     python tools/eval_drafter.py --states cached_states/qwen36-27b-v1 --drafter path/to/drafter \\
         --out results.json [--ddtree-budgets 16,32,64] [--device cuda] [--dtype bfloat16]
-        [--samples N | --sample-ids a,b,c] [--no-verify]
+        [--samples N | --sample-ids a,b,c] [--block-size N] [--served-check] [--no-verify]
 
 Every argument, the cache, the drafter and the head are checked (and the shards to score hashed)
 before the evaluation starts; a problem is one line naming the file and the fix, exit code 2.
@@ -77,6 +77,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tail-blocks", choices=["served", "reference"], default="served",
                    help="near the end: full blocks cut after verification, as SGLang serves (served, default), "
                         "or shortened blocks, as dflash's dflash_generate (reference); docs/method.md, 'Tail blocks'")
+    p.add_argument("--block-size", default=None,
+                   help="draft blocks of N tokens (anchor included), 2 .. the drafter's block (default: the "
+                        "drafter's), as a server started with --speculative-num-draft-tokens N drafts; with "
+                        "--served-check the default is the server's recorded block")
     p.add_argument("--served-check", action="store_true",
                    help="compare with the server's own speculative counters stored in the cache (the drafter "
                         "must be the one the server ran during the precompute)")
@@ -98,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     from ..core.checkpoints import load_drafter
     from ..core.ddtree import check_ddtree_budgets
     from ..core.engine import evaluate, resolve_autocast
+    from ..core.replay import check_block_size
     from ..core.report import format_results
     from ..core.results import check_results_path, drafter_provenance, report_to_results, write_results
     from ..core.served_check import (
@@ -106,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         has_served_counters,
         nothing_selected,
         nothing_to_compare,
+        replay_block_size,
     )
 
     # Cheap checks first, then the files, so nothing is computed for a run that cannot finish.
@@ -116,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     budgets = parse_budgets(args.ddtree_budgets)
     check_ddtree_budgets(budgets, None, None, "--ddtree-budgets")  # the block and vocabulary bound: below
     anchor_stride = parse_int("--anchor-stride", args.anchor_stride, 1, note="1 = every anchor")
+    block_size = parse_int("--block-size", args.block_size, 2, note="the anchor and at least one draft") \
+        if args.block_size is not None else None  # the drafter's bound: below
     num_samples = parse_int("--samples", args.samples, 1, note="omit it to score every sample") \
         if args.samples is not None else None
     sample_ids = parse_id_list(args.sample_ids, "--sample-ids") if args.sample_ids is not None else None
@@ -140,7 +148,10 @@ def main(argv: list[str] | None = None) -> int:
             raise why  # the selection holds no sample with comparable counters: before any weights are read
     drafter = load_drafter(args.drafter, device=device)
     cache.check_drafter(drafter.spec.as_cache_check())
-    check_ddtree_budgets(budgets, drafter.spec.block_size, cache.manifest.vocab_size, "--ddtree-budgets")
+    if args.served_check:  # the server's block when it is recorded (docs/method.md, "Check against the server")
+        block_size = replay_block_size(cache.manifest.served_spec_config, drafter.spec.block_size, block_size)
+    block_size = check_block_size(block_size, drafter.spec.block_size, "--block-size")
+    check_ddtree_budgets(budgets, block_size, cache.manifest.vocab_size, "--ddtree-budgets")
     drafter.eval()
     autocast = resolve_autocast(dtype_name, device, next(drafter.parameters()).dtype)
     # The head is held in the dtype it computes in: bf16 for a bf16 evaluation, float32 only when asked.
@@ -164,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         head = cache.load_head(device=device, dtype=head_dtype, verify=args.verify)
     report = evaluate(cache, drafter, head, sample_ids=ids, budgets=budgets, device=device,
                       autocast_dtype=autocast, verify=args.verify, progress=True, anchor_stride=anchor_stride,
-                      tail_blocks=args.tail_blocks)
+                      tail_blocks=args.tail_blocks, block_size=block_size)
     results = report_to_results(report, cache, position_edges=edges, meta={
         "drafter": drafter_provenance(args.drafter), "dtype": dtype_name, "head_dtype": report.head_dtype,
         "device": str(device),
@@ -176,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         check = compare(cache.samples, {s.id: s.acceptance_lengths for s in report.samples},
                         cache.manifest.served_spec_config, drafter.spec.block_size, args.drafter,
                         correct_drafts={s.id: s.correct_drafts for s in report.samples},
-                        drafter_input_embedding_scale=drafter.spec.input_embedding_scale)
+                        drafter_input_embedding_scale=drafter.spec.input_embedding_scale, block_size=block_size)
         results.breakdown["served_check"] = check.to_dict()
     print(format_results(results))  # shown before writing: a failing write does not lose the numbers
     if check is not None:
