@@ -110,13 +110,16 @@ def delta_metrics(live: Sequence[Any], baselines: Sequence[Any], n_resamples: in
 
 def live_metrics(samples: Sequence[Any], budgets: Sequence[int], categories: Sequence[str],
                  baselines: Sequence[Any] = (), position_edges: Sequence[int] = DEFAULT_POSITION_EDGES,
-                 n_resamples: int = DEFAULT_RESAMPLES, seed: int = DEFAULT_SEED) -> dict[str, float]:
+                 n_resamples: int = DEFAULT_RESAMPLES, seed: int = DEFAULT_SEED,
+                 anchor_stride: int | None = None) -> dict[str, float]:
     """What the callback adds to an evaluation's counts, from the per-sample lengths gathered on rank zero:
-    intervals, position / cycle-index taus, and ``delta_tau`` against each measured baseline."""
+    intervals, position / cycle-index taus, and ``delta_tau`` against each measured baseline. With
+    ``anchor_stride``, also the intervals of that stride's anchor statistics (``specforge/acc``,
+    ``acceptance/depth_KK``, ``all_anchor_tau``; the samples must carry counts at that stride)."""
     if not samples:
         return {}
     scalars, _ = derived_metrics(list(samples), tuple(budgets), tuple(categories), tuple(position_edges),
-                                 n_resamples=n_resamples, seed=seed)
+                                 n_resamples=n_resamples, seed=seed, anchor_stride=anchor_stride)
     scalars.update(delta_metrics(samples, baselines, n_resamples, seed))
     return scalars
 
