@@ -119,9 +119,9 @@ def attention_reach(config: Any, layer_idx: int) -> tuple[int | None, int | None
     positions counting its own (no limit when the config carries no window), and only backwards
     unless the config sets ``is_causal`` false (then the window is symmetric). Any other layer sees
     everything, backwards only if ``is_causal`` is set.
-    The rule of the public checkpoints, the ``dflash`` reference model and SGLang's DFlash model.
-    SpecForge 0.2.0's DFlash training ignores ``is_causal`` (its masks follow ``layer_types`` alone),
-    so it agrees with this rule only when the config leaves ``is_causal`` unset (docs/method.md).
+    The rule of the public checkpoints, the ``dflash`` reference model and SGLang's DFlash model: the
+    served masks. SpecForge 0.2.0 trains under other ones (``specforge_reach``); the two agree only when
+    every window is at least the block and the config leaves ``is_causal`` unset (docs/method.md).
     """
     kinds = getattr(config, "layer_types", None) or ()
     sliding = layer_idx < len(kinds) and kinds[layer_idx] == "sliding_attention"
