@@ -3,9 +3,13 @@ across samples (the method, and why the replay is exact: docs/method.md).
 
 The replays (the greedy walk and one walk per DDTree budget, for every sample) advance in rounds.
 Each round collects the anchors that the live walks need next, plus, in the first round, the
-fixed anchor-statistics set (every ``anchor_stride``-th anchor from ``prompt_len``); each
-distinct (sample, anchor) is drafted once and its per-walk ``produced`` values are kept, so a
-walk that lands on an anchor drafted earlier (by another walk or for the statistics) reuses it.
+fixed anchor-statistics set (per sample every ``anchor_stride``-th anchor from a drawn offset,
+``anchor_sets``; the union over the extra strides); each distinct (sample, anchor) is drafted once
+and its per-walk ``produced`` values are kept, so a walk that lands on an anchor drafted earlier
+(by another walk or for the statistics) reuses it. The statistics are kept per anchor and summed
+per sample and stride when the sample is done, so the counts are per-sample integers summed in
+sample order. ``specforge/acc`` drafts its anchors again only where SpecForge's drafts differ from
+the served ones (its masks, or a shortened tail block).
 When the drafts so far say a walk almost always advances by one token (tau ~ 1), the round also
 drafts the next few anchors that walk will need with high probability (``_grow``), so a
 weak drafter does not cost one round per cycle.
