@@ -359,7 +359,8 @@ class _Live:
     rows: dict[int, list[int]] | None = None  # anchor -> argmax block (keep_drafts only)
     window: list[int] = field(default_factory=list)  # per walk: anchors to draft from its position on
     ones: list[int] = field(default_factory=list)  # per walk kind: drafted anchors whose cycle produced one token
-    # Scored statistics anchors, per drafting chunk: (anchors [r], _StatRows table [r, 2 + 3 D], t1 [r] or None).
+    # Scored statistics anchors, per drafting chunk: (anchors [r], int16 table [r, 2 + 3 D] of accepted, produced
+    # and per depth valid, match, SpecForge match; t1 [r] or None).
     scored: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = field(default_factory=list)
 
 
