@@ -119,8 +119,8 @@ class LiveEvaluator:
     """Evaluate a DFlash drafter on cached target states during training; framework-neutral.
 
     Args:
-        config: an ``EvalConfig`` (every option, documented there), or the cache folder: then
-            ``every_n_train_steps`` and ``options`` are the config's other fields.
+        config: an ``EvalConfig`` (every option, documented there), or the cache folder (also as
+            ``states=``): then ``every_n_train_steps`` and ``options`` are the config's other fields.
         log: where the numbers go (each evaluation's scalars; once, at the first call, the setup's
             predicted cost; after a failure, the failure counter alone): a function ``log(metrics, step)``,
             a W&B run (scalars, tables and charts), a ``sinks.MetricsSink``, or a list of these. None:
@@ -134,7 +134,7 @@ class LiveEvaluator:
 
     def __init__(
         self,
-        config: EvalConfig | str | os.PathLike,
+        config: EvalConfig | str | os.PathLike | None = None,
         every_n_train_steps: int | None = None,
         *,
         log: Any = None,
@@ -144,6 +144,10 @@ class LiveEvaluator:
         name: str = "LiveEvaluator",
         **options: Any,
     ) -> None:
+        if config is None:  # LiveEvaluator(states=..., ...), as the adapters spell it
+            if "states" not in options:
+                raise check.ArgumentError("LiveEvaluator: give the cache folder (states=...) or an EvalConfig")
+            config = options.pop("states")
         if isinstance(config, EvalConfig):
             if every_n_train_steps is not None or options:
                 given = sorted(options) + (["every_n_train_steps"] if every_n_train_steps is not None else [])
