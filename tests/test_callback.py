@@ -96,33 +96,38 @@ def test_logged_tau_equals_eval_drafter_on_saved_weights(tmp_path, tiny_cache, t
     assert sorted(logged) == [0, 3, 6] == [h["step"] for h in cb.history]
     assert best.best_model_score.item() == pytest.approx(max(logged[3]["tau"], logged[6]["tau"]), rel=1e-6)
     assert logged[6]["tau"] != logged[0]["tau"]  # the drafter learned something between evaluations
-    # Profiles: periodic evaluations are light, the last one full and logged again under full/.
-    assert [logged[s]["anchor_stride"] for s in (0, 3, 6)] == [tiny_drafter_config["block_size"]] * 2 + [1]
+    # One estimator per key: every evaluation logs the light profile's figures (strided statistics, the
+    # largest budget) under the main keys; the last one, full, adds its exact figures under full/.
+    block = tiny_drafter_config["block_size"]
+    assert [logged[s]["anchor_stride"] for s in (0, 3, 6)] == [block] * 3 and logged[6]["full/anchor_stride"] == 1
     assert "full/tau" not in logged[3] and logged[6]["full/tau"] == logged[6]["tau"]
-    assert logged[3]["anchors_drafted"] < logged[6]["anchors_drafted"]
+    assert f"ddtree/tau_b{min(BUDGETS)}" not in logged[6] and f"full/ddtree/tau_b{min(BUDGETS)}" in logged[6]
+    # The cost keys describe the pass that ran: the full pass at step 6.
+    assert logged[3]["anchors_drafted"] < logged[6]["anchors_drafted"] == logged[6]["full/anchors_drafted"]
     tool = load_eval_drafter_tool()
-    for step in (3, 6):
+    light = ["--anchor-stride", str(block), "--ddtree-budgets", str(max(BUDGETS))]
+    full = ["--ddtree-budgets", ",".join(map(str, BUDGETS))]
+    for step, prefix, profile in ((3, "", light), (6, "", light), (6, "full/", full)):
         folder = tmp_path / f"drafter_{step}"
-        extract_drafter(tmp_path / "ckpt" / f"step={step}.ckpt", folder)
-        out = tmp_path / f"results_{step}.json"
-        # Step 3 is a periodic (light) evaluation: statistics on every block_size-th anchor, the largest
-        # budget; step 6 (the last) is the full one, the tool's default.
-        light = ["--anchor-stride", str(tiny_drafter_config["block_size"]), "--ddtree-budgets", str(max(BUDGETS))]
-        full = ["--ddtree-budgets", ",".join(map(str, BUDGETS))]
+        if not folder.exists():
+            extract_drafter(tmp_path / "ckpt" / f"step={step}.ckpt", folder)
+        out = tmp_path / f"results_{step}{prefix.strip('/')}.json"
+        # The main keys of every evaluation: the tool at the light profile (stride = block size, same seed);
+        # full/ keys of the last one: the tool's default, stride 1 and every budget.
         assert tool.main(["--states", str(tiny_cache), "--drafter", str(folder), "--out", str(out),
-                          *(light if step == 3 else full), "--device", "cpu", "--dtype", "float32"]) == 0
+                          *profile, "--device", "cpu", "--dtype", "float32"]) == 0
         expected = json.loads(out.read_text())["metrics"]
-        got = logged[step]
+        got = {k[len(prefix):]: v for k, v in logged[step].items() if k.startswith(prefix)}
         assert got["tau"] == expected["tau"]
         for k, v in expected.items():
-            if k == EVAL_TIME:
-                continue
+            if k == EVAL_TIME or (step == 6 and not prefix and k in ("anchors_drafted", "anchors_needed")):
+                continue  # the pass's own cost: under full/ at a full evaluation
             if v is None:  # NaN in results.json, not logged by the callback
                 assert k not in got
             else:
-                assert same(got[k], v), (step, k, got[k], v)
+                assert same(got[k], v), (step, prefix, k, got[k], v)
         # The callback's per-sample results agree too (rank zero keeps the last evaluation's).
-    res = json.loads((tmp_path / "results_6.json").read_text())
+    res = json.loads((tmp_path / "results_6full.json").read_text())
     assert [s.acceptance_lengths for s in cb.evaluator.last.samples] == [s["acceptance_lengths"] for s in res["samples"]]
 
 
@@ -500,12 +505,12 @@ def test_evaluation_profiles():
     cfg = DFlashEvalCallback(states="x", ddtree_budgets=[16, 32, 64], full_every_n_evals=3).config
     plan = [choose_profile("step", k, cfg.full_every_n_evals, cfg.ddtree_budgets, cfg.light_budgets,
                            cfg.light_stride(16)) for k in range(6)]
-    light, full = Profile(False, (64,), 16), Profile(True, (16, 32, 64), 1)
+    light, full = Profile(False, (64,), 16, (64,), 16), Profile(True, (16, 32, 64), 1, (64,), 16)
     assert plan == [light, light, full, light, light, full]
     assert choose_profile(FIT_END, 0, 3, cfg.ddtree_budgets, cfg.light_budgets, cfg.light_stride(16)) == full
     custom = DFlashEvalCallback(states="x", periodic_ddtree_budgets=[8, 4], periodic_anchor_stride=4).config
     assert choose_profile("step", 0, 0, custom.ddtree_budgets, custom.light_budgets,
-                          custom.light_stride(16)) == Profile(False, (4, 8), 4)
+                          custom.light_stride(16)) == Profile(False, (4, 8), 4, (4, 8), 4)
     for bad in ({"periodic_anchor_stride": 0}, {"full_every_n_evals": -1}, {"periodic_ddtree_budgets": [0]},
                 {"tail_blocks": "short"}):
         with pytest.raises(ValueError, match=next(iter(bad))):

@@ -97,7 +97,7 @@ def test_wandb_offline_run_holds_metrics_table_chart_and_baselines(tmp_path, tin
     assert [h["trainer/global_step"] for h in evals] == [0, 2, 4]
     assert [h["dflash_eval/tau"] for h in evals] == pytest.approx([h["tau"] for h in cb.history], rel=1e-12)
     keys = set().union(*history)
-    for k in ("dflash_eval/ddtree/tau_b4", "dflash_eval/ddtree/tau_b8", "dflash_eval/acceptance/depth_01",
+    for k in ("dflash_eval/full/ddtree/tau_b4", "dflash_eval/ddtree/tau_b8", "dflash_eval/acceptance/depth_01",
               "dflash_eval/all_anchor_tau", "dflash_eval/category/code/tau", "dflash_eval/eval_time_s",
               "dflash_eval/baseline/zlab/tau", "dflash_eval/published/paper-x/tau", "dflash_eval/specforge/acc",
               "dflash_eval/tau_request_mean", "dflash_eval/accept_length_served",

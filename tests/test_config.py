@@ -34,7 +34,7 @@ def test_adapter_builds_the_config_from_every_argument(adapter):
     """Every argument reaches the config (none forgotten in the explicit call)."""
     given = {"every_n_train_steps": 7, "eval_on_fit_start": False, "eval_on_fit_end": False,
              "target_embed": "embed", "target_lm_head": "head", "ddtree_budgets": [8, 4],
-             "periodic_ddtree_budgets": [4], "periodic_anchor_stride": 3, "full_every_n_evals": 2,
+             "periodic_ddtree_budgets": [4], "periodic_anchor_stride": 3, "anchor_seed": 5, "full_every_n_evals": 2,
              "num_samples": 5, "sample_ids": ["a"], "sample_seed": 9, "prefix": "x/", "baselines": {"b": "b.json"},
              "published": "p.yaml", "published_entries": ["e"], "fail_on_error": True, "max_failed_evaluations": 1,
              "autocast_dtype": "bfloat16", "table_samples": 2, "table_cycles": 3, "tokenizer": "tok",

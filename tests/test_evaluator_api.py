@@ -210,3 +210,48 @@ def test_the_block_the_server_drafts_with_equals_the_tool_at_that_block(tiny_cac
         evaluator(tiny_cache, block_size=9).start(0, d)
     with pytest.raises(ArgumentError, match="block_size=1"):
         evaluator(tiny_cache, block_size=1)
+
+
+def test_the_anchor_set_is_part_of_the_series(tiny_cache, tiny_drafter_config):
+    """The strided statistics of a resumed run score the same anchors: the saved state records the block and
+    the anchor set, and a resume with another seed or stride starts a new series instead of mixing them."""
+    d = drafter(tiny_drafter_config)
+    first = evaluator(tiny_cache, every_n_train_steps=2, anchor_seed=3)
+    first.start(0, d)
+    first.step(2, d)
+    saved = first.state_dict()
+    assert saved["estimator"] == {"block_size": 6, "anchor_stride": 6, "anchor_seed": 3}
+    same = evaluator(tiny_cache, every_n_train_steps=2, anchor_seed=3)
+    same.load_state_dict(saved)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        same.start(2, d)
+    assert [h["step"] for h in same.history] == [0, 2]
+    for other in ({"anchor_seed": 4}, {"periodic_anchor_stride": 3}, {"block_size": 5}):
+        resumed = evaluator(tiny_cache, every_n_train_steps=2, **{"anchor_seed": 3, **other})
+        resumed.load_state_dict(saved)
+        with pytest.warns(RuntimeWarning, match="measured with another block or anchor set"):
+            resumed.start(2, d)
+        assert [h["step"] for h in resumed.history] == [2]  # a new series, from the resumed weights
+
+
+def test_a_stride_past_most_completions_is_warned_about_at_setup(tiny_cache, tiny_drafter_config):
+    with pytest.warns(RuntimeWarning, match="periodic_anchor_stride 4096"):
+        evaluator(tiny_cache, periodic_anchor_stride=4096).setup(drafter(tiny_drafter_config))
+
+
+def test_every_evaluation_logs_the_light_estimator_under_the_main_keys(tiny_cache, tiny_drafter_config):
+    """A full evaluation's main keys equal a light evaluation's of the same weights (same anchors, same
+    budgets); its exact figures are under full/ only."""
+    d = drafter(tiny_drafter_config, seed=2)
+    light = evaluator(tiny_cache, ddtree_budgets=[2, 4], eval_on_fit_end=False).start(0, d)
+    full = evaluator(tiny_cache, ddtree_budgets=[2, 4]).finish(0, d)
+    main = {k: v for k, v in full.items() if not k.startswith(PREFIX + "full/")}
+    skip = ("eval_time_s", "eval_overhead", "anchors_drafted", "anchors_needed", "step")
+    assert {k for k in main if not k.endswith(skip)} == {k for k in light if not k.endswith(skip)}
+    for k, v in light.items():
+        if not k.endswith(skip):
+            assert main[k] == v, k
+    assert full[PREFIX + "full/anchor_stride"] == 1 and full[PREFIX + "anchor_stride"] == 6
+    assert PREFIX + "ddtree/tau_b2" not in full and PREFIX + "full/ddtree/tau_b2" in full
+    assert full[PREFIX + "full/specforge/acc"] != full[PREFIX + "specforge/acc"]  # two estimators, two keys

@@ -42,19 +42,32 @@ def tool_metrics(cache: Path, drafter_dir: Path, out: Path, light: bool, block_s
     return json.loads(out.read_text())["metrics"]
 
 
-def assert_logged_equals_tool(logged: dict[str, float], expected: dict[str, Any], where: Any) -> None:
+def assert_logged_equals_tool(logged: dict[str, float], expected: dict[str, Any], where: Any, prefix: str = PREFIX,
+                              skip: tuple[str, ...] = ()) -> None:
     from test_callback import same
 
     from dflash_cb.core.metrics import EVAL_TIME
 
-    assert logged[PREFIX + "tau"] == expected["tau"], where
+    assert logged[prefix + "tau"] == expected["tau"], where
     for k, v in expected.items():
-        if k == EVAL_TIME:
+        if k == EVAL_TIME or k in skip:
             continue
         if v is None:  # NaN in results.json, not logged
-            assert PREFIX + k not in logged, (where, k)
+            assert prefix + k not in logged, (where, k)
         else:
-            assert same(logged[PREFIX + k], v), (where, k, logged[PREFIX + k], v)
+            assert same(logged[prefix + k], v), (where, k, logged[prefix + k], v)
+
+
+def assert_step_equals_tool(cache: Path, drafter_dir: Path, out: Path, logged: dict[str, float], full: bool,
+                            block_size: int, where: Any) -> None:
+    """One evaluated step against the tool on that step's weights: the main keys are the light profile's
+    at every evaluation; a full evaluation's ``full/`` keys are the tool's default (stride 1, every budget).
+    The cost keys describe the pass that ran (the full one at a full evaluation)."""
+    light = tool_metrics(cache, drafter_dir, out.with_suffix(".light.json"), True, block_size)
+    assert_logged_equals_tool(logged, light, where, skip=("anchors_drafted", "anchors_needed") if full else ())
+    if full:
+        exact = tool_metrics(cache, drafter_dir, out.with_suffix(".full.json"), False, block_size)
+        assert_logged_equals_tool(logged, exact, where, prefix=PREFIX + "full/")
 
 
 # -- the plain loop -------------------------------------------------------------------------------
@@ -128,9 +141,8 @@ def test_plain_loop_logs_the_tools_tau_at_every_evaluated_step(tmp_path, tiny_ca
     assert logged[4][PREFIX + "tau"] != logged[0][PREFIX + "tau"]  # it trained between evaluations
     block = tiny_drafter_config["block_size"]
     for step in (0, 2, 4):
-        expected = tool_metrics(tiny_cache, tmp_path / f"drafter_{step}", tmp_path / f"r{step}.json",
-                                light=step != 4, block_size=block)
-        assert_logged_equals_tool(logged[step], expected, step)
+        assert_step_equals_tool(tiny_cache, tmp_path / f"drafter_{step}", tmp_path / f"r{step}.json", logged[step],
+                                step == 4, block, step)
 
 
 def test_plain_loop_resume_neither_repeats_nor_skips(tiny_cache, tiny_drafter_config):
@@ -272,9 +284,8 @@ def test_hf_trainer_logs_the_tools_tau_at_every_evaluated_step(tmp_path, tiny_ca
         extract_drafter(tmp_path / "hf" / f"checkpoint-{step}" / "model.safetensors", tmp_path / f"drafter_{step}",
                         config=tiny_drafter_config)
     for step in (0, 3, 6):
-        expected = tool_metrics(tiny_cache, tmp_path / f"drafter_{step}", tmp_path / f"r{step}.json",
-                                light=step != 6, block_size=tiny_drafter_config["block_size"])
-        assert_logged_equals_tool(logged[step], expected, step)
+        assert_step_equals_tool(tiny_cache, tmp_path / f"drafter_{step}", tmp_path / f"r{step}.json", logged[step],
+                                step == 6, tiny_drafter_config["block_size"], step)
     saved = json.loads((tmp_path / "hf" / "checkpoint-6" / "trainer_state.json").read_text())
     state = saved["stateful_callbacks"]["DFlashEvalTrainerCallback"]["attributes"]["evaluator_state"]
     assert [h["step"] for h in state["history"]] == [0, 3, 6] and state["last_eval_step"] == 6

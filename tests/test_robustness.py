@@ -181,4 +181,4 @@ def test_two_baseline_names_logged_under_one_key_are_refused():
     with pytest.raises(ArgumentError, match=r"'zlab v1' and 'zlab_v1' are both logged as baseline/zlab_v1/"):
         DFlashEvalCallback(states="c", baselines=["runs/zlab v1.json", "old/zlab_v1.json"])
     cb = DFlashEvalCallback(states="c", baselines={"served_file": "runs/served.json", "zlab": "z.json"})
-    assert cb.baselines == {"served_file": "runs/served.json", "zlab": "z.json"}
+    assert cb.config.baselines == {"served_file": "runs/served.json", "zlab": "z.json"}

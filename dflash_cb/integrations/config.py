@@ -52,8 +52,13 @@ class EvalConfig:
             ``ddtree_budgets`` only (each budget's walk visits its own anchors: extra budgets cost nearly a
             full replay each).
         periodic_anchor_stride: anchor-statistics stride of the periodic evaluations (per-depth acceptance,
-            all-anchor and estimated taus on every N-th anchor; the tau replays are exact whatever the
-            stride); None = the drafter's block size. Full evaluations use 1.
+            ``specforge/acc``, all-anchor and estimated taus on every N-th anchor from a per-sample offset; the
+            tau replays are exact whatever the stride); None = the evaluated block size. These strided figures
+            are the main keys at every evaluation; full evaluations add the exact (stride 1) ones under
+            ``{prefix}full/``.
+        anchor_seed: seed of the per-sample offsets of the strided anchor set (``anchor_sets.anchor_offset``):
+            fixed for a run, so every evaluation scores the same anchors; the same as ``eval_drafter.py
+            --anchor-seed``.
         full_every_n_evals: every N-th evaluation is a full one (``anchor_stride=1``, every budget); 0 = only
             the one at fit end.
         num_samples: evaluate a fixed subset of this many samples (stratified by category, chosen
@@ -105,6 +110,7 @@ class EvalConfig:
     ddtree_budgets: Sequence[int] = DEFAULT_BUDGETS
     periodic_ddtree_budgets: Sequence[int] | None = None
     periodic_anchor_stride: int | None = None
+    anchor_seed: int = 0
     full_every_n_evals: int = 0
     num_samples: int | None = None
     sample_ids: Sequence[str] | None = None
@@ -160,6 +166,7 @@ class EvalConfig:
             check.flag(name, getattr(self, name))
         put("periodic_anchor_stride", check.int_at_least("periodic_anchor_stride", self.periodic_anchor_stride, 1,
                                                          none="the drafter's block size"))
+        put("anchor_seed", check.int_at_least("anchor_seed", self.anchor_seed, 0))
         put("full_every_n_evals", check.int_at_least("full_every_n_evals", self.full_every_n_evals, 0,
                                                      note="0 = only the fit-end evaluation is full"))
         put("num_samples", check.int_at_least("num_samples", self.num_samples, 1, none="every sample"))
@@ -208,6 +215,7 @@ class EvalConfig:
             "states": self.states, "every_n_train_steps": self.every_n_train_steps,
             "ddtree_budgets": list(self.ddtree_budgets), "periodic_ddtree_budgets": list(self.light_budgets),
             "periodic_anchor_stride": self.light_stride(block_size) if block_size else self.periodic_anchor_stride,
+            "anchor_seed": self.anchor_seed,
             "full_every_n_evals": self.full_every_n_evals, "tail_blocks": self.tail_blocks,
             "block_size": block_size if block_size is not None else self.block_size,
             "autocast_dtype": self.autocast_dtype, "position_edges": list(self.position_edges),

@@ -43,11 +43,12 @@ from torch import nn
 from ..cache.states import CacheMismatchError, TargetHead
 from ..common import arguments as check
 from ..common.errors import DFlashCBError
+from ..core.anchor_sets import sparse_stride_warning
 from ..core.baselines import baseline_scalars
 from ..core.compare import live_metrics
 from ..core.cost import eval_overhead, predict, setup_line
 from ..core.ddtree import check_ddtree_budgets
-from ..core.engine import EvalReport, SampleResult, resolve_autocast
+from ..core.engine import EvalReport, SampleResult, anchors_per_sample, resolve_autocast
 from ..core.metrics import (
     ANCHOR_STRIDE,
     EVAL_OVERHEAD,
@@ -58,6 +59,7 @@ from ..core.metrics import (
     SETUP_TIME,
     TAU,
     EvalCounts,
+    ddtree_tau,
     per_depth,
     predicted_anchors,
     predicted_gflop,
@@ -69,7 +71,7 @@ from ..core.report import evaluation_line
 from .config import EvalConfig
 from .distributed import full_parameters_of, world
 from .drafter_source import NotADrafterError, describe_source, target_weight, unwrap
-from .eval_state import EvalState, MalformedStateError, new_series_reason
+from .eval_state import EvalState, MalformedStateError, estimator_record, new_series_reason
 from .live_eval import RankedEvaluation, evaluate_across_ranks, score_untouched
 from .schedule import (
     FIT_END,
@@ -109,7 +111,7 @@ class Measurement:
     step: int
     reason: str
     profile: Profile
-    counts: EvalCounts  # summed over every rank
+    counts: dict[int, EvalCounts]  # per anchor-statistics stride, summed over every rank
     seconds: float
     rank: int
     samples: list[SampleResult]  # rank zero: every rank's samples, in eval_ids order; empty elsewhere
@@ -212,14 +214,24 @@ class LiveEvaluator:
         records this run's cache and selection."""
         s = self.session
         assert s is not None
+        estimator = self._estimator()
         reason = new_series_reason(self.state.cache_manifest_sha256, self.state.sample_selection,
-                                   s.cache.manifest_sha256, s.selection, s.cache.path)
+                                   s.cache.manifest_sha256, s.selection, s.cache.path, self.state.estimator, estimator)
         if reason is not None:
             warnings.warn(f"{self.name}: the checkpoint's evaluations were {reason}. Its {len(self.history)} "
                           "evaluation(s) are dropped and a new series starts here; numbers from different caches or "
                           "sample selections are not comparable.", RuntimeWarning, stacklevel=3)
             self.state = EvalState()  # and the resumed weights are evaluated at once
         self.state.cache_manifest_sha256, self.state.sample_selection = s.cache.manifest_sha256, s.selection
+        if estimator is not None:
+            self.state.estimator = estimator
+
+    def _estimator(self) -> dict[str, int] | None:
+        """The main keys' estimator (``eval_state.estimator_record``), once the drafter's block is known."""
+        s = self.session
+        if s is None or s.spec is None:
+            return None
+        return estimator_record(s.block_size, self.config.light_stride(s.block_size), self.config.anchor_seed)
 
     # -- the loop's calls -----------------------------------------------------------------------
     def setup(self, drafter: nn.Module | None = None, model: Any = None, *, sinks: list[MetricsSink] | None = None,
@@ -386,6 +398,12 @@ class LiveEvaluator:
         if problems:
             raise CacheMismatchError(f"cache {s.cache.path} does not fit the drafter:\n  - " + "\n  - ".join(problems))
         s.spec, s.block_size = spec, block
+        light = self.config.light_stride(block)
+        sparse = sparse_stride_warning(anchors_per_sample(s.cache, s.eval_ids), light, self.config.anchor_seed,
+                                       option="periodic_anchor_stride")
+        if sparse is not None:
+            warnings.warn(f"{self.name}: {sparse}", RuntimeWarning, stacklevel=2)
+        self._continue_series()  # the block and anchor set are known now
 
     def _check_same_drafter(self, drafter: nn.Module) -> DrafterSpec:
         """The drafter of this evaluation has the spec checked at setup (cheap: its config only)."""
@@ -432,7 +450,10 @@ class LiveEvaluator:
         """Every rank scores its share without touching the training state; counts summed across ranks."""
         s = self.session
         assert s is not None and s.spec is not None
-        template = EvalCounts(s.block_size, profile.budgets, s.categories)
+        # The light stride's statistics come from the same pass as a full evaluation's own (one estimator
+        # per key: the main keys are the light profile's at every evaluation).
+        strides = [profile.stride] + ([profile.light_stride] if profile.light_stride != profile.stride else [])
+        templates = {st: EvalCounts(s.block_size, profile.budgets, s.categories) for st in strides}
 
         def score(ids: list[str]) -> EvalReport:
             # Inside the scoring, so that a changed drafter or cache fails this evaluation under the policy.
@@ -446,7 +467,8 @@ class LiveEvaluator:
             keep = self.config.table_cycles if self.config.table_samples > 0 and table.intersection(ids) else 0
             # verify: only a shard whose file identity changed since it was hashed is hashed again.
             report = score_untouched(s.cache, module, head, ids, device=param.device, budgets=profile.budgets,
-                                     anchor_stride=profile.stride, autocast_dtype=autocast, spec=spec,
+                                     anchor_stride=profile.stride, extra_anchor_strides=strides[1:],
+                                     anchor_seed=self.config.anchor_seed, autocast_dtype=autocast, spec=spec,
                                      keep_drafts=keep, verify=self.config.verify_cache,
                                      tail_blocks=self.config.tail_blocks, block_size=s.block_size)
             for r in report.samples:
@@ -454,53 +476,63 @@ class LiveEvaluator:
                     r.drafts = None  # only the table's drafts travel to rank zero
             return report
 
-        return evaluate_across_ranks(s.eval_ids, score, template, lambda: self._gathered(drafter, model))
+        return evaluate_across_ranks(s.eval_ids, score, templates, lambda: self._gathered(drafter, model))
 
     def _publish(self, m: Measurement, overhead: float) -> dict[str, float]:
-        """The metric keys of a measurement, the history, the console line and the sinks."""
+        """The metric keys of a measurement, the history, the console line and the sinks.
+
+        Main keys: the light profile's figures at every evaluation (the strided statistics, the light
+        budgets), so a series never mixes estimators; a full evaluation adds its exact figures (stride 1,
+        every budget) under ``{prefix}full/``. The cost keys (time, overhead, anchors drafted) describe the
+        pass that ran, under the main keys at every evaluation (and under ``full/`` too at a full one)."""
         s = self.session
         assert s is not None and s.spec is not None
-        prefix = self.prefix
-        summary = summarize(m.counts)
-        summary[EVAL_TIME] = m.seconds
-        summary[EVAL_OVERHEAD] = overhead
+        prefix, p = self.prefix, m.profile
+        cost = {EVAL_TIME: m.seconds, EVAL_OVERHEAD: overhead}
+        summary = {**_light_only(summarize(m.counts[p.light_stride]), p), **cost}
+        full = {**summarize(m.counts[p.stride]), **cost} if p.full else None
         self.state.num_evals += 1
         shared = _prefixed(summary, prefix)
-        if m.profile.full:  # the same keys again under full/, so a panel can show the full evaluations apart
-            shared.update(_prefixed(summary, prefix + FULL_PREFIX))
+        if full is not None:
+            shared.update(_prefixed(full, prefix + FULL_PREFIX))
         shared[prefix + EVAL_STEP] = float(m.step)
         # Every rank gets the counts-based numbers, so a loop can act on them anywhere (ModelCheckpoint, ...).
         if m.rank != 0:
             self.last = LastEvaluation(m.step, dict(shared), dict(shared), {}, [])
             return shared
-        extra = self._sample_metrics(m)
-        summary.update(extra)
+        summary.update(self._sample_metrics(m, p.light_budgets, p.light_stride))
         metrics = dict(shared)
-        metrics.update(_prefixed(extra, prefix))
-        if m.profile.full:
-            metrics.update(_prefixed(extra, prefix + FULL_PREFIX))
-        self.state.history.append({"step": m.step, **summary})
+        metrics.update(_prefixed(summary, prefix))
+        if full is not None:
+            full.update(self._sample_metrics(m, p.budgets, p.stride))
+            metrics.update(_prefixed(full, prefix + FULL_PREFIX))
+            metrics[prefix + FULL_PREFIX + ANCHOR_STRIDE] = float(p.stride)
+        self.state.history.append({"step": m.step, **summary,
+                                   **{FULL_PREFIX + k: v for k, v in (full or {}).items()}})
         if self.config.console:
-            self.say(f"{self.name} " + evaluation_line(m.step, summary, m.profile.budgets,
+            shown, budgets = (full, p.budgets) if full is not None else (summary, p.light_budgets)
+            self.say(f"{self.name} " + evaluation_line(m.step, shown, budgets,
                                                        [b.key for b in s.baselines if b.samples]))
-        metrics[prefix + ANCHOR_STRIDE] = float(m.profile.stride)
+        metrics[prefix + ANCHOR_STRIDE] = float(p.light_stride)
         metrics[prefix + FAILED_EVALS] = float(self.state.failed_evaluations)
         metrics.update(baseline_scalars(s.baselines, prefix))
         self._begin_run()
         self._to_sinks(f"the evaluation at step {m.step}", m.step, lambda sink: sink.log(metrics, m.step))
         record = EvaluationRecord(m.step, prefix, metrics, per_depth(summary, s.block_size)["unconditional"],
-                                  m.counts.data["hist"].tolist(), s.baselines, self.history,
+                                  m.counts[p.light_stride].data["hist"].tolist(), s.baselines, self.history,
                                   lambda: self._table(m.samples))
         self._to_sinks(f"the evaluation at step {m.step}", m.step, lambda sink: sink.evaluation(record))
         self.last = LastEvaluation(m.step, dict(metrics), dict(shared), dict(summary), m.samples)
         return metrics
 
-    def _sample_metrics(self, m: Measurement) -> dict[str, float]:
-        """Rank zero: intervals, position/cycle taus and paired deltas (from the per-sample lengths)."""
+    def _sample_metrics(self, m: Measurement, budgets: tuple[int, ...], stride: int) -> dict[str, float]:
+        """Rank zero: intervals (the anchor statistics' at ``stride``), position/cycle taus and paired deltas,
+        from the per-sample results."""
         s = self.session
         assert s is not None
         try:
-            return live_metrics(m.samples, m.profile.budgets, s.categories, s.baselines, self.config.position_edges)
+            return live_metrics(m.samples, budgets, s.categories, s.baselines, self.config.position_edges,
+                                anchor_stride=stride)
         except Exception as e:  # an extra figure must not end the training
             if self.config.fail_on_error:
                 raise
@@ -572,6 +604,12 @@ class LiveEvaluator:
             **self.config.describe(s.block_size if s.spec is not None else None),
             "drafter_block_size": s.spec.block_size if s.spec is not None else None,
         }
+
+
+def _light_only(summary: dict[str, float], profile: Profile) -> dict[str, float]:
+    """A full pass's summary at the light stride, less the DDTree budgets a light evaluation does not run."""
+    extra = set(profile.budgets) - set(profile.light_budgets)
+    return {k: v for k, v in summary.items() if k not in {ddtree_tau(b) for b in extra}}
 
 
 def _prefixed(values: dict[str, float], prefix: str) -> dict[str, float]:

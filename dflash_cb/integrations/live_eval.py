@@ -96,7 +96,7 @@ class RankedEvaluation:
     rank: int
     failed_ranks: int  # ranks whose scoring raised (the same number on every rank)
     error: Exception | None  # this rank's own failure, if any
-    counts: EvalCounts | None  # summed over every rank; None when a rank failed
+    counts: dict[int, EvalCounts] | None  # per anchor stride, summed over every rank; None when a rank failed
     seconds: float  # wall time up to the summed counts (the per-sample gather not included)
     samples: list[SampleResult] | None  # rank zero, when no rank failed: every rank's samples, in ``ids`` order
 
@@ -105,18 +105,20 @@ class RankedEvaluation:
         return self.failed_ranks > 0
 
 
-def evaluate_across_ranks(ids: Sequence[str], score: Callable[[list[str]], EvalReport], template: EvalCounts,
+def evaluate_across_ranks(ids: Sequence[str], score: Callable[[list[str]], EvalReport],
+                          templates: dict[int, EvalCounts],
                           full_parameters: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
                           ) -> RankedEvaluation:
     """Rank r runs ``score(ids[r::world])`` with the full parameters on every rank; counts are summed.
 
     A collective over ``torch.distributed``'s default group (a single process without one): every
     rank must call it at the same step. ``full_parameters`` makes sharded parameters whole for the
-    duration (e.g. ``distributed.full_parameters_of(model)`` under FSDP; itself a collective). ``template`` is an empty ``EvalCounts``
-    of the evaluation's shape (block size, budgets, categories): it stands in for a rank that failed
-    and receives the summed counts. A failure on any rank is known on every rank (the ``all_reduce``
-    carries an error flag), so nobody waits in a collective that will never come, and every rank
-    returns the same ``failed_ranks``; then nothing is gathered.
+    duration (e.g. ``distributed.full_parameters_of(model)`` under FSDP; itself a collective).
+    ``templates``: an empty ``EvalCounts`` of the evaluation's shape (block size, budgets, categories) per
+    anchor-statistics stride the report holds (``EvalReport.counts_at``); they stand in for a rank that
+    failed and receive the summed counts. A failure on any rank is known on every rank (the
+    ``all_reduce`` carries an error flag), so nobody waits in a collective that will never come, and every
+    rank returns the same ``failed_ranks``; then nothing is gathered.
     """
     rank, ws = world()
     start = time.perf_counter()
@@ -129,20 +131,24 @@ def evaluate_across_ranks(ids: Sequence[str], score: Callable[[list[str]], EvalR
                 error = e
     except Exception as e:
         error = error or e
-    flat = report.counts.flat() if report is not None else torch.zeros_like(template.flat())
-    # ONE all_reduce: every count, plus the number of ranks that failed.
-    total = all_reduce_sum(torch.cat([flat, torch.tensor([1.0 if error else 0.0], dtype=torch.float64)]))
+    parts = [report.counts_at(s).flat() if report is not None else torch.zeros_like(t.flat())
+             for s, t in templates.items()]
+    # ONE all_reduce: every stride's counts, plus the number of ranks that failed.
+    total = all_reduce_sum(torch.cat([*parts, torch.tensor([1.0 if error else 0.0], dtype=torch.float64)]))
     failed = int(total[-1].item())
     if failed:
         return RankedEvaluation(rank, failed, error, None, time.perf_counter() - start, None)
-    template.load_flat(total[:-1])
+    at = 0
+    for t, part in zip(templates.values(), parts, strict=True):
+        t.load_flat(total[at:at + part.numel()])
+        at += part.numel()
     seconds = time.perf_counter() - start
     gathered = gather_to_zero(report.samples if report is not None else [])
     samples = None
     if gathered is not None:
         by_id = {s.id: s for part in gathered for s in part}
         samples = [by_id[i] for i in ids if i in by_id]
-    return RankedEvaluation(rank, 0, error, template, seconds, samples)
+    return RankedEvaluation(rank, 0, error, dict(templates), seconds, samples)
 
 
 __all__ = ["RankedEvaluation", "SetupCheck", "evaluate_across_ranks", "rank_share", "score_untouched",

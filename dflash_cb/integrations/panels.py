@@ -7,9 +7,10 @@ line plot against ``trainer/global_step``. Every key a panel shows is built from
 block size, position buckets, baselines), so a renamed metric breaks ``tests/test_panels.py``
 instead of leaving an empty panel.
 
-The panels follow the callback's evaluation profiles: the light (periodic) evaluations log DDTree
-tau at ``periodic_ddtree_budgets`` only, the full ones every budget and everything again under
-``{prefix}full/``; so the other budgets are shown as their ``full/`` keys. Reference series appear
+The panels follow the callback's evaluation profiles: every evaluation logs the light profile's figures
+under the main keys (DDTree tau at ``periodic_ddtree_budgets``, strided statistics), and a full one adds
+its exact figures (stride 1, every budget) under ``{prefix}full/``; so the other budgets are shown as
+their ``full/`` keys. Reference series appear
 only when they are known to be logged. With ``--run`` the run's keys are known (from W&B, or read
 offline from a local offline run folder) and panels none of whose keys were logged are warned
 about; from options alone nothing can be checked.
@@ -194,7 +195,8 @@ def layout_from_keys(keys: Iterable[str], prefix: str = DEFAULT_PREFIX,
     refs = [*baselines, SERVED_BASELINE, *(r.rsplit("/", 1)[0] for r in published if r.endswith("/" + TAU))]
     return PanelLayout(
         prefix=prefix,
-        budgets=sorted(int(b) for b in grab(r"ddtree/tau_b(\d+)")),
+        # A full evaluation logs every budget under full/; the main keys hold the light budgets.
+        budgets=sorted({int(b) for b in grab(r"(?:full/)?ddtree/tau_b(\d+)")}),
         categories=grab(r"category/(.+)/tau"),
         block_size=(max(depths) + 1) if depths else 16,
         position_buckets=sorted(grab(r"position/(\d+_\w+)/tau"), key=lambda b: int(b.split("_")[0])),
@@ -210,15 +212,11 @@ def layout_from_keys(keys: Iterable[str], prefix: str = DEFAULT_PREFIX,
 
 
 def light_budgets(rows: Iterable[Mapping[str, Any]], prefix: str = DEFAULT_PREFIX) -> list[int] | None:
-    """The DDTree budgets a run logged at its light evaluations (rows with ``tau`` but no ``full/tau``).
-
-    None when every evaluation was full (then every budget is logged at every evaluation).
-    """
+    """The DDTree budgets of a run's main keys: those its light evaluations run (every evaluation logs the
+    light profile under the main keys; a full one adds every budget under ``full/``). None without any."""
     rx = re.compile(re.escape(prefix) + r"ddtree/tau_b(\d+)")
-    light = [r for r in rows if prefix + TAU in r and prefix + FULL_PREFIX + TAU not in r]
-    if not light:
-        return None
-    return sorted({int(m.group(1)) for r in light for k in r if (m := rx.fullmatch(k))})
+    found = sorted({int(m.group(1)) for r in rows if prefix + TAU in r for k in r if (m := rx.fullmatch(k))})
+    return found or None
 
 
 def unlogged_panels(plan: dict[str, list[PanelSpec]], logged: Iterable[str]) -> list[str]:

@@ -13,11 +13,16 @@ FIT_END = "fit end"  # the reason of the fit-end evaluation (always a full one)
 
 @dataclass(frozen=True)
 class Profile:
-    """What one evaluation computes: its DDTree budgets and its anchor-statistics stride."""
+    """What one evaluation computes: its DDTree budgets and its anchor-statistics stride.
+
+    Every evaluation reports the light profile's figures under the main keys (one estimator per key); a
+    full one also reports its own exact figures under ``full/``, from the same drafter pass."""
 
     full: bool  # the full profile: stride 1, every budget
     budgets: tuple[int, ...]
     stride: int
+    light_budgets: tuple[int, ...]  # the main keys' budgets and stride (== budgets, stride when light)
+    light_stride: int
 
 
 def fit_start_eval_due(step: int, last_eval_step: int, start_done: bool, eval_on_fit_start: bool) -> bool:
@@ -53,8 +58,8 @@ def choose_profile(reason: str, evals_done: int, full_every_n_evals: int, budget
                    light_budgets: tuple[int, ...], light_stride: int) -> Profile:
     """The profile of the evaluation about to run (``is_full_evaluation``)."""
     if is_full_evaluation(reason, evals_done, full_every_n_evals):
-        return Profile(True, budgets, 1)
-    return Profile(False, light_budgets, light_stride)
+        return Profile(True, budgets, 1, light_budgets, light_stride)
+    return Profile(False, light_budgets, light_stride, light_budgets, light_stride)
 
 
 __all__ = ["FIT_END", "Profile", "choose_profile", "fit_end_eval_due", "fit_start_eval_due", "is_full_evaluation",
