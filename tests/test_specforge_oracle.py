@@ -31,9 +31,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from oracles import require
 
-sf_model = pytest.importorskip("specforge.algorithms.common.dflash_family_model",
-                               reason="the oracle: pip install --no-deps specforge==0.2.0")
+sf_model = require("specforge.algorithms.common.dflash_family_model")  # a missing oracle fails, never skips
 from specforge.eval.evaluator import Evaluator  # noqa: E402
 from specforge.modeling.draft.dflash import DFlashDraftModel  # noqa: E402
 from specforge.training.strategies.base import DFlashTrainStrategy  # noqa: E402
