@@ -138,7 +138,8 @@ def test_results_schema_round_trip_partition_and_refusals(tmp_path, tiny_cache, 
 
     torch.manual_seed(0)
     cache = StateCache(tiny_cache)
-    report = evaluate(cache, DFlashDrafter.from_config_dict(tiny_drafter_config).eval(), budgets=[4])
+    report = evaluate(cache, DFlashDrafter.from_config_dict(tiny_drafter_config).eval(), budgets=[4], anchor_stride=3,
+                      anchor_seed=5)
     res = report_to_results(report, cache, meta={"drafter": {"path": "x", "kind": "folder", "global_step": None}},
                             position_edges=(0, 4, 8, 16))
     path = tmp_path / "r.json"
@@ -146,10 +147,26 @@ def test_results_schema_round_trip_partition_and_refusals(tmp_path, tiny_cache, 
     back = load_results(path, cache)
     assert back.to_dict() == json.loads(path.read_text())
     raw = json.loads(path.read_text())
-    assert raw["version"] == 3 and "tau" not in raw  # every scalar once, under metrics
+    assert raw["version"] == 4 and "tau" not in raw  # every scalar once, under metrics
     assert back.tau == pytest.approx(report.tau)
-    for name in ("tau", "ddtree/tau_b4"):
-        assert back.metric(name + "_ci_low") <= back.metric(name) <= back.metric(name + "_ci_high")
+    for name in ("tau", "ddtree/tau_b4", "specforge/acc", "acceptance/depth_01", "all_anchor_tau"):
+        assert back.metric(name + "_ci_low") <= back.metric(name) <= back.metric(name + "_ci_high"), name
+    # Each sample's offset and integer counts at the stride, with the seed: enough to rebuild the figures.
+    assert raw["meta"]["anchor_stride"] == 3 and raw["meta"]["anchor_seed"] == 5
+    assert [s.anchor_offsets for s in back.samples] == [s.anchor_offsets for s in report.samples]
+    assert [s.anchor_counts for s in back.samples] == [s.anchor_counts for s in report.samples]
+    assert {s.anchor_offsets[3] for s in back.samples} != {0}  # not every sample starts at its first anchor
+    # Version 3 files (no anchor statistics) are still read; their anchor figures have no interval then.
+    v3 = {**raw, "version": 3, "samples": [{k: v for k, v in x.items() if k != "anchor_statistics"}
+                                           for x in raw["samples"]]}
+    (tmp_path / "v3.json").write_text(json.dumps(v3))
+    old3 = load_results(tmp_path / "v3.json", cache)
+    assert old3.tau == back.tau and all(not s.anchor_counts for s in old3.samples)
+    bad = json.loads(json.dumps(raw))
+    bad["samples"][0]["anchor_statistics"]["3"]["offset"] = 3
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    with pytest.raises(ResultsError, match=r"offset 3 is not an integer in \[0, 3\)"):
+        load_results(tmp_path / "bad.json")
     # The buckets partition the cycles of a real evaluation.
     cycles = back.metric("cycles")
     for kind, labels in (("position", ["0_4", "4_8", "8_16", "16_end"]), ("cycle", ["0", "1", "2", "3", "4plus"])):
@@ -177,3 +194,34 @@ def test_results_schema_round_trip_partition_and_refusals(tmp_path, tiny_cache, 
         load_results(tmp_path / "other.json", cache)
     with pytest.raises(ResultsError, match="no such results file"):
         load_results(tmp_path / "missing.json")
+
+
+def test_anchor_statistics_get_intervals_from_per_sample_counts():
+    """specforge/acc, acceptance/depth_KK and all_anchor_tau of a stride are ratios of per-sample sums: the
+    value is the pooled ratio and the interval comes from resampling samples (offsets included)."""
+    from dflash_cb.core.bootstrap import anchor_interval_metrics
+    from dflash_cb.core.compare import live_metrics
+    from dflash_cb.core.metrics import ALL_ANCHOR_TAU, SPECFORGE_ACC, AnchorCounts, ci_high, ci_low, depth_acc
+
+    rng = np.random.default_rng(3)
+    samples = []
+    for i in range(40):
+        n = int(rng.integers(2, 9))
+        total = [n, n - 1]
+        match = [int(rng.integers(0, t + 1)) for t in total]
+        c = AnchorCounts(n, int(rng.integers(n, 3 * n)), tuple(total), tuple(match), (0, 0), (0, 0), tuple(total),
+                         tuple(match), 0.0, 0)
+        samples.append(SampleRecord(f"s{i}", "c", [2, 1], {}, {4: i % 4}, {4: c}))
+    sums = metric_sums(samples, anchor_stride=4)
+    counts = [s.anchor_counts[4] for s in samples]
+    assert sums[SPECFORGE_ACC].value == sum(sum(c.specforge_match) for c in counts) / sum(
+        sum(c.specforge_total) for c in counts)
+    assert sums[ALL_ANCHOR_TAU].value == sum(c.anchor_produced for c in counts) / sum(c.anchors for c in counts)
+    assert sums[depth_acc(2)].value == sum(c.depth_match[1] for c in counts) / sum(c.depth_total[1] for c in counts)
+    assert SPECFORGE_ACC not in metric_sums(samples) and SPECFORGE_ACC not in metric_sums(samples, anchor_stride=8)
+    live = live_metrics(samples, (), ["c"], anchor_stride=4)
+    for name in (SPECFORGE_ACC, ALL_ANCHOR_TAU, depth_acc(1), depth_acc(2)):
+        assert live[ci_low(name)] < sums[name].value < live[ci_high(name)], name
+    assert live_metrics(samples, (), ["c"]) == live  # the one stride the samples have: the callback's call today
+    alone = anchor_interval_metrics(samples, 4)
+    assert alone and alone == {k: v for k, v in live.items() if k in alone}  # same resamples, same ends

@@ -38,7 +38,8 @@ def test_adapter_builds_the_config_from_every_argument(adapter):
              "num_samples": 5, "sample_ids": ["a"], "sample_seed": 9, "prefix": "x/", "baselines": {"b": "b.json"},
              "published": "p.yaml", "published_entries": ["e"], "fail_on_error": True, "max_failed_evaluations": 1,
              "autocast_dtype": "bfloat16", "table_samples": 2, "table_cycles": 3, "tokenizer": "tok",
-             "verify_cache": False, "position_edges": [0, 4], "console": False, "tail_blocks": "reference"}
+             "verify_cache": False, "position_edges": [0, 4], "console": False, "tail_blocks": "reference",
+             "block_size": 4}
     assert set(given) == set(config_fields()) - {"states"}
     cb = adapter(states="c", **given)
     expected = EvalConfig(states="c", **given)

@@ -106,7 +106,7 @@ def test_version_2_results_read_under_todays_names(scored, tmp_path):
     path = tmp_path / "new.json"
     write_results(report_to_results(report, cache), path)
     raw = json.loads(path.read_text())
-    assert raw["version"] == 3 and SPECFORGE_ACC in raw["metrics"] and "specforge_sim_tau" not in raw["metrics"]
+    assert raw["version"] == 4 and SPECFORGE_ACC in raw["metrics"] and "specforge_sim_tau" not in raw["metrics"]
     chain = raw["metrics"][CHAIN_TAU_ESTIMATE]
     # What dflash-cb wrote before this change: version 2, the old name, no per-request means.
     for k in (TAU_REQUEST_MEAN, ACCEPT_LENGTH_SERVED, SPECFORGE_ACC, CHAIN_TAU_ESTIMATE):

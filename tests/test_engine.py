@@ -12,6 +12,7 @@ completion, and a sliding-window drafter layer whose window is shorter than the 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import random
@@ -33,9 +34,12 @@ from dflash_cb.cache.states import (
     TargetHead,
     shard_name,
 )
+from dflash_cb.common.errors import DFlashCBError
 from dflash_cb.common.fileio import atomic_write_bytes
 from dflash_cb.core import engine
+from dflash_cb.core.anchor_sets import anchor_offset
 from dflash_cb.core.engine import ReferenceRunner, apply_head, block_embeddings, evaluate
+from dflash_cb.core.metrics import SPECFORGE_ACC
 from dflash_cb.core.model import DFlashDrafter, DrafterSpec
 
 dm = oracles.require("dflash.model")
@@ -191,7 +195,7 @@ def _expected_counts(brute: dict, stride: int) -> dict[str, list[float]]:
              dd_cycles=[0] * len(BUDGETS), dd_produced=[0] * len(BUDGETS), samples=0, anchors_needed=0)
     for b in brute.values():
         prompt = b["entry"].prompt_len
-        chosen = sorted(b["anchors"])[::stride]
+        chosen = sorted(b["anchors"])[anchor_offset(0, b["entry"].id, stride)::stride]
         needed = set(chosen)
         for p in chosen:
             a = b["anchors"][p]
@@ -288,8 +292,11 @@ def test_batched_equals_one_sample_at_a_time(planted) -> None:
     for rep in (squeezed, *alone):
         for s in rep.samples:
             t = next(x for x in together.samples if x.id == s.id)
-            assert (s.acceptance_lengths, s.ddtree, s.anchors_drafted, s.anchors_needed) == (
-                t.acceptance_lengths, t.ddtree, t.anchors_drafted, t.anchors_needed), s.id
+            assert (s.acceptance_lengths, s.ddtree, s.anchors_drafted, s.anchors_needed, s.anchor_offsets) == (
+                t.acceptance_lengths, t.ddtree, t.anchors_drafted, t.anchors_needed, t.anchor_offsets), s.id
+            for stride, c in s.anchor_counts.items():  # float t1 aside, the per-sample statistics are integers
+                assert dataclasses.replace(c, t1_sum=0.0) == dataclasses.replace(t.anchor_counts[stride], t1_sum=0.0)
+                assert c.t1_sum == pytest.approx(t.anchor_counts[stride].t1_sum, rel=1e-6)
     summed = alone[0].counts
     for rep in alone[1:]:
         summed.merge_(rep.counts)
@@ -313,7 +320,13 @@ def test_generic_runner_and_drafts(planted) -> None:
                        budgets=(), anchor_stride=4, device="cpu")
     assert [s.acceptance_lengths for s in generic.samples] == [s.acceptance_lengths for s in fast.samples]
     for k, v in fast.counts.data.items():
-        assert torch.allclose(generic.counts.data[k], v), k
+        if not k.startswith("specforge_"):
+            assert torch.allclose(generic.counts.data[k], v), k
+    # Its window (5) is shorter than the block (6): SpecForge trains it under other masks, which a callable
+    # cannot be run with, so its accuracy is left out (with the reason) rather than given under served masks.
+    assert "sliding_window 5" in generic.specforge_note and generic.specforge_note.endswith(engine.SPECFORGE_LEFT_OUT)
+    assert math.isnan(generic.summary[SPECFORGE_ACC]) and not math.isnan(fast.summary[SPECFORGE_ACC])
+    assert fast.specforge_note.endswith(engine.SPECFORGE_OWN_PASS)
     for s in fast.samples:
         b = planted["brute"][s.id]
         p, want = b["entry"].prompt_len, []
@@ -381,3 +394,94 @@ def test_every_head_call_stays_under_head_mem_bytes(planted, tmp_path: Path, mon
     assert [s.acceptance_lengths for s in small.samples] == [s.acceptance_lengths for s in wide.samples]
     for k, v in small.counts.data.items():
         assert torch.allclose(v, wide.counts.data[k]), k
+
+
+@pytest.mark.parametrize("tail_blocks", ["served", "reference"])
+def test_smaller_block_is_the_drafter_declared_at_that_block(planted, tail_blocks: str) -> None:
+    """``block_size=4`` on a block-6 drafter drafts what the same weights declared with block 4 draft:
+    every replay (greedy, DDTree) and every statistic (with 3 depths) equal, under either tail rule;
+    the report keeps the drafter's spec and says which block it drafted."""
+    cache, drafter = planted["cache"], planted["drafter"]
+    config = _config()
+    config.block_size = 4
+    small = DFlashDrafter(config).eval()
+    small.load_state_dict(drafter.state_dict())
+    assert small.spec.block_size == 4
+    got = evaluate(cache, drafter, budgets=BUDGETS, anchor_stride=2, tail_blocks=tail_blocks, block_size=4)
+    want = evaluate(cache, small, budgets=BUDGETS, anchor_stride=2, tail_blocks=tail_blocks)
+    assert got.block_size == 4 and got.spec.block_size == BLOCK and got.counts.data["depth_total"].numel() == 3
+    assert [(s.acceptance_lengths, s.ddtree, s.correct_drafts) for s in got.samples] == [
+        (s.acceptance_lengths, s.ddtree, s.correct_drafts) for s in want.samples]
+    for k, v in want.counts.data.items():
+        assert torch.equal(got.counts.data[k], v), k
+    assert max(n for s in got.samples for n in s.acceptance_lengths) <= 4
+    full = evaluate(cache, drafter, budgets=(), anchor_stride=2, tail_blocks=tail_blocks)
+    assert full.block_size == BLOCK  # the default: the drafter's block
+    assert [s.acceptance_lengths for s in full.samples] != [s.acceptance_lengths for s in got.samples]
+
+
+@pytest.mark.parametrize("bad", [1, 0, BLOCK + 1, 2.5, 4.0, "4", True])
+def test_block_size_outside_the_drafters_is_refused(planted, bad) -> None:
+    from dflash_cb.common.errors import DFlashCBError
+
+    with pytest.raises(DFlashCBError, match=rf"block_size={bad!r}: expected an integer from 2 to {BLOCK}"):
+        evaluate(planted["cache"], planted["drafter"], budgets=(), block_size=bad)
+
+
+ANCHOR_KEYS = ("anchors", "anchor_produced", "depth_total", "depth_match", "cond_num", "cond_den", "specforge_total",
+               "specforge_match", "t1_anchors")
+
+
+@pytest.mark.parametrize("stride", [2, 3, 5])
+def test_statistics_over_every_offset_sum_to_every_anchor(planted, stride: int) -> None:
+    """Summed over the ``stride`` offsets (every sample at the same one), each statistic's numerator and
+    denominator are the stride-1 counts, exactly: every anchor is in exactly one offset's set."""
+    cache, drafter = planted["cache"], planted["drafter"]
+    ids = [e.id for e in cache.samples]
+    every = evaluate(cache, drafter, budgets=(), anchor_stride=1).counts.data
+    summed = {k: torch.zeros_like(every[k]) for k in (*ANCHOR_KEYS, "t1_sum")}
+    for o in range(stride):
+        rep = evaluate(cache, drafter, budgets=(), anchor_stride=stride, anchor_offsets=dict.fromkeys(ids, o))
+        assert all(s.anchor_offsets == {stride: o} for s in rep.samples)
+        for k in summed:
+            summed[k] += rep.counts.data[k]
+    assert every["anchors"].item() > 2 * stride  # several anchors per offset
+    for k in ANCHOR_KEYS:
+        assert torch.equal(summed[k], every[k]), k
+    assert torch.allclose(summed["t1_sum"], every["t1_sum"], rtol=1e-9)
+
+
+@pytest.mark.parametrize("primary", [1, 2])
+def test_extra_strides_come_from_the_same_pass(planted, primary: int) -> None:
+    """An evaluation with extra strides gives, for each stride, the counts of an evaluation at that stride
+    alone (same drawn offsets); the cycles, DDTree and cost counts are the pass's own."""
+    cache, drafter = planted["cache"], planted["drafter"]
+    both = evaluate(cache, drafter, budgets=BUDGETS, anchor_stride=primary, extra_anchor_strides=[3, primary, 4],
+                    anchor_seed=7)
+    assert both.anchor_strides == (primary, 3, 4) and both.counts_at(primary) is both.counts
+    for stride in both.anchor_strides:
+        alone = evaluate(cache, drafter, budgets=BUDGETS, anchor_stride=stride, anchor_seed=7)
+        got = both.counts_at(stride).data
+        for k in (*ANCHOR_KEYS, "cycles", "produced", "hist", "samples", "dd_produced", "dd_cycles"):
+            assert torch.equal(got[k], alone.counts.data[k]), (stride, k)
+        assert torch.allclose(got["t1_sum"], alone.counts.data["t1_sum"], rtol=1e-9)
+        assert [s.anchor_offsets[stride] for s in both.samples] == [s.anchor_offsets[stride] for s in alone.samples]
+    with pytest.raises(DFlashCBError, match="stride 5: this evaluation has anchor statistics at strides"):
+        both.counts_at(5)
+
+
+def test_bad_anchor_arguments_are_refused(planted) -> None:
+    cache, drafter = planted["cache"], planted["drafter"]
+    for kwargs, needle in (({"anchor_seed": -1}, "anchor_seed=-1"), ({"anchor_seed": 1.5}, "anchor_seed=1.5"),
+                           ({"extra_anchor_strides": [0]}, "extra_anchor_strides"),
+                           ({"anchor_stride": 2, "anchor_offsets": {"s0": 2}}, r"anchor_offsets\['s0'\]=2"),
+                           ({"anchor_stride": True}, "anchor_stride must be >= 1")):
+        with pytest.raises(DFlashCBError, match=needle):
+            evaluate(cache, drafter, budgets=(), **kwargs)
+
+
+def test_anchor_count_from_the_manifest_equals_the_loaded_bounds(planted) -> None:
+    cache = planted["cache"]
+    got = engine.anchors_per_sample(cache, [e.id for e in cache.samples])
+    assert got == {e.id: len(engine.bounds_for(cache.load(e.id), cache.manifest).anchors) for e in cache.samples}
+    assert sorted(set(got.values()))[0] == 0 and max(got.values()) > BLOCK  # prompt-only to long

@@ -148,6 +148,7 @@ def test_samples_are_positive_stratified_like_the_callback_and_ids_selectable(ti
     ("--sample-ids", " , ", "one or more comma-separated values"),  # was "the list of sample ids is empty"
     ("--sample-seed", "-1", "an integer >= 0"),  # accepted before; the callback's sample_seed refuses it
     ("--anchor-stride", "1.5", "a positive integer"),
+    ("--anchor-seed", "-2", "an integer >= 0"),
     ("--position-edges", "0,64,32", "comma-separated integers from 0, strictly increasing"),
 ])
 def test_arguments_follow_the_callbacks_rule(tiny_cache, drafter_dir, tmp_path, capsys, option, value, expected):
@@ -274,3 +275,31 @@ def test_wandb_run_records_the_drafter_cache_and_settings_and_can_be_shown(tiny_
     shown = capsys.readouterr().out
     assert "config dflash_eval:" in shown and str(drafter_dir) in shown
     assert shown.splitlines()[-1].split()[:2] == ["0", f"{results['metrics']['tau']:.4f}"]
+
+
+def test_strided_statistics_equal_evaluate_and_record_their_offsets(tiny_cache, drafter_dir, tmp_path, capsys):
+    """--anchor-stride / --anchor-seed give what ``evaluate`` gives with the same arguments (as the callback
+    calls it); results.json holds the seed and each sample's offset; the summary prints the seed and the
+    anchor statistics with their intervals. A stride past most completions warns once, naming it."""
+    from dflash_cb.core.engine import evaluate
+    from dflash_cb.core.metrics import ALL_ANCHOR_TAU, SPECFORGE_ACC, ci_high, ci_low, depth_acc
+    from dflash_cb.core.model import DFlashDrafter
+
+    out = tmp_path / "r.json"
+    code, so, se = evaluate_tool(capsys, tiny_cache, drafter_dir, out, "--anchor-stride", "3", "--anchor-seed", "11")
+    assert code == 0 and "warning" not in se, se
+    assert "statistics stride 3 (per-sample offsets, seed 11)" in so
+    raw = json.loads(out.read_text())
+    cache = StateCache(tiny_cache)
+    report = evaluate(cache, DFlashDrafter.from_pretrained(drafter_dir).eval(), budgets=[4], anchor_stride=3,
+                      anchor_seed=11)
+    assert raw["meta"]["anchor_seed"] == 11 and raw["meta"]["anchor_stride"] == 3
+    assert [x["anchor_statistics"]["3"]["offset"] for x in raw["samples"]] == [s.anchor_offsets[3] for s in report.samples]
+    for name in (SPECFORGE_ACC, ALL_ANCHOR_TAU, depth_acc(1)):
+        assert raw["metrics"][name] == report.summary[name], name
+        assert raw["metrics"][ci_low(name)] <= raw["metrics"][name] <= raw["metrics"][ci_high(name)], name
+    code, so, se = evaluate_tool(capsys, tiny_cache, drafter_dir, out, "--anchor-stride", "4096")
+    lines = [x for x in se.splitlines() if x.startswith("warning: ")]
+    assert code == 0 and len(lines) == 1, se
+    n = len(cache.samples)
+    assert lines[0].startswith(f"warning: --anchor-stride 4096: {n} of {n} samples have at most 4096 anchors"), lines

@@ -186,3 +186,27 @@ def test_a_baseline_replayed_with_other_tail_blocks_is_warned_about_at_setup(tin
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
         evaluator(tiny_cache, baselines={"ref": str(tmp_path / "ref.json")}, tail_blocks="reference").setup()
+
+
+def test_the_block_the_server_drafts_with_equals_the_tool_at_that_block(tiny_cache, tiny_drafter_config, tmp_path):
+    """``block_size=4`` on a block-6 drafter: the live figures are the tool's ``--block-size 4`` figures;
+    a block above the drafter's is refused at setup, naming the argument."""
+    import json
+
+    from dflash_cb.integrations import eval_cli
+
+    d = drafter(tiny_drafter_config)
+    d.save_pretrained(tmp_path / "d")
+    ev = evaluator(tiny_cache, block_size=4, ddtree_budgets=[4], eval_on_fit_end=True)
+    live = ev.finish(0, d)
+    assert eval_cli.main(["--states", str(tiny_cache), "--drafter", str(tmp_path / "d"), "--out",
+                          str(tmp_path / "r.json"), "--block-size", "4", "--ddtree-budgets", "4", "--device", "cpu",
+                          "--dtype", "float32"]) == 0
+    tool = json.loads((tmp_path / "r.json").read_text())
+    assert live[PREFIX + "tau"] == tool["metrics"]["tau"] <= 4
+    assert live[PREFIX + "ddtree/tau_b4"] == tool["metrics"]["ddtree/tau_b4"]
+    assert ev.describe()["block_size"] == 4 and ev.describe()["drafter_block_size"] == tiny_drafter_config["block_size"]
+    with pytest.raises(ArgumentError, match=r"block_size=9: expected an integer from 2 to 6"):
+        evaluator(tiny_cache, block_size=9).start(0, d)
+    with pytest.raises(ArgumentError, match="block_size=1"):
+        evaluator(tiny_cache, block_size=1)

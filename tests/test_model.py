@@ -113,3 +113,22 @@ def test_forward_compiles_as_one_graph() -> None:
             want = ours(position_ids=pos, noise_embedding=emb, target_hidden=features, attention_mask=m)
             got = compiled(position_ids=pos, noise_embedding=emb, target_hidden=features, attention_mask=m)
             assert torch.allclose(got, want, atol=1e-5)
+
+
+def test_specforge_masks_differ_only_for_a_window_shorter_than_the_block_or_is_causal():
+    """SpecForge 0.2.0 windows a sliding layer over the context only and ignores is_causal."""
+    from transformers import Qwen3Config
+
+    from dflash_cb.core.model import specforge_mask_difference
+
+    def config(**kw):
+        base = dict(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"], sliding_window=7,
+                    use_sliding_window=True)
+        return Qwen3Config(**{**base, **kw})
+
+    assert specforge_mask_difference(config(), 6) is None  # window 7 >= block 6: same masks
+    assert specforge_mask_difference(config(), 7) is None
+    assert "layer 0 (sliding_attention, sliding_window 7)" in specforge_mask_difference(config(), 8)
+    assert "is_causal True" in specforge_mask_difference(config(is_causal=True), 6)  # the full layer turns causal
+    assert "is_causal False" in specforge_mask_difference(config(is_causal=False), 6)  # the window reaches ahead
+    assert specforge_mask_difference(config(layer_types=["full_attention"] * 2), 16) is None

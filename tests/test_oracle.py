@@ -48,9 +48,29 @@ def _precompute(target: Path, prompts: Path, out: Path, layers: list[int]) -> Pa
     return out
 
 
+def _run_loops(cache, ref, target, cfg: dict, block: int) -> tuple[dict, dict]:
+    """Per sample: dflash_generate's acceptance lengths and the full-block loop's run, both at ``block``."""
+    from full_block_loop import full_block_generate
+
+    stops = cache.manifest.stop_token_ids
+    # dflash_generate times itself with CUDA events; on CPU a wall clock does the same job.
+    orig = dm._cuda_time
+    dm._cuda_time = time.perf_counter
+    try:
+        oracle, full = {}, {}
+        for e in cache.samples:
+            prompt = cache.load(e.id).input_ids[: e.prompt_len][None]
+            st = dm.dflash_generate(ref, target, prompt, MAX_NEW, stops, block_size=block, return_stats=True)
+            oracle[e.id] = list(st.acceptance_lengths)
+            full[e.id] = full_block_generate(ref, target, prompt[0].tolist(), MAX_NEW, stops, LAYERS, block,
+                                             cfg["dflash_config"]["mask_token_id"])
+    finally:
+        dm._cuda_time = orig
+    return oracle, full
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory):
-    from full_block_loop import full_block_generate
     from tiny_target import random_prompts, save_tiny_qwen3, train_briefly, write_prompts
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -69,19 +89,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory):
     ref = dm.DFlashDraftModel(Qwen3Config(**cfg)).eval()
     ref.load_state_dict(ours.state_dict())
     target = Qwen3ForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    # dflash_generate times itself with CUDA events; on CPU a wall clock does the same job.
-    orig = dm._cuda_time
-    dm._cuda_time = time.perf_counter
-    try:
-        oracle, full = {}, {}
-        for e in cache.samples:
-            prompt = cache.load(e.id).input_ids[: e.prompt_len][None]
-            st = dm.dflash_generate(ref, target, prompt, MAX_NEW, m.stop_token_ids, return_stats=True)
-            oracle[e.id] = list(st.acceptance_lengths)
-            full[e.id] = full_block_generate(ref, target, prompt[0].tolist(), MAX_NEW, m.stop_token_ids, LAYERS,
-                                             BLOCK, cfg["dflash_config"]["mask_token_id"])
-    finally:
-        dm._cuda_time = orig
+    oracle, full = _run_loops(cache, ref, target, cfg, BLOCK)
     return dict(root=root, target_dir=target_dir, prompts=prompts, cache=cache, ours=ours, ref=ref, oracle=oracle,
                 cfg=cfg, full=full, target=target)
 
@@ -265,3 +273,82 @@ def test_tail_blocks_do_not_matter_for_causal_layers(setup) -> None:
     assert [s.acceptance_lengths for s in served.samples] == [s.acceptance_lengths for s in reference.samples]
     with pytest.raises(ValueError, match="tail_blocks='short'"):
         evaluate(setup["cache"], causal, budgets=(), tail_blocks="short")
+
+
+SMALL = 4  # a served block shorter than the drafter's BLOCK (SGLang's --speculative-num-draft-tokens 4)
+
+
+@pytest.fixture(scope="module")
+def small_block(setup):
+    """The reference loop (``dflash_generate(block_size=SMALL)``) and the full-block loop run with the
+    same drafter at a block of SMALL: both take the block as an argument."""
+    reference, full = _run_loops(setup["cache"], setup["ref"], setup["target"], setup["cfg"], SMALL)
+    return dict(reference=reference, full=full)
+
+
+def test_smaller_block_matches_both_loops_at_that_block(setup, small_block) -> None:
+    """``block_size=SMALL`` on the block-BLOCK drafter is the loop at that block, cycle for cycle: the
+    reference loop under ``tail_blocks="reference"``, the full-block loop (every draft, and the
+    correct-draft counts) under ``"served"``. Under it, our drafter as the engine calls it (many blocks
+    of a sample in one packed pass) gives the reference ``DFlashDraftModel``'s drafts at that length at
+    every anchor; at some anchors those are not the first depths of its BLOCK-long drafts (the
+    bidirectional layer sees fewer mask positions), so the comparisons are not blind to the length."""
+    from dflash_cb.core.engine import apply_head, block_embeddings, evaluate
+
+    cache, ours, ref = setup["cache"], setup["ours"], setup["ref"]
+    reference = evaluate(cache, ours, budgets=(4,), tail_blocks="reference", block_size=SMALL)
+    assert {s.id: s.acceptance_lengths for s in reference.samples} == small_block["reference"]
+    assert {s.id: s.acceptance_lengths for s in reference.samples} != setup["oracle"]  # the block matters here
+    served = evaluate(cache, ours, budgets=(4,), keep_drafts=MAX_NEW, block_size=SMALL)
+    for s in served.samples:
+        want = small_block["full"][s.id]
+        assert s.acceptance_lengths == want.acceptance_lengths, s.id
+        assert s.drafts == want.drafts, s.id
+        assert s.correct_drafts[:-1] == want.correct_drafts[:-1] and s.correct_drafts[-1] <= want.correct_drafts[-1]
+    lengths = [n for s in served.samples for n in s.acceptance_lengths]
+    assert max(lengths) == SMALL and served.block_size == SMALL and served.spec.block_size == BLOCK
+
+    head = cache.load_head()
+    spec = ours.spec
+    same = moved = 0
+    with torch.no_grad():
+        for e in cache.samples:
+            smp = cache.load(e.id)
+            anchors = torch.arange(e.prompt_len, e.total_len - 1)
+            emb = block_embeddings(smp.input_ids, anchors, SMALL, spec, head.embed_tokens)
+            hid = ours.forward_blocks(ours.context_kv(smp.hidden), emb, anchors)[:, 1:]
+            got = apply_head(hid.reshape(-1, hid.shape[-1]), head.lm_head, spec, 0).argmax.view(len(anchors), -1)
+            for i, p in enumerate(anchors.tolist()):
+                drafts = {}
+                for n in (SMALL, BLOCK):
+                    block = block_embeddings(smp.input_ids, torch.tensor([p]), n, spec, head.embed_tokens)
+                    h = ref(target_hidden=smp.hidden[None, :p], noise_embedding=block,
+                            position_ids=torch.arange(p + n)[None])[0, 1:SMALL]
+                    drafts[n] = (h @ head.lm_head.T).argmax(-1).tolist()
+                same += got[i].tolist() == drafts[SMALL]
+                moved += drafts[SMALL] != drafts[BLOCK]
+    assert same == sum(e.total_len - 1 - e.prompt_len for e in cache.samples) and moved > 0
+
+
+def test_eval_tool_block_size(setup, small_block, tmp_path: Path, capsys) -> None:
+    """``--block-size N`` evaluates at that block (recorded in results.json and printed); a block the
+    drafter cannot draft is one line, exit 2, before anything is written."""
+    from dflash_cb.common.cli import run
+    from dflash_cb.core.results import load_results
+    from dflash_cb.integrations import eval_cli as eval_drafter
+
+    setup["ours"].save_pretrained(tmp_path / "drafter")
+    base = ["--states", str(setup["cache"].path), "--drafter", str(tmp_path / "drafter"), "--ddtree-budgets", "4",
+            "--dtype", "float32", "--tail-blocks", "reference"]
+    out = tmp_path / "r.json"
+    assert run(eval_drafter.main, [*base, "--out", str(out), "--block-size", str(SMALL)]) == 0
+    res = load_results(out)
+    assert {s.id: s.acceptance_lengths for s in res.samples} == small_block["reference"]
+    assert res.meta["block_size"] == SMALL and res.meta["drafter_block_size"] == BLOCK
+    assert len(res.per_depth["unconditional"]) == SMALL - 1 and set(res.histogram) == {"1", "2", "3", "4"}
+    assert f"block    {SMALL} (the drafter's is {BLOCK})" in capsys.readouterr().out
+    for bad in ("1", str(BLOCK + 1), "2.5", "x"):
+        assert run(eval_drafter.main, [*base, "--out", str(tmp_path / "bad.json"), "--block-size", bad]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and err.startswith("error: --block-size") and bad in err, err
+        assert not (tmp_path / "bad.json").exists()

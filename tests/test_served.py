@@ -105,13 +105,16 @@ class SpecServer:
         self.retracted: set[tuple[int, ...]] = set()  # prompts retracted once (SGLang counts the round again)
         self.impossible: set[tuple[int, ...]] = set()  # prompts answered with more rounds than tokens
         self.bare: set[tuple[int, ...]] = set()  # prompts answered without counters
+        self.block = BLOCK  # the block it drafts with (anchor included): SGLang's speculative_num_draft_tokens
+        self.dflash_block: int | None = None  # --speculative-dflash-block-size (None: not given, as in SGLang)
 
     def server_info(self) -> dict[str, Any]:
         spec = self.speculative
         return {"model_path": str(self.w["target_dir"]), "tp_size": 1,
                 "speculative_algorithm": "DFLASH" if spec else None,
                 "speculative_draft_model_path": str(self.w["drafter"]) if spec else None,
-                "speculative_num_draft_tokens": BLOCK if spec else None,
+                "speculative_num_draft_tokens": self.block if spec else None,
+                "speculative_dflash_block_size": self.dflash_block if spec else None,
                 "speculative_eagle_topk": 1 if spec else None, "speculative_num_steps": None,
                 "speculative_draft_window_size": self.window, "page_size": 1}
 
@@ -123,7 +126,7 @@ class SpecServer:
             self.calls[tuple(ids)] += 1
             time.sleep(self.delay)
             run = full_block_generate(self.w["ref"], self.w["target"], ids, sp["max_new_tokens"], sp["stop_token_ids"],
-                                      LAYERS, BLOCK, self.w["mask"])
+                                      LAYERS, self.block, self.w["mask"])
         out = run.output_ids
         rounds = len(run.acceptance_lengths)
         self.rounds[tuple(ids)] = rounds
@@ -142,8 +145,8 @@ class SpecServer:
         if self.speculative and rounds > 0 and tuple(ids) not in self.bare:  # only after a verification round
             correct = sum(k * v for k, v in enumerate(hist))
             meta.update(spec_verify_ct=rounds, spec_accept_length=len(out) / rounds,
-                        spec_num_correct_drafts=correct, spec_num_proposed_drafts=rounds * (BLOCK - 1),
-                        spec_accept_rate=correct / (rounds * (BLOCK - 1)), spec_correct_drafts_histogram=hist)
+                        spec_num_correct_drafts=correct, spec_num_proposed_drafts=rounds * (self.block - 1),
+                        spec_accept_rate=correct / (rounds * (self.block - 1)), spec_correct_drafts_histogram=hist)
         return {"text": "", "output_ids": out, "meta_info": meta}
 
 
@@ -210,7 +213,7 @@ def test_precompute_records_the_served_counters(world, served_cache) -> None:
     cache = StateCache(served_cache["out"])
     m = cache.manifest
     assert m.served_spec_config == {"algorithm": "DFLASH", "draft_model_path": str(world["drafter"]),
-                                    "num_draft_tokens": BLOCK, "topk": 1, "num_steps": None,
+                                    "num_draft_tokens": BLOCK, "dflash_block_size": None, "topk": 1, "num_steps": None,
                                     "draft_window_size": None, "page_size": 1,
                                     # the served draft folder is readable here: what it holds is recorded
                                     "draft_folder": {"mask_embedding": False, "input_embedding_scale": None}}
@@ -484,7 +487,7 @@ def test_retracted_impossible_and_bare_samples(world, server, tmp_path, capsys) 
     assert s["samples_compared"] == s["samples_equal_rounds"] == s["samples_equal_histogram"] == N_PROMPTS - 3
     assert s["samples_flagged"] == 1 and s["samples_skipped"] == 2
     text = capsys.readouterr().out
-    assert f"flagged {ids[1]}: counters that cannot be" in text and "differs" not in text
+    assert f"flagged {ids[1]}: impossible spec_verify_ct" in text and "differs" not in text
     served = load_served(cache)
     assert served is not None and served.details["samples"] == s["samples_compared"]
     assert served.metrics["tau"] == pytest.approx(s["served_tau"])
@@ -559,3 +562,234 @@ def test_one_definition_of_comparable_samples(served_cache) -> None:
     tau, rounds, n = served_tau(mixed)
     assert n == len(check.samples) == len(entries) - 2 and rounds == check.summary()["served_rounds"]
     assert tau == pytest.approx(check.summary()["served_tau"])
+
+
+# -- the server's block size --------------------------------------------------------------------------
+
+SMALL = 4  # a served block shorter than the drafter's BLOCK
+
+
+def _edited(src: Path, dst: Path, edit) -> Path:
+    """A copy of the cache at ``src`` whose manifest ``edit(manifest_dict)`` changed (the shards are the same)."""
+    import shutil
+
+    from dflash_cb.cache.states import MANIFEST_NAME
+
+    shutil.copytree(src, dst)
+    data = json.loads((dst / MANIFEST_NAME).read_text())
+    edit(data)
+    (dst / MANIFEST_NAME).write_text(json.dumps(data))
+    return dst
+
+
+def _drafter_at_block(world: dict[str, Any], block: int, out: Path) -> Path:
+    """The served drafter's weights in a folder whose config declares another trained block."""
+    import shutil
+
+    shutil.copytree(world["drafter"], out)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["block_size"] = block
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+@pytest.fixture(scope="module")
+def small_served(world, tmp_path_factory) -> dict[str, Any]:
+    """A precompute against a server started with --speculative-dflash-block-size SMALL (it drafts blocks
+    of SMALL with the BLOCK drafter and reports both settings, as SGLang resolves them)."""
+    with serve(world) as (url, state):
+        state.block = state.dflash_block = SMALL
+        out = tmp_path_factory.mktemp("sg_small") / "served"
+        assert _precompute(*_sglang_args(world, url, out)) == 0
+        return dict(out=out, rounds=dict(state.rounds))
+
+
+def test_served_check_replays_at_the_servers_smaller_block(world, small_served, tmp_path, capsys) -> None:
+    """The server drafted blocks of SMALL with a BLOCK drafter: the manifest records the block, and the
+    check replays at it: every sample's rounds and histogram equal, comparable; results and the
+    printed summary name both blocks. A --block-size other than the server's is refused."""
+    from dflash_cb.cache.states import StateCache
+
+    config = StateCache(small_served["out"]).manifest.served_spec_config
+    assert config["num_draft_tokens"] == config["dflash_block_size"] == SMALL
+    out = tmp_path / "r.json"
+    capsys.readouterr()
+    assert _eval(world, small_served["out"], world["drafter"], out) == 0
+    res = load_results(out)
+    check = res.breakdown["served_check"]
+    s = check["summary"]
+    assert s["comparable"] and not check["not_comparable"]
+    assert s["samples_compared"] == s["samples_equal_rounds"] == s["samples_equal_histogram"] == N_PROMPTS
+    assert check["blocks"] == {"replay": SMALL, "server": SMALL, "drafter": BLOCK}
+    assert res.meta["block_size"] == SMALL and res.meta["drafter_block_size"] == BLOCK
+    assert max(n for x in res.samples for n in x.acceptance_lengths) <= SMALL
+    text = capsys.readouterr().out
+    assert f"blocks: replay {SMALL}, server {SMALL}, drafter {BLOCK}" in text and "differs" not in text
+    assert f"block    {SMALL} (the drafter's is {BLOCK})" in text
+    assert _eval(world, small_served["out"], world["drafter"], tmp_path / "b.json", "--block-size", "5") == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--block-size 5" in err and f"blocks of {SMALL}" in err
+    assert not (tmp_path / "b.json").exists()
+
+
+def test_served_block_not_recorded(world, small_served, tmp_path, capsys) -> None:
+    """Without the server's settings (an older server) the check replays at the drafter's block and the
+    rounds differ; the counters hint at the server's block, and --block-size SMALL makes them equal."""
+    def forget(m: dict) -> None:
+        m["served_spec_config"] = None
+
+    cache = _edited(small_served["out"], tmp_path / "unknown", forget)
+    capsys.readouterr()
+    assert _eval(world, cache, world["drafter"], tmp_path / "r.json") == 0
+    check = load_results(tmp_path / "r.json").breakdown["served_check"]
+    assert check["blocks"] == {"replay": BLOCK, "server": None, "drafter": BLOCK}
+    assert check["summary"]["samples_equal_histogram"] < N_PROMPTS
+    assert any(f"rerun with --block-size {SMALL}" in w for w in check["warnings"])
+    assert _eval(world, cache, world["drafter"], tmp_path / "s.json", "--block-size", str(SMALL)) == 0
+    s = load_results(tmp_path / "s.json").breakdown["served_check"]["summary"]
+    assert s["samples_equal_rounds"] == s["samples_equal_histogram"] == N_PROMPTS and s["comparable"]
+
+
+def test_server_block_larger_than_the_drafters(world, served_cache, tmp_path, capsys) -> None:
+    """The server drafted blocks of BLOCK, the evaluated drafter declares SMALL: the replay cannot draft
+    that long, so the check is NOT COMPARABLE, naming both sizes; with the server's settings not
+    recorded, counters that prove rounds longer than SMALL tokens do the same."""
+    drafter = _drafter_at_block(world, SMALL, tmp_path / "d4")
+    capsys.readouterr()
+    assert _eval(world, served_cache["out"], drafter, tmp_path / "r.json") == 0
+    check = load_results(tmp_path / "r.json").breakdown["served_check"]
+    assert not check["summary"]["comparable"] and len(check["not_comparable"]) == 1
+    assert f"blocks of {BLOCK} tokens" in check["not_comparable"][0] and f"block of {SMALL}" in check["not_comparable"][0]
+    text = capsys.readouterr().out
+    assert "NOT COMPARABLE" in text and "<- differs" not in text
+
+    def forget(m: dict) -> None:
+        m["served_spec_config"] = None
+
+    cache = _edited(served_cache["out"], tmp_path / "unknown", forget)
+    assert _eval(world, cache, drafter, tmp_path / "u.json") == 0
+    check = load_results(tmp_path / "u.json").breakdown["served_check"]
+    assert not check["summary"]["comparable"] and len(check["not_comparable"]) == 1
+    assert "not recorded" in check["not_comparable"][0] and f"replay's blocks of {SMALL}" in check["not_comparable"][0]
+
+
+# -- malformed and impossible counters ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", [[1, 2], "spec_verify_ct=3", 7])
+def test_served_spec_of_the_wrong_shape(world, served_cache, tmp_path, capsys, value) -> None:
+    """A manifest whose ``served_spec`` is not an object: the cache reader (and so --served-check and the
+    evaluator's setup) refuses it in one line naming the manifest and the sample."""
+    from dflash_cb.cache.states import MANIFEST_NAME, CacheError, StateCache
+    from dflash_cb.integrations.evaluator import LiveEvaluator
+
+    def damage(m: dict) -> None:
+        m["samples"][1]["served_spec"] = value
+
+    cache = _edited(served_cache["out"], tmp_path / "bad", damage)
+    sid = json.loads((cache / MANIFEST_NAME).read_text())["samples"][1]["id"]
+    with pytest.raises(CacheError, match=rf"{MANIFEST_NAME}: sample '{sid}': malformed served_spec: a "
+                                         rf"{type(value).__name__}"):
+        StateCache(cache)
+    capsys.readouterr()
+    assert _eval(world, cache, world["drafter"], tmp_path / "r.json") == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and str(cache / MANIFEST_NAME) in err and repr(sid) in err
+    assert "malformed served_spec" in err and not (tmp_path / "r.json").exists()
+    with pytest.raises(CacheError, match=rf"sample '{sid}': malformed served_spec"):
+        LiveEvaluator(states=str(cache)).setup(drafter=torch.nn.Linear(1, 1))
+
+
+@pytest.mark.parametrize("value", [-3, "9", None, True])
+def test_malformed_round_count_on_every_sample(world, served_cache, tmp_path, capsys, value) -> None:
+    """spec_verify_ct that no server sends, on every sample: flagged as malformed with the field named,
+    not 'no sample holds the server's counters'; one line, exit 2, before any weights are read."""
+    def damage(m: dict) -> None:
+        for x in m["samples"]:
+            x["served_spec"]["spec_verify_ct"] = value
+
+    cache = _edited(served_cache["out"], tmp_path / "bad", damage)
+    capsys.readouterr()
+    assert _eval(world, cache, world["drafter"], tmp_path / "r.json") == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "nothing to compare" not in err and "no served counters" not in err
+    assert f"{N_PROMPTS} x malformed spec_verify_ct" in err and f"malformed spec_verify_ct: {value!r}" in err
+
+
+def test_malformed_and_missing_counters_per_sample(world, served_cache, tmp_path, capsys) -> None:
+    """Per sample: -3, "9", 2.5 rounds and a string num_retractions are flagged as malformed, naming the
+    field (never 'no served counters', never compared); a missing spec_accept_length is said to be
+    missing (not 'does not fit') and its rounds are still compared. The callback's served baseline
+    counts exactly the compared samples."""
+    from dflash_cb.cache.states import StateCache
+    from dflash_cb.core.baselines import load_served
+
+    def damage(m: dict) -> None:
+        s = m["samples"]
+        s[0]["served_spec"]["spec_verify_ct"] = -3
+        s[1]["served_spec"]["spec_verify_ct"] = "9"
+        s[2]["served_spec"]["spec_verify_ct"] = 2.5
+        s[3]["served_spec"]["num_retractions"] = "0"
+        del s[4]["served_spec"]["spec_accept_length"]
+
+    cache = _edited(served_cache["out"], tmp_path / "bad", damage)
+    ids = [e.id for e in StateCache(cache).samples]
+    capsys.readouterr()
+    assert _eval(world, cache, world["drafter"], tmp_path / "r.json") == 0
+    check = load_results(tmp_path / "r.json").breakdown["served_check"]
+    assert sorted(check["flagged"]) == ids[:4] and not check["skipped"]
+    for sid, field in zip(ids[:4], ["spec_verify_ct"] * 3 + ["num_retractions"], strict=True):
+        assert check["flagged"][sid].startswith(f"malformed {field}: "), check["flagged"][sid]
+    s = check["summary"]
+    assert s["samples_compared"] == s["samples_equal_rounds"] == 2 and s["samples_flagged"] == 4
+    assert not any("does not fit" in w for w in check["warnings"])
+    assert any(f"1 sample(s) have no spec_accept_length (e.g. {ids[4]})" in w for w in check["warnings"])
+    text = capsys.readouterr().out
+    assert f"flagged {ids[2]}: malformed spec_verify_ct: 2.5" in text and "no served counters" not in text
+    served = load_served(StateCache(cache))
+    assert served is not None and served.details["samples"] == 2
+
+
+def test_counter_rules_pure(served_cache) -> None:
+    """The neighbours, on the one rule (``comparability``): each malformed field is named; 0 rounds is a
+    request without a round (skipped); a histogram or round longer than the server's block is impossible."""
+    import dataclasses
+
+    from dflash_cb.cache.served import FLAGGED, SKIPPED, comparability, served_block_size, served_spec_problem
+    from dflash_cb.cache.states import StateCache
+
+    e = StateCache(served_cache["out"]).samples[0]
+    assert comparability(e) is None and comparability(e, BLOCK) is None
+
+    def verdict(block: int | None = None, **fields: Any) -> tuple[str, str] | None:
+        spec = {k: v for k, v in {**e.served_spec, **fields}.items() if v != "<drop>"}
+        return comparability(dataclasses.replace(e, served_spec=spec), block)
+
+    for field, bad in [("spec_verify_ct", 3.5), ("spec_verify_ct", float("nan")), ("num_retractions", -1),
+                       ("num_retractions", 1.5), ("spec_num_correct_drafts", -1), ("spec_num_correct_drafts", "4"),
+                       ("spec_correct_drafts_histogram", "x"), ("spec_correct_drafts_histogram", [1, -1]),
+                       ("spec_correct_drafts_histogram", None), ("spec_accept_length", "2.5"),
+                       ("spec_accept_length", -1.0), ("spec_accept_length", True)]:
+        kind, why = verdict(**{field: bad})
+        assert kind == FLAGGED and why.startswith(f"malformed {field}: "), (field, bad, why)
+    assert verdict(spec_verify_ct=0)[0] == SKIPPED and verdict(spec_verify_ct="<drop>")[0] == SKIPPED
+    assert verdict(spec_accept_length="<drop>") is None  # only the shown accept length is missing
+    assert verdict(num_retractions=2)[0] == SKIPPED
+    rounds = e.served_spec["spec_verify_ct"]
+    top = len(e.served_spec["spec_correct_drafts_histogram"]) - 1
+    kind, why = verdict(block=top)  # a server block too short for the recorded histogram
+    assert kind == FLAGGED and why.startswith("impossible spec_correct_drafts_histogram: ") and f"blocks of {top}" in why
+    assert verdict(block=top + 1) is None
+    kind, why = comparability(dataclasses.replace(e, served_spec=[1]))
+    assert kind == FLAGGED and why.startswith("malformed served_spec: a list")
+    assert served_spec_problem(None) is None and served_spec_problem({}) is None
+    assert "a str" in served_spec_problem("x") and "a dict" in served_spec_problem({1: 2})
+    assert rounds > 0
+    # The server's block: --speculative-dflash-block-size or the draft tokens, for DFlash only.
+    assert served_block_size({"algorithm": "DFLASH", "num_draft_tokens": 8, "dflash_block_size": None}) == 8
+    assert served_block_size({"algorithm": "DFLASH", "num_draft_tokens": 8, "dflash_block_size": 8}) == 8
+    assert served_block_size({"num_draft_tokens": 8}) == 8  # the algorithm not recorded: the draft tokens
+    assert served_block_size({"algorithm": "EAGLE", "num_draft_tokens": 8}) is None
+    assert served_block_size({"algorithm": None, "num_draft_tokens": None}) is None
+    assert served_block_size({"algorithm": "DFLASH", "num_draft_tokens": True}) is None
+    assert served_block_size(None) is None and served_block_size([8]) is None

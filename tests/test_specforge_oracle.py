@@ -22,6 +22,13 @@ every statistics anchor has a full block in both.
 
 Per-depth counts come from SpecForge's own objective: its per-chunk term function is wrapped to
 also count, per block position, the same matches over the same weights it sums.
+
+Masks: SpecForge's training mask windows a sliding layer over the context keys only (inside the
+block it is causal, not windowed) and ignores ``is_causal``; the served drafter (and our replay)
+windows the block too and honours ``is_causal``. Where the two differ (a window shorter than the
+block, ``is_causal`` set) our ``specforge/acc`` comes from a pass of its own under SpecForge's masks,
+and must still equal SpecForge's figure, while the per-depth ``acceptance/*`` keep the served masks.
+The same holds for ``tail_blocks="reference"``, whose shortened tail blocks SpecForge never drafts.
 """
 
 from __future__ import annotations
@@ -63,12 +70,13 @@ class _CountingObjective(sf_model.OnlineDFlashModel):
         return terms
 
 
-def _drafter_config(vocab: int, hidden: int, target_layers: int, mask: int, layer_types: list[str]) -> dict:
+def _drafter_config(vocab: int, hidden: int, target_layers: int, mask: int, layer_types: list[str],
+                    block: int = BLOCK, window: int = 7, **extra) -> dict:
     from dflash_cb.demo.lightning_module import tiny_drafter_config
 
-    cfg = tiny_drafter_config(vocab, hidden, target_layers, LAYERS, mask, block_size=BLOCK, num_layers=len(layer_types))
+    cfg = tiny_drafter_config(vocab, hidden, target_layers, LAYERS, mask, block_size=block, num_layers=len(layer_types))
     # A window shorter than the contexts, so the sliding rule matters.
-    cfg.update(layer_types=layer_types, sliding_window=7, use_sliding_window=True)
+    cfg.update(layer_types=layer_types, sliding_window=window, use_sliding_window=True, **extra)
     return cfg
 
 
@@ -85,32 +93,39 @@ def _specforge(cache, drafter, cfg: dict, ids: list[str]) -> tuple[dict, torch.T
     lm_head.weight.data.copy_(head.lm_head)
     embed = torch.nn.Embedding.from_pretrained(head.embed_tokens.clone())
     longest = max(cache.entry(i).total_len for i in ids)
-    model = _CountingObjective(sf_drafter, lm_head, embed, cfg["dflash_config"]["mask_token_id"], block_size=BLOCK,
-                               attention_backend="sdpa", num_anchors=longest).eval()
+    model = _CountingObjective(sf_drafter, lm_head, embed, cfg["dflash_config"]["mask_token_id"],
+                               block_size=cfg["block_size"], attention_backend="sdpa", num_anchors=longest).eval()
     # The loss mask: the completion on the target's greedy path (specforge_data.sample_features).
     metrics = Evaluator().run(DFlashTrainStrategy(model).forward_loss, train_batches(cache, ids))
     return metrics, model.match, model.weight
 
 
-def _check_parity(cache, drafter, cfg: dict, ids: list[str]) -> dict:
+def _check_parity(cache, drafter, cfg: dict, ids: list[str], tail_blocks: str = "served") -> dict:
+    """Our ``specforge/acc`` and its per-position counts equal SpecForge's; the per-depth acceptance equals
+    them too exactly when the served masks and blocks are SpecForge's."""
     from dflash_cb.core.engine import evaluate
 
-    report = evaluate(cache, drafter, sample_ids=ids, budgets=[], anchor_stride=1)
+    block = cfg["block_size"]
+    report = evaluate(cache, drafter, sample_ids=ids, budgets=[], anchor_stride=1, tail_blocks=tail_blocks)
     ours = report.summary
     theirs, match, weight = _specforge(cache, drafter, cfg, ids)
     d = report.counts.data
     # Position 0 of a block is the anchor, never scored; positions 1..B-1 are our depths 1..B-1.
     assert weight[0] == 0
-    assert d["depth_total"].tolist() == weight[1:].tolist()
-    assert d["depth_match"].tolist() == match[1:].tolist()
-    for k in range(1, BLOCK):
-        assert ours[depth_acc(k)] == pytest.approx((match[k] / weight[k]).item(), abs=1e-15)
+    assert d["specforge_total"].tolist() == weight[1:].tolist() == d["depth_total"].tolist()
+    assert d["specforge_match"].tolist() == match[1:].tolist()
     assert ours[SPECFORGE_ACC] == pytest.approx(theirs["eval/avg_acc"], abs=1e-12)
     assert ours[SPECFORGE_ACC] == pytest.approx(theirs["eval/simulated_acc_len"], abs=1e-12)
     assert 0.05 < ours[SPECFORGE_ACC] < 0.95  # partial acceptance: the comparison carries information
+    same = drafter.specforge_difference() is None
+    assert (report.specforge_note == "") == same
+    if same and tail_blocks == "served":
+        for k in range(1, block):
+            assert ours[depth_acc(k)] == pytest.approx((match[k] / weight[k]).item(), abs=1e-15)
     return {"ours": ours[SPECFORGE_ACC], "specforge": theirs["eval/avg_acc"],
-            "matches": int(d["depth_match"].sum()), "weights": int(d["depth_total"].sum()),
-            "per_depth": [ours[depth_acc(k)] for k in range(1, BLOCK)]}
+            "served_pooled": d["depth_match"].sum().item() / d["depth_total"].sum().item(),
+            "matches": int(d["specforge_match"].sum()), "weights": int(d["specforge_total"].sum()),
+            "per_depth": [ours[depth_acc(k)] for k in range(1, block)], "note": report.specforge_note}
 
 
 def _trained(cfg: dict, cache):
@@ -122,7 +137,11 @@ def _trained(cfg: dict, cache):
     return train_briefly(DFlashDrafter.from_config_dict(cfg), cache)
 
 
-def test_sliding_window_drafter_matches_specforge_on_every_anchor(tiny_cache):
+@pytest.mark.parametrize(("block", "window"), [(BLOCK, 7), (8, 3)])
+def test_sliding_window_drafter_matches_specforge_on_every_anchor(tiny_cache, block: int, window: int):
+    """A window of 7 with block 6 (the masks agree) and of 3 with block 8 (served, the window also covers the
+    block; SpecForge's does not): our specforge/acc is SpecForge's in both. With window 3 the served drafts
+    score differently from SpecForge's: the per-depth figures keep the served ones."""
     from conftest import TINY_MASK
 
     from dflash_cb.cache.states import StateCache
@@ -131,8 +150,28 @@ def test_sliding_window_drafter_matches_specforge_on_every_anchor(tiny_cache):
     m = cache.manifest
     assert all(e.total_len == e.prompt_len + m.max_new_tokens for e in cache.samples)  # tail anchors are in the set
     cfg = _drafter_config(m.vocab_size, m.hidden_size, int(m.target["num_layers"]), TINY_MASK,
-                          ["sliding_attention", "sliding_attention"])
-    print(_check_parity(cache, _trained(cfg, cache), cfg, [e.id for e in cache.samples]))
+                          ["sliding_attention", "sliding_attention"], block=block, window=window)
+    got = _check_parity(cache, _trained(cfg, cache), cfg, [e.id for e in cache.samples])
+    print(got)
+    assert ("sliding_window" in got["note"]) == (window < block)
+    if window < block:
+        assert abs(got["served_pooled"] - got["specforge"]) > 0.005
+
+
+def test_bidirectional_drafter_with_reference_tail_blocks_matches_specforge(tmp_path_factory):
+    """Shortened tail blocks (``tail_blocks="reference"``) change a bidirectional layer's drafts; SpecForge
+    drafts those anchors in full, and so does our specforge/acc. Short completions: most anchors are tail ones."""
+    from conftest import TINY_MASK, build_tiny_cache
+
+    from dflash_cb.cache.states import StateCache
+
+    cache = StateCache(build_tiny_cache(tmp_path_factory.mktemp("short"), n_prompts=12, max_new_tokens=10))
+    m = cache.manifest
+    cfg = _drafter_config(m.vocab_size, m.hidden_size, int(m.target["num_layers"]), TINY_MASK,
+                          ["full_attention", "sliding_attention"])
+    got = _check_parity(cache, _trained(cfg, cache), cfg, [e.id for e in cache.samples], tail_blocks="reference")
+    print(got)
+    assert got["served_pooled"] != got["specforge"]  # the shortened blocks did change matches
 
 
 @pytest.fixture(scope="module")
@@ -170,3 +209,19 @@ def test_bidirectional_drafter_matches_specforge_where_blocks_are_full(stopping_
     cfg = _drafter_config(m.vocab_size, m.hidden_size, int(m.target["num_layers"]), TINY_MASK,
                           ["full_attention", "sliding_attention"])
     print(_check_parity(cache, _trained(cfg, cache), cfg, ids))
+
+
+def test_is_causal_drafter_matches_specforge(stopping_cache):
+    """``is_causal`` true makes the served full-attention layer causal; SpecForge ignores it (bidirectional)."""
+    from conftest import TINY_MASK
+
+    from dflash_cb.cache.states import StateCache
+
+    cache = StateCache(stopping_cache)
+    m = cache.manifest
+    ids = [e.id for e in cache.samples if e.total_len + BLOCK - 2 <= e.prompt_len + m.max_new_tokens]
+    cfg = _drafter_config(m.vocab_size, m.hidden_size, int(m.target["num_layers"]), TINY_MASK,
+                          ["full_attention", "sliding_attention"], is_causal=True)
+    got = _check_parity(cache, _trained(cfg, cache), cfg, ids)
+    print(got)
+    assert "is_causal True" in got["note"] and got["served_pooled"] != got["specforge"]

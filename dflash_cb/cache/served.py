@@ -24,11 +24,16 @@ blocks as the server drafts) counts the same leading matches per cycle (``Sample
 as far as the cache knows the target's tokens; only a last round whose matches reach the end of
 the completion can have matched more on the server (a "censored" round, checked as a lower bound).
 
+The server drafts blocks of ``speculative_num_draft_tokens`` (:func:`served_block_size`), which can
+be smaller than the drafter's trained block; the check replays at that block.
+
 Which samples count (one rule, :func:`comparability`, for the check and the callback's served
-baseline): a sample has counters (``spec_verify_ct`` > 0), was never retracted
+baseline): a sample has well-formed counters (whole non-negative counts: anything else is flagged
+as malformed, naming the field), has rounds (``spec_verify_ct`` > 0), was never retracted
 (``num_retractions`` = 0: a retracted request keeps counting rounds across the retraction), the
 CPU prefill agrees with the served completion over its whole length, and the counters are
-possible (no more rounds than committed tokens, a histogram that adds up).
+possible (no more rounds than committed tokens, a histogram that adds up, no round longer than
+the server's block).
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ _SERVER_SPEC_KEYS = {
     "speculative_draft_model_path": "draft_model_path",
     "speculative_draft_model_revision": "draft_model_revision",
     "speculative_num_draft_tokens": "num_draft_tokens",
+    "speculative_dflash_block_size": "dflash_block_size",
     "speculative_eagle_topk": "topk",
     "speculative_num_steps": "num_steps",
     "speculative_draft_window_size": "draft_window_size",
@@ -100,9 +106,9 @@ def served_counters(meta_info: Mapping[str, Any] | None) -> dict[str, Any] | Non
 
 
 def server_spec_config(server_info: Mapping[str, Any] | None) -> dict[str, Any] | None:
-    """The speculative part of ``/get_server_info``: algorithm, draft model, draft tokens, topk, steps,
-    the draft window size and the page size, and what the served draft folder says when it is
-    readable from here (:func:`draft_folder_settings`).
+    """The speculative part of ``/get_server_info``: algorithm, draft model, draft tokens, the DFlash
+    block size, topk, steps, the draft window size and the page size, and what the served draft
+    folder says when it is readable from here (:func:`draft_folder_settings`).
 
     None when the server reports none of it (an old server, or one without that endpoint). The
     algorithm is None (or ``"NONE"`` on some versions) when the server does not speculate.
@@ -137,10 +143,29 @@ def draft_folder_settings(path: Any) -> dict[str, Any] | None:
 
 # -- the convention -------------------------------------------------------------------------------
 
+def served_block_size(server: Mapping[str, Any] | None) -> int | None:
+    """The block the server drafted with (anchor included), from the recorded ``/get_server_info``, or None.
+
+    SGLang's DFlash worker drafts blocks of ``speculative_num_draft_tokens``; ``--speculative-dflash-block-size``
+    sets it too (SGLang refuses the two set apart, and resolves an unset one from the draft model's
+    config, so a DFlash server reports the block it drafts with). For another algorithm the draft
+    tokens are not a block: None, as for an old manifest that recorded neither.
+    """
+    if not isinstance(server, Mapping):
+        return None
+    if "algorithm" in server and str(server["algorithm"]).upper() != "DFLASH":  # None: not speculating
+        return None
+    for key in ("dflash_block_size", "num_draft_tokens"):
+        v = server.get(key)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return None
+
+
 def verify_rounds(counters: Mapping[str, Any] | None) -> int | None:
     """``spec_verify_ct`` as a positive int, else None (absent, 0 on versions that send it for a request
     without a round, or not a whole number)."""
-    v = (counters or {}).get(VERIFY_CT)
+    v = counters.get(VERIFY_CT) if isinstance(counters, Mapping) else None
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v != int(v) or v <= 0:
         return None
     return int(v)
@@ -210,70 +235,155 @@ def whole_count(v: Any) -> int | None:
     return int(v)
 
 
-def impossible_counters(counters: Mapping[str, Any], completion_tokens: int) -> str | None:
-    """Why these counters cannot describe a served request, or None. Every round commits at least one
+def served_spec_problem(value: Any) -> str | None:
+    """What is wrong with a sample entry's ``served_spec`` as a whole, or None: the precompute writes an
+    object of the server's counters (:func:`served_counters`) or nothing. The manifest reader refuses
+    another shape, naming the manifest and the sample; the per-field values are judged by
+    :func:`impossible_counters`."""
+    if value is None or (isinstance(value, Mapping) and all(isinstance(k, str) for k in value)):
+        return None
+    return (f"malformed served_spec: a {type(value).__name__}, {_clip(value)} (expected an object of the "
+            "server's spec_* counters, or null)")
+
+
+def _clip(value: Any, width: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+# Each field: what it must be (a whole count; for spec_verify_ct 0 is a request without a round).
+_COUNT_FIELDS = (VERIFY_CT, CORRECT_DRAFTS, RETRACTIONS)
+
+
+def malformed_counters(counters: Mapping[str, Any]) -> str | None:
+    """``"malformed <field>: ..."`` for the first recorded field whose value no server sends (a negative,
+    fractional, string or boolean count, a histogram that is not a list of counts, an accept length that
+    is not a non-negative number), else None. An absent field is not malformed (versions differ)."""
+    for key in _COUNT_FIELDS:
+        if key in counters and whole_count(counters[key]) is None:
+            return f"malformed {key}: {counters[key]!r} (expected a whole number >= 0)"
+    hist = counters.get(HISTOGRAM)
+    if HISTOGRAM in counters and (not isinstance(hist, list) or any(whole_count(v) is None for v in hist)):
+        return f"malformed {HISTOGRAM}: {_clip(hist)} (expected a list of counts)"
+    length = counters.get(ACCEPT_LENGTH)
+    if ACCEPT_LENGTH in counters and (isinstance(length, bool) or not isinstance(length, (int, float))
+                                      or not math.isfinite(length) or length < 0):
+        return f"malformed {ACCEPT_LENGTH}: {length!r} (expected a number >= 0)"
+    return None
+
+
+def impossible_counters(counters: Mapping[str, Any], completion_tokens: int,
+                        block_size: int | None = None) -> str | None:
+    """Why these counters cannot describe a served request, or None: ``"malformed <field>: ..."``
+    (:func:`malformed_counters`) or ``"impossible <field>: ..."``. Every round commits at least one
     token (so rounds <= completion_tokens - 1, served tau >= 1); the histogram has one entry per round
-    and its weighted total is the correct-draft count; a round commits at most its correct drafts + 1."""
+    and its weighted total is the correct-draft count; a round commits at most its correct drafts + 1;
+    with the server's ``block_size`` known, a round has at most ``block_size - 1`` correct drafts."""
+    bad = malformed_counters(counters)
+    if bad is not None:
+        return bad
     rounds = verify_rounds(counters)
     if rounds is None:
         return None
     committed = completion_tokens - 1
     if rounds > committed:
-        return (f"{rounds} rounds for {committed} tokens committed by rounds (served tau "
+        return (f"impossible {VERIFY_CT}: {rounds} rounds for {committed} tokens committed by rounds (served tau "
                 f"{committed / rounds:.3f} < 1): every round commits at least one token")
     correct = counters.get(CORRECT_DRAFTS)
     hist = counters.get(HISTOGRAM)
     if hist is not None:
-        if not isinstance(hist, list) or any(whole_count(v) is None for v in hist):
-            return f"{HISTOGRAM} = {hist!r}: expected a list of counts"
         if sum(hist) != rounds:
-            return f"{HISTOGRAM} counts {sum(hist)} rounds, {VERIFY_CT} = {rounds}"
+            return f"impossible {HISTOGRAM}: it counts {sum(hist)} rounds, {VERIFY_CT} = {rounds}"
         if correct is not None and sum(k * v for k, v in enumerate(hist)) != correct:
-            return (f"{HISTOGRAM} adds up to {sum(k * v for k, v in enumerate(hist))} correct drafts, "
+            return (f"impossible {HISTOGRAM}: it adds up to {sum(k * v for k, v in enumerate(hist))} correct drafts, "
                     f"{CORRECT_DRAFTS} = {correct!r}")
+        top = max((k for k, v in enumerate(hist) if v), default=0)
+        if block_size is not None and top > block_size - 1:
+            return (f"impossible {HISTOGRAM}: a round with {top} correct drafts, the server drafts blocks of "
+                    f"{block_size} (at most {block_size - 1} drafts)")
     if correct is not None:
-        c = whole_count(correct)
-        if c is None:
-            return f"{CORRECT_DRAFTS} = {correct!r}: expected a whole number"
-        if committed > c + rounds:
-            return (f"{committed} tokens committed by {rounds} rounds with {c} correct drafts: a round commits at "
-                    "most its correct drafts + 1")
+        if committed > correct + rounds:
+            return (f"impossible {CORRECT_DRAFTS}: {committed} tokens committed by {rounds} rounds with {correct} "
+                    "correct drafts: a round commits at most its correct drafts + 1")
+    if block_size is not None and committed > rounds * block_size:
+        return (f"impossible {VERIFY_CT}: {committed} tokens committed by {rounds} rounds of blocks of {block_size} "
+                f"(at most {block_size} tokens a round)")
     return None
 
 
-def comparability(entry: Any) -> tuple[str, str] | None:
+def comparability(entry: Any, block_size: int | None = None) -> tuple[str, str] | None:
     """None when the sample's served counters are comparable with the replay, else ``(kind, reason)``
-    (kind SKIPPED or FLAGGED). The one definition of "samples whose served counters count", used by
-    ``--served-check`` (:func:`compare`) and the callback's served baseline (:func:`served_tau`)."""
-    counters = getattr(entry, "served_spec", None) or {}
+    (kind SKIPPED or FLAGGED; the reason's text before its first ": " is a short label). The one
+    definition of "samples whose served counters count", used by ``--served-check`` (:func:`compare`)
+    and the callback's served baseline (:func:`served_tau`). ``block_size``: the server's, when known
+    (:func:`served_block_size`).
+
+    Counters no server sends are FLAGGED with the field named, before anything else: they are
+    damage, never "no counters" or a difference. A sample without ``spec_verify_ct`` (or with 0) has no
+    round to compare."""
+    spec = getattr(entry, "served_spec", None)
+    problem = served_spec_problem(spec)
+    if problem is not None:
+        return FLAGGED, problem
+    counters = spec or {}
+    bad = malformed_counters(counters)
+    if bad is not None:
+        return FLAGGED, bad
     if verify_rounds(counters) is None:
-        return SKIPPED, ("no served counters (the server sends none for a request without a verification "
-                         "round, e.g. a completion of one token, or it was not speculating)")
+        return SKIPPED, ("no served counters: the server sends none for a request without a verification "
+                         "round (e.g. a completion of one token), or it was not speculating")
     retractions = counters.get(RETRACTIONS)
-    if isinstance(retractions, (int, float)) and not isinstance(retractions, bool) and retractions > 0:
+    if retractions:
         return SKIPPED, (f"retracted {retractions:g} time(s) on the server (num_retractions): SGLang keeps "
                          "counting rounds across a retraction, so its counters do not describe one loop")
     if entry.valid_len < entry.total_len:
         return SKIPPED, (f"the CPU prefill disagrees with the served completion at completion offset "
                          f"{entry.valid_len - entry.prompt_len}: the replay stops there, the counters do not")
-    why = impossible_counters(counters, entry.completion_len)
+    why = impossible_counters(counters, entry.completion_len, block_size)
     if why is not None:
-        return FLAGGED, f"counters that cannot be: {why}"
+        return FLAGGED, why
     return None
 
 
-def comparable_entries(entries: Sequence[Any], sample_ids: Sequence[str] | None = None) -> list[Any]:
+def comparable_entries(entries: Sequence[Any], sample_ids: Sequence[str] | None = None,
+                       block_size: int | None = None) -> list[Any]:
     wanted = set(sample_ids) if sample_ids is not None else None
-    return [e for e in entries if (wanted is None or e.id in wanted) and comparability(e) is None]
+    return [e for e in entries if (wanted is None or e.id in wanted) and comparability(e, block_size) is None]
 
 
 # -- settings that make the server's drafts differ from the replay --------------------------------
 
+def block_size_settings(server: Mapping[str, Any] | None, block_size: int | None,
+                        drafter_block_size: int | None) -> list[str]:
+    """One line when the recorded server block (:func:`served_block_size`) is not the block the replay
+    drafted (``block_size``; the drafter's trained block is ``drafter_block_size``), naming both."""
+    server = server or {}
+    out = []
+    both = [server.get(k) for k in ("dflash_block_size", "num_draft_tokens")]
+    if all(isinstance(v, int) and not isinstance(v, bool) for v in both) and both[0] != both[1]:
+        out.append(f"the recorded server arguments disagree: speculative_dflash_block_size {both[0]}, "
+                   f"speculative_num_draft_tokens {both[1]} (SGLang refuses that): which block it drafted is unknown")
+    served = served_block_size(server)
+    if served is None or block_size is None or served == block_size:
+        return out
+    drafter = f" (the drafter's block is {drafter_block_size})" if drafter_block_size not in (None, block_size) else ""
+    if drafter_block_size is not None and served > drafter_block_size:
+        out.append(f"the server drafts blocks of {served} tokens (speculative_num_draft_tokens), more than the "
+                   f"drafter's trained block of {drafter_block_size}: the replay drafts at most that, so its cycles "
+                   "cannot be the server's rounds")
+    else:
+        out.append(f"the server drafts blocks of {served} tokens (speculative_num_draft_tokens), the replay drafted "
+                   f"blocks of {block_size}{drafter}: replay at the server's block (--block-size {served})")
+    return out
+
+
 def incomparable_settings(server: Mapping[str, Any] | None, longest_context: int,
                           drafter_input_embedding_scale: float = 1.0,
-                          drafter_path: str | os.PathLike | None = None) -> list[str]:
+                          drafter_path: str | os.PathLike | None = None, block_size: int | None = None,
+                          drafter_block_size: int | None = None) -> list[str]:
     """One line per recorded server setting under which the server drafts differently from the replay
-    (SGLang 0.5.23's DFlash worker; docs/method.md, "Tail blocks" and "Check against the server")."""
+    (SGLang 0.5.23's DFlash worker; docs/method.md, "Tail blocks" and "Check against the server"),
+    the block size included (:func:`block_size_settings`)."""
     server = server or {}
     out = []
     window = server.get("draft_window_size")
@@ -289,6 +399,7 @@ def incomparable_settings(server: Mapping[str, Any] | None, longest_context: int
     if folder.get("mask_embedding") or (local or {}).get("mask_embedding"):
         out.append(f"{MASK_EMBEDDING_FILE} in the draft folder: the server replaces the mask token's embedding row "
                    "with it, the replay uses the target's row: every draft can differ")
+    out += block_size_settings(server, block_size, drafter_block_size)
     scales = {float(drafter_input_embedding_scale)}
     if isinstance(folder.get("input_embedding_scale"), (int, float)):
         scales.add(float(folder["input_embedding_scale"]))
@@ -299,11 +410,13 @@ def incomparable_settings(server: Mapping[str, Any] | None, longest_context: int
     return out
 
 
-def served_tau(entries: Sequence[Any], sample_ids: Sequence[str] | None = None) -> tuple[float, int, int] | None:
+def served_tau(entries: Sequence[Any], sample_ids: Sequence[str] | None = None,
+               block_size: int | None = None) -> tuple[float, int, int] | None:
     """Pooled served tau (replay's convention) over the comparable entries (:func:`comparability`, the
-    samples ``--served-check`` compares): (tau, rounds, samples), or None."""
+    samples ``--served-check`` compares; ``block_size``: the server's, :func:`served_block_size`):
+    (tau, rounds, samples), or None."""
     rounds = tokens = n = 0
-    for e in comparable_entries(entries, sample_ids):
+    for e in comparable_entries(entries, sample_ids, block_size):
         r, _ = served_rounds_and_tau(e.served_spec, e.completion_len)
         rounds += r
         tokens += e.completion_len - 1

@@ -22,6 +22,7 @@ from safetensors import safe_open
 
 from ..common.errors import DFlashCBError
 from ..common.fileio import atomic_write_bytes
+from .served import served_spec_problem
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -172,7 +173,7 @@ def _entry_problem(e: SampleEntry) -> str | None:
     if not e.prompt_len <= e.valid_len <= e.total_len:
         return (f"valid_len {e.valid_len} is outside [prompt_len {e.prompt_len}, "
                 f"prompt_len + completion_len {e.total_len}]")
-    return None
+    return served_spec_problem(e.served_spec)  # its values are judged where they are compared (served.py)
 
 
 def first_disagreement(target_argmax: torch.Tensor, input_ids: torch.Tensor, prompt_len: int) -> int:

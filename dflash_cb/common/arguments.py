@@ -60,6 +60,16 @@ def int_at_least(name: str, value: Any, minimum: int, *, none: str | None = None
     return int(value)
 
 
+def int_between(name: str, value: Any, minimum: int, maximum: int, *, none: str | None = None,
+                note: str | None = None) -> Any:
+    """``value`` as an int in ``[minimum, maximum]``. With ``none`` (what None means), None is accepted too."""
+    if value is None and none is not None:
+        return None
+    if not is_int(value) or not minimum <= value <= maximum:
+        raise _refuse(name, value, f"an integer from {minimum} to {maximum}" + _or_none(none), note)
+    return int(value)
+
+
 def int_list(name: str, values: Any, minimum: int, *, none: str | None = None, note: str | None = None,
              empty: bool = True) -> Any:
     """``values`` (a list or tuple of ints >= ``minimum``) as a tuple in the given order. With ``none``

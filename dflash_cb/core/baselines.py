@@ -165,13 +165,13 @@ def load_served(cache: StateCache, sample_ids: Sequence[str] | None = None) -> B
     Tau in the replay's convention (``served.served_rounds_and_tau``), pooled over ``sample_ids``
     that have counters. Measured by the server on its hardware, not replayed here.
     """
-    from ..cache.served import served_tau
+    from ..cache.served import served_block_size, served_tau
 
-    got = served_tau(cache.samples, sample_ids)
+    config = cache.manifest.served_spec_config or {}
+    got = served_tau(cache.samples, sample_ids, served_block_size(config))
     if got is None:
         return None
     tau, rounds, n = got
-    config = cache.manifest.served_spec_config or {}
     path = config.get("draft_model_path")
     name = Path(str(path).rstrip("/")).name if path else "served"
     return Baseline(name, SERVED, {TAU: tau}, None,

@@ -17,6 +17,12 @@ prompts once and taking the difference of the two ratios on each resample. Promp
 cancels, so the interval of the difference is much narrower than the two separate intervals
 suggest; a drafter against itself gives exactly [0, 0].
 
+Anchor statistics (``specforge/acc``, ``acceptance/depth_KK``, ``all_anchor_tau``) are ratios of
+per-sample integer counts too (``SampleResult.anchor_counts``), so they get intervals the same way.
+At a stride > 1 each sample's statistics set starts at its own random offset
+(``anchor_sets.anchor_offset``); resampling whole samples resamples those independent draws with
+them, so the interval of a strided figure includes the noise of the offsets.
+
 Pure numpy: no I/O, no torch, no W&B.
 """
 
@@ -31,12 +37,15 @@ import numpy as np
 
 from .metrics import (
     ACCEPT_LENGTH_SERVED,
+    ALL_ANCHOR_TAU,
+    SPECFORGE_ACC,
     TAU,
     TAU_REQUEST_MEAN,
     category_tau,
     ci_high,
     ci_low,
     ddtree_tau,
+    depth_acc,
     sample_accept_length_served,
     sample_tau,
 )
@@ -133,15 +142,32 @@ def paired_difference(a: Sums, b: Sums, n_resamples: int = DEFAULT_RESAMPLES, se
 
 # -- from scored samples ---------------------------------------------------------------------
 
+def anchor_sums(samples: Sequence[Any], stride: int) -> dict[str, Sums]:
+    """Per-sample sums of ``specforge/acc``, each ``acceptance/depth_KK`` and ``all_anchor_tau`` over the
+    statistics sets of stride ``stride``; {} unless every sample has counts at that stride."""
+    counts = [getattr(s, "anchor_counts", {}).get(stride) for s in samples]
+    if not counts or any(c is None for c in counts):
+        return {}
+    out = {SPECFORGE_ACC: Sums.of([sum(c.specforge_match) for c in counts], [sum(c.specforge_total) for c in counts]),
+           ALL_ANCHOR_TAU: Sums.of([c.anchor_produced for c in counts], [c.anchors for c in counts])}
+    depths = max(len(c.depth_total) for c in counts)
+    for k in range(1, depths + 1):
+        out[depth_acc(k)] = Sums.of([c.depth_match[k - 1] if c.depth_match else 0 for c in counts],
+                                    [c.depth_total[k - 1] if c.depth_total else 0 for c in counts])
+    return out
+
+
 def metric_sums(samples: Sequence[Any], budgets: Sequence[int] = (),
-                categories: Sequence[str] = ()) -> dict[str, Sums]:
-    """Per-sample sums of ``tau``, the per-request means, each DDTree tau and each category tau.
+                categories: Sequence[str] = (), anchor_stride: int | None = None) -> dict[str, Sums]:
+    """Per-sample sums of ``tau``, the per-request means, each DDTree tau and each category tau, and with
+    ``anchor_stride`` the anchor statistics of that stride (``anchor_sums``).
 
     A per-request mean is a ratio too: each sample with a cycle adds its own value over a weight of
     one, a sample without a cycle adds nothing (``metrics.EvalCounts.add_cycles``).
 
     ``samples``: scored samples (``engine.SampleResult`` or ``results.SampleRecord``: ``category``,
-    ``acceptance_lengths``, ``ddtree: {budget: lengths}``), in one fixed order.
+    ``acceptance_lengths``, ``ddtree: {budget: lengths}``, ``anchor_counts: {stride: AnchorCounts}``), in
+    one fixed order.
     """
     produced = [float(sum(s.acceptance_lengths)) for s in samples]
     cycles = [float(len(s.acceptance_lengths)) for s in samples]
@@ -158,6 +184,8 @@ def metric_sums(samples: Sequence[Any], budgets: Sequence[int] = (),
         mask = [s.category == c for s in samples]
         out[category_tau(c)] = Sums.of([p if m else 0.0 for p, m in zip(produced, mask, strict=True)],
                                        [n if m else 0.0 for n, m in zip(cycles, mask, strict=True)])
+    if anchor_stride is not None:
+        out.update(anchor_sums(samples, anchor_stride))
     return out
 
 
@@ -170,13 +198,26 @@ def request_means(samples: Sequence[Any]) -> dict[str, float]:
 
 def interval_metrics(samples: Sequence[Any], budgets: Sequence[int] = (), categories: Sequence[str] = (),
                      n_resamples: int = DEFAULT_RESAMPLES, seed: int = DEFAULT_SEED,
-                     level: float = DEFAULT_LEVEL) -> dict[str, float]:
-    """``{<metric>_ci_low, <metric>_ci_high}`` for tau, the per-request means, DDTree taus and category taus
-    (finite ends only)."""
+                     level: float = DEFAULT_LEVEL, anchor_stride: int | None = None) -> dict[str, float]:
+    """``{<metric>_ci_low, <metric>_ci_high}`` for tau, the per-request means, DDTree taus and category taus,
+    and with ``anchor_stride`` for that stride's anchor statistics (finite ends only)."""
     if not samples:
         return {}
+    return _interval_keys(metric_sums(samples, budgets, categories, anchor_stride), n_resamples, seed, level)
+
+
+def anchor_interval_metrics(samples: Sequence[Any], stride: int, n_resamples: int = DEFAULT_RESAMPLES,
+                            seed: int = DEFAULT_SEED, level: float = DEFAULT_LEVEL) -> dict[str, float]:
+    """The interval keys of stride ``stride``'s anchor statistics alone (``anchor_sums``); the same values
+    ``interval_metrics(..., anchor_stride=stride)`` gives them (the resamples depend on the seed alone)."""
+    if not samples:
+        return {}
+    return _interval_keys(anchor_sums(samples, stride), n_resamples, seed, level)
+
+
+def _interval_keys(sums: Mapping[str, Sums], n_resamples: int, seed: int, level: float) -> dict[str, float]:
     out: dict[str, float] = {}
-    for k, iv in intervals(metric_sums(samples, budgets, categories), n_resamples, seed, level).items():
+    for k, iv in intervals(sums, n_resamples, seed, level).items():
         if math.isfinite(iv.low) and math.isfinite(iv.high):
             out[ci_low(k)] = iv.low
             out[ci_high(k)] = iv.high

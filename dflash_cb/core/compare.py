@@ -111,13 +111,19 @@ def delta_metrics(live: Sequence[Any], baselines: Sequence[Any], n_resamples: in
 
 def live_metrics(samples: Sequence[Any], budgets: Sequence[int], categories: Sequence[str],
                  baselines: Sequence[Any] = (), position_edges: Sequence[int] = DEFAULT_POSITION_EDGES,
-                 n_resamples: int = DEFAULT_RESAMPLES, seed: int = DEFAULT_SEED) -> dict[str, float]:
+                 n_resamples: int = DEFAULT_RESAMPLES, seed: int = DEFAULT_SEED,
+                 anchor_stride: int | None = None) -> dict[str, float]:
     """What the callback adds to an evaluation's counts, from the per-sample lengths gathered on rank zero:
-    intervals, position / cycle-index taus, and ``delta_tau`` against each measured baseline."""
+    intervals, position / cycle-index taus, and ``delta_tau`` against each measured baseline, and the
+    intervals of the anchor statistics (``specforge/acc``, ``acceptance/depth_KK``, ``all_anchor_tau``) at
+    ``anchor_stride``; None: the one stride the samples have statistics at (none when they have several)."""
     if not samples:
         return {}
+    if anchor_stride is None:
+        strides = {k for s in samples for k in getattr(s, "anchor_counts", {})}
+        anchor_stride = strides.pop() if len(strides) == 1 else None
     scalars, _ = derived_metrics(list(samples), tuple(budgets), tuple(categories), tuple(position_edges),
-                                 n_resamples=n_resamples, seed=seed)
+                                 n_resamples=n_resamples, seed=seed, anchor_stride=anchor_stride)
     scalars.update(delta_metrics(samples, baselines, n_resamples, seed))
     return scalars
 

@@ -3,9 +3,13 @@ across samples (the method, and why the replay is exact: docs/method.md).
 
 The replays (the greedy walk and one walk per DDTree budget, for every sample) advance in rounds.
 Each round collects the anchors that the live walks need next, plus, in the first round, the
-fixed anchor-statistics set (every ``anchor_stride``-th anchor from ``prompt_len``); each
-distinct (sample, anchor) is drafted once and its per-walk ``produced`` values are kept, so a
-walk that lands on an anchor drafted earlier (by another walk or for the statistics) reuses it.
+fixed anchor-statistics set (per sample every ``anchor_stride``-th anchor from a drawn offset,
+``anchor_sets``; the union over the extra strides); each distinct (sample, anchor) is drafted once
+and its per-walk ``produced`` values are kept, so a walk that lands on an anchor drafted earlier
+(by another walk or for the statistics) reuses it. The statistics are kept per anchor and summed
+per sample and stride when the sample is done, so the counts are per-sample integers summed in
+sample order. ``specforge/acc`` drafts its anchors again only where SpecForge's drafts differ from
+the served ones (its masks, or a shortened tail block).
 When the drafts so far say a walk almost always advances by one token (tau ~ 1), the round also
 drafts the next few anchors that walk will need with high probability (``_grow``), so a
 weak drafter does not cost one round per cycle.
@@ -22,23 +26,28 @@ No Lightning, W&B or HTTP here.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..cache.states import CachedSample, Manifest, StateCache, TargetHead
+from ..cache.states import CachedSample, Manifest, SampleEntry, StateCache, TargetHead
 from ..cache.target import DTYPES
+from ..common import arguments as check
+from ..common.errors import DFlashCBError
+from .anchor_sets import DEFAULT_ANCHOR_SEED, check_anchor_offsets, offsets_for, strided
 from .ddtree import ddtree_accepted
-from .metrics import TAU, EvalCounts, summarize
-from .model import DFlashDrafter, DrafterSpec, draft_logits
+from .metrics import TAU, AnchorCounts, EvalCounts, count_anchors, summarize
+from .model import DFlashDrafter, DrafterSpec, draft_logits, specforge_mask_difference
 from .replay import (
     SampleBounds,
     Walk,
     block_lengths,
+    check_block_size,
     check_tail_blocks,
     cut_produced,
     leading_matches,
@@ -90,6 +99,20 @@ class DraftRunner:
     def dtype(self) -> torch.dtype:
         return torch.float32
 
+    def specforge_difference(self, block_size: int) -> str | None:
+        """Why SpecForge 0.2.0 trains this drafter under other masks than it is served with at ``block_size``
+        (None: the same masks, or nothing known of them; ``model.specforge_mask_difference``)."""
+        return None
+
+    def specforge_rows(self, states: Sequence[Any], noise_embedding: torch.Tensor, anchors: torch.Tensor,
+                       segments: Sequence[tuple[int, int]]) -> BlockRows:
+        """Full blocks under SpecForge's training masks (what its DFlash accuracy scores). A runner that cannot
+        change its masks runs its own: the engine asks it only when they are SpecForge's (``has_specforge_masks``)."""
+        return self.block_rows(states, noise_embedding, anchors, segments)
+
+    # Whether ``specforge_rows`` can run SpecForge's masks where they differ from the served ones.
+    has_specforge_masks = False
+
 
 class BlockRows:
     """Drafter hidden states of a batch of blocks, read by (block, position) pairs."""
@@ -134,6 +157,16 @@ class FastRunner(DraftRunner):
         return self.drafter.forward_samples(states, noise_embedding, anchors, segments, lengths, self.attn_mem_bytes,
                                             defer_last=True)
 
+    def specforge_difference(self, block_size: int) -> str | None:
+        return self.drafter.specforge_difference(block_size)
+
+    def specforge_rows(self, states: Sequence[Any], noise_embedding: torch.Tensor, anchors: torch.Tensor,
+                       segments: Sequence[tuple[int, int]]) -> BlockRows:
+        return self.drafter.forward_samples(states, noise_embedding, anchors, segments, None, self.attn_mem_bytes,
+                                            defer_last=True, masks="specforge")
+
+    has_specforge_masks = True
+
 
 class ReferenceRunner(DraftRunner):
     """Any module or function with the reference forward signature
@@ -150,6 +183,10 @@ class ReferenceRunner(DraftRunner):
     @property
     def dtype(self) -> torch.dtype:
         return self._dtype
+
+    def specforge_difference(self, block_size: int) -> str | None:
+        config = _drafter_config(self.fn)
+        return None if config is None else specforge_mask_difference(config, block_size)
 
     def state_bytes(self, tokens: int, dtype: torch.dtype) -> int:
         # The state is the context features themselves, stored in the runner's dtype (not ``dtype``).
@@ -271,7 +308,11 @@ class SampleResult:
     category: str
     acceptance_lengths: list[int]
     ddtree: dict[int, list[int]] = field(default_factory=dict)
-    anchors: int = 0  # anchors in this sample's statistics set
+    anchors: int = 0  # anchors in this sample's statistics set (at the evaluation's anchor_stride)
+    # Per statistics stride (the evaluation's anchor_stride and each extra one): this sample's offset
+    # (anchor_sets.anchor_offset) and its anchor-statistic counts over anchors[offset::stride].
+    anchor_offsets: dict[int, int] = field(default_factory=dict)
+    anchor_counts: dict[int, AnchorCounts] = field(default_factory=dict)
     # The drafter's block (argmax per depth) at each of the first cycles, when asked (keep_drafts).
     drafts: list[list[int]] | None = None
     anchors_drafted: int = 0  # distinct anchors the drafter ran at
@@ -290,9 +331,10 @@ def block_embeddings(tokens: torch.Tensor, anchors: torch.Tensor, length: int, s
     return emb * spec.input_embedding_scale if spec.input_embedding_scale != 1.0 else emb
 
 
-def stats_anchors(bounds: SampleBounds, stride: int) -> range:
-    """The fixed anchor-statistics set: every ``stride``-th anchor from ``prompt_len``."""
-    return bounds.anchors[::stride]
+def stats_anchors(bounds: SampleBounds, stride: int, offset: int = 0) -> range:
+    """One sample's anchor-statistics set: every ``stride``-th anchor from its ``offset``-th
+    (``anchor_sets``: the offset is drawn per sample, so the first anchor is not always in)."""
+    return strided(bounds.anchors, stride, offset)
 
 
 @dataclass
@@ -303,14 +345,19 @@ class _Live:
     category: str
     bounds: SampleBounds
     state: Any
-    stats: range
+    offsets: tuple[int, ...]  # per statistics stride (``_Drafting.strides``): this sample's offset
+    stats: list[int]  # the union of its statistics sets, in anchor order
     walks: list[Walk]
+    has_topk: bool = False
     # anchor -> produced of a cycle there, per walk (greedy first, then each DDTree budget)
     known: dict[int, tuple[int, ...]] = field(default_factory=dict)
     correct: dict[int, int] = field(default_factory=dict)  # anchor -> greedy leading matches before any cut
     rows: dict[int, list[int]] | None = None  # anchor -> argmax block (keep_drafts only)
     window: list[int] = field(default_factory=list)  # per walk: anchors to draft from its position on
     ones: list[int] = field(default_factory=list)  # per walk kind: drafted anchors whose cycle produced one token
+    # Scored statistics anchors, per drafting chunk: (anchors [r], int16 table [r, 2 + 3 D] of accepted, produced
+    # and per depth valid, match, SpecForge match; t1 [r] or None).
+    scored: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = field(default_factory=list)
 
 
 class _Wave:
@@ -328,6 +375,7 @@ class _Wave:
         self.loop_end = torch.tensor([lv.bounds.loop_end for lv in lives], device=device)
         self.known_end = torch.tensor([lv.bounds.known_end for lv in lives], device=device)
         self.prompt_len = torch.tensor([lv.bounds.prompt_len for lv in lives], device=device)
+        self.stat_offsets = torch.tensor([lv.offsets for lv in lives], device=device).view(len(lives), -1)
         self.topk = None
         if any(t is not None for t in topk):
             k = max(t[0].shape[1] for t in topk if t is not None)
@@ -358,13 +406,19 @@ def _grow(window: int, one_token_share: float, consumed: bool, cap: int) -> int:
 
 class _Drafting:
     """Drafts (sample, anchor) requests of a wave and scores them: per-walk ``produced`` values kept per
-    sample, anchor statistics added to ``counts`` for anchors of the statistics set."""
+    sample, and, for anchors of a statistics set, their per-anchor statistics (``_Live.scored``).
+
+    ``specforge``: "served" when SpecForge's masks are the served ones (its accuracy comes from the same
+    drafts, but for shortened tail blocks, which it drafts again in full), "own pass" when they differ (every
+    statistics anchor is drafted again under its masks), "none" when the runner cannot run them.
+    """
 
     def __init__(self, runner: DraftRunner, head: TargetHead, spec: DrafterSpec, budgets: tuple[int, ...],
-                 counts: EvalCounts, stride: int, head_mem_bytes: int, max_blocks: int, tail_blocks: str):
+                 strides: tuple[int, ...], head_mem_bytes: int, max_blocks: int, tail_blocks: str, specforge: str):
         self.runner, self.head, self.spec, self.budgets = runner, head, spec, budgets
-        self.tail_blocks = tail_blocks
-        self.counts, self.stride, self.head_mem_bytes, self.max_blocks = counts, stride, head_mem_bytes, max_blocks
+        self.tail_blocks, self.specforge = tail_blocks, specforge
+        self.strides = torch.tensor(strides, device=head.embed_tokens.device)
+        self.head_mem_bytes, self.max_blocks = head_mem_bytes, max_blocks
 
     def run(self, wave: _Wave, requests: list[tuple[int, int]]) -> None:
         requests.sort()
@@ -376,11 +430,8 @@ class _Drafting:
         dev = head.embed_tokens.device
         n, d = spec.block_size, spec.block_size - 1
         who = [w for w, _ in requests]
-        segments, lives = [], []
-        for w in sorted(set(who)):
-            lo = who.index(w)
-            segments.append((lo, lo + who.count(w)))
-            lives.append(wave.lives[w])
+        order, segments = _segments(who)
+        lives = [wave.lives[w] for w in order]
         sample = torch.tensor(who, device=dev)
         anchors = torch.tensor([p for _, p in requests], device=dev)
         base = wave.offset[sample]
@@ -398,7 +449,9 @@ class _Drafting:
             # The target's distribution for the token at p + k sits at position p + k - 1.
             at = (base[:, None] + torch.minimum(pos - 1, last)).reshape(-1)
             tk = (wave.topk[0][at], wave.topk[1][at])
-        sel = (anchors - wave.prompt_len[sample]) % self.stride == 0  # rows of the anchor-statistics set
+        # Rows of a statistics set: anchors[offset::stride] of their sample, for any of the strides.
+        rel = (anchors - wave.prompt_len[sample])[:, None] - wave.stat_offsets[sample]
+        sel = (rel % self.strides[None, :] == 0).any(dim=1)
         keep_rows = any(lv.rows is not None for lv in lives)
         out = None
         if self.budgets or keep_rows or bool(sel.all()):
@@ -436,13 +489,50 @@ class _Drafting:
                 lv.ones[j] += v == 1
             if lv.rows is not None:
                 lv.rows[p] = rows[r][: depths[r]]
-        # Anchor statistics on the fixed set only.
         if bool(sel.any()):
-            valid = inside & (target >= 0)
-            self.counts.add_anchors(accepted[sel], produced[0][sel], valid[sel], (argmax == target)[sel])
-            if overlap is not None:
-                alpha = torch.where(valid, overlap, 0.0)[sel]
-                self.counts.add_t1(torch.cumprod(alpha.double(), dim=1).sum(dim=1))
+            self._keep_statistics(wave, sample, anchors, lengths, emb, sel, inside & (target >= 0), target, argmax,
+                                  accepted, produced[0], overlap)
+
+    def _keep_statistics(self, wave: _Wave, sample: torch.Tensor, anchors: torch.Tensor, lengths: torch.Tensor,
+                         emb: torch.Tensor, sel: torch.Tensor, valid: torch.Tensor, target: torch.Tensor,
+                         argmax: torch.Tensor, accepted: torch.Tensor, produced: torch.Tensor,
+                         overlap: torch.Tensor | None) -> None:
+        """Per-anchor statistics of the statistics rows ``sel``, kept per sample (on the CPU, small integers):
+        the sums over each stride's set are taken when the sample is finished (``_anchor_counts``)."""
+        match = argmax == target
+        sf_match = match
+        if self.specforge != "none":
+            # SpecForge drafts full blocks under its own masks: draft again where that changes the drafts.
+            again = sel if self.specforge == "own pass" else sel & (lengths < self.spec.block_size)
+            if bool(again.any()):
+                sf_match = match.clone()
+                sf_match[again] = self._specforge_argmax(wave, sample, anchors, emb, again) == target[again]
+        table = torch.cat([accepted[:, None], produced[:, None], valid, match & valid, sf_match & valid], dim=1)
+        rows = sel.nonzero()[:, 0]
+        table = table[rows].to(device="cpu", dtype=torch.int16)
+        at = anchors[rows].cpu()
+        t1 = None
+        if overlap is not None:
+            alpha = torch.where(valid, overlap, 0.0)[rows]
+            t1 = torch.cumprod(alpha.double(), dim=1).sum(dim=1).cpu()  # expected accepted at temperature 1
+        who = sample[rows].cpu()
+        for w in torch.unique_consecutive(who).tolist():
+            m = who == w
+            lv = wave.lives[w]
+            lv.scored.append((at[m], table[m], t1[m] if t1 is not None and lv.has_topk else None))
+
+    def _specforge_argmax(self, wave: _Wave, sample: torch.Tensor, anchors: torch.Tensor, emb: torch.Tensor,
+                          rows: torch.Tensor) -> torch.Tensor:
+        """Greedy drafts [r, D] of the blocks ``rows`` drafted in full under SpecForge's training masks."""
+        idx = rows.nonzero()[:, 0]
+        order, segments = _segments(sample[idx].tolist())
+        states = [wave.lives[w].state for w in order]
+        d = self.spec.block_size - 1
+        blocks = self.runner.specforge_rows(states, emb[idx], anchors[idx], segments)
+        depth = torch.arange(1, d + 1, device=idx.device)[None, :]
+        hid = blocks.rows(torch.arange(idx.numel(), device=idx.device)[:, None], depth)
+        out = apply_head(hid.reshape(idx.numel() * d, -1), self.head.lm_head, self.spec, 0, self.head_mem_bytes)
+        return out.argmax.view(-1, d)
 
     def _greedy_head(self, blocks: BlockRows, target: torch.Tensor, sel: torch.Tensor,
                      tk: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -482,6 +572,19 @@ class _Drafting:
             live = live[lead == c]
             k += c
         return raw, overlap
+
+
+def _segments(who: list[int]) -> tuple[list[int], list[tuple[int, int]]]:
+    """The samples of sorted rows ``who`` and each one's rows (start, stop)."""
+    order: list[int] = []
+    segments: list[tuple[int, int]] = []
+    for i, w in enumerate(who):
+        if not order or order[-1] != w:
+            order.append(w)
+            segments.append((i, i + 1))
+        else:
+            segments[-1] = (segments[-1][0], i + 1)
+    return order, segments
 
 
 def _advance(lv: _Live, cap: int) -> None:
@@ -539,6 +642,11 @@ class EvalReport:
     anchor_stride: int = 1
     tail_blocks: str = "served"
     head_dtype: str = ""  # the dtype the output head computed in
+    anchor_seed: int = DEFAULT_ANCHOR_SEED
+    extra_anchor_strides: tuple[int, ...] = ()
+    # How ``specforge/acc`` was computed: "" when SpecForge's masks are the served ones; else why they
+    # differ and that it had its own pass, or was left out (``SPECFORGE_OWN_PASS`` / ``SPECFORGE_LEFT_OUT``).
+    specforge_note: str = ""
 
     @property
     def summary(self) -> dict[str, float]:
@@ -548,12 +656,63 @@ class EvalReport:
     def tau(self) -> float:
         return self.summary[TAU]
 
+    @property
+    def block_size(self) -> int:
+        """The block every cycle drafted (``evaluate(block_size=...)``); ``spec.block_size`` is the drafter's."""
+        return self.counts.block_size
+
+    @property
+    def anchor_strides(self) -> tuple[int, ...]:
+        """Every stride with statistics in this report: ``anchor_stride`` first, then the extra ones."""
+        return (self.anchor_stride, *self.extra_anchor_strides)
+
+    def counts_at(self, stride: int) -> EvalCounts:
+        """The counts with the anchor statistics of stride ``stride`` (``anchor_stride`` or an extra one); the
+        cycle, DDTree and cost counts are ``counts``'."""
+        if stride == self.anchor_stride:
+            return self.counts
+        if stride not in self.extra_anchor_strides:
+            raise DFlashCBError(f"stride {stride}: this evaluation has anchor statistics at strides "
+                                f"{list(self.anchor_strides)} only; pass extra_anchor_strides=[{stride}] to evaluate")
+        c = self.counts
+        return summed_counts(self.samples, c.block_size, c.budgets, c.categories, stride)
+
+
+SPECFORGE_OWN_PASS = "specforge/acc is computed under SpecForge's masks, with a drafter pass of its own"
+SPECFORGE_LEFT_OUT = "specforge/acc is left out: this drafter's runner cannot run SpecForge's masks"
+
+
+def summed_counts(samples: Sequence[SampleResult], block_size: int, budgets: Sequence[int],
+                  categories: Sequence[str], stride: int) -> EvalCounts:
+    """``EvalCounts`` of scored samples, summed in their order from per-sample integers, with the anchor
+    statistics of ``stride``: the same whichever samples were evaluated together (or on which rank)."""
+    counts = EvalCounts(block_size, tuple(budgets), tuple(categories))
+    for r in samples:
+        counts.add_cycles(r.acceptance_lengths, r.category)
+        for i, b in enumerate(counts.budgets):
+            counts.add_ddtree(i, r.ddtree[b])
+        counts.add_cost(r.anchors_drafted, r.anchors_needed)
+        counts.add_anchor_counts(r.anchor_counts[stride])
+    return counts
+
 
 def bounds_for(sample: CachedSample, manifest: Manifest) -> SampleBounds:
     e = sample.entry
     last = int(sample.input_ids[-1]) if e.total_len > 0 else None
     return sample_bounds(e.prompt_len, e.total_len, e.valid_len, manifest.max_new_tokens, last,
                          manifest.stop_token_ids)
+
+
+def anchor_count(entry: SampleEntry, manifest: Manifest) -> int:
+    """How many anchors a sample has (``len(bounds_for(...).anchors)``) from its manifest entry alone: the
+    last token, which ``bounds_for`` reads from the shard, moves the loop's end but never the anchors."""
+    return len(sample_bounds(entry.prompt_len, entry.total_len, entry.valid_len, manifest.max_new_tokens, None,
+                             ()).anchors)
+
+
+def anchors_per_sample(cache: StateCache, ids: Iterable[str]) -> dict[str, int]:
+    """``{sample id: anchors}`` without reading a shard (for ``anchor_sets.sparse_stride_warning``)."""
+    return {i: anchor_count(cache.entry(i), cache.manifest) for i in ids}
 
 
 # Names an evaluation's autocast dtype may be given by: the project's dtype table plus short spellings.
@@ -601,17 +760,28 @@ def evaluate(cache: StateCache, drafter: Any, head: TargetHead | None = None, *,
              autocast_dtype: torch.dtype | None = None, spec: DrafterSpec | None = None, verify: bool = False,
              progress: bool = False, attn_mem_bytes: int = 512 << 20, head_mem_bytes: int = 512 << 20,
              context_mem_bytes: int = 4 << 30, max_blocks: int = 1024, keep_drafts: int = 0,
-             tail_blocks: str = "served") -> EvalReport:
+             tail_blocks: str = "served", block_size: int | None = None, anchor_seed: int = DEFAULT_ANCHOR_SEED,
+             extra_anchor_strides: Sequence[int] = (), anchor_offsets: Mapping[str, int] | None = None
+             ) -> EvalReport:
     """Score ``drafter`` on ``cache``: exact greedy replay, DDTree per budget, anchor statistics.
 
     ``anchor_stride`` picks the anchor-statistics set (per-depth acceptance, ``specforge/acc``,
-    ``all_anchor_tau``, the chain and temperature-1 estimates): every ``anchor_stride``-th anchor from
-    ``prompt_len``, the same at every evaluation; 1 = every anchor. The replays are exact whatever
-    the stride. ``head`` defaults to the cache's exported target head. ``autocast_dtype`` (e.g.
+    ``all_anchor_tau``, the chain and temperature-1 estimates): per sample ``anchors[o::anchor_stride]``
+    with an offset ``o = anchor_sets.anchor_offset(anchor_seed, sample id, anchor_stride)`` in
+    ``[0, anchor_stride)``, the same at every evaluation whatever else is evaluated with it; 1 = every
+    anchor. ``anchor_offsets`` ({sample id: offset}) replaces the drawn offsets of the samples it names
+    (others keep theirs). ``extra_anchor_strides``: more statistics sets from the same pass (each with its
+    own drawn offsets; what is drafted is the union); ``EvalReport.counts_at(stride)`` gives their counts.
+    The replays are exact whatever the strides. ``specforge/acc`` is SpecForge 0.2.0's accuracy: when
+    its training masks differ from the served ones (``model.specforge_mask_difference``), the statistics
+    anchors are drafted once more under its masks (``EvalReport.specforge_note``). ``head`` defaults to the cache's exported target head. ``autocast_dtype`` (e.g.
     bfloat16 on GPU) trades exactness for speed; exactness tests use float32. ``keep_drafts`` > 0
     keeps, per sample, the draft blocks of that many first cycles (``SampleResult.drafts``).
     ``tail_blocks`` (``replay.TAIL_BLOCKS``): "served" drafts full blocks up to the end, as SGLang;
     "reference" shortens the last blocks, as ``dflash_generate`` (docs/method.md, "Tail blocks").
+    ``block_size`` (``replay.check_block_size``: 2 .. the drafter's, None = the drafter's) is the block
+    every cycle drafts, as a server started with a smaller block does; the tail rules and the
+    per-depth statistics follow it (``EvalReport.block_size``).
 
     The head runs in its own dtype: a head loaded here (``head`` None) is read in the compute dtype
     (``autocast_dtype``, else the drafter's), so a bf16 evaluation never holds a float32 head; a
@@ -633,11 +803,21 @@ def evaluate(cache: StateCache, drafter: Any, head: TargetHead | None = None, *,
     """
     start = time.perf_counter()
     check_tail_blocks(tail_blocks)
-    if anchor_stride < 1:
-        raise ValueError(f"anchor_stride must be >= 1 (1 = every anchor), got {anchor_stride}")
+    if not check.is_int(anchor_stride) or anchor_stride < 1:
+        raise check.ArgumentError(f"anchor_stride must be >= 1 (1 = every anchor), got {anchor_stride!r}")
+    anchor_seed = check.int_at_least("anchor_seed", anchor_seed, 0)
+    extra = check.int_list("extra_anchor_strides", list(extra_anchor_strides), 1)
+    strides = (anchor_stride, *sorted(set(extra) - {anchor_stride}))
+    anchor_offsets = check_anchor_offsets("anchor_offsets", anchor_offsets, anchor_stride)
     runner = as_runner(drafter, spec, attn_mem_bytes)
     spec = runner.spec
     cache.check_drafter(spec.as_cache_check())
+    block = check_block_size(block_size, spec.block_size)
+    drafting_spec = dataclasses.replace(spec, block_size=block)  # what the cycles draft; the report keeps spec
+    difference = runner.specforge_difference(block)
+    specforge = "served" if difference is None else "own pass" if runner.has_specforge_masks else "none"
+    note = "" if difference is None else f"{difference}: " + (
+        SPECFORGE_OWN_PASS if specforge == "own pass" else SPECFORGE_LEFT_OUT)
     if device is None:
         p = getattr(getattr(runner, "drafter", None), "fc", None)
         device = p.weight.device if p is not None else torch.device("cpu")
@@ -651,10 +831,11 @@ def evaluate(cache: StateCache, drafter: Any, head: TargetHead | None = None, *,
         raise ValueError(f"DDTree budgets must be positive, got {budgets}")
     ids = list(sample_ids) if sample_ids is not None else [s.id for s in cache.samples]
     categories = cache.categories
-    counts = EvalCounts(spec.block_size, budgets, categories)
     manifest = cache.manifest
     stops = frozenset(manifest.stop_token_ids)
-    drafting = _Drafting(runner, head, spec, budgets, counts, anchor_stride, head_mem_bytes, max_blocks, tail_blocks)
+    offsets = {s: offsets_for(ids, s, anchor_seed, anchor_offsets if s == anchor_stride else None) for s in strides}
+    drafting = _Drafting(runner, head, drafting_spec, budgets, strides, head_mem_bytes, max_blocks, tail_blocks,
+                         specforge)
     state_dtype = autocast_dtype or runner.dtype
     bar = None
     if progress:
@@ -664,36 +845,34 @@ def evaluate(cache: StateCache, drafter: Any, head: TargetHead | None = None, *,
     results: dict[str, SampleResult] = {}
     with torch.no_grad(), autocast_context(device, autocast_dtype):
         for wave_ids in _waves(cache, ids, runner, state_dtype, context_mem_bytes):
-            wave = _load_wave(cache, wave_ids, runner, manifest, stops, anchor_stride, len(budgets), device,
+            wave = _load_wave(cache, wave_ids, runner, manifest, stops, strides, offsets, len(budgets), device,
                               verify, keep_drafts > 0)
             first = True
             while True:
                 for lv in wave.lives:
-                    _advance(lv, 8 * spec.block_size)
+                    _advance(lv, 8 * block)
                 requests = _requests(wave, first)
                 first = False
                 if not requests:
                     break
                 drafting.run(wave, requests)
             for lv in wave.lives:
-                results[lv.id] = _finish(lv, budgets, keep_drafts)
+                results[lv.id] = _finish(lv, budgets, keep_drafts, strides, block, specforge != "none")
                 lv.state = None  # the context K/V of this wave can go
             if bar is not None:
                 bar.update(len(wave_ids))
     if bar is not None:
         bar.close()
     samples = [results[sid] for sid in ids]
-    for r in samples:  # in sample order: the integer counts do not depend on waves or rounds
-        counts.add_cycles(r.acceptance_lengths, r.category)
-        for i, b in enumerate(budgets):
-            counts.add_ddtree(i, r.ddtree[b])
-        counts.add_cost(r.anchors_drafted, r.anchors_needed)
+    # In sample order, from per-sample integers: the counts do not depend on waves, rounds or ranks.
+    counts = summed_counts(samples, block, budgets, categories, anchor_stride)
     return EvalReport(counts, samples, time.perf_counter() - start, spec, budgets, anchor_stride, tail_blocks,
-                      str(head.lm_head.dtype).removeprefix("torch."))
+                      str(head.lm_head.dtype).removeprefix("torch."), anchor_seed, strides[1:], note)
 
 
 def _load_wave(cache: StateCache, ids: list[str], runner: DraftRunner, manifest: Manifest, stops: frozenset[int],
-               stride: int, n_budgets: int, device: torch.device, verify: bool, keep_rows: bool) -> _Wave:
+               strides: tuple[int, ...], offsets: dict[int, dict[str, int]], n_budgets: int, device: torch.device,
+               verify: bool, keep_rows: bool) -> _Wave:
     lives, tokens, topk = [], [], []
     for sid in ids:
         sample = cache.load(sid, verify=verify)
@@ -705,18 +884,43 @@ def _load_wave(cache: StateCache, ids: list[str], runner: DraftRunner, manifest:
             rows = bounds.anchors[-1]
             state = runner.prepare(sample.hidden[:rows].to(device=device, dtype=runner.dtype))
         walks = [Walk(bounds, tok_list, stops) for _ in range(1 + n_budgets)]
-        lives.append(_Live(sid, sample.entry.category, bounds, state, stats_anchors(bounds, stride), walks,
-                           rows={} if keep_rows else None, window=[1] * len(walks), ones=[0] * len(walks)))
+        own = tuple(offsets[s][sid] for s in strides)
+        stats = sorted(set().union(*(stats_anchors(bounds, s, o) for s, o in zip(strides, own, strict=True))))
+        lives.append(_Live(sid, sample.entry.category, bounds, state, own, stats, walks,
+                           has_topk=sample.topk_ids is not None, rows={} if keep_rows else None,
+                           window=[1] * len(walks), ones=[0] * len(walks)))
         tokens.append(sample.input_ids.long())
         topk.append(None if sample.topk_ids is None else (sample.topk_ids, sample.topk_logprobs))
         del sample  # the features are no longer needed: the state holds what the drafter uses
     return _Wave(lives, tokens, topk, sorted(stops), device)
 
 
-def _finish(lv: _Live, budgets: tuple[int, ...], keep_drafts: int) -> SampleResult:
+def _anchor_counts(lv: _Live, stride: int, offset: int, depths: int, specforge: bool) -> AnchorCounts:
+    """The sample's counts over its statistics set at ``stride`` from its scored per-anchor rows."""
+    if not lv.scored:
+        return count_anchors(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long),
+                             torch.zeros(0, depths, dtype=torch.bool), torch.zeros(0, depths, dtype=torch.bool),
+                             specforge=specforge, t1=torch.zeros(0) if lv.has_topk else None)
+    at = torch.cat([a for a, _, _ in lv.scored])
+    order = torch.argsort(at)  # anchor order: the float t1 sum does not depend on how rounds chunked them
+    at, table = at[order], torch.cat([t for _, t, _ in lv.scored])[order].long()
+    t1 = torch.cat([x for _, _, x in lv.scored])[order] if lv.has_topk and lv.scored[0][2] is not None else None
+    m = (at - lv.bounds.prompt_len - offset) % stride == 0
+    d = depths
+    table = table[m]
+    return count_anchors(table[:, 0], table[:, 1], table[:, 2:2 + d].bool(), table[:, 2 + d:2 + 2 * d].bool(),
+                         table[:, 2 + 2 * d:].bool(), specforge, None if t1 is None else t1[m])
+
+
+def _finish(lv: _Live, budgets: tuple[int, ...], keep_drafts: int, strides: tuple[int, ...], block_size: int,
+            specforge: bool) -> SampleResult:
     greedy = lv.walks[0].lengths
     res = SampleResult(lv.id, lv.category, greedy, {b: w.lengths for b, w in zip(budgets, lv.walks[1:], strict=True)},
-                       len(lv.stats))
+                       len(stats_anchors(lv.bounds, strides[0], lv.offsets[0])))
+    res.anchor_offsets = dict(zip(strides, lv.offsets, strict=True))
+    res.anchor_counts = {s: _anchor_counts(lv, s, o, block_size - 1, specforge)
+                         for s, o in zip(strides, lv.offsets, strict=True)}
+    lv.scored = []
     res.correct_drafts = [lv.correct[p] for p in _anchors_in_order(greedy, lv.bounds.prompt_len)]
     if keep_drafts and lv.rows is not None:
         res.drafts = [lv.rows[p] for p in sorted(_visited(greedy[:keep_drafts], lv.bounds.prompt_len))]

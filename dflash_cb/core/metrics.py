@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 
@@ -40,6 +41,7 @@ EVAL_TIME = "eval_time_s"
 ANCHORS_DRAFTED = "anchors_drafted"
 ANCHORS_NEEDED = "anchors_needed"
 ANCHOR_STRIDE = "anchor_stride"  # the statistics set's stride (run config and results.json meta)
+ANCHOR_SEED = "anchor_seed"  # the seed of the statistics set's per-sample offsets (anchor_sets.anchor_offset)
 FAILED_EVALS = "failed_evaluations"  # evaluations that raised so far in this run (callback)
 # The evaluation's share of wall time since the previous one ended (callback; dflash_cb.core.cost).
 EVAL_OVERHEAD = "eval_overhead"
@@ -145,6 +147,97 @@ def sample_accept_length_served(lengths: Sequence[int]) -> float:
     return spec_accept_length(1 + sum(lengths), len(lengths)) if lengths else math.nan
 
 
+# The anchor-statistics part of ``EvalCounts``: one sample's counts over one statistics set.
+ANCHOR_COUNT_KEYS = ("anchors", "anchor_produced", "depth_total", "depth_match", "cond_num", "cond_den",
+                     "specforge_total", "specforge_match", "t1_sum", "t1_anchors")
+
+
+@dataclass(frozen=True)
+class AnchorCounts:
+    """One sample's anchor statistics over one statistics set, as integers (``t1_sum`` excepted).
+
+    Per depth k = 1 .. block_size - 1 (index k - 1): ``depth_total`` anchors whose depth exists and
+    whose target token is known, ``depth_match`` of those where the draft matches, ``cond_den`` of
+    those where depths 1 .. k-1 matched, ``cond_num`` anchors whose first k depths matched.
+    ``specforge_total`` / ``specforge_match``: the same weights and matches as SpecForge 0.2.0 counts
+    them (full blocks under its training masks; zero weights when they could not be computed).
+    ``t1_sum``: expected accepted + 1 at temperature 1, summed over the ``t1_anchors`` scored ones.
+    """
+
+    anchors: int = 0
+    anchor_produced: int = 0
+    depth_total: tuple[int, ...] = ()
+    depth_match: tuple[int, ...] = ()
+    cond_num: tuple[int, ...] = ()
+    cond_den: tuple[int, ...] = ()
+    specforge_total: tuple[int, ...] = ()
+    specforge_match: tuple[int, ...] = ()
+    t1_sum: float = 0.0
+    t1_anchors: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], depths: int | None = None) -> AnchorCounts:
+        """From ``to_dict``'s form; every field must be there, integers where integers are due and, with
+        ``depths``, per-depth lists of that length."""
+        if not isinstance(data, dict) or set(data) != set(ANCHOR_COUNT_KEYS):
+            raise ValueError(f"anchor counts must hold exactly {', '.join(ANCHOR_COUNT_KEYS)}; got {str(data)[:80]}")
+        out: dict[str, Any] = {}
+        for k in ANCHOR_COUNT_KEYS:
+            v = data[k]
+            if k == "t1_sum":
+                if isinstance(v, bool) or not isinstance(v, (int, float)):
+                    raise ValueError(f"anchor counts: t1_sum must be a number, got {v!r}")
+                out[k] = float(v)
+            elif isinstance(v, list):
+                if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v) or (
+                        depths is not None and len(v) != depths):
+                    raise ValueError(f"anchor counts: {k} must be {depths or 'a list of'} non-negative integers, "
+                                     f"got {str(v)[:60]}")
+                out[k] = tuple(v)
+            elif isinstance(v, int) and not isinstance(v, bool) and v >= 0:
+                out[k] = v
+            else:
+                raise ValueError(f"anchor counts: {k} must be a non-negative integer, got {v!r}")
+        return cls(**out)
+
+
+def count_anchors(accepted: torch.Tensor, produced: torch.Tensor, valid_depth: torch.Tensor, match: torch.Tensor,
+                  specforge_match: torch.Tensor | None = None, specforge: bool = True,
+                  t1: torch.Tensor | None = None) -> AnchorCounts:
+    """The counts of a set of anchors of one sample (teacher forced).
+
+    accepted [A]: leading matches; produced [A]; valid_depth [A, D]: the depth exists and its target
+    token is known; match [A, D]: draft == target at that depth; specforge_match [A, D]: the same
+    under SpecForge's masks and full blocks (None: ``match``); ``specforge`` False: SpecForge's
+    figure could not be computed (zero weights). t1 [A]: expected accepted length at temperature 1
+    (None: no top-K log-probs stored). Summed in anchor order, so equal sets give equal counts.
+    """
+    d = valid_depth.shape[1]
+    depths = torch.arange(1, d + 1, device=accepted.device)
+    valid = valid_depth.bool()
+    hit = match.bool() & valid
+    sf_hit = hit if specforge_match is None else specforge_match.bool() & valid
+    reached = accepted[:, None] >= depths[None, :] - 1  # depths 1..k-1 all matched
+
+    def per_depth(x: torch.Tensor) -> tuple[int, ...]:
+        return tuple(x.sum(0).tolist()) if x.shape[0] else (0,) * d
+
+    total = per_depth(valid.long())
+    return AnchorCounts(
+        anchors=int(accepted.numel()), anchor_produced=int(produced.sum().item()),
+        depth_total=total, depth_match=per_depth(hit.long()),
+        cond_num=per_depth((accepted[:, None] >= depths[None, :]).long()),
+        cond_den=per_depth((reached & valid).long()),
+        specforge_total=total if specforge else (0,) * d,
+        specforge_match=per_depth(sf_hit.long()) if specforge else (0,) * d,
+        t1_sum=0.0 if t1 is None or t1.numel() == 0 else float(t1.double().add(1).sum().item()),
+        t1_anchors=0 if t1 is None else int(t1.numel()),
+    )
+
+
 @dataclass
 class EvalCounts:
     """Integer-valued sums (kept in float64: exact up to 2**53) over scored samples."""
@@ -161,6 +254,7 @@ class EvalCounts:
             "hist": self.block_size + 1,  # produced values 0..block_size
             "anchors": 1, "anchor_produced": 1,
             "depth_total": d, "depth_match": d, "cond_num": d, "cond_den": d,
+            "specforge_total": d, "specforge_match": d,
             "cat_cycles": len(self.categories), "cat_produced": len(self.categories),
             "dd_cycles": len(self.budgets), "dd_produced": len(self.budgets),
             "t1_sum": 1, "t1_anchors": 1,
@@ -199,30 +293,25 @@ class EvalCounts:
         self.data["dd_cycles"][budget_index] += len(lengths)
         self.data["dd_produced"][budget_index] += sum(lengths)
 
+    def add_anchor_counts(self, counts: AnchorCounts) -> None:
+        """One sample's anchor statistics (``count_anchors``)."""
+        for k in ANCHOR_COUNT_KEYS:
+            v = getattr(counts, k)
+            if isinstance(v, tuple):
+                if v:  # an empty tuple: a sample scored no anchor
+                    self.data[k] += torch.tensor(v, dtype=torch.float64)
+            else:
+                self.data[k] += v
+
     def add_anchors(self, accepted: torch.Tensor, produced: torch.Tensor, valid_depth: torch.Tensor,
                     match: torch.Tensor) -> None:
-        """Teacher-forced counts over all anchors of a sample.
-
-        accepted [A]: leading matches; produced [A]; valid_depth [A, D]: the depth exists and its
-        target token is known; match [A, D]: draft == target at that depth.
-        """
-        d = self.block_size - 1
-        depths = torch.arange(1, d + 1, device=accepted.device)
-        self.data["anchors"] += accepted.numel()
-        self.data["anchor_produced"] += produced.sum().item()
-        self.data["depth_total"] += valid_depth.sum(0).double().cpu()
-        self.data["depth_match"] += (match & valid_depth).sum(0).double().cpu()
-        reached = accepted[:, None] >= depths[None, :] - 1  # depths 1..k-1 all matched
-        self.data["cond_den"] += (reached & valid_depth).sum(0).double().cpu()
-        self.data["cond_num"] += (accepted[:, None] >= depths[None, :]).sum(0).double().cpu()
+        """Teacher-forced counts over anchors of a sample (``count_anchors``; SpecForge's masks taken to be
+        the drafter's own)."""
+        self.add_anchor_counts(count_anchors(accepted, produced, valid_depth, match))
 
     def add_cost(self, drafted: int, needed: int) -> None:
         self.data["anchors_drafted"] += drafted
         self.data["anchors_needed"] += needed
-
-    def add_t1(self, expected_accepted: torch.Tensor) -> None:
-        self.data["t1_sum"] += (expected_accepted.double() + 1).sum().item()
-        self.data["t1_anchors"] += expected_accepted.numel()
 
 
 def _ratio(num: float, den: float) -> float:
@@ -248,8 +337,9 @@ def summarize(counts: EvalCounts) -> dict[str, float]:
     for k, (u, c) in enumerate(zip(uncond, cond, strict=True), start=1):
         out[depth_acc(k)] = u
         out[depth_acc_cond(k)] = c
-    # SpecForge's pooled DFlash accuracy: integer matches over integer weights, every (anchor, depth).
-    out[SPECFORGE_ACC] = _ratio(d["depth_match"].sum().item(), d["depth_total"].sum().item())
+    # SpecForge's pooled DFlash accuracy: integer matches over integer weights, every (anchor, depth), counted
+    # under SpecForge's own masks (docs/method.md, "SpecForge's accuracy"); NaN when it could not be computed.
+    out[SPECFORGE_ACC] = _ratio(d["specforge_match"].sum().item(), d["specforge_total"].sum().item())
     # Independent-depth chain: 1 + sum_k prod_{j<=k} acc_j from per-position (unconditional) accuracy.
     sim, prod = 1.0, 1.0
     for u in uncond:

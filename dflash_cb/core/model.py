@@ -125,9 +125,9 @@ def attention_reach(config: Any, layer_idx: int) -> tuple[int | None, int | None
     positions counting its own (no limit when the config carries no window), and only backwards
     unless the config sets ``is_causal`` false (then the window is symmetric). Any other layer sees
     everything, backwards only if ``is_causal`` is set.
-    The rule of the public checkpoints, the ``dflash`` reference model and SGLang's DFlash model.
-    SpecForge 0.2.0's DFlash training ignores ``is_causal`` (its masks follow ``layer_types`` alone),
-    so it agrees with this rule only when the config leaves ``is_causal`` unset (docs/method.md).
+    The rule of the public checkpoints, the ``dflash`` reference model and SGLang's DFlash model: the
+    served masks. SpecForge 0.2.0 trains under other ones (``specforge_reach``); the two agree only when
+    every window is at least the block and the config leaves ``is_causal`` unset (docs/method.md).
     """
     kinds = getattr(config, "layer_types", None) or ()
     sliding = layer_idx < len(kinds) and kinds[layer_idx] == "sliding_attention"
@@ -136,6 +136,78 @@ def attention_reach(config: Any, layer_idx: int) -> tuple[int | None, int | None
     causal_flag = getattr(config, "is_causal", None)
     causal = sliding if causal_flag is None else bool(causal_flag)
     return window, (0 if causal else window)
+
+
+# The masks a drafter's attention runs under: "served" (as SGLang serves it, as dflash's reference model
+# runs it, and as the replay reproduces it: ``attention_reach``) or "specforge" (SpecForge 0.2.0's DFlash
+# training masks: ``specforge_reach``). docs/method.md, "Attention reach".
+MASKS = ("served", "specforge")
+
+
+def specforge_reach(config: Any, layer_idx: int) -> tuple[int | None, int | None]:
+    """SpecForge 0.2.0's training mask for layer ``layer_idx``: how far back a query sees *context* keys
+    and how far ahead it sees the block's keys; None = no limit.
+
+    Its DFlash mask (``create_dflash_sdpa_mask``, ``create_dflash_block_mask``) gives a
+    ``sliding_attention`` layer the window over the context keys only (``sliding_window`` positions
+    counting the query's own), and makes the block causal but not windowed; every other layer sees its
+    whole context prefix and its whole block. It does not read ``is_causal``.
+    """
+    kinds = getattr(config, "layer_types", None) or ()
+    sliding = layer_idx < len(kinds) and kinds[layer_idx] == "sliding_attention"
+    size = getattr(config, "sliding_window", None) if sliding else None
+    if size is None:  # SpecForge then builds the full mask for every layer
+        return None, None
+    return int(size) - 1, 0
+
+
+def visible(base: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, back: int | None, ahead: int | None,
+            context_keys: int | None = None) -> torch.Tensor:
+    """``base`` [A, 1, L, K] (True = visible) narrowed to keys at most ``back`` positions before the query and
+    ``ahead`` after it (None = no limit). With ``context_keys`` the ``back`` limit applies to the first
+    ``context_keys`` keys only (SpecForge's rule: its window does not reach into the block)."""
+    offset = k_pos[:, None, None, :] - q_pos[:, None, :, None]  # key position minus query position
+    ok = base
+    if back is not None:
+        near = offset >= -back
+        if context_keys is not None:
+            near = near | (torch.arange(k_pos.shape[-1], device=k_pos.device) >= context_keys)
+        ok = ok & near
+    if ahead is not None:
+        ok = ok & (offset <= ahead)
+    return ok
+
+
+def specforge_mask_difference(config: Any, block_size: int) -> str | None:
+    """Why SpecForge 0.2.0's training masks differ from the served ones for this drafter, or None when a
+    block sees the same keys under both (then ``specforge/acc`` needs no pass of its own).
+
+    They differ when a sliding window is shorter than the block (served, the window also limits the
+    block's own keys) or when ``is_causal`` is set (SpecForge ignores it). Decided by comparing the two
+    masks of one block with enough context in front, layer by layer.
+    """
+    n = block_size
+    layers = []
+    for i in range(int(config.num_hidden_layers)):
+        back, ahead = attention_reach(config, i)
+        sf_back, sf_ahead = specforge_reach(config, i)
+        p = n + max(back or 0, sf_back or 0) + 1  # every offset a block query can reach appears
+        q_pos = (p + torch.arange(n))[None]
+        k_pos = torch.arange(p + n)[None]
+        base = torch.ones(1, 1, n, p + n, dtype=torch.bool)
+        if not torch.equal(visible(base, q_pos, k_pos, back, ahead), visible(base, q_pos, k_pos, sf_back, sf_ahead, p)):
+            kinds = getattr(config, "layer_types", None) or ()
+            kind = kinds[i] if i < len(kinds) else "full_attention"
+            what = [kind, f"sliding_window {getattr(config, 'sliding_window', None)}"] if kind == "sliding_attention" \
+                else [kind]
+            if getattr(config, "is_causal", None) is not None:
+                what.append(f"is_causal {config.is_causal}")
+            layers.append(f"layer {i} ({', '.join(what)})")
+    if not layers:
+        return None
+    return (f"SpecForge 0.2.0 trains {', '.join(layers)} of this block-{n} drafter under other masks than it is "
+            "served with (its sliding window covers the context only, its block is causal in sliding layers and "
+            "bidirectional in the others, is_causal ignored)")
 
 
 class DFlashAttention(nn.Module):
@@ -153,6 +225,7 @@ class DFlashAttention(nn.Module):
         self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.reach_back, self.reach_ahead = attention_reach(config, layer_idx)
+        self.specforge_back, self.specforge_ahead = specforge_reach(config, layer_idx)
 
     def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [..., L, hidden] -> k, v [..., kv_heads, L, head_dim] (k normed and rotated)."""
@@ -199,17 +272,21 @@ class DFlashAttention(nn.Module):
     @property
     def unrestricted(self) -> bool:
         """True when this layer sees its whole context prefix and whole block (no position rule)."""
-        return self.reach_back is None and self.reach_ahead is None
+        return self.unrestricted_under("served")
 
-    def visibility(self, base: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
-        """``base`` [A, 1, L, K] (prefix visibility) narrowed to the keys within this layer's reach."""
-        offset = k_pos[:, None, None, :] - q_pos[:, None, :, None]  # key position minus query position
-        ok = base
-        if self.reach_back is not None:
-            ok = ok & (offset >= -self.reach_back)
-        if self.reach_ahead is not None:
-            ok = ok & (offset <= self.reach_ahead)
-        return ok
+    def unrestricted_under(self, masks: str) -> bool:
+        return self.reach(masks) == (None, None)
+
+    def reach(self, masks: str) -> tuple[int | None, int | None]:
+        """(back, ahead) of this layer under ``masks`` (``MASKS``)."""
+        return (self.reach_back, self.reach_ahead) if masks == "served" else (self.specforge_back, self.specforge_ahead)
+
+    def visibility(self, base: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, masks: str = "served",
+                   context_keys: int = 0) -> torch.Tensor:
+        """``base`` [A, 1, L, K] (prefix visibility) narrowed to the keys within this layer's reach under
+        ``masks``; the first ``context_keys`` keys are context (SpecForge's window covers only those)."""
+        back, ahead = self.reach(masks)
+        return visible(base, q_pos, k_pos, back, ahead, context_keys if masks == "specforge" else None)
 
 
 @dataclass
@@ -318,16 +395,16 @@ class DFlashDrafter(nn.Module):
         cos, sin = self.rotary_emb(noise_embedding, position_ids)
         ctx = self.hidden_norm(self.fc(target_hidden))
         base = None if attention_mask is None else attention_mask.bool()
-        masks = self._layer_masks(base, position_ids[:, c:], position_ids)
+        masks = self._layer_masks(base, position_ids[:, c:], position_ids, context_keys=c)
         h = noise_embedding
         for layer, mask in zip(self.layers, masks, strict=True):
             kv = layer.self_attn.project_kv(ctx, cos[:, :c], sin[:, :c])
             h = layer(h, kv, cos[:, c:], sin[:, c:], mask)
         return self.norm(h)
 
-    def _layer_masks(self, base: torch.Tensor | None, q_pos: torch.Tensor, k_pos: torch.Tensor
-                     ) -> list[torch.Tensor | None]:
-        """Per layer: ``base`` [B, 1, L, K] (None = all visible) narrowed by the layer's reach.
+    def _layer_masks(self, base: torch.Tensor | None, q_pos: torch.Tensor, k_pos: torch.Tensor,
+                     masks: str = "served", context_keys: int = 0) -> list[torch.Tensor | None]:
+        """Per layer: ``base`` [B, 1, L, K] (None = all visible) narrowed by the layer's reach under ``masks``.
 
         Layers with the same reach share one mask. Decided from the config alone (never from mask
         values), so it compiles without graph breaks; an unrestricted layer keeps ``base`` as it is.
@@ -336,16 +413,21 @@ class DFlashDrafter(nn.Module):
         out = []
         for layer in self.layers:
             attn = layer.self_attn
-            key = (attn.reach_back, attn.reach_ahead)
+            key = attn.reach(masks)
             if key not in by_reach:
-                if attn.unrestricted:
+                if attn.unrestricted_under(masks):
                     by_reach[key] = base
                 else:
                     full = base if base is not None else torch.ones(
                         q_pos.shape[0], 1, q_pos.shape[1], k_pos.shape[1], dtype=torch.bool, device=q_pos.device)
-                    by_reach[key] = attn.visibility(full, q_pos, k_pos)
+                    by_reach[key] = attn.visibility(full, q_pos, k_pos, masks, context_keys)
             out.append(by_reach[key])
         return out
+
+    def specforge_difference(self, block_size: int | None = None) -> str | None:
+        """``specforge_mask_difference`` of this drafter at ``block_size`` (None: its own): None when SpecForge
+        trains it under its served masks."""
+        return specforge_mask_difference(self.config, block_size or self.spec.block_size)
 
     # -- engine interface -----------------------------------------------------
     def context_kv(self, target_hidden: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -373,7 +455,7 @@ class DFlashDrafter(nn.Module):
     def forward_samples(self, ctx_kvs: Sequence[list[tuple[torch.Tensor, torch.Tensor]]],
                         noise_embedding: torch.Tensor, anchors: torch.Tensor, segments: Sequence[tuple[int, int]],
                         lengths: torch.Tensor | None = None, attn_mem_bytes: int | None = None,
-                        defer_last: bool = False) -> torch.Tensor | DeferredBlocks:
+                        defer_last: bool = False, masks: str = "served") -> torch.Tensor | DeferredBlocks:
         """Blocks of several samples in one pass; rows ``segments[s] = (start, stop)`` belong to sample s.
 
         Token-wise work (projections, norms, MLP) runs on all rows together; attention runs per sample
@@ -381,13 +463,14 @@ class DFlashDrafter(nn.Module):
         temporaries under ``attn_mem_bytes`` (None: no limit). Segments must cover the rows in order.
         ``defer_last`` stops after the last layer's attention and returns a ``DeferredBlocks``: what
         follows (``o_proj``, MLP, norms) is token-wise, so it can run only on the positions a caller reads.
+        ``masks`` (``MASKS``): "specforge" runs the blocks under SpecForge's training masks instead.
         """
         n = noise_embedding.shape[1]
         anchor_list = anchors.tolist()  # one host sync per call: chunking and key trimming need the values
         parts: list[_AttentionPart] = []
         for s, (lo, hi) in enumerate(segments):
             parts += self._plan_attention(s, lo, hi, anchor_list, anchors, lengths, n,
-                                          attn_mem_bytes, noise_embedding.element_size())
+                                          attn_mem_bytes, noise_embedding.element_size(), masks)
         q_pos = anchors[:, None] + torch.arange(n, device=anchors.device)[None, :]
         cos, sin = self.rotary_emb(noise_embedding, q_pos)
         h = noise_embedding
@@ -409,8 +492,8 @@ class DFlashDrafter(nn.Module):
         return self.norm(h)
 
     def _plan_attention(self, sample: int, lo: int, hi: int, anchor_list: list[int], anchors: torch.Tensor,
-                        lengths: torch.Tensor | None, n: int, mem_bytes: int | None, elem: int
-                        ) -> list[_AttentionPart]:
+                        lengths: torch.Tensor | None, n: int, mem_bytes: int | None, elem: int,
+                        masks: str = "served") -> list[_AttentionPart]:
         """Chunks of one sample's rows [lo, hi), each with its packing group and per-layer masks
         (``lengths`` None: every block has the full length)."""
         if hi <= lo:
@@ -433,13 +516,13 @@ class DFlashDrafter(nn.Module):
             rows: slice | torch.Tensor = slice(i, j)
             if count == 1 and lengths is None:
                 # One whole block over its own prefix: everything is visible but for the layers' reach.
-                if all(layer.self_attn.unrestricted for layer in self.layers):
-                    masks: list[torch.Tensor | None] = [None] * len(self.layers)  # no positions to build
+                if all(layer.self_attn.unrestricted_under(masks) for layer in self.layers):
+                    layer_masks: list[torch.Tensor | None] = [None] * len(self.layers)  # no positions to build
                 else:
                     q_pos = anchors[i:j, None] + torch.arange(n, device=dev)[None, :]
                     k_pos = torch.cat([torch.arange(c, device=dev)[None, :], q_pos], dim=1)
-                    masks = self._layer_masks(None, q_pos, k_pos)
-                parts.append(_AttentionPart(sample, rows, 1, c, 1, masks))
+                    layer_masks = self._layer_masks(None, q_pos, k_pos, masks, c)
+                parts.append(_AttentionPart(sample, rows, 1, c, 1, layer_masks))
                 continue
             if pad:  # repeat the last block; its outputs are dropped
                 rows = torch.cat([torch.arange(i, j, device=dev), torch.full((pad,), j - 1, device=dev)])
@@ -454,7 +537,8 @@ class DFlashDrafter(nn.Module):
             see_blk = (member[:, None] == member[None, :])[None] & in_block[:, None, :]  # [b, m, m]
             base = torch.cat([see_ctx, see_blk], dim=2)[:, None]
             k_pos = torch.cat([torch.arange(c, device=dev).expand(b, c), packed_pos], dim=1)
-            parts.append(_AttentionPart(sample, rows, count, c, group, self._layer_masks(base, packed_pos, k_pos)))
+            parts.append(_AttentionPart(sample, rows, count, c, group,
+                                        self._layer_masks(base, packed_pos, k_pos, masks, c)))
         return parts
 
     # -- checkpoint format ----------------------------------------------------

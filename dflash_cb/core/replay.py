@@ -12,8 +12,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from ..common.arguments import int_between
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,23 @@ def check_tail_blocks(tail_blocks: str) -> str:
     if tail_blocks not in TAIL_BLOCKS:
         raise ValueError(f"tail_blocks={tail_blocks!r}: expected one of {', '.join(TAIL_BLOCKS)}")
     return tail_blocks
+
+
+def check_block_size(block_size: Any, drafter_block_size: int, name: str = "block_size") -> int:
+    """The block the loop drafts with: ``block_size`` (None: the drafter's own ``drafter_block_size``).
+
+    A server can draft with a block shorter than the drafter's trained one (SGLang's
+    ``--speculative-dflash-block-size`` / ``--speculative-num-draft-tokens``): every cycle then drafts
+    the anchor and ``block_size - 1`` mask positions, and its tau is capped by that block. A block
+    holds the anchor and at least one draft (>= 2) and no mask position the drafter was not trained
+    for (<= ``drafter_block_size``). Raises ``ArgumentError`` naming ``name`` (``"--block-size"`` on a
+    command line). The one rule for the engine, the evaluator and ``eval_drafter.py``.
+    """
+    if block_size is None:
+        return drafter_block_size
+    return int_between(name, block_size, 2, drafter_block_size,
+                       note=f"a block is the anchor and at least one draft, and at most the drafter's trained "
+                            f"block ({drafter_block_size}); omit it for the drafter's")
 
 
 def block_lengths(loop_end: torch.Tensor, anchors: torch.Tensor, block_size: int, tail_blocks: str) -> torch.Tensor:

@@ -52,9 +52,16 @@ def format_results(res: Results) -> str:
                      + f"  dtype={meta.get('dtype')} head={meta.get('head_dtype')} device={meta.get('device')}")
     cycles = sum(len(s.acceptance_lengths) for s in res.samples)
     lines.append(f"samples  {len(res.samples)}   cycles {cycles}   wall {meta.get('wall_time_s')} s")
+    if meta.get("block_size") is not None:
+        drafter_block = meta.get("drafter_block_size")
+        lines.append(f"block    {meta['block_size']}" + (f" (the drafter's is {drafter_block})" if drafter_block
+                                                          not in (None, meta["block_size"]) else ""))
     if meta.get("anchors_drafted") is not None:
+        seed = meta.get("anchor_seed")
         lines.append(f"anchors  drafted {meta['anchors_drafted']}   needed {meta.get('anchors_needed')}   "
-                     f"statistics stride {meta.get('anchor_stride')}")
+                     f"statistics stride {meta.get('anchor_stride')}"
+                     + (f" (per-sample offsets, seed {seed})" if seed is not None and meta.get("anchor_stride") != 1
+                        else ""))
     lines.append("")
     lines.append(f"  tau (greedy replay, pooled)  {metric_with_interval(res, TAU)}")
     lines.append(f"  tau, mean over requests      {metric_with_interval(res, TAU_REQUEST_MEAN)}  (dflash.benchmark)")
@@ -62,8 +69,12 @@ def format_results(res: Results) -> str:
                  "(SGLang spec_accept_length, request mean)")
     for b in res.budgets:
         lines.append(f"  DDTree tau, budget {b:>4}     {metric_with_interval(res, ddtree_tau(b))}")
-    lines.append(f"  all-anchor mean accepted     {_f(res.metric(ALL_ANCHOR_TAU))}")
-    lines.append(f"  SpecForge DFlash accuracy    {_f(res.metric(SPECFORGE_ACC))}  (its train/acc, eval/avg_acc)")
+    lines.append(f"  all-anchor mean accepted     {metric_with_interval(res, ALL_ANCHOR_TAU)}")
+    lines.append(f"  SpecForge DFlash accuracy    {metric_with_interval(res, SPECFORGE_ACC)}  "
+                 "(its train/acc, eval/avg_acc)")
+    masks = meta.get("specforge_masks")
+    if masks and masks != "served":
+        lines.append(f"    note: {masks}")
     lines.append(f"  chain estimate (indep.)      {_f(res.metric(CHAIN_TAU_ESTIMATE))}")
     if res.metric(T1_TAU_ESTIMATE) is not None:
         lines.append(f"  tau at temperature 1         {_f(res.metric(T1_TAU_ESTIMATE))}  "

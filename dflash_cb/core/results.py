@@ -12,6 +12,9 @@ refuses a baseline measured on another cache (the manifest hash differs), and by
 ``tools/compare_results.py``. Version 1 files (before this schema) and version 2 files (before
 ``specforge_sim_tau`` became ``chain_tau_estimate`` and the per-request means were added) are still
 read: the old name is renamed and the per-request means are recomputed from the stored samples.
+Version 4 adds each sample's anchor statistics (its offset and integer counts per statistics stride,
+``anchor_statistics``) and ``meta.anchor_seed``; version 3 files are read with none (their anchor
+statistics have no intervals, and their statistics set started every sample at its first anchor).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from ..common.fileio import atomic_write_text, output_path
 from .bootstrap import DEFAULT_LEVEL, DEFAULT_RESAMPLES, DEFAULT_SEED, interval_metrics, request_means
 from .engine import EvalReport
 from .metrics import (
+    ANCHOR_SEED,
     ANCHOR_STRIDE,
     ANCHORS_DRAFTED,
     ANCHORS_NEEDED,
@@ -43,6 +47,7 @@ from .metrics import (
     OLD_CHAIN_TAU_ESTIMATE,
     T1_TAU_ESTIMATE,
     TAU,
+    AnchorCounts,
     per_depth,
 )
 from .positions import (
@@ -55,7 +60,7 @@ from .positions import (
 from .replay import TAIL_BLOCKS
 
 RESULTS_FORMAT = "dflash-cb-results"
-RESULTS_VERSION = 3
+RESULTS_VERSION = 4
 T1_NOTE = ("estimate: expected accepted length at temperature 1 from per-depth overlap sum_x min(p, q) "
            "with the target's stored top-K log-probs, along the greedy path; not an exact replay")
 INTERVAL_NOTE = ("95% cluster-bootstrap percentile intervals over samples (whole samples resampled with their "
@@ -74,10 +79,17 @@ class SampleRecord:
     category: str
     acceptance_lengths: list[int]
     ddtree: dict[int, list[int]] = field(default_factory=dict)
+    # Per statistics stride: the sample's offset and its anchor-statistic counts (version 4 on).
+    anchor_offsets: dict[int, int] = field(default_factory=dict)
+    anchor_counts: dict[int, AnchorCounts] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"id": self.id, "category": self.category, "acceptance_lengths": list(self.acceptance_lengths),
-                "ddtree": {str(b): list(v) for b, v in sorted(self.ddtree.items())}}
+        out = {"id": self.id, "category": self.category, "acceptance_lengths": list(self.acceptance_lengths),
+               "ddtree": {str(b): list(v) for b, v in sorted(self.ddtree.items())}}
+        if self.anchor_counts:
+            out["anchor_statistics"] = {str(k): {"offset": self.anchor_offsets[k], **c.to_dict()}
+                                        for k, c in sorted(self.anchor_counts.items())}
+        return out
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SampleRecord:
@@ -87,13 +99,21 @@ class SampleRecord:
         if not isinstance(dd, dict):
             raise ValueError(f"sample {d.get('id')!r}: 'ddtree' is a {type(dd).__name__}; expected "
                              "{budget: [acceptance lengths]}")
+        offsets, counts = _anchor_statistics(d.get("anchor_statistics") or {}, d.get("id"))
         return cls(str(d["id"]), str(d.get("category", "")), _lengths(d["acceptance_lengths"], d.get("id")),
-                   {_budget(b, d.get("id")): _lengths(v, d.get("id"), f"ddtree {b!r}") for b, v in dd.items()})
+                   {_budget(b, d.get("id")): _lengths(v, d.get("id"), f"ddtree {b!r}") for b, v in dd.items()},
+                   offsets, counts)
+
+    @classmethod
+    def of(cls, s: Any) -> SampleRecord:
+        """The record of a scored ``engine.SampleResult``."""
+        return cls(s.id, s.category, list(s.acceptance_lengths), {b: list(v) for b, v in s.ddtree.items()},
+                   dict(s.anchor_offsets), dict(s.anchor_counts))
 
 
 @dataclass
 class Results:
-    """The content of a ``results.json`` (version 3)."""
+    """The content of a ``results.json`` (version 4)."""
 
     metrics: dict[str, float | None]
     samples: list[SampleRecord]
@@ -164,7 +184,7 @@ class Results:
         try:
             if version == 1:
                 res = _from_v1(data)
-            elif version in (2, RESULTS_VERSION):
+            elif version in (2, 3, RESULTS_VERSION):
                 res = cls(dict(data.get("metrics") or {}),
                           [SampleRecord.from_dict(s) for s in data.get("samples") or []],
                           dict(data.get("per_depth") or {}), dict(data.get("histogram") or {}),
@@ -193,13 +213,36 @@ def _lengths(values: Any, sample: Any, what: str = "acceptance_lengths") -> list
     return list(values)
 
 
-def _budget(key: Any, sample: Any) -> int:
+def _anchor_statistics(data: Any, sample: Any) -> tuple[dict[int, int], dict[int, AnchorCounts]]:
+    """``{stride: {"offset": o, <AnchorCounts fields>}}`` -> (offsets, counts) by stride."""
+    if not isinstance(data, dict):
+        raise ValueError(f"sample {sample!r}: 'anchor_statistics' is a {type(data).__name__}; expected "
+                         "{stride: {offset, anchors, ...}}")
+    offsets, counts = {}, {}
+    for key, entry in data.items():
+        stride = _budget(key, sample, "anchor statistics stride")
+        if not isinstance(entry, dict):
+            raise ValueError(f"sample {sample!r}: anchor statistics of stride {key!r} are not an object")
+        fields = dict(entry)
+        offset = fields.pop("offset", None)
+        if not isinstance(offset, int) or isinstance(offset, bool) or not 0 <= offset < stride:
+            raise ValueError(f"sample {sample!r}: anchor statistics of stride {stride}: offset {offset!r} is not "
+                             f"an integer in [0, {stride})")
+        try:
+            counts[stride] = AnchorCounts.from_dict(fields)
+        except ValueError as e:
+            raise ValueError(f"sample {sample!r}, stride {stride}: {e}") from None
+        offsets[stride] = offset
+    return offsets, counts
+
+
+def _budget(key: Any, sample: Any, what: str = "ddtree budget") -> int:
     try:
         b = int(key)
     except (TypeError, ValueError):
-        raise ValueError(f"sample {sample!r}: ddtree budget {key!r} is not an integer") from None
+        raise ValueError(f"sample {sample!r}: {what} {key!r} is not an integer") from None
     if b < 1:
-        raise ValueError(f"sample {sample!r}: ddtree budget {key!r} is not positive")
+        raise ValueError(f"sample {sample!r}: {what} {key!r} is not positive")
     return b
 
 
@@ -332,9 +375,9 @@ def _upgraded(res: Results) -> Results:
 def derived_metrics(samples: list[Any], budgets: tuple[int, ...] | list[int], categories: tuple[str, ...] | list[str],
                     position_edges: tuple[int, ...] = DEFAULT_POSITION_EDGES,
                     cycle_buckets: int = DEFAULT_CYCLE_BUCKETS, n_resamples: int = DEFAULT_RESAMPLES,
-                    seed: int = DEFAULT_SEED) -> tuple[dict[str, float], dict[str, Any]]:
-    """Metrics computed from per-sample lengths: the per-request means, bootstrap intervals and the
-    position / cycle breakdowns.
+                    seed: int = DEFAULT_SEED, anchor_stride: int | None = None) -> tuple[dict[str, float], dict[str, Any]]:
+    """Metrics computed from per-sample lengths: the per-request means, bootstrap intervals (with
+    ``anchor_stride``, also of that stride's anchor statistics) and the position / cycle breakdowns.
 
     Returns (scalars, breakdown tables). Used by ``report_to_results`` and by the callback (on rank
     zero, from the samples gathered from every rank), so both log the same numbers.
@@ -342,7 +385,7 @@ def derived_metrics(samples: list[Any], budgets: tuple[int, ...] | list[int], ca
     position = position_table(samples, position_edges, categories)
     cycle = cycle_table(samples, cycle_buckets, categories)
     scalars = request_means(samples)
-    scalars.update(interval_metrics(samples, budgets, categories, n_resamples, seed))
+    scalars.update(interval_metrics(samples, budgets, categories, n_resamples, seed, anchor_stride=anchor_stride))
     scalars.update(breakdown_metrics(position, cycle))
     tables = {"position_edges": list(position_edges), "position": position, "cycle": cycle,
               "interval": {"method": "cluster bootstrap over samples, percentile", "resamples": n_resamples,
@@ -357,28 +400,30 @@ def report_to_results(report: EvalReport, cache: StateCache, meta: dict[str, Any
     counts = report.counts
     hist = counts.data["hist"].tolist()
     scalars, tables = derived_metrics(report.samples, report.budgets, counts.categories, position_edges,
-                                      n_resamples=n_resamples)
+                                      n_resamples=n_resamples, anchor_stride=report.anchor_stride)
     metrics = {**summary, **scalars}
     notes = {"intervals": INTERVAL_NOTE}
     if T1_TAU_ESTIMATE in summary:
         notes[T1_TAU_ESTIMATE] = T1_NOTE
-    samples = [SampleRecord(s.id, s.category, list(s.acceptance_lengths), {b: list(v) for b, v in s.ddtree.items()})
-               for s in report.samples]
+    samples = [SampleRecord.of(s) for s in report.samples]
     return Results(
         metrics={k: _clean(v) for k, v in metrics.items()},
         samples=samples,
-        per_depth={k: [_clean(v) for v in vals] for k, vals in per_depth(summary, report.spec.block_size).items()},
-        histogram={str(n): int(hist[n]) for n in range(1, report.spec.block_size + 1)},
+        per_depth={k: [_clean(v) for v in vals] for k, vals in per_depth(summary, report.block_size).items()},
+        histogram={str(n): int(hist[n]) for n in range(1, report.block_size + 1)},
         meta={
             "cache_path": str(cache.path),
             "cache_manifest_sha256": cache.manifest_sha256,
-            "block_size": report.spec.block_size,
+            "block_size": report.block_size,  # the block every cycle drafted (evaluate(block_size=...))
+            "drafter_block_size": report.spec.block_size,  # the drafter's trained block (>= block_size)
             "ddtree_budgets": list(report.budgets),
             "categories": list(counts.categories),
             "dflash_cb_version": __version__,
             "wall_time_s": round(report.wall_time_s, 3),
             "samples_evaluated": len(report.samples),
             ANCHOR_STRIDE: report.anchor_stride,
+            ANCHOR_SEED: report.anchor_seed,  # each sample's offset: samples[].anchor_statistics
+            "specforge_masks": report.specforge_note or "served",  # how specforge/acc was computed
             "tail_blocks": report.tail_blocks,  # replay.TAIL_BLOCKS; docs/method.md, "Tail blocks"
             ANCHORS_DRAFTED: int(counts.data["anchors_drafted"].item()),
             ANCHORS_NEEDED: int(counts.data["anchors_needed"].item()),

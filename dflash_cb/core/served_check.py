@@ -9,6 +9,7 @@ the comparison code's paired bootstrap (docs/method.md, *Conventions*).
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -17,17 +18,19 @@ from ..cache.served import (
     ACCEPT_LENGTH,
     CONVENTION,
     CORRECT_DRAFTS,
+    FLAGGED,
     HISTOGRAM,
     SKIPPED,
+    VERIFY_CT,
     ServedCheckError,
     comparability,
     comparable_entries,
     convention_of,
     histogram_of,
     incomparable_settings,
+    served_block_size,
     served_rounds_and_tau,
     trim_histogram,
-    verify_rounds,
     whole_count,
 )
 from .bootstrap import Sums, paired_difference
@@ -82,6 +85,8 @@ class ServedCheck:
     convention: str = CONVENTION
     flagged: dict[str, str] = field(default_factory=dict)  # sample id -> why its counters cannot be
     not_comparable: list[str] = field(default_factory=list)  # server settings that change the drafts
+    # The block sizes: "replay" (what the replay drafted), "server" (recorded; None: unknown), "drafter".
+    blocks: dict[str, int | None] = field(default_factory=dict)
 
     @property
     def comparable(self) -> bool:
@@ -139,13 +144,34 @@ class ServedCheck:
 
     def to_dict(self) -> dict[str, Any]:
         return {"summary": self.summary(), "convention": self.convention, "server": self.server,
+                "blocks": dict(self.blocks),
                 "warnings": list(self.warnings), "not_comparable": list(self.not_comparable),
                 "skipped": dict(self.skipped), "flagged": dict(self.flagged),
                 "samples": [{**asdict(x), "equal": x.equal} for x in self.samples]}
 
 
 def has_served_counters(entries: Sequence[Any]) -> bool:
-    return any(verify_rounds(getattr(e, "served_spec", None)) is not None for e in entries)
+    """Whether any sample holds the server's round count, whatever its value: a malformed one is flagged
+    by the check (:func:`comparability`), not mistaken for a cache without counters."""
+    return any(isinstance(e.served_spec, Mapping) and VERIFY_CT in e.served_spec for e in entries)
+
+
+def replay_block_size(server: Mapping[str, Any] | None, drafter_block_size: int, requested: int | None = None,
+                      name: str = "--block-size") -> int:
+    """The block ``--served-check`` replays at: ``requested`` when given, else the server's recorded block
+    (:func:`served_block_size`) when the drafter can draft it, else the drafter's (a server block
+    larger than the drafter's, or unknown: :func:`compare` says whether the check is comparable).
+    A ``requested`` block other than the recorded server block is refused (``name`` names it)."""
+    served = served_block_size(server)
+    if requested is not None and served is not None and requested != served:
+        raise ServedCheckError(f"{name} {requested} with --served-check: the server drafted blocks of {served} "
+                               f"tokens (the cache's served_spec_config); drop {name}: the check replays at the "
+                               "server's block")
+    if requested is not None:
+        return requested
+    if served is not None and 2 <= served <= drafter_block_size:
+        return served
+    return drafter_block_size
 
 
 def nothing_to_compare(cache_path: str | os.PathLike) -> ServedCheckError:
@@ -159,37 +185,50 @@ def nothing_selected(cache_path: str | os.PathLike, selected: Sequence[Any]) -> 
     """The error when none of the selected samples has comparable counters (:func:`comparability`), else None."""
     if not selected or comparable_entries(selected):
         return None
-    reasons = sorted({why[1].split(":")[0].split(" (")[0] for why in map(comparability, selected) if why})
+    verdicts = [(e.id, why) for e in selected if (why := comparability(e)) is not None]
+    reasons = Counter(why[1].split(": ")[0] for _, why in verdicts)
+    listed = "; ".join(f"{n} x {label}" for label, n in sorted(reasons.items())[:5])
+    more = f"; {len(reasons) - 5} more kinds" if len(reasons) > 5 else ""
+    flagged = next((f"; flagged {sid}: {why[1]}" for sid, why in verdicts if why[0] == FLAGGED), "")
     return ServedCheckError(
         f"{cache_path}: none of the {len(selected)} selected sample(s) has served counters to compare "
-        f"({'; '.join(reasons)}); select samples that do (--sample-ids / --samples), or drop --served-check")
+        f"({listed}{more}{flagged}); select samples that do (--sample-ids / --samples), or drop --served-check")
 
 
 def compare(entries: Sequence[Any], offline: Mapping[str, Sequence[int]], server: Mapping[str, Any] | None = None,
             drafter_block_size: int | None = None, drafter_path: str | None = None,
             correct_drafts: Mapping[str, Sequence[int]] | None = None,
-            drafter_input_embedding_scale: float = 1.0) -> ServedCheck:
+            drafter_input_embedding_scale: float = 1.0, block_size: int | None = None) -> ServedCheck:
     """Compare the replay (``offline``: sample id -> acceptance_lengths; ``correct_drafts``: sample id ->
-    correct drafts per cycle, from a ``tail_blocks="served"`` replay) with each entry's ``served_spec``.
+    correct drafts per cycle, from a ``tail_blocks="served"`` replay at ``block_size``, default
+    ``drafter_block_size``) with each entry's ``served_spec``.
 
     Only samples that pass :func:`comparability` are compared; the others are listed as skipped or
     flagged with the reason. When a recorded server setting makes the server's drafts differ from
-    the replay (:func:`incomparable_settings`) the check says so once and is marked not comparable.
+    the replay (:func:`incomparable_settings`: a draft window, the mask embedding, a block other than
+    the replay's) the check says so once and is marked not comparable. When the server's block is not
+    recorded, counters that prove rounds longer than the replay's block do the same.
     """
+    block = block_size if block_size is not None else drafter_block_size
+    server_block = served_block_size(server)
     checks: list[SampleCheck] = []
     skipped: dict[str, str] = {}
     flagged: dict[str, str] = {}
     longest = 0
+    longest_round = 0  # the most tokens one server round must have drafted (anchor included), from its counters
     for e in entries:
         if e.id not in offline:
             continue
-        why = comparability(e)
+        why = comparability(e, server_block)
         if why is not None:
             (skipped if why[0] == SKIPPED else flagged)[e.id] = why[1]
             continue
         counters = e.served_spec
         longest = max(longest, e.total_len - 1)  # the last anchor's context: every position before it
         rounds, tau = served_rounds_and_tau(counters, e.completion_len)
+        hist = counters.get(HISTOGRAM)
+        top = max((k for k, v in enumerate(hist) if v), default=0) if isinstance(hist, list) else 0
+        longest_round = max(longest_round, top + 1, -(-(e.completion_len - 1) // rounds))
         lengths = list(offline[e.id])
         length = counters.get(ACCEPT_LENGTH)
         check = SampleCheck(
@@ -202,22 +241,16 @@ def compare(entries: Sequence[Any], offline: Mapping[str, Sequence[int]], server
             correct = [int(k) for k in correct]
             check.offline_correct_drafts = sum(correct)
             check.offline_histogram = histogram_of(correct)
-            served_correct = counters.get(CORRECT_DRAFTS)
-            check.served_correct_drafts = whole_count(served_correct)
-            hist = counters.get(HISTOGRAM)
+            check.served_correct_drafts = whole_count(counters.get(CORRECT_DRAFTS))
             if isinstance(hist, list):
                 check.served_histogram = [int(v) for v in hist]
                 # The last cycle matched up to the last known token: the server may have matched more.
                 last_anchor = e.prompt_len + sum(lengths[:-1])
-                censored = bool(correct) and (drafter_block_size is None or correct[-1] < drafter_block_size - 1) \
+                censored = bool(correct) and (block is None or correct[-1] < block - 1) \
                     and last_anchor + correct[-1] + 1 >= e.total_len
                 check.histogram = histogram_status(correct, censored, check.served_histogram)
         checks.append(check)
     warnings = []
-    n_draft = (server or {}).get("num_draft_tokens")
-    if drafter_block_size is not None and isinstance(n_draft, int) and n_draft != drafter_block_size:
-        warnings.append(f"the server drafts {n_draft} tokens per round, the evaluated drafter's block size is "
-                        f"{drafter_block_size}: round counts are not comparable")
     served_path = (server or {}).get("draft_model_path")
     if drafter_path and isinstance(served_path, str) and served_path:
         a = os.path.basename(str(served_path).rstrip("/")).lower()
@@ -225,14 +258,32 @@ def compare(entries: Sequence[Any], offline: Mapping[str, Sequence[int]], server
         if a != b:
             warnings.append(f"the server speculates with {served_path!r}, not obviously the evaluated drafter "
                             f"{drafter_path!r}: differences may just mean different drafters")
-    odd = sorted({c.convention for c in checks} - {"with_prefill_token"})
+    missing = [c.id for c in checks if c.served_accept_length is None]
+    if missing:
+        warnings.append(f"{len(missing)} sample(s) have no {ACCEPT_LENGTH} (e.g. {missing[0]}): their rounds are "
+                        "compared, the server's accept length is not shown")
+    odd = sorted({c.convention for c in checks if c.served_accept_length is not None} - {"with_prefill_token"})
     if odd:
         warnings.append(f"some samples' spec_accept_length does not fit completion_tokens / spec_verify_ct "
                         f"(conventions seen: {odd}); the round counts are still compared")
-    settings = incomparable_settings(server, longest, drafter_input_embedding_scale, drafter_path)
+    if server_block is None and any(c.histogram == DIFFERS for c in checks):
+        most_served = max(len(trim_histogram(c.served_histogram or [])) - 1 for c in checks)
+        most_offline = max(len(c.offline_histogram or []) - 1 for c in checks)
+        if 0 <= most_served < most_offline:  # a hint, not a proof: another drafter looks the same
+            warnings.append(f"the server's block is not recorded; no server round had more than {most_served} "
+                            f"correct drafts, the replay's up to {most_offline}: if the server drafted blocks of "
+                            f"{most_served + 1}, rerun with --block-size {most_served + 1}")
+    settings = incomparable_settings(server, longest, drafter_input_embedding_scale, drafter_path, block,
+                                     drafter_block_size)
+    if server_block is None and block is not None and longest_round > block:
+        settings.append(f"the server's block is not recorded, and its counters show a round of at least "
+                        f"{longest_round} tokens, longer than the replay's blocks of {block}"
+                        + (f" (the drafter's block is {drafter_block_size})" if drafter_block_size not in
+                           (None, block) else "") + ": the server drafted with another block or drafter")
     warnings += [f"not comparable: {w}" for w in settings]
     return ServedCheck(checks, skipped, dict(server) if server else None, warnings, flagged=flagged,
-                       not_comparable=settings)
+                       not_comparable=settings,
+                       blocks={"replay": block, "server": server_block, "drafter": drafter_block_size})
 
 
 def format_check(check: ServedCheck, max_rows: int = 40) -> str:
@@ -246,6 +297,10 @@ def format_check(check: ServedCheck, max_rows: int = 40) -> str:
              f"  convention: {check.convention}"]
     if check.server:
         lines.append("  server: " + ", ".join(f"{k}={v}" for k, v in check.server.items()))
+    if check.blocks:
+        b = check.blocks
+        lines.append(f"  blocks: replay {b.get('replay')}, server {b.get('server') or 'not recorded'}, "
+                     f"drafter {b.get('drafter')}")
     if not check.comparable:
         lines.append("  NOT COMPARABLE: a recorded server setting changes the server's drafts (below); "
                      "differences are expected, not mismatches")

@@ -139,6 +139,7 @@ class DFlashEvalCallback(Callback):
         position_edges: Sequence[int] = DEFAULT_POSITION_EDGES,
         console: bool = True,
         tail_blocks: TailBlocks = "served",
+        block_size: int | None = None,
         prog_bar: bool = False,
     ) -> None:
         super().__init__()
@@ -155,7 +156,7 @@ class DFlashEvalCallback(Callback):
             fail_on_error=fail_on_error, max_failed_evaluations=max_failed_evaluations,
             autocast_dtype=autocast_dtype, table_samples=table_samples, table_cycles=table_cycles,
             tokenizer=tokenizer, verify_cache=verify_cache, position_edges=position_edges, console=console,
-            tail_blocks=tail_blocks)
+            tail_blocks=tail_blocks, block_size=block_size)
         self.evaluator = LiveEvaluator(config, say=rank_zero_info, name=type(self).__name__)
         self.drafter = drafter
         self.prog_bar = check.flag("prog_bar", prog_bar)

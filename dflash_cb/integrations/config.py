@@ -88,6 +88,9 @@ class EvalConfig:
             at the largest budget, difference to each measured baseline, wall time).
         tail_blocks: ``"served"`` (full blocks near the end, cut after verification, as SGLang serves) or
             ``"reference"`` (shortened blocks, as dflash's ``dflash_generate``); docs/method.md, "Tail blocks".
+        block_size: the block the loop drafts with, from 2 up to the drafter's trained block: a server can
+            draft with a shorter one (SGLang's ``--speculative-dflash-block-size``), which caps its tau.
+            None = the drafter's (checked against the drafter at setup, ``replay.check_block_size``).
 
     Intervals: ``{prefix}<metric>_ci_low``/``_ci_high`` are 95% cluster-bootstrap intervals over the
     evaluated samples (``dflash_cb.core.bootstrap``): the uncertainty from the choice of prompts.
@@ -120,6 +123,7 @@ class EvalConfig:
     position_edges: Sequence[int] = DEFAULT_POSITION_EDGES
     console: bool = True
     tail_blocks: TailBlocks = "served"
+    block_size: int | None = None
 
     def __post_init__(self) -> None:
         # Normalised in place (frozen: object.__setattr__), so every reader sees one spelling: paths as str,
@@ -173,6 +177,8 @@ class EvalConfig:
         put("table_samples", check.int_at_least("table_samples", self.table_samples, 0, note="0 = no table"))
         put("table_cycles", check.int_at_least("table_cycles", self.table_cycles, 1))
         put("position_edges", check.position_edges("position_edges", self.position_edges))
+        put("block_size", check.int_at_least("block_size", self.block_size, 2, none="the drafter's block",
+                                             note="the block the server drafts with, at most the drafter's"))
 
     # -- derived -----------------------------------------------------------------------------
     @property
@@ -183,7 +189,7 @@ class EvalConfig:
         return tuple(self.ddtree_budgets)[-1:]
 
     def light_stride(self, block_size: int) -> int:
-        """The anchor-statistics stride of a periodic evaluation, for a drafter of ``block_size``."""
+        """The anchor-statistics stride of a periodic evaluation at the evaluated ``block_size``."""
         return self.periodic_anchor_stride or block_size
 
     @property
@@ -196,12 +202,14 @@ class EvalConfig:
         return dataclasses.replace(self, **changes)
 
     def describe(self, block_size: int | None = None) -> dict[str, Any]:
-        """The settings recorded in a run's configuration (W&B ``{prefix}config``)."""
+        """The settings recorded in a run's configuration (W&B ``{prefix}config``); ``block_size``: the block
+        evaluated (once the drafter is known)."""
         return {
             "states": self.states, "every_n_train_steps": self.every_n_train_steps,
             "ddtree_budgets": list(self.ddtree_budgets), "periodic_ddtree_budgets": list(self.light_budgets),
             "periodic_anchor_stride": self.light_stride(block_size) if block_size else self.periodic_anchor_stride,
             "full_every_n_evals": self.full_every_n_evals, "tail_blocks": self.tail_blocks,
+            "block_size": block_size if block_size is not None else self.block_size,
             "autocast_dtype": self.autocast_dtype, "position_edges": list(self.position_edges),
         }
 

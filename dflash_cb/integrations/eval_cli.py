@@ -15,7 +15,8 @@ USAGE = """Score a saved DFlash drafter on a cache of target states: exact tau, 
 
     python tools/eval_drafter.py --states cached_states/qwen36-27b-v1 --drafter path/to/drafter \\
         --out results.json [--ddtree-budgets 16,32,64] [--device cuda] [--dtype bfloat16]
-        [--samples N | --sample-ids a,b,c] [--no-verify]
+        [--samples N | --sample-ids a,b,c] [--anchor-stride N [--anchor-seed S]] [--block-size N]
+        [--served-check] [--no-verify]
 
 Every argument, the cache, the drafter and the head are checked (and the shards to score hashed)
 before the evaluation starts; a problem is one line naming the file and the fix, exit code 2.
@@ -58,8 +59,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", required=True, help="results.json to write (checked before any work)")
     p.add_argument("--ddtree-budgets", default="16,32,64", help="comma-separated node budgets ('' = off)")
     p.add_argument("--anchor-stride", default="1",
-                   help="per-depth / all-anchor statistics on every N-th anchor (default 1: every anchor; "
-                        "the callback's periodic evaluations use the block size); tau is exact either way")
+                   help="per-depth / all-anchor / SpecForge statistics on every N-th anchor from a per-sample offset "
+                        "(default 1: every anchor; the callback's periodic evaluations use the block size); tau is "
+                        "exact either way")
+    p.add_argument("--anchor-seed", default="0",
+                   help="seed of the per-sample offsets of the --anchor-stride set (default 0, as the callback); "
+                        "recorded in results.json with each sample's offset")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
                    help="compute dtype (default: bfloat16 on cuda, float32 on cpu; exactness needs float32)")
@@ -77,6 +82,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tail-blocks", choices=["served", "reference"], default="served",
                    help="near the end: full blocks cut after verification, as SGLang serves (served, default), "
                         "or shortened blocks, as dflash's dflash_generate (reference); docs/method.md, 'Tail blocks'")
+    p.add_argument("--block-size", default=None,
+                   help="draft blocks of N tokens (anchor included), 2 .. the drafter's block (default: the "
+                        "drafter's), as a server started with --speculative-num-draft-tokens N drafts; with "
+                        "--served-check the default is the server's recorded block")
     p.add_argument("--served-check", action="store_true",
                    help="compare with the server's own speculative counters stored in the cache (the drafter "
                         "must be the one the server ran during the precompute)")
@@ -95,9 +104,11 @@ def main(argv: list[str] | None = None) -> int:
     from ..common.arguments import parse_int, parse_position_edges
     from ..common.errors import DFlashCBError
     from ..common.fileio import check_outputs_apart
+    from ..core.anchor_sets import sparse_stride_warning
     from ..core.checkpoints import load_drafter
     from ..core.ddtree import check_ddtree_budgets
-    from ..core.engine import evaluate, resolve_autocast
+    from ..core.engine import anchors_per_sample, evaluate, resolve_autocast
+    from ..core.replay import check_block_size
     from ..core.report import format_results
     from ..core.results import check_results_path, drafter_provenance, report_to_results, write_results
     from ..core.served_check import (
@@ -106,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         has_served_counters,
         nothing_selected,
         nothing_to_compare,
+        replay_block_size,
     )
 
     # Cheap checks first, then the files, so nothing is computed for a run that cannot finish.
@@ -116,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     budgets = parse_budgets(args.ddtree_budgets)
     check_ddtree_budgets(budgets, None, None, "--ddtree-budgets")  # the block and vocabulary bound: below
     anchor_stride = parse_int("--anchor-stride", args.anchor_stride, 1, note="1 = every anchor")
+    block_size = parse_int("--block-size", args.block_size, 2, note="the anchor and at least one draft") \
+        if args.block_size is not None else None  # the drafter's bound: below
+    anchor_seed = parse_int("--anchor-seed", args.anchor_seed, 0)
     num_samples = parse_int("--samples", args.samples, 1, note="omit it to score every sample") \
         if args.samples is not None else None
     sample_ids = parse_id_list(args.sample_ids, "--sample-ids") if args.sample_ids is not None else None
@@ -133,6 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     if num_samples is not None and num_samples > len(cache.samples):
         print(f"warning: --samples {num_samples}: the cache {cache.path} has only {len(cache.samples)} samples; "
               f"scoring all {len(cache.samples)}", file=sys.stderr)
+    sparse = sparse_stride_warning(anchors_per_sample(cache, ids), anchor_stride, anchor_seed, option="--anchor-stride")
+    if sparse is not None:
+        print(f"warning: {sparse}", file=sys.stderr)
     if args.served_check:
         chosen = set(ids)
         why = nothing_selected(cache.path, [e for e in cache.samples if e.id in chosen])
@@ -140,7 +158,10 @@ def main(argv: list[str] | None = None) -> int:
             raise why  # the selection holds no sample with comparable counters: before any weights are read
     drafter = load_drafter(args.drafter, device=device)
     cache.check_drafter(drafter.spec.as_cache_check())
-    check_ddtree_budgets(budgets, drafter.spec.block_size, cache.manifest.vocab_size, "--ddtree-budgets")
+    if args.served_check:  # the server's block when it is recorded (docs/method.md, "Check against the server")
+        block_size = replay_block_size(cache.manifest.served_spec_config, drafter.spec.block_size, block_size)
+    block_size = check_block_size(block_size, drafter.spec.block_size, "--block-size")
+    check_ddtree_budgets(budgets, block_size, cache.manifest.vocab_size, "--ddtree-budgets")
     drafter.eval()
     autocast = resolve_autocast(dtype_name, device, next(drafter.parameters()).dtype)
     # The head is held in the dtype it computes in: bf16 for a bf16 evaluation, float32 only when asked.
@@ -164,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         head = cache.load_head(device=device, dtype=head_dtype, verify=args.verify)
     report = evaluate(cache, drafter, head, sample_ids=ids, budgets=budgets, device=device,
                       autocast_dtype=autocast, verify=args.verify, progress=True, anchor_stride=anchor_stride,
-                      tail_blocks=args.tail_blocks)
+                      anchor_seed=anchor_seed, tail_blocks=args.tail_blocks, block_size=block_size)
     results = report_to_results(report, cache, position_edges=edges, meta={
         "drafter": drafter_provenance(args.drafter), "dtype": dtype_name, "head_dtype": report.head_dtype,
         "device": str(device),
@@ -176,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         check = compare(cache.samples, {s.id: s.acceptance_lengths for s in report.samples},
                         cache.manifest.served_spec_config, drafter.spec.block_size, args.drafter,
                         correct_drafts={s.id: s.correct_drafts for s in report.samples},
-                        drafter_input_embedding_scale=drafter.spec.input_embedding_scale)
+                        drafter_input_embedding_scale=drafter.spec.input_embedding_scale, block_size=block_size)
         results.breakdown["served_check"] = check.to_dict()
     print(format_results(results))  # shown before writing: a failing write does not lose the numbers
     if check is not None:

@@ -64,6 +64,7 @@ from ..core.metrics import (
     summarize,
 )
 from ..core.model import DrafterSpec
+from ..core.replay import check_block_size
 from ..core.report import evaluation_line
 from .config import EvalConfig
 from .distributed import full_parameters_of, world
@@ -118,8 +119,8 @@ class LiveEvaluator:
     """Evaluate a DFlash drafter on cached target states during training; framework-neutral.
 
     Args:
-        config: an ``EvalConfig`` (every option, documented there), or the cache folder: then
-            ``every_n_train_steps`` and ``options`` are the config's other fields.
+        config: an ``EvalConfig`` (every option, documented there), or the cache folder (also as
+            ``states=``): then ``every_n_train_steps`` and ``options`` are the config's other fields.
         log: where the numbers go (each evaluation's scalars; once, at the first call, the setup's
             predicted cost; after a failure, the failure counter alone): a function ``log(metrics, step)``,
             a W&B run (scalars, tables and charts), a ``sinks.MetricsSink``, or a list of these. None:
@@ -133,7 +134,7 @@ class LiveEvaluator:
 
     def __init__(
         self,
-        config: EvalConfig | str | os.PathLike,
+        config: EvalConfig | str | os.PathLike | None = None,
         every_n_train_steps: int | None = None,
         *,
         log: Any = None,
@@ -143,6 +144,10 @@ class LiveEvaluator:
         name: str = "LiveEvaluator",
         **options: Any,
     ) -> None:
+        if config is None:  # LiveEvaluator(states=..., ...), as the adapters spell it
+            if "states" not in options:
+                raise check.ArgumentError("LiveEvaluator: give the cache folder (states=...) or an EvalConfig")
+            config = options.pop("states")
         if isinstance(config, EvalConfig):
             if every_n_train_steps is not None or options:
                 given = sorted(options) + (["every_n_train_steps"] if every_n_train_steps is not None else [])
@@ -318,12 +323,12 @@ class LiveEvaluator:
         s.setup_reported = True
         if world()[0] != 0:
             return
-        spec, cfg = s.spec, self.config
+        spec, cfg, block = s.spec, self.config, s.block_size
         last = self.history[-1].get(TAU) if self.history else None
         tau = last if isinstance(last, float) and math.isfinite(last) else 1.0
-        costs = predict(unwrap(drafter), spec.block_size, len(spec.target_layer_ids) * spec.target_hidden_size,
+        costs = predict(unwrap(drafter), block, len(spec.target_layer_ids) * spec.target_hidden_size,
                         [(e.prompt_len, e.valid_len - e.prompt_len) for e in map(s.cache.entry, s.eval_ids)],
-                        tau, {"periodic": (cfg.light_budgets, cfg.light_stride(spec.block_size)),
+                        tau, {"periodic": (cfg.light_budgets, cfg.light_stride(block)),
                               "full": (cfg.ddtree_budgets, 1)})
         v = s.verified
         if cfg.console:
@@ -357,9 +362,10 @@ class LiveEvaluator:
         config = getattr(drafter, "config", None)
         s.cache.check_drafter(spec.as_cache_check())
         m = s.cache.manifest
+        block = check_block_size(self.config.block_size, spec.block_size)
         for name, budgets in (("ddtree_budgets", self.config.ddtree_budgets),
                               ("periodic_ddtree_budgets", self.config.light_budgets)):
-            check_ddtree_budgets(budgets, spec.block_size, m.vocab_size, name)  # before any evaluation
+            check_ddtree_budgets(budgets, block, m.vocab_size, name)  # before any evaluation
         problems = []
         n_target = getattr(config, "num_target_layers", None)
         if n_target is not None and m.target.get("num_layers") is not None and int(n_target) != int(m.target["num_layers"]):
@@ -379,7 +385,7 @@ class LiveEvaluator:
                             "target_embed/target_lm_head were given")
         if problems:
             raise CacheMismatchError(f"cache {s.cache.path} does not fit the drafter:\n  - " + "\n  - ".join(problems))
-        s.spec = spec
+        s.spec, s.block_size = spec, block
 
     def _check_same_drafter(self, drafter: nn.Module) -> DrafterSpec:
         """The drafter of this evaluation has the spec checked at setup (cheap: its config only)."""
@@ -408,7 +414,7 @@ class LiveEvaluator:
         self.state.last_eval_step = step
         cfg = self.config
         profile = choose_profile(reason, self.state.num_evals, cfg.full_every_n_evals, cfg.ddtree_budgets,
-                                 cfg.light_budgets, cfg.light_stride(s.spec.block_size))
+                                 cfg.light_budgets, cfg.light_stride(s.block_size))
         self.state.last_eval_full = profile.full
         ranked = self._measure(step, drafter, model, profile)
         since, s.clock = s.clock, (time.perf_counter(), step)
@@ -426,7 +432,7 @@ class LiveEvaluator:
         """Every rank scores its share without touching the training state; counts summed across ranks."""
         s = self.session
         assert s is not None and s.spec is not None
-        template = EvalCounts(s.spec.block_size, profile.budgets, s.categories)
+        template = EvalCounts(s.block_size, profile.budgets, s.categories)
 
         def score(ids: list[str]) -> EvalReport:
             # Inside the scoring, so that a changed drafter or cache fails this evaluation under the policy.
@@ -442,7 +448,7 @@ class LiveEvaluator:
             report = score_untouched(s.cache, module, head, ids, device=param.device, budgets=profile.budgets,
                                      anchor_stride=profile.stride, autocast_dtype=autocast, spec=spec,
                                      keep_drafts=keep, verify=self.config.verify_cache,
-                                     tail_blocks=self.config.tail_blocks)
+                                     tail_blocks=self.config.tail_blocks, block_size=s.block_size)
             for r in report.samples:
                 if r.id not in table:
                     r.drafts = None  # only the table's drafts travel to rank zero
@@ -482,7 +488,7 @@ class LiveEvaluator:
         metrics.update(baseline_scalars(s.baselines, prefix))
         self._begin_run()
         self._to_sinks(f"the evaluation at step {m.step}", m.step, lambda sink: sink.log(metrics, m.step))
-        record = EvaluationRecord(m.step, prefix, metrics, per_depth(summary, s.spec.block_size)["unconditional"],
+        record = EvaluationRecord(m.step, prefix, metrics, per_depth(summary, s.block_size)["unconditional"],
                                   m.counts.data["hist"].tolist(), s.baselines, self.history,
                                   lambda: self._table(m.samples))
         self._to_sinks(f"the evaluation at step {m.step}", m.step, lambda sink: sink.evaluation(record))
@@ -563,7 +569,8 @@ class LiveEvaluator:
         return {
             "states": self.config.states, "cache_manifest_sha256": s.cache.manifest_sha256,
             "samples_evaluated": len(s.eval_ids), "samples_in_cache": len(s.cache),
-            **self.config.describe(s.spec.block_size if s.spec is not None else None),
+            **self.config.describe(s.block_size if s.spec is not None else None),
+            "drafter_block_size": s.spec.block_size if s.spec is not None else None,
         }
 
 

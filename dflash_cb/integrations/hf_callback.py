@@ -95,6 +95,7 @@ class DFlashEvalTrainerCallback(TrainerCallback, ExportableState):
         position_edges: Sequence[int] = DEFAULT_POSITION_EDGES,
         console: bool = True,
         tail_blocks: TailBlocks = "served",
+        block_size: int | None = None,
     ) -> None:
         if not states:
             raise check.ArgumentError("DFlashEvalTrainerCallback: states= (the cache folder) is required")
@@ -110,7 +111,7 @@ class DFlashEvalTrainerCallback(TrainerCallback, ExportableState):
             fail_on_error=fail_on_error, max_failed_evaluations=max_failed_evaluations,
             autocast_dtype=autocast_dtype, table_samples=table_samples, table_cycles=table_cycles,
             tokenizer=tokenizer, verify_cache=verify_cache, position_edges=position_edges, console=console,
-            tail_blocks=tail_blocks)
+            tail_blocks=tail_blocks, block_size=block_size)
         self.evaluator = LiveEvaluator(config, name=type(self).__name__)
         if trainer is not None:
             _check_one_per_prefix(self, trainer)

@@ -69,6 +69,7 @@ class EvalSession:
     verified: SetupCheck | None  # what the setup hashed (None: verify_cache=False)
     setup_seconds: float = 0.0
     spec: DrafterSpec | None = None  # the drafter as checked against the cache (``LiveEvaluator.validate``)
+    block_size: int = 0  # the block evaluated: EvalConfig.block_size, or the drafter's (set by validate)
     setup_reported: bool = False  # the setup's console line and predicted cost
     sinks_begun: bool = False  # the sinks' begin() (the run's configuration)
     failed_in_a_row: int = 0
