@@ -38,15 +38,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from oracles import require
 
-sf_model = pytest.importorskip("specforge.algorithms.common.dflash_family_model",
-                               reason="the oracle: pip install --no-deps specforge==0.2.0")
+sf_model = require("specforge.algorithms.common.dflash_family_model")  # a missing oracle fails, never skips
 from specforge.eval.evaluator import Evaluator  # noqa: E402
 from specforge.modeling.draft.dflash import DFlashDraftModel  # noqa: E402
-from specforge.runtime.contracts import TrainBatch  # noqa: E402
 from specforge.training.strategies.base import DFlashTrainStrategy  # noqa: E402
 
 from dflash_cb.core.metrics import SPECFORGE_ACC, depth_acc  # noqa: E402
+from dflash_cb.integrations.specforge_data import train_batches  # noqa: E402
 
 BLOCK = 6
 LAYERS = [0, 2]
@@ -92,19 +92,11 @@ def _specforge(cache, drafter, cfg: dict, ids: list[str]) -> tuple[dict, torch.T
     lm_head = torch.nn.Linear(head.lm_head.shape[1], head.lm_head.shape[0], bias=False)
     lm_head.weight.data.copy_(head.lm_head)
     embed = torch.nn.Embedding.from_pretrained(head.embed_tokens.clone())
-    entries = [cache.entry(i) for i in ids]
-    longest = max(e.total_len for e in entries)
+    longest = max(cache.entry(i).total_len for i in ids)
     model = _CountingObjective(sf_drafter, lm_head, embed, cfg["dflash_config"]["mask_token_id"],
                                block_size=cfg["block_size"], attention_backend="sdpa", num_anchors=longest).eval()
-    batches = []
-    for e in entries:
-        s = cache.load(e.id)
-        loss_mask = torch.zeros(e.total_len)
-        loss_mask[e.prompt_len:e.valid_len] = 1.0  # the completion on the target's greedy path
-        batches.append(TrainBatch([e.id], "dflash", {"input_ids": s.input_ids.long()[None],
-                                                     "hidden_states": s.hidden.float()[None],
-                                                     "loss_mask": loss_mask[None]}))
-    metrics = Evaluator().run(DFlashTrainStrategy(model).forward_loss, batches)
+    # The loss mask: the completion on the target's greedy path (specforge_data.sample_features).
+    metrics = Evaluator().run(DFlashTrainStrategy(model).forward_loss, train_batches(cache, ids))
     return metrics, model.match, model.weight
 
 
