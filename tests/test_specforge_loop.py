@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 import torch
 from oracles import require
-from test_loops import BUDGETS, PREFIX, assert_logged_equals_tool, tool_metrics
+from test_loops import BUDGETS, PREFIX, assert_logged_equals_tool, assert_step_equals_tool, tool_metrics
 from torch import nn
 
 from dflash_cb.common.errors import DFlashCBError
@@ -137,9 +137,8 @@ def test_logged_tau_equals_the_tool_at_start_periodic_step_and_fit_end(tmp_path,
     assert logged[6][TAU] != logged[0][TAU]  # it trained between the evaluations
     assert {3, 6} <= {step for step, m in log.calls if "loss" in m}  # SpecForge's own metrics, same step axis
     for step in (0, 3, 6):
-        expected = tool_metrics(tiny_cache, tmp_path / f"drafter_{step}", tmp_path / f"r{step}.json",
-                                light=step != 6, block_size=tiny_drafter_config["block_size"])
-        assert_logged_equals_tool(logged[step], expected, step)
+        assert_step_equals_tool(tiny_cache, tmp_path / f"drafter_{step}", tmp_path / f"r{step}.json", logged[step],
+                                step == 6, tiny_drafter_config["block_size"], step)
 
 
 @pytest.mark.parametrize("how", ["checkpoint_manager", "keep_best_by_tau"])
@@ -330,7 +329,7 @@ def test_specforge_command_line_with_the_evaluation_attached(tmp_path, tiny_cach
     meta = json.loads((tmp_path / "out" / f"{RUN}.best_meta.json").read_text())
     assert (meta["metric"], meta["step"], meta["score"]) == (TAU, best, taus[best])
     expected = export_and_score(tmp_path, tiny_cache, 8, tiny_drafter_config["block_size"])
-    assert_logged_equals_tool(logged[8], expected, 8)
+    assert_logged_equals_tool(logged[8], expected, 8, prefix=PREFIX + "full/")  # the fit end: full
 
 
 def test_specforge_command_line_on_two_torchrun_ranks(tmp_path, tiny_cache, tiny_drafter_config):
@@ -344,7 +343,7 @@ def test_specforge_command_line_on_two_torchrun_ranks(tmp_path, tiny_cache, tiny
     logged = evaluations(outputs[0])
     assert sorted(logged) == [0, 2, 4] and evaluations(outputs[1]) == {}  # rank zero logs, once each
     expected = export_and_score(tmp_path, tiny_cache, 4, tiny_drafter_config["block_size"])
-    assert_logged_equals_tool(logged[4], expected, 4)
+    assert_logged_equals_tool(logged[4], expected, 4, prefix=PREFIX + "full/")  # the fit end: full
 
 
 def test_specforge_command_line_refuses_what_it_cannot_do_in_one_line(tmp_path, tiny_cache, tiny_drafter_config,
