@@ -40,7 +40,9 @@ def output_path(path: str | os.PathLike) -> Path:
 
 
 def _os_code(err: BaseException) -> int | None:
-    """The errno inside safetensors' error type (``... (os error 28)``), which is not an ``OSError``."""
+    """The errno inside safetensors' error type (``... (os error 28)``), which is not an ``OSError``: for
+    writes by other libraries (transformers' ``save_pretrained``); this package's own safetensors files
+    are written by ``tensorfile``, whose failures are real ``OSError``s."""
     if type(err).__name__ != "SafetensorError":
         return None
     m = re.search(r"os error (\d+)", str(err))

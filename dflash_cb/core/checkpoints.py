@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from ..common.cli import describe_os_error
 from ..common.errors import DFlashCBError
@@ -29,6 +29,7 @@ from ..common.fileio import (
     naming_failures,
     output_path,
 )
+from ..common.tensorfile import write_safetensors
 from .model import DFlashDrafter, DrafterSpec, load_state_dict_strict
 
 DRAFTER_FILES = ("config.json", "model.safetensors")
@@ -355,7 +356,7 @@ def _write_drafter_files(out: Path, weights: dict[str, torch.Tensor], config_tex
     folder a failure names when ``out`` is a temporary one."""
     shown = shown or out
     with naming_failures(shown / "model.safetensors", temp=f"{out}{os.sep}"), atomic_path(out / "model.safetensors") as tmp:
-        save_file(weights, str(tmp), metadata={"format": "pt"})
+        write_safetensors(tmp, weights, metadata={"format": "pt"})
     with naming_failures(shown / "config.json", temp=f"{out}{os.sep}"):
         atomic_write_text(out / "config.json", config_text)
 
