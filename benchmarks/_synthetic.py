@@ -10,15 +10,8 @@ import torch
 from safetensors.torch import save
 from transformers import Qwen3Config
 
-from dflash_cb.cache.states import (
-    HEAD_NAME,
-    Manifest,
-    SampleEntry,
-    ShardEntry,
-    StateCache,
-    TargetHead,
-    shard_name,
-)
+from dflash_cb.cache.manifest import HEAD_NAME, Manifest, SampleEntry, ShardEntry, shard_name
+from dflash_cb.cache.states import StateCache, TargetHead
 from dflash_cb.common.fileio import atomic_write_bytes
 from dflash_cb.core.engine import FastRunner, apply_head, block_embeddings
 from dflash_cb.core.model import DFlashDrafter

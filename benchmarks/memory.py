@@ -80,7 +80,9 @@ def build(folder: Path, p: dict, samples: int, prompt: int, completion: int) -> 
     from _synthetic import write_cache
     from safetensors.torch import save_file
 
-    from dflash_cb.cache.states import HEAD_NAME, Manifest, TargetHead, sha256_file
+    from dflash_cb.cache.integrity import sha256_file
+    from dflash_cb.cache.manifest import HEAD_NAME, Manifest
+    from dflash_cb.cache.states import TargetHead
 
     marker = folder / "built.json"
     want = {"samples": samples, "prompt": prompt, "completion": completion, "layers": p["layers"]}

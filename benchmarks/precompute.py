@@ -218,8 +218,7 @@ def main() -> None:
         s = run_precompute(PrecomputeArgs(target=str(folders[model]), prompts=str(pfile), out=str(out),
                                           layers=LAYER_IDS, reference="file", completions=str(cfile),
                                           max_new_tokens=a.completion, dtype="bfloat16", compute_dtype=compute,
-                                          topk_logprobs=topk, export_head=False, progress=False, overwrite=True),
-                           log=lambda msg: None)
+                                          topk_logprobs=topk, export_head=False, progress=False, overwrite=True))
         return time.perf_counter() - t, s
 
     faster = min(DTYPES, key=lambda d: med(times[(("hybrid", d), "tool")]))

@@ -30,8 +30,7 @@ def build_tiny_cache(root: Path, n_prompts: int = 6, max_new_tokens: int = 24, p
                             categories=["code", "chat"])
     out = root / "cache"
     run_precompute(PrecomputeArgs(target=str(target), prompts=str(prompts), out=str(out), layers=TINY_LAYER_IDS,
-                                  reference="local", dtype="float32", max_new_tokens=max_new_tokens, progress=False),
-                   log=lambda msg: None)
+                                  reference="local", dtype="float32", max_new_tokens=max_new_tokens, progress=False))
     return out
 
 

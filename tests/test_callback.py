@@ -17,7 +17,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
 from dflash_cb import DFlashEvalCallback
-from dflash_cb.cache.states import CacheMismatchError, StateCache, stratified_ids
+from dflash_cb.cache.selection import stratified_ids
+from dflash_cb.cache.states import CacheMismatchError, StateCache
 from dflash_cb.core.metrics import EVAL_TIME
 from dflash_cb.demo.lightning_module import CachedStatesDataModule, DFlashDrafterModule
 from dflash_cb.integrations.evaluator import DFlashEvalError
@@ -256,7 +257,7 @@ def test_shard_changed_during_training_is_rehashed_counted_and_stops_after_k(tmp
 ])
 def test_damaged_cache_stops_fit_at_setup(tmp_path, tiny_cache, tiny_drafter_config, damage, message):
     """Items 7 and 12: found at setup (a stat per file, sha256 by default), not inside every evaluation."""
-    from dflash_cb.cache.states import CacheError
+    from dflash_cb.cache.manifest import CacheError
 
     broken = tmp_path / "cache"
     shutil.copytree(tiny_cache, broken)

@@ -35,14 +35,14 @@ def _worker(cache: str, cfg_path: str, out: str, strategies: list[str]) -> None:
     from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
 
     from dflash_cb import DFlashEvalCallback
-    from dflash_cb.cache import states
+    from dflash_cb.cache import integrity
     from dflash_cb.demo.lightning_module import CachedStatesDataModule, DFlashDrafterModule
     from dflash_cb.integrations.distributed import full_parameters, sharding_kind
 
     cfg = json.loads(Path(cfg_path).read_text())
     hashed: list[str] = []  # the files sha256 reads in this process, per fit
-    real_sha = states.sha256_file
-    states.sha256_file = lambda p, *a, **k: hashed.append(Path(p).name) or real_sha(p, *a, **k)
+    real_sha = integrity.sha256_file
+    integrity.sha256_file = lambda p, *a, **k: hashed.append(Path(p).name) or real_sha(p, *a, **k)
 
     class CPUFSDPStrategy(FSDPStrategy):
         """Lightning refuses FSDP without CUDA; torch's FSDP runs on CPU with device_id=cpu."""
@@ -106,7 +106,7 @@ def _worker(cache: str, cfg_path: str, out: str, strategies: list[str]) -> None:
         module = module_cls(cfg, cache, lr=1e-2, anchors_per_sample=8)
         if name == STRATEGIES[0]:
             # The training module reads (and hashes) the head itself on every rank: count the callback's alone.
-            states._VERIFIED.clear()
+            integrity.VERIFIED.clear()
             hashed.clear()
         cb = DFlashEvalCallback(states=cache, every_n_train_steps=EVERY, ddtree_budgets=BUDGETS)
         kinds: list = []

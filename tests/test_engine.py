@@ -25,15 +25,8 @@ from safetensors.torch import save
 from test_ddtree import reference_tree_accept
 from transformers import Qwen3Config
 
-from dflash_cb.cache.states import (
-    HEAD_NAME,
-    Manifest,
-    SampleEntry,
-    ShardEntry,
-    StateCache,
-    TargetHead,
-    shard_name,
-)
+from dflash_cb.cache.manifest import HEAD_NAME, Manifest, SampleEntry, ShardEntry, shard_name
+from dflash_cb.cache.states import StateCache, TargetHead
 from dflash_cb.common.errors import DFlashCBError
 from dflash_cb.common.fileio import atomic_write_bytes
 from dflash_cb.core import engine

@@ -14,8 +14,9 @@ from test_callback import fit, read_csv_metrics
 from torch.utils.flop_counter import FlopCounterMode
 
 from dflash_cb import DFlashEvalCallback
-from dflash_cb.cache import states
-from dflash_cb.cache.states import StateCache, select_sample_ids
+from dflash_cb.cache import integrity
+from dflash_cb.cache.selection import select_sample_ids
+from dflash_cb.cache.states import StateCache
 from dflash_cb.core.cost import DrafterShape, evaluation_cost
 from dflash_cb.core.engine import evaluate
 from dflash_cb.core.model import DFlashDrafter
@@ -24,8 +25,8 @@ from dflash_cb.core.model import DFlashDrafter
 def count_hashes(monkeypatch) -> list[str]:
     """The files sha256 actually reads, by name, in order."""
     seen: list[str] = []
-    real = states.sha256_file
-    monkeypatch.setattr(states, "sha256_file", lambda p, *a, **k: seen.append(Path(p).name) or real(p, *a, **k))
+    real = integrity.sha256_file
+    monkeypatch.setattr(integrity, "sha256_file", lambda p, *a, **k: seen.append(Path(p).name) or real(p, *a, **k))
     return seen
 
 

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_cb.cache.states import StateCache, select_sample_ids
+from dflash_cb.cache.selection import select_sample_ids
+from dflash_cb.cache.states import StateCache
 from dflash_cb.common.cli import run
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -63,3 +63,42 @@ def test_the_public_names_still_import_from_the_package():
 
     for name in dflash_cb.__all__:
         assert getattr(dflash_cb, name) is not None, name
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """Each module of the package (the root's lazy re-exports aside) -> the modules it imports."""
+    modules = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    del modules["dflash_cb"]
+
+    def module_of(name: str) -> str:  # ``pkg.module.attribute`` -> ``pkg.module``
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name
+
+    return {m: {module_of(n) for n in _imports(p)} - {m, ""} for m, p in modules.items()}
+
+
+def test_no_import_circles():
+    """No module imports, directly or through others, a module that imports it back (lazy imports
+    count): a shared name belongs in a module both can import."""
+    graph = _module_graph()
+    circles = []
+    for start in sorted(graph):
+        path, seen = [start], set()
+        stack = [iter(sorted(graph[start]))]
+        while stack:  # depth-first from ``start``, looking for ``start`` again
+            nxt = next(stack[-1], None)
+            if nxt is None:
+                stack.pop()
+                path.pop()
+            elif nxt == start:
+                circles.append(" -> ".join([*path, start]))
+                break
+            elif nxt not in seen:
+                seen.add(nxt)
+                path.append(nxt)
+                stack.append(iter(sorted(graph[nxt])))
+    assert not circles, "\n".join(circles)

@@ -14,8 +14,9 @@ import pytest
 from processes import sigkill_when
 from tiny_target import random_prompts, save_tiny_qwen3, write_prompts
 
+from dflash_cb.cache.manifest import CacheError, merge_staging_path, replaced_cache_path
 from dflash_cb.cache.precompute import main, merge_main
-from dflash_cb.cache.states import CacheError, StateCache, merge_staging_path, replaced_cache_path
+from dflash_cb.cache.states import StateCache
 
 ROOT = Path(__file__).resolve().parents[1]
 

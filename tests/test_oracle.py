@@ -144,7 +144,8 @@ def test_generic_runner_matches(setup) -> None:
 
 def test_wrong_layer_offset_is_caught(setup) -> None:
     """A cache that read hidden_states[i] instead of hidden_states[i + 1] must not reproduce the loop."""
-    from dflash_cb.cache.states import MANIFEST_NAME, StateCache
+    from dflash_cb.cache.manifest import MANIFEST_NAME
+    from dflash_cb.cache.states import StateCache
     from dflash_cb.core.engine import evaluate
 
     out = _precompute(setup["target_dir"], setup["prompts"], setup["root"] / "cache_offset",
@@ -199,7 +200,9 @@ def test_disagreement_truncates_scoring(setup, tmp_path: Path, tail_blocks: str)
 
     from safetensors.torch import load_file, save_file
 
-    from dflash_cb.cache.states import MANIFEST_NAME, StateCache, sha256_file
+    from dflash_cb.cache.integrity import sha256_file
+    from dflash_cb.cache.manifest import MANIFEST_NAME
+    from dflash_cb.cache.states import StateCache
     from dflash_cb.core.engine import evaluate
 
     src = setup["cache"].path

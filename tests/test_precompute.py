@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -17,8 +18,9 @@ from safetensors import safe_open
 from tiny_target import TINY_HIDDEN, TINY_VOCAB, random_prompts, save_tiny_qwen3, write_prompts
 
 from dflash_cb.cache import precompute
+from dflash_cb.cache.manifest import HEAD_NAME, MANIFEST_NAME, CacheError, shard_name
 from dflash_cb.cache.precompute import JOURNAL_NAME, PROGRESS_NAME, main, merge_main
-from dflash_cb.cache.states import HEAD_NAME, MANIFEST_NAME, CacheError, StateCache, shard_name
+from dflash_cb.cache.states import StateCache
 
 LAYERS = "0,2,3"
 
@@ -615,7 +617,7 @@ def test_float32_compute_with_bfloat16_storage(target_dir, prompts_file, tmp_pat
     assert log["summary"]["compute_dtype"] == "float32" and log["compute"]["reason"] == "given by --compute-dtype"
 
 
-def test_auto_compute_dtype_follows_the_probe(target_dir, prompts_file, tmp_path):
+def test_auto_compute_dtype_follows_the_probe(target_dir, prompts_file, tmp_path, caplog):
     from dflash_cb.cache.precompute import DtypeProbe, PrecomputeArgs, prepare, run_precompute
     from dflash_cb.cache.target import load_target
 
@@ -632,19 +634,19 @@ def test_auto_compute_dtype_follows_the_probe(target_dir, prompts_file, tmp_path
         return measure
 
     plenty = lambda: 1 << 40  # noqa: E731
-    plan = prepare(args("a"), log=lambda m: None, probe=DtypeProbe(gflops(torch.float32), plenty))
+    plan = prepare(args("a"), probe=DtypeProbe(gflops(torch.float32), plenty))
     assert plan.compute_dtype == "float32" and plan.header.compute_dtype == "float32"
     assert sorted(asked, key=str) == sorted([(torch.float32, TINY_HIDDEN), (torch.bfloat16, TINY_HIDDEN)], key=str)
-    assert prepare(args("b"), log=lambda m: None,
-                   probe=DtypeProbe(gflops(torch.bfloat16), plenty)).compute_dtype == "bfloat16"
+    assert prepare(args("b"), probe=DtypeProbe(gflops(torch.bfloat16), plenty)).compute_dtype == "bfloat16"
     # float32 faster but it would not fit: the float32 need (weights + activations) exceeds what is available
-    tight = prepare(args("c"), log=lambda m: None, probe=DtypeProbe(gflops(torch.float32), lambda: 1 << 20))
+    tight = prepare(args("c"), probe=DtypeProbe(gflops(torch.float32), lambda: 1 << 20))
     assert tight.compute_dtype == "bfloat16" and "are available" in tight.compute.reason
     weights = sum(p.numel() for p in load_target(target_dir, "float32").model.parameters())
     assert tight.compute.float32_need_bytes > 4 * weights  # at least the float32 weights
     # a whole run records the choice and the measured figures
-    logged: list[str] = []
-    run_precompute(args("d"), log=logged.append, probe=DtypeProbe(gflops(torch.float32), plenty))
+    with caplog.at_level(logging.INFO, logger="dflash_cb"):
+        run_precompute(args("d"), probe=DtypeProbe(gflops(torch.float32), plenty))
+    logged = [r.getMessage() for r in caplog.records]
     assert StateCache(tmp_path / "d").manifest.compute_dtype == "float32"
     assert any("compute dtype: float32" in m and "100.0 GFLOP/s" in m for m in logged)
     record = json.loads((tmp_path / "d" / "precompute_log.json").read_text())["compute"]

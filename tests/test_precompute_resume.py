@@ -13,8 +13,9 @@ from processes import sigkill_when
 from safetensors.torch import load_file
 from tiny_target import random_prompts, save_tiny_qwen3, write_prompts
 
+from dflash_cb.cache.manifest import MANIFEST_NAME
 from dflash_cb.cache.precompute import PROGRESS_NAME, main
-from dflash_cb.cache.states import MANIFEST_NAME, StateCache
+from dflash_cb.cache.states import StateCache
 
 REPO = Path(__file__).resolve().parents[1]
 TOOL = REPO / "tools" / "precompute_states.py"

@@ -297,8 +297,9 @@ def test_server_without_counters(world, server, tmp_path, capsys) -> None:
 
 
 def test_sigkill_during_queries_keeps_the_counters(world, server, tmp_path) -> None:
+    from dflash_cb.cache.manifest import MANIFEST_NAME
     from dflash_cb.cache.precompute import JOURNAL_NAME
-    from dflash_cb.cache.states import MANIFEST_NAME, StateCache
+    from dflash_cb.cache.states import StateCache
 
     url, state = server
     reference = tmp_path / "uninterrupted"  # same server (its URL is in the manifest)
@@ -365,8 +366,9 @@ def test_counters_parsing_and_convention() -> None:
 
 
 def test_old_manifest_loads_and_served_baseline(served_cache) -> None:
+    from dflash_cb.cache.manifest import MANIFEST_NAME, Manifest
     from dflash_cb.cache.served import served_tau
-    from dflash_cb.cache.states import MANIFEST_NAME, Manifest, StateCache
+    from dflash_cb.cache.states import StateCache
     from dflash_cb.core.baselines import baseline_scalars, load_served
 
     data = json.loads((served_cache["out"] / MANIFEST_NAME).read_text())
@@ -573,7 +575,7 @@ def _edited(src: Path, dst: Path, edit) -> Path:
     """A copy of the cache at ``src`` whose manifest ``edit(manifest_dict)`` changed (the shards are the same)."""
     import shutil
 
-    from dflash_cb.cache.states import MANIFEST_NAME
+    from dflash_cb.cache.manifest import MANIFEST_NAME
 
     shutil.copytree(src, dst)
     data = json.loads((dst / MANIFEST_NAME).read_text())
@@ -680,7 +682,8 @@ def test_server_block_larger_than_the_drafters(world, served_cache, tmp_path, ca
 def test_served_spec_of_the_wrong_shape(world, served_cache, tmp_path, capsys, value) -> None:
     """A manifest whose ``served_spec`` is not an object: the cache reader (and so --served-check and the
     evaluator's setup) refuses it in one line naming the manifest and the sample."""
-    from dflash_cb.cache.states import MANIFEST_NAME, CacheError, StateCache
+    from dflash_cb.cache.manifest import MANIFEST_NAME, CacheError
+    from dflash_cb.cache.states import StateCache
     from dflash_cb.integrations.evaluator import LiveEvaluator
 
     def damage(m: dict) -> None:

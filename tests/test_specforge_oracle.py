@@ -192,7 +192,7 @@ def stopping_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = root / "cache_stop"
     run_precompute(PrecomputeArgs(target=str(root / "target"), prompts=str(root / "prompts.jsonl"), out=str(out),
                                   layers=LAYERS, reference="local", dtype="float32", max_new_tokens=48,
-                                  stop_token_ids=[stop], progress=False), log=lambda msg: None)
+                                  stop_token_ids=[stop], progress=False))
     return out
 
 

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from dflash_cb.cache import states
-from dflash_cb.cache.states import CacheError, StateCache
+from dflash_cb.cache import integrity
+from dflash_cb.cache.manifest import CacheError
+from dflash_cb.cache.states import StateCache
 
 
 def copy_cache(src: Path, dst: Path, edit=None) -> Path:
@@ -63,8 +64,8 @@ def test_changed_shard_is_hashed_again_unchanged_is_not(tiny_cache: Path, tmp_pa
     """Item 7: once verified, a shard is hashed again only when its size or mtime changes."""
     cache = StateCache(copy_cache(tiny_cache, tmp_path / "cache"))
     hashed: list[str] = []
-    real_sha = states.sha256_file
-    monkeypatch.setattr(states, "sha256_file", lambda p, *a: hashed.append(Path(p).name) or real_sha(p, *a))
+    real_sha = integrity.sha256_file
+    monkeypatch.setattr(integrity, "sha256_file", lambda p, *a: hashed.append(Path(p).name) or real_sha(p, *a))
     cache.verify()
     n = len(hashed)
     assert n == len(cache.manifest.shards) + 1  # + the head

@@ -1,19 +1,19 @@
-"""The cached-states format: one manifest dataclass (the single source of truth) and a lazy reader.
+"""The cache reader: a lazy, read-only view of a cache folder (the format is ``manifest``).
 
-A cache folder holds ``manifest.json``, shards ``states-NNNNN.safetensors`` and, optionally,
-``target_head.safetensors`` (the target's input embedding and output head). Shards are
-memory-mapped and read one tensor at a time, so a multi-GB cache never has to fit in RAM.
+Shards are memory-mapped and read one tensor at a time, so a multi-GB cache never has to fit in
+RAM. Every read checks what it touches against the manifest: sizes on open, sha256 on request
+(``integrity``: each file hashed once per process while unchanged), and every sample's fields
+against its tensors.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import math
 import os
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,251 +21,20 @@ import torch
 from safetensors import safe_open
 
 from ..common.errors import DFlashCBError
-from ..common.fileio import atomic_write_bytes
-from .served import served_spec_problem
-
-FORMAT_VERSION = 1
-MANIFEST_NAME = "manifest.json"
-HEAD_NAME = "target_head.safetensors"
-LAYER_INDEX_CONVENTION = "dflash: layer id i = output of decoder layer i = hf hidden_states[i + 1]"
-
-
-def shard_name(index: int) -> str:
-    return f"states-{index:05d}.safetensors"
-
-
-def merge_staging_path(out: str | os.PathLike) -> Path:
-    """Where tools/merge_states.py builds the merged cache before it replaces ``out``."""
-    out = Path(out)
-    return out.parent / f".{out.name}.merging"
-
-
-def replaced_cache_path(out: str | os.PathLike) -> Path:
-    """Where the previous cache waits, for an instant, while a merged cache takes its place."""
-    out = Path(out)
-    return out.parent / f".{out.name}.replaced"
-
-
-class CacheError(DFlashCBError, RuntimeError):
-    """A cache folder is missing, corrupted or from an incompatible version."""
+from .integrity import VERIFIED, file_identity, sha256_unless_verified
+from .manifest import (
+    MANIFEST_NAME,
+    CacheError,
+    Manifest,
+    SampleEntry,
+    ShardEntry,
+    first_disagreement,
+    interrupted_merge,
+)
 
 
 class CacheMismatchError(DFlashCBError, ValueError):
     """A cache does not fit a drafter (layer ids, hidden size, vocab, block size ...)."""
-
-
-@dataclass
-class SampleEntry:
-    id: str
-    category: str
-    shard: str
-    prompt_len: int
-    completion_len: int
-    # Tokens [0, valid_len) are the target's own greedy path; scoring stops there.
-    valid_len: int
-    finish_reason: str
-    index: int = 0  # position in the prompt file
-    # The server's own speculative counters for this request (every spec_* field of SGLang's
-    # meta_info, e.g. spec_verify_ct, spec_accept_length); None when the server sent none.
-    served_spec: dict[str, Any] | None = None
-
-    @property
-    def total_len(self) -> int:
-        return self.prompt_len + self.completion_len
-
-
-@dataclass
-class ShardEntry:
-    file: str
-    sha256: str
-    bytes: int
-    samples: list[str] = field(default_factory=list)
-
-
-@dataclass
-class Manifest:
-    target: dict[str, Any]  # name_or_path, architecture, num_layers, hidden_size, vocab_size, config_sha256
-    layer_ids: list[int]
-    dtype: str
-    reference: dict[str, Any]  # kind, url, served_model, sampling_params, max_new_tokens, stop_token_ids
-    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
-    topk_logprobs: int = 0
-    shards: list[ShardEntry] = field(default_factory=list)
-    samples: list[SampleEntry] = field(default_factory=list)
-    agreement: dict[str, Any] = field(default_factory=dict)
-    target_head: dict[str, Any] | None = None  # file, sha256, tied, vocab_size, hidden_size, dtype
-    prompts: dict[str, Any] = field(default_factory=dict)  # file name and sha256 of the prompt set
-    # The server's speculative configuration (/get_server_info: algorithm, draft_model_path,
-    # num_draft_tokens, topk, num_steps); None for local/file references or servers that do not say.
-    served_spec_config: dict[str, Any] | None = None
-    compute_dtype: str | None = None  # dtype the target computed in; None (older caches): the same as dtype
-    layer_index_convention: str = LAYER_INDEX_CONVENTION
-    format_version: int = FORMAT_VERSION
-
-    # -- derived -------------------------------------------------------------
-    @property
-    def hidden_size(self) -> int:
-        return int(self.target["hidden_size"])
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.target["vocab_size"])
-
-    @property
-    def feature_dim(self) -> int:
-        return len(self.layer_ids) * self.hidden_size
-
-    @property
-    def max_new_tokens(self) -> int:
-        return int(self.reference["max_new_tokens"])
-
-    @property
-    def stop_token_ids(self) -> list[int]:
-        return [int(t) for t in self.reference.get("stop_token_ids") or []]
-
-    # -- (de)serialisation ---------------------------------------------------
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=1, sort_keys=False) + "\n"
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any], source: str = "manifest") -> Manifest:
-        if not isinstance(data, dict):
-            raise CacheError(f"{source}: expected a JSON object, got {type(data).__name__}; recompute or restore the cache")
-        version = data.get("format_version")
-        if version != FORMAT_VERSION:
-            raise CacheError(
-                f"{source}: cache format_version {version!r}, this dflash-cb reads version {FORMAT_VERSION}; "
-                "recompute the cache with tools/precompute_states.py of this version"
-            )
-        data = dict(data)
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise CacheError(f"{source}: unknown manifest fields {unknown}; was it written by a newer dflash-cb?")
-        try:
-            data["shards"] = [ShardEntry(**s) for s in data.get("shards", [])]
-            data["samples"] = [SampleEntry(**s) for s in data.get("samples", [])]
-            manifest = cls(**data)
-        except TypeError as e:  # a missing or misspelled field in an entry
-            raise CacheError(f"{source}: malformed manifest ({e}); recompute or restore the cache") from None
-        for s in manifest.samples:
-            problem = _entry_problem(s)
-            if problem:
-                raise CacheError(f"{source}: sample {s.id!r}: {problem}; the manifest was edited or damaged: "
-                                 "restore it or recompute the cache")
-        return manifest
-
-    def write(self, folder: str | os.PathLike) -> None:
-        atomic_write_bytes(Path(folder) / MANIFEST_NAME, self.to_json().encode())
-
-
-def _entry_problem(e: SampleEntry) -> str | None:
-    """What is impossible about a sample entry on its own (before its shard is read), or None."""
-    ints = {k: getattr(e, k) for k in ("prompt_len", "completion_len", "valid_len")}
-    bad = [k for k, v in ints.items() if not isinstance(v, int) or isinstance(v, bool)]
-    if bad:
-        return f"{', '.join(bad)} must be integers, got {[ints[k] for k in bad]}"
-    if e.prompt_len < 1 or e.completion_len < 0:
-        return f"prompt_len {e.prompt_len} must be >= 1 and completion_len {e.completion_len} >= 0"
-    if not e.prompt_len <= e.valid_len <= e.total_len:
-        return (f"valid_len {e.valid_len} is outside [prompt_len {e.prompt_len}, "
-                f"prompt_len + completion_len {e.total_len}]")
-    return served_spec_problem(e.served_spec)  # its values are judged where they are compared (served.py)
-
-
-def first_disagreement(target_argmax: torch.Tensor, input_ids: torch.Tensor, prompt_len: int) -> int:
-    """``valid_len``: the first completion position t with argmax[t-1] != input_ids[t], else len(input_ids)."""
-    t = input_ids.shape[0]
-    if t <= prompt_len:
-        return t
-    differ = (target_argmax[prompt_len - 1:t - 1] != input_ids[prompt_len:]).nonzero()
-    return prompt_len + int(differ[0]) if len(differ) else t
-
-
-def stratified_ids(ids: Sequence[str], category: Callable[[str], str], n: int, seed: int | None) -> list[str]:
-    """``n`` of ``ids``, round-robin over categories (shuffled per category with ``seed``; in order if
-    None), returned in the order of ``ids``. A private generator: the global RNG is untouched."""
-    if n <= 0:
-        return []
-    by_cat: dict[str, list[str]] = {}
-    for i in ids:
-        by_cat.setdefault(category(i), []).append(i)
-    if seed is not None:
-        g = torch.Generator().manual_seed(seed)
-        for c in sorted(by_cat):
-            perm = torch.randperm(len(by_cat[c]), generator=g).tolist()
-            by_cat[c] = [by_cat[c][j] for j in perm]
-    chosen: list[str] = []
-    queues = [list(by_cat[c]) for c in sorted(by_cat)]
-    while len(chosen) < n and any(queues):
-        for q in queues:
-            if q and len(chosen) < n:
-                chosen.append(q.pop(0))
-    order = {i: k for k, i in enumerate(ids)}
-    return sorted(chosen, key=order.__getitem__)
-
-
-class SampleSelectionError(DFlashCBError, ValueError):
-    """A requested sample subset does not exist in the cache."""
-
-
-def select_sample_ids(cache: StateCache, num_samples: int | None = None, sample_ids: Sequence[str] | None = None,
-                      seed: int = 0) -> list[str]:
-    """The samples an evaluation scores; the callback's ``num_samples``/``sample_ids`` and
-    ``tools/eval_drafter.py --samples/--sample-ids`` both call this, so they pick the same subset.
-
-    ``sample_ids`` wins (duplicates dropped, order kept); else ``num_samples`` draws a fixed subset
-    stratified by category (round-robin, seeded); else every sample, in cache order.
-    """
-    all_ids = [s.id for s in cache.samples]
-    if sample_ids is not None:
-        known = set(all_ids)
-        unknown = [i for i in sample_ids if i not in known]
-        if unknown:
-            raise SampleSelectionError(f"sample ids {unknown[:5]}{' ...' if len(unknown) > 5 else ''} are not in "
-                                       f"the cache {cache.path} (its ids: {', '.join(all_ids[:5])}"
-                                       f"{' ...' if len(all_ids) > 5 else ''})")
-        if not sample_ids:
-            raise SampleSelectionError("the list of sample ids is empty: give at least one id")
-        return list(dict.fromkeys(sample_ids))
-    if num_samples is not None and (isinstance(num_samples, bool) or not isinstance(num_samples, int)
-                                    or num_samples < 1):
-        raise SampleSelectionError(f"the number of samples must be a positive integer (or none for all), "
-                                   f"got {num_samples!r}")
-    if num_samples is None or num_samples >= len(all_ids):
-        return all_ids
-    return stratified_ids(all_ids, lambda i: cache.entry(i).category, num_samples, seed)
-
-
-def file_identity(st: os.stat_result) -> tuple[int, ...]:
-    """What changes when a file is rewritten, replaced by a rename or copied over: a copy or a rewrite
-    that keeps (or restores) the modification time still changes the inode or the status-change time."""
-    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
-
-
-def sha256_file(path: str | os.PathLike, chunk: int = 1 << 24) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
-# Files whose sha256 matched, by (real path, file_identity, expected sha256), for this process: a new
-# StateCache of the same folder (every Lightning setup makes one) does not hash them again.
-_VERIFIED: set[tuple[str, tuple[int, ...], str]] = set()
-
-
-def verified_key(path: str | os.PathLike, st: os.stat_result, expected: str) -> tuple[str, tuple[int, ...], str]:
-    return (os.path.realpath(path), file_identity(st), expected)
-
-
-def mark_verified(path: str | os.PathLike, expected: str) -> None:
-    """Record that ``path`` (as it is now) matches ``expected``: e.g. another rank hashed it."""
-    _VERIFIED.add(verified_key(path, os.stat(path), expected))
 
 
 def read_tensor(handle: Any, key: str, dtype: torch.dtype | None = None, device: torch.device | str = "cpu",
@@ -320,7 +89,7 @@ class StateCache:
         manifest_path = self.path / MANIFEST_NAME
         if not manifest_path.is_file():
             hint = ""
-            if merge_staging_path(self.path).exists() or replaced_cache_path(self.path).exists():
+            if interrupted_merge(self.path):
                 hint = (" (a tools/merge_states.py run into this folder was interrupted: rerun the same merge "
                         "command to finish it)")
             elif self.path.is_dir() and any(self.path.glob("states-*.safetensors")):
@@ -378,22 +147,17 @@ class StateCache:
         return p
 
     def _wrong_digest(self, name: str, p: Path, st: os.stat_result, expected: str) -> str | None:
-        """None if ``p`` hashes to ``expected``, else the digest it has. A file that passed before is
-        hashed again only if it changed (``file_identity``: size, times, inode)."""
-        key = verified_key(p, st, expected)
-        if key in _VERIFIED:
+        """None if ``p`` hashes to ``expected``, else the digest it has (``integrity.sha256_unless_verified``)."""
+        digest = sha256_unless_verified(p, st, expected)
+        if digest is None:
             return None
-        digest = sha256_file(p)
         self.hashed.append((name, st.st_size))
-        if digest != expected:
-            return digest
-        _VERIFIED.add(key)
-        return None
+        return digest if digest != expected else None
 
     def check_unchanged(self) -> None:
         """Raise ``CacheError`` if the folder's manifest is no longer the one this reader opened (the cache
         was replaced or rebuilt while in use): a ``stat``, and a re-hash of the manifest only when its
-        identity (inode, size, times) changed, so a long run notices a swapped folder, naming both hashes,
+        ``integrity.file_identity`` changed, so a long run notices a swapped folder, naming both hashes,
         instead of failing later on a shard that no longer fits."""
         p = self.path / MANIFEST_NAME
         try:
@@ -415,7 +179,7 @@ class StateCache:
         """Check sizes and sha256 of the given shards (all by default) and of the head file (by
         default only when checking all shards).
 
-        A file checked before is hashed again only if it changed (``file_identity``: size, times, inode).
+        A file checked before is hashed again only if it changed (``integrity.file_identity``).
         """
         for name in shard_files if shard_files is not None else list(self._shards):
             self._check_shard_file(self._shards[name], hash_check=True)
@@ -550,7 +314,7 @@ class StateCache:
         """Take the exported head as verified, as it is now: another process (rank zero) hashed it."""
         info = self.manifest.target_head
         if info is not None:
-            mark_verified(self.path / info["file"], info["sha256"])
+            VERIFIED.add(self.path / info["file"], info["sha256"])
 
     @property
     def categories(self) -> tuple[str, ...]:

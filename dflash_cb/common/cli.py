@@ -2,16 +2,19 @@
 
 Every ``tools/*.py`` calls ``run(main)``. The package's own errors (``DFlashCBError``) and OS
 errors on user paths (an unwritable ``--out``, a file where a folder is expected, a full disk)
-print ``error: <what, where> (<fix>)`` on stderr, no traceback. Anything else is a bug in this
-package and keeps its traceback.
+print ``error: <what, where> (<fix>)`` on stderr, no traceback. Anything else is a bug in this package and keeps its traceback.
+While a tool runs, the package's library messages (``logging.getLogger(__name__)`` in its modules,
+INFO and above) are shown on stderr, one line each, as the message alone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import logging
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from .errors import DFlashCBError
 
@@ -41,13 +44,45 @@ def describe_os_error(err: OSError) -> str:
     return f"{text} ({fix})" if fix else text
 
 
-def run(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[str] | None = None) -> int:
+class _StderrLines(logging.Handler):
+    """Each record as its message alone, on the ``sys.stderr`` of the moment (a test may swap it)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            print(self.format(record), file=sys.stderr, flush=True)
+        except Exception:  # as logging's own handlers do: a failed message never stops the tool
+            self.handleError(record)
+
+
+@contextlib.contextmanager
+def _messages_on_stderr() -> Iterator[None]:
+    """Show the package's library messages on stderr for the duration (once, however nested)."""
+    package = logging.getLogger(__name__.split(".")[0])
+    if any(isinstance(h, _StderrLines) for h in package.handlers):
+        yield
+        return
+    handler, level = _StderrLines(), package.level
+    package.addHandler(handler)
+    if level == logging.NOTSET:  # a level the caller chose is kept
+        package.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        package.removeHandler(handler)
+        package.setLevel(level)
+
+
+Main = Callable[[Sequence[str] | None], "int | None"]
+
+
+def run(main: Main, argv: Sequence[str] | None = None) -> int:
     """Call ``main(argv)``; turn user errors into one stderr line and exit code 2.
 
     Set ``DFLASH_CB_TRACEBACK=1`` to get the full traceback instead (for bug reports).
     """
     try:
-        return int(main(argv) or 0)
+        with _messages_on_stderr():
+            return int(main(argv) or 0)
     except (DFlashCBError, OSError) as e:
         if os.environ.get("DFLASH_CB_TRACEBACK"):
             raise
@@ -57,3 +92,4 @@ def run(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[str] 
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+

@@ -35,7 +35,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..cache.states import CachedSample, Manifest, SampleEntry, StateCache, TargetHead
+from ..cache.manifest import Manifest, SampleEntry
+from ..cache.states import CachedSample, StateCache, TargetHead
 from ..cache.target import DTYPES
 from ..common import arguments as check
 from ..common.errors import DFlashCBError

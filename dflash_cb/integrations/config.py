@@ -85,7 +85,7 @@ class EvalConfig:
         tokenizer: decodes tokens in the W&B table: a Hugging Face tokenizer path or object, or a function
             ``ids -> str``; None shows token ids.
         verify_cache: check the sha256 of every shard to evaluate (and of the exported head) at setup,
-            and before each evaluation hash again any of them that changed (``states.file_identity``).
+            and before each evaluation hash again any of them that changed (``integrity.file_identity``).
             False skips the hashing (a large cache on a slow disk); sizes are always checked at setup.
         position_edges: completion-position bucket edges for ``{prefix}position/<lo>_<hi>/tau``
             (the last bucket is open-ended).

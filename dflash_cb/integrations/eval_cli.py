@@ -100,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
 
     from ..cache.prompts import parse_id_list
-    from ..cache.states import StateCache, select_sample_ids
+    from ..cache.selection import select_sample_ids
+    from ..cache.states import StateCache
     from ..common.arguments import parse_int, parse_position_edges
     from ..common.errors import DFlashCBError
     from ..common.fileio import check_outputs_apart
@@ -173,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         head = load_target_head(args.target, device=device, dtype=head_dtype)
         cache.check_head(head, f"--target {args.target}")  # tie flag, vocabulary and hidden size
     elif not cache.has_head:
-        from ..cache.states import CacheError
+        from ..cache.manifest import CacheError
 
         raise CacheError(f"{cache.path} has no exported target head (built with --no-export-head); "
                          "pass --target <the target model folder>")
@@ -212,3 +213,4 @@ def main(argv: list[str] | None = None) -> int:
                if run_dir.name.startswith("offline-run") else "")
         print(f"logged to W&B project {args.wandb_project}: {run_dir}{how}")
     return 0
+

@@ -21,7 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..cache.states import CacheError, StateCache, TargetHead
+from ..cache.manifest import CacheError
+from ..cache.states import StateCache, TargetHead
 from ..core.engine import EvalReport, SampleResult, evaluate
 from ..core.metrics import EvalCounts
 from .distributed import all_gather, all_reduce_sum, gather_to_zero, world
@@ -45,7 +46,7 @@ def verify_across_ranks(cache: StateCache, ids: Sequence[str], head: bool) -> Se
     """sha256 of the shards each rank scores (its ``rank_share``) and, on rank zero, of the exported
     head; the head's result is shared with the other ranks, which do not hash it. A collective over
     ``torch.distributed``'s default group (a single process without one): every rank calls it. A file
-    verified before in this process (unchanged ``states.file_identity``) is not hashed again.
+    verified before in this process (unchanged ``integrity.file_identity``) is not hashed again.
 
     A mismatch on any rank raises ``CacheError`` on every rank (no rank trains on while another stops).
     """

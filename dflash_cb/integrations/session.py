@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from ..cache.states import StateCache, TargetHead, select_sample_ids, stratified_ids
+from ..cache.selection import select_sample_ids, stratified_ids
+from ..cache.states import StateCache, TargetHead
 from ..core.baselines import Baseline, load_measured, load_published, load_served
 from ..core.model import DrafterSpec
 from .config import EvalConfig

@@ -15,8 +15,9 @@ from typing import Any
 
 from ...common import cli
 from .compute_dtype import COMPUTE_DTYPE_NAMES, MARGIN_HELP
+from .errors import PrecomputeError
 from .merge import merge_parts
-from .plan import DTYPE_NAMES, REFERENCE_KINDS, PrecomputeArgs, PrecomputeError
+from .plan import COMPLETION_SOURCES, DTYPE_NAMES, PrecomputeArgs
 from .run import run_precompute
 
 
@@ -56,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=S, help="cache folder, e.g. cached_states/qwen36-27b-v1")
     p.add_argument("--layers", default=S, help="target layer ids, e.g. 1,16,31,46,61 (id i = hidden_states[i+1])")
     p.add_argument("--drafter-config", default=S, help="drafter config.json giving the layer ids")
-    p.add_argument("--reference", default=S, choices=REFERENCE_KINDS, help="completion source (default local)")
+    p.add_argument("--reference", default=S, choices=COMPLETION_SOURCES, help="completion source (default local)")
     p.add_argument("--sglang-url", default=S, help="SGLang server for --reference sglang")
     p.add_argument("--completions", default=S, help='JSONL of {"id", "output_ids"} for --reference file')
     p.add_argument("--max-new-tokens", type=int, default=S, help="generation length (default 256)")
@@ -146,3 +147,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 def merge_main(argv: Sequence[str] | None = None) -> int:
     """tools/merge_states.py: 0 on success, 2 on a user error."""
     return cli.run(_merge, argv)
+

@@ -1,4 +1,4 @@
-"""The reference-completions journal: one JSON object per line, appended as each completion arrives.
+"""The completions journal (``reference_completions.jsonl``): one JSON object per line, appended as each arrives.
 
 A line is ``{"id", "request_sha256", "output_ids", "finish_reason", ...}``; more keys may be added
 (readers keep unknown keys). ``request_sha256`` hashes what determines the completion: the prompt's

@@ -1,9 +1,15 @@
-"""Merge the parts of a ``--num-shards N`` precompute into one cache, equal to a single run's."""
+"""Merge the parts of a ``--num-shards N`` precompute into one cache, equal to a single run's.
+
+The merged cache is built in a staging folder beside ``--out`` (``manifest.merge_staging_path``) and
+swapped in by two renames, the previous cache waiting aside for an instant (``replaced_cache_path``);
+a rerun finishes what a killed merge left (``_recover``).
+"""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import shutil
 from collections.abc import Sequence
@@ -11,19 +17,15 @@ from pathlib import Path
 from typing import Any
 
 from ...common.fileio import atomic_path, check_outputs_apart, naming_failures, output_path
-from ..states import MANIFEST_NAME, CacheError, Manifest, StateCache, merge_staging_path, replaced_cache_path
+from ..manifest import MANIFEST_NAME, CacheError, Manifest, merge_staging_path, replaced_cache_path
+from ..states import StateCache
+from .errors import PrecomputeError
 from .journal import read_journal, write_in_order
-from .plan import (
-    JOURNAL_NAME,
-    Log,
-    PrecomputeError,
-    check_only_cache_files,
-    check_out_path,
-    diff,
-    header_dict,
-    stderr_log,
-)
+from .plan import JOURNAL_NAME, check_only_cache_files, check_out_path, diff, header_dict
 from .run import build_manifest
+
+logger = logging.getLogger(__name__)
+
 
 # Paths may differ between hosts (same checkpoint elsewhere); everything that shapes the data may not.
 _LOCAL_PATHS = ("target.name_or_path", "prompts.tokenizer")
@@ -80,7 +82,7 @@ def _check_samples_per_shard(caches: Sequence[StateCache]) -> None:
                               "rerun the parts with one --samples-per-shard value, then merge")
 
 
-def _recover(out: Path, log: Log) -> None:
+def _recover(out: Path) -> None:
     """Finish what an interrupted merge left beside ``out``: the old cache back in place, no staging."""
     old, staging = replaced_cache_path(out), merge_staging_path(out)
     if old.exists():
@@ -88,7 +90,7 @@ def _recover(out: Path, log: Log) -> None:
             shutil.rmtree(old)
         else:  # killed between the two renames: put the old cache back
             os.rename(old, out)
-            log(f"merge: restored {out} from an interrupted merge")
+            logger.warning(f"merge: restored {out} from an interrupted merge")
     if staging.exists():
         check_only_cache_files(staging, "merge: ")
         shutil.rmtree(staging)
@@ -120,30 +122,23 @@ def _stage(caches: Sequence[StateCache], staging: Path, out: Path, link: bool) -
     return m
 
 
-def merge_parts(out: str | os.PathLike, parts: Sequence[str | os.PathLike], overwrite: bool = False,
-                link: bool = True, verify: bool = True, log: Log = stderr_log) -> Manifest:
-    """Combine ``--num-shards`` parts into one cache, equal to what a single run would have written.
-
-    The merged cache is built in a staging folder beside ``out`` and checked there; only then does it
-    replace ``out`` (two renames). A refused, failed or killed merge leaves ``out`` as it was, and
-    running the same command again finishes the job.
-    """
-    out = output_path(out)  # a symbolic link is written through: the link keeps pointing at the merged cache
-    if not parts:
-        raise PrecomputeError("merge: give at least one part folder")
-    check_out_path(out)
-    check_outputs_apart([("part", p) for p in parts], folders=[("--out", out)])
+def _open_parts(parts: Sequence[str | os.PathLike]) -> list[StateCache]:
     caches = []
     for p in parts:
         try:
             caches.append(StateCache(p))
         except CacheError as e:
             raise PrecomputeError(f"merge: {e}") from e
+    return caches
+
+
+def _check_parts(caches: Sequence[StateCache]) -> None:
+    """The parts were made with the same arguments and layout, and hold every prompt exactly once."""
     base = caches[0].manifest
     for c in caches[1:]:
         diffs = diff(_common(base), _common(c.manifest))
         for d in [d for d in diffs if d.split(":")[0] in _LOCAL_PATHS]:
-            log(f"warning: merge: {c.path} differs in {d} (kept {caches[0].path}'s)")
+            logger.warning(f"warning: merge: {c.path} differs in {d} (kept {caches[0].path}'s)")
         diffs = [d for d in diffs if d.split(":")[0] not in _LOCAL_PATHS]
         if diffs:
             raise PrecomputeError(f"merge: {c.path} was made with other arguments than {caches[0].path}:\n  - "
@@ -161,7 +156,55 @@ def merge_parts(out: str | os.PathLike, parts: Sequence[str | os.PathLike], over
     if missing:
         raise PrecomputeError(f"merge: the parts cover {len(seen)} of {count} prompts; missing prompt indices "
                               f"{missing[:20]} (a part not given or not finished?)")
-    _recover(out, log)
+
+
+def _build_staged(caches: Sequence[StateCache], out: Path, link: bool, verify: bool) -> tuple[Path, Manifest]:
+    """The merged cache in its staging folder, checked as a reader sees it."""
+    staging = merge_staging_path(out)
+    staging.mkdir(parents=True)
+    try:
+        m = _stage(caches, staging, out, link)
+    except OSError:  # a full disk: the partial copy would only take more of it
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    try:  # copies are hashed again (links share the parts' bytes)
+        staged = StateCache(staging)
+        if verify and not link:
+            staged.verify()
+        else:
+            staged.check_files()
+    except CacheError as e:
+        raise PrecomputeError(f"merge: the merged cache in {staging} failed its check ({e}); {out} is "
+                              "unchanged, rerun the same command") from e
+    return staging, m
+
+
+def _swap_in(staging: Path, out: Path) -> None:
+    """Old cache aside, new one in, old one gone; ``_recover`` finishes a kill in between."""
+    if out.exists():
+        os.rename(out, replaced_cache_path(out))
+        os.rename(staging, out)
+        shutil.rmtree(replaced_cache_path(out))
+    else:
+        os.rename(staging, out)
+
+
+def merge_parts(out: str | os.PathLike, parts: Sequence[str | os.PathLike], overwrite: bool = False,
+                link: bool = True, verify: bool = True) -> Manifest:
+    """Combine ``--num-shards`` parts into one cache, equal to what a single run would have written.
+
+    The merged cache is built in a staging folder beside ``out`` and checked there; only then does it
+    replace ``out`` (two renames). A refused, failed or killed merge leaves ``out`` as it was, and
+    running the same command again finishes the job.
+    """
+    out = output_path(out)  # a symbolic link is written through: the link keeps pointing at the merged cache
+    if not parts:
+        raise PrecomputeError("merge: give at least one part folder")
+    check_out_path(out)
+    check_outputs_apart([("part", p) for p in parts], folders=[("--out", out)])
+    caches = _open_parts(parts)
+    _check_parts(caches)
+    _recover(out)
     if out.exists() and any(out.iterdir()):
         if not overwrite:
             raise PrecomputeError(f"merge: --out {out} is not empty; pass --overwrite to replace it")
@@ -172,29 +215,7 @@ def merge_parts(out: str | os.PathLike, parts: Sequence[str | os.PathLike], over
                 c.verify()
             except CacheError as e:
                 raise PrecomputeError(f"merge: {e}") from e
-
-    staging = merge_staging_path(out)
-    staging.mkdir(parents=True)
-    try:
-        m = _stage(caches, staging, out, link)
-    except OSError:  # a full disk: the partial copy would only take more of it
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    try:  # the staged cache as a reader sees it; copies are hashed again (links share the parts' bytes)
-        staged = StateCache(staging)
-        if verify and not link:
-            staged.verify()
-        else:
-            staged.check_files()
-    except CacheError as e:
-        raise PrecomputeError(f"merge: the merged cache in {staging} failed its check ({e}); {out} is "
-                              "unchanged, rerun the same command") from e
-
-    if out.exists():  # old cache aside, new one in, old one gone; _recover finishes a kill in between
-        os.rename(out, replaced_cache_path(out))
-        os.rename(staging, out)
-        shutil.rmtree(replaced_cache_path(out))
-    else:
-        os.rename(staging, out)
-    log(f"merged {len(caches)} part(s) into {out}: {len(m.samples)} samples, {len(m.shards)} shards")
+    staging, m = _build_staged(caches, out, link, verify)
+    _swap_in(staging, out)
+    logger.info(f"merged {len(caches)} part(s) into {out}: {len(m.samples)} samples, {len(m.shards)} shards")
     return m

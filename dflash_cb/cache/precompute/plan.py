@@ -1,26 +1,29 @@
 """Phase 1 of a precompute: arguments, inputs and the output folder, checked without the weights.
 
-``prepare(args)`` validates the arguments, the target's config.json, the layer ids, the prompt file
-(tokenized), the reference source (SGLang health/model info, completions file), chooses the compute
-dtype and checks the output folder (a folder made with other arguments is refused unless
-``overwrite``). The result is a ``Plan``: everything ``run.execute`` needs, including the arguments'
-fingerprint that a resumed run must match.
+``prepare(args)`` validates, in this order and before anything expensive, the arguments, the
+target's config.json and the layer ids (``_target_and_layers``), the prompt file, tokenized
+(``_tokenized_prompts``), the completion source (``_completion_source``: SGLang health and model
+info, or the completions file), then the output folder and the compute dtype (a folder made with
+other arguments is refused unless ``overwrite``). The result is a ``Plan``: everything
+``run.execute`` needs, including the arguments' fingerprint that a resumed run must match.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
-import sys
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ...common.errors import DFlashCBError
 from ...common.fileio import check_outputs_apart, output_path
+from ..integrity import sha256_file
+from ..manifest import HEAD_NAME, MANIFEST_NAME, CacheError, Manifest
+from ..prompts import PromptRecord
 from ..served import served_counters, server_spec_config
-from ..states import HEAD_NAME, MANIFEST_NAME, CacheError, Manifest, sha256_file
+from ..sglang_client import SGLangClient
+from ..target import TargetConfig
 from .compute_dtype import (
     COMPUTE_DTYPE_NAMES,
     Available,
@@ -31,28 +34,21 @@ from .compute_dtype import (
     choose_compute_dtype,
     matmul_gflops,
 )
+from .errors import PrecomputeError
 from .journal import token_ids_ok
+from .progress import read_progress_fingerprint
+
+logger = logging.getLogger(__name__)
 
 PROGRESS_NAME = "progress.jsonl"  # resume record: fingerprint line, then one line per finished shard
-LEGACY_PROGRESS_NAME = "progress.json"  # written by earlier versions (rewritten per shard)
 LOG_NAME = "precompute_log.json"
 JOURNAL_NAME = "reference_completions.jsonl"  # same format as --completions, reusable with --reference file
-REFERENCE_KINDS = ("local", "sglang", "file")
+COMPLETION_SOURCES = ("local", "sglang", "file")  # the values of --reference
 DTYPE_NAMES = ("bfloat16", "float32")
 # Files a cache folder may hold; anything else means --out points at the wrong folder.
-_OWN_FILES = {MANIFEST_NAME, PROGRESS_NAME, LEGACY_PROGRESS_NAME, LOG_NAME, JOURNAL_NAME, HEAD_NAME}
+_OWN_FILES = {MANIFEST_NAME, PROGRESS_NAME, LOG_NAME, JOURNAL_NAME, HEAD_NAME}
 # Manifest fields filled by the run itself, not by the arguments.
 _RESULT_FIELDS = ("shards", "samples", "agreement", "target_head")
-
-Log = Callable[[str], None]
-
-
-class PrecomputeError(DFlashCBError, ValueError):
-    """Invalid arguments, inputs or output folder; raised before any expensive work."""
-
-
-def stderr_log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 @dataclass
@@ -64,7 +60,7 @@ class PrecomputeArgs:
     out: str | None = None
     layers: list[int] | None = None  # default: from --drafter-config
     drafter_config: str | None = None
-    reference: str = "local"
+    reference: str = "local"  # the completion source, one of COMPLETION_SOURCES
     sglang_url: str | None = None
     completions: str | None = None
     max_new_tokens: int = 256
@@ -94,19 +90,30 @@ class DtypeProbe:
 
 
 @dataclass
+class CompletionSource:
+    """Where the completions come from (``--reference``): the target's own greedy generation
+    (``local``), an SGLang server (``sglang``) or a file of token ids (``file``)."""
+
+    kind: str
+    record: dict[str, Any]  # what the manifest keeps of it (``Manifest.reference``)
+    client: SGLangClient | None = None  # sglang: checked healthy, serving the target
+    completions: dict[str, dict[str, Any]] = field(default_factory=dict)  # file: every completion, by id
+    server_spec: dict[str, Any] | None = None  # sglang: the server's speculative configuration
+
+
+@dataclass
 class Plan:
     args: PrecomputeArgs
     out: Path
-    target: Any  # dflash_cb.cache.target.TargetConfig
+    target: TargetConfig
     layer_ids: list[int]
     stop_token_ids: list[int]
     prompt_ids: dict[str, list[int]]  # tokenized prompts of this part, by id
-    groups: dict[int, list[Any]]  # shard group -> records of this part, in file order
+    groups: dict[int, list[PromptRecord]]  # shard group -> records of this part, in file order
     header: Manifest  # the manifest without results
     fingerprint: dict[str, Any]
     compute: ComputeDtypeChoice
-    completions: dict[str, dict[str, Any]] = field(default_factory=dict)  # --reference file
-    client: Any = None  # SGLangClient
+    source: CompletionSource
     warnings: list[str] = field(default_factory=list)
 
     @property
@@ -191,8 +198,8 @@ def check_args(a: PrecomputeArgs) -> None:
     for name in ("target", "prompts", "out"):
         if not getattr(a, name):
             raise PrecomputeError(f"--{name} is required (on the command line or in --config)")
-    if a.reference not in REFERENCE_KINDS:
-        raise PrecomputeError(f"--reference {a.reference!r}: use one of {', '.join(REFERENCE_KINDS)}")
+    if a.reference not in COMPLETION_SOURCES:
+        raise PrecomputeError(f"--reference {a.reference!r}: use one of {', '.join(COMPLETION_SOURCES)}")
     if a.reference == "sglang" and not a.sglang_url:
         raise PrecomputeError("--reference sglang needs --sglang-url (e.g. http://127.0.0.1:30000)")
     if a.reference == "file" and not a.completions:
@@ -290,12 +297,9 @@ def _load_tokenizer(a: PrecomputeArgs) -> Any:
         raise PrecomputeError(f"{a.prompts}: prompts given as text/messages need a tokenizer, and "
                               f"{tok_path} has none loadable ({e}); pass --tokenizer") from e
 
-
 def _existing_fingerprint(out: Path) -> tuple[dict[str, Any] | None, str]:
     """The fingerprint of what ``out`` already holds (resume record, else manifest), and its source."""
     if (out / PROGRESS_NAME).is_file():
-        from .progress import read_progress_fingerprint
-
         return read_progress_fingerprint(out / PROGRESS_NAME), PROGRESS_NAME
     if (out / MANIFEST_NAME).is_file():
         try:
@@ -322,8 +326,8 @@ def _check_out_folder(out: Path, a: PrecomputeArgs) -> tuple[dict[str, Any] | No
     return _existing_fingerprint(out)
 
 
-def _choose_compute(a: PrecomputeArgs, tcfg: Any, layer_ids: list[int], longest: int,
-                    old: dict[str, Any] | None, probe: DtypeProbe, log: Log) -> ComputeDtypeChoice:
+def _choose_compute(a: PrecomputeArgs, tcfg: TargetConfig, layer_ids: list[int], longest: int,
+                    old: dict[str, Any] | None, probe: DtypeProbe) -> ComputeDtypeChoice:
     previous = ((old or {}).get("manifest") or {}).get("compute_dtype")
     if a.compute_dtype == "auto" and previous in DTYPE_NAMES:
         # a resumed run keeps the cache's compute dtype: mixing two in one cache would be silent
@@ -336,21 +340,19 @@ def _choose_compute(a: PrecomputeArgs, tcfg: Any, layer_ids: list[int], longest:
     if choice.gflops:
         import torch
 
-        log(f"compute dtype: {choice.dtype} ({choice.reason}; {torch.get_num_threads()} threads, "
-            f"matmul of width {tcfg.hidden_size})")
+        logger.info(f"compute dtype: {choice.dtype} ({choice.reason}; {torch.get_num_threads()} threads, "
+                    f"matmul of width {tcfg.hidden_size})")
     return choice
 
 
-def prepare(args: PrecomputeArgs, log: Log = stderr_log, probe: DtypeProbe | None = None) -> Plan:
-    """Validate everything that can be validated without the target's weights."""
-    from .. import prompts as P
+# --------------------------------------------------------------------------------------------
+# the phases of prepare
+
+
+def _target_and_layers(a: PrecomputeArgs) -> tuple[TargetConfig, list[int], list[int]]:
+    """The target's config, the layer ids to capture and the stop token ids, each checked against it."""
     from ..target import TargetError, check_layer_ids, read_target_config
 
-    a = args
-    check_args(a)
-    check_out_path(output_path(a.out))
-    check_outputs_apart([("--target", a.target), ("--prompts", a.prompts), ("--drafter-config", a.drafter_config),
-                         ("--completions", a.completions), ("--tokenizer", a.tokenizer)], folders=[("--out", a.out)])
     try:
         tcfg = read_target_config(a.target)
     except TargetError as e:
@@ -371,8 +373,21 @@ def prepare(args: PrecomputeArgs, log: Log = stderr_log, probe: DtypeProbe | Non
     bad_stop = [t for t in stop if not 0 <= t < tcfg.vocab_size]
     if bad_stop:
         raise PrecomputeError(f"stop token ids {bad_stop} are outside the vocabulary [0, {tcfg.vocab_size})")
+    return tcfg, layer_ids, stop
 
-    # -- prompts
+
+@dataclass
+class _Prompts:
+    records: list[PromptRecord]  # the whole file
+    ids: dict[str, list[int]]  # tokenized prompts of this part (--num-shards/--shard-index), by id
+    groups: dict[int, list[PromptRecord]]  # shard group -> records of this part, in file order
+    info: dict[str, Any]  # the manifest's ``prompts`` header
+
+
+def _tokenized_prompts(a: PrecomputeArgs, tcfg: TargetConfig) -> _Prompts:
+    """This part's prompts, tokenized and checked against the target (vocabulary, context length)."""
+    from .. import prompts as P
+
     records = P.load_prompts(a.prompts)  # PromptFileError: file:line and the fix
     S, N, part = a.samples_per_shard, a.num_shards, a.shard_index
     mine = [r for r in records if (r.index // S) % N == part]
@@ -387,65 +402,79 @@ def prepare(args: PrecomputeArgs, log: Log = stderr_log, probe: DtypeProbe | Non
                                   f"target's vocab size {tcfg.vocab_size}; wrong tokenizer or target?")
     P.check_lengths([(r, prompt_ids[r.id]) for r in mine], a.max_new_tokens, tcfg.max_position_embeddings,
                     a.prompts)
-    groups: dict[int, list[Any]] = {}
+    groups: dict[int, list[PromptRecord]] = {}
     for r in mine:
         groups.setdefault(r.index // S, []).append(r)
-
-    # -- reference
-    warnings: list[str] = []
-    client = None
-    spec_config = None
-    completions: dict[str, dict[str, Any]] = {}
-    reference: dict[str, Any] = {"kind": a.reference, "url": None, "served_model": None,
-                                 "sampling_params": None, "max_new_tokens": a.max_new_tokens,
-                                 "stop_token_ids": stop}
-    if a.reference == "sglang":
-        from ..sglang_client import SGLangClient, SGLangError, served_model_mismatch
-
-        client = SGLangClient(a.sglang_url, timeout=a.sglang_timeout, max_retries=a.sglang_retries)
-        try:
-            client.health()
-            info = client.model_info()
-        except SGLangError as e:
-            raise PrecomputeError(str(e)) from e
-        spec_config = server_spec_config(client.server_info())  # served.py: the --served-check side
-        msg = served_model_mismatch(info, a.target)
-        if msg:
-            warnings.append(msg)
-            log(f"warning: {msg}")
-        reference.update(url=client.url, served_model=info,
-                         sampling_params={"temperature": 0, "max_new_tokens": a.max_new_tokens,
-                                          "stop_token_ids": stop})
-    elif a.reference == "local":
-        reference["sampling_params"] = {"do_sample": False, "max_new_tokens": a.max_new_tokens,
-                                        "eos_token_id": stop}
-    else:
-        completions = load_completions_file(a.completions, prompt_ids, {r.id for r in records},
-                                            tcfg.vocab_size, a.max_new_tokens, stop)
-        reference["completions"] = {"file": Path(a.completions).name, "sha256": sha256_file(a.completions)}
-
-    prompts_info: dict[str, Any] = {"file": Path(a.prompts).name, "sha256": sha256_file(a.prompts),
-                                    "count": len(records),
-                                    "tokenizer": (a.tokenizer or a.target) if tokenizer is not None else None}
+    info: dict[str, Any] = {"file": Path(a.prompts).name, "sha256": sha256_file(a.prompts), "count": len(records),
+                            "tokenizer": (a.tokenizer or a.target) if tokenizer is not None else None}
     if N > 1:
-        prompts_info["part"] = {"num_shards": N, "shard_index": part}
+        info["part"] = {"num_shards": N, "shard_index": part}
+    return _Prompts(records, prompt_ids, groups, info)
 
-    # -- output folder, then the compute dtype (a resumed run keeps the cache's)
-    out = output_path(a.out)  # a symbolic link is written through (fileio.output_path)
-    old, source = _check_out_folder(out, a)
-    longest = max((len(v) for v in prompt_ids.values()), default=0) + a.max_new_tokens
-    compute = _choose_compute(a, tcfg, layer_ids, longest, old, probe or DtypeProbe(), log)
-    header = Manifest(target=tcfg.manifest_dict(), layer_ids=layer_ids, dtype=a.dtype, reference=reference,
-                      chat_template_kwargs=dict(a.chat_template_kwargs), topk_logprobs=a.topk_logprobs,
-                      prompts=prompts_info, compute_dtype=compute.dtype,
-                      served_spec_config=spec_config)
-    fingerprint = {"manifest": header_dict(header), "samples_per_shard": S, "export_head": a.export_head}
+
+def _completion_source(a: PrecomputeArgs, tcfg: TargetConfig, prompts: _Prompts,
+                       stop: list[int]) -> tuple[CompletionSource, list[str]]:
+    """The completion source, checked (the server answers and serves the target, or the completions
+    file covers this part's prompts), and its warnings (a server that may serve another model)."""
+    record: dict[str, Any] = {"kind": a.reference, "url": None, "served_model": None,
+                              "sampling_params": None, "max_new_tokens": a.max_new_tokens, "stop_token_ids": stop}
+    if a.reference == "local":
+        record["sampling_params"] = {"do_sample": False, "max_new_tokens": a.max_new_tokens, "eos_token_id": stop}
+        return CompletionSource(a.reference, record), []
+    if a.reference == "file":
+        completions = load_completions_file(a.completions, prompts.ids, {r.id for r in prompts.records},
+                                            tcfg.vocab_size, a.max_new_tokens, stop)
+        record["completions"] = {"file": Path(a.completions).name, "sha256": sha256_file(a.completions)}
+        return CompletionSource(a.reference, record, completions=completions), []
+    from ..sglang_client import SGLangError, served_model_mismatch
+
+    client = SGLangClient(a.sglang_url, timeout=a.sglang_timeout, max_retries=a.sglang_retries)
+    try:
+        client.health()
+        info = client.model_info()
+    except SGLangError as e:
+        raise PrecomputeError(str(e)) from e
+    server_spec = server_spec_config(client.server_info())  # served.py: the --served-check side
+    msg = served_model_mismatch(info, a.target)
+    if msg:
+        logger.warning(f"warning: {msg}")
+    record.update(url=client.url, served_model=info,
+                  sampling_params={"temperature": 0, "max_new_tokens": a.max_new_tokens, "stop_token_ids": stop})
+    return CompletionSource(a.reference, record, client=client, server_spec=server_spec), [msg] if msg else []
+
+
+def _refuse_other_arguments(out: Path, old: dict[str, Any] | None, source: str, fingerprint: dict[str, Any]) -> None:
+    """An existing cache or resume record in ``out`` made with other arguments is not mixed with this run."""
     if old is not None and old != fingerprint:
         diffs = diff(old, fingerprint)
         raise PrecomputeError(
             f"--out {out}: its {source} was made with different arguments:\n  - " + "\n  - ".join(diffs[:20])
             + "\nUse another --out, rerun with the original arguments to resume, or pass --overwrite to "
             "replace that cache")
-    return Plan(args=a, out=out, target=tcfg, layer_ids=layer_ids, stop_token_ids=stop,
-                prompt_ids=prompt_ids, groups=groups, header=header, fingerprint=fingerprint, compute=compute,
-                completions=completions, client=client, warnings=warnings)
+
+
+def prepare(args: PrecomputeArgs, probe: DtypeProbe | None = None) -> Plan:
+    """Validate everything that can be validated without the target's weights."""
+    a = args
+    check_args(a)
+    check_out_path(output_path(a.out))
+    check_outputs_apart([("--target", a.target), ("--prompts", a.prompts), ("--drafter-config", a.drafter_config),
+                         ("--completions", a.completions), ("--tokenizer", a.tokenizer)], folders=[("--out", a.out)])
+    tcfg, layer_ids, stop = _target_and_layers(a)
+    prompts = _tokenized_prompts(a, tcfg)
+    source, warnings = _completion_source(a, tcfg, prompts, stop)
+
+    # the output folder, then the compute dtype (a resumed run keeps the cache's)
+    out = output_path(a.out)  # a symbolic link is written through (fileio.output_path)
+    old, old_source = _check_out_folder(out, a)
+    longest = max((len(v) for v in prompts.ids.values()), default=0) + a.max_new_tokens
+    compute = _choose_compute(a, tcfg, layer_ids, longest, old, probe or DtypeProbe())
+    header = Manifest(target=tcfg.manifest_dict(), layer_ids=layer_ids, dtype=a.dtype, reference=source.record,
+                      chat_template_kwargs=dict(a.chat_template_kwargs), topk_logprobs=a.topk_logprobs,
+                      prompts=prompts.info, compute_dtype=compute.dtype, served_spec_config=source.server_spec)
+    fingerprint = {"manifest": header_dict(header), "samples_per_shard": a.samples_per_shard,
+                   "export_head": a.export_head}
+    _refuse_other_arguments(out, old, old_source, fingerprint)
+    return Plan(args=a, out=out, target=tcfg, layer_ids=layer_ids, stop_token_ids=stop, prompt_ids=prompts.ids,
+                groups=prompts.groups, header=header, fingerprint=fingerprint, compute=compute, source=source,
+                warnings=warnings)

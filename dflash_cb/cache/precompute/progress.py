@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from ...common.fileio import append_line_durably, atomic_write_text
-from ..states import SampleEntry, ShardEntry
+from ..manifest import SampleEntry, ShardEntry
+from .errors import PrecomputeError
 from .journal import journal_line as _line
 from .journal import parse_complete_lines
-from .plan import PrecomputeError
 
 
 def shard_record(shard: ShardEntry, samples: Iterable[SampleEntry]) -> dict[str, Any]:

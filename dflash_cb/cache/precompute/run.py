@@ -1,9 +1,11 @@
-"""Phase 2 of a precompute: the resumable run (state, reference completions, per-sample prefill, shards).
+"""Phase 2 of a precompute: the resumable run (state, completions, per-sample prefill, shards).
 
-``execute(plan)`` keeps verified shards from an earlier (killed) run, gets the missing reference
-completions (journaled as they arrive), loads the target in the compute dtype, prefills one
-prompt+completion at a time with layer hooks, and writes every shard atomically, appending it to
-``progress.jsonl``. The manifest is written last, so a folder with a manifest is a complete cache.
+``execute(plan)`` runs in phases, each a function below: keep the verified shards of an earlier
+(killed) run (``_load_state``), get the missing completions (``_completions``: served ones journaled
+as they arrive), load the target in the compute dtype, prefill one prompt+completion at a time with
+layer hooks, writing every shard atomically and appending it to ``progress.jsonl`` (``_compute_shards``),
+export the head (``_export_head``), write the manifest (``_write_manifest``) and the run's record
+(``_summary``). The manifest is written last, so a folder with a manifest is a complete cache.
 
 The layout is a pure function of the arguments (shard ``states-{g:05d}`` holds prompts with
 ``index // samples_per_shard == g``; no timestamps in the manifest), so an interrupted and resumed
@@ -14,51 +16,57 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import fcntl
+import logging
 import os
 import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ...common.fileio import atomic_path, atomic_write_json
-from ..served import served_counters
-from ..states import (
+from ...common.tensorfile import write_safetensors
+from ..integrity import sha256_file
+from ..manifest import (
     HEAD_NAME,
     MANIFEST_NAME,
     Manifest,
     SampleEntry,
     ShardEntry,
     first_disagreement,
-    sha256_file,
     shard_name,
 )
+from ..prompts import PromptRecord
+from ..served import served_counters
+from .errors import PrecomputeError
 from .journal import append_entry, drop_torn_tail, journal_entry, read_journal, request_key, write_in_order
 from .plan import (
     JOURNAL_NAME,
-    LEGACY_PROGRESS_NAME,
     LOG_NAME,
     PROGRESS_NAME,
     DtypeProbe,
-    Log,
     Plan,
     PrecomputeArgs,
-    PrecomputeError,
     is_own_file,
     prepare,
     read_json,
-    stderr_log,
 )
 from .progress import append_progress, read_progress, shard_record, start_progress
 
+if TYPE_CHECKING:
+    from ..target import Target
+
+logger = logging.getLogger(__name__)
+
+Completions = dict[str, dict[str, Any]]  # by sample id: output_ids, finish_reason, served_spec
+
 
 def agreement_totals(samples: Sequence[SampleEntry]) -> dict[str, Any]:
-    """Agreement of the target's own argmax with the reference completions (a function of the entries only)."""
+    """Agreement of the target's own argmax with the completions (a function of the entries only)."""
     completion = sum(s.completion_len for s in samples)
     valid = sum(s.valid_len - s.prompt_len for s in samples)
     firsts = [{"id": s.id, "position": s.valid_len, "completion_offset": s.valid_len - s.prompt_len}
@@ -87,35 +95,20 @@ def build_manifest(header: Manifest, shards: Sequence[ShardEntry], samples: Sequ
 # shard files
 
 
-def _safetensors_size(path: Path) -> int:
-    """The size a complete safetensors file must have, from its own header."""
-    from ..target import safetensors_header
-
-    n, header = safetensors_header(path)
-    ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
-    return 8 + n + max(ends, default=0)
-
-
 def save_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[str, int]:
     """Atomic safetensors write (fileio.atomic_path); returns (sha256, bytes).
 
-    ``save_file`` streams from the tensors' memory (``save()`` to bytes would hold a second copy, 5 GB
-    for a 248k x 5120 embedding + head). Its writer does not always report a failed write (disk
-    full), so the size is checked against the file's own header before the file is renamed into place.
+    Written from the tensors' memory (``tensorfile``: no second copy, 5 GB for a 248k x 5120
+    embedding + head); a failed write (disk full) is an ``OSError`` naming ``path``.
     """
-    from safetensors.torch import save_file
-
-    with atomic_path(path) as tmp:  # a failed write is an OSError naming ``path``
-        save_file(tensors, str(tmp), metadata={"format": "pt"})
-        size, expected = os.path.getsize(tmp), _safetensors_size(tmp)
-        if size != expected:
-            raise OSError(errno.ENOSPC, f"short write, {size} of {expected} bytes (disk full?)", str(path))
+    with atomic_path(path) as tmp:
+        size = write_safetensors(tmp, tensors, metadata={"format": "pt"})
         digest = sha256_file(tmp)
     return digest, size
 
 
-def compute_sample(target: Any, record: Any, prompt: list[int], completion: list[int], finish_reason: str,
-                   layer_ids: list[int], topk: int, shard: str,
+def compute_sample(target: Target, record: PromptRecord, prompt: list[int], completion: list[int],
+                   finish_reason: str, layer_ids: list[int], topk: int, shard: str,
                    store_dtype: torch.dtype | None = None) -> tuple[dict[str, torch.Tensor], SampleEntry]:
     """One prefill over prompt + completion: the sample's tensors and its manifest entry."""
     from ..target import prefill
@@ -155,6 +148,8 @@ def folder_lock(out: Path) -> Iterator[None]:
 
 @dataclass
 class _State:
+    """What the cache folder holds so far: verified shards, their samples, the exported head."""
+
     shards: dict[str, ShardEntry] = field(default_factory=dict)
     samples: dict[str, SampleEntry] = field(default_factory=dict)
     head: dict[str, Any] | None = None
@@ -165,12 +160,21 @@ class _State:
         return recs + ([{"target_head": self.head}] if self.head is not None else [])
 
 
-def _load_state(plan: Plan, log: Log) -> _State:
+@dataclass
+class _Tally:
+    """What the run measured: seconds per phase (the summary's ``timings``), bytes written, tokens prefilled."""
+
+    timings: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
+        ("load_s", "reference_s", "generate_s", "prefill_s", "write_s"), 0.0))
+    bytes_written: int = 0
+    tokens_done: int = 0
+
+
+def _load_state(plan: Plan) -> _State:
     """Entries of an earlier run whose shard files are intact (size + sha256); everything else is redone."""
     out = plan.out
     for p in out.glob(".*.tmp"):  # leftovers of writes interrupted before their rename
         p.unlink()
-    (out / LEGACY_PROGRESS_NAME).unlink(missing_ok=True)
     if plan.args.overwrite:
         for p in out.iterdir():
             if is_own_file(p.name) and p.is_file():
@@ -192,7 +196,7 @@ def _load_state(plan: Plan, log: Log) -> _State:
         if ok:
             state.shards[s.file] = s
         else:
-            log(f"{p}: missing, incomplete or corrupted; it will be recomputed")
+            logger.warning(f"{p}: missing, incomplete or corrupted; it will be recomputed")
     state.samples = {s.id: s for s in samples if s.shard in state.shards}
     if head is not None and (out / head["file"]).is_file() and sha256_file(out / head["file"]) == head["sha256"]:
         state.head = head
@@ -200,11 +204,12 @@ def _load_state(plan: Plan, log: Log) -> _State:
 
 
 def _request_keys(plan: Plan) -> dict[str, str]:
-    ref = plan.header.reference
-    return {sid: request_key(ids, ref["sampling_params"], ref["served_model"]) for sid, ids in plan.prompt_ids.items()}
+    record = plan.header.reference
+    return {sid: request_key(ids, record["sampling_params"], record["served_model"])
+            for sid, ids in plan.prompt_ids.items()}
 
 
-def _sglang_completions(plan: Plan, todo: list[Any], log: Log) -> dict[str, dict[str, Any]]:
+def _served_completions(plan: Plan, todo: list[PromptRecord]) -> Completions:
     """Served completions for ``todo`` records, journaled one by one as they arrive.
 
     A rerun uses the journaled entries made by the same request (prompt tokens, sampling
@@ -215,25 +220,44 @@ def _sglang_completions(plan: Plan, todo: list[Any], log: Log) -> dict[str, dict
     drop_torn_tail(journal)
     have, ignored = read_journal(journal, keys, plan.target.vocab_size)
     if ignored:
-        log(f"{journal}: {ignored} saved completion(s) were made with other arguments (or are damaged); "
-            "they are ignored and asked again")
+        logger.warning(f"{journal}: {ignored} saved completion(s) were made with other arguments (or are damaged); "
+                       "they are ignored and asked again")
     need = [(r.id, plan.prompt_ids[r.id]) for r in todo if r.id not in have]
     if need:
-        log(f"querying {plan.client.url} for {len(need)} reference completion(s) "
-            f"({len(todo) - len(need)} already saved in {JOURNAL_NAME})")
+        client = plan.source.client
+        logger.info(f"querying {client.url} for {len(need)} reference completion(s) "
+                    f"({len(todo) - len(need)} already saved in {JOURNAL_NAME})")
 
         def on_result(sid: str, c: Any) -> None:
             have[sid] = journal_entry(sid, keys[sid], c.output_ids, c.finish_reason, served_counters(c.meta_info))
             append_entry(journal, have[sid])
 
-        plan.client.generate_many(need, plan.args.max_new_tokens, plan.stop_token_ids,
-                                  max_in_flight=plan.args.max_in_flight, on_result=on_result,
-                                  vocab_size=plan.target.vocab_size)
+        client.generate_many(need, plan.args.max_new_tokens, plan.stop_token_ids,
+                             max_in_flight=plan.args.max_in_flight, on_result=on_result,
+                             vocab_size=plan.target.vocab_size)
     return have
 
 
 # --------------------------------------------------------------------------------------------
-# the run
+# the phases of the run
+
+
+def _completions(plan: Plan, todo: list[PromptRecord], tally: _Tally) -> Completions:
+    """Every completion the run uses that is not generated locally: the file's, or the server's (the
+    journal's for a complete cache)."""
+    if plan.source.kind != "sglang":
+        return plan.source.completions
+    from ..sglang_client import SGLangError
+
+    t = time.time()
+    try:
+        completions = _served_completions(plan, todo) if todo else \
+            read_journal(plan.out / JOURNAL_NAME, _request_keys(plan))[0]
+    except SGLangError as e:
+        raise PrecomputeError(f"{e}\n(completions received so far are saved in {plan.out / JOURNAL_NAME}; "
+                              "rerun to resume)") from e
+    tally.timings["reference_s"] = time.time() - t
+    return completions
 
 
 def _duration(seconds: float) -> str:
@@ -244,145 +268,177 @@ def _duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
-def execute(plan: Plan, log: Log = stderr_log) -> dict[str, Any]:
-    """Compute what is missing in ``plan.out``, write the manifest; return the run summary."""
-    from tqdm import tqdm
+class _Progress:
+    """The token progress bar, and after the first sample the projected time left."""
 
-    from ..sglang_client import SGLangError
-    from ..target import DTYPES, greedy_generate, head_tensors, load_target
+    def __init__(self, plan: Plan, todo: list[PromptRecord], completions: Completions, tally: _Tally):
+        from tqdm import tqdm
+
+        def expected_len(r: PromptRecord) -> int:  # exact for served/file completions, an upper bound for local
+            comp = completions.get(r.id)
+            return len(plan.prompt_ids[r.id]) + (len(comp["output_ids"]) if comp else plan.args.max_new_tokens)
+
+        self.plan, self.tally = plan, tally
+        self.expected = {r.id: expected_len(r) for r in todo}
+        self.left = sum(self.expected.values())
+        self.first = True
+        self.bar = tqdm(total=self.left, unit="tok", unit_scale=True, disable=not plan.args.progress,
+                        file=sys.stderr, dynamic_ncols=True)
+        self.start = time.time()
+
+    def done(self, entry: SampleEntry) -> None:
+        self.tally.tokens_done += entry.total_len
+        self.left -= self.expected[entry.id]
+        self.bar.total = self.tally.tokens_done + self.left
+        self.bar.update(entry.total_len)
+        if self.first:
+            self.first = False
+            rate = self.tally.tokens_done / max(time.time() - self.start, 1e-9)
+            bound = "at most " if self.plan.source.kind == "local" else ""
+            logger.info(f"first sample: {entry.total_len} tokens, {rate:.0f} tok/s ({self.plan.compute_dtype} "
+                        f"compute); {bound}{self.left} tokens left, projected {bound}"
+                        f"{_duration(self.left / max(rate, 1e-9))}")
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _completion_of(plan: Plan, target: Target, r: PromptRecord, completions: Completions,
+                   tally: _Tally) -> tuple[list[int], str]:
+    """The completion of one prompt and why it ended: generated here (``local``) or given."""
+    if plan.source.kind != "local":
+        return completions[r.id]["output_ids"], completions[r.id]["finish_reason"]
+    from ..target import greedy_generate
+
+    t = time.time()
+    comp, reason = greedy_generate(target, plan.prompt_ids[r.id], plan.args.max_new_tokens, plan.stop_token_ids)
+    tally.timings["generate_s"] += time.time() - t
+    return comp, reason
+
+
+def _compute_shards(plan: Plan, state: _State, target: Target, groups: list[int], completions: Completions,
+                    tally: _Tally) -> None:
+    """Prefill every sample of ``groups`` and write each group as one shard, recorded as it lands."""
+    from ..target import DTYPES
+
+    store_dtype = DTYPES[plan.args.dtype]
+    progress = _Progress(plan, [r for g in groups for r in plan.groups[g]], completions, tally)
+    for g in groups:
+        name = shard_name(g)
+        tensors: dict[str, torch.Tensor] = {}
+        entries = []
+        for r in plan.groups[g]:
+            comp, reason = _completion_of(plan, target, r, completions, tally)
+            t = time.time()
+            ts, entry = compute_sample(target, r, plan.prompt_ids[r.id], comp, reason, plan.layer_ids,
+                                       plan.args.topk_logprobs, name, store_dtype)
+            tally.timings["prefill_s"] += time.time() - t
+            if plan.source.kind != "local":
+                entry.served_spec = served_counters(completions[r.id].get("served_spec"))
+            tensors.update(ts)
+            entries.append(entry)
+            progress.done(entry)
+        t = time.time()
+        sha, size = save_safetensors(plan.out / name, tensors)
+        tally.timings["write_s"] += time.time() - t
+        tally.bytes_written += size
+        shard = ShardEntry(file=name, sha256=sha, bytes=size, samples=[e.id for e in entries])
+        state.shards[name] = shard
+        state.samples.update({e.id: e for e in entries})
+        append_progress(plan.out / PROGRESS_NAME, shard_record(shard, entries))
+    progress.close()
+
+
+def _export_head(plan: Plan, state: _State, target: Target, tally: _Tally) -> None:
+    """The target's embedding and head in the storage dtype, beside the shards, recorded as it lands."""
+    from ..target import DTYPES, head_tensors
+
+    tensors, tied = head_tensors(target, DTYPES[plan.args.dtype])
+    sha, size = save_safetensors(plan.out / HEAD_NAME, tensors)
+    tally.bytes_written += size
+    embed = tensors["embed_tokens.weight"]
+    state.head = {"file": HEAD_NAME, "sha256": sha, "bytes": size, "tied": tied,
+                  "vocab_size": int(embed.shape[0]), "hidden_size": int(embed.shape[1]),
+                  "dtype": str(embed.dtype).removeprefix("torch.")}
+    append_progress(plan.out / PROGRESS_NAME, {"target_head": state.head})
+
+
+def _write_manifest(plan: Plan, state: _State, completions: Completions) -> Manifest:
+    """The manifest of what the folder now holds, written last: its presence means "complete"."""
+    out = plan.out
+    if not plan.args.export_head:
+        state.head = None
+        (out / HEAD_NAME).unlink(missing_ok=True)
+    manifest = build_manifest(plan.header, list(state.shards.values()), list(state.samples.values()), state.head)
+    ids = [s.id for s in manifest.samples]
+    if plan.source.kind == "sglang" and all(i in completions for i in ids):
+        # sorted once complete, so the journal too is deterministic
+        write_in_order(out / JOURNAL_NAME, completions, ids)
+    manifest.write(out)
+    (out / PROGRESS_NAME).unlink(missing_ok=True)
+    return manifest
+
+
+def _summary(plan: Plan, manifest: Manifest, state: _State, computed: int, kept: int, tally: _Tally,
+             wall: float) -> dict[str, Any]:
+    """The run's figures: what ``precompute_log.json`` keeps and the command line prints."""
+    ag, timings = manifest.agreement, tally.timings
+    return {
+        "out": str(plan.out),
+        "samples": len(manifest.samples),
+        "samples_computed": computed,
+        "samples_kept": kept,
+        "tokens": sum(s.total_len for s in manifest.samples),
+        "tokens_computed": tally.tokens_done,
+        "completion_tokens": ag["completion_tokens"],
+        "token_agreement": ag["token_agreement"],
+        "samples_fully_agreeing": ag["samples_fully_agreeing"],
+        "compute_dtype": plan.compute_dtype,
+        "dtype": plan.args.dtype,
+        "bytes_written": tally.bytes_written,
+        "cache_bytes": sum(s.bytes for s in manifest.shards) + (state.head or {}).get("bytes", 0),
+        "wall_s": round(wall, 3),
+        "tokens_per_s": round(tally.tokens_done / max(timings["prefill_s"] + timings["generate_s"], 1e-9), 1),
+        "timings": {k: round(v, 3) for k, v in timings.items()},
+        "warnings": plan.warnings,
+    }
+
+
+def execute(plan: Plan) -> dict[str, Any]:
+    """Compute what is missing in ``plan.out``, write the manifest; return the run summary."""
+    from ..target import load_target
 
     a, out = plan.args, plan.out
     t0 = time.time()
     out.mkdir(parents=True, exist_ok=True)
-    store_dtype = DTYPES[a.dtype]
-    timings = {"load_s": 0.0, "reference_s": 0.0, "generate_s": 0.0, "prefill_s": 0.0, "write_s": 0.0}
+    tally = _Tally()
     with folder_lock(out):
-        state = _load_state(plan, log)
+        state = _load_state(plan)
         todo_groups = [g for g in sorted(plan.groups) if shard_name(g) not in state.shards]
         todo = [r for g in todo_groups for r in plan.groups[g]]
-        kept = sum(len(plan.groups[g]) for g in plan.groups) - len(todo)
+        kept = sum(len(recs) for recs in plan.groups.values()) - len(todo)
         if kept:
-            log(f"resuming: {kept} sample(s) in {len(state.shards)} verified shard(s) kept, {len(todo)} to compute")
+            logger.info(f"resuming: {kept} sample(s) in {len(state.shards)} verified shard(s) kept, "
+                        f"{len(todo)} to compute")
         need_head = a.export_head and state.head is None
         # The fingerprint goes down first: whatever this run leaves behind is tied to its arguments.
         start_progress(out / PROGRESS_NAME, plan.fingerprint, state.records())
-
-        completions = plan.completions
-        if a.reference == "sglang":
-            t = time.time()
-            try:
-                completions = _sglang_completions(plan, todo, log) if todo else \
-                    read_journal(out / JOURNAL_NAME, _request_keys(plan))[0]
-            except SGLangError as e:
-                raise PrecomputeError(f"{e}\n(completions received so far are saved in {out / JOURNAL_NAME}; "
-                                      "rerun to resume)") from e
-            timings["reference_s"] = time.time() - t
-
-        bytes_written = 0
-        tokens_done = 0
+        completions = _completions(plan, todo, tally)
         if todo or need_head:
             t = time.time()
-            log(f"loading {a.target} (compute {plan.compute_dtype}, storage {a.dtype}) ...")
+            logger.info(f"loading {a.target} (compute {plan.compute_dtype}, storage {a.dtype}) ...")
             target = load_target(a.target, plan.compute_dtype, plan.target)
-            timings["load_s"] = time.time() - t
-
-            def expected_len(r: Any) -> int:  # exact for served/file completions, an upper bound for local
-                comp = completions.get(r.id)
-                return len(plan.prompt_ids[r.id]) + (len(comp["output_ids"]) if comp else a.max_new_tokens)
-
-            tokens_left = sum(expected_len(r) for r in todo)
-            bar = tqdm(total=tokens_left, unit="tok", unit_scale=True, disable=not a.progress, file=sys.stderr,
-                       dynamic_ncols=True)
-            t_loop = time.time()
-            for g in todo_groups:
-                name = shard_name(g)
-                tensors: dict[str, torch.Tensor] = {}
-                entries = []
-                for r in plan.groups[g]:
-                    prompt = plan.prompt_ids[r.id]
-                    if a.reference == "local":
-                        t = time.time()
-                        comp, reason = greedy_generate(target, prompt, a.max_new_tokens, plan.stop_token_ids)
-                        timings["generate_s"] += time.time() - t
-                    else:
-                        comp, reason = completions[r.id]["output_ids"], completions[r.id]["finish_reason"]
-                    t = time.time()
-                    ts, entry = compute_sample(target, r, prompt, comp, reason, plan.layer_ids,
-                                               a.topk_logprobs, name, store_dtype)
-                    timings["prefill_s"] += time.time() - t
-                    if a.reference != "local":
-                        entry.served_spec = served_counters(completions[r.id].get("served_spec"))
-                    tensors.update(ts)
-                    entries.append(entry)
-                    tokens_done += entry.total_len
-                    tokens_left -= expected_len(r)
-                    bar.total = tokens_done + tokens_left
-                    bar.update(entry.total_len)
-                    if len(entries) == 1 and g == todo_groups[0]:
-                        rate = tokens_done / max(time.time() - t_loop, 1e-9)
-                        bound = "at most " if a.reference == "local" else ""
-                        log(f"first sample: {entry.total_len} tokens, {rate:.0f} tok/s ({plan.compute_dtype} "
-                            f"compute); {bound}{tokens_left} tokens left, projected {bound}"
-                            f"{_duration(tokens_left / max(rate, 1e-9))}")
-                t = time.time()
-                sha, size = save_safetensors(out / name, tensors)
-                timings["write_s"] += time.time() - t
-                bytes_written += size
-                shard = ShardEntry(file=name, sha256=sha, bytes=size, samples=[e.id for e in entries])
-                state.shards[name] = shard
-                state.samples.update({e.id: e for e in entries})
-                append_progress(out / PROGRESS_NAME, shard_record(shard, entries))
-            bar.close()
+            tally.timings["load_s"] = time.time() - t
+            _compute_shards(plan, state, target, todo_groups, completions, tally)
             if need_head:
-                tensors, tied = head_tensors(target, store_dtype)
-                sha, size = save_safetensors(out / HEAD_NAME, tensors)
-                bytes_written += size
-                embed = tensors["embed_tokens.weight"]
-                state.head = {"file": HEAD_NAME, "sha256": sha, "bytes": size, "tied": tied,
-                              "vocab_size": int(embed.shape[0]), "hidden_size": int(embed.shape[1]),
-                              "dtype": str(embed.dtype).removeprefix("torch.")}
-                append_progress(out / PROGRESS_NAME, {"target_head": state.head})
+                _export_head(plan, state, target, tally)
             del target
-
-        if not a.export_head:
-            state.head = None
-            (out / HEAD_NAME).unlink(missing_ok=True)
-        manifest = build_manifest(plan.header, list(state.shards.values()), list(state.samples.values()),
-                                  state.head)
-        ids = [s.id for s in manifest.samples]
-        if a.reference == "sglang" and all(i in completions for i in ids):
-            # sorted once complete, so the journal too is deterministic
-            write_in_order(out / JOURNAL_NAME, completions, ids)
-        manifest.write(out)  # last: its presence means "complete"
-        (out / PROGRESS_NAME).unlink(missing_ok=True)
-
-        wall = time.time() - t0
-        ag = manifest.agreement
-        total_tokens = sum(s.total_len for s in manifest.samples)
-        summary = {
-            "out": str(out),
-            "samples": len(manifest.samples),
-            "samples_computed": len(todo),
-            "samples_kept": kept,
-            "tokens": total_tokens,
-            "tokens_computed": tokens_done,
-            "completion_tokens": ag["completion_tokens"],
-            "token_agreement": ag["token_agreement"],
-            "samples_fully_agreeing": ag["samples_fully_agreeing"],
-            "compute_dtype": plan.compute_dtype,
-            "dtype": a.dtype,
-            "bytes_written": bytes_written,
-            "cache_bytes": sum(s.bytes for s in manifest.shards) + (state.head or {}).get("bytes", 0),
-            "wall_s": round(wall, 3),
-            "tokens_per_s": round(tokens_done / max(timings["prefill_s"] + timings["generate_s"], 1e-9), 1),
-            "timings": {k: round(v, 3) for k, v in timings.items()},
-            "warnings": plan.warnings,
-        }
+        manifest = _write_manifest(plan, state, completions)
+        summary = _summary(plan, manifest, state, len(todo), kept, tally, time.time() - t0)
         # the thread count is in the compute record (it shapes the dtype probe's figures too)
-        log_record = {"summary": summary, "args": dataclasses.asdict(a), "compute": plan.compute.record(),
-                      "finished_unix": time.time()}
-        atomic_write_json(out / LOG_NAME, log_record)
-    log(format_summary(summary))
+        atomic_write_json(out / LOG_NAME, {"summary": summary, "args": dataclasses.asdict(a),
+                                           "compute": plan.compute.record(), "finished_unix": time.time()})
+    logger.info(format_summary(summary))
     return summary
 
 
@@ -395,5 +451,5 @@ def format_summary(s: dict[str, Any]) -> str:
             f"wall {s['wall_s']:.1f} s ({s['tokens_per_s']:.0f} tok/s)")
 
 
-def run_precompute(args: PrecomputeArgs, log: Log = stderr_log, probe: DtypeProbe | None = None) -> dict[str, Any]:
-    return execute(prepare(args, log, probe), log)
+def run_precompute(args: PrecomputeArgs, probe: DtypeProbe | None = None) -> dict[str, Any]:
+    return execute(prepare(args, probe))
