@@ -5,15 +5,13 @@
                          [--overwrite] [--wandb-mode offline|online]
 
 About 3 minutes on 2 CPU cores. The logic lives in dflash_cb.demo.demo.
+
+Installed (``pip install -e .``), the same tool is the ``dflash-demo`` command.
 """
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-
-from dflash_cb.common.cli import run  # noqa: E402
-from dflash_cb.demo.demo import main  # noqa: E402
+from _command import run_command
 
 if __name__ == "__main__":
-    sys.exit(run(main))
+    sys.exit(run_command("dflash_cb.demo.demo"))

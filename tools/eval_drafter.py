@@ -7,15 +7,13 @@
 
 Every argument, the cache, the drafter and the head are checked (and the shards to score hashed)
 before the evaluation starts; a problem is one line naming the file and the fix, exit code 2.
+
+Installed (``pip install -e .``), the same tool is the ``dflash-eval`` command.
 """
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-
-from dflash_cb.common.cli import run  # noqa: E402
-from dflash_cb.integrations.eval_cli import main  # noqa: E402
+from _command import run_command
 
 if __name__ == "__main__":
-    sys.exit(run(main))
+    sys.exit(run_command("dflash_cb.integrations.eval_cli"))

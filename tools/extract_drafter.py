@@ -5,15 +5,13 @@
         [--config drafter_config.json] [--prefix drafter.]
 
 See ``--help``; the code is ``dflash_cb.core.extract_cli`` and ``dflash_cb.core.checkpoints.extract_drafter``.
+
+Installed (``pip install -e .``), the same tool is the ``dflash-extract`` command.
 """
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-
-from dflash_cb.common.cli import run  # noqa: E402
-from dflash_cb.core.extract_cli import main  # noqa: E402
+from _command import run_command
 
 if __name__ == "__main__":
-    sys.exit(run(main))
+    sys.exit(run_command("dflash_cb.core.extract_cli"))

@@ -3,11 +3,13 @@
 
 Usage: python tools/merge_states.py --out cached_states/qwen36-27b-v1 part0/ part1/ ...
 The merged cache equals what a single-host run would have written (same manifest, same shards).
+
+Installed (``pip install -e .``), the same tool is the ``dflash-merge`` command.
 """
 
 import sys
 
-from dflash_cb.cache.precompute import merge_main
+from _command import run_command
 
 if __name__ == "__main__":
-    sys.exit(merge_main())
+    sys.exit(run_command("dflash_cb.cache.precompute.cli", "merge_command"))

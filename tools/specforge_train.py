@@ -6,15 +6,13 @@
 
 Everything after -- is `specforge train`'s own arguments; several ranks: torchrun --nproc_per_node N
 tools/specforge_train.py ... (docs/training-loops.md, "SpecForge").
+
+Installed (``pip install -e .``), the same tool is the ``dflash-specforge-train`` command.
 """
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-
-from dflash_cb.common.cli import run  # noqa: E402
-from dflash_cb.integrations.specforge_cli import main  # noqa: E402
+from _command import run_command
 
 if __name__ == "__main__":
-    sys.exit(run(main))
+    sys.exit(run_command("dflash_cb.integrations.specforge_cli"))

@@ -6,15 +6,13 @@
 
 Sections: Headline, Uncertainty, Per category, Per depth, By position, Cost, Samples. Needs
 ``pip install wandb-workspaces`` (the ``panels`` extra) and a W&B login for the final save.
+
+Installed (``pip install -e .``), the same tool is the ``dflash-panels`` command.
 """
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-
-from dflash_cb.common.cli import run  # noqa: E402
-from dflash_cb.integrations.panels import main  # noqa: E402
+from _command import run_command
 
 if __name__ == "__main__":
-    sys.exit(run(main))
+    sys.exit(run_command("dflash_cb.integrations.panels"))

@@ -1,8 +1,9 @@
 """The command-line tools' shared edge: user errors become one line and exit code 2.
 
-Every ``tools/*.py`` calls ``run(main)``. The package's own errors (``DFlashCBError``) and OS
-errors on user paths (an unwritable ``--out``, a file where a folder is expected, a full disk)
-print ``error: <what, where> (<fix>)`` on stderr, no traceback. Anything else is a bug in this package and keeps its traceback.
+Every ``tools/*.py`` and every console command (``[project.scripts]``, made by ``command``) calls
+``run(main)``. The package's own errors (``DFlashCBError``) and OS errors on user paths (an
+unwritable ``--out``, a file where a folder is expected, a full disk) print ``error: <what, where>
+(<fix>)`` on stderr, no traceback. Anything else is a bug in this package and keeps its traceback.
 While a tool runs, the package's library messages (``logging.getLogger(__name__)`` in its modules,
 INFO and above) are shown on stderr, one line each, as the message alone.
 """
@@ -93,3 +94,13 @@ def run(main: Main, argv: Sequence[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
 
+
+def command(main: Main) -> Callable[[], int]:
+    """A console command (``[project.scripts]``): ``run(main)`` on the command line's arguments, the
+    same edge as the ``tools/*.py`` script of that tool."""
+
+    def entry() -> int:
+        return run(main)
+
+    entry.__doc__ = main.__doc__
+    return entry

@@ -20,6 +20,7 @@ from itertools import combinations
 from pathlib import Path
 from typing import Any
 
+from ..common import cli
 from ..common.errors import DFlashCBError
 from ..common.fileio import atomic_paths, check_outputs_apart, naming_failures
 from .bootstrap import DEFAULT_RESAMPLES, DEFAULT_SEED, Interval, intervals, metric_sums, paired_difference
@@ -430,3 +431,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(md)
     print(f"wrote {md_path} and {png_path}")
     return 0
+
+
+command = cli.command(main)  # the ``dflash-compare`` console command

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
+from ..common import cli
+
 USAGE = """Strip a training checkpoint down to a drafter folder (config.json + model.safetensors).
 
     python tools/extract_drafter.py --ckpt lightning_logs/.../step=1000.ckpt --out drafters/step1000 \\
@@ -40,3 +42,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"wrote {args.out}: {info['tensors']} tensors, {info['params'] / 1e6:.2f}M parameters "
           f"(from {describe_source(info['entry'], info['prefix'])}; {describe_dropped(info)})")
     return 0
+
+
+command = cli.command(main)  # the ``dflash-extract`` console command

@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..common import cli
 from ..common.errors import DFlashCBError
 from ..common.fileio import atomic_path, atomic_write_json, atomic_write_text, naming_failures, output_path
 from ..core.metrics import (
@@ -641,3 +642,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: the last tau {summary['tau_last']:.3f} is below {TAU_GOAL}", file=sys.stderr)
         return 1
     return 0
+
+
+command = cli.command(main)  # the ``dflash-demo`` console command

@@ -9,6 +9,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from ..common import cli
 from ..core.positions import DEFAULT_POSITION_EDGES
 
 USAGE = """Score a saved DFlash drafter on a cache of target states: exact tau, DDTree, per-depth acceptance.
@@ -214,3 +215,5 @@ def main(argv: list[str] | None = None) -> int:
         print(f"logged to W&B project {args.wandb_project}: {run_dir}{how}")
     return 0
 
+
+command = cli.command(main)  # the ``dflash-eval`` console command

@@ -26,6 +26,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..common import cli
 from ..common.errors import DFlashCBError
 from ..core.baselines import CONVENTIONS
 from ..core.metrics import (
@@ -487,3 +488,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     _wandb("saving the view", view.save)  # the only network calls: here, from_url and --run
     print(f"saved {'report' if args.report else 'workspace view'} {args.name!r}: {getattr(view, 'url', '')}")
     return 0
+
+
+command = cli.command(main)  # the ``dflash-panels`` console command

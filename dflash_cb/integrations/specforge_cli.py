@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ..common import cli
 from ..common.arguments import ArgumentError
 
 USAGE = """Train with SpecForge 0.2.0's command line, with the drafter's exact tau measured while it trains.
@@ -88,7 +89,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import specforge.application as application
     import specforge.launch_plan as launch_plan
-    from specforge import cli
+    from specforge import cli as specforge_cli
     from specforge.training.checkpoint import CheckpointManager
 
     build = application.build_application_run
@@ -113,6 +114,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     application.build_application_run, launch_plan.run_commands = build_and_attach, refuse
     try:
-        return int(cli.main(["train", *theirs]) or 0)
+        return int(specforge_cli.main(["train", *theirs]) or 0)
     finally:
         application.build_application_run, launch_plan.run_commands = build, run_commands
+
+
+command = cli.command(main)  # the ``dflash-specforge-train`` console command

@@ -8,7 +8,7 @@ error type they share) and ``cli``. Messages go to the ``logging`` loggers of th
 command lines show them on stderr (``dflash_cb.common.cli.run``).
 """
 
-from .cli import args_from_cli, build_parser, main, merge_main
+from .cli import args_from_cli, build_parser, command, main, merge_command, merge_main
 from .compute_dtype import ComputeDtypeChoice, choose_compute_dtype, matmul_gflops
 from .errors import PrecomputeError
 from .merge import merge_parts
@@ -37,7 +37,7 @@ from .run import (
 __all__ = [
     "COMPLETION_SOURCES", "DTYPE_NAMES", "JOURNAL_NAME", "LOG_NAME", "PROGRESS_NAME", "CompletionSource",
     "ComputeDtypeChoice", "DtypeProbe", "Plan", "PrecomputeArgs", "PrecomputeError", "agreement_totals",
-    "args_from_cli", "build_manifest", "build_parser", "choose_compute_dtype", "compute_sample", "execute",
-    "format_summary", "main", "matmul_gflops", "merge_main", "merge_parts", "prepare",
+    "args_from_cli", "build_manifest", "build_parser", "choose_compute_dtype", "command", "compute_sample", "execute",
+    "format_summary", "main", "matmul_gflops", "merge_command", "merge_main", "merge_parts", "prepare",
     "run_precompute", "save_safetensors",
 ]

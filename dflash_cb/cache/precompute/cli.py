@@ -148,3 +148,6 @@ def merge_main(argv: Sequence[str] | None = None) -> int:
     """tools/merge_states.py: 0 on success, 2 on a user error."""
     return cli.run(_merge, argv)
 
+
+command = cli.command(_precompute)  # ``dflash-precompute``
+merge_command = cli.command(_merge)  # ``dflash-merge``

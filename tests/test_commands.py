@@ -1,0 +1,91 @@
+"""The tools as commands: a console command per tool, thin ``tools/*.py`` scripts, and their messages.
+
+Every ``tools/*.py`` script runs the same object as its ``[project.scripts]`` command
+(``dflash_cb.common.cli.command``); from a checkout that is not installed it says so in one line.
+While a tool runs, the package's library messages (``logging``) are shown on stderr, one line each.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import logging
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dflash_cb.common.cli import run
+
+ROOT = Path(__file__).resolve().parents[1]
+TOOLS = sorted(p for p in (ROOT / "tools").glob("*.py") if not p.name.startswith("_"))
+
+
+def console_scripts() -> dict[str, str]:
+    """``[project.scripts]`` of pyproject.toml: command name -> ``module:object``."""
+    text = (ROOT / "pyproject.toml").read_text()
+    section = re.search(r"^\[project\.scripts\]\n(.*?)(?=^\[|\Z)", text, re.M | re.S)
+    assert section, "pyproject.toml has no [project.scripts]"
+    return dict(re.findall(r'^([\w-]+)\s*=\s*"([\w.:]+)"', section[1], re.M))
+
+
+def tool_target(path: Path) -> str:
+    """``module:object`` that ``tools/<name>.py`` runs (its ``run_command(module[, object])`` call)."""
+    calls = [n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Call)
+             and getattr(n.func, "id", None) == "run_command"]
+    assert len(calls) == 1, f"{path.name}: expected one run_command(...) call"
+    args = [a.value for a in calls[0].args]
+    return f"{args[0]}:{args[1] if len(args) > 1 else 'command'}"
+
+
+def test_every_tool_is_a_console_command_running_the_same_object():
+    scripts = console_scripts()
+    assert sorted(scripts.values()) == sorted(tool_target(t) for t in TOOLS)
+    assert all(name.startswith("dflash-") for name in scripts)
+    for t in TOOLS:
+        assert "sys.path" not in t.read_text(), f"{t.name} changes sys.path"
+
+
+@pytest.mark.parametrize("name", sorted(console_scripts()))
+def test_each_command_runs_its_tool(name, monkeypatch, capsys):
+    module, attr = console_scripts()[name].split(":")
+    command = getattr(importlib.import_module(module), attr)
+    monkeypatch.setattr(sys, "argv", [name, "--help"])
+    with pytest.raises(SystemExit) as e:
+        command()
+    assert e.value.code == 0 and capsys.readouterr().out.startswith("usage: ")
+
+
+@pytest.mark.parametrize("tool", TOOLS, ids=lambda p: p.name)
+def test_a_tool_of_a_checkout_that_is_not_installed_says_so_in_one_line(tool, tmp_path):
+    """``-S -E``: no site-packages and no PYTHONPATH, as in an environment where the package was never installed."""
+    proc = subprocess.run([sys.executable, "-S", "-E", str(tool), "--help"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: the dflash_cb package is not installed"), proc.stderr
+    assert "`pip install -e .`" in lines[0] and str(ROOT) in lines[0]
+
+
+def test_library_messages_are_shown_while_a_tool_runs(capsys):
+    """One line per message on stderr, once however the tools nest (the demo runs the precompute's), and the
+    package's logging is as it was afterwards: used as a library, INFO messages stay quiet."""
+    logger = logging.getLogger("dflash_cb.cache.precompute.run")
+
+    def inner(argv):
+        logger.info("inner message")
+        logger.debug("not shown")
+
+    def outer(argv):
+        logger.info("outer message")
+        return run(inner)
+
+    package = logging.getLogger("dflash_cb")
+    before = (list(package.handlers), package.level)
+    assert run(outer) == 0
+    assert capsys.readouterr().err == "outer message\ninner message\n"
+    assert (list(package.handlers), package.level) == before
+    logger.info("a library message")
+    assert capsys.readouterr().err == ""
