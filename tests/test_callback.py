@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import csv
 import json
-import math
 import shutil
 import sys
 import warnings
@@ -12,9 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from lightning.pytorch import Callback, Trainer, seed_everything
+from lightning.pytorch import Callback, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
+from lightning_runs import fit, make_module, make_trainer, read_csv_metrics
+from tool_runs import same
 
 from dflash_cb import DFlashEvalCallback
 from dflash_cb.cache.states import CacheMismatchError, StateCache, stratified_ids
@@ -34,46 +34,6 @@ from dflash_cb.integrations.wandb_logging import format_blocks, make_decoder
 
 ROOT = Path(__file__).resolve().parents[1]
 BUDGETS = [4, 8]
-
-
-def make_trainer(tmp_path: Path, callbacks: list, max_steps: int, logger=False, checkpointing: bool = False,
-                 **kw) -> Trainer:
-    return Trainer(max_steps=max_steps, accelerator="cpu", devices=1, logger=logger, callbacks=callbacks,
-                   enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=checkpointing,
-                   log_every_n_steps=1, default_root_dir=str(tmp_path), **kw)
-
-
-def make_module(cfg: dict, cache: Path, **kw) -> DFlashDrafterModule:
-    return DFlashDrafterModule(cfg, str(cache), lr=1e-2, anchors_per_sample=8, **kw)
-
-
-def fit(tmp_path: Path, cfg: dict, cache: Path, callbacks: list, max_steps: int, seed: int = 0,
-        data_cache: Path | None = None, ckpt_path: str | None = None, **kw) -> tuple[Trainer, DFlashDrafterModule]:
-    seed_everything(seed, verbose=False)
-    module = make_module(cfg, cache)
-    trainer = make_trainer(tmp_path, callbacks, max_steps, **kw)
-    trainer.fit(module, CachedStatesDataModule(str(data_cache or cache), batch_size=2), ckpt_path=ckpt_path)
-    return trainer, module
-
-
-def read_csv_metrics(path: Path, prefix: str = "dflash_eval/") -> dict[int, dict[str, float]]:
-    out: dict[int, dict[str, float]] = {}
-    with open(path) as f:
-        for row in csv.DictReader(f):
-            vals = {k[len(prefix):]: float(v) for k, v in row.items() if k.startswith(prefix) and v != ""}
-            if vals:
-                out.setdefault(int(row["step"]), {}).update(vals)
-    return out
-
-
-def load_eval_drafter_tool():
-    from dflash_cb.integrations import eval_cli  # the code behind tools/eval_drafter.py
-
-    return eval_cli
-
-
-def same(a: float, b: float) -> bool:
-    return (math.isnan(a) and math.isnan(b)) or a == pytest.approx(b, rel=1e-12, abs=1e-12)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -104,7 +64,8 @@ def test_logged_tau_equals_eval_drafter_on_saved_weights(tmp_path, tiny_cache, t
     assert f"ddtree/tau_b{min(BUDGETS)}" not in logged[6] and f"full/ddtree/tau_b{min(BUDGETS)}" in logged[6]
     # The cost keys describe the pass that ran: the full pass at step 6.
     assert logged[3]["anchors_drafted"] < logged[6]["anchors_drafted"] == logged[6]["full/anchors_drafted"]
-    tool = load_eval_drafter_tool()
+    from dflash_cb.integrations import eval_cli as tool  # the code behind tools/eval_drafter.py
+
     light = ["--anchor-stride", str(block), "--ddtree-budgets", str(max(BUDGETS))]
     full = ["--ddtree-budgets", ",".join(map(str, BUDGETS))]
     for step, prefix, profile in ((3, "", light), (6, "", light), (6, "full/", full)):

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import build_tiny_cache
 from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
-from test_callback import fit, read_csv_metrics
+from lightning_runs import fit, read_csv_metrics
+from tiny_target import build_tiny_cache
 
 from dflash_cb import DFlashEvalCallback
 from dflash_cb.cache.states import StateCache

@@ -21,8 +21,8 @@ from pathlib import Path
 import oracles
 import pytest
 import torch
+from ddtree_reference import reference_tree_accept
 from safetensors.torch import save
-from test_ddtree import reference_tree_accept
 from transformers import Qwen3Config
 
 from dflash_cb.cache.states import (

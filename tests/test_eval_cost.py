@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 from lightning.pytorch.loggers import CSVLogger
-from test_callback import fit, read_csv_metrics
+from lightning_runs import fit, read_csv_metrics
 from torch.utils.flop_counter import FlopCounterMode
 
 from dflash_cb import DFlashEvalCallback

@@ -21,16 +21,6 @@ ROOT = Path(__file__).resolve().parents[1]
 from dflash_cb.integrations import eval_cli as TOOL  # noqa: E402  (the code behind tools/eval_drafter.py)
 
 
-@pytest.fixture(scope="module")
-def drafter_dir(tiny_drafter_config: dict, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from dflash_cb.core.model import DFlashDrafter
-
-    torch.manual_seed(0)
-    out = tmp_path_factory.mktemp("drafter") / "drafter"
-    DFlashDrafter.from_config_dict(tiny_drafter_config).save_pretrained(out)
-    return out
-
-
 def evaluate_tool(capsys: pytest.CaptureFixture, cache: Path, drafter: Path, out: Path, *extra: str,
                   budgets: str = "4") -> tuple[int, str, str]:
     code = run(TOOL.main, ["--states", str(cache), "--drafter", str(drafter), "--out", str(out),

@@ -25,50 +25,7 @@ from dflash_cb.common.errors import DFlashCBError
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-BUDGETS = [4, 8]
-PREFIX = "dflash_eval/"
-
-
-# -- shared: the tool on saved weights ------------------------------------------------------------
-
-def tool_metrics(cache: Path, drafter_dir: Path, out: Path, light: bool, block_size: int) -> dict[str, Any]:
-    """``tools/eval_drafter.py`` on a saved drafter, with the profile of the live evaluation."""
-    from dflash_cb.integrations import eval_cli
-
-    profile = (["--anchor-stride", str(block_size), "--ddtree-budgets", str(max(BUDGETS))] if light
-               else ["--ddtree-budgets", ",".join(map(str, BUDGETS))])
-    assert eval_cli.main(["--states", str(cache), "--drafter", str(drafter_dir), "--out", str(out), *profile,
-                          "--device", "cpu", "--dtype", "float32"]) == 0
-    return json.loads(out.read_text())["metrics"]
-
-
-def assert_logged_equals_tool(logged: dict[str, float], expected: dict[str, Any], where: Any, prefix: str = PREFIX,
-                              skip: tuple[str, ...] = ()) -> None:
-    from test_callback import same
-
-    from dflash_cb.core.metrics import EVAL_TIME
-
-    assert logged[prefix + "tau"] == expected["tau"], where
-    for k, v in expected.items():
-        if k == EVAL_TIME or k in skip:
-            continue
-        if v is None:  # NaN in results.json, not logged
-            assert prefix + k not in logged, (where, k)
-        else:
-            assert same(logged[prefix + k], v), (where, k, logged[prefix + k], v)
-
-
-def assert_step_equals_tool(cache: Path, drafter_dir: Path, out: Path, logged: dict[str, float], full: bool,
-                            block_size: int, where: Any) -> None:
-    """One evaluated step against the tool on that step's weights: the main keys are the light profile's
-    at every evaluation; a full evaluation's ``full/`` keys are the tool's default (stride 1, every budget).
-    The cost keys describe the pass that ran (the full one at a full evaluation)."""
-    light = tool_metrics(cache, drafter_dir, out.with_suffix(".light.json"), True, block_size)
-    assert_logged_equals_tool(logged, light, where, skip=("anchors_drafted", "anchors_needed") if full else ())
-    if full:
-        exact = tool_metrics(cache, drafter_dir, out.with_suffix(".full.json"), False, block_size)
-        assert_logged_equals_tool(logged, exact, where, prefix=PREFIX + "full/")
-
+from tool_runs import BUDGETS, PREFIX, assert_step_equals_tool  # noqa: E402
 
 # -- the plain loop -------------------------------------------------------------------------------
 
@@ -159,7 +116,7 @@ def test_plain_loop_into_a_wandb_run_logs_todays_keys_table_and_chart(tmp_path, 
     """``log=wandb.init(...)``: the scalars against trainer/global_step, the samples table, the histogram and
     the per-depth chart, the best tau in the summary: what the Lightning callback's WandbLogger run holds."""
     import wandb
-    from test_callback_wandb import history_and_summary
+    from wandb_runs import history_and_summary
 
     run = wandb.init(project="dflash-cb-test", name="plain", dir=str(tmp_path), mode="offline", reinit="create_new")
     evaluator, _, _ = plain_loop(str(tiny_cache), tiny_drafter_config, steps=2, every=1, log=run, table_samples=2)
@@ -329,7 +286,7 @@ def test_hf_run_reporting_to_wandb_gets_working_panels_and_one_console_line(tmp_
     assert [ln.split(":")[0] for ln in lines if " step " in ln] == [
         "DFlashEvalTrainerCallback step 0", "DFlashEvalTrainerCallback step 3", "DFlashEvalTrainerCallback step 6"]
     assert not any("'dflash_eval/" in ln for ln in out.splitlines())  # no dict of every key
-    from test_callback_wandb import history_and_summary
+    from wandb_runs import history_and_summary
 
     rows, summary, _ = history_and_summary(run_dir)
     taus = [r for r in rows if PREFIX + "tau" in r]

@@ -4,7 +4,6 @@ items 4 and 13)."""
 
 from __future__ import annotations
 
-import hashlib
 import shutil
 import subprocess
 import sys
@@ -13,15 +12,12 @@ from pathlib import Path
 import pytest
 from processes import sigkill_when
 from tiny_target import random_prompts, save_tiny_qwen3, write_prompts
+from tool_runs import folder_digest
 
 from dflash_cb.cache.precompute import main, merge_main
 from dflash_cb.cache.states import CacheError, StateCache, merge_staging_path, replaced_cache_path
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def digest(folder: Path) -> dict[str, str]:
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +44,7 @@ def made(tmp_path_factory) -> dict[str, Path]:
 def old_cache_copy(made: dict[str, Path], tmp_path: Path) -> tuple[Path, dict[str, str]]:
     out = tmp_path / "cache"
     shutil.copytree(made["old"], out)
-    return out, digest(out)
+    return out, folder_digest(out)
 
 
 def test_overwrite_with_a_damaged_part_leaves_the_old_cache_as_it_was(made, tmp_path, capsys):
@@ -62,7 +58,7 @@ def test_overwrite_with_a_damaged_part_leaves_the_old_cache_as_it_was(made, tmp_
     shard.write_bytes(bytes(data))
     assert merge_main(["--out", str(out), "--overwrite", str(made["b0"]), str(damaged)]) == 2
     assert "sha256" in capsys.readouterr().err
-    assert digest(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["b1", "cache"]
+    assert folder_digest(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["b1", "cache"]
     StateCache(out).verify()
     # the good parts replace it
     assert merge_main(["--out", str(out), "--overwrite", str(made["b0"]), str(made["b1"])]) == 0
@@ -82,7 +78,7 @@ def test_killed_merge_leaves_the_old_cache_and_the_same_command_finishes(made, t
     """Items 4 and 13: a real merge process SIGKILLed while it copies shards."""
     out, before = old_cache_copy(made, tmp_path)
     sigkill_when(start_merge(out, made["b0"], made["b1"]), copying(merge_staging_path(out)), timeout=120, poll_s=0)
-    assert digest(out) == before  # the old cache, untouched and readable
+    assert folder_digest(out) == before  # the old cache, untouched and readable
     StateCache(out).verify()
     assert main_rc(out, made) == 0 and StateCache(out).manifest.max_new_tokens == 4
     assert not merge_staging_path(out).exists() and not replaced_cache_path(out).exists()
@@ -103,7 +99,7 @@ def test_killed_first_merge_reader_advice_works(made, tmp_path):
     StateCache(out).verify()
     reference = tmp_path / "reference"
     assert merge_main(["--out", str(reference), str(made["b0"]), str(made["b1"])]) == 0
-    assert digest(out) == digest(reference) and not merge_staging_path(out).exists()
+    assert folder_digest(out) == folder_digest(reference) and not merge_staging_path(out).exists()
 
 
 def test_killed_between_the_renames_the_old_cache_comes_back(made, tmp_path, capsys):
@@ -116,7 +112,7 @@ def test_killed_between_the_renames_the_old_cache_comes_back(made, tmp_path, cap
     # a rerun without --overwrite restores the old cache, then refuses to replace it
     assert merge_main(["--out", str(out), str(made["b0"]), str(made["b1"])]) == 2
     assert "not empty; pass --overwrite" in capsys.readouterr().err
-    assert digest(out) == before and not merge_staging_path(out).exists()
+    assert folder_digest(out) == before and not merge_staging_path(out).exists()
 
 
 def test_parts_with_different_samples_per_shard_name_the_option(made, tmp_path, capsys):

@@ -35,8 +35,8 @@ EDGES = (0, 8, 16)
 def offline_run(tiny_cache, tiny_drafter_config, tmp_path_factory) -> dict:
     """A real training run with the callback, a measured baseline and a published figure, logged offline."""
     from lightning.pytorch.loggers import WandbLogger
-    from test_callback import make_module, make_trainer
-    from test_callback_wandb import history_and_summary, write_published
+    from lightning_runs import make_module, make_trainer
+    from wandb_runs import history_and_summary, write_published
 
     from dflash_cb.core.engine import evaluate
     from dflash_cb.core.model import DFlashDrafter

@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 import torch
 from oracles import require
-from test_loops import BUDGETS, PREFIX, assert_logged_equals_tool, assert_step_equals_tool, tool_metrics
+from tool_runs import BUDGETS, PREFIX, assert_logged_equals_tool, assert_step_equals_tool, tool_metrics
 from torch import nn
 
 from dflash_cb.common.errors import DFlashCBError
