@@ -34,6 +34,7 @@ def reference_results(tiny_cache, tiny_drafter_config, tmp_path_factory) -> Path
     return path
 
 
+@pytest.mark.e2e
 def test_wandb_offline_run_holds_metrics_table_chart_and_baselines(tmp_path, tiny_cache, tiny_drafter_config,
                                                                    reference_results):
     from lightning.pytorch.loggers import WandbLogger
@@ -94,6 +95,7 @@ def test_wandb_offline_run_holds_metrics_table_chart_and_baselines(tmp_path, tin
     assert series == {"live @ step 4", "zlab (reference)", "paper-x (published, not measured here; pooled)"}
 
 
+@pytest.mark.e2e
 def test_baseline_from_another_cache_is_refused_before_training(tmp_path, tiny_cache, tiny_drafter_config,
                                                                 reference_results):
     from lightning_runs import make_module, make_trainer
@@ -117,6 +119,7 @@ def test_shipped_published_yaml_logs_nothing_unverified():
                                                      "zlab-qwen36-27b"}
 
 
+@pytest.mark.e2e
 def test_log_standalone_results_uses_the_callback_names(tmp_path, reference_results):
     from dflash_cb.integrations.wandb_logging import log_standalone_results
 

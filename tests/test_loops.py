@@ -92,6 +92,7 @@ def plain_loop(cache: str, cfg: dict, steps: int, every: int, out: Path | None =
     return evaluator, logged, checkpoints
 
 
+@pytest.mark.e2e
 def test_plain_loop_logs_the_tools_tau_at_every_evaluated_step(tmp_path, tiny_cache, tiny_drafter_config):
     evaluator, logged, _ = plain_loop(str(tiny_cache), tiny_drafter_config, steps=4, every=2, out=tmp_path)
     assert sorted(logged) == [0, 2, 4] == [h["step"] for h in evaluator.history]
@@ -102,6 +103,7 @@ def test_plain_loop_logs_the_tools_tau_at_every_evaluated_step(tmp_path, tiny_ca
                                 step == 4, block, step)
 
 
+@pytest.mark.e2e
 def test_plain_loop_resume_neither_repeats_nor_skips(tiny_cache, tiny_drafter_config):
     first, logged, checkpoints = plain_loop(str(tiny_cache), tiny_drafter_config, steps=5, every=2,
                                             eval_on_fit_end=False)
@@ -112,6 +114,7 @@ def test_plain_loop_resume_neither_repeats_nor_skips(tiny_cache, tiny_drafter_co
     assert resumed.state.num_evals == 5
 
 
+@pytest.mark.e2e
 def test_plain_loop_into_a_wandb_run_logs_todays_keys_table_and_chart(tmp_path, tiny_cache, tiny_drafter_config):
     """``log=wandb.init(...)``: the scalars against trainer/global_step, the samples table, the histogram and
     the per-depth chart, the best tau in the summary: what the Lightning callback's WandbLogger run holds."""
@@ -149,6 +152,7 @@ def _worker(cache: str, cfg_path: str, out: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.e2e
 def test_plain_loop_on_two_ranks_equals_one_process(tmp_path, tiny_cache, tiny_drafter_config):
     cfg = tmp_path / "drafter.json"
     cfg.write_text(json.dumps(tiny_drafter_config))
@@ -224,6 +228,7 @@ def _evaluations(trainer) -> dict[int, dict[str, float]]:
     return {h["step"]: h for h in trainer.state.log_history if PREFIX + "tau" in h}
 
 
+@pytest.mark.e2e
 def test_hf_trainer_logs_the_tools_tau_at_every_evaluated_step(tmp_path, tiny_cache, tiny_drafter_config):
     """The metrics reach ``trainer.state.log_history`` through ``trainer.log``; each equals the tool on the
     checkpoint the Trainer saved at that step (extracted with ``tools/extract_drafter.py``'s code)."""
@@ -248,6 +253,7 @@ def test_hf_trainer_logs_the_tools_tau_at_every_evaluated_step(tmp_path, tiny_ca
     assert [h["step"] for h in state["history"]] == [0, 3, 6] and state["last_eval_step"] == 6
 
 
+@pytest.mark.e2e
 def test_hf_trainer_resume_neither_repeats_nor_skips(tmp_path, tiny_cache, tiny_drafter_config):
     trainer, cb, _ = hf_train(tmp_path, tiny_cache, tiny_drafter_config, max_steps=5, every=2, eval_on_fit_end=False)
     assert sorted(_evaluations(trainer)) == [0, 2, 4]
@@ -264,6 +270,7 @@ def test_hf_trainer_resume_neither_repeats_nor_skips(tmp_path, tiny_cache, tiny_
                  training_args={"restore_callback_states_from_checkpoint": True})
 
 
+@pytest.mark.e2e
 def test_hf_run_reporting_to_wandb_gets_working_panels_and_one_console_line(tmp_path, tiny_cache,
                                                                               tiny_drafter_config, monkeypatch,
                                                                               capsys):
@@ -315,6 +322,7 @@ def _two_callbacks(trainer):
                                      eval_on_fit_end=False)
 
 
+@pytest.mark.e2e
 def test_hf_two_callbacks_resume_each_from_their_latest_state(tmp_path, tiny_cache, tiny_drafter_config):
     first, cb_a, _ = hf_train(tmp_path, tiny_cache, tiny_drafter_config, max_steps=5, every=2, prefix="a/",
                               eval_on_fit_end=False, extra_callbacks=[_two_callbacks])
@@ -328,6 +336,7 @@ def test_hf_two_callbacks_resume_each_from_their_latest_state(tmp_path, tiny_cac
     assert [h["step"] for h in cb_b2.evaluator.history] == [0, 2, 4, 6, 8]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("spelling", ["trailing slash", "relative"])
 def test_hf_resume_finds_the_state_whatever_the_spelling_of_the_cache(tmp_path, tiny_cache, tiny_drafter_config,
                                                                       monkeypatch, spelling):
@@ -344,6 +353,7 @@ def test_hf_resume_finds_the_state_whatever_the_spelling_of_the_cache(tmp_path, 
     assert [h["step"] for h in cb.evaluator.history] == [0, 2, 4, 6, 8]
 
 
+@pytest.mark.e2e
 def test_hf_second_train_on_the_same_trainer_starts_a_new_series(tmp_path, tiny_cache, tiny_drafter_config):
     trainer, cb, _ = hf_train(tmp_path, tiny_cache, tiny_drafter_config, max_steps=4, every=2)
     assert [h["step"] for h in cb.evaluator.history] == [0, 2, 4]
@@ -353,6 +363,7 @@ def test_hf_second_train_on_the_same_trainer_starts_a_new_series(tmp_path, tiny_
     assert cb.evaluator.state.num_evals == 3
 
 
+@pytest.mark.e2e
 def test_two_callbacks_with_one_prefix_are_refused_naming_it(tmp_path, tiny_cache, tiny_drafter_config):
     from lightning.pytorch import Trainer
 
@@ -371,6 +382,7 @@ def test_two_callbacks_with_one_prefix_are_refused_naming_it(tmp_path, tiny_cach
                        DFlashEvalCallback(states=str(tiny_cache), prefix="b/")], logger=False)
 
 
+@pytest.mark.e2e
 def test_hf_keeps_the_checkpoint_with_the_best_tau_of_its_own_step(tmp_path, tiny_cache, tiny_drafter_config):
     """``metric_for_best_model="dflash_eval/tau"`` with the Trainer's evaluations every 3 steps and the
     callback's every 2: at each Trainer evaluation the callback supplies that step's tau."""
@@ -409,6 +421,7 @@ def run_readme_snippet(title: str, tmp_path: Path, cache: Path, cfg: dict, monke
     return namespace
 
 
+@pytest.mark.e2e
 def test_readme_plain_loop_snippet_runs(tmp_path, tiny_cache, tiny_drafter_config, monkeypatch, capsys):
     from dflash_cb import DFlashDrafter
     from dflash_cb.common.cli import run
@@ -429,6 +442,7 @@ def test_readme_plain_loop_snippet_runs(tmp_path, tiny_cache, tiny_drafter_confi
         assert torch.equal(got.state_dict()[k], v), k
 
 
+@pytest.mark.e2e
 def test_extract_from_a_hugging_face_checkpoint_folder(tmp_path, tiny_cache, tiny_drafter_config, capsys):
     """``--ckpt hf_out/checkpoint-N``: the folder the Trainer writes; the summary names what was left behind."""
     import json as _json
@@ -452,9 +466,10 @@ def test_extract_from_a_hugging_face_checkpoint_folder(tmp_path, tiny_cache, tin
     assert "pass --config" in capsys.readouterr().err
 
 
+@pytest.mark.e2e
 def test_readme_lightning_module_snippet_runs_and_extracts_without_config(tmp_path, tiny_cache, tiny_drafter_config,
                                                                           monkeypatch):
-    """Issue 17 item 17: the README's own LightningModule trains with the callback, and its checkpoint
+    """The README's own LightningModule trains with the callback, and its checkpoint
     carries the drafter config, so extract_drafter needs no --config."""
     from dflash_cb.core.checkpoints import extract_drafter
     from dflash_cb.core.model import DFlashDrafter
@@ -469,6 +484,7 @@ def test_readme_lightning_module_snippet_runs_and_extracts_without_config(tmp_pa
         assert torch.equal(got.state_dict()[k], v), k
 
 
+@pytest.mark.e2e
 def test_readme_hf_trainer_snippet_runs(tmp_path, tiny_cache, tiny_drafter_config, monkeypatch):
     ns = run_readme_snippet("### 5b. Hugging Face `Trainer`", tmp_path, tiny_cache, tiny_drafter_config, monkeypatch)
     assert sorted(_evaluations(ns["trainer"])) == [0, 2, 4]

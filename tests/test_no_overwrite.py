@@ -1,4 +1,4 @@
-"""No tool writes over a file it reads in the same run (issue 17, item 3): one shared check,
+"""No tool writes over a file it reads in the same run: one shared check,
 ``fileio.check_outputs_apart``, on resolved paths (links followed), before any work."""
 
 from __future__ import annotations

@@ -51,6 +51,7 @@ def names_the_file(proc: subprocess.CompletedProcess, path: Path | str) -> str:
 
 # -- a full disk ----------------------------------------------------------------------------------
 
+@pytest.mark.e2e
 def test_eval_drafter_names_the_results_file_it_could_not_write_and_keeps_the_old_one(tiny_cache, drafter_dir,
                                                                                        tmp_path):
     out = tmp_path / "r.json"
@@ -62,6 +63,7 @@ def test_eval_drafter_names_the_results_file_it_could_not_write_and_keeps_the_ol
     assert out.read_text() == "the previous results\n" and sorted(p.name for p in tmp_path.iterdir()) == ["r.json"]
 
 
+@pytest.mark.e2e
 def test_extract_on_a_full_disk_names_the_weights_and_keeps_the_previous_drafter(drafter_dir, tmp_path):
     from dflash_cb.core import extract_cli
 
@@ -76,6 +78,7 @@ def test_extract_on_a_full_disk_names_the_weights_and_keeps_the_previous_drafter
     assert folder_digest(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["drafter"]
 
 
+@pytest.mark.e2e
 def test_merge_and_precompute_name_the_shard_they_could_not_write(tiny_cache, tmp_path):
     merged = tmp_path / "merged"
     proc = limited("merge_states.py", "--copy", "--out", str(merged), str(tiny_cache), limit=4096)
@@ -92,6 +95,7 @@ def test_merge_and_precompute_name_the_shard_they_could_not_write(tiny_cache, tm
     assert not (out / "manifest.json").exists()
 
 
+@pytest.mark.e2e
 def test_the_demo_names_the_file_it_could_not_write(tmp_path):
     out = tmp_path / "demo"
     proc = limited("demo.py", "--quick", "--out", str(out), limit=16)
