@@ -3,7 +3,7 @@
 
 Claims checked: at every evaluated step the logged numbers equal ``tools/eval_drafter.py`` on the
 weights of that step; the 2-rank plain loop logs what one process logs; a run resumed from a
-saved state neither repeats nor skips an evaluation; the README's plain-loop snippet runs as shown.
+saved state neither repeats nor skips an evaluation; the documented snippets (docs/training-loops.md) run as shown.
 """
 
 from __future__ import annotations
@@ -398,13 +398,13 @@ def test_hf_keeps_the_checkpoint_with_the_best_tau_of_its_own_step(tmp_path, tin
     assert trainer.state.best_metric == by_step[best_step] == max(by_step[3], by_step[6])
 
 
-# -- the README's snippets, one per loop ----------------------------------------------------------------
+# -- the documented snippets, one per loop (docs/training-loops.md) ----------------------------------------------------------------
 
-def run_readme_snippet(title: str, tmp_path: Path, cache: Path, cfg: dict, monkeypatch) -> dict[str, Any]:
+def run_doc_snippet(title: str, tmp_path: Path, cache: Path, cfg: dict, monkeypatch) -> dict[str, Any]:
     """The snippet under ``title`` as printed, its settings lines pointed at the test cache and drafter."""
     from dflash_cb import DFlashDrafter
 
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "training-loops.md").read_text()
     code = re.search(r"```python\n(.*?)```", text[text.index(title):], re.S).group(1)
     (tmp_path / "drafter_config.json").write_text(json.dumps(cfg))
     DFlashDrafter.from_config_dict(cfg).save_pretrained(tmp_path / "start")
@@ -417,17 +417,17 @@ def run_readme_snippet(title: str, tmp_path: Path, cache: Path, cfg: dict, monke
     monkeypatch.chdir(tmp_path)
     namespace: dict[str, Any] = {"__name__": "readme"}
     torch.manual_seed(0)
-    exec(compile(code, f"README.md ({title})", "exec"), namespace)
+    exec(compile(code, f"docs/training-loops.md ({title})", "exec"), namespace)
     return namespace
 
 
 @pytest.mark.e2e
-def test_readme_plain_loop_snippet_runs(tmp_path, tiny_cache, tiny_drafter_config, monkeypatch, capsys):
+def test_documented_plain_loop_snippet_runs(tmp_path, tiny_cache, tiny_drafter_config, monkeypatch, capsys):
     from dflash_cb import DFlashDrafter
     from dflash_cb.common.cli import run
     from dflash_cb.core import extract_cli
 
-    ns = run_readme_snippet("### 5c. A plain PyTorch loop", tmp_path, tiny_cache, tiny_drafter_config, monkeypatch)
+    ns = run_doc_snippet("## A plain PyTorch loop", tmp_path, tiny_cache, tiny_drafter_config, monkeypatch)
     assert [h["step"] for h in ns["evaluator"].history] == [0, 2, 4]
     saved = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
     assert saved["dflash_eval"]["last_eval_step"] == 4 and saved["step"] == 4
@@ -467,14 +467,14 @@ def test_extract_from_a_hugging_face_checkpoint_folder(tmp_path, tiny_cache, tin
 
 
 @pytest.mark.e2e
-def test_readme_lightning_module_snippet_runs_and_extracts_without_config(tmp_path, tiny_cache, tiny_drafter_config,
+def test_documented_lightning_module_snippet_runs_and_extracts_without_config(tmp_path, tiny_cache, tiny_drafter_config,
                                                                           monkeypatch):
-    """The README's own LightningModule trains with the callback, and its checkpoint
+    """The documented LightningModule trains with the callback, and its checkpoint
     carries the drafter config, so extract_drafter needs no --config."""
     from dflash_cb.core.checkpoints import extract_drafter
     from dflash_cb.core.model import DFlashDrafter
 
-    ns = run_readme_snippet("### 5a. Your own LightningModule", tmp_path, tiny_cache, tiny_drafter_config,
+    ns = run_doc_snippet("### Your own LightningModule", tmp_path, tiny_cache, tiny_drafter_config,
                             monkeypatch)
     assert [h["step"] for h in ns["callback"].history] == [0, 2, 4]
     ns["trainer"].save_checkpoint(tmp_path / "last.ckpt")
@@ -485,8 +485,8 @@ def test_readme_lightning_module_snippet_runs_and_extracts_without_config(tmp_pa
 
 
 @pytest.mark.e2e
-def test_readme_hf_trainer_snippet_runs(tmp_path, tiny_cache, tiny_drafter_config, monkeypatch):
-    ns = run_readme_snippet("### 5b. Hugging Face `Trainer`", tmp_path, tiny_cache, tiny_drafter_config, monkeypatch)
+def test_documented_hf_trainer_snippet_runs(tmp_path, tiny_cache, tiny_drafter_config, monkeypatch):
+    ns = run_doc_snippet("## Hugging Face `Trainer`", tmp_path, tiny_cache, tiny_drafter_config, monkeypatch)
     assert sorted(_evaluations(ns["trainer"])) == [0, 2, 4]
 
 
