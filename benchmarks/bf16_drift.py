@@ -65,6 +65,7 @@ def main() -> None:
     ap.add_argument("--planted", action="store_true", help="also the planted preset cpu (8 x 512 tokens)")
     ap.add_argument("--budgets", default="16,32,64")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--update-docs", action="store_true", help="write the table into docs/evaluating.md")
     args = ap.parse_args()
     torch.set_grad_enabled(False)
     budgets = tuple(int(b) for b in args.budgets.split(",") if b)
@@ -83,6 +84,24 @@ def main() -> None:
     print(json.dumps(figures, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=1))
+    table = markdown(figures, budgets)
+    print(table)
+    if args.update_docs:
+        from _docs import update_docs_table
+
+        update_docs_table("evaluating.md", "bf16-drift", table)
+
+
+def markdown(figures: dict, budgets: tuple[int, ...]) -> str:
+    head = "| drafter, cache | tau float32 | tau bf16 | cycles changed | DDTree tau change (" + \
+        " / ".join(map(str, budgets)) + ") |"
+    rows = [head, "|---|---|---|---|---|"]
+    for name, f in figures.items():
+        moved = " / ".join(f"{f[f'ddtree_b{b}_diff']:+.3f}" for b in budgets)
+        rows.append(f"| {name}: {f['samples']} samples, {f['cycles_float32']} cycles | {f['tau_float32']:.3f} | "
+                    f"{f['tau_bf16']:.3f} | {f['cycles_changed_share']:.1%} ({f['samples_with_a_change']} samples) "
+                    f"| {moved} |")
+    return "\n".join(rows)
 
 
 if __name__ == "__main__":

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import csv
 import json
-import math
 import shutil
 import sys
 import warnings
@@ -12,9 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from lightning.pytorch import Callback, Trainer, seed_everything
+from lightning.pytorch import Callback, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
+from lightning_runs import fit, make_module, make_trainer, read_csv_metrics
+from tool_runs import same
 
 from dflash_cb import DFlashEvalCallback
 from dflash_cb.cache.selection import stratified_ids
@@ -37,48 +37,9 @@ ROOT = Path(__file__).resolve().parents[1]
 BUDGETS = [4, 8]
 
 
-def make_trainer(tmp_path: Path, callbacks: list, max_steps: int, logger=False, checkpointing: bool = False,
-                 **kw) -> Trainer:
-    return Trainer(max_steps=max_steps, accelerator="cpu", devices=1, logger=logger, callbacks=callbacks,
-                   enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=checkpointing,
-                   log_every_n_steps=1, default_root_dir=str(tmp_path), **kw)
-
-
-def make_module(cfg: dict, cache: Path, **kw) -> DFlashDrafterModule:
-    return DFlashDrafterModule(cfg, str(cache), lr=1e-2, anchors_per_sample=8, **kw)
-
-
-def fit(tmp_path: Path, cfg: dict, cache: Path, callbacks: list, max_steps: int, seed: int = 0,
-        data_cache: Path | None = None, ckpt_path: str | None = None, **kw) -> tuple[Trainer, DFlashDrafterModule]:
-    seed_everything(seed, verbose=False)
-    module = make_module(cfg, cache)
-    trainer = make_trainer(tmp_path, callbacks, max_steps, **kw)
-    trainer.fit(module, CachedStatesDataModule(str(data_cache or cache), batch_size=2), ckpt_path=ckpt_path)
-    return trainer, module
-
-
-def read_csv_metrics(path: Path, prefix: str = "dflash_eval/") -> dict[int, dict[str, float]]:
-    out: dict[int, dict[str, float]] = {}
-    with open(path) as f:
-        for row in csv.DictReader(f):
-            vals = {k[len(prefix):]: float(v) for k, v in row.items() if k.startswith(prefix) and v != ""}
-            if vals:
-                out.setdefault(int(row["step"]), {}).update(vals)
-    return out
-
-
-def load_eval_drafter_tool():
-    from dflash_cb.integrations import eval_cli  # the code behind tools/eval_drafter.py
-
-    return eval_cli
-
-
-def same(a: float, b: float) -> bool:
-    return (math.isnan(a) and math.isnan(b)) or a == pytest.approx(b, rel=1e-12, abs=1e-12)
-
-
 # ---------------------------------------------------------------------------------------------
 
+@pytest.mark.e2e
 def test_logged_tau_equals_eval_drafter_on_saved_weights(tmp_path, tiny_cache, tiny_drafter_config):
     """CSV-logged metrics at a step == tools/eval_drafter.py on the drafter checkpointed at that step.
 
@@ -105,7 +66,8 @@ def test_logged_tau_equals_eval_drafter_on_saved_weights(tmp_path, tiny_cache, t
     assert f"ddtree/tau_b{min(BUDGETS)}" not in logged[6] and f"full/ddtree/tau_b{min(BUDGETS)}" in logged[6]
     # The cost keys describe the pass that ran: the full pass at step 6.
     assert logged[3]["anchors_drafted"] < logged[6]["anchors_drafted"] == logged[6]["full/anchors_drafted"]
-    tool = load_eval_drafter_tool()
+    from dflash_cb.integrations import eval_cli as tool  # the code behind tools/eval_drafter.py
+
     light = ["--anchor-stride", str(block), "--ddtree-budgets", str(max(BUDGETS))]
     full = ["--ddtree-budgets", ",".join(map(str, BUDGETS))]
     for step, prefix, profile in ((3, "", light), (6, "", light), (6, "full/", full)):
@@ -158,6 +120,7 @@ class Probe(Callback):
         self.shared["checked"] = self.shared.get("checked", 0) + 1
 
 
+@pytest.mark.e2e
 def test_evaluation_leaves_training_untouched(tmp_path, tiny_cache, tiny_drafter_config):
     """RNG, modes, grads, params and optimizer state are the same around an evaluation, and a run
     with the callback ends with bit-identical weights to a run without it."""
@@ -172,6 +135,7 @@ def test_evaluation_leaves_training_untouched(tmp_path, tiny_cache, tiny_drafter
         assert torch.equal(a, b), k
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("change, message", [
     ({"dflash_config": {"target_layer_ids": [1, 3], "mask_token_id": 127}},
      r"target_layer_ids: drafter \[1, 3\], cache \[0, 2\]"),
@@ -194,6 +158,7 @@ def test_mismatched_cache_stops_fit_before_first_step(tmp_path, tiny_cache, tiny
     assert steps == [] and trainer.global_step == 0
 
 
+@pytest.mark.e2e
 def test_module_head_with_wrong_shape_is_refused(tmp_path, tiny_cache, tiny_drafter_config):
     seed_everything(0, verbose=False)
     module = make_module(tiny_drafter_config, tiny_cache)
@@ -217,9 +182,10 @@ class Corrupt(Callback):
             self.done = True
 
 
+@pytest.mark.e2e
 def test_shard_changed_during_training_is_rehashed_counted_and_stops_after_k(tmp_path, tiny_cache,
                                                                              tiny_drafter_config):
-    """Items 7 and 12: a shard whose bytes change after setup is hashed again (its mtime changed), the
+    """A shard whose bytes change after setup is hashed again (its mtime changed), the
     evaluation fails with the sha256 named, dflash_eval/failed_evaluations counts it, training goes on
     until max_failed_evaluations failures in a row."""
     broken = tmp_path / "cache"
@@ -250,13 +216,14 @@ def test_shard_changed_during_training_is_rehashed_counted_and_stops_after_k(tmp
             data_cache=tiny_cache)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("damage, message", [
     ("truncate", r"shard is \d+ bytes, manifest says \d+ \(truncated\?\)"),
     ("flip", r"sha256 .* does not match"),
     ("no_head", r"target head file missing"),
 ])
 def test_damaged_cache_stops_fit_at_setup(tmp_path, tiny_cache, tiny_drafter_config, damage, message):
-    """Items 7 and 12: found at setup (a stat per file, sha256 by default), not inside every evaluation."""
+    """Found at setup (a stat per file, sha256 by default), not inside every evaluation."""
     from dflash_cb.cache.manifest import CacheError
 
     broken = tmp_path / "cache"
@@ -283,7 +250,8 @@ def test_damaged_cache_stops_fit_at_setup(tmp_path, tiny_cache, tiny_drafter_con
 
 
 def test_non_integer_arguments_are_refused():
-    """Issue 11 item 11: every_n_train_steps=0.5 used to become 0 (no periodic evaluation) without a word."""
+    """``every_n_train_steps=0.5`` is refused, not truncated to 0 (which would silently mean no periodic
+    evaluation)."""
     for bad in (0.5, 2.0, "3", True):
         with pytest.raises(ValueError, match=r"every_n_train_steps=.*: expected an integer >= 0"):
             DFlashEvalCallback(states="x", every_n_train_steps=bad)
@@ -292,7 +260,7 @@ def test_non_integer_arguments_are_refused():
 
 
 @pytest.mark.parametrize("argument, value, expected", [
-    # each of these was accepted (or failed later, far from the argument) before issue 17 item 9
+    # each of these would otherwise be accepted, or fail later, far from the argument
     ("periodic_anchor_stride", 2.5, "a positive integer or None"),  # every periodic evaluation then failed
     ("periodic_anchor_stride", "8", "a positive integer or None"),  # a str < int comparison error
     ("full_every_n_evals", 1.5, "an integer >= 0"),
@@ -316,7 +284,7 @@ def test_non_integer_arguments_are_refused():
     ("eval_on_fit_end", "false", "True or False"),  # a non-empty string is true
 ])
 def test_every_argument_is_checked_at_construction_naming_it(argument, value, expected):
-    """Issue 17 item 9: one rule (``dflash_cb.common.arguments``), one ``ArgumentError`` (a ValueError) per bad
+    """One rule (``dflash_cb.common.arguments``), one ``ArgumentError`` (a ValueError) per bad
     value, ``argument=value: expected ...``, at construction: no file is touched, no fit started."""
     from dflash_cb.common.arguments import ArgumentError
 
@@ -339,9 +307,10 @@ def test_valid_arguments_are_normalised():
     assert DFlashEvalCallback(states="c", ddtree_budgets=[]).config.light_budgets == ()
 
 
+@pytest.mark.e2e
 @pytest.mark.filterwarnings("ignore:.*ckpt_path.*:UserWarning", "ignore:.*resuming from a checkpoint.*:UserWarning")
 def test_resume_on_a_replaced_cache_warns_and_starts_a_new_series(tmp_path, tiny_cache, tiny_drafter_config):
-    """Item 11: the checkpoint carries the cache's manifest sha256; resumed on another cache at the same
+    """The checkpoint carries the cache's manifest sha256; resumed on another cache at the same
     path, the old history is not continued (it would mix two caches in one series)."""
     cache = tmp_path / "cache"
     shutil.copytree(tiny_cache, cache)
@@ -363,6 +332,7 @@ def test_resume_on_a_replaced_cache_warns_and_starts_a_new_series(tmp_path, tiny
     assert resumed.state_dict()["cache_manifest_sha256"] == StateCache(cache).manifest_sha256 != old_sha
 
 
+@pytest.mark.e2e
 @pytest.mark.filterwarnings("ignore:.*ckpt_path.*:UserWarning", "ignore:.*resuming from a checkpoint.*:UserWarning")
 @pytest.mark.parametrize("spelling", ["as saved", "trailing slash", "relative"])
 def test_resume_neither_repeats_nor_skips(tmp_path, tiny_cache, tiny_drafter_config, monkeypatch, spelling):
@@ -421,8 +391,9 @@ def test_format_blocks_marks_accepted_spans():
     assert text.splitlines() == ["#1 @2 produced 3: ✓«2 3» ✗[8 8] +«4»", "#2 @5 produced 1: ✓«» ✗[9 9 9 9] +«5»"]
 
 
+@pytest.mark.e2e
 def test_cli_yaml_config_parses_into_callback(tmp_path, tiny_cache, tiny_drafter_config):
-    """Item 13: the shipped YAML appends (a user's ModelCheckpoint stays), needs no file of this
+    """The shipped YAML appends (a user's ModelCheckpoint stays), needs no file of this
     repository (no published figures by default), and takes command-line overrides."""
     from lightning.pytorch.cli import LightningCLI
 
@@ -518,6 +489,7 @@ def test_evaluation_profiles():
             DFlashEvalCallback(states="x", **bad)
 
 
+@pytest.mark.e2e
 def test_model_checkpoint_recipe_keeps_the_best_tau_of_its_own_step(tmp_path, tiny_cache, tiny_drafter_config):
     """The documented recipe: cadences aligned, the tau in a filename without a nested folder; the kept
     checkpoint carries the tau measured at its own step (``dflash_eval/step`` says which)."""

@@ -135,6 +135,7 @@ def distributed_run(tiny_cache, tiny_drafter_config, tmp_path_factory):
     return out
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_distributed_logged_metrics_equal_single_process(distributed_run, strategy, tiny_cache, tiny_drafter_config):
     import torch
@@ -176,6 +177,7 @@ def test_distributed_logged_metrics_equal_single_process(distributed_run, strate
     assert logged["samples"] == {s.id: s.acceptance_lengths for s in report.samples}
 
 
+@pytest.mark.e2e
 def test_distributed_runs_agree_with_each_other_at_fit_start(distributed_run):
     """Same seed, same initial weights: the step-0 numbers of DDP, FSDP and FSDP2 are identical."""
     firsts = []
@@ -186,8 +188,9 @@ def test_distributed_runs_agree_with_each_other_at_fit_start(distributed_run):
         firsts[2], sort_keys=True)
 
 
+@pytest.mark.e2e
 def test_each_rank_hashes_only_its_share_and_the_head_once(distributed_run, tiny_cache):
-    """Issue 18 item 3: in the first fit (DDP) rank r hashes the shards of the samples it scores
+    """In the first fit (DDP) rank r hashes the shards of the samples it scores
     (``ids[r::2]``) and only rank zero the head; the later fits in the same processes (FSDP, FSDP2:
     new callbacks, new StateCaches) hash nothing."""
     from dflash_cb.cache.states import StateCache

@@ -1,5 +1,4 @@
-"""What a DFlashEvalCallback series is measured on, with a real Lightning Trainer on CPU (issue 17
-items 6, 8 and 14): a resumed run with another sample selection or a malformed saved state starts a
+"""What a DFlashEvalCallback series is measured on, with a real Lightning Trainer on CPU: a resumed run with another sample selection or a malformed saved state starts a
 new series with a warning, and a cache folder replaced during training fails the evaluation naming
 both manifest hashes."""
 
@@ -11,11 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import build_tiny_cache
 from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
-from test_callback import fit, read_csv_metrics
+from lightning_runs import fit, read_csv_metrics
+from tiny_target import build_tiny_cache
 
 from dflash_cb import DFlashEvalCallback
 from dflash_cb.cache.states import StateCache
@@ -48,8 +47,9 @@ def three_sample_ckpt(tmp_path_factory, tiny_cache, tiny_drafter_config) -> tupl
     return root / "ckpt" / "step=2.ckpt", cb
 
 
-# -- item 6: another sample selection ------------------------------------------------------------
+# -- another sample selection -------------------------------------------------------------------
 
+@pytest.mark.e2e
 @pytest.mark.filterwarnings(*RESUME_NOISE)
 @pytest.mark.parametrize("selection, message", [
     ({}, r"another sample selection, 3 samples \(num_samples=3, sample_seed=0\), than this run's 6 samples "
@@ -60,7 +60,7 @@ def three_sample_ckpt(tmp_path_factory, tiny_cache, tiny_drafter_config) -> tupl
 ])
 def test_resume_with_another_sample_selection_starts_a_new_series(tmp_path, tiny_cache, tiny_drafter_config,
                                                                   three_sample_ckpt, selection, message):
-    """Issue 17 item 6: the checkpoint records the selection (the evaluated ids' sha256 and the arguments);
+    """The checkpoint records the selection (the evaluated ids' sha256 and the arguments);
     resumed with other ids, the old history is not continued (it would mix 3- and 6-sample numbers)."""
     ckpt, first = three_sample_ckpt
     state = torch.load(ckpt, weights_only=False)["callbacks"][first.state_key]
@@ -74,6 +74,7 @@ def test_resume_with_another_sample_selection_starts_a_new_series(tmp_path, tiny
     assert resumed.state_dict()["sample_selection"]["count"] == len(resumed.evaluator.eval_ids)
 
 
+@pytest.mark.e2e
 @pytest.mark.filterwarnings(*RESUME_NOISE)
 def test_resume_with_the_same_ids_goes_on(tmp_path, tiny_cache, tiny_drafter_config, three_sample_ckpt):
     """The evaluated ids decide, not how they were asked for: the same 3 ids by name continue the series."""
@@ -85,7 +86,7 @@ def test_resume_with_the_same_ids_goes_on(tmp_path, tiny_cache, tiny_drafter_con
     assert ours(rec) == [] and steps(same) == [0, 2, 4] and same.evaluator.state.num_evals == 3
 
 
-# -- item 8: a malformed saved state ---------------------------------------------------------------
+# -- a malformed saved state ----------------------------------------------------------------------
 
 GOOD = EvalState(last_eval_step=4, num_evals=2, start_done=True, history=[{"step": 0, "tau": 1.5}, {"step": 4, "tau": 2.0}],
                  cache_manifest_sha256="ab" * 32).to_dict()
@@ -109,7 +110,7 @@ GOOD = EvalState(last_eval_step=4, num_evals=2, start_done=True, history=[{"step
     ("not a dict", "not a dict"),
 ])
 def test_malformed_state_warns_naming_the_field_and_starts_a_new_series(change, field):
-    """Issue 17 item 8: ``load_state_dict`` with a malformed state: one warning naming the field, the
+    """``load_state_dict`` with a malformed state: one warning naming the field, the
     state of a fresh run (a new series; the resumed weights are evaluated at once), never a traceback."""
     if change == "not a dict":
         state = ["garbage"]
@@ -138,10 +139,11 @@ def test_well_formed_states_load_without_a_word():
         EvalState.from_dict({**GOOD, "history": {}})
 
 
+@pytest.mark.e2e
 @pytest.mark.filterwarnings(*RESUME_NOISE)
 def test_fit_resumed_from_a_damaged_state_trains_on_with_a_new_series(tmp_path, tiny_cache, tiny_drafter_config,
                                                                       three_sample_ckpt):
-    """Item 8 with a real resume: the checkpoint's callback state was damaged (history not a list of
+    """With a real resume: the checkpoint's callback state was damaged (history not a list of
     evaluations); the fit resumes at step 2 and starts a new series there, with one warning."""
     ckpt, first = three_sample_ckpt
     data = torch.load(ckpt, weights_only=False)
@@ -154,7 +156,7 @@ def test_fit_resumed_from_a_damaged_state_trains_on_with_a_new_series(tmp_path, 
     assert trainer.global_step == 4 and steps(resumed) == [2, 4]
 
 
-# -- item 14: the cache folder replaced during training ----------------------------------------------
+# -- the cache folder replaced during training ------------------------------------------------------
 
 class SwapCache(Callback):
     """Replaces the cache folder by another cache (other prompts) after the first optimizer step."""
@@ -175,9 +177,10 @@ def other_cache(tmp_path_factory) -> Path:
     return build_tiny_cache(tmp_path_factory.mktemp("other_cache"), n_prompts=4, prompt_seed=7)
 
 
+@pytest.mark.e2e
 def test_cache_replaced_during_training_fails_the_evaluation_naming_both_hashes(tmp_path, tiny_cache, other_cache,
                                                                                tiny_drafter_config):
-    """Issue 17 item 14: not "truncated?" nor a sha256 mismatch of one shard: the evaluation fails with
+    """Not "truncated?" nor a sha256 mismatch of one shard: the evaluation fails with
     "the cache changed: manifest sha256 X..., was Y...", counts as a failed evaluation, training goes on
     until max_failed_evaluations in a row failed."""
     folder = tmp_path / "cache"

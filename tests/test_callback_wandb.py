@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from lightning.pytorch import seed_everything
+from wandb_runs import history_and_summary, write_published
 
 from dflash_cb import DFlashEvalCallback
 from dflash_cb.cache.states import StateCache
@@ -21,33 +20,6 @@ from dflash_cb.core.results import load_results, report_to_results, write_result
 from dflash_cb.demo.lightning_module import CachedStatesDataModule
 
 BUDGETS = [4, 8]
-
-
-def wandb_records(run_dir: Path) -> list:
-    """Records of an offline run's ``.wandb`` file (``dflash_cb.integrations.wandb_offline``, also used by the panels tool)."""
-    from dflash_cb.integrations.wandb_offline import offline_records
-
-    return offline_records(run_dir)
-
-
-def finished_records(run_dir: Path, timeout: float = 30.0) -> list:
-    """The records once the run's ``exit`` record is on disk (W&B's writer process may still be flushing)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        records = wandb_records(run_dir)
-        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
-            return records
-        time.sleep(0.2)
-
-
-def history_and_summary(run_dir: Path) -> tuple[list[dict], dict, list]:
-    from dflash_cb.integrations.wandb_offline import offline_history
-
-    records = finished_records(run_dir)  # waits for the exit record: the log is complete
-    history, summary = offline_history(run_dir)
-    metrics = [(r.metric.name or r.metric.glob_name, r.metric.step_metric) for r in records
-               if r.WhichOneof("record_type") == "metric"]
-    return history, summary, metrics
 
 
 @pytest.fixture(scope="module")
@@ -62,23 +34,11 @@ def reference_results(tiny_cache, tiny_drafter_config, tmp_path_factory) -> Path
     return path
 
 
-def write_published(path: Path) -> Path:
-    path.write_text(yaml.safe_dump({"entries": [
-        {"name": "paper-x", "source": "TEST DATA, not a real paper", "convention": "pooled",
-         "metrics": {"tau": 3.5, "ddtree/tau_b8": 4.0}, "per_depth": [0.9, 0.8, 0.7, 0.6, 0.5]},
-        # A mean over requests: shown only beside the live tau_request_mean, never beside the pooled tau.
-        {"name": "paper-y", "source": "TEST DATA, not a real paper", "convention": "request_mean",
-         "metrics": {"tau": 3.25}},
-        {"name": "unknown-drafter", "source": "model card", "placeholder": True, "convention": "pooled",
-         "metrics": {"tau": None}},
-    ]}))
-    return path
-
-
+@pytest.mark.e2e
 def test_wandb_offline_run_holds_metrics_table_chart_and_baselines(tmp_path, tiny_cache, tiny_drafter_config,
                                                                    reference_results):
     from lightning.pytorch.loggers import WandbLogger
-    from test_callback import make_module, make_trainer
+    from lightning_runs import make_module, make_trainer
 
     published = write_published(tmp_path / "published.yaml")
     cb = DFlashEvalCallback(states=tiny_cache, every_n_train_steps=2, ddtree_budgets=BUDGETS, num_samples=4,
@@ -135,9 +95,10 @@ def test_wandb_offline_run_holds_metrics_table_chart_and_baselines(tmp_path, tin
     assert series == {"live @ step 4", "zlab (reference)", "paper-x (published, not measured here; pooled)"}
 
 
+@pytest.mark.e2e
 def test_baseline_from_another_cache_is_refused_before_training(tmp_path, tiny_cache, tiny_drafter_config,
                                                                 reference_results):
-    from test_callback import make_module, make_trainer
+    from lightning_runs import make_module, make_trainer
 
     other = json.loads(reference_results.read_text())
     other["meta"]["cache_manifest_sha256"] = "0" * 64
@@ -158,6 +119,7 @@ def test_shipped_published_yaml_logs_nothing_unverified():
                                                      "zlab-qwen36-27b"}
 
 
+@pytest.mark.e2e
 def test_log_standalone_results_uses_the_callback_names(tmp_path, reference_results):
     from dflash_cb.integrations.wandb_logging import log_standalone_results
 

@@ -58,6 +58,7 @@ def test_each_command_runs_its_tool(name, monkeypatch, capsys):
     assert e.value.code == 0 and capsys.readouterr().out.startswith("usage: ")
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("tool", TOOLS, ids=lambda p: p.name)
 def test_a_tool_of_a_checkout_that_is_not_installed_says_so_in_one_line(tool, tmp_path):
     """``-S -E``: no site-packages and no PYTHONPATH, as in an environment where the package was never installed."""

@@ -54,6 +54,7 @@ def two_results(tiny_cache, tiny_drafter_config, tmp_path_factory) -> tuple[Path
     return paths[0], paths[1]
 
 
+@pytest.mark.e2e
 def test_tool_writes_markdown_and_png(two_results, tmp_path):
     a, b = two_results
     proc = _run(str(a), str(b), "--out", str(tmp_path / "cmp"), "--resamples", "300")
@@ -68,7 +69,7 @@ def test_tool_writes_markdown_and_png(two_results, tmp_path):
 
 
 def test_published_figures_sit_beside_their_own_convention(two_results, tmp_path, capsys):
-    """Issue 15 item 2: a published figure is listed only beside the live figure of its declared convention."""
+    """A published figure is listed only beside the live figure of its declared convention."""
     import yaml
 
     from dflash_cb.core.metrics import ACCEPT_LENGTH_SERVED, TAU_REQUEST_MEAN, ci_high, ci_low
@@ -184,7 +185,7 @@ def _one_line_refusal(capsys, out: Path, *args: str) -> str:
 
 
 def test_a_sample_id_twice_in_one_file_is_refused_naming_it(two_results, tmp_path, capsys):
-    """Issue 17 item 5: the last copy used to replace the first silently (and the difference moved)."""
+    """A sample id twice in one file is refused naming it, not resolved by the last copy."""
     a, b = two_results
 
     def twice(d):
@@ -199,7 +200,7 @@ def test_a_sample_id_twice_in_one_file_is_refused_naming_it(two_results, tmp_pat
 
 
 def test_impossible_lengths_and_malformed_ddtree_entries_are_one_line(two_results, tmp_path, capsys):
-    """Issue 17 item 8: acceptance lengths outside 1..block_size, a malformed per-sample ``ddtree``."""
+    """Acceptance lengths outside 1..block_size, a malformed per-sample ``ddtree``."""
     a, b = two_results
     block = load_results(b).block_size
     cases = {
@@ -218,7 +219,7 @@ def test_impossible_lengths_and_malformed_ddtree_entries_are_one_line(two_result
 
 
 def test_few_resamples_still_write_the_markdown_and_the_plot(two_results, tmp_path, capsys):
-    """Issue 17 item 8: --resamples 1, 2, 5 crashed in matplotlib and no .md was written."""
+    """Very few bootstrap resamples (--resamples 1, 2, 5) still write the markdown and the plot."""
     a, b = two_results
     for n in (1, 2, 5):
         out = tmp_path / f"r{n}"
@@ -229,7 +230,8 @@ def test_few_resamples_still_write_the_markdown_and_the_plot(two_results, tmp_pa
 
 
 def test_labels_out_hashes_and_categories_are_checked(two_results, tmp_path, capsys):
-    """Issue 17 item 15."""
+    """Duplicate or blank --labels, an --out under a file, files without a cache hash, and shared ids filed
+    under different categories: each one line naming what to fix."""
     a, b = two_results
     out = tmp_path / "cmp"
     assert "given more than once" in _one_line_refusal(capsys, out, str(a), str(b), "--labels", "x,x")
@@ -257,7 +259,7 @@ def test_labels_out_hashes_and_categories_are_checked(two_results, tmp_path, cap
 
 
 def test_position_buckets_stop_where_the_completions_stop(two_results, tmp_path, capsys):
-    """Issue 17 item 19: buckets past the longest completion printed rows of ``n/a (0 cycles)``."""
+    """Buckets past the longest completion printed rows of ``n/a (0 cycles)``."""
     from dflash_cb.core.compare import live_metrics
     from dflash_cb.core.report import format_results
 
@@ -284,6 +286,7 @@ def test_position_buckets_stop_where_the_completions_stop(two_results, tmp_path,
 
 # -- the .md and the .png together ----------------------------------------------------------------
 
+@pytest.mark.e2e
 def test_a_full_disk_replaces_neither_the_markdown_nor_the_plot(two_results, tmp_path, capsys):
     """With room for the new .md but not the .png, the old comparison stays whole (the new .md would
     embed the old plot) and the error names the .png."""

@@ -1,4 +1,4 @@
-"""Issue 15 items 1 and 2: figures named after the peer number they equal, and each convention once.
+"""Figures named after the peer number they equal, and each convention once.
 
 - ``specforge/acc`` is a pooled ratio of integer counts: batch and rank splits give the same number.
 - ``tau_request_mean`` / ``accept_length_served`` follow ``dflash.benchmark`` / SGLang's per-request

@@ -34,6 +34,7 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.Com
     return out, proc
 
 
+@pytest.mark.e2e
 def test_tau_rises_and_every_promised_file_exists(demo: tuple[Path, subprocess.CompletedProcess]) -> None:
     out, proc = demo
     summary = json.loads((out / "summary.json").read_text())
@@ -73,6 +74,7 @@ def test_tau_rises_and_every_promised_file_exists(demo: tuple[Path, subprocess.C
     assert lo <= summary["tau_last"] <= hi and lo < hi
 
 
+@pytest.mark.e2e
 def test_printed_commands_paste_into_a_shell(demo: tuple[Path, subprocess.CompletedProcess]) -> None:
     """The follow-up commands are quoted: split as a shell splits them, each path is one argument, and
     the comparison command, run as printed, writes the demo's comparison again, byte for byte."""
@@ -92,6 +94,7 @@ def test_printed_commands_paste_into_a_shell(demo: tuple[Path, subprocess.Comple
     assert (out / "comparison.md").read_bytes() == md
 
 
+@pytest.mark.e2e
 def test_refuses_to_overwrite_without_flag(demo: tuple[Path, subprocess.CompletedProcess]) -> None:
     out, _ = demo
     before = (out / "summary.json").read_bytes()
@@ -101,6 +104,7 @@ def test_refuses_to_overwrite_without_flag(demo: tuple[Path, subprocess.Complete
     assert (out / "summary.json").read_bytes() == before
 
 
+@pytest.mark.e2e
 def test_never_deletes_a_folder_it_did_not_write(tmp_path: Path) -> None:
     foreign = tmp_path / "precious"
     foreign.mkdir()

@@ -7,6 +7,8 @@ import re
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -61,6 +63,7 @@ def test_unknown_command_is_refused_with_the_usage(capsys) -> None:
     assert "usage: python dev.py {demo|test|setup}" in capsys.readouterr().err
 
 
+@pytest.mark.e2e
 def test_no_wheel_files_are_tracked() -> None:
     import subprocess
 

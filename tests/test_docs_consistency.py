@@ -1,4 +1,4 @@
-"""The README, the shipped config and the tools' --help say the same thing (issue 17, item 21)."""
+"""The README, the shipped config and the tools' --help say the same thing."""
 
 from __future__ import annotations
 

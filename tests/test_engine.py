@@ -21,8 +21,8 @@ from pathlib import Path
 import oracles
 import pytest
 import torch
+from ddtree_reference import reference_tree_accept
 from safetensors.torch import save
-from test_ddtree import reference_tree_accept
 from transformers import Qwen3Config
 
 from dflash_cb.cache.manifest import HEAD_NAME, Manifest, SampleEntry, ShardEntry, shard_name
@@ -363,7 +363,7 @@ def test_bad_stride_is_refused(planted) -> None:
 
 @pytest.mark.parametrize("budgets", [(), BUDGETS])
 def test_every_head_call_stays_under_head_mem_bytes(planted, tmp_path: Path, monkeypatch, budgets) -> None:
-    """Issue 18 item 1: with a budget of two rows of logits, no head call's logits exceed it, on the
+    """With a budget of two rows of logits, no head call's logits exceed it, on the
     greedy walk path (tau 1: every block is a live walk row) as on the statistics / DDTree path; the
     results are those of an unbounded budget."""
     with torch.no_grad():

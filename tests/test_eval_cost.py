@@ -1,4 +1,4 @@
-"""Issue 18 items 3 and 4: setup hashes each file once per process, and an evaluation's cost is
+"""Setup hashes each file once per process, and an evaluation's cost is
 predicted at setup and measured as it runs (real Lightning Trainer, tiny drafter, CSV logger)."""
 
 from __future__ import annotations
@@ -8,9 +8,10 @@ import os
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
-from test_callback import fit, read_csv_metrics
+from lightning_runs import fit, read_csv_metrics
 from torch.utils.flop_counter import FlopCounterMode
 
 from dflash_cb import DFlashEvalCallback
@@ -30,6 +31,7 @@ def count_hashes(monkeypatch) -> list[str]:
     return seen
 
 
+@pytest.mark.e2e
 def test_setup_hashes_each_file_once_per_process(tmp_path, tiny_cache, tiny_drafter_config, monkeypatch):
     """Two fits (two callbacks, two StateCaches) on one cache: the first hashes every evaluated shard
     and the head once, although setup, every evaluation and the head load all verify; the second
@@ -54,6 +56,7 @@ def test_setup_hashes_each_file_once_per_process(tmp_path, tiny_cache, tiny_draf
     assert hashed == [shard.name]
 
 
+@pytest.mark.e2e
 def test_predicted_cost_and_overhead_are_printed_and_logged(tmp_path, tiny_cache, tiny_drafter_config, caplog):
     """Setup prints one line (setup time, hashing, predicted periodic and full cost) and logs the
     prediction; every evaluation after training logs eval_overhead in (0, 1) and prints it."""

@@ -1,6 +1,6 @@
 """tools/eval_drafter.py as a user runs it (``run(main)``): bad input is one line naming the file and
 the fix, exit code 2, found before the evaluation; a damaged cache or a wrong target never gives a
-number (issue 11, items 3, 7, 8, 9, 10, 14, 21)."""
+number."""
 
 from __future__ import annotations
 
@@ -22,16 +22,6 @@ ROOT = Path(__file__).resolve().parents[1]
 from dflash_cb.integrations import eval_cli as TOOL  # noqa: E402  (the code behind tools/eval_drafter.py)
 
 
-@pytest.fixture(scope="module")
-def drafter_dir(tiny_drafter_config: dict, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from dflash_cb.core.model import DFlashDrafter
-
-    torch.manual_seed(0)
-    out = tmp_path_factory.mktemp("drafter") / "drafter"
-    DFlashDrafter.from_config_dict(tiny_drafter_config).save_pretrained(out)
-    return out
-
-
 def evaluate_tool(capsys: pytest.CaptureFixture, cache: Path, drafter: Path, out: Path, *extra: str,
                   budgets: str = "4") -> tuple[int, str, str]:
     code = run(TOOL.main, ["--states", str(cache), "--drafter", str(drafter), "--out", str(out),
@@ -49,7 +39,7 @@ def assert_one_line(code: int, out: str, err: str, *needles: str) -> None:
 
 
 def test_out_is_checked_before_any_work(tiny_cache, drafter_dir, tmp_path, capsys):
-    """Item 3: an existing folder, a path under a file, an unwritable place: refused first."""
+    """An existing folder, a path under a file, an unwritable place: refused first."""
     a_file = tmp_path / "a_file"
     a_file.write_text("x")
     for out, needle in ((tmp_path, "is a folder"), (a_file / "sub.json", "is a file, not a folder"),
@@ -62,7 +52,7 @@ def test_out_is_checked_before_any_work(tiny_cache, drafter_dir, tmp_path, capsy
 
 
 def test_flipped_byte_is_refused_unless_no_verify(tiny_cache, drafter_dir, tmp_path, capsys):
-    """Item 7: a same-size corruption changed tau silently; hashes are now checked by default."""
+    """A same-size corruption of a shard is found: hashes are checked by default (--no-verify checks sizes)."""
     broken = tmp_path / "cache"
     shutil.copytree(tiny_cache, broken)
     shard = sorted(broken.glob("states-*.safetensors"))[2]
@@ -77,7 +67,7 @@ def test_flipped_byte_is_refused_unless_no_verify(tiny_cache, drafter_dir, tmp_p
 
 
 def test_hand_edited_valid_len_is_refused(tiny_cache, drafter_dir, tmp_path, capsys):
-    """Item 8: valid_len is recomputed from the stored target_argmax; beyond the sample it is refused
+    """Valid_len is recomputed from the stored target_argmax; beyond the sample it is refused
     when the manifest is read (it used to crash)."""
     cache = tmp_path / "cache"
     shutil.copytree(tiny_cache, cache)
@@ -96,7 +86,8 @@ def test_hand_edited_valid_len_is_refused(tiny_cache, drafter_dir, tmp_path, cap
 
 
 def test_target_is_checked_against_the_cache(tiny_cache, drafter_dir, tmp_path, capsys):
-    """Item 9: an untied target without lm_head.weight, or another vocabulary, gave tau 1.0 silently."""
+    """An untied target without lm_head.weight, or one of another vocabulary, is refused (never a silent tau
+    of 1.0)."""
     from safetensors.torch import load_file, save_file
 
     target = tiny_cache.parent / "target"
@@ -127,7 +118,7 @@ def test_target_is_checked_against_the_cache(tiny_cache, drafter_dir, tmp_path, 
 
 def test_samples_are_positive_stratified_like_the_callback_and_ids_selectable(tiny_cache, drafter_dir, tmp_path,
                                                                              capsys):
-    """Item 10: --samples 0 / -1 are refused; --samples N is the callback's stratified subset;
+    """--samples 0 / -1 are refused; --samples N is the callback's stratified subset;
     --sample-ids picks exactly the given ids."""
     for bad in ("0", "-1", "x"):
         code, so, se = evaluate_tool(capsys, tiny_cache, drafter_dir, tmp_path / "r.json", "--samples", bad)
@@ -153,7 +144,7 @@ def test_samples_are_positive_stratified_like_the_callback_and_ids_selectable(ti
     ("--position-edges", "0,64,32", "comma-separated integers from 0, strictly increasing"),
 ])
 def test_arguments_follow_the_callbacks_rule(tiny_cache, drafter_dir, tmp_path, capsys, option, value, expected):
-    """Issue 17 item 9: the tool's numeric and list options are checked by the callback's rule
+    """The tool's numeric and list options are checked by the callback's rule
     (``dflash_cb.common.arguments``): one line ``--option 'value': expected ...``, exit 2, before any work."""
     budgets = value if option == "--ddtree-budgets" else "4"
     extra = () if option == "--ddtree-budgets" else (option, value)
@@ -163,7 +154,7 @@ def test_arguments_follow_the_callbacks_rule(tiny_cache, drafter_dir, tmp_path, 
 
 
 def test_user_mistakes_are_one_line_errors(tiny_cache, drafter_dir, tmp_path, capsys):
-    """Item 14: each of these was a traceback (or a misleading message)."""
+    """Each of these user mistakes is one line naming the option or file, exit 2 (no traceback)."""
     out = tmp_path / "r.json"
     code, so, se = evaluate_tool(capsys, tiny_cache, drafter_dir, out, budgets="0")
     assert_one_line(code, so, se, "--ddtree-budgets '0'", "positive integers")
@@ -208,7 +199,7 @@ def test_user_mistakes_are_one_line_errors(tiny_cache, drafter_dir, tmp_path, ca
 
 
 def test_baseline_from_another_cache_suggests_a_runnable_command(tiny_cache, drafter_dir, tmp_path, capsys):
-    """Item 21: the suggested eval_drafter.py command lacked the required --drafter."""
+    """The suggested eval_drafter.py command is complete (it carries the required --drafter)."""
     from dflash_cb.core.results import load_results
 
     baseline = tmp_path / "baseline.json"
@@ -226,7 +217,7 @@ def test_baseline_from_another_cache_suggests_a_runnable_command(tiny_cache, dra
 
 
 def test_bf16_evaluation_holds_no_float32_head(tiny_cache, drafter_dir, tmp_path, capsys, monkeypatch):
-    """Issue 18 item 2: ``--dtype bfloat16`` with the cache's float32 head: the head reaches the engine in
+    """``--dtype bfloat16`` with the cache's float32 head: the head reaches the engine in
     bfloat16, no operation allocates a float32 tensor of the head's size (no float32 copy) and no
     head-sized tensor is made beyond the two bf16 matrices themselves (no transient second copy, no
     per-call autocast cast); the summary says the head ran in bfloat16."""
@@ -252,6 +243,7 @@ def test_bf16_evaluation_holds_no_float32_head(tiny_cache, drafter_dir, tmp_path
     assert json.loads((tmp_path / "r.json").read_text())["meta"]["head_dtype"] == "bfloat16"
 
 
+@pytest.mark.e2e
 def test_wandb_run_records_the_drafter_cache_and_settings_and_can_be_shown(tiny_cache, drafter_dir, tmp_path,
                                                                              capsys, monkeypatch):
     """``--wandb-project`` (offline): the run's config names the drafter, the cache's hash and the settings,

@@ -157,6 +157,7 @@ def test_a_sink_failing_with_fail_on_error_still_does_not_end_the_training(tiny_
 
 # -- LightningCLI: a wrong value is one clean message ------------------------------------------------
 
+@pytest.mark.e2e
 def test_lightning_cli_refuses_an_unknown_tail_mode_in_a_few_lines(tmp_path):
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text("trainer:\n  callbacks:\n    - class_path: dflash_cb.DFlashEvalCallback\n"

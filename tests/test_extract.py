@@ -34,6 +34,7 @@ def lightning_ckpt(tiny_cache: Path, tiny_drafter_config: dict, tmp_path_factory
     return Path(ckpt.last_model_path)
 
 
+@pytest.mark.e2e
 def test_extract_loads_in_both_and_scores_identically(lightning_ckpt: Path, tiny_cache: Path, tmp_path: Path) -> None:
     DFlashDraftModel = oracles.require("dflash.model").DFlashDraftModel
     from dflash_cb.cache.states import StateCache
@@ -56,6 +57,7 @@ def test_extract_loads_in_both_and_scores_identically(lightning_ckpt: Path, tiny
     assert [s.ddtree for s in a.samples] == [s.ddtree for s in b.samples]
 
 
+@pytest.mark.e2e
 def test_extract_reports_the_checkpoints_global_step(lightning_ckpt: Path, tmp_path: Path) -> None:
     """The demo's results.json provenance takes the step from here (the checkpoint is read once)."""
     from dflash_cb.core.checkpoints import extract_drafter as extract_folder
@@ -64,6 +66,7 @@ def test_extract_reports_the_checkpoints_global_step(lightning_ckpt: Path, tmp_p
     assert info["global_step"] == 4  # the fixture trains max_steps=4 and keeps the last checkpoint
 
 
+@pytest.mark.e2e
 def test_extract_refuses_incomplete_or_unsafe(lightning_ckpt: Path, tiny_drafter_config: dict, tmp_path: Path,
                                               capsys: pytest.CaptureFixture) -> None:
     import json
@@ -99,11 +102,12 @@ def test_extract_refuses_incomplete_or_unsafe(lightning_ckpt: Path, tiny_drafter
     assert "'model.draft.'" in capsys.readouterr().out
 
 
-# -- issue 11: robustness ----------------------------------------------------------------------
+# -- robustness --------------------------------------------------------------------------------
 
+@pytest.mark.e2e
 def test_out_never_deletes_what_the_tool_did_not_create(lightning_ckpt: Path, tmp_path: Path,
                                                         capsys: pytest.CaptureFixture) -> None:
-    """Item 1: a project folder given as --out survives (refused, or with --overwrite only gains the two
+    """A project folder given as --out survives (refused, or with --overwrite only gains the two
     drafter files); the folder holding --ckpt is refused even with --overwrite; a drafter folder is replaced."""
     import shutil
 
@@ -134,8 +138,9 @@ def test_out_never_deletes_what_the_tool_did_not_create(lightning_ckpt: Path, tm
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no temporaries left
 
 
+@pytest.mark.e2e
 def test_bad_inputs_are_one_line_errors(lightning_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    """Items 14 and 15: not a checkpoint / truncated / a file as --out / a bad --config: one line naming
+    """Not a checkpoint / truncated / a file as --out / a bad --config: one line naming
     the file, exit 2, never torch's advice to retry with weights_only=False."""
     import os
 
@@ -164,8 +169,9 @@ def test_bad_inputs_are_one_line_errors(lightning_ckpt: Path, tmp_path: Path, ca
     assert not (tmp_path / "d").exists()
 
 
+@pytest.mark.e2e
 def test_written_files_get_the_umask_mode(lightning_ckpt: Path, tmp_path: Path) -> None:
-    """Item 18: model.safetensors was 0600 (safetensors' own mode) in a 0755 folder."""
+    """The written files get the umask's mode (not safetensors' own 0600 inside a 0755 folder)."""
     import os
     import stat
 

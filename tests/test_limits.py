@@ -1,6 +1,5 @@
-"""Limits checked before any work (issue 17): DDTree budgets bounded by what a tree can hold
-(item 11), one id rule for prompt files and id lists (item 12), ``--samples`` above the cache's
-size said out loud (item 20)."""
+"""Limits checked before any work: DDTree budgets bounded by what a tree can hold, one id rule for
+prompt files and id lists, ``--samples`` above the cache's size said out loud."""
 
 from __future__ import annotations
 
@@ -34,7 +33,7 @@ def eval_tool(capsys, cache: Path, drafter: Path, out: Path, *extra: str) -> tup
     return code, captured.out, captured.err
 
 
-# -- item 11 -----------------------------------------------------------------------------------------------
+# -- DDTree budgets -----------------------------------------------------------------------------------------------
 
 def test_budget_bound_is_what_a_tree_can_hold_or_the_documented_maximum():
     assert max_ddtree_budget(2, 64) == 64  # one depth: at most one node per token
@@ -62,6 +61,7 @@ def test_eval_drafter_refuses_a_huge_budget_before_any_work(tiny_cache, tiny_dra
     assert not (tmp_path / "r.json").exists()
 
 
+@pytest.mark.e2e
 def test_callback_refuses_a_budget_above_the_bound_at_setup(tmp_path, tiny_cache, tiny_drafter_config):
     from lightning.pytorch import Trainer
 
@@ -79,7 +79,7 @@ def test_callback_refuses_a_budget_above_the_bound_at_setup(tmp_path, tiny_cache
     assert trainer.global_step == 0
 
 
-# -- item 12 -----------------------------------------------------------------------------------------------
+# -- sample ids --------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("bad", ["a,b", " sp ", "a b", "-x", "é1"])
 def test_prompt_file_ids_follow_the_one_rule(tmp_path, bad):
@@ -107,7 +107,7 @@ def test_eval_drafter_sample_ids_follow_the_rule(tiny_cache, tiny_drafter_config
     assert code == 2 and "--sample-ids 'p000,p 001': 'p 001' does not follow the id rule" in err, err
 
 
-# -- item 20 -----------------------------------------------------------------------------------------------
+# -- --samples --------------------------------------------------------------------------------------------------
 
 def test_more_samples_than_the_cache_has_is_said(tiny_cache, tiny_drafter_config, tmp_path, capsys):
     drafter = save_drafter(tiny_drafter_config, tmp_path / "drafter")

@@ -3,7 +3,7 @@
 
 Claims checked: at every evaluated step the logged numbers equal ``tools/eval_drafter.py`` on the
 weights of that step; the 2-rank plain loop logs what one process logs; a run resumed from a
-saved state neither repeats nor skips an evaluation; the README's plain-loop snippet runs as shown.
+saved state neither repeats nor skips an evaluation; the documented snippets (docs/training-loops.md) run as shown.
 """
 
 from __future__ import annotations
@@ -25,50 +25,7 @@ from dflash_cb.common.errors import DFlashCBError
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-BUDGETS = [4, 8]
-PREFIX = "dflash_eval/"
-
-
-# -- shared: the tool on saved weights ------------------------------------------------------------
-
-def tool_metrics(cache: Path, drafter_dir: Path, out: Path, light: bool, block_size: int) -> dict[str, Any]:
-    """``tools/eval_drafter.py`` on a saved drafter, with the profile of the live evaluation."""
-    from dflash_cb.integrations import eval_cli
-
-    profile = (["--anchor-stride", str(block_size), "--ddtree-budgets", str(max(BUDGETS))] if light
-               else ["--ddtree-budgets", ",".join(map(str, BUDGETS))])
-    assert eval_cli.main(["--states", str(cache), "--drafter", str(drafter_dir), "--out", str(out), *profile,
-                          "--device", "cpu", "--dtype", "float32"]) == 0
-    return json.loads(out.read_text())["metrics"]
-
-
-def assert_logged_equals_tool(logged: dict[str, float], expected: dict[str, Any], where: Any, prefix: str = PREFIX,
-                              skip: tuple[str, ...] = ()) -> None:
-    from test_callback import same
-
-    from dflash_cb.core.metrics import EVAL_TIME
-
-    assert logged[prefix + "tau"] == expected["tau"], where
-    for k, v in expected.items():
-        if k == EVAL_TIME or k in skip:
-            continue
-        if v is None:  # NaN in results.json, not logged
-            assert prefix + k not in logged, (where, k)
-        else:
-            assert same(logged[prefix + k], v), (where, k, logged[prefix + k], v)
-
-
-def assert_step_equals_tool(cache: Path, drafter_dir: Path, out: Path, logged: dict[str, float], full: bool,
-                            block_size: int, where: Any) -> None:
-    """One evaluated step against the tool on that step's weights: the main keys are the light profile's
-    at every evaluation; a full evaluation's ``full/`` keys are the tool's default (stride 1, every budget).
-    The cost keys describe the pass that ran (the full one at a full evaluation)."""
-    light = tool_metrics(cache, drafter_dir, out.with_suffix(".light.json"), True, block_size)
-    assert_logged_equals_tool(logged, light, where, skip=("anchors_drafted", "anchors_needed") if full else ())
-    if full:
-        exact = tool_metrics(cache, drafter_dir, out.with_suffix(".full.json"), False, block_size)
-        assert_logged_equals_tool(logged, exact, where, prefix=PREFIX + "full/")
-
+from tool_runs import BUDGETS, PREFIX, assert_step_equals_tool  # noqa: E402
 
 # -- the plain loop -------------------------------------------------------------------------------
 
@@ -135,6 +92,7 @@ def plain_loop(cache: str, cfg: dict, steps: int, every: int, out: Path | None =
     return evaluator, logged, checkpoints
 
 
+@pytest.mark.e2e
 def test_plain_loop_logs_the_tools_tau_at_every_evaluated_step(tmp_path, tiny_cache, tiny_drafter_config):
     evaluator, logged, _ = plain_loop(str(tiny_cache), tiny_drafter_config, steps=4, every=2, out=tmp_path)
     assert sorted(logged) == [0, 2, 4] == [h["step"] for h in evaluator.history]
@@ -145,6 +103,7 @@ def test_plain_loop_logs_the_tools_tau_at_every_evaluated_step(tmp_path, tiny_ca
                                 step == 4, block, step)
 
 
+@pytest.mark.e2e
 def test_plain_loop_resume_neither_repeats_nor_skips(tiny_cache, tiny_drafter_config):
     first, logged, checkpoints = plain_loop(str(tiny_cache), tiny_drafter_config, steps=5, every=2,
                                             eval_on_fit_end=False)
@@ -155,11 +114,12 @@ def test_plain_loop_resume_neither_repeats_nor_skips(tiny_cache, tiny_drafter_co
     assert resumed.state.num_evals == 5
 
 
+@pytest.mark.e2e
 def test_plain_loop_into_a_wandb_run_logs_todays_keys_table_and_chart(tmp_path, tiny_cache, tiny_drafter_config):
     """``log=wandb.init(...)``: the scalars against trainer/global_step, the samples table, the histogram and
     the per-depth chart, the best tau in the summary: what the Lightning callback's WandbLogger run holds."""
     import wandb
-    from test_callback_wandb import history_and_summary
+    from wandb_runs import history_and_summary
 
     run = wandb.init(project="dflash-cb-test", name="plain", dir=str(tmp_path), mode="offline", reinit="create_new")
     evaluator, _, _ = plain_loop(str(tiny_cache), tiny_drafter_config, steps=2, every=1, log=run, table_samples=2)
@@ -192,6 +152,7 @@ def _worker(cache: str, cfg_path: str, out: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.e2e
 def test_plain_loop_on_two_ranks_equals_one_process(tmp_path, tiny_cache, tiny_drafter_config):
     cfg = tmp_path / "drafter.json"
     cfg.write_text(json.dumps(tiny_drafter_config))
@@ -267,6 +228,7 @@ def _evaluations(trainer) -> dict[int, dict[str, float]]:
     return {h["step"]: h for h in trainer.state.log_history if PREFIX + "tau" in h}
 
 
+@pytest.mark.e2e
 def test_hf_trainer_logs_the_tools_tau_at_every_evaluated_step(tmp_path, tiny_cache, tiny_drafter_config):
     """The metrics reach ``trainer.state.log_history`` through ``trainer.log``; each equals the tool on the
     checkpoint the Trainer saved at that step (extracted with ``tools/extract_drafter.py``'s code)."""
@@ -291,6 +253,7 @@ def test_hf_trainer_logs_the_tools_tau_at_every_evaluated_step(tmp_path, tiny_ca
     assert [h["step"] for h in state["history"]] == [0, 3, 6] and state["last_eval_step"] == 6
 
 
+@pytest.mark.e2e
 def test_hf_trainer_resume_neither_repeats_nor_skips(tmp_path, tiny_cache, tiny_drafter_config):
     trainer, cb, _ = hf_train(tmp_path, tiny_cache, tiny_drafter_config, max_steps=5, every=2, eval_on_fit_end=False)
     assert sorted(_evaluations(trainer)) == [0, 2, 4]
@@ -307,6 +270,7 @@ def test_hf_trainer_resume_neither_repeats_nor_skips(tmp_path, tiny_cache, tiny_
                  training_args={"restore_callback_states_from_checkpoint": True})
 
 
+@pytest.mark.e2e
 def test_hf_run_reporting_to_wandb_gets_working_panels_and_one_console_line(tmp_path, tiny_cache,
                                                                               tiny_drafter_config, monkeypatch,
                                                                               capsys):
@@ -329,7 +293,7 @@ def test_hf_run_reporting_to_wandb_gets_working_panels_and_one_console_line(tmp_
     assert [ln.split(":")[0] for ln in lines if " step " in ln] == [
         "DFlashEvalTrainerCallback step 0", "DFlashEvalTrainerCallback step 3", "DFlashEvalTrainerCallback step 6"]
     assert not any("'dflash_eval/" in ln for ln in out.splitlines())  # no dict of every key
-    from test_callback_wandb import history_and_summary
+    from wandb_runs import history_and_summary
 
     rows, summary, _ = history_and_summary(run_dir)
     taus = [r for r in rows if PREFIX + "tau" in r]
@@ -358,6 +322,7 @@ def _two_callbacks(trainer):
                                      eval_on_fit_end=False)
 
 
+@pytest.mark.e2e
 def test_hf_two_callbacks_resume_each_from_their_latest_state(tmp_path, tiny_cache, tiny_drafter_config):
     first, cb_a, _ = hf_train(tmp_path, tiny_cache, tiny_drafter_config, max_steps=5, every=2, prefix="a/",
                               eval_on_fit_end=False, extra_callbacks=[_two_callbacks])
@@ -371,6 +336,7 @@ def test_hf_two_callbacks_resume_each_from_their_latest_state(tmp_path, tiny_cac
     assert [h["step"] for h in cb_b2.evaluator.history] == [0, 2, 4, 6, 8]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("spelling", ["trailing slash", "relative"])
 def test_hf_resume_finds_the_state_whatever_the_spelling_of_the_cache(tmp_path, tiny_cache, tiny_drafter_config,
                                                                       monkeypatch, spelling):
@@ -387,6 +353,7 @@ def test_hf_resume_finds_the_state_whatever_the_spelling_of_the_cache(tmp_path, 
     assert [h["step"] for h in cb.evaluator.history] == [0, 2, 4, 6, 8]
 
 
+@pytest.mark.e2e
 def test_hf_second_train_on_the_same_trainer_starts_a_new_series(tmp_path, tiny_cache, tiny_drafter_config):
     trainer, cb, _ = hf_train(tmp_path, tiny_cache, tiny_drafter_config, max_steps=4, every=2)
     assert [h["step"] for h in cb.evaluator.history] == [0, 2, 4]
@@ -396,6 +363,7 @@ def test_hf_second_train_on_the_same_trainer_starts_a_new_series(tmp_path, tiny_
     assert cb.evaluator.state.num_evals == 3
 
 
+@pytest.mark.e2e
 def test_two_callbacks_with_one_prefix_are_refused_naming_it(tmp_path, tiny_cache, tiny_drafter_config):
     from lightning.pytorch import Trainer
 
@@ -414,6 +382,7 @@ def test_two_callbacks_with_one_prefix_are_refused_naming_it(tmp_path, tiny_cach
                        DFlashEvalCallback(states=str(tiny_cache), prefix="b/")], logger=False)
 
 
+@pytest.mark.e2e
 def test_hf_keeps_the_checkpoint_with_the_best_tau_of_its_own_step(tmp_path, tiny_cache, tiny_drafter_config):
     """``metric_for_best_model="dflash_eval/tau"`` with the Trainer's evaluations every 3 steps and the
     callback's every 2: at each Trainer evaluation the callback supplies that step's tau."""
@@ -429,13 +398,13 @@ def test_hf_keeps_the_checkpoint_with_the_best_tau_of_its_own_step(tmp_path, tin
     assert trainer.state.best_metric == by_step[best_step] == max(by_step[3], by_step[6])
 
 
-# -- the README's snippets, one per loop ----------------------------------------------------------------
+# -- the documented snippets, one per loop (docs/training-loops.md) ----------------------------------------------------------------
 
-def run_readme_snippet(title: str, tmp_path: Path, cache: Path, cfg: dict, monkeypatch) -> dict[str, Any]:
+def run_doc_snippet(title: str, tmp_path: Path, cache: Path, cfg: dict, monkeypatch) -> dict[str, Any]:
     """The snippet under ``title`` as printed, its settings lines pointed at the test cache and drafter."""
     from dflash_cb import DFlashDrafter
 
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "training-loops.md").read_text()
     code = re.search(r"```python\n(.*?)```", text[text.index(title):], re.S).group(1)
     (tmp_path / "drafter_config.json").write_text(json.dumps(cfg))
     DFlashDrafter.from_config_dict(cfg).save_pretrained(tmp_path / "start")
@@ -448,16 +417,17 @@ def run_readme_snippet(title: str, tmp_path: Path, cache: Path, cfg: dict, monke
     monkeypatch.chdir(tmp_path)
     namespace: dict[str, Any] = {"__name__": "readme"}
     torch.manual_seed(0)
-    exec(compile(code, f"README.md ({title})", "exec"), namespace)
+    exec(compile(code, f"docs/training-loops.md ({title})", "exec"), namespace)
     return namespace
 
 
-def test_readme_plain_loop_snippet_runs(tmp_path, tiny_cache, tiny_drafter_config, monkeypatch, capsys):
+@pytest.mark.e2e
+def test_documented_plain_loop_snippet_runs(tmp_path, tiny_cache, tiny_drafter_config, monkeypatch, capsys):
     from dflash_cb import DFlashDrafter
     from dflash_cb.common.cli import run
     from dflash_cb.core import extract_cli
 
-    ns = run_readme_snippet("### 5c. A plain PyTorch loop", tmp_path, tiny_cache, tiny_drafter_config, monkeypatch)
+    ns = run_doc_snippet("## A plain PyTorch loop", tmp_path, tiny_cache, tiny_drafter_config, monkeypatch)
     assert [h["step"] for h in ns["evaluator"].history] == [0, 2, 4]
     saved = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
     assert saved["dflash_eval"]["last_eval_step"] == 4 and saved["step"] == 4
@@ -472,6 +442,7 @@ def test_readme_plain_loop_snippet_runs(tmp_path, tiny_cache, tiny_drafter_confi
         assert torch.equal(got.state_dict()[k], v), k
 
 
+@pytest.mark.e2e
 def test_extract_from_a_hugging_face_checkpoint_folder(tmp_path, tiny_cache, tiny_drafter_config, capsys):
     """``--ckpt hf_out/checkpoint-N``: the folder the Trainer writes; the summary names what was left behind."""
     import json as _json
@@ -495,14 +466,15 @@ def test_extract_from_a_hugging_face_checkpoint_folder(tmp_path, tiny_cache, tin
     assert "pass --config" in capsys.readouterr().err
 
 
-def test_readme_lightning_module_snippet_runs_and_extracts_without_config(tmp_path, tiny_cache, tiny_drafter_config,
+@pytest.mark.e2e
+def test_documented_lightning_module_snippet_runs_and_extracts_without_config(tmp_path, tiny_cache, tiny_drafter_config,
                                                                           monkeypatch):
-    """Issue 17 item 17: the README's own LightningModule trains with the callback, and its checkpoint
+    """The documented LightningModule trains with the callback, and its checkpoint
     carries the drafter config, so extract_drafter needs no --config."""
     from dflash_cb.core.checkpoints import extract_drafter
     from dflash_cb.core.model import DFlashDrafter
 
-    ns = run_readme_snippet("### 5a. Your own LightningModule", tmp_path, tiny_cache, tiny_drafter_config,
+    ns = run_doc_snippet("### Your own LightningModule", tmp_path, tiny_cache, tiny_drafter_config,
                             monkeypatch)
     assert [h["step"] for h in ns["callback"].history] == [0, 2, 4]
     ns["trainer"].save_checkpoint(tmp_path / "last.ckpt")
@@ -512,8 +484,9 @@ def test_readme_lightning_module_snippet_runs_and_extracts_without_config(tmp_pa
         assert torch.equal(got.state_dict()[k], v), k
 
 
-def test_readme_hf_trainer_snippet_runs(tmp_path, tiny_cache, tiny_drafter_config, monkeypatch):
-    ns = run_readme_snippet("### 5b. Hugging Face `Trainer`", tmp_path, tiny_cache, tiny_drafter_config, monkeypatch)
+@pytest.mark.e2e
+def test_documented_hf_trainer_snippet_runs(tmp_path, tiny_cache, tiny_drafter_config, monkeypatch):
+    ns = run_doc_snippet("## Hugging Face `Trainer`", tmp_path, tiny_cache, tiny_drafter_config, monkeypatch)
     assert sorted(_evaluations(ns["trainer"])) == [0, 2, 4]
 
 

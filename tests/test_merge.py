@@ -1,10 +1,8 @@
 """tools/merge_states.py replacing a cache: built beside it, swapped in only once checked, so a refused
-or killed merge leaves the old cache as it was and the same command finishes the job (issue 17,
-items 4 and 13)."""
+or killed merge leaves the old cache as it was and the same command finishes the job."""
 
 from __future__ import annotations
 
-import hashlib
 import shutil
 import subprocess
 import sys
@@ -13,16 +11,13 @@ from pathlib import Path
 import pytest
 from processes import sigkill_when
 from tiny_target import random_prompts, save_tiny_qwen3, write_prompts
+from tool_runs import folder_digest
 
 from dflash_cb.cache.manifest import CacheError, merge_staging_path, replaced_cache_path
 from dflash_cb.cache.precompute import main, merge_main
 from dflash_cb.cache.states import StateCache
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def digest(folder: Path) -> dict[str, str]:
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
 
 
 @pytest.fixture(scope="module")
@@ -49,11 +44,13 @@ def made(tmp_path_factory) -> dict[str, Path]:
 def old_cache_copy(made: dict[str, Path], tmp_path: Path) -> tuple[Path, dict[str, str]]:
     out = tmp_path / "cache"
     shutil.copytree(made["old"], out)
-    return out, digest(out)
+    return out, folder_digest(out)
 
 
+@pytest.mark.e2e
 def test_overwrite_with_a_damaged_part_leaves_the_old_cache_as_it_was(made, tmp_path, capsys):
-    """Item 4: the hash check refused the merge after the old manifest, head and shards were deleted."""
+    """A merge over an existing cache with a damaged part is refused, and the old cache (manifest, head,
+    shards) is left as it was."""
     out, before = old_cache_copy(made, tmp_path)
     damaged = tmp_path / "b1"
     shutil.copytree(made["b1"], damaged)
@@ -63,7 +60,7 @@ def test_overwrite_with_a_damaged_part_leaves_the_old_cache_as_it_was(made, tmp_
     shard.write_bytes(bytes(data))
     assert merge_main(["--out", str(out), "--overwrite", str(made["b0"]), str(damaged)]) == 2
     assert "sha256" in capsys.readouterr().err
-    assert digest(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["b1", "cache"]
+    assert folder_digest(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["b1", "cache"]
     StateCache(out).verify()
     # the good parts replace it
     assert merge_main(["--out", str(out), "--overwrite", str(made["b0"]), str(made["b1"])]) == 0
@@ -79,11 +76,12 @@ def copying(folder: Path):
     return lambda: folder.is_dir() and any(folder.iterdir())
 
 
+@pytest.mark.e2e
 def test_killed_merge_leaves_the_old_cache_and_the_same_command_finishes(made, tmp_path):
-    """Items 4 and 13: a real merge process SIGKILLed while it copies shards."""
+    """A real merge process SIGKILLed while it copies shards."""
     out, before = old_cache_copy(made, tmp_path)
     sigkill_when(start_merge(out, made["b0"], made["b1"]), copying(merge_staging_path(out)), timeout=120, poll_s=0)
-    assert digest(out) == before  # the old cache, untouched and readable
+    assert folder_digest(out) == before  # the old cache, untouched and readable
     StateCache(out).verify()
     assert main_rc(out, made) == 0 and StateCache(out).manifest.max_new_tokens == 4
     assert not merge_staging_path(out).exists() and not replaced_cache_path(out).exists()
@@ -93,8 +91,9 @@ def main_rc(out: Path, made: dict[str, Path]) -> int:
     return merge_main(["--out", str(out), "--overwrite", "--copy", str(made["b0"]), str(made["b1"])])
 
 
+@pytest.mark.e2e
 def test_killed_first_merge_reader_advice_works(made, tmp_path):
-    """Item 13: the reader of an interrupted merge says to rerun the merge, and that works."""
+    """The reader of an interrupted merge says to rerun the merge, and that works."""
     out = tmp_path / "merged"
     sigkill_when(start_merge(out, made["b0"], made["b1"]), copying(merge_staging_path(out)), timeout=120, poll_s=0)
     with pytest.raises(CacheError, match="merge_states.py run into this folder was interrupted: rerun the same "
@@ -104,9 +103,10 @@ def test_killed_first_merge_reader_advice_works(made, tmp_path):
     StateCache(out).verify()
     reference = tmp_path / "reference"
     assert merge_main(["--out", str(reference), str(made["b0"]), str(made["b1"])]) == 0
-    assert digest(out) == digest(reference) and not merge_staging_path(out).exists()
+    assert folder_digest(out) == folder_digest(reference) and not merge_staging_path(out).exists()
 
 
+@pytest.mark.e2e
 def test_killed_between_the_renames_the_old_cache_comes_back(made, tmp_path, capsys):
     """The state a kill between the two renames leaves: the old cache aside, the new one staged."""
     out, before = old_cache_copy(made, tmp_path)
@@ -117,11 +117,13 @@ def test_killed_between_the_renames_the_old_cache_comes_back(made, tmp_path, cap
     # a rerun without --overwrite restores the old cache, then refuses to replace it
     assert merge_main(["--out", str(out), str(made["b0"]), str(made["b1"])]) == 2
     assert "not empty; pass --overwrite" in capsys.readouterr().err
-    assert digest(out) == before and not merge_staging_path(out).exists()
+    assert folder_digest(out) == before and not merge_staging_path(out).exists()
 
 
+@pytest.mark.e2e
 def test_parts_with_different_samples_per_shard_name_the_option(made, tmp_path, capsys):
-    """Item 13: it used to say a prompt was in both parts."""
+    """Parts made with different --samples-per-shard are refused naming the option (not as a prompt found
+    in both parts)."""
     assert merge_main(["--out", str(tmp_path / "m"), str(made["a0"]), str(made["s2"])]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "different --samples-per-shard" in err and f"{made['s2']}: 2" in err, err

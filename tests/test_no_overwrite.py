@@ -1,32 +1,15 @@
-"""No tool writes over a file it reads in the same run (issue 17, item 3): one shared check,
+"""No tool writes over a file it reads in the same run: one shared check,
 ``fileio.check_outputs_apart``, on resolved paths (links followed), before any work."""
 
 from __future__ import annotations
 
-import hashlib
 import shutil
-from pathlib import Path
 
 import pytest
-import torch
+from tool_runs import folder_digest
 
 from dflash_cb.common.cli import run
 from dflash_cb.common.fileio import OverwritesInputError, check_outputs_apart
-
-
-def digest(folder: Path) -> dict[str, str]:
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
-
-
-@pytest.fixture(scope="module")
-def drafter_dir(tiny_drafter_config: dict, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from dflash_cb.core.model import DFlashDrafter
-
-    torch.manual_seed(0)
-    out = tmp_path_factory.mktemp("drafter") / "drafter"
-    DFlashDrafter.from_config_dict(tiny_drafter_config).save_pretrained(out)
-    return out
 
 
 def one_line_error(code: int, err: str, *needles: str) -> None:
@@ -46,7 +29,7 @@ def test_eval_drafter_out_onto_any_input_file_is_refused_and_the_file_untouched(
     link = tmp_path / "results.json"
     link.symlink_to(cache / "manifest.json")  # a link to an input is that input
     shard = sorted(cache.glob("states-*.safetensors"))[0]
-    before = {**digest(cache), **{f"d/{k}": v for k, v in digest(drafter).items()}}
+    before = {**folder_digest(cache), **{f"d/{k}": v for k, v in folder_digest(drafter).items()}}
     for out in (cache / "manifest.json", shard, drafter / "config.json", drafter / "model.safetensors", link,
                 cache / ".." / "cache" / "manifest.json"):
         code = run(eval_cli.main, ["--states", str(cache), "--drafter", str(drafter), "--out", str(out),
@@ -54,7 +37,7 @@ def test_eval_drafter_out_onto_any_input_file_is_refused_and_the_file_untouched(
         captured = capsys.readouterr()
         one_line_error(code, captured.err, f"--out {out}", "an input of this run", "write --out somewhere else")
         assert "tau (greedy replay)" not in captured.out
-    assert {**digest(cache), **{f"d/{k}": v for k, v in digest(drafter).items()}} == before
+    assert {**folder_digest(cache), **{f"d/{k}": v for k, v in folder_digest(drafter).items()}} == before
     # a new file next to the inputs is fine (not an input)
     check_outputs_apart([("--states", cache)], files=[("--out", cache / "results.json")])
 
@@ -82,10 +65,10 @@ def test_compare_extract_merge_precompute_refuse_outputs_over_inputs(tiny_cache,
     outer = tmp_path / "outer"
     part = outer / "part"
     shutil.copytree(tiny_cache, part)
-    before = digest(outer)
+    before = folder_digest(outer)
     one_line_error(merge_main(["--out", str(outer), "--overwrite", str(part)]), capsys.readouterr().err,
                    f"--out {outer}: contains part")
-    assert digest(outer) == before
+    assert folder_digest(outer) == before
     # precompute_states: the prompts file inside --out
     prompts = tmp_path / "pc" / "prompts.jsonl"
     prompts.parent.mkdir()

@@ -35,8 +35,8 @@ EDGES = (0, 8, 16)
 def offline_run(tiny_cache, tiny_drafter_config, tmp_path_factory) -> dict:
     """A real training run with the callback, a measured baseline and a published figure, logged offline."""
     from lightning.pytorch.loggers import WandbLogger
-    from test_callback import make_module, make_trainer
-    from test_callback_wandb import history_and_summary, write_published
+    from lightning_runs import make_module, make_trainer
+    from wandb_runs import history_and_summary, write_published
 
     from dflash_cb.core.engine import evaluate
     from dflash_cb.core.model import DFlashDrafter
@@ -67,6 +67,7 @@ def _layout(cb: DFlashEvalCallback, block_size: int) -> PanelLayout:
                        baselines=["baseline/zlab"], published=["published/paper-x/tau", "published/paper-y/tau_request_mean"])
 
 
+@pytest.mark.e2e
 def test_every_panel_key_exists_in_the_logged_run(offline_run, tiny_drafter_config):
     history, summary, cb = offline_run["history"], offline_run["summary"], offline_run["cb"]
     logged = set().union(*history) | set(summary)
@@ -91,6 +92,7 @@ def test_every_panel_key_exists_in_the_logged_run(offline_run, tiny_drafter_conf
         assert list(getattr(back, f)) == list(getattr(want, f)), f
 
 
+@pytest.mark.e2e
 def test_view_and_report_build_and_the_view_serialises(offline_run, tiny_drafter_config):
     layout = _layout(offline_run["cb"], tiny_drafter_config["block_size"])
     view = build_workspace("my-team", "dflash-cb-test", layout)
@@ -105,6 +107,7 @@ def test_view_and_report_build_and_the_view_serialises(offline_run, tiny_drafter
         len(p) for p in panel_plan(layout).values())
 
 
+@pytest.mark.e2e
 def test_the_run_holds_intervals_deltas_best_tau_and_positions(offline_run):
     history, summary = offline_run["history"], offline_run["summary"]
     evals = [h for h in history if "dflash_eval/tau" in h]
@@ -124,6 +127,7 @@ def test_the_run_holds_intervals_deltas_best_tau_and_positions(offline_run):
     assert offline_run["trainer"].progress_bar_metrics["dflash_eval/tau"] == pytest.approx(evals[-1]["dflash_eval/tau"])
 
 
+@pytest.mark.e2e
 def test_console_line_per_evaluation(offline_run):
     from dflash_cb.core.report import evaluation_line
 
@@ -146,10 +150,10 @@ def test_panels_tool_dry_run_builds_the_view_without_network(capsys):
     assert "dflash_eval/baseline/z-lab_drafter/delta_tau_ci_high" in keys and "dflash_eval/acceptance/depth_05" in keys
     assert run(main, ["--entity", "e", "--project", "p", "--position-edges", "3,1", "--dry-run"]) == 2
     assert "--position-edges '3,1': expected comma-separated integers from 0, strictly increasing" in capsys.readouterr().err
-    # Issue 17 item 9: the callback's rule (dflash_cb.common.arguments), naming the option; was "invalid literal for int()".
+    # The callback's rule (dflash_cb.common.arguments), naming the option, not "invalid literal for int()".
     assert run(main, ["--entity", "e", "--project", "p", "--budgets", "16,3x", "--dry-run"]) == 2
     assert "--budgets '16,3x': expected comma-separated positive integers" in capsys.readouterr().err
-    # A published figure is drawn only beside the live figure of its convention (issue 15).
+    # A published figure is drawn only beside the live figure of its convention.
     assert run(main, ["--entity", "e", "--project", "p", "--published", "paper-a,paper-b:request_mean",
                       "--dry-run"]) == 0
     plan = json.loads(capsys.readouterr().out)
@@ -166,8 +170,9 @@ def _ddtree_panel(plan: dict) -> tuple[str, ...]:
     return spec.keys
 
 
+@pytest.mark.e2e
 def test_panels_show_what_the_light_and_full_profiles_log(offline_run, tiny_drafter_config):
-    """Issue 17 item 18: light evaluations log only the largest budget; the others are full/ keys."""
+    """Light evaluations log only the largest budget; the others are full/ keys."""
     history, cb = offline_run["history"], offline_run["cb"]
     evals = [h for h in history if "dflash_eval/tau" in h]
     full = [h for h in evals if "dflash_eval/full/tau" in h]
@@ -194,8 +199,9 @@ def test_panels_show_what_the_light_and_full_profiles_log(offline_run, tiny_draf
     assert not [k for k in referenced_keys(panel_plan(layout))["line"] if "/served/" in k]
 
 
+@pytest.mark.e2e
 def test_panels_tool_warns_about_panels_the_run_never_logged(offline_run, capsys):
-    """Issue 17 item 16: --run (here a local offline run folder: no network) checks the layout against its keys."""
+    """--run (here a local offline run folder: no network) checks the layout against its keys."""
     from dflash_cb.common.cli import run
     from dflash_cb.integrations.panels import main
 
@@ -228,8 +234,9 @@ def _closed_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.e2e
 def test_panels_tool_without_login_network_or_a_valid_url_is_one_line(tmp_path, monkeypatch, capsys):
-    """Issue 17 item 8: no W&B login, no network, a malformed --url: one line, exit 2 (only 127.0.0.1 is dialled)."""
+    """No W&B login, no network, a malformed --url: one line, exit 2 (only 127.0.0.1 is dialled)."""
     from dflash_cb.common.cli import run
     from dflash_cb.integrations.panels import main
 

@@ -461,7 +461,7 @@ def test_text_and_messages_prompts_use_the_tokenizer(target_dir, tmp_path, capsy
     assert cache.load("c").input_ids[: c.prompt_len].tolist() == [TINY_WORDS.index(w) for w in words]
     assert cache.entry("t").prompt_len == 6 and cache.entry("t").category == "uncategorized"
     # without a tokenizer (the tiny target folder has none) text prompts are refused up front, saying why
-    # (issue 11 item 16: transformers loads such a folder as an empty tokenizer, "no tokens" misleads)
+    # (transformers loads such a folder as an empty tokenizer, and "no tokens" would mislead)
     assert main(["--target", str(target_dir), "--prompts", str(prompts), "--out", str(tmp_path / "n"),
                  "--layers", "1", "--no-progress"]) == 2
     err = capsys.readouterr().err
@@ -480,7 +480,7 @@ def test_broken_target_is_refused_by_the_tool(prompts_file, tmp_path, capsys):
     assert not (tmp_path / "o" / MANIFEST_NAME).exists()
 
 
-# -- issue 11: the reference journal and the served answers ------------------------------------------------
+# -- the reference journal and the served answers ---------------------------------------------------------
 
 
 def _prompts(prompts_file: Path) -> list[list[int]]:
@@ -492,7 +492,7 @@ def _journal_ids(path: Path) -> list[str]:
 
 
 def test_completions_are_journaled_as_they_arrive(sglang, target_dir, prompts_file, tmp_path):
-    """Item 2: with two answers held back by the server, the three that arrived are already on disk."""
+    """With two answers held back by the server, the three that arrived are already on disk."""
     url, server = sglang
     prompts = _prompts(prompts_file)
     server.hold = {tuple(prompts[1]), tuple(prompts[4])}
@@ -517,7 +517,7 @@ def test_completions_are_journaled_as_they_arrive(sglang, target_dir, prompts_fi
 
 def test_short_answer_is_refused_naming_the_prompt(sglang, local_cache, target_dir, prompts_file, tmp_path,
                                                    capsys):
-    """Item 4: a 'length' answer shorter than max_new_tokens is a server fault, never a cached sample."""
+    """A 'length' answer shorter than max_new_tokens is a server fault, never a cached sample."""
     url, server = sglang
     local = StateCache(local_cache)
     victim = next(s for s in local.samples if s.completion_len > 3 and s.finish_reason == "length")
@@ -534,7 +534,7 @@ def test_short_answer_is_refused_naming_the_prompt(sglang, local_cache, target_d
 
 
 def test_out_of_vocabulary_answer_is_never_journaled(sglang, target_dir, prompts_file, tmp_path, capsys):
-    """Item 6: token ids outside the vocabulary fail naming the prompt and never reach the journal."""
+    """Token ids outside the vocabulary fail naming the prompt and never reach the journal."""
     url, server = sglang
     server.oov.add(tuple(_prompts(prompts_file)[2]))
     out = tmp_path / "oov"
@@ -548,7 +548,7 @@ def test_out_of_vocabulary_answer_is_never_journaled(sglang, target_dir, prompts
 
 
 def test_journal_entries_are_keyed_by_their_request(sglang, target_dir, prompts_file, tmp_path, capsys):
-    """Item 5: a journal made with other arguments is not reused; one made with the same ones is."""
+    """A journal made with other arguments is not reused; one made with the same ones is."""
     url, server = sglang
     first = tmp_path / "first"
     args = ("--reference", "sglang", "--sglang-url", url)
@@ -571,7 +571,7 @@ def test_journal_entries_are_keyed_by_their_request(sglang, target_dir, prompts_
     assert all(s.completion_len <= 6 for s in StateCache(other).samples)
 
 
-# -- issue 11 item 19: the resume record grows by appends -------------------------------------------------
+# -- the resume record grows by appends ----------------------------------------------------------------
 
 
 def test_progress_record_is_appended_not_rewritten(target_dir, prompts_file, tmp_path, monkeypatch):
@@ -588,7 +588,7 @@ def test_progress_record_is_appended_not_rewritten(target_dir, prompts_file, tmp
     assert [next(iter(json.loads(a))) for a in appends] == ["shard"] * 5 + ["target_head"]
 
 
-# -- issue 9: compute dtype apart from storage dtype --------------------------------------------------------
+# -- compute dtype apart from storage dtype --------------------------------------------------------------
 
 
 def test_float32_compute_with_bfloat16_storage(target_dir, prompts_file, tmp_path, capsys):
@@ -669,7 +669,7 @@ def test_resume_with_another_compute_dtype_is_refused(target_dir, prompts_file, 
     assert folder_digest(out) == {k: v for k, v in before.items() if k != "precompute_log.json"}
 
 
-# -- issue 11 item 14: OS errors on user paths are one line, exit 2 -------------------------------------------
+# -- OS errors on user paths are one line, exit 2 ----------------------------------------------------------
 
 
 def _one_error_line(err: str) -> str:

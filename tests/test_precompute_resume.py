@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from processes import sigkill_when
 from safetensors.torch import load_file
@@ -21,6 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 TOOL = REPO / "tools" / "precompute_states.py"
 
 
+@pytest.mark.e2e
 def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path, capsys):
     target = save_tiny_qwen3(tmp_path / "target")
     # enough prompts that the kill lands mid-run

@@ -19,14 +19,12 @@ import sys
 from pathlib import Path
 
 import pytest
-import test_no_overwrite
+from tool_runs import folder_digest
 
 from dflash_cb.common.cli import run
 
 ROOT = Path(__file__).resolve().parents[1]
 TOO_LARGE = "File too large ("
-digest = test_no_overwrite.digest
-drafter_dir = test_no_overwrite.drafter_dir  # the fixture: a tiny drafter folder
 
 
 def limited(tool: str, *args: str, limit: int) -> subprocess.CompletedProcess:
@@ -53,6 +51,7 @@ def names_the_file(proc: subprocess.CompletedProcess, path: Path | str) -> str:
 
 # -- a full disk ----------------------------------------------------------------------------------
 
+@pytest.mark.e2e
 def test_eval_drafter_names_the_results_file_it_could_not_write_and_keeps_the_old_one(tiny_cache, drafter_dir,
                                                                                        tmp_path):
     out = tmp_path / "r.json"
@@ -64,20 +63,22 @@ def test_eval_drafter_names_the_results_file_it_could_not_write_and_keeps_the_ol
     assert out.read_text() == "the previous results\n" and sorted(p.name for p in tmp_path.iterdir()) == ["r.json"]
 
 
+@pytest.mark.e2e
 def test_extract_on_a_full_disk_names_the_weights_and_keeps_the_previous_drafter(drafter_dir, tmp_path):
     from dflash_cb.core import extract_cli
 
     out = tmp_path / "drafter"
     assert run(extract_cli.main, ["--ckpt", str(drafter_dir / "model.safetensors"), "--config",
                                   str(drafter_dir / "config.json"), "--out", str(out)]) == 0
-    before = digest(out)
+    before = folder_digest(out)
     proc = limited("extract_drafter.py", "--ckpt", str(drafter_dir / "model.safetensors"), "--config",
                    str(drafter_dir / "config.json"), "--out", str(out), limit=4096)
     last = names_the_file(proc, out / "model.safetensors")
     assert last.endswith(f"the drafter could not be written; --out {out} is as it was")
-    assert digest(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["drafter"]
+    assert folder_digest(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["drafter"]
 
 
+@pytest.mark.e2e
 def test_merge_and_precompute_name_the_shard_they_could_not_write(tiny_cache, tmp_path):
     merged = tmp_path / "merged"
     proc = limited("merge_states.py", "--copy", "--out", str(merged), str(tiny_cache), limit=4096)
@@ -94,6 +95,7 @@ def test_merge_and_precompute_name_the_shard_they_could_not_write(tiny_cache, tm
     assert not (out / "manifest.json").exists()
 
 
+@pytest.mark.e2e
 def test_the_demo_names_the_file_it_could_not_write(tmp_path):
     out = tmp_path / "demo"
     proc = limited("demo.py", "--quick", "--out", str(out), limit=16)
@@ -135,7 +137,7 @@ def test_out_through_a_symbolic_link_writes_the_target_and_keeps_the_link(tiny_c
                                       str(drafter_dir / "config.json"), "--out", str(link)])
         assert code == 0, capsys.readouterr().err
         assert link.is_symlink() and os.readlink(link) == str(folders / name)
-        assert digest(folders / name) == digest(drafter_dir)
+        assert folder_digest(folders / name) == folder_digest(drafter_dir)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["current", "drafters", "fresh", "latest.json", "next.json",
                                                          "runs"]
 

@@ -296,6 +296,7 @@ def test_server_without_counters(world, server, tmp_path, capsys) -> None:
     assert "--speculative-algorithm" in err and not (tmp_path / "r.json").exists()
 
 
+@pytest.mark.e2e
 def test_sigkill_during_queries_keeps_the_counters(world, server, tmp_path) -> None:
     from dflash_cb.cache.manifest import MANIFEST_NAME
     from dflash_cb.cache.precompute import JOURNAL_NAME
@@ -406,6 +407,7 @@ def test_only_fully_agreeing_samples_with_counters_are_compared(served_cache) ->
     assert any("not comparable" in w for w in check.warnings)  # the server drafts another block size
 
 
+@pytest.mark.e2e
 def test_callback_logs_the_served_tau(world, served_cache, tmp_path) -> None:
     import csv
 

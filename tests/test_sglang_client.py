@@ -367,7 +367,7 @@ def test_generate_many_failure_names_key(server: tuple[str, FakeSGLang]) -> None
 
 
 def test_short_length_answer_is_retried_then_refused(server: tuple[str, FakeSGLang], tiny_model) -> None:
-    """Issue 11 item 4: 3 tokens with finish_reason "length" for max_new_tokens=12 is not a completion."""
+    """3 tokens with finish_reason "length" for max_new_tokens=12 is not a completion."""
     url, state = server
     state.short_first = 1
     comp = fast_client(url).generate(PROMPT, 12, [])
@@ -379,7 +379,7 @@ def test_short_length_answer_is_retried_then_refused(server: tuple[str, FakeSGLa
 
 
 def test_out_of_vocabulary_ids_are_refused(server: tuple[str, FakeSGLang]) -> None:
-    """Issue 11 item 6: ids the target cannot have produced are a server fault, not a completion."""
+    """Ids the target cannot have produced are a server fault, not a completion."""
     url, state = server
     state.oov = True
     with pytest.raises(SGLangError, match=r"token ids \[1000\] outside the target's vocabulary \[0, 128\)"):
@@ -392,7 +392,7 @@ def test_out_of_vocabulary_ids_are_refused(server: tuple[str, FakeSGLang]) -> No
 
 
 def test_timeout_is_per_request_not_per_read(server: tuple[str, FakeSGLang]) -> None:
-    """Issue 11 item 17: a server trickling a byte every 0.2 s cannot hold a request past the timeout."""
+    """A server trickling a byte every 0.2 s cannot hold a request past the timeout."""
     url, state = server
     state.trickle_s = 0.2  # the ~200-byte answer would take ~40 s
     t0 = time.monotonic()

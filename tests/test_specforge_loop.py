@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 import torch
 from oracles import require
-from test_loops import BUDGETS, PREFIX, assert_logged_equals_tool, assert_step_equals_tool, tool_metrics
+from tool_runs import BUDGETS, PREFIX, assert_logged_equals_tool, assert_step_equals_tool, tool_metrics
 from torch import nn
 
 from dflash_cb.common.errors import DFlashCBError
@@ -125,6 +125,7 @@ class Log:
         return {step: m for step, m in self.calls if "eval/simulated_acc_len" in m}
 
 
+@pytest.mark.e2e
 def test_logged_tau_equals_the_tool_at_start_periodic_step_and_fit_end(tmp_path, tiny_cache, tiny_drafter_config):
     log = Log(tmp_path)
     controller, draft = specforge_controller(tiny_cache, tiny_drafter_config, tmp_path / "out", max_steps=6,
@@ -141,6 +142,7 @@ def test_logged_tau_equals_the_tool_at_start_periodic_step_and_fit_end(tmp_path,
                                 step == 6, tiny_drafter_config["block_size"], step)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("how", ["checkpoint_manager", "keep_best_by_tau"])
 def test_specforge_keeps_the_checkpoint_with_the_best_logged_tau(tmp_path, tiny_cache, tiny_drafter_config, how):
     """At each of SpecForge's evaluations (every 2 steps) its eval metrics carry that step's tau, measured then
@@ -168,6 +170,7 @@ def test_specforge_keeps_the_checkpoint_with_the_best_logged_tau(tmp_path, tiny_
     assert saved["history"][-1]["step"] == best and saved["history"][-1]["tau"] == taus[best]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("where", ["its own folder", "resume_from"])
 def test_resume_from_a_specforge_checkpoint_neither_repeats_nor_skips(tmp_path, tiny_cache, tiny_drafter_config,
                                                                      where):
@@ -197,6 +200,7 @@ def test_resume_from_a_specforge_checkpoint_neither_repeats_nor_skips(tmp_path, 
     assert [h["step"] for h in saved["history"]] == [0, 2, 4, 6, 8]
 
 
+@pytest.mark.e2e
 def test_resume_without_a_saved_state_says_so_and_evaluates_the_resumed_weights(tmp_path, tiny_cache,
                                                                                tiny_drafter_config):
     batches = train_batches(tiny_cache)
@@ -211,6 +215,7 @@ def test_resume_without_a_saved_state_says_so_and_evaluates_the_resumed_weights(
     assert sorted(log.evaluations()) == [2, 4]
 
 
+@pytest.mark.e2e
 def test_two_attachments_with_one_prefix_are_refused_naming_it(tmp_path, tiny_cache, tiny_drafter_config):
     log = Log()
     controller, _ = specforge_controller(tiny_cache, tiny_drafter_config, tmp_path / "out", max_steps=2, logger=log)
@@ -308,6 +313,7 @@ def export_and_score(root: Path, cache_dir: Path, step: int, block_size: int) ->
     return tool_metrics(cache_dir, folder, root / f"r{step}.json", light=False, block_size=block_size)
 
 
+@pytest.mark.e2e
 def test_specforge_command_line_with_the_evaluation_attached(tmp_path, tiny_cache, tiny_drafter_config):
     """``specforge train`` through the launcher: evaluations at 0, 2, 4; resumed (``training.resume_from``) to
     step 8: 6 and 8 only; the best checkpoint by tau; the fit-end tau equals the tool on SpecForge's export."""
@@ -332,6 +338,7 @@ def test_specforge_command_line_with_the_evaluation_attached(tmp_path, tiny_cach
     assert_logged_equals_tool(logged[8], expected, 8, prefix=PREFIX + "full/")  # the fit end: full
 
 
+@pytest.mark.e2e
 def test_specforge_command_line_on_two_torchrun_ranks(tmp_path, tiny_cache, tiny_drafter_config):
     """Two gloo ranks (torchrun; SpecForge's DDP backend): every rank evaluates its share, rank zero logs,
     and the fit-end numbers equal the tool on the weights SpecForge saved."""
@@ -346,6 +353,7 @@ def test_specforge_command_line_on_two_torchrun_ranks(tmp_path, tiny_cache, tiny
     assert_logged_equals_tool(logged[4], expected, 4, prefix=PREFIX + "full/")  # the fit end: full
 
 
+@pytest.mark.e2e
 def test_specforge_command_line_refuses_what_it_cannot_do_in_one_line(tmp_path, tiny_cache, tiny_drafter_config,
                                                                       capsys):
     from dflash_cb.common.cli import run

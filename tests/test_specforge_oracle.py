@@ -142,7 +142,7 @@ def test_sliding_window_drafter_matches_specforge_on_every_anchor(tiny_cache, bl
     """A window of 7 with block 6 (the masks agree) and of 3 with block 8 (served, the window also covers the
     block; SpecForge's does not): our specforge/acc is SpecForge's in both. With window 3 the served drafts
     score differently from SpecForge's: the per-depth figures keep the served ones."""
-    from conftest import TINY_MASK
+    from tiny_target import TINY_MASK
 
     from dflash_cb.cache.states import StateCache
 
@@ -161,7 +161,7 @@ def test_sliding_window_drafter_matches_specforge_on_every_anchor(tiny_cache, bl
 def test_bidirectional_drafter_with_reference_tail_blocks_matches_specforge(tmp_path_factory):
     """Shortened tail blocks (``tail_blocks="reference"``) change a bidirectional layer's drafts; SpecForge
     drafts those anchors in full, and so does our specforge/acc. Short completions: most anchors are tail ones."""
-    from conftest import TINY_MASK, build_tiny_cache
+    from tiny_target import TINY_MASK, build_tiny_cache
 
     from dflash_cb.cache.states import StateCache
 
@@ -178,7 +178,7 @@ def test_bidirectional_drafter_with_reference_tail_blocks_matches_specforge(tmp_
 def stopping_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A cache whose completions mostly end at a stop token well before ``max_new_tokens``: the token found
     early in the most greedy completions of the tiny target is made the stop token."""
-    from conftest import build_tiny_cache
+    from tiny_target import build_tiny_cache
 
     from dflash_cb.cache.precompute import PrecomputeArgs, run_precompute
     from dflash_cb.cache.states import StateCache
@@ -197,7 +197,7 @@ def stopping_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_bidirectional_drafter_matches_specforge_where_blocks_are_full(stopping_cache):
-    from conftest import TINY_MASK
+    from tiny_target import TINY_MASK
 
     from dflash_cb.cache.states import StateCache
 
@@ -213,7 +213,7 @@ def test_bidirectional_drafter_matches_specforge_where_blocks_are_full(stopping_
 
 def test_is_causal_drafter_matches_specforge(stopping_cache):
     """``is_causal`` true makes the served full-attention layer causal; SpecForge ignores it (bidirectional)."""
-    from conftest import TINY_MASK
+    from tiny_target import TINY_MASK
 
     from dflash_cb.cache.states import StateCache
 

@@ -1,5 +1,5 @@
 """The cache reader: manifest fields are bound-checked against the shards, hashes are re-checked
-only for files that changed (issue 11, items 7 and 8)."""
+only for files that changed."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def copy_cache(src: Path, dst: Path, edit=None) -> Path:
 
 
 def test_manifest_fields_are_checked_against_the_shard(tiny_cache: Path, tmp_path: Path) -> None:
-    """Item 8: a hand-edited valid_len was trusted (a different tau) or crashed when too large."""
+    """A hand-edited valid_len is refused against the stored target argmax (never trusted, never a crash)."""
     real = StateCache(tiny_cache).entry("p001")
 
     def smaller(m):
@@ -61,7 +61,7 @@ def test_manifest_fields_are_checked_against_the_shard(tiny_cache: Path, tmp_pat
 
 def test_changed_shard_is_hashed_again_unchanged_is_not(tiny_cache: Path, tmp_path: Path,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Item 7: once verified, a shard is hashed again only when its size or mtime changes."""
+    """Once verified, a shard is hashed again only when its size or mtime changes."""
     cache = StateCache(copy_cache(tiny_cache, tmp_path / "cache"))
     hashed: list[str] = []
     real_sha = integrity.sha256_file

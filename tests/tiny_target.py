@@ -206,3 +206,20 @@ def train_briefly(drafter, cache, epochs: int = 6, lr: float = 3e-3, seed: int =
             loss.backward()
             opt.step()
     return drafter.eval()
+
+
+TINY_LAYER_IDS = [0, 2]
+TINY_MASK = 127  # prompts use ids < 120, so the mask token never appears in them
+
+
+def build_tiny_cache(root: Path, n_prompts: int = 6, max_new_tokens: int = 24, prompt_seed: int = 1) -> Path:
+    """Tiny target + prompts + cache under ``root``; returns the cache folder."""
+    from dflash_cb.cache.precompute import PrecomputeArgs, run_precompute
+
+    target = save_tiny_qwen3(root / "target", seed=0)
+    prompts = write_prompts(root / "prompts.jsonl", random_prompts(n_prompts, (5, 10), seed=prompt_seed, vocab=120),
+                            categories=["code", "chat"])
+    out = root / "cache"
+    run_precompute(PrecomputeArgs(target=str(target), prompts=str(prompts), out=str(out), layers=TINY_LAYER_IDS,
+                                  reference="local", dtype="float32", max_new_tokens=max_new_tokens, progress=False))
+    return out

@@ -1,0 +1,65 @@
+"""Test helpers: the command-line tools as the oracle of the live numbers (``tools/eval_drafter.py`` on the
+weights a loop saved at an evaluated step), and small comparisons."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+BUDGETS = [4, 8]
+PREFIX = "dflash_eval/"
+
+
+def same(a: float, b: float) -> bool:
+    """Equal up to float round-off, NaN equal to NaN."""
+    return (math.isnan(a) and math.isnan(b)) or a == pytest.approx(b, rel=1e-12, abs=1e-12)
+
+
+def folder_digest(folder: Path) -> dict[str, str]:
+    """sha256 of every file under ``folder``, by relative path: a folder left as it was has the same digest."""
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(Path(folder).rglob("*")) if p.is_file()}
+
+
+def tool_metrics(cache: Path, drafter_dir: Path, out: Path, light: bool, block_size: int) -> dict[str, Any]:
+    """``tools/eval_drafter.py`` on a saved drafter, with the profile of the live evaluation."""
+    from dflash_cb.integrations import eval_cli
+
+    profile = (["--anchor-stride", str(block_size), "--ddtree-budgets", str(max(BUDGETS))] if light
+               else ["--ddtree-budgets", ",".join(map(str, BUDGETS))])
+    assert eval_cli.main(["--states", str(cache), "--drafter", str(drafter_dir), "--out", str(out), *profile,
+                          "--device", "cpu", "--dtype", "float32"]) == 0
+    return json.loads(out.read_text())["metrics"]
+
+
+def assert_logged_equals_tool(logged: dict[str, float], expected: dict[str, Any], where: Any, prefix: str = PREFIX,
+                              skip: tuple[str, ...] = ()) -> None:
+    from dflash_cb.core.metrics import EVAL_TIME
+
+    assert logged[prefix + "tau"] == expected["tau"], where
+    for k, v in expected.items():
+        if k == EVAL_TIME or k in skip:
+            continue
+        if v is None:  # NaN in results.json, not logged
+            assert prefix + k not in logged, (where, k)
+        else:
+            assert same(logged[prefix + k], v), (where, k, logged[prefix + k], v)
+
+
+def assert_step_equals_tool(cache: Path, drafter_dir: Path, out: Path, logged: dict[str, float], full: bool,
+                            block_size: int, where: Any) -> None:
+    """One evaluated step against the tool on that step's weights: the main keys are the light profile's
+    at every evaluation; a full evaluation's ``full/`` keys are the tool's default (stride 1, every budget).
+    The cost keys describe the pass that ran (the full one at a full evaluation)."""
+    light = tool_metrics(cache, drafter_dir, out.with_suffix(".light.json"), True, block_size)
+    assert_logged_equals_tool(logged, light, where, skip=("anchors_drafted", "anchors_needed") if full else ())
+    if full:
+        exact = tool_metrics(cache, drafter_dir, out.with_suffix(".full.json"), False, block_size)
+        assert_logged_equals_tool(logged, exact, where, prefix=PREFIX + "full/")
+
+
