@@ -185,7 +185,7 @@ class Corrupt(Callback):
 @pytest.mark.e2e
 def test_shard_changed_during_training_is_rehashed_counted_and_stops_after_k(tmp_path, tiny_cache,
                                                                              tiny_drafter_config):
-    """A shard whose bytes change after setup is hashed again (its mtime changed), the
+    """A shard whose bytes change after setup is hashed again (its file identity changed), the
     evaluation fails with the sha256 named, dflash_eval/failed_evaluations counts it, training goes on
     until max_failed_evaluations failures in a row."""
     broken = tmp_path / "cache"

@@ -35,7 +35,7 @@ def count_hashes(monkeypatch) -> list[str]:
 def test_setup_hashes_each_file_once_per_process(tmp_path, tiny_cache, tiny_drafter_config, monkeypatch):
     """Two fits (two callbacks, two StateCaches) on one cache: the first hashes every evaluated shard
     and the head once, although setup, every evaluation and the head load all verify; the second
-    hashes nothing; a shard whose mtime changes is hashed again, alone."""
+    hashes nothing; a shard rewritten since (``integrity.file_identity``) is hashed again, alone."""
     cache = tmp_path / "cache"
     shutil.copytree(tiny_cache, cache)  # a path no other test has verified in this process
     hashed = count_hashes(monkeypatch)

@@ -61,7 +61,7 @@ def test_manifest_fields_are_checked_against_the_shard(tiny_cache: Path, tmp_pat
 
 def test_changed_shard_is_hashed_again_unchanged_is_not(tiny_cache: Path, tmp_path: Path,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Once verified, a shard is hashed again only when its size or mtime changes."""
+    """Once verified, a shard is hashed again only when it changed (``integrity.file_identity``)."""
     cache = StateCache(copy_cache(tiny_cache, tmp_path / "cache"))
     hashed: list[str] = []
     real_sha = integrity.sha256_file
