@@ -73,7 +73,7 @@ def _messages_on_stderr() -> Iterator[None]:
         package.setLevel(level)
 
 
-Main = Callable[[Sequence[str] | None], "int | None"]
+Main = Callable[[Sequence[str] | None], int | None]
 
 
 def run(main: Main, argv: Sequence[str] | None = None) -> int:
