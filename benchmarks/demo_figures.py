@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -57,6 +58,11 @@ def main() -> None:
         note = (f" (the demo itself: `python tools/demo.py --out {args.demo}`, seed {summary['seed']}, "
                 f"{summary['threads']} thread(s))")
         update_docs_table("getting-started.md", "demo", text, note)
+        # The README's picture: the demo's own plot of the live tau, as it drew it.
+        img = Path(__file__).resolve().parents[1] / "docs" / "img" / "demo_tau_over_steps.png"
+        img.parent.mkdir(exist_ok=True)
+        shutil.copyfile(Path(args.demo) / "plots" / "tau_over_steps.png", img)
+        print(f"updated {img}")
 
 
 if __name__ == "__main__":
