@@ -175,17 +175,10 @@ def test_results_schema_round_trip_partition_and_refusals(tmp_path, tiny_cache, 
         assert sum(back.metric(f"{kind}/{b}/cycles") for b in labels) == cycles
         assert sum((r["tau"] or 0) * r["cycles"] for r in rows) / cycles == pytest.approx(back.tau)
 
-    # Version 1 files (tau written twice, DDTree lengths apart) are still read.
-    v1 = {"format": "dflash-cb-results", "version": 1, "tau": back.tau, "metrics": {"tau": back.tau},
-          "samples": [{"id": s.id, "category": s.category, "acceptance_lengths": s.acceptance_lengths}
-                      for s in back.samples],
-          "ddtree": {"4": {"tau": 1.0, "samples": [{"id": s.id, "acceptance_lengths": s.ddtree[4]}
-                                                   for s in back.samples]}},
-          "meta": {"cache_manifest_sha256": cache.manifest_sha256, "ddtree_budgets": [4]}}
-    (tmp_path / "v1.json").write_text(json.dumps(v1))
-    old = load_results(tmp_path / "v1.json", cache)
-    assert [s.ddtree for s in old.samples] == [s.ddtree for s in back.samples] and old.tau == back.tau
-
+    # The development formats before version 3 are refused with the command that writes the file again.
+    (tmp_path / "v1.json").write_text(json.dumps({**raw, "version": 1}))
+    with pytest.raises(ResultsError, match="results version 1, a development format .* rerun tools/eval_drafter.py"):
+        load_results(tmp_path / "v1.json", cache)
     (tmp_path / "v9.json").write_text(json.dumps({**raw, "version": 9}))
     with pytest.raises(ResultsError, match="version 9 is not known"):
         load_results(tmp_path / "v9.json")

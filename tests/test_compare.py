@@ -372,10 +372,10 @@ def test_a_baseline_with_other_tail_blocks_is_warned_about(two_results, tiny_cac
     with pytest.warns(RuntimeWarning, match=r"tail_blocks differ \(this run 'reference', baseline .*first.json "
                                             r"'served'\)"):
         load_measured(a, cache, tail_blocks="reference")
-    old = _edited(a, tmp_path / "old.json", lambda d: (d.__setitem__("version", 2), d["meta"].pop("tail_blocks")))
-    # Written before the choice was recorded: the replay then shortened the tail blocks.
-    assert load_results(old).tail_blocks == "reference"
-    with pytest.warns(RuntimeWarning, match="this run 'served', baseline .*old.json 'reference'"):
+    old = _edited(a, tmp_path / "old.json", lambda d: (d.__setitem__("version", 3), d["meta"].pop("tail_blocks")))
+    # A file that does not say how it replayed the tail blocks is compared with a warning, never silently.
+    assert load_results(old).tail_blocks is None
+    with pytest.warns(RuntimeWarning, match=r"this run 'served', baseline .*old.json \(not recorded\)"):
         load_measured(old, cache, tail_blocks="served")
 
 
@@ -389,9 +389,6 @@ def test_malformed_meta_and_metrics_are_one_line_naming_file_and_field(two_resul
 
     a, b = two_results
 
-    def v1(d):  # the version 1 layout, with its separate per-budget ``ddtree`` as a list
-        d.update(version=1, ddtree=[{"samples": []}])
-
     cases = {
         "int": (lambda d: d["meta"].__setitem__("ddtree_budgets", 32), "meta.ddtree_budgets is 32"),
         "strs": (lambda d: d["meta"].__setitem__("ddtree_budgets", ["16", "x"]), "meta.ddtree_budgets is ['16', 'x']"),
@@ -404,7 +401,7 @@ def test_malformed_meta_and_metrics_are_one_line_naming_file_and_field(two_resul
         "flag": (lambda d: d["metrics"].__setitem__("ddtree/tau_b8", True), "metrics.ddtree/tau_b8 is True"),
         "depth": (lambda d: d["per_depth"].__setitem__("unconditional", ["x"]), "per_depth.unconditional is ['x']"),
         "hist": (lambda d: d["histogram"].__setitem__("two", 3), "histogram entry 'two': 3"),
-        "v1list": (v1, "'ddtree' is [{'samples': []}]"),
+        "v2": (lambda d: d.update(version=2), "results version 2, a development format"),
     }
     cache = StateCache(tiny_cache)
     for name, (edit, needle) in cases.items():

@@ -4,13 +4,11 @@
 - ``tau_request_mean`` / ``accept_length_served`` follow ``dflash.benchmark`` / SGLang's per-request
   ``completion_tokens / spec_verify_ct``; samples without a cycle stay out of both. (That they are equal
   under DDP and in one process, to the bit, is checked by ``tests/test_callback_distributed.py``.)
-- ``results.json`` version 2 (``specforge_sim_tau``) is still read, under today's names.
 - A published figure declares its convention and is stored under the live metric of that convention.
 """
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
@@ -20,7 +18,6 @@ import yaml
 from dflash_cb.core.baselines import load_published
 from dflash_cb.core.metrics import (
     ACCEPT_LENGTH_SERVED,
-    CHAIN_TAU_ESTIMATE,
     SPECFORGE_ACC,
     TAU,
     TAU_REQUEST_MEAN,
@@ -29,7 +26,7 @@ from dflash_cb.core.metrics import (
     ci_low,
     summarize,
 )
-from dflash_cb.core.results import load_results, report_to_results, write_results
+from dflash_cb.core.results import report_to_results
 
 
 @pytest.fixture(scope="module")
@@ -99,28 +96,6 @@ def test_samples_without_a_cycle_stay_out_of_the_request_means():
     assert got[TAU_REQUEST_MEAN] == (1.5 + 4) / 2
     assert got[ACCEPT_LENGTH_SERVED] == (4 / 2 + 5 / 1) / 2  # (1 + tokens) / cycles, SGLang's per request
     assert all(math.isnan(v) for v in request_means([SampleRecord("b", "c", [])]).values())
-
-
-def test_version_2_results_read_under_todays_names(scored, tmp_path):
-    cache, _, report = scored
-    path = tmp_path / "new.json"
-    write_results(report_to_results(report, cache), path)
-    raw = json.loads(path.read_text())
-    assert raw["version"] == 4 and SPECFORGE_ACC in raw["metrics"] and "specforge_sim_tau" not in raw["metrics"]
-    chain = raw["metrics"][CHAIN_TAU_ESTIMATE]
-    # What dflash-cb wrote before this change: version 2, the old name, no per-request means.
-    for k in (TAU_REQUEST_MEAN, ACCEPT_LENGTH_SERVED, SPECFORGE_ACC, CHAIN_TAU_ESTIMATE):
-        raw["metrics"].pop(k)
-    raw["metrics"]["specforge_sim_tau"] = chain
-    raw["version"] = 2
-    old = tmp_path / "old.json"
-    old.write_text(json.dumps(raw))
-    res = load_results(old, cache)
-    assert res.metric(CHAIN_TAU_ESTIMATE) == chain and "specforge_sim_tau" not in res.metrics
-    new = load_results(path, cache)
-    assert res.metric(TAU_REQUEST_MEAN) == new.metric(TAU_REQUEST_MEAN) is not None
-    assert res.metric(ACCEPT_LENGTH_SERVED) == new.metric(ACCEPT_LENGTH_SERVED) is not None
-    assert res.metric(SPECFORGE_ACC) is None  # not recoverable from a version 2 file: absent, not invented
 
 
 def _published(tmp_path, entries):

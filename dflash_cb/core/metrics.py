@@ -26,7 +26,6 @@ SAMPLES = "samples"
 ALL_ANCHOR_TAU = "all_anchor_tau"
 # 1 + sum_k prod_{j<=k} acceptance/depth_j: a chain of independent depths; no peer logs this for DFlash.
 CHAIN_TAU_ESTIMATE = "chain_tau_estimate"
-OLD_CHAIN_TAU_ESTIMATE = "specforge_sim_tau"  # its name in results.json versions 1 and 2
 # SpecForge 0.2.0's DFlash accuracy (train/acc, eval/avg_acc, eval/simulated_acc_len) on the statistics set.
 SPECFORGE_ACC = "specforge/acc"
 # Per-request conventions of published tables (docs/method.md, "Conventions"): means over samples of

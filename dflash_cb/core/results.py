@@ -9,12 +9,11 @@ of samples (``baselines``) or compared sample by sample (``compare``).
 
 Written by ``tools/eval_drafter.py`` and the demo; read back as a baseline by the callback, which
 refuses a baseline measured on another cache (the manifest hash differs), and by
-``tools/compare_results.py``. Version 1 files (before this schema) and version 2 files (before
-``specforge_sim_tau`` became ``chain_tau_estimate`` and the per-request means were added) are still
-read: the old name is renamed and the per-request means are recomputed from the stored samples.
-Version 4 adds each sample's anchor statistics (its offset and integer counts per statistics stride,
-``anchor_statistics``) and ``meta.anchor_seed``; version 3 files are read with none (their anchor
-statistics have no intervals, and their statistics set started every sample at its first anchor).
+``tools/compare_results.py``. Version 4 adds each sample's anchor statistics (its offset and integer
+counts per statistics stride, ``anchor_statistics``) and ``meta.anchor_seed``; version 3 files are read
+with none (their anchor statistics have no intervals, and their statistics set started every sample at
+its first anchor). The development formats before version 3 are refused with the command that writes
+the file again.
 """
 
 from __future__ import annotations
@@ -43,8 +42,6 @@ from .metrics import (
     ANCHOR_STRIDE,
     ANCHORS_DRAFTED,
     ANCHORS_NEEDED,
-    CHAIN_TAU_ESTIMATE,
-    OLD_CHAIN_TAU_ESTIMATE,
     T1_TAU_ESTIMATE,
     TAU,
     AnchorCounts,
@@ -146,14 +143,14 @@ class Results:
 
     @property
     def drafter_path(self) -> str | None:
-        """The scored drafter's path (``meta.drafter``: a dict since version 2, a string before)."""
+        """The scored drafter's path (``meta.drafter``)."""
         d = self.meta.get("drafter")
         path = d.get("path") if isinstance(d, dict) else d
         return str(path) if path else None
 
     @property
     def drafter_step(self) -> int | None:
-        """The scored checkpoint's global step, when known (version 2 and later)."""
+        """The scored checkpoint's global step, when known."""
         d = self.meta.get("drafter")
         return d.get("global_step") if isinstance(d, dict) else None
 
@@ -180,31 +177,26 @@ class Results:
             raise ResultsError(f"{where}: not a dflash-cb results file (format {_get(data, 'format')!r}); "
                                "produce it with tools/eval_drafter.py")
         version = data.get("version")
-        res = None
+        if version in (1, 2):
+            raise ResultsError(f"{where}: results version {version}, a development format this version no longer "
+                               "reads; rerun tools/eval_drafter.py on the drafter to write it again")
+        if version not in (3, RESULTS_VERSION):
+            raise ResultsError(f"{where}: results version {version!r} is not known to dflash-cb {__version__} "
+                               f"(it reads 3 to {RESULTS_VERSION}); upgrade dflash-cb or rerun tools/eval_drafter.py")
         try:
-            if version == 1:
-                res = _from_v1(data)
-            elif version in (2, 3, RESULTS_VERSION):
-                res = cls(dict(data.get("metrics") or {}),
-                          [SampleRecord.from_dict(s) for s in data.get("samples") or []],
-                          dict(data.get("per_depth") or {}), dict(data.get("histogram") or {}),
-                          dict(data.get("meta") or {}), dict(data.get("breakdown") or {}),
-                          dict(data.get("notes") or {}))
-            if res is not None:
-                _check_meta(res.meta, where)
-            block_size = res.block_size if res is not None else None
+            res = cls(dict(data.get("metrics") or {}), [SampleRecord.from_dict(s) for s in data.get("samples") or []],
+                      dict(data.get("per_depth") or {}), dict(data.get("histogram") or {}),
+                      dict(data.get("meta") or {}), dict(data.get("breakdown") or {}), dict(data.get("notes") or {}))
+            _check_meta(res.meta, where)
         except ResultsError:
             raise
         except (KeyError, TypeError, ValueError) as e:
             what = f"missing field {e}" if isinstance(e, KeyError) else str(e)
             raise ResultsError(f"{where}: damaged results file ({what}); rerun "
                                "tools/eval_drafter.py to write it again") from e
-        if res is not None:
-            check_fields(res, where)
-            check_samples(res.samples, block_size, where)
-            return res if version == RESULTS_VERSION else _upgraded(res)  # older files under today's names
-        raise ResultsError(f"{where}: results version {version!r} is not known to dflash-cb {__version__} "
-                           f"(it reads 1 to {RESULTS_VERSION}); upgrade dflash-cb or rerun tools/eval_drafter.py")
+        check_fields(res, where)
+        check_samples(res.samples, res.block_size, where)
+        return res
 
 
 def _lengths(values: Any, sample: Any, what: str = "acceptance_lengths") -> list[int]:
@@ -337,37 +329,6 @@ def _get(data: Any, key: str) -> Any:
 
 def _clean(x: Any) -> Any:
     return None if isinstance(x, float) and not math.isfinite(x) else x
-
-
-def _from_v1(data: dict[str, Any]) -> Results:
-    """Version 1: tau etc. at top level and under ``metrics``, DDTree lengths in a separate list."""
-    ddtree = data.get("ddtree") or {}
-    if not isinstance(ddtree, dict) or not all(isinstance(d, dict) and isinstance(d.get("samples") or [], list)
-                                               for d in ddtree.values()):
-        raise ValueError(f"'ddtree' is {str(ddtree)[:60]}; a version 1 file holds {{budget: {{samples: [...]}}}}")
-    dd = {_budget(b, "(version 1 ddtree)"): {s["id"]: s["acceptance_lengths"] for s in d.get("samples") or []}
-          for b, d in ddtree.items()}
-    samples = [SampleRecord(str(s["id"]), str(s.get("category", "")), _lengths(s["acceptance_lengths"], s["id"]),
-                            {b: _lengths(list(v.get(s["id"], [])), s["id"], f"ddtree {b}") for b, v in dd.items()})
-               for s in data.get("samples") or []]
-    notes = {T1_TAU_ESTIMATE: T1_NOTE} if data.get("t1_tau_estimate") else {}
-    return Results(dict(data.get("metrics") or {}), samples, dict(data.get("per_depth") or {}),
-                   dict(data.get("histogram") or {}), dict(data.get("meta") or {}), {}, notes)
-
-
-def _upgraded(res: Results) -> Results:
-    """A version 1 or 2 file in today's names: ``specforge_sim_tau`` is ``chain_tau_estimate`` (it was never
-    SpecForge's figure), and the per-request means, absent then, come from the stored per-sample lengths."""
-    m = res.metrics
-    # Files written before the choice was recorded come from the one replay there was then, which
-    # shortened the last blocks (today's "reference").
-    res.meta.setdefault("tail_blocks", "reference")
-    if OLD_CHAIN_TAU_ESTIMATE in m:
-        m.setdefault(CHAIN_TAU_ESTIMATE, m.pop(OLD_CHAIN_TAU_ESTIMATE))
-    if res.samples:
-        for name, v in request_means(res.samples).items():
-            m.setdefault(name, _clean(v))
-    return res
 
 
 # -- building ----------------------------------------------------------------------------------
