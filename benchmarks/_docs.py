@@ -6,12 +6,15 @@ what is between with the command that produced it, the machine it ran on and the
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import platform
 import re
 import shlex
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -62,4 +65,23 @@ def update_docs_table(page: str, name: str, table: str, note: str = "") -> None:
     print(f"updated {path} ({name})")
 
 
-__all__ = ["command", "machine", "update_docs_table"]
+@contextlib.contextmanager
+def report_to_docs(enabled: bool, page: str, name: str) -> Iterator[None]:
+    """Print as usual; with ``enabled``, also put everything printed inside as the marked block of the page
+    (a script's plain-text report, verbatim)."""
+    if not enabled:
+        yield
+        return
+    buffer = io.StringIO()
+
+    class Tee(io.TextIOBase):
+        def write(self, text: str) -> int:
+            sys.__stdout__.write(text)
+            return buffer.write(text)
+
+    with contextlib.redirect_stdout(Tee()):
+        yield
+    update_docs_table(page, name, "```text\n" + buffer.getvalue().strip("\n") + "\n```")
+
+
+__all__ = ["command", "machine", "report_to_docs", "update_docs_table"]

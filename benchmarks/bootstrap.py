@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -24,7 +26,16 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=100)
     p.add_argument("--cycles", type=int, default=500)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--update-docs", action="store_true", help="also write the report into docs/performance.md")
     args = p.parse_args()
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _docs import report_to_docs
+
+    with report_to_docs(args.update_docs, "performance.md", "intervals"):
+        report(args)
+
+
+def report(args: argparse.Namespace) -> None:
     rng = np.random.default_rng(0)
     budgets, cats = (16, 32, 64), ("a", "b", "c", "d")
     samples = [SampleRecord(f"s{i}", cats[i % 4], rng.integers(1, 17, args.cycles).tolist(),

@@ -159,12 +159,21 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--cases", default="setup,greedy,ddtree")
     ap.add_argument("--case", default=None, help=argparse.SUPPRESS)  # a child process: run this one case
+    ap.add_argument("--update-docs", action="store_true", help="also write the report into docs/performance.md")
     args = ap.parse_args()
     folder = Path(args.dir)
     p = preset(args.layers)
     if args.case:
         print(json.dumps(run_case(args.case, folder, p, args.device)))
         return
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _docs import report_to_docs
+
+    with report_to_docs(args.update_docs, "performance.md", "memory"):
+        report(args, folder, p)
+
+
+def report(args: argparse.Namespace, folder: Path, p: dict) -> None:
     build(folder, p, args.samples, args.prompt, args.completion)
     rows = []
     for case in args.cases.split(","):

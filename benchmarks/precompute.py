@@ -134,11 +134,20 @@ def main() -> None:
     p.add_argument("--keep", action="store_true", help="keep the work folder (models, caches)")
     p.add_argument("--measure", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
+    p.add_argument("--update-docs", action="store_true", help="also write the report into docs/performance.md")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     if a.measure:
         return measure(a.measure, a.model, a)
-    argv = [x for x in sys.argv[1:] if x != "--keep"]
+    argv = [x for x in sys.argv[1:] if x not in ("--keep", "--update-docs")]
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _docs import report_to_docs
+
+    with report_to_docs(a.update_docs, "performance.md", "precompute"):
+        report(a, argv)
+
+
+def report(a: argparse.Namespace, argv: list[str]) -> None:
 
     from dflash_cb.cache.precompute import PrecomputeArgs, matmul_gflops, run_precompute
     from dflash_cb.cache.precompute.compute_dtype import activation_bytes
