@@ -1,15 +1,22 @@
-"""The README, the shipped config and the tools' --help say the same thing."""
+"""The README and the pages under docs/: one screen of README, every page rendered and linked, every figure
+from the script that measures it, the same figure quoted the same way everywhere, no internal history,
+and the tools' --help consistent with them."""
 
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
+PAGES = {p.name: p.read_text() for p in sorted((ROOT / "docs").glob("*.md"))}
 CONFIG = (ROOT / "configs" / "precompute" / "qwen36-27b.yaml").read_text()
+EVERYTHING = README + "".join(PAGES.values())
 
 
 def tool_help(main, capsys, *argv: str) -> str:
@@ -31,29 +38,64 @@ def test_help_texts_print_percent_signs_once(capsys):
         assert "%%" not in tool_help(main, capsys), main
 
 
-def test_the_demo_figures_are_quoted_the_same_everywhere():
-    # tau 3.094 at step 1200 has one interval, the one the demo prints for seed 0
-    assert set(re.findall(r"3\.094 \[(\d\.\d\d), (\d\.\d\d)\]", README)) == {("2.77", "3.44")}
-    assert "2.95" not in README and "3.24" not in README
-    # the DDTree figure 4.375 is the budget-32 column of the demo's table
-    header = re.search(r"step +tau \[95% interval\] +(dd@\d+) +(dd@\d+)", README)
-    last = re.search(r"1200 +3\.094 \[2\.77, 3\.44\] +([\d.]+) +([\d.]+)", README)
-    assert header and last
-    budget_of = {v: h.split("@")[1] for h, v in zip(header.groups(), last.groups(), strict=True)}
-    assert budget_of["4.375"] == "32"
-    assert set(re.findall(r"DDTree b(\d+) 4\.375", README)) == {"32"}
-    assert set(re.findall(r"4\.375 at budget (\d+)", README)) == {"32"}
+def test_readme_is_one_screen_with_the_two_commands_first():
+    lines = README.splitlines()
+    assert len(lines) <= 200 and max(len(x) for x in lines) <= 400
+    first = re.search(r"```bash\n(.*?)```", README, re.S)
+    assert first and first.group(1).split("\n")[:2] == ["python dev.py demo", "python dev.py test"]
+    assert README[:first.end()].count("\n") < 30
+
+
+def test_every_page_is_in_the_nav_and_every_relative_link_resolves():
+    import yaml
+
+    nav = yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"]
+    listed = {next(iter(item.values())) for item in nav}
+    assert listed == set(PAGES), (sorted(set(PAGES) - listed), sorted(listed - set(PAGES)))
+    for name, text in [("README.md", README), *PAGES.items()]:
+        base = ROOT if name == "README.md" else ROOT / "docs"
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text):
+            if "://" in target:
+                continue
+            assert (base / target).exists(), f"{name}: link to {target} does not resolve"
+
+
+def test_tables_are_the_measuring_scripts_and_none_is_empty():
+    """A marked table is written by the script it names (``benchmarks/_docs.py``), with its machine."""
+    blocks = re.findall(r"<!-- table:([\w-]+) -->\n(.*?)<!-- /table:\1 -->", "".join(PAGES.values()), re.S)
+    assert len(blocks) >= 5
+    for name, body in blocks:
+        assert body.startswith("Measured with `python benchmarks/"), (name, body[:120])
+        assert " on " in body.split("\n")[0] and ("|" in body or "```" in body), name
+
+
+def test_no_internal_history():
+    for pattern in (r"\bissue \d+", r"the issue's", r"today's", r"git (archive|checkout|worktree add)\S* [0-9a-f]{7}"):
+        assert not re.search(pattern, EVERYTHING, re.I), pattern
+
+
+def test_a_demo_figure_is_quoted_with_its_own_interval_everywhere():
+    """Every ``tau T [lo, hi]`` quoted in the docs is the demo's own (the generated table holds it)."""
+    table = re.search(r"<!-- table:demo -->(.*?)<!-- /table:demo -->", PAGES["getting-started.md"], re.S)
+    assert table
+    measured = set(re.findall(r"(\d\.\d{3}) \[(\d\.\d\d), (\d\.\d\d)\]", table.group(1)))
+    quoted = set(re.findall(r"tau (\d\.\d{3}) \[(\d\.\d\d), (\d\.\d\d)\]", EVERYTHING))
+    assert measured and quoted <= measured, sorted(quoted - measured)
 
 
 def test_float32_weights_and_the_dtype_probe_are_stated_once():
-    float32_gb = {int(x) for x in re.findall(r"(\d+) GB (?:of )?float32", README + CONFIG)}
+    float32_gb = {int(x) for x in re.findall(r"(\d+) GB (?:of )?float32", EVERYTHING + CONFIG)}
     float32_gb |= {int(x) for x in re.findall(r"(\d+) GB fit in memory", CONFIG)}
-    assert float32_gb == {round(27e9 * 4 / 1e9)}  # README: N = 27e9 parameters, 4 bytes each
-    assert "about a second)" not in CONFIG and "0.2 s" in CONFIG and "0.2 s here" in README
+    assert float32_gb == {round(27e9 * 4 / 1e9)}  # 27e9 parameters, 4 bytes each
+    assert "0.2 s" in CONFIG and "0.2 s" in PAGES["precompute.md"]
 
 
-def test_no_unclear_or_wrong_claims():
-    assert "bootstrap is present" not in README
-    # a cache holds no block size: the README must not list it among the fields compared with the cache
-    for listing in re.findall(r"compares the cache with the drafter's config \(([^)]*)\)", README, re.S):
-        assert "block size" not in listing.split(";")[0], listing
+@pytest.mark.e2e
+def test_the_pages_build_strict(tmp_path):
+    """``mkdocs build --strict``: a broken link, a missing anchor or a page left out of the nav fails."""
+    mkdocs = shutil.which("mkdocs")
+    cmd = [mkdocs] if mkdocs else [sys.executable, "-m", "mkdocs"]
+    r = subprocess.run([*cmd, "build", "--strict", "--site-dir", str(tmp_path / "site")], cwd=ROOT,
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert (tmp_path / "site" / "metrics" / "index.html").exists()
