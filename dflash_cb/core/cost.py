@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..common.arguments import int_at_least
+
 
 @dataclass(frozen=True)
 class DrafterShape:
@@ -122,28 +124,50 @@ def evaluation_cost(shape: DrafterShape, samples: Sequence[tuple[int, int]], tau
     return EvalCost(anchors, gflop, attention)
 
 
+@dataclass(frozen=True)
+class MemoryLimits:
+    """What one evaluation may hold at once besides the weights (``engine.evaluate``; ``memory_bound``).
+
+    ``context_bytes``: context K/V of the samples evaluated together (one *wave*); ``max_blocks``: blocks
+    per drafter pass (the token-wise activations); ``attn_bytes``: the temporaries of one attention call
+    and of one batch of context features being projected; ``head_bytes``: every vocabulary-sized tensor
+    (the head's logits).
+    """
+
+    attn_bytes: int = 512 << 20
+    head_bytes: int = 512 << 20
+    context_bytes: int = 4 << 30
+    max_blocks: int = 1024
+
+    def __post_init__(self) -> None:
+        for name in ("attn_bytes", "head_bytes", "context_bytes", "max_blocks"):
+            int_at_least(f"MemoryLimits.{name}", getattr(self, name), 1)
+
+
+DEFAULT_LIMITS = MemoryLimits()
+
+
 def memory_bound(shape: DrafterShape, context_tokens: int, *, weight_itemsize: int, head_itemsize: int,
-                 state_itemsize: int, tied: bool = False, head_mem_bytes: int = 512 << 20,
-                 attn_mem_bytes: int = 512 << 20, max_blocks: int = 1024) -> dict[str, int]:
+                 state_itemsize: int, tied: bool = False, limits: MemoryLimits = DEFAULT_LIMITS) -> dict[str, int]:
     """Bytes an evaluation holds at most, by part (the engine's memory model, ``engine.evaluate``):
 
     - ``weights``: the drafter's matmul weights;
     - ``head``: the target's embedding and output head, [vocab, hidden] each (one when tied), in the
       dtype the head computes in;
     - ``context``: context K/V of the samples evaluated together (``context_tokens`` positions,
-      bounded by ``context_mem_bytes``);
-    - ``activations``: the token-wise pass of ``max_blocks`` blocks (MLP input, gate and up);
-    - ``head_logits`` and ``attention``: the chunked temporaries, ``head_mem_bytes`` and
-      ``attn_mem_bytes``.
+      bounded by ``limits.context_bytes``);
+    - ``activations``: the token-wise pass of ``limits.max_blocks`` blocks (MLP input, gate and up);
+    - ``head_logits`` and ``attention``: the chunked temporaries, ``limits.head_bytes`` and
+      ``limits.attn_bytes``.
     """
-    b = max_blocks * shape.block_size
+    b = limits.max_blocks * shape.block_size
     return {
         "weights": shape.weight_params * weight_itemsize,
         "head": (1 if tied else 2) * shape.vocab * shape.hidden * head_itemsize,
         "context": context_tokens * shape.kv_bytes_per_position(state_itemsize),
         "activations": b * (3 * shape.intermediate + 4 * shape.hidden) * state_itemsize,
-        "head_logits": head_mem_bytes,
-        "attention": attn_mem_bytes,
+        "head_logits": limits.head_bytes,
+        "attention": limits.attn_bytes,
     }
 
 
