@@ -5,8 +5,9 @@ run, a data loader, a second evaluation) its threads wait on each other: on a 2-
 other busy process the same greedy evaluation took 1.1 s, 6.8 s and 37.9 s with two threads and under
 0.9 s with one (docs/performance.md). So the default is the cores *this process may use*
 (``os.sched_getaffinity``: a ``taskset``, a container's CPU set or a scheduler's allocation), at most one
-per physical core (hyper-threads share a core's arithmetic units). Pure but for reading the machine's
-topology; torch is imported only to apply the setting.
+per physical core (hyper-threads share a core's arithmetic units), and at most ``OMP_NUM_THREADS`` when
+that is set (the variable a user or a launcher sets to say how many threads a process gets; torch reads
+it too). Pure but for reading the machine's topology; torch is imported only to apply the setting.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from pathlib import Path
 
 from .arguments import parse_int
 
-THREADS_HELP = ("CPU threads for torch (default: the cores this process may use, at most one per physical core; "
-                "use 1 when other jobs share the machine)")
+THREADS_HELP = ("CPU threads for torch (default: the cores this process may use, at most one per physical core "
+                "and at most OMP_NUM_THREADS; use 1 when other jobs share the machine)")
 
 
 def usable_cpus() -> list[int]:
@@ -42,10 +43,14 @@ def physical_cores(cpus: list[int]) -> int | None:
 
 
 def default_threads() -> int:
-    """The cores this process may use, capped at the physical cores they cover."""
+    """The cores this process may use, capped at the physical cores they cover and at ``OMP_NUM_THREADS``."""
     cpus = usable_cpus()
     physical = physical_cores(cpus)
-    return max(1, min(len(cpus), physical) if physical else len(cpus))
+    n = min(len(cpus), physical) if physical else len(cpus)
+    omp = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if omp.isdigit() and int(omp) > 0:
+        n = min(n, int(omp))
+    return max(1, n)
 
 
 def parse_threads(text: str | None, option: str = "--threads") -> int:

@@ -45,7 +45,7 @@ from ..common import arguments as check
 from ..common.errors import DFlashCBError
 from ..common.timing import NO_TIMER, PhaseTimer
 from .anchor_sets import DEFAULT_ANCHOR_SEED, check_anchor_offsets, offsets_for, strided
-from .cost import DEFAULT_LIMITS, MemoryLimits
+from .cost import COST_GROUPS, DEFAULT_LIMITS, MemoryLimits
 from .ddtree import ddtree_accepted
 from .metrics import TAU, AnchorCounts, EvalCounts, summarize
 from .model import (
@@ -79,6 +79,19 @@ _HEAD_ROWS = 16
 LOAD, CONTEXT, FORWARD, HEAD, DDTREE, WALK, STATISTICS = (
     "load", "context K/V", "drafter forward", "head", "DDTree", "replay walk", "statistics")
 PHASES = (LOAD, CONTEXT, FORWARD, HEAD, DDTREE, WALK, STATISTICS)
+# The cost group of each phase (``cost.COST_GROUPS``): what ``cost.Calibration`` measures apart.
+PHASE_GROUPS = {LOAD: "other", CONTEXT: "drafter", FORWARD: "drafter", HEAD: "drafter", DDTREE: "ddtree",
+                WALK: "other", STATISTICS: "other"}
+
+
+def group_seconds(phases: Mapping[str, float], total: float) -> dict[str, float]:
+    """An evaluation's seconds per cost group from its phase timer's seconds; what no phase timed (checks,
+    setup) counts as "other", so the groups sum to ``total``."""
+    out = dict.fromkeys(COST_GROUPS, 0.0)
+    for name, seconds in phases.items():
+        out[PHASE_GROUPS.get(name, "other")] += seconds
+    out["other"] += max(0.0, total - sum(phases.values()))
+    return out
 
 
 # ---------------------------------------------------------------------------
@@ -340,6 +353,21 @@ def _ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     return torch.repeat_interleave(starts - firsts, lengths, output_size=total) + torch.arange(total)
 
 
+@dataclass(frozen=True)
+class _Plan:
+    """What every wave of one evaluation shares."""
+
+    strides: tuple[int, ...]  # the statistics strides: ``anchor_stride`` first, then the extra ones
+    offsets: dict[int, dict[str, int]]  # per stride: each sample's offset (``anchor_sets``)
+    walks: int  # per sample: the greedy walk, then one per DDTree budget
+    depths: int  # drafted depths of a full block (block size - 1)
+    keep_drafts: bool
+    draft_all: bool  # the first round drafts every anchor (``evaluate(draft_all=True)``)
+    stop_token_ids: tuple[int, ...]
+    device: torch.device
+    verify: bool
+
+
 @dataclass
 class _TokenTables:
     """A wave's token tables on the compute device, where blocks are scored (``_Wave``)."""
@@ -366,9 +394,10 @@ class _Wave:
 
     def __init__(self, ids: list[str], entries: list[SampleEntry], bounds: list[SampleBounds],
                  tokens: list[torch.Tensor], topk: list[tuple[torch.Tensor, torch.Tensor] | None], context: Any,
-                 stop_token_ids: Sequence[int], strides: tuple[int, ...], offsets: list[tuple[int, ...]],
-                 n_walks: int, depths: int, keep_drafts: bool, device: torch.device):
-        self.ids, self.entries, self.bounds, self.context, self.offsets = ids, entries, bounds, context, offsets
+                 plan: _Plan):
+        self.ids, self.entries, self.bounds, self.context = ids, entries, bounds, context
+        strides, stop_token_ids, device, depths = plan.strides, plan.stop_token_ids, plan.device, plan.depths
+        self.offsets = [tuple(plan.offsets[k][i] for k in strides) for i in ids]
         self.has_topk = [t is not None for t in topk]
         self.has_stops = bool(stop_token_ids)
         lens = [t.shape[0] for t in tokens]
@@ -389,21 +418,22 @@ class _Wave:
         self.slot_sample = torch.repeat_interleave(torch.arange(len(ids)), n_slots, output_size=slots)
         self.slot_index = torch.arange(slots) - self.slot_start[self.slot_sample]  # anchor - prompt_len
         self.slot_anchor = self.slot_index + self.prompt_len[self.slot_sample]
-        self.stat_offsets = torch.tensor(offsets, dtype=torch.long).view(len(ids), len(strides))
+        self.stat_offsets = torch.tensor(self.offsets, dtype=torch.long).view(len(ids), len(strides))
         self.strides = strides
         self.stats = torch.zeros(slots, dtype=torch.bool)  # the union of the statistics sets
         for k, stride in enumerate(strides):
             self.stats |= self.in_set(k, stride)
-        self.produced = torch.full((slots, n_walks), -1, dtype=torch.long)
+        self.produced = torch.full((slots, plan.walks), -1, dtype=torch.long)
         self.correct = torch.zeros(slots, dtype=torch.long)  # greedy leading matches before any cut
         # Per statistics slot: accepted, produced and per depth valid, match, SpecForge match; t1.
         self.stat_table = torch.zeros((slots, 2 + 3 * depths), dtype=torch.int16)
         self.t1 = torch.zeros(slots, dtype=torch.float64)
-        self.drafts = torch.zeros((slots, depths), dtype=torch.long) if keep_drafts else None
-        self.draft_depths = torch.zeros(slots, dtype=torch.long) if keep_drafts else None
+        self.drafts = torch.zeros((slots, depths), dtype=torch.long) if plan.keep_drafts else None
+        self.draft_depths = torch.zeros(slots, dtype=torch.long) if plan.keep_drafts else None
         self.visited = torch.zeros(slots, dtype=torch.bool)
         self.drafted = torch.zeros(len(ids), dtype=torch.long)  # per sample: distinct anchors drafted
-        self.walks = _Walks(self, n_walks)
+        self.walks = _Walks(self, plan.walks)
+        self.draft_all = plan.draft_all
 
     @property
     def slots(self) -> int:
@@ -416,7 +446,10 @@ class _Wave:
 
     def requests(self, first: bool) -> torch.Tensor:
         """The slots to draft this round, in (sample, anchor) order: every live walk's anchor and its lookahead
-        (``_Walks.window``), and in the first round the statistics sets; less what is drafted already."""
+        (``_Walks.window``), and in the first round the statistics sets (every anchor with ``draft_all``); less
+        what is drafted already."""
+        if first and self.draft_all:
+            return torch.arange(self.slots)
         want = self.stats.clone() if first else torch.zeros(self.slots, dtype=torch.bool)
         w = self.walks
         live = ~w.done
@@ -527,17 +560,27 @@ def _topk_table(topk: list[tuple[torch.Tensor, torch.Tensor] | None], lens: list
     return torch.cat(ids).to(device), torch.cat(lps).to(device)
 
 
+# A walk whose drafts so far commit one token at least this often drafts ahead (``_grow``).
+WEAK_SHARE = 0.9
+
+
+def lookahead_cap(block_size: int) -> int:
+    """The most anchors a walk drafts ahead in one round."""
+    return 8 * block_size
+
+
 def _grow(window: torch.Tensor, one_token_share: torch.Tensor, consumed: torch.Tensor, cap: int) -> torch.Tensor:
     """Next lookahead of each walk: anchors drafted from its position on (itself included).
 
     A walk at p visits p + 1 only if its cycle at p produces one token. When the sample's drafts so
-    far say that is nearly certain for this kind of walk (a one-token share of at least 0.9) and
+    far say that is nearly certain for this kind of walk (a one-token share of at least ``WEAK_SHARE``) and
     the walk used its whole window last round (every cycle in it produced one token), the window
     doubles; otherwise it is 1: only the anchor the walk needs. So a weak drafter (tau ~ 1) gets a few large
     rounds instead of one round per cycle, while a useful drafter never drafts an anchor it may skip
     (``anchors_drafted / anchors_needed`` stays near 1).
     """
-    return torch.where(consumed & (one_token_share >= 0.9), (2 * window).clamp(max=cap), torch.ones_like(window))
+    return torch.where(consumed & (one_token_share >= WEAK_SHARE), (2 * window).clamp(max=cap),
+                       torch.ones_like(window))
 
 
 class _Walks:
@@ -781,6 +824,7 @@ class EvalReport:
     # How ``specforge/acc`` was computed: "" when SpecForge's masks are the served ones; else why they
     # differ and that it had its own pass, or was left out (``SPECFORGE_OWN_PASS`` / ``SPECFORGE_LEFT_OUT``).
     specforge_note: str = ""
+    passes: int = 0  # drafter passes made (rounds of every wave, at most max_blocks blocks each)
 
     @property
     def summary(self) -> dict[str, float]:
@@ -893,7 +937,7 @@ def evaluate(cache: StateCache, drafter: Any, head: TargetHead | None = None, *,
              progress: bool = False, limits: MemoryLimits = DEFAULT_LIMITS, keep_drafts: int = 0,
              tail_blocks: str = "served", block_size: int | None = None, anchor_seed: int = DEFAULT_ANCHOR_SEED,
              extra_anchor_strides: Sequence[int] = (), anchor_offsets: Mapping[str, int] | None = None,
-             timer: PhaseTimer | None = None) -> EvalReport:
+             draft_all: bool = False, timer: PhaseTimer | None = None) -> EvalReport:
     """Score ``drafter`` on ``cache``: exact greedy replay, DDTree per budget, anchor statistics.
 
     ``anchor_stride`` picks the anchor-statistics set (per-depth acceptance, ``specforge/acc``,
@@ -913,8 +957,12 @@ def evaluate(cache: StateCache, drafter: Any, head: TargetHead | None = None, *,
     "reference" shortens the last blocks, as ``dflash_generate`` (docs/method.md, "Tail blocks").
     ``block_size`` (``replay.check_block_size``: 2 .. the drafter's, None = the drafter's) is the block
     every cycle drafts, as a server started with a smaller block does; the tail rules and the
-    per-depth statistics follow it (``EvalReport.block_size``). ``timer`` (``common.timing.PhaseTimer``)
-    collects the seconds of each phase (``PHASES``).
+    per-depth statistics follow it (``EvalReport.block_size``). ``draft_all``: the first round drafts every
+    anchor, as stride 1 does, whatever the statistics stride: one round instead of one per cycle, cheaper when
+    the walks would draft most anchors anyway (a weak drafter) or a pass costs more than the blocks it
+    spares (few samples; ``cost.draft_all_is_cheaper`` decides for the live evaluator). Only what is drafted
+    changes, never a figure. ``timer`` (``common.timing.PhaseTimer``) collects the seconds of each phase
+    (``PHASES``).
 
     The head runs in its own dtype: a head loaded here (``head`` None) is read in the compute dtype
     (``autocast_dtype``, else the drafter's), so a bf16 evaluation never holds a float32 head; a
@@ -972,6 +1020,8 @@ def evaluate(cache: StateCache, drafter: Any, head: TargetHead | None = None, *,
     categories = cache.categories
     manifest = cache.manifest
     offsets = {s: offsets_for(ids, s, anchor_seed, anchor_offsets if s == anchor_stride else None) for s in strides}
+    plan = _Plan(strides, offsets, 1 + len(budgets), block - 1, keep_drafts > 0, bool(draft_all),
+                 tuple(manifest.stop_token_ids), device, verify)
     scorer = _Scorer(runner, head, drafting_spec, budgets, limits.head_bytes, tail_blocks, specforge,
                      keep_drafts > 0, timer)
     state_dtype = autocast_dtype or runner.dtype
@@ -981,14 +1031,14 @@ def evaluate(cache: StateCache, drafter: Any, head: TargetHead | None = None, *,
 
         bar = tqdm(total=len(ids), desc="evaluating", unit="sample")
     results: dict[str, SampleResult] = {}
+    passes = 0
     with torch.no_grad(), autocast_context(device, autocast_dtype):
         for wave_ids in _waves(cache, ids, runner, state_dtype, limits.context_bytes):
-            wave = _load_wave(cache, wave_ids, runner, manifest, strides, offsets, len(budgets), block - 1, device,
-                              verify, keep_drafts > 0, timer)
+            wave = _load_wave(cache, wave_ids, runner, plan, timer)
             first = True
             while True:
                 with timer.phase(WALK):
-                    wave.walks.advance(8 * block)
+                    wave.walks.advance(lookahead_cap(block))
                     slots = wave.requests(first)
                 first = False
                 if not slots.numel():
@@ -996,6 +1046,7 @@ def evaluate(cache: StateCache, drafter: Any, head: TargetHead | None = None, *,
                 for i in range(0, slots.numel(), limits.max_blocks):
                     chunk = slots[i:i + limits.max_blocks]
                     scored = scorer.score(wave, chunk)
+                    passes += 1
                     with timer.phase(WALK):
                         wave.record(chunk, scored)
             with timer.phase(STATISTICS):
@@ -1011,20 +1062,19 @@ def evaluate(cache: StateCache, drafter: Any, head: TargetHead | None = None, *,
         # In sample order, from per-sample integers: the counts do not depend on waves, rounds or ranks.
         counts = summed_counts(samples, block, budgets, categories, anchor_stride)
     return EvalReport(counts, samples, time.perf_counter() - start, spec, budgets, anchor_stride, tail_blocks,
-                      str(head.lm_head.dtype).removeprefix("torch."), anchor_seed, strides[1:], note)
+                      str(head.lm_head.dtype).removeprefix("torch."), anchor_seed, strides[1:], note, passes)
 
 
-def _load_wave(cache: StateCache, ids: list[str], runner: DraftRunner, manifest: Manifest, strides: tuple[int, ...],
-               offsets: dict[int, dict[str, int]], n_budgets: int, depths: int, device: torch.device, verify: bool,
-               keep_drafts: bool, timer: Any) -> _Wave:
+def _load_wave(cache: StateCache, ids: list[str], runner: DraftRunner, plan: _Plan, timer: Any) -> _Wave:
     """Read a wave's samples (each shard opened once) and build its drafter state as they arrive."""
+    manifest, device = cache.manifest, plan.device
     entries = [cache.entry(i) for i in ids]
     # Block at p sees context rows [0, p): the last anchor bounds the rows any block needs.
     rows = [e.prompt_len + n - 1 if n else 0 for e, n in ((e, anchor_count(e, manifest)) for e in entries)]
     bounds, tokens, topk = [], [], []
 
     def features() -> Iterator[torch.Tensor]:
-        with contextlib.closing(cache.load_many(ids, verify=verify)) as samples:
+        with contextlib.closing(cache.load_many(ids, verify=plan.verify)) as samples:
             for r in rows:
                 with timer.phase(LOAD):
                     sample = next(samples)
@@ -1038,6 +1088,4 @@ def _load_wave(cache: StateCache, ids: list[str], runner: DraftRunner, manifest:
     with timer.phase(CONTEXT):
         context = runner.context(features(), rows)
     with timer.phase(WALK):
-        return _Wave(ids, entries, bounds, tokens, topk, context, manifest.stop_token_ids, strides,
-                     [tuple(offsets[s][i] for s in strides) for i in ids], 1 + n_budgets, depths, keep_drafts,
-                     device)
+        return _Wave(ids, entries, bounds, tokens, topk, context, plan)

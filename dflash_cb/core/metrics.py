@@ -53,6 +53,11 @@ EVAL_STEP = "step"
 STEP_KEY = "trainer/global_step"
 
 
+# The seconds the evaluation was predicted to take before it ran (``cost.SecondsPredictor``: calibrated by the
+# evaluations measured before it), logged beside its measured ``eval_time_s``.
+PREDICTED_SECONDS = "predicted/seconds"
+
+
 def predicted_anchors(kind: str) -> str:
     """Anchors one ``kind`` ("periodic" / "full") evaluation is expected to draft (``cost.evaluation_cost``)."""
     return f"predicted/{kind}_anchors"
