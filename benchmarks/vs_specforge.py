@@ -17,7 +17,9 @@ Four passes over the same samples, repeated ``--reps`` times with the four inter
   tau and every anchor statistic at every anchor, the intervals and breakdowns (``results.report_to_results``)
   and results.json written. By anchors drafted it does SpecForge's drafter work (one block per anchor).
 - **light**: the live evaluator's periodic evaluation: statistics every ``--light-stride`` anchors (default:
-  the block size), the largest ``--budgets``, and its intervals (``compare.live_metrics``).
+  the block size), the largest ``--budgets``, and its intervals (``compare.live_metrics``); whether it drafts
+  every anchor at once is decided as the evaluator decides it (``cost.draft_all_is_cheaper``, from the taus of
+  the evaluation before it: here one full evaluation before the clock starts).
 - **full**: its full evaluation: stride 1 and every budget, with the light stride's statistics from the same
   pass (``extra_anchor_strides``) and the intervals of both.
 
@@ -110,8 +112,20 @@ class Ours:
         self.cache, self.drafter, self.device, self.out = cache, drafter, device, out
         self.budgets, self.light_stride = budgets, light_stride
         self.engine = engine
-        self.timed = "timer" in inspect.signature(engine.evaluate).parameters
-        self.extra = "extra_anchor_strides" in inspect.signature(engine.evaluate).parameters
+        params = inspect.signature(engine.evaluate).parameters
+        self.timed, self.extra = "timer" in params, "extra_anchor_strides" in params
+        self.light_kw: dict[str, Any] = {}
+        if "draft_all" in params:  # decided as the live evaluator does, from the taus it last measured
+            from dflash_cb.core.cost import DrafterShape, draft_all_is_cheaper
+            from dflash_cb.core.metrics import ddtree_tau
+
+            spec = drafter.spec
+            shape = DrafterShape.of(drafter.config, spec.block_size, len(spec.target_layer_ids) * spec.target_hidden_size)
+            last = engine.evaluate(cache, drafter, None, device=device, budgets=budgets, anchor_stride=1)
+            samples = [(e.prompt_len, e.valid_len - e.prompt_len) for e in cache.samples]
+            self.light_kw["draft_all"] = draft_all_is_cheaper(
+                shape, samples, last.tau, budgets[-1:], light_stride, {b: last.summary[ddtree_tau(b)] for b in budgets},
+                state_itemsize=drafter.fc.weight.element_size())
 
     def _timer(self) -> Any:
         if not self.timed:
@@ -147,7 +161,7 @@ class Ours:
 
         timer = self._timer()
         budgets = self.budgets[-1:]
-        report = self._evaluate(timer, budgets=budgets, anchor_stride=self.light_stride)
+        report = self._evaluate(timer, budgets=budgets, anchor_stride=self.light_stride, **self.light_kw)
         with self._phase(timer, "bootstrap"):
             live_metrics(report.samples, budgets, self.cache.categories, anchor_stride=self.light_stride)
         return report, timer
@@ -212,7 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     checks: dict[str, Any] = {}
     print(f"dflash_cb {Path(dflash_cb.__file__).parent}  device {device}  threads {torch.get_num_threads()}  "
           f"cache {states} ({len(cache.samples)} samples)  block {drafter.spec.block_size}  light: stride "
-          f"{light_stride}, budget {budgets[-1:]}  full: stride 1, budgets {list(budgets)}", flush=True)
+          f"{light_stride}, budget {budgets[-1:]}"
+          + (f", every anchor at once: {ours.light_kw['draft_all']}" if ours.light_kw else "")
+          + f"  full: stride 1, budgets {list(budgets)}", flush=True)
     with torch.no_grad():
         runs["SpecForge"]()  # warm-up: first calls allocate and pick kernels
         ours.greedy()
