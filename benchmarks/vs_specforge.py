@@ -75,26 +75,13 @@ def _sync(device: Any) -> Callable[[], None] | None:
 
 def specforge_pass(cache: Any, drafter: Any, device: Any) -> Callable[[], dict[str, float]]:
     """SpecForge's evaluation pass, ready to run: its model and batches are built here, outside the clock."""
-    import torch
-    from specforge.algorithms.common.dflash_family_model import OnlineDFlashModel
     from specforge.eval.evaluator import Evaluator
-    from specforge.modeling.draft.dflash import DFlashDraftModel
     from specforge.training.strategies.base import DFlashTrainStrategy
-    from transformers import Qwen3Config
 
-    from dflash_cb.integrations.specforge_data import train_batches
+    from dflash_cb.integrations.specforge_data import dflash_objective, train_batches
 
-    cfg = Qwen3Config(**drafter.config.to_dict())
-    cfg._attn_implementation = "sdpa"
-    sf_drafter = DFlashDraftModel(cfg).eval()
-    sf_drafter.load_state_dict(drafter.state_dict())
-    head = cache.load_head()
-    lm_head = torch.nn.Linear(head.lm_head.shape[1], head.lm_head.shape[0], bias=False)
-    lm_head.weight.data.copy_(head.lm_head)
-    embed = torch.nn.Embedding.from_pretrained(head.embed_tokens.clone())
     longest = max(e.total_len for e in cache.samples)
-    model = OnlineDFlashModel(sf_drafter, lm_head, embed, drafter.spec.mask_token_id, block_size=drafter.spec.block_size,
-                              attention_backend="sdpa", num_anchors=longest).eval().to(device)
+    model = dflash_objective(drafter.config.to_dict(), drafter.state_dict(), cache.load_head(), longest).to(device)
     batches = train_batches(cache)
     for b in batches:
         b.tensors = {k: v.to(device) for k, v in b.tensors.items()}

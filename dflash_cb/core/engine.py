@@ -285,12 +285,12 @@ def apply_head(hidden: torch.Tensor, lm_head: torch.Tensor, spec: DrafterSpec, k
     vocab = lm_head.shape[0]
     rows = head_rows(vocab, mem_bytes)
     k = min(k, vocab)
-    am, ids, lps, ovl = [], [], [], []
+    argmaxes, ids, lps, ovl = [], [], [], []
     hidden = hidden.to(lm_head.dtype)
     for i in range(0, n, rows):
         with torch.autocast(hidden.device.type, enabled=False):
             logits = draft_logits(hidden[i:i + rows], lm_head, spec)
-        am.append(logits.argmax(dim=-1))
+        argmaxes.append(logits.argmax(dim=-1))
         if k > 0 or target_topk is not None:
             lse = torch.logsumexp(logits, dim=-1, keepdim=True)
         if k > 0:
@@ -304,7 +304,8 @@ def apply_head(hidden: torch.Tensor, lm_head: torch.Tensor, spec: DrafterSpec, k
             ovl.append(torch.where(t_ids >= 0, torch.minimum(p, q), torch.zeros_like(p)).sum(-1))
         del logits
     cat = torch.cat
-    return HeadOutputs(cat(am), cat(ids) if ids else None, cat(lps) if lps else None, cat(ovl) if ovl else None)
+    return HeadOutputs(cat(argmaxes), cat(ids) if ids else None, cat(lps) if lps else None,
+                       cat(ovl) if ovl else None)
 
 
 # ---------------------------------------------------------------------------
@@ -468,7 +469,7 @@ class _Wave:
         self.correct[slots] = scored.accepted.cpu()
         sample = self.slot_sample[slots]
         self.drafted.index_add_(0, sample, torch.ones_like(sample))
-        self.walks.ones.index_add_(0, sample, (table == 1).long())
+        self.walks.one_token.index_add_(0, sample, (table == 1).long())
         if self.drafts is not None and self.draft_depths is not None:
             self.drafts[slots] = scored.argmax.cpu()
             self.draft_depths[slots] = scored.depths.cpu()
@@ -604,7 +605,7 @@ class _Walks:
         longest = int((wave.slot_end - wave.slot_start).max()) if n else 0
         self.lengths = torch.zeros((n, n_walks, max(longest, 1)), dtype=torch.long)  # a cycle moves >= 1 anchor
         self.window = torch.ones((n, n_walks), dtype=torch.long)
-        self.ones = torch.zeros((n, n_walks), dtype=torch.long)  # drafted anchors whose cycle produced one token
+        self.one_token = torch.zeros((n, n_walks), dtype=torch.long)  # drafted anchors whose cycle produced one token
 
     def advance(self, cap: int) -> None:
         """Move every walk as far as the drafted anchors allow; update its lookahead (``_grow``).
@@ -637,7 +638,7 @@ class _Walks:
             self.cycles[s, j] = c + 1
         seen = wave.drafted.clamp(min=1)[:, None].double()
         consumed = (self.pos - start_pos == self.window) & (self.cycles - start_cycles == self.window)
-        self.window = _grow(self.window, self.ones.double() / seen, consumed, cap)
+        self.window = _grow(self.window, self.one_token.double() / seen, consumed, cap)
 
 
 @dataclass
