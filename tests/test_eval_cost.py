@@ -176,4 +176,4 @@ def test_predicted_seconds_are_logged_beside_the_measured_ones(tiny_cache, train
         assert m["dflash_eval/" + PREDICTED_SECONDS] > 0 and m["dflash_eval/" + EVAL_TIME] > 0
     shown = [line for line in lines if "step " in line]
     assert "first evaluation: " in shown[0] and "s of it warm-up; setup " in shown[0] and "predicted" not in shown[0]
-    assert all("(predicted " in line and "first evaluation" not in line for line in shown[1:])
+    assert all(", predicted " in line and "first evaluation" not in line for line in shown[1:])

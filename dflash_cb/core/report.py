@@ -132,7 +132,7 @@ def evaluation_line(step: int, metrics: dict[str, float], budgets: Sequence[int]
             parts.append(f"vs {key.split('/', 1)[1]} {get(name):+.3f}{iv}")
     if get(EVAL_TIME) is not None:
         share, predicted = get(EVAL_OVERHEAD), get(PREDICTED_SECONDS)
-        parts.append(f"{get(EVAL_TIME):.2f} s" + (f" (predicted {predicted:.2f} s)" if predicted is not None else "")
+        parts.append(f"{get(EVAL_TIME):.2f} s" + (f", predicted {predicted:.2f} s" if predicted is not None else "")
                      + (f" ({share:.1%} of wall time)" if share is not None else ""))
     if note:
         parts.append(f"({note})")

@@ -494,7 +494,7 @@ class LiveEvaluator:
             run = dict(device=param.device, budgets=profile.budgets, autocast_dtype=autocast, spec=spec,
                        verify=self.config.verify_cache, tail_blocks=self.config.tail_blocks, block_size=s.block_size)
             if s.cost.warm_up_seconds is None:
-                self._warm_up(module, head, run)
+                self._warm_up(module, head, ids, run)
             s.cost.draft_all = self._draft_all(profile)
             timer = PhaseTimer(sync=torch.cuda.synchronize if param.device.type == "cuda" else None)
             started = time.perf_counter()
@@ -511,18 +511,16 @@ class LiveEvaluator:
 
         return evaluate_across_ranks(s.eval_ids, score, templates, lambda: self._gathered(drafter, model))
 
-    def _warm_up(self, module: nn.Module, head: TargetHead, run: dict[str, Any]) -> None:
-        """A session's first evaluation starts with one sample scored at stride 1 (the same on every rank): the
-        first calls' one-time costs are paid there, timed apart, and its taus stand for the drafter's until an
-        evaluation has measured them (``_draft_all``)."""
+    def _warm_up(self, module: nn.Module, head: TargetHead, ids: list[str], run: dict[str, Any]) -> None:
+        """A session's first evaluation starts with one of this rank's samples scored at stride 1: the first
+        calls' one-time costs are paid there, timed apart (the first evaluation's console line says how long)."""
         s = self.session
         assert s is not None
-        lengths = anchors_per_sample(s.cache, s.eval_ids[:16])
+        lengths = anchors_per_sample(s.cache, ids[:16])
         started = time.perf_counter()
-        report = score_untouched(s.cache, module, head, [max(lengths, key=lengths.__getitem__)], anchor_stride=1,
-                                 **run)
+        if lengths:
+            score_untouched(s.cache, module, head, [max(lengths, key=lengths.__getitem__)], anchor_stride=1, **run)
         s.cost.warm_up_seconds = time.perf_counter() - started
-        s.cost.taus(report.summary, run["budgets"])
 
     def _predictor(self, drafter: nn.Module) -> SecondsPredictor | None:
         """The session's cost model of this drafter (None for a drafter without a Qwen3-style config)."""
@@ -542,8 +540,8 @@ class LiveEvaluator:
         return c.predictor
 
     def _draft_all(self, profile: Profile) -> bool:
-        """Whether this evaluation drafts every anchor at once (``cost.draft_all_is_cheaper``: from every
-        sample and the last taus, so every rank decides alike)."""
+        """Whether this evaluation drafts every anchor at once (``cost.draft_all_is_cheaper``: from every sample
+        and the taus the last evaluation measured, tau 1 before the first, so every rank decides alike)."""
         s = self.session
         assert s is not None
         c = s.cost

@@ -60,8 +60,8 @@ class HeadCache:
 @dataclass
 class CostTracking:
     """What a session learns of its evaluations' time: the first evaluation's warm-up, the drafter's last taus
-    (what is drafted at once, ``engine.evaluate(draft_all=...)``), and the model that predicts the next
-    evaluation's seconds (``cost.SecondsPredictor``, this rank's samples)."""
+    (counts summed over every rank: what decides ``engine.evaluate(draft_all=...)``), and the model that
+    predicts the next evaluation's seconds (``cost.SecondsPredictor``, this rank's samples)."""
 
     predictor: SecondsPredictor | None = None
     everything: list[tuple[int, int]] = field(default_factory=list)  # every evaluated sample's (prompt, scored)
