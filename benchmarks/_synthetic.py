@@ -101,7 +101,7 @@ def plant(runner: FastRunner, head: TargetHead, feats: list[torch.Tensor], token
     dev = head.embed_tokens.device
     spec = runner.spec
     block, vocab = spec.block_size, head.lm_head.shape[0]
-    states = [runner.prepare(f.to(dev, runner.dtype)) for f in feats]
+    context = runner.context((f.to(dev, runner.dtype) for f in feats), [f.shape[0] for f in feats])
     pos = [prompt_len] * len(tokens)
     while True:
         live = [i for i, t in enumerate(tokens) if pos[i] + 1 < t.shape[0]]
@@ -112,8 +112,8 @@ def plant(runner: FastRunner, head: TargetHead, feats: list[torch.Tensor], token
         lengths = torch.clamp(ends - anchors, max=block)
         first = torch.stack([tokens[i][pos[i]] for i in live]).to(dev)
         emb = block_embeddings(first, torch.arange(len(live), device=dev), block, spec, head.embed_tokens)
-        hid = runner.hidden_samples([states[i] for i in live], emb.to(runner.dtype), anchors,
-                                    [(j, j + 1) for j in range(len(live))], lengths)[:, 1:]
+        blocks = runner.block_rows(context, emb.to(runner.dtype), anchors, torch.tensor(live, device=dev), lengths)
+        hid = blocks.rows(torch.arange(len(live), device=dev)[:, None], torch.arange(1, block, device=dev)[None, :])
         drafts = apply_head(hid.reshape(-1, hid.shape[-1]).to(head.lm_head.dtype), head.lm_head, spec, 0
                             ).argmax.view(len(live), -1).cpu()
         for j, i in enumerate(live):

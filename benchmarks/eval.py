@@ -58,7 +58,7 @@ def replay_per_cycle(cache: StateCache, drafter: torch.nn.Module, head: TargetHe
     tok_list = tokens.tolist()
     stops = set(cache.manifest.stop_token_ids)
     # Context K/V once per sample, as the reference's KV cache holds it; then one call per cycle.
-    state = runner.prepare(sample.hidden.to(device=tokens.device, dtype=runner.dtype))
+    context = runner.context([sample.hidden.to(device=tokens.device, dtype=runner.dtype)], [sample.hidden.shape[0]])
     p = bounds.prompt_len
     out: list[int] = []
     if p >= bounds.known_end or tok_list[p] in stops:
@@ -68,7 +68,9 @@ def replay_per_cycle(cache: StateCache, drafter: torch.nn.Module, head: TargetHe
             length = min(spec.block_size, bounds.loop_end - p)
             anc = torch.tensor([p], device=tokens.device)
             emb = block_embeddings(tokens, anc, length, spec, head.embed_tokens).to(runner.dtype)
-            hid = runner.hidden(state, emb, anc)[0, 1:].to(head.lm_head.dtype)
+            blocks = runner.block_rows(context, emb, anc, torch.zeros_like(anc))
+            hid = blocks.rows(torch.zeros(1, dtype=torch.long, device=anc.device),
+                              torch.arange(1, length, device=anc.device)).to(head.lm_head.dtype)
             draft = apply_head(hid, head.lm_head, spec, 0).argmax
             a = 0
             while a < length - 1 and p + a + 1 < bounds.known_end and int(draft[a]) == tok_list[p + a + 1]:

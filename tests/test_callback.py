@@ -64,8 +64,10 @@ def test_logged_tau_equals_eval_drafter_on_saved_weights(tmp_path, tiny_cache, t
     assert [logged[s]["anchor_stride"] for s in (0, 3, 6)] == [block] * 3 and logged[6]["full/anchor_stride"] == 1
     assert "full/tau" not in logged[3] and logged[6]["full/tau"] == logged[6]["tau"]
     assert f"ddtree/tau_b{min(BUDGETS)}" not in logged[6] and f"full/ddtree/tau_b{min(BUDGETS)}" in logged[6]
-    # The cost keys describe the pass that ran: the full pass at step 6.
-    assert logged[3]["anchors_drafted"] < logged[6]["anchors_drafted"] == logged[6]["full/anchors_drafted"]
+    # The cost keys describe the pass that ran: the full pass at step 6. (At this size the light pass drafts every
+    # anchor at once, cost.draft_all_is_cheaper: what it needed still tells the two apart.)
+    assert logged[3]["anchors_needed"] < logged[6]["anchors_needed"] == logged[6]["full/anchors_needed"]
+    assert logged[3]["anchors_drafted"] <= logged[6]["anchors_drafted"] == logged[6]["full/anchors_drafted"]
     from dflash_cb.integrations import eval_cli as tool  # the code behind tools/eval_drafter.py
 
     light = ["--anchor-stride", str(block), "--ddtree-budgets", str(max(BUDGETS))]
@@ -85,6 +87,8 @@ def test_logged_tau_equals_eval_drafter_on_saved_weights(tmp_path, tiny_cache, t
         for k, v in expected.items():
             if k == EVAL_TIME or (step == 6 and not prefix and k in ("anchors_drafted", "anchors_needed")):
                 continue  # the pass's own cost: under full/ at a full evaluation
+            if k == "anchors_drafted" and not prefix:
+                continue  # how the pass drafted: the callback may draft every anchor at once where that is cheaper
             if v is None:  # NaN in results.json, not logged by the callback
                 assert k not in got
             else:

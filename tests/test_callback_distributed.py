@@ -143,7 +143,7 @@ def test_distributed_logged_metrics_equal_single_process(distributed_run, strate
     from dflash_cb.cache.states import StateCache
     from dflash_cb.core.compare import live_metrics
     from dflash_cb.core.engine import evaluate
-    from dflash_cb.core.metrics import EVAL_OVERHEAD, EVAL_TIME
+    from dflash_cb.core.metrics import EVAL_OVERHEAD, EVAL_TIME, PREDICTED_SECONDS
     from dflash_cb.core.model import DFlashDrafter
 
     logged = json.loads((distributed_run / strategy / "logged.json").read_text())
@@ -171,9 +171,12 @@ def test_distributed_logged_metrics_equal_single_process(distributed_run, strate
             for k, v in expected.items():
                 if full and not prefix and k in ("anchors_drafted", "anchors_needed"):
                     continue  # the cost of the pass that ran: the full one
+                if k == "anchors_drafted" and not prefix:
+                    continue  # how the light pass drafted: every anchor at once where that is cheaper
                 got = mine[k]
                 assert got == v or (got != got and v != v), (strategy, h["step"], prefix, k, got, v)  # NaN == NaN
-            assert set(mine) - set(expected) == {"step", EVAL_TIME, EVAL_OVERHEAD} - ({"step"} if prefix else set())
+            assert set(mine) - set(expected) - {PREDICTED_SECONDS} == {"step", EVAL_TIME, EVAL_OVERHEAD} - (
+                {"step"} if prefix else set())
     assert logged["samples"] == {s.id: s.acceptance_lengths for s in report.samples}
 
 

@@ -31,7 +31,8 @@ from dflash_cb.common.errors import DFlashCBError
 from dflash_cb.common.fileio import atomic_write_bytes
 from dflash_cb.core import engine
 from dflash_cb.core.anchor_sets import anchor_offset
-from dflash_cb.core.engine import ReferenceRunner, apply_head, block_embeddings, evaluate
+from dflash_cb.core.cost import MemoryLimits
+from dflash_cb.core.engine import PerAnchorRunner, apply_head, block_embeddings, evaluate
 from dflash_cb.core.metrics import SPECFORGE_ACC
 from dflash_cb.core.model import DFlashDrafter, DrafterSpec
 
@@ -279,8 +280,8 @@ def test_batched_equals_one_sample_at_a_time(planted) -> None:
     """Samples of very different lengths batched together, in waves and small passes, or alone: same results."""
     cache, drafter = planted["cache"], planted["drafter"]
     together = evaluate(cache, drafter, budgets=BUDGETS, anchor_stride=2)
-    squeezed = evaluate(cache, drafter, budgets=BUDGETS, anchor_stride=2, context_mem_bytes=1, max_blocks=3,
-                        attn_mem_bytes=1)
+    squeezed = evaluate(cache, drafter, budgets=BUDGETS, anchor_stride=2,
+                        limits=MemoryLimits(context_bytes=1, max_blocks=3, attn_bytes=1))
     alone = [evaluate(cache, drafter, budgets=BUDGETS, anchor_stride=2, sample_ids=[e.id]) for e in cache.samples]
     for rep in (squeezed, *alone):
         for s in rep.samples:
@@ -309,7 +310,7 @@ def test_generic_runner_and_drafts(planted) -> None:
     """The one-call-per-anchor runner (any callable) gives the same numbers; drafts shown are the cycles'."""
     cache, drafter = planted["cache"], planted["drafter"]
     fast = evaluate(cache, drafter, budgets=(), anchor_stride=4, keep_drafts=3)
-    generic = evaluate(cache, ReferenceRunner(planted["ref"], DrafterSpec.from_config(planted["ref"].config)),
+    generic = evaluate(cache, PerAnchorRunner(planted["ref"], DrafterSpec.from_config(planted["ref"].config)),
                        budgets=(), anchor_stride=4, device="cpu")
     assert [s.acceptance_lengths for s in generic.samples] == [s.acceptance_lengths for s in fast.samples]
     for k, v in fast.counts.data.items():
@@ -336,12 +337,12 @@ def test_weak_drafter_drafts_ahead_without_waste(planted, tmp_path: Path) -> Non
         cache = _write_cache(tmp_path / "misses", planted["drafter"], planted["head"], most=0)
     drafter = planted["drafter"]
     calls = []
-    forward = drafter.forward_samples
-    drafter.forward_samples = lambda *a, **k: calls.append(1) or forward(*a, **k)
+    forward = drafter.block_rows
+    drafter.block_rows = lambda *a, **k: calls.append(1) or forward(*a, **k)
     try:
         rep = evaluate(cache, drafter, budgets=(), anchor_stride=BLOCK)
     finally:
-        del drafter.forward_samples
+        del drafter.block_rows
     data = rep.counts.data
     assert rep.tau == 1.0
     cycles = max(len(s.acceptance_lengths) for s in rep.samples)
@@ -379,10 +380,12 @@ def test_every_head_call_stays_under_head_mem_bytes(planted, tmp_path: Path, mon
         return out
 
     monkeypatch.setattr(engine, "draft_logits", counted)
-    small = evaluate(cache, planted["drafter"], budgets=budgets, anchor_stride=BLOCK, head_mem_bytes=budget)
+    small = evaluate(cache, planted["drafter"], budgets=budgets, anchor_stride=BLOCK,
+                     limits=MemoryLimits(head_bytes=budget))
     assert sizes and max(sizes) <= budget // 3, max(sizes)
     sizes.clear()
-    wide = evaluate(cache, planted["drafter"], budgets=budgets, anchor_stride=BLOCK, head_mem_bytes=1 << 30)
+    wide = evaluate(cache, planted["drafter"], budgets=budgets, anchor_stride=BLOCK,
+                    limits=MemoryLimits(head_bytes=1 << 30))
     assert max(sizes) > budget  # the same evaluation unbounded does hold more at once
     assert [s.acceptance_lengths for s in small.samples] == [s.acceptance_lengths for s in wide.samples]
     for k, v in small.counts.data.items():

@@ -1,11 +1,13 @@
-"""Setup hashes each file once per process, and an evaluation's cost is
-predicted at setup and measured as it runs (real Lightning Trainer, tiny drafter, CSV logger)."""
+"""Setup hashes each file once per process, and an evaluation's cost is predicted at setup and measured as it
+runs (real Lightning Trainer, tiny drafter, CSV logger); after the first evaluation the next one's seconds are
+predicted, and the prediction holds."""
 
 from __future__ import annotations
 
 import logging
 import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -18,8 +20,10 @@ from dflash_cb import DFlashEvalCallback
 from dflash_cb.cache import integrity
 from dflash_cb.cache.selection import select_sample_ids
 from dflash_cb.cache.states import StateCache
-from dflash_cb.core.cost import DrafterShape, evaluation_cost
-from dflash_cb.core.engine import evaluate
+from dflash_cb.common.timing import PhaseTimer
+from dflash_cb.core.cost import DrafterShape, SecondsPredictor, draft_all_is_cheaper, evaluation_cost
+from dflash_cb.core.engine import evaluate, group_seconds
+from dflash_cb.core.metrics import ddtree_tau
 from dflash_cb.core.model import DFlashDrafter
 
 
@@ -98,3 +102,81 @@ def test_predicted_gflop_against_counted_flops(tiny_cache, tiny_drafter_config):
         assert abs(matmuls / counted - 1) < 0.05, (budgets, stride, predicted, counted)
         drafted = int(report.counts.data["anchors_drafted"].sum())
         assert abs(predicted.anchors / drafted - 1) < 0.05, (budgets, stride, predicted.anchors, drafted)
+
+
+# -- the cost in seconds -----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def trained_toy(tiny_cache, tiny_drafter_config):
+    """The tiny drafter after a few epochs: partial acceptance, so a light evaluation walks over many rounds."""
+    from tiny_target import train_briefly
+
+    torch.manual_seed(0)
+    return train_briefly(DFlashDrafter.from_config_dict(tiny_drafter_config), StateCache(tiny_cache))
+
+
+def cpu_measured(cache, drafter, repeats: int = 3, **kwargs):
+    """The fastest of ``repeats`` evaluations in this process's CPU seconds (another job on the machine takes
+    none of them), with its seconds per cost group and its report."""
+    best = None
+    for _ in range(repeats):
+        timer = PhaseTimer(clock=time.process_time)
+        start = time.process_time()
+        report = evaluate(cache, drafter, timer=timer, **kwargs)
+        total = time.process_time() - start
+        if best is None or total < best[0]:
+            best = (total, group_seconds(timer.seconds, total), report)
+    return best
+
+
+@pytest.mark.parametrize("budget", [None, 16, 64, 256, 1024])
+def test_predicted_seconds_are_within_one_and_a_half_of_measured(tiny_cache, trained_toy, budget):
+    """The live evaluator's sequence on the toy: a warm-up sample gives the taus, then light evaluations
+    (statistics every block-th anchor, the budget's tree) and full ones (stride 1). Each evaluation is
+    predicted from those before it: a profile measured before by its own calibration, the first full one
+    from the last light one's rates against its counted work. Measured and predicted agree within 1.5x, for
+    DDTree off and budgets 16 to 1024 (where the heaps are most of the time)."""
+    cache = StateCache(tiny_cache)
+    spec = trained_toy.spec
+    budgets = () if budget is None else (budget,)
+    shape = DrafterShape.of(trained_toy.config, spec.block_size, len(spec.target_layer_ids) * spec.target_hidden_size)
+    everything = [(e.prompt_len, e.valid_len - e.prompt_len) for e in cache.samples]
+    predictor = SecondsPredictor(shape, everything)
+    longest = max(cache.samples, key=lambda e: e.valid_len - e.prompt_len).id
+    warm = evaluate(cache, trained_toy, sample_ids=[longest], budgets=budgets, anchor_stride=1)
+    tau, taus = warm.tau, {b: warm.summary[ddtree_tau(b)] for b in budgets}
+    ratios = {}
+    for i, (kind, stride) in enumerate((("light", spec.block_size), ("light", spec.block_size), ("full", 1),
+                                        ("full", 1), ("light", spec.block_size))):
+        draft_all = draft_all_is_cheaper(shape, everything, tau, budgets, stride, taus)
+        predicted = predictor.predict(kind, budgets, stride, tau, taus, draft_all)
+        seconds, groups, report = cpu_measured(cache, trained_toy, budgets=budgets, anchor_stride=stride,
+                                               draft_all=draft_all)
+        if i:
+            ratios[f"{i} {kind}"] = predicted / seconds
+        tau, taus = report.tau, {b: report.summary[ddtree_tau(b)] for b in budgets}
+        predictor.measured(kind, groups, budgets, stride, tau, taus, draft_all,
+                           (int(report.counts.data["anchors_drafted"].item()), report.passes))
+    print(budget, {k: round(r, 2) for k, r in ratios.items()})
+    assert all(1 / 1.5 < r < 1.5 for r in ratios.values()), ratios
+
+
+def test_predicted_seconds_are_logged_beside_the_measured_ones(tiny_cache, trained_toy):
+    """From the second evaluation on, predicted/seconds (what the evaluations before it predicted) is logged
+    and printed beside eval_time_s; the first evaluation's line says what its warm-up and the setup cost."""
+    from dflash_cb import LiveEvaluator
+    from dflash_cb.core.metrics import EVAL_TIME, PREDICTED_SECONDS
+
+    logged, lines = [], []
+    ev = LiveEvaluator(str(tiny_cache), every_n_train_steps=1, ddtree_budgets=[4, 8], full_every_n_evals=3,
+                       log=lambda m, s: logged.append((s, m)), say=lines.append)
+    ev.start(0, trained_toy)
+    for step in range(1, 5):
+        ev.step(step, trained_toy)
+    evals = [m for _, m in logged if "dflash_eval/" + EVAL_TIME in m]
+    assert len(evals) == 5 and "dflash_eval/" + PREDICTED_SECONDS not in evals[0]
+    for m in evals[1:]:
+        assert m["dflash_eval/" + PREDICTED_SECONDS] > 0 and m["dflash_eval/" + EVAL_TIME] > 0
+    shown = [line for line in lines if "step " in line]
+    assert "first evaluation: " in shown[0] and "s of it warm-up; setup " in shown[0] and "predicted" not in shown[0]
+    assert all(", predicted " in line and "first evaluation" not in line for line in shown[1:])

@@ -47,9 +47,12 @@ def test_batched_blocks_equal_reference_forward(sliding: bool) -> None:
 
 
 @pytest.mark.parametrize("sliding", [False, True])
-def test_deferred_last_layer_rows_equal_reference(sliding: bool) -> None:
-    """forward_samples(defer_last=True): the rows asked for, of samples of very different lengths (tail
-    blocks, a window shorter than the contexts), equal one reference call per anchor and the full pass."""
+@pytest.mark.parametrize("attn_mem_bytes", [None, 1, 20_000])
+def test_deferred_last_layer_rows_equal_reference(sliding: bool, attn_mem_bytes: int | None) -> None:
+    """block_rows: the rows asked for, of samples of very different lengths (tail blocks, a window shorter than
+    the contexts) sharing attention calls (no limit), one block a call (1 byte) or a few, equal one reference
+    call per anchor and the finished pass (forward_samples); the samples' context K/V projected together
+    equals each sample's own."""
     torch.manual_seed(1)
     cfg = _config(sliding)
     ref = dm.DFlashDraftModel(cfg).eval()
@@ -59,23 +62,25 @@ def test_deferred_last_layer_rows_equal_reference(sliding: bool) -> None:
     # Sample 0: one block right after a 2-token prompt; 1: many long-context blocks; 2: a single tail block.
     plan = [[2], [7, 50, 51, 90, 117], [38]]
     anchors = torch.tensor([p for ps in plan for p in ps])
-    segments, lo = [], 0
-    for ps in plan:
-        segments.append((lo, lo + len(ps)))
-        lo += len(ps)
+    who = [s for s, ps in enumerate(plan) for _ in ps]
+    samples = torch.tensor(who)
     lengths = torch.tensor([min(4, f.shape[0] - p) for f, ps in zip(feats, plan, strict=True) for p in ps])
     emb = torch.randn(len(anchors), 4, 32)
     with torch.no_grad():
-        kvs = [ours.context_kv(f) for f in feats]
-        full = ours.forward_samples(kvs, emb, anchors, segments, lengths)
-        deferred = ours.forward_samples(kvs, emb, anchors, segments, lengths, defer_last=True)
+        context = ours.context_kv(feats)
+        for s, f in enumerate(feats):
+            alone = ours.context_kv(f)
+            rows = slice(context.starts[s], context.starts[s] + f.shape[0])
+            for (k, v), (k1, v1) in zip(context.layers, alone.layers, strict=True):
+                assert torch.allclose(k[:, rows], k1, atol=1e-6) and torch.allclose(v[:, rows], v1, atol=1e-6)
+        full = ours.forward_samples(context, emb, anchors, samples, lengths, attn_mem_bytes)
+        deferred = ours.block_rows(context, emb, anchors, samples, lengths, attn_mem_bytes)
         block = torch.tensor([0, 1, 1, 3, 5, 6])  # some blocks, some positions, in any order
         pos = torch.tensor([1, 3, 0, 2, 1, 1])
         got = deferred.rows(block, pos)
         assert torch.allclose(got, full[block, pos], atol=1e-6)
         every = deferred.rows(torch.arange(len(anchors))[:, None], torch.arange(4)[None, :])
         assert every.shape == full.shape
-        who = [s for s, ps in enumerate(plan) for _ in ps]
         for i, p in enumerate(anchors.tolist()):
             n = int(lengths[i])
             want = ref(target_hidden=feats[who[i]][None, :p], noise_embedding=emb[i:i + 1, :n],

@@ -133,10 +133,10 @@ def test_eval_tool_matches_oracle(setup, tmp_path: Path) -> None:
 
 
 def test_generic_runner_matches(setup) -> None:
-    from dflash_cb.core.engine import ReferenceRunner, evaluate
+    from dflash_cb.core.engine import PerAnchorRunner, evaluate
     from dflash_cb.core.model import DrafterSpec
 
-    runner = ReferenceRunner(setup["ref"], DrafterSpec.from_config(setup["ref"].config))
+    runner = PerAnchorRunner(setup["ref"], DrafterSpec.from_config(setup["ref"].config))
     sub = [e.id for e in setup["cache"].samples[:3]]
     rep = evaluate(setup["cache"], runner, budgets=(), sample_ids=sub, device="cpu", tail_blocks="reference")
     assert {s.id: s.acceptance_lengths for s in rep.samples} == {k: setup["oracle"][k] for k in sub}

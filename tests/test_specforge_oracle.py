@@ -42,11 +42,10 @@ from oracles import require
 
 sf_model = require("specforge.algorithms.common.dflash_family_model")  # a missing oracle fails, never skips
 from specforge.eval.evaluator import Evaluator  # noqa: E402
-from specforge.modeling.draft.dflash import DFlashDraftModel  # noqa: E402
 from specforge.training.strategies.base import DFlashTrainStrategy  # noqa: E402
 
 from dflash_cb.core.metrics import SPECFORGE_ACC, depth_acc  # noqa: E402
-from dflash_cb.integrations.specforge_data import train_batches  # noqa: E402
+from dflash_cb.integrations.specforge_data import dflash_objective, train_batches  # noqa: E402
 
 BLOCK = 6
 LAYERS = [0, 2]
@@ -82,19 +81,8 @@ def _drafter_config(vocab: int, hidden: int, target_layers: int, mask: int, laye
 
 def _specforge(cache, drafter, cfg: dict, ids: list[str]) -> tuple[dict, torch.Tensor, torch.Tensor]:
     """SpecForge's evaluator over one batch per cached sample; returns its metrics and per-position counts."""
-    from transformers import Qwen3Config
-
-    sf_cfg = Qwen3Config(**cfg)
-    sf_cfg._attn_implementation = "sdpa"
-    sf_drafter = DFlashDraftModel(sf_cfg).eval()
-    sf_drafter.load_state_dict(drafter.state_dict())
-    head = cache.load_head()
-    lm_head = torch.nn.Linear(head.lm_head.shape[1], head.lm_head.shape[0], bias=False)
-    lm_head.weight.data.copy_(head.lm_head)
-    embed = torch.nn.Embedding.from_pretrained(head.embed_tokens.clone())
     longest = max(cache.entry(i).total_len for i in ids)
-    model = _CountingObjective(sf_drafter, lm_head, embed, cfg["dflash_config"]["mask_token_id"],
-                               block_size=cfg["block_size"], attention_backend="sdpa", num_anchors=longest).eval()
+    model = dflash_objective(cfg, drafter.state_dict(), cache.load_head(), longest, _CountingObjective)
     # The loss mask: the completion on the target's greedy path (specforge_data.sample_features).
     metrics = Evaluator().run(DFlashTrainStrategy(model).forward_loss, train_batches(cache, ids))
     return metrics, model.match, model.weight

@@ -8,11 +8,12 @@ against its tensors.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -203,25 +204,41 @@ class StateCache:
 
     # -- data ----------------------------------------------------------------
     def load(self, sample_id: str, device: torch.device | str = "cpu", verify: bool = False) -> CachedSample:
-        entry = self.entry(sample_id)
-        path = self._check_shard_file(self._shards[entry.shard], hash_check=verify)
-        prefix = f"{sample_id}/"
+        return next(self.load_many([sample_id], device, verify))
+
+    def load_many(self, sample_ids: Iterable[str], device: torch.device | str = "cpu",
+                  verify: bool = False) -> Iterator[CachedSample]:
+        """The samples in the order given, one at a time; each shard is checked (sha256 with ``verify``) and
+        opened once for all its samples (an open reads the shard's whole header)."""
+        with contextlib.ExitStack() as stack:
+            opened: dict[str, tuple[Path, Any, set[str]]] = {}
+            for sample_id in sample_ids:
+                entry = self.entry(sample_id)
+                if entry.shard not in opened:
+                    path = self._check_shard_file(self._shards[entry.shard], hash_check=verify)
+                    try:
+                        f = stack.enter_context(safe_open(str(path), framework="pt", device=str(device)))
+                        opened[entry.shard] = (path, f, set(f.keys()))
+                    except Exception as e:  # safetensors raises its own error types on a corrupted header
+                        raise CacheError(f"{path}: cannot read shard ({e}); {self._rebuild_fix}") from e
+                yield self._read_sample(entry, *opened[entry.shard])
+
+    def _read_sample(self, entry: SampleEntry, path: Path, f: Any, keys: set[str]) -> CachedSample:
+        prefix = f"{entry.id}/"
+
+        def get(name: str, required: bool = True) -> torch.Tensor | None:
+            if prefix + name not in keys:
+                if required:
+                    raise CacheError(f"{path}: tensor {prefix + name!r} missing; rebuild the cache")
+                return None
+            return f.get_tensor(prefix + name)
+
         try:
-            with safe_open(str(path), framework="pt", device=str(device)) as f:
-                keys = set(f.keys())
-
-                def get(name: str, required: bool = True) -> torch.Tensor | None:
-                    if prefix + name not in keys:
-                        if required:
-                            raise CacheError(f"{path}: tensor {prefix + name!r} missing; rebuild the cache")
-                        return None
-                    return f.get_tensor(prefix + name)
-
-                sample = CachedSample(entry, get("input_ids"), get("hidden"), get("target_argmax"),
-                                      get("topk_ids", False), get("topk_logprobs", False))
+            sample = CachedSample(entry, get("input_ids"), get("hidden"), get("target_argmax"),
+                                  get("topk_ids", False), get("topk_logprobs", False))
         except CacheError:
             raise
-        except Exception as e:  # safetensors raises its own error types on a corrupted header
+        except Exception as e:  # safetensors raises its own error types on a damaged tensor
             raise CacheError(f"{path}: cannot read shard ({e}); {self._rebuild_fix}") from e
         shapes = {name: tuple(t.shape) for name in _SAMPLE_TENSORS
                   if (t := getattr(sample, name)) is not None}

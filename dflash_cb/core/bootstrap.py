@@ -163,7 +163,7 @@ def metric_sums(samples: Sequence[Any], budgets: Sequence[int] = (),
     ``anchor_stride`` the anchor statistics of that stride (``anchor_sums``).
 
     A per-request mean is a ratio too: each sample with a cycle adds its own value over a weight of
-    one, a sample without a cycle adds nothing (``metrics.EvalCounts.add_cycles``).
+    one, a sample without a cycle adds nothing (``metrics.EvalCounts.add_samples``).
 
     ``samples``: scored samples (``engine.SampleResult`` or ``results.SampleRecord``: ``category``,
     ``acceptance_lengths``, ``ddtree: {budget: lengths}``, ``anchor_counts: {stride: AnchorCounts}``), in

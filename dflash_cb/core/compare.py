@@ -23,6 +23,7 @@ from typing import Any
 from ..common import cli
 from ..common.errors import DFlashCBError
 from ..common.fileio import atomic_paths, check_outputs_apart, naming_failures
+from ..common.threads import THREADS_HELP
 from .bootstrap import DEFAULT_RESAMPLES, DEFAULT_SEED, Interval, intervals, metric_sums, paired_difference
 from .metrics import (
     ACCEPT_LENGTH_SERVED,
@@ -398,11 +399,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "beside the evaluations' figure of its declared convention")
     p.add_argument("--position-edges", default=",".join(map(str, DEFAULT_POSITION_EDGES)),
                    help="completion-position bucket edges (default 0,256,512,1024,2048)")
+    p.add_argument("--threads", default=None, help=THREADS_HELP)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     from ..common.arguments import parse_position_edges
+    from ..common.threads import parse_threads, set_threads
 
     args = build_parser().parse_args(argv)
     if len(args.results) < 2:
@@ -410,6 +413,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     edges = parse_position_edges("--position-edges", args.position_edges)  # the callback's rule
     if args.resamples < 1:
         raise CompareError(f"--resamples must be >= 1, got {args.resamples}")
+    threads = set_threads(parse_threads(args.threads))
     out = Path(args.out)
     check_outputs_apart([("results file", p) for p in args.results],
                         files=[("--out", out.with_suffix(".md")), ("--out", out.with_suffix(".png"))])
@@ -429,7 +433,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"warning: {w}", file=sys.stderr)
     md = write_comparison(c, md_path, png_path, published)
     print(md)
-    print(f"wrote {md_path} and {png_path}")
+    print(f"wrote {md_path} and {png_path} ({threads} threads)")
     return 0
 
 

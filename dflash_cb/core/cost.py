@@ -8,9 +8,11 @@ the same functions (docs/method.md describes what an evaluation drafts).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from ..common.arguments import int_at_least
 
 
 @dataclass(frozen=True)
@@ -78,73 +80,273 @@ def context_gflop(shape: DrafterShape, tokens: int) -> float:
     return 2 * tokens * (shape.features * shape.hidden + shape.layers * 2 * shape.hidden * kv) / 1e9
 
 
+# What an evaluation's seconds are made of, in three groups that are timed apart (``engine.PHASE_GROUPS``)
+# and calibrated apart: the drafter (context K/V, the blocks, the head), the DDTree heaps, and the rest
+# (reading the cache, the walks and their tables, the statistics).
+COST_GROUPS = ("drafter", "ddtree", "other")
+
+# Seconds per unit of work on one CPU core (fitted on the toy and demo caches: benchmarks/vs_specforge.py,
+# docs/performance.md): what a prediction means before any evaluation has been measured. Calibration
+# (``Calibration.of``) replaces each group's scale by the measured one, so only the ratios within a group matter.
+REFERENCE_SECONDS = {
+    "drafter": {"gflop": 0.035, "passes": 1.8e-3, "topk_values": 6e-8},
+    "ddtree": {"tree_slots": 4.9e-10, "tree_pops": 1.3e-7, "tree_steps": 1.6e-5},
+    "other": {"waves": 5.2e-3, "samples": 1.75e-4, "passes": 7.4e-4, "anchors": 4e-6},
+}
+
+
 @dataclass(frozen=True)
 class EvalCost:
     anchors: int  # drafted blocks expected
     gflop: float
     attention_gflop: float = 0.0  # the part of ``gflop`` spent in attention
+    samples: int = 0
+    waves: int = 0  # groups of samples evaluated together (``MemoryLimits.context_bytes``)
+    passes: float = 0.0  # drafter passes: a wave's rounds (at most ``max_blocks`` blocks a pass), summed
+    topk_values: float = 0.0  # the head's top-K for the trees: read positions x min(largest budget, vocabulary)
+    tree_pops: float = 0.0  # DDTree heap pops: drafted anchors x the largest budget
+    tree_slots: float = 0.0  # candidate slots those pops scan: drafted anchors x the largest budget squared
+    tree_steps: float = 0.0  # pops made for every anchor of a pass at once: passes x the largest budget
 
     def seconds(self, tflops: float) -> float:
-        """Wall time at an achieved ``tflops`` (e.g. 40% of a GPU's bf16 peak)."""
+        """Wall time at an achieved ``tflops`` (e.g. 40% of a GPU's bf16 peak), the drafter's arithmetic only."""
         return self.gflop / (tflops * 1e3)
+
+    def reference(self, group: str) -> float:
+        """Seconds of ``group`` (``COST_GROUPS``) at ``REFERENCE_SECONDS``."""
+        return sum(rate * getattr(self, unit) for unit, rate in REFERENCE_SECONDS[group].items())
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Measured seconds per reference second, per cost group: what turns a predicted ``EvalCost`` into seconds
+    on this machine (``predicted_seconds``)."""
+
+    rates: dict[str, float]
+
+    @classmethod
+    def of(cls, cost: EvalCost, seconds: dict[str, float]) -> Calibration:
+        """From one measured evaluation: its predicted ``cost`` (at its measured tau) and its seconds per group.
+
+        A group that had next to no work in it (DDTree off, a tiny share) says little about its own rate: it
+        takes the evaluation's overall rate instead."""
+        total_ref = sum(cost.reference(g) for g in COST_GROUPS)
+        total = sum(seconds.get(g, 0.0) for g in COST_GROUPS)
+        overall = total / total_ref if total_ref > 0 else 1.0
+        rates = {}
+        for g in COST_GROUPS:
+            ref = cost.reference(g)
+            rates[g] = seconds.get(g, 0.0) / ref if ref > 0.05 * total_ref else overall
+        return cls(rates)
+
+
+def predicted_seconds(cost: EvalCost, calibration: Calibration | None = None) -> float:
+    """The seconds ``cost`` takes: at ``REFERENCE_SECONDS`` (one CPU core), or as ``calibration`` measured."""
+    return sum(cost.reference(g) * (calibration.rates[g] if calibration is not None else 1.0) for g in COST_GROUPS)
+
+
+# How often a DDTree walk's anchors are ones the greedy walk or the statistics set did not draft anyway: the
+# walks start together and succeed on the same easy tokens (fitted on the toy and demo caches).
+TREE_WALK_OVERLAP = 0.7
+
+
+def missed_share(tau: float, tree_taus: Sequence[float], anchor_stride: int) -> float:
+    """The share of a sample's anchors that neither the statistics set nor any walk drafts: a walk of
+    acceptance length tau visits one anchor in tau, the statistics set one in ``anchor_stride``."""
+    share = (1 - 1 / anchor_stride) * (1 - 1 / max(1.0, tau))
+    for t in tree_taus:
+        share *= 1 - TREE_WALK_OVERLAP / max(1.0, t)
+    return share
+
+
+def drafting_passes(completions: Sequence[int], taus: Sequence[float], anchor_stride: int, draft_all: bool,
+                    drafted: float, max_blocks: int) -> float:
+    """Drafter passes of one wave: its rounds, each cut into passes of at most ``max_blocks`` blocks.
+
+    At stride 1 (or with ``draft_all``: ``engine.evaluate(draft_all=True)``) every anchor is drafted in the
+    first round. Otherwise each round moves every live walk by at least one cycle, and by more where its next
+    anchor was drafted already (a statistics anchor, one in ``anchor_stride``): about ``longest / tau x
+    (1 - 1 / stride)`` rounds for the walk with the smallest tau (``taus``: every walk's).
+    """
+    longest = max(completions, default=0)
+    if longest <= 0:
+        return 0.0
+    if anchor_stride == 1 or draft_all:
+        rounds = 1.0
+    else:
+        rounds = 1 + longest / max(1.0, min(taus)) * (1 - 1 / anchor_stride)
+    return rounds + max(0.0, drafted / max_blocks - 1)
+
+
+@dataclass(frozen=True)
+class MemoryLimits:
+    """What one evaluation may hold at once besides the weights (``engine.evaluate``; ``memory_bound``).
+
+    ``context_bytes``: context K/V of the samples evaluated together (one *wave*); ``max_blocks``: blocks
+    per drafter pass (the token-wise activations); ``attn_bytes``: the temporaries of one attention call
+    and of one batch of context features being projected; ``head_bytes``: every vocabulary-sized tensor
+    (the head's logits).
+    """
+
+    attn_bytes: int = 512 << 20
+    head_bytes: int = 512 << 20
+    context_bytes: int = 4 << 30
+    max_blocks: int = 1024
+
+    def __post_init__(self) -> None:
+        for name in ("attn_bytes", "head_bytes", "context_bytes", "max_blocks"):
+            int_at_least(f"MemoryLimits.{name}", getattr(self, name), 1)
+
+
+DEFAULT_LIMITS = MemoryLimits()
 
 
 def evaluation_cost(shape: DrafterShape, samples: Sequence[tuple[int, int]], tau: float, budgets: Sequence[int],
-                    anchor_stride: int) -> EvalCost:
+                    anchor_stride: int, *, tree_taus: Mapping[int, float] | None = None, draft_all: bool = False,
+                    limits: MemoryLimits = DEFAULT_LIMITS, state_itemsize: int = 4,
+                    counted: tuple[int, int] | None = None) -> EvalCost:
     """Predicted work of one evaluation of ``samples`` ((prompt tokens, scored completion tokens) each).
 
-    A walk of ``C`` completion tokens at acceptance length ``tau`` visits about ``C / tau`` anchors;
-    the greedy walk and each DDTree budget's walk share anchors, so their union is bounded by the
-    sum and by ``C`` (an untrained drafter, tau 1, drafts every anchor). The anchor-statistics set
-    adds ``C / anchor_stride`` anchors and reads every depth; a greedy walk anchor reads about
+    A walk of ``C`` completion tokens at acceptance length ``tau`` visits about ``C / tau`` anchors (a DDTree
+    walk: at its budget's tau, ``tree_taus``, else ``tau``); the walks and the anchor-statistics set (``C /
+    anchor_stride`` anchors) share anchors (``missed_share``), and an untrained drafter, tau 1, drafts every
+    anchor. A statistics anchor reads every depth; a greedy walk anchor reads about
     ``tau`` depths, and with DDTree budgets every drafted anchor reads every depth (its top-K tree).
+    With budgets, every drafted anchor also runs the heap to the largest budget ``B`` (docs/method.md,
+    "DDTree"): ``B`` pops, which scan ``B**2`` candidate slots in all, the pops of a pass made together
+    (``tree_steps``: one per pass and pop). Samples are evaluated in waves whose context K/V fits
+    ``limits.context_bytes`` (at ``state_itemsize`` bytes a value); each wave makes its own passes
+    (``drafting_passes``; ``draft_all``: every anchor in the first round). ``counted``: (anchors drafted,
+    passes) as an evaluation counted them (``EvalReport``), in place of the predicted ones: the work of an
+    evaluation that ran, to calibrate by.
     """
     tau = max(1.0, float(tau))
+    taus = [float((tree_taus or {}).get(b, tau)) for b in budgets]
+    scale = 1.0
+    if counted is not None:  # the drafted anchors as counted, spread over the samples as predicted
+        predicted = evaluation_cost(shape, samples, tau, budgets, anchor_stride, tree_taus=tree_taus, draft_all=draft_all,
+                                    limits=limits, state_itemsize=state_itemsize)
+        scale = counted[0] / predicted.anchors if predicted.anchors else 1.0
     d = shape.block_size - 1
-    anchors, gflop, attention = 0, 0.0, 0.0
+    top = max(budgets, default=0)
+    anchors, gflop, attention, passes, waves = 0, 0.0, 0.0, 0.0, 1
+    wave: list[int] = []
+    wave_bytes, wave_drafted = 0, 0.0
     for prompt, scored in samples:
         completion = scored - 1  # anchors: the last scored position starts no cycle
+        need = (prompt + max(scored, 0)) * shape.kv_bytes_per_position(state_itemsize)
+        if wave and wave_bytes + need > limits.context_bytes:
+            passes += drafting_passes(wave, [tau, *taus], anchor_stride, draft_all, wave_drafted, limits.max_blocks)
+            wave, wave_bytes, wave_drafted, waves = [], 0, 0.0, waves + 1
+        wave_bytes += need
+        gflop += context_gflop(shape, prompt + max(scored, 0))
         if completion <= 0:
-            gflop += context_gflop(shape, prompt + max(scored, 0))
             continue
         stats = math.ceil(completion / anchor_stride)
-        walk = completion / tau
-        drafted = min(completion, stats + walk * (1 + len(budgets)))
+        drafted = float(completion) if draft_all else max(float(stats),
+                                                      completion * (1 - missed_share(tau, taus, anchor_stride)))
+        drafted = min(float(completion), drafted * scale)
         if budgets:
             positions = drafted * d
         else:
             positions = stats * d + max(0.0, drafted - stats) * min(d, tau)
         mid = prompt + completion // 2  # the average anchor's context
-        gflop += context_gflop(shape, prompt + scored)
         gflop += drafted * block_gflop(shape, mid, positions / drafted)
         attention += drafted * attention_gflop(shape, mid)
         anchors += math.ceil(drafted)
-    return EvalCost(anchors, gflop, attention)
+        wave.append(completion)
+        wave_drafted += drafted
+    passes += drafting_passes(wave, [tau, *taus], anchor_stride, draft_all, wave_drafted, limits.max_blocks)
+    if counted is not None:
+        anchors, passes = counted
+    return EvalCost(anchors, gflop, attention, len(samples), waves, passes, anchors * d * min(top, shape.vocab),
+                    anchors * top, anchors * top * top, passes * top)
 
 
 def memory_bound(shape: DrafterShape, context_tokens: int, *, weight_itemsize: int, head_itemsize: int,
-                 state_itemsize: int, tied: bool = False, head_mem_bytes: int = 512 << 20,
-                 attn_mem_bytes: int = 512 << 20, max_blocks: int = 1024) -> dict[str, int]:
+                 state_itemsize: int, tied: bool = False, limits: MemoryLimits = DEFAULT_LIMITS) -> dict[str, int]:
     """Bytes an evaluation holds at most, by part (the engine's memory model, ``engine.evaluate``):
 
     - ``weights``: the drafter's matmul weights;
     - ``head``: the target's embedding and output head, [vocab, hidden] each (one when tied), in the
       dtype the head computes in;
     - ``context``: context K/V of the samples evaluated together (``context_tokens`` positions,
-      bounded by ``context_mem_bytes``);
-    - ``activations``: the token-wise pass of ``max_blocks`` blocks (MLP input, gate and up);
-    - ``head_logits`` and ``attention``: the chunked temporaries, ``head_mem_bytes`` and
-      ``attn_mem_bytes``.
+      bounded by ``limits.context_bytes``);
+    - ``activations``: the token-wise pass of ``limits.max_blocks`` blocks (MLP input, gate and up);
+    - ``head_logits`` and ``attention``: the chunked temporaries, ``limits.head_bytes`` and
+      ``limits.attn_bytes``.
     """
-    b = max_blocks * shape.block_size
+    b = limits.max_blocks * shape.block_size
     return {
         "weights": shape.weight_params * weight_itemsize,
         "head": (1 if tied else 2) * shape.vocab * shape.hidden * head_itemsize,
         "context": context_tokens * shape.kv_bytes_per_position(state_itemsize),
         "activations": b * (3 * shape.intermediate + 4 * shape.hidden) * state_itemsize,
-        "head_logits": head_mem_bytes,
-        "attention": attn_mem_bytes,
+        "head_logits": limits.head_bytes,
+        "attention": limits.attn_bytes,
     }
+
+
+# ``drafting_passes`` tends to count more rounds than there are (walks meet drafted anchors more often than
+# independent walks would), so drafting at once is chosen only when it saves a quarter of the rounds' cost.
+ROUNDS_MARGIN = 0.8
+
+
+def draft_all_is_cheaper(shape: DrafterShape, samples: Sequence[tuple[int, int]], tau: float, budgets: Sequence[int],
+                         anchor_stride: int, tree_taus: Mapping[int, float] | None = None, **kwargs: Any) -> bool:
+    """Whether drafting every anchor in one round (``engine.evaluate(draft_all=True)``) costs less than
+    drafting only where the walks and the statistics set look, round after round, at ``REFERENCE_SECONDS``.
+
+    Each round costs a pass whatever it drafts, so the rounds win only when they spare more blocks than their
+    passes cost: with a useful drafter on enough samples. A weak drafter (the walks visit nearly every anchor)
+    and a small evaluation (few blocks per pass) draft every anchor at once. From the samples and the taus
+    alone (no measured time), so every rank of a distributed evaluation decides alike.
+    """
+    if anchor_stride == 1:
+        return False
+    rounds = evaluation_cost(shape, samples, tau, budgets, anchor_stride, tree_taus=tree_taus, **kwargs)
+    at_once = evaluation_cost(shape, samples, tau, budgets, anchor_stride, tree_taus=tree_taus, draft_all=True,
+                              **kwargs)
+    return predicted_seconds(at_once) <= ROUNDS_MARGIN * predicted_seconds(rounds)
+
+
+class SecondsPredictor:
+    """The seconds of a run's next evaluation, predicted from the ones measured before it.
+
+    A profile measured before (a name: "light", "full") is predicted by its own last measurement: the rate of
+    its measured seconds to the work the model predicts for it (``Calibration``), so the model's errors for
+    that profile cancel and the prediction follows the change of tau. A profile not measured yet takes the
+    rates of the last measured one, taken against the work that evaluation counted (its anchors and passes),
+    and the model's work for itself. Pure: the caller measures (``engine.group_seconds``) and passes what
+    it knows.
+    """
+
+    def __init__(self, shape: DrafterShape, samples: Sequence[tuple[int, int]], limits: MemoryLimits = DEFAULT_LIMITS,
+                 state_itemsize: int = 4):
+        self.shape, self.samples, self.limits, self.state_itemsize = shape, list(samples), limits, state_itemsize
+        self.calibrations: dict[str, Calibration] = {}  # per profile: against its predicted work
+        self.counted: Calibration | None = None  # the last measured profile's, against its counted work
+
+    def cost(self, budgets: Sequence[int], stride: int, tau: float, tree_taus: Mapping[int, float] | None = None,
+             draft_all: bool = False, counted: tuple[int, int] | None = None) -> EvalCost:
+        return evaluation_cost(self.shape, self.samples, tau, budgets, stride, tree_taus=tree_taus, draft_all=draft_all,
+                               limits=self.limits, state_itemsize=self.state_itemsize, counted=counted)
+
+    def predict(self, profile: str, budgets: Sequence[int], stride: int, tau: float,
+                tree_taus: Mapping[int, float] | None = None, draft_all: bool = False) -> float | None:
+        """Seconds of the next ``profile`` evaluation at ``tau``; None before any evaluation was measured."""
+        calibration = self.calibrations.get(profile, self.counted)
+        if calibration is None:
+            return None
+        return predicted_seconds(self.cost(budgets, stride, tau, tree_taus, draft_all), calibration)
+
+    def measured(self, profile: str, seconds: dict[str, float], budgets: Sequence[int], stride: int, tau: float,
+                 tree_taus: Mapping[int, float] | None = None, draft_all: bool = False,
+                 counted: tuple[int, int] | None = None) -> None:
+        """Calibrate by an evaluation of ``profile``: its ``seconds`` per cost group, the tau it measured, and the
+        anchors and passes it ``counted`` (``EvalReport``; None: as predicted)."""
+        self.calibrations[profile] = Calibration.of(self.cost(budgets, stride, tau, tree_taus, draft_all), seconds)
+        self.counted = Calibration.of(self.cost(budgets, stride, tau, tree_taus, draft_all, counted), seconds)
 
 
 def format_cost(name: str, cost: EvalCost) -> str:
@@ -161,9 +363,10 @@ def eval_overhead(eval_seconds: float, wall_seconds: float) -> float:
 
 
 def predicted_costs(shape: DrafterShape, samples: Sequence[tuple[int, int]], tau: float,
-                    profiles: dict[str, tuple[Sequence[int], int]]) -> dict[str, EvalCost]:
-    """``evaluation_cost`` per named profile (name -> (DDTree budgets, anchor stride))."""
-    return {name: evaluation_cost(shape, samples, tau, budgets, stride) for name, (budgets, stride) in profiles.items()}
+                    profiles: dict[str, tuple[Sequence[int], int]], **kwargs: Any) -> dict[str, EvalCost]:
+    """``evaluation_cost`` per named profile (name -> (DDTree budgets, anchor stride)); ``kwargs`` go to it."""
+    return {name: evaluation_cost(shape, samples, tau, budgets, stride, **kwargs)
+            for name, (budgets, stride) in profiles.items()}
 
 
 def setup_line(samples: int, files: int, nbytes: int, hash_s: float, setup_s: float, tau: float,
@@ -177,10 +380,11 @@ def setup_line(samples: int, files: int, nbytes: int, hash_s: float, setup_s: fl
 
 
 def predict(drafter: Any, block_size: int, features: int, samples: Sequence[tuple[int, int]], tau: float,
-            profiles: dict[str, tuple[Sequence[int], int]]) -> dict[str, EvalCost]:
-    """``predicted_costs`` for a drafter with a Qwen3-style ``.config``; empty when its shape is unknown."""
+            profiles: dict[str, tuple[Sequence[int], int]], **kwargs: Any) -> dict[str, EvalCost]:
+    """``predicted_costs`` for a drafter with a Qwen3-style ``.config``; empty when its shape is unknown;
+    ``kwargs`` go to ``evaluation_cost``."""
     try:
         shape = DrafterShape.of(drafter.config, block_size, features)
     except (AttributeError, TypeError, ValueError):
         return {}
-    return predicted_costs(shape, samples, tau, profiles)
+    return predicted_costs(shape, samples, tau, profiles, **kwargs)

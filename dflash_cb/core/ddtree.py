@@ -2,7 +2,7 @@
 
 Best-first construction under a node budget (docs/method.md, "DDTree"): popping a node adds it
 to the tree and pushes (a) its next-rank sibling under the same parent and (b) its rank-0 child.
-The heap is simulated on tensors, one pop per step for all anchors: a node's slot index is its
+The heap is simulated on arrays, one pop per step for all anchors: a node's slot index is its
 push order, so ``argmax`` (first maximum) breaks score ties exactly like a heap keyed on
 ``(-score, push_counter)``. One run to the largest budget gives the accepted length after every
 pop, hence every smaller budget too.
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import numpy as np
 import torch
 
 from ..common.errors import DFlashCBError
@@ -68,43 +69,55 @@ def ddtree_accepted(topk_ids: torch.Tensor, topk_logprobs: torch.Tensor, depths:
         max_budget: largest node budget B.
 
     Returns:
-        [A, max_budget] long: accepted nodes walked along the target path in a tree of b + 1 nodes.
+        [A, max_budget] long, on the inputs' device: accepted nodes walked along the target path in a tree
+        of b + 1 nodes.
+
+    The pops are sequential and each touches a few numbers per anchor, so they run in numpy on the CPU,
+    whatever the device: a numpy call costs a fraction of a torch call's dispatch (and of a kernel launch).
     """
     a, d, k = topk_ids.shape
-    dev = topk_ids.device
-    logp = topk_logprobs.double()  # float64 sums: tie order independent of summation rounding
+    neg = -np.inf
+    # A node is its code depth * K + rank; per anchor and code: its log-probability, whether its token is the
+    # target's at its depth, whether it may have a child (its depth + 1 is drafted).
+    codes = np.arange(d * k)
+    logp = topk_logprobs.detach().double().cpu().numpy().reshape(-1)  # float64: ties independent of rounding
+    hit = (topk_ids == target[:, :, None]).cpu().numpy().reshape(-1)
+    drafted = depths.cpu().numpy()
+    has_child = np.repeat((np.arange(d)[None, :] + 1) < drafted[:, None], k, axis=1).reshape(-1)
+    sibling_code = np.minimum(codes + 1, d * k - 1)
+    has_sibling = codes % k + 1 < k
+    child_code = np.minimum(codes // k + 1, d - 1) * k
+    depth_of = codes // k + 1  # accepted length when the node is on the target path
     slots = 1 + 2 * max_budget
-    neg = float("-inf")
-    score = torch.full((a, slots), neg, dtype=torch.float64, device=dev)
-    depth = torch.zeros((a, slots), dtype=torch.long, device=dev)
-    rank = torch.zeros((a, slots), dtype=torch.long, device=dev)
-    par_on = torch.zeros((a, slots), dtype=torch.bool, device=dev)
-    par_score = torch.zeros((a, slots), dtype=torch.float64, device=dev)
-    has_depth = depths > 0
-    score[:, 0] = torch.where(has_depth, logp[:, 0, 0], torch.full_like(logp[:, 0, 0], neg))
+    # Candidate slots in push order: score, node code, whether the parent is on the target path, parent score.
+    score = np.full((a, slots), neg)
+    code = np.zeros((a, slots), dtype=np.int64)
+    par_on = np.zeros((a, slots), dtype=bool)
+    par_score = np.zeros((a, slots))
+    row_code = np.arange(a) * (d * k)  # flat index of each anchor's code 0
+    row_slot = np.arange(a) * slots  # flat index of each anchor's slot 0
+    score[:, 0] = np.where(drafted > 0, logp[row_code], neg) if a else score[:, 0]
     par_on[:, 0] = True
-    rows = torch.arange(a, device=dev)
-    acc = torch.zeros(a, dtype=torch.long, device=dev)
-    out = torch.empty((a, max_budget), dtype=torch.long, device=dev)
-    for step in range(max_budget):
-        idx = score.argmax(dim=1)
-        s = score[rows, idx]
+    flat_score, flat_code, flat_on, flat_par = (x.reshape(-1) for x in (score, code, par_on, par_score))
+    acc = np.zeros(a, dtype=np.int64)
+    out = np.zeros((a, max_budget), dtype=np.int64)
+    for step in range(max_budget if a else 0):
+        j = 2 * step + 1  # slots 0 .. j - 1 hold every candidate pushed so far
+        at = row_slot + score[:, :j].argmax(axis=1)  # first maximum: the earliest push among equal scores
+        s, c, pon, psc = flat_score[at], flat_code[at], flat_on[at], flat_par[at]
+        flat_score[at] = neg
         valid = s > neg
-        dep, rk, pon, psc = depth[rows, idx], rank[rows, idx], par_on[rows, idx], par_score[rows, idx]
-        score[rows, idx] = neg
-        token = topk_ids[rows, dep, rk]
-        on = valid & pon & (token == target[rows, dep])
-        acc = torch.maximum(acc, torch.where(on, dep + 1, torch.zeros_like(dep)))
+        node = row_code + c
+        on = valid & pon & hit[node]
+        # Target-path nodes are popped in depth order (a node is pushed only once its parent is popped).
+        acc = np.where(on, depth_of[c], acc)
         out[:, step] = acc
         # (a) next sibling under the same parent
-        sib_ok = valid & (rk + 1 < k)
-        sib_rank = (rk + 1).clamp(max=k - 1)
-        j = 2 * step + 1
-        score[:, j] = torch.where(sib_ok, psc + logp[rows, dep, sib_rank], torch.full_like(s, neg))
-        depth[:, j], rank[:, j], par_on[:, j], par_score[:, j] = dep, sib_rank, pon, psc
+        sib = sibling_code[c]
+        score[:, j] = np.where(valid & has_sibling[c], psc + logp[row_code + sib], neg)
+        code[:, j], par_on[:, j], par_score[:, j] = sib, pon, psc
         # (b) first child one depth down
-        child_ok = valid & (dep + 1 < depths)
-        child_dep = (dep + 1).clamp(max=d - 1)
-        score[:, j + 1] = torch.where(child_ok, s + logp[rows, child_dep, 0], torch.full_like(s, neg))
-        depth[:, j + 1], rank[:, j + 1], par_on[:, j + 1], par_score[:, j + 1] = child_dep, 0, on, s
-    return out
+        child = child_code[c]
+        score[:, j + 1] = np.where(valid & has_child[node], s + logp[row_code + child], neg)
+        code[:, j + 1], par_on[:, j + 1], par_score[:, j + 1] = child, on, s
+    return torch.from_numpy(out).to(topk_ids.device)

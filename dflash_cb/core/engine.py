@@ -14,12 +14,15 @@ When the drafts so far say a walk almost always advances by one token (tau ~ 1),
 drafts the next few anchors that walk will need with high probability (``_grow``), so a
 weak drafter does not cost one round per cycle.
 
+The samples evaluated together (a *wave*, ``_Wave``) are flat tables: their tokens end to end, one
+slot per anchor, every walk as a row of tensors (``_Walks``), so a round costs a few tensor operations
+whatever the number of samples. The context K/V of a wave is projected in a few batched matmuls.
 Within a round the token-wise work (projections, MLP, norms, the output head and its argmax /
-top-K reduction) runs on the blocks of all samples together; attention runs per sample against
-that sample's context K/V, computed once per sample per evaluation. The head is applied in row
+top-K reduction) runs on the blocks of all samples together, and attention on parts of several
+samples per kernel call, each block over its own sample's context prefix. The head is applied in row
 chunks and reduced on the fly, so ``[blocks x depth x vocab]`` logits never exist. The last drafter
-layer stops after its attention (``BlockRows``): its ``o_proj``, MLP and the final norm are
-token-wise, so they run, with the head, only on the block positions that are read.
+layer stops after its attention (``model.DeferredBlocks``): its ``o_proj``, MLP and the final norm
+are token-wise, so they run, with the head, only on the block positions that are read.
 No Lightning, W&B or HTTP here.
 """
 
@@ -27,8 +30,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,13 +44,23 @@ from ..cache.states import CachedSample, StateCache, TargetHead
 from ..cache.target import DTYPES
 from ..common import arguments as check
 from ..common.errors import DFlashCBError
+from ..common.timing import NO_TIMER, PhaseTimer
 from .anchor_sets import DEFAULT_ANCHOR_SEED, check_anchor_offsets, offsets_for, strided
+from .cost import COST_GROUPS, DEFAULT_LIMITS, MemoryLimits
 from .ddtree import ddtree_accepted
-from .metrics import TAU, AnchorCounts, EvalCounts, count_anchors, summarize
-from .model import DFlashDrafter, DrafterSpec, draft_logits, specforge_mask_difference
+from .metrics import TAU, AnchorCounts, EvalCounts, summarize
+from .model import (
+    BlockRows,
+    ContextKV,
+    DeferredBlocks,
+    DFlashDrafter,
+    DrafterSpec,
+    HiddenBlocks,
+    draft_logits,
+    specforge_mask_difference,
+)
 from .replay import (
     SampleBounds,
-    Walk,
     block_lengths,
     check_block_size,
     check_tail_blocks,
@@ -60,120 +74,111 @@ DEFAULT_BUDGETS = (16, 32, 64)
 # Rows per greedy head call: below about this many, a call costs what reading the head matrix costs.
 _HEAD_ROWS = 16
 
+# The phases an evaluation's timer reports (``evaluate(timer=...)``), exclusive of each other: reading
+# the cache; the context K/V; the drafter's blocks up to the last layer's attention; the rest of that layer
+# and the output head at the positions read; the DDTree heaps; the walks and their tables; the statistics.
+LOAD, CONTEXT, FORWARD, HEAD, DDTREE, WALK, STATISTICS = (
+    "load", "context K/V", "drafter forward", "head", "DDTree", "replay walk", "statistics")
+PHASES = (LOAD, CONTEXT, FORWARD, HEAD, DDTREE, WALK, STATISTICS)
+# The cost group of each phase (``cost.COST_GROUPS``): what ``cost.Calibration`` measures apart.
+PHASE_GROUPS = {LOAD: "other", CONTEXT: "drafter", FORWARD: "drafter", HEAD: "drafter", DDTREE: "ddtree",
+                WALK: "other", STATISTICS: "other"}
+
+
+def group_seconds(phases: Mapping[str, float], total: float) -> dict[str, float]:
+    """An evaluation's seconds per cost group from its phase timer's seconds; what no phase timed (checks,
+    setup) counts as "other", so the groups sum to ``total``."""
+    out = dict.fromkeys(COST_GROUPS, 0.0)
+    for name, seconds in phases.items():
+        out[PHASE_GROUPS.get(name, "other")] += seconds
+    out["other"] += max(0.0, total - sum(phases.values()))
+    return out
+
 
 # ---------------------------------------------------------------------------
 # Drafter runners: the only place that knows how a drafter is called
 # ---------------------------------------------------------------------------
 
 class DraftRunner:
-    """Turns (context features, block embeddings, anchors) into drafter hidden states."""
+    """How the engine drives a drafter: a wave's drafter state from its samples' context features
+    (``context``), then blocks of many samples per call (``block_rows``, read through ``BlockRows``)."""
 
     spec: DrafterSpec
-
-    def prepare(self, features: torch.Tensor) -> Any:
-        """Per-sample state from its context features [T, F] (rows 0..T-1)."""
-        return features
-
-    def state_bytes(self, tokens: int, dtype: torch.dtype) -> int:
-        """Memory one sample's prepared state of ``tokens`` positions holds (for evaluation waves)."""
-        return 0
-
-    def hidden(self, state: Any, noise_embedding: torch.Tensor, anchors: torch.Tensor,
-               lengths: torch.Tensor | None = None) -> torch.Tensor:
-        """[A, L, hidden] for blocks of one sample; ``lengths`` [A] marks blocks shorter than L."""
-        raise NotImplementedError
-
-    def hidden_samples(self, states: Sequence[Any], noise_embedding: torch.Tensor, anchors: torch.Tensor,
-                       segments: Sequence[tuple[int, int]], lengths: torch.Tensor | None = None) -> torch.Tensor:
-        """[N, L, hidden] for blocks of several samples: rows ``segments[s]`` use ``states[s]``."""
-        outs = [self.hidden(st, noise_embedding[lo:hi], anchors[lo:hi], None if lengths is None else lengths[lo:hi])
-                for st, (lo, hi) in zip(states, segments, strict=True) if hi > lo]
-        return torch.cat(outs) if len(outs) > 1 else outs[0]
-
-    def block_rows(self, states: Sequence[Any], noise_embedding: torch.Tensor, anchors: torch.Tensor,
-                   segments: Sequence[tuple[int, int]], lengths: torch.Tensor | None = None) -> BlockRows:
-        """Like ``hidden_samples``, but a runner may leave the token-wise tail of the pass undone until
-        ``rows`` asks for the (block, position) pairs a caller reads."""
-        return BlockRows(self.hidden_samples(states, noise_embedding, anchors, segments, lengths))
+    # Whether ``specforge_rows`` can run SpecForge's masks where they differ from the served ones.
+    has_specforge_masks = False
 
     @property
     def dtype(self) -> torch.dtype:
         return torch.float32
+
+    def context(self, features: Iterable[torch.Tensor], rows: Sequence[int]) -> Any:
+        """The drafter state of a wave: sample ``s``'s context features [rows[s], F] (its positions
+        0 .. rows[s] - 1) arrive one at a time, in wave order."""
+        raise NotImplementedError
+
+    def state_bytes(self, tokens: int, dtype: torch.dtype) -> int:
+        """Memory one sample's share of a wave's state of ``tokens`` positions holds (for evaluation waves)."""
+        return 0
+
+    def block_rows(self, context: Any, noise_embedding: torch.Tensor, anchors: torch.Tensor, samples: torch.Tensor,
+                   lengths: torch.Tensor | None = None) -> BlockRows:
+        """Blocks [N, L]: block ``i`` anchored at ``anchors[i]`` over the context of wave sample ``samples[i]``
+        (each sample's blocks next to each other); ``lengths`` [N] marks blocks shorter than L."""
+        raise NotImplementedError
 
     def specforge_difference(self, block_size: int) -> str | None:
         """Why SpecForge 0.2.0 trains this drafter under other masks than it is served with at ``block_size``
         (None: the same masks, or nothing known of them; ``model.specforge_mask_difference``)."""
         return None
 
-    def specforge_rows(self, states: Sequence[Any], noise_embedding: torch.Tensor, anchors: torch.Tensor,
-                       segments: Sequence[tuple[int, int]]) -> BlockRows:
+    def specforge_rows(self, context: Any, noise_embedding: torch.Tensor, anchors: torch.Tensor,
+                       samples: torch.Tensor) -> BlockRows:
         """Full blocks under SpecForge's training masks (what its DFlash accuracy scores). A runner that cannot
         change its masks runs its own: the engine asks it only when they are SpecForge's (``has_specforge_masks``)."""
-        return self.block_rows(states, noise_embedding, anchors, segments)
-
-    # Whether ``specforge_rows`` can run SpecForge's masks where they differ from the served ones.
-    has_specforge_masks = False
-
-
-class BlockRows:
-    """Drafter hidden states of a batch of blocks, read by (block, position) pairs."""
-
-    def __init__(self, hidden: torch.Tensor):
-        self.hidden = hidden
-
-    def rows(self, block: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        """[..., hidden] at ``(block, position)`` (index tensors broadcast together)."""
-        return self.hidden[block, position]
+        return self.block_rows(context, noise_embedding, anchors, samples)
 
 
 class FastRunner(DraftRunner):
-    """Our ``DFlashDrafter``: context K/V once per sample, blocks of many samples per forward."""
+    """Our ``DFlashDrafter``: a wave's context K/V in a few batched projections, blocks of many samples per pass."""
 
-    def __init__(self, drafter: DFlashDrafter, attn_mem_bytes: int = 512 << 20):
+    has_specforge_masks = True
+
+    def __init__(self, drafter: DFlashDrafter, limits: MemoryLimits = DEFAULT_LIMITS):
         self.drafter = drafter
         self.spec = drafter.spec
-        self.attn_mem_bytes = attn_mem_bytes
+        self.limits = limits
 
     @property
     def dtype(self) -> torch.dtype:
         return self.drafter.fc.weight.dtype
 
-    def prepare(self, features: torch.Tensor) -> Any:
-        return self.drafter.context_kv(features)
+    def context(self, features: Iterable[torch.Tensor], rows: Sequence[int]) -> ContextKV:
+        # Features are projected in batches no larger than an attention call's temporaries.
+        return self.drafter.stream_context(features, rows, batch_bytes=self.limits.attn_bytes)
 
     def state_bytes(self, tokens: int, dtype: torch.dtype) -> int:
         return tokens * self.drafter.context_bytes_per_token(dtype)
 
-    def hidden(self, state: Any, noise_embedding: torch.Tensor, anchors: torch.Tensor,
-               lengths: torch.Tensor | None = None) -> torch.Tensor:
-        return self.hidden_samples([state], noise_embedding, anchors, [(0, anchors.shape[0])], lengths)
-
-    def hidden_samples(self, states: Sequence[Any], noise_embedding: torch.Tensor, anchors: torch.Tensor,
-                       segments: Sequence[tuple[int, int]], lengths: torch.Tensor | None = None) -> torch.Tensor:
-        return self.drafter.forward_samples(states, noise_embedding, anchors, segments, lengths, self.attn_mem_bytes)
-
-    def block_rows(self, states: Sequence[Any], noise_embedding: torch.Tensor, anchors: torch.Tensor,
-                   segments: Sequence[tuple[int, int]], lengths: torch.Tensor | None = None) -> BlockRows:
-        # The last layer's o_proj, MLP and norms run later, on the positions read (DeferredBlocks).
-        return self.drafter.forward_samples(states, noise_embedding, anchors, segments, lengths, self.attn_mem_bytes,
-                                            defer_last=True)
+    def block_rows(self, context: ContextKV, noise_embedding: torch.Tensor, anchors: torch.Tensor,
+                   samples: torch.Tensor, lengths: torch.Tensor | None = None) -> DeferredBlocks:
+        # The last layer's o_proj, MLP and norms run later, on the positions read.
+        return self.drafter.block_rows(context, noise_embedding, anchors, samples, lengths, self.limits.attn_bytes)
 
     def specforge_difference(self, block_size: int) -> str | None:
         return self.drafter.specforge_difference(block_size)
 
-    def specforge_rows(self, states: Sequence[Any], noise_embedding: torch.Tensor, anchors: torch.Tensor,
-                       segments: Sequence[tuple[int, int]]) -> BlockRows:
-        return self.drafter.forward_samples(states, noise_embedding, anchors, segments, None, self.attn_mem_bytes,
-                                            defer_last=True, masks="specforge")
-
-    has_specforge_masks = True
+    def specforge_rows(self, context: ContextKV, noise_embedding: torch.Tensor, anchors: torch.Tensor,
+                       samples: torch.Tensor) -> DeferredBlocks:
+        return self.drafter.block_rows(context, noise_embedding, anchors, samples, None, self.limits.attn_bytes,
+                                       masks="specforge")
 
 
-class ReferenceRunner(DraftRunner):
-    """Any module or function with the reference forward signature
+class PerAnchorRunner(DraftRunner):
+    """Any module or function with the forward signature of dflash's own drafter (``DFlashDraftModel``)
     ``f(target_hidden=[1, p, F], noise_embedding=[1, L, H], position_ids=[1, p + L]) -> [1, L, H]``.
 
-    One call per anchor, as the reference loop makes: exact for any implementation, not fast.
+    One call per anchor, as dflash's ``dflash_generate`` makes them: exact for any implementation, not fast.
+    Its wave state is the samples' context features themselves.
     """
 
     def __init__(self, fn: Callable[..., torch.Tensor], spec: DrafterSpec, dtype: torch.dtype | None = None):
@@ -185,6 +190,9 @@ class ReferenceRunner(DraftRunner):
     def dtype(self) -> torch.dtype:
         return self._dtype
 
+    def context(self, features: Iterable[torch.Tensor], rows: Sequence[int]) -> list[torch.Tensor]:
+        return list(features)
+
     def specforge_difference(self, block_size: int) -> str | None:
         config = _drafter_config(self.fn)
         return None if config is None else specforge_mask_difference(config, block_size)
@@ -194,23 +202,24 @@ class ReferenceRunner(DraftRunner):
         features = len(self.spec.target_layer_ids) * self.spec.target_hidden_size
         return tokens * features * self.dtype.itemsize
 
-    def hidden(self, state: Any, noise_embedding: torch.Tensor, anchors: torch.Tensor,
-               lengths: torch.Tensor | None = None) -> torch.Tensor:
+    def block_rows(self, context: list[torch.Tensor], noise_embedding: torch.Tensor, anchors: torch.Tensor,
+                   samples: torch.Tensor, lengths: torch.Tensor | None = None) -> HiddenBlocks:
         n = noise_embedding.shape[1]
         out = noise_embedding.new_zeros(noise_embedding.shape)
-        for i, p in enumerate(anchors.tolist()):
+        for i, (s, p) in enumerate(zip(samples.tolist(), anchors.tolist(), strict=True)):
             m = n if lengths is None else int(lengths[i])
             pos = torch.arange(p + m, device=noise_embedding.device)[None]
-            h = self.fn(target_hidden=state[None, :p], noise_embedding=noise_embedding[i:i + 1, :m], position_ids=pos)
+            h = self.fn(target_hidden=context[s][None, :p], noise_embedding=noise_embedding[i:i + 1, :m],
+                        position_ids=pos)
             out[i, :m] = h[0, -m:]
-        return out
+        return HiddenBlocks(out)
 
 
 def _drafter_config(module: Any) -> Any:
     return getattr(module, "config", None)
 
 
-def adopt_reference_module(module: nn.Module) -> DFlashDrafter | None:
+def adopt_dflash_module(module: nn.Module) -> DFlashDrafter | None:
     """Our fast drafter sharing (not copying) the weights of a module in the DFlash layout, if it is one."""
     config = _drafter_config(module)
     if config is None:
@@ -230,22 +239,22 @@ def adopt_reference_module(module: nn.Module) -> DFlashDrafter | None:
     return ours
 
 
-def as_runner(drafter: Any, spec: DrafterSpec | None = None, attn_mem_bytes: int = 512 << 20) -> DraftRunner:
+def as_runner(drafter: Any, spec: DrafterSpec | None = None, limits: MemoryLimits = DEFAULT_LIMITS) -> DraftRunner:
     """Pick the fastest exact way to drive ``drafter`` (our class, a module in our layout, or a callable)."""
     if isinstance(drafter, DraftRunner):
         return drafter
     if isinstance(drafter, DFlashDrafter):
-        return FastRunner(drafter, attn_mem_bytes)
+        return FastRunner(drafter, limits)
     if isinstance(drafter, nn.Module):
-        adopted = adopt_reference_module(drafter)
+        adopted = adopt_dflash_module(drafter)
         if adopted is not None:
-            return FastRunner(adopted, attn_mem_bytes)
+            return FastRunner(adopted, limits)
     spec = spec or DrafterSpec.of(drafter)
     dtype = None
     if isinstance(drafter, nn.Module):
         p = next(drafter.parameters(), None)
         dtype = p.dtype if p is not None else None
-    return ReferenceRunner(drafter, spec, dtype)
+    return PerAnchorRunner(drafter, spec, dtype)
 
 
 # ---------------------------------------------------------------------------
@@ -277,12 +286,12 @@ def apply_head(hidden: torch.Tensor, lm_head: torch.Tensor, spec: DrafterSpec, k
     vocab = lm_head.shape[0]
     rows = head_rows(vocab, mem_bytes)
     k = min(k, vocab)
-    am, ids, lps, ovl = [], [], [], []
+    argmaxes, ids, lps, ovl = [], [], [], []
     hidden = hidden.to(lm_head.dtype)
     for i in range(0, n, rows):
         with torch.autocast(hidden.device.type, enabled=False):
             logits = draft_logits(hidden[i:i + rows], lm_head, spec)
-        am.append(logits.argmax(dim=-1))
+        argmaxes.append(logits.argmax(dim=-1))
         if k > 0 or target_topk is not None:
             lse = torch.logsumexp(logits, dim=-1, keepdim=True)
         if k > 0:
@@ -296,7 +305,8 @@ def apply_head(hidden: torch.Tensor, lm_head: torch.Tensor, spec: DrafterSpec, k
             ovl.append(torch.where(t_ids >= 0, torch.minimum(p, q), torch.zeros_like(p)).sum(-1))
         del logits
     cat = torch.cat
-    return HeadOutputs(cat(am), cat(ids) if ids else None, cat(lps) if lps else None, cat(ovl) if ovl else None)
+    return HeadOutputs(cat(argmaxes), cat(ids) if ids else None, cat(lps) if lps else None,
+                       cat(ovl) if ovl else None)
 
 
 # ---------------------------------------------------------------------------
@@ -338,76 +348,316 @@ def stats_anchors(bounds: SampleBounds, stride: int, offset: int = 0) -> range:
     return strided(bounds.anchors, stride, offset)
 
 
-@dataclass
-class _Live:
-    """One sample while it is being evaluated."""
+def _ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """``cat(arange(s, s + n) for s, n in zip(starts, lengths))`` without a Python loop."""
+    total = int(lengths.sum())
+    firsts = torch.cumsum(lengths, 0) - lengths
+    return torch.repeat_interleave(starts - firsts, lengths, output_size=total) + torch.arange(total)
 
-    id: str
-    category: str
-    bounds: SampleBounds
-    state: Any
-    offsets: tuple[int, ...]  # per statistics stride (``_Drafting.strides``): this sample's offset
-    stats: list[int]  # the union of its statistics sets, in anchor order
-    walks: list[Walk]
-    has_topk: bool = False
-    # anchor -> produced of a cycle there, per walk (greedy first, then each DDTree budget)
-    known: dict[int, tuple[int, ...]] = field(default_factory=dict)
-    correct: dict[int, int] = field(default_factory=dict)  # anchor -> greedy leading matches before any cut
-    rows: dict[int, list[int]] | None = None  # anchor -> argmax block (keep_drafts only)
-    window: list[int] = field(default_factory=list)  # per walk: anchors to draft from its position on
-    ones: list[int] = field(default_factory=list)  # per walk kind: drafted anchors whose cycle produced one token
-    # Scored statistics anchors, per drafting chunk: (anchors [r], int16 table [r, 2 + 3 D] of accepted, produced
-    # and per depth valid, match, SpecForge match; t1 [r] or None).
-    scored: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = field(default_factory=list)
+
+@dataclass(frozen=True)
+class _Plan:
+    """What every wave of one evaluation shares."""
+
+    strides: tuple[int, ...]  # the statistics strides: ``anchor_stride`` first, then the extra ones
+    offsets: dict[int, dict[str, int]]  # per stride: each sample's offset (``anchor_sets``)
+    walks: int  # per sample: the greedy walk, then one per DDTree budget
+    depths: int  # drafted depths of a full block (block size - 1)
+    keep_drafts: bool
+    draft_all: bool  # the first round drafts every anchor (``evaluate(draft_all=True)``)
+    stop_token_ids: tuple[int, ...]
+    device: torch.device
+    verify: bool
+
+
+@dataclass
+class _TokenTables:
+    """A wave's token tables on the compute device, where blocks are scored (``_Wave``)."""
+
+    token_start: torch.Tensor  # [samples] each sample's first position in ``tokens``
+    length: torch.Tensor  # [samples] tokens per sample
+    tokens: torch.Tensor  # every sample's tokens end to end
+    next_stop: torch.Tensor  # per position: the first stop position at or after it, within its sample
+    loop_end: torch.Tensor  # [samples] (``SampleBounds``)
+    known_end: torch.Tensor  # [samples]
+    topk: tuple[torch.Tensor, torch.Tensor] | None  # the target's stored top-K ids and log-probabilities
 
 
 class _Wave:
-    """The samples evaluated together: flat token / stop / top-K tables indexed by per-sample offsets."""
+    """The samples evaluated together, as flat tables.
 
-    def __init__(self, lives: list[_Live], tokens: list[torch.Tensor], topk: list[tuple[torch.Tensor, torch.Tensor]
-                 | None], stop_token_ids: Sequence[int], device: torch.device):
-        self.lives = lives
-        lens = [t.shape[0] for t in tokens]
-        self.offset = torch.tensor([0, *lens[:-1]], device=device).cumsum(0)
-        self.length = torch.tensor(lens, device=device)
-        self.tokens = torch.cat(tokens).to(device)
-        self.next_stop = torch.cat([next_stop_positions(t, stop_token_ids) for t in tokens]).to(device)
+    Tokens: every sample's tokens end to end (sample ``s`` from ``token_start[s]``), with each position's
+    next stop token and, when stored, the target's top-K (on the compute device, where blocks are scored).
+    Anchors: one *slot* per anchor of every sample, end to end (anchor ``p`` of sample ``s`` is slot
+    ``slot_start[s] + p - prompt_len[s]``), holding what was drafted there: each walk's ``produced`` (-1
+    until drafted), the greedy leading matches, the statistics row; and whether a walk visited it (on the
+    CPU, where the walks read them).
+    """
+
+    def __init__(self, ids: list[str], entries: list[SampleEntry], bounds: list[SampleBounds],
+                 tokens: list[torch.Tensor], topk: list[tuple[torch.Tensor, torch.Tensor] | None], context: Any,
+                 plan: _Plan):
+        self.ids, self.entries, self.bounds, self.context = ids, entries, bounds, context
+        strides, stop_token_ids, device, depths = plan.strides, plan.stop_token_ids, plan.device, plan.depths
+        self.offsets = [tuple(plan.offsets[k][i] for k in strides) for i in ids]
+        self.has_topk = [t is not None for t in topk]
         self.has_stops = bool(stop_token_ids)
-        self.loop_end = torch.tensor([lv.bounds.loop_end for lv in lives], device=device)
-        self.known_end = torch.tensor([lv.bounds.known_end for lv in lives], device=device)
-        self.prompt_len = torch.tensor([lv.bounds.prompt_len for lv in lives], device=device)
-        self.stat_offsets = torch.tensor([lv.offsets for lv in lives], device=device).view(len(lives), -1)
-        self.topk = None
-        if any(t is not None for t in topk):
-            k = max(t[0].shape[1] for t in topk if t is not None)
-            ids, lps = [], []
-            for t, n in zip(topk, lens, strict=True):
-                # Samples without stored top-K get ids -1: they add nothing to the overlap.
-                i = torch.full((n, k), -1, dtype=torch.long) if t is None else t[0].long()
-                lp = torch.zeros((n, k)) if t is None else t[1].float()
-                ids.append(torch.nn.functional.pad(i, (0, k - i.shape[1]), value=-1))
-                lps.append(torch.nn.functional.pad(lp, (0, k - lp.shape[1])))
-            self.topk = (torch.cat(ids).to(device), torch.cat(lps).to(device))
+        lens = [t.shape[0] for t in tokens]
+        # -- token tables (compute device) -------------------------------------------------------
+        self.token_start = torch.tensor([0, *lens[:-1]]).cumsum(0)
+        self.next_stop = torch.cat([next_stop_positions(t, stop_token_ids) for t in tokens])
+        self.loop_end = torch.tensor([b.loop_end for b in bounds])
+        self.known_end = torch.tensor([b.known_end for b in bounds])
+        self.prompt_len = torch.tensor([b.prompt_len for b in bounds])
+        self.scoring = _TokenTables(self.token_start.to(device), torch.tensor(lens, device=device),
+                                    torch.cat(tokens).to(device), self.next_stop.to(device), self.loop_end.to(device),
+                                    self.known_end.to(device), _topk_table(topk, lens, device))
+        # -- slot tables (CPU) ---------------------------------------------------------------------
+        n_slots = torch.tensor([len(b.anchors) for b in bounds])
+        self.slot_start = torch.cumsum(n_slots, 0) - n_slots
+        self.slot_end = self.slot_start + n_slots
+        slots = int(n_slots.sum())
+        self.slot_sample = torch.repeat_interleave(torch.arange(len(ids)), n_slots, output_size=slots)
+        self.slot_index = torch.arange(slots) - self.slot_start[self.slot_sample]  # anchor - prompt_len
+        self.slot_anchor = self.slot_index + self.prompt_len[self.slot_sample]
+        self.stat_offsets = torch.tensor(self.offsets, dtype=torch.long).view(len(ids), len(strides))
+        self.strides = strides
+        self.stats = torch.zeros(slots, dtype=torch.bool)  # the union of the statistics sets
+        for k, stride in enumerate(strides):
+            self.stats |= self.in_set(k, stride)
+        self.produced = torch.full((slots, plan.walks), -1, dtype=torch.long)
+        self.correct = torch.zeros(slots, dtype=torch.long)  # greedy leading matches before any cut
+        # Per statistics slot: accepted, produced and per depth valid, match, SpecForge match; t1.
+        self.stat_table = torch.zeros((slots, 2 + 3 * depths), dtype=torch.int16)
+        self.t1 = torch.zeros(slots, dtype=torch.float64)
+        self.drafts = torch.zeros((slots, depths), dtype=torch.long) if plan.keep_drafts else None
+        self.draft_depths = torch.zeros(slots, dtype=torch.long) if plan.keep_drafts else None
+        self.visited = torch.zeros(slots, dtype=torch.bool)
+        self.drafted = torch.zeros(len(ids), dtype=torch.long)  # per sample: distinct anchors drafted
+        self.walks = _Walks(self, plan.walks)
+        self.draft_all = plan.draft_all
+
+    @property
+    def slots(self) -> int:
+        return self.produced.shape[0]
+
+    def in_set(self, k: int, stride: int) -> torch.Tensor:
+        """[slots] bool: the anchors of each sample's statistics set at stride ``strides[k]``."""
+        rel = self.slot_index - self.stat_offsets[self.slot_sample, k]
+        return (rel >= 0) & (rel % stride == 0)
+
+    def requests(self, first: bool) -> torch.Tensor:
+        """The slots to draft this round, in (sample, anchor) order: every live walk's anchor and its lookahead
+        (``_Walks.window``), and in the first round the statistics sets (every anchor with ``draft_all``); less
+        what is drafted already."""
+        if first and self.draft_all:
+            return torch.arange(self.slots)
+        want = self.stats.clone() if first else torch.zeros(self.slots, dtype=torch.bool)
+        w = self.walks
+        live = ~w.done
+        if bool(live.any()):
+            s, j = live.nonzero(as_tuple=True)
+            first_slot = self.slot_start[s] + w.pos[s, j] - self.prompt_len[s]
+            last = torch.minimum(first_slot + w.window[s, j], self.slot_end[s])
+            want[_ranges(first_slot, (last - first_slot).clamp(min=1))] = True
+        want &= self.produced[:, 0] < 0
+        return want.nonzero()[:, 0]
+
+    def record(self, slots: torch.Tensor, scored: _Scored) -> None:
+        """Keep what a drafted chunk gave: per walk ``produced``, the greedy matches, the statistics rows."""
+        table = scored.produced.cpu()
+        self.produced[slots] = table
+        self.correct[slots] = scored.accepted.cpu()
+        sample = self.slot_sample[slots]
+        self.drafted.index_add_(0, sample, torch.ones_like(sample))
+        self.walks.one_token.index_add_(0, sample, (table == 1).long())
+        if self.drafts is not None and self.draft_depths is not None:
+            self.drafts[slots] = scored.argmax.cpu()
+            self.draft_depths[slots] = scored.depths.cpu()
+        if scored.stat_rows is not None:
+            at = slots[scored.stat_rows.cpu()]
+            self.stat_table[at] = scored.stat_table
+            if scored.t1 is not None:
+                self.t1[at] = scored.t1
+
+    def results(self, budgets: tuple[int, ...], keep_drafts: int, block_size: int, specforge: bool) -> list[SampleResult]:
+        """Every sample's ``SampleResult`` once its walks have ended."""
+        w = self.walks
+        cycles = w.cycles.tolist()
+        lengths = w.lengths.tolist()
+        # The anchor of each greedy cycle: the prompt's end plus the cycles before it.
+        greedy = w.lengths[:, 0, :]
+        at = (self.slot_start[:, None] + torch.cumsum(greedy, 1) - greedy).clamp(max=max(self.slots - 1, 0))
+        correct = self.correct[at].tolist() if self.slots else [[] for _ in self.ids]
+        needed = torch.zeros(len(self.ids), dtype=torch.long).index_add_(
+            0, self.slot_sample, (self.stats | self.visited).long()).tolist()
+        drafted = self.drafted.tolist()
+        counts = [self.anchor_counts(k, stride, block_size - 1, specforge) for k, stride in enumerate(self.strides)]
+        out = []
+        for s, sid in enumerate(self.ids):
+            g = lengths[s][0][:cycles[s][0]]
+            res = SampleResult(sid, self.entries[s].category, g,
+                               {b: lengths[s][1 + i][:cycles[s][1 + i]] for i, b in enumerate(budgets)},
+                               len(stats_anchors(self.bounds[s], self.strides[0], self.offsets[s][0])))
+            res.anchor_offsets = dict(zip(self.strides, self.offsets[s], strict=True))
+            res.anchor_counts = {stride: c[s] for stride, c in zip(self.strides, counts, strict=True)}
+            res.correct_drafts = correct[s][:len(g)]
+            if keep_drafts and self.drafts is not None and self.draft_depths is not None:
+                shown = at[s, :min(keep_drafts, len(g))]
+                res.drafts = [row[:n] for row, n in zip(self.drafts[shown].tolist(),
+                                                        self.draft_depths[shown].tolist(), strict=True)]
+            res.anchors_drafted, res.anchors_needed = drafted[s], needed[s]
+            out.append(res)
+        return out
+
+    def anchor_counts(self, k: int, stride: int, depths: int, specforge: bool) -> list[AnchorCounts]:
+        """Each sample's counts over its statistics set at stride ``strides[k]`` (``metrics.count_anchors``),
+        summed per sample from the per-anchor rows: integers, and ``t1_sum`` exactly rounded."""
+        n, d = len(self.ids), depths
+        rows = (self.stats & self.in_set(k, stride)).nonzero()[:, 0]  # in (sample, anchor) order
+        sample = self.slot_sample[rows]
+        t = self.stat_table[rows].long()
+        accepted, valid = t[:, 0], t[:, 2:2 + d].bool()
+        depth = torch.arange(1, d + 1)[None, :]
+
+        def per_sample(x: torch.Tensor) -> list[Any]:
+            return torch.zeros((n, *x.shape[1:]), dtype=torch.long).index_add_(0, sample, x.long()).tolist()
+
+        anchors = per_sample(torch.ones_like(sample))
+        produced = per_sample(t[:, 1])
+        total = per_sample(valid)
+        match = per_sample(t[:, 2 + d:2 + 2 * d].bool() & valid)
+        cond_num = per_sample(accepted[:, None] >= depth)
+        cond_den = per_sample((accepted[:, None] >= depth - 1) & valid)
+        sf_match = per_sample(t[:, 2 + 2 * d:].bool() & valid)
+        t1: list[list[float]] = [[] for _ in range(n)]
+        for s, x in zip(sample.tolist(), self.t1[rows].tolist(), strict=True):
+            t1[s].append(x + 1)
+        zeros = (0,) * d
+        out = []
+        for s in range(n):
+            scored = self.has_topk[s]
+            out.append(AnchorCounts(
+                anchors=anchors[s], anchor_produced=produced[s], depth_total=tuple(total[s]),
+                depth_match=tuple(match[s]), cond_num=tuple(cond_num[s]), cond_den=tuple(cond_den[s]),
+                specforge_total=tuple(total[s]) if specforge else zeros,
+                specforge_match=tuple(sf_match[s]) if specforge else zeros,
+                t1_sum=math.fsum(t1[s]) if scored else 0.0, t1_anchors=anchors[s] if scored else 0))
+        return out
 
 
-def _grow(window: int, one_token_share: float, consumed: bool, cap: int) -> int:
-    """Next lookahead of a walk: anchors drafted from its position on (itself included).
+def _topk_table(topk: list[tuple[torch.Tensor, torch.Tensor] | None], lens: list[int],
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The wave's stored top-K ids and log-probabilities end to end; samples without them get ids -1 (they
+    add nothing to the overlap)."""
+    if all(t is None for t in topk):
+        return None
+    k = max(t[0].shape[1] for t in topk if t is not None)
+    ids, lps = [], []
+    for t, n in zip(topk, lens, strict=True):
+        i = torch.full((n, k), -1, dtype=torch.long) if t is None else t[0].long()
+        lp = torch.zeros((n, k)) if t is None else t[1].float()
+        ids.append(torch.nn.functional.pad(i, (0, k - i.shape[1]), value=-1))
+        lps.append(torch.nn.functional.pad(lp, (0, k - lp.shape[1])))
+    return torch.cat(ids).to(device), torch.cat(lps).to(device)
+
+
+# A walk whose drafts so far commit one token at least this often drafts ahead (``_grow``).
+WEAK_SHARE = 0.9
+
+
+def lookahead_cap(block_size: int) -> int:
+    """The most anchors a walk drafts ahead in one round."""
+    return 8 * block_size
+
+
+def _grow(window: torch.Tensor, one_token_share: torch.Tensor, consumed: torch.Tensor, cap: int) -> torch.Tensor:
+    """Next lookahead of each walk: anchors drafted from its position on (itself included).
 
     A walk at p visits p + 1 only if its cycle at p produces one token. When the sample's drafts so
-    far say that is nearly certain for this kind of walk (a one-token share of at least 0.9) and
+    far say that is nearly certain for this kind of walk (a one-token share of at least ``WEAK_SHARE``) and
     the walk used its whole window last round (every cycle in it produced one token), the window
     doubles; otherwise it is 1: only the anchor the walk needs. So a weak drafter (tau ~ 1) gets a few large
     rounds instead of one round per cycle, while a useful drafter never drafts an anchor it may skip
     (``anchors_drafted / anchors_needed`` stays near 1).
     """
-    if consumed and one_token_share >= 0.9:
-        return min(cap, 2 * window)
-    return 1
+    return torch.where(consumed & (one_token_share >= WEAK_SHARE), (2 * window).clamp(max=cap),
+                       torch.ones_like(window))
 
 
-class _Drafting:
-    """Drafts (sample, anchor) requests of a wave and scores them: per-walk ``produced`` values kept per
-    sample, and, for anchors of a statistics set, their per-anchor statistics (``_Live.scored``).
+class _Walks:
+    """Every walk of a wave (per sample the greedy one, then one per DDTree budget) as [samples, walks]
+    tensors, advanced together: the steps of ``replay.Walk``, one cycle of every walk per step."""
+
+    def __init__(self, wave: _Wave, n_walks: int):
+        self.wave = wave
+        n = len(wave.ids)
+        p = wave.prompt_len
+        inside = p < wave.known_end
+        # The prefill's token is a stop exactly when the first stop at or after p is p itself.
+        at = (wave.token_start + torch.minimum(p, (wave.known_end - 1).clamp(min=0))).clamp(
+            max=max(wave.next_stop.numel() - 1, 0))
+        prefill_stop = inside & (wave.next_stop[at] == p) if wave.next_stop.numel() else torch.zeros_like(inside)
+        # The prefill's token off the known path, or already a stop, or no room for a cycle: no cycle runs.
+        done = ~inside | prefill_stop | (p + 1 >= wave.loop_end)
+        self.pos = p[:, None].repeat(1, n_walks)
+        self.done = done[:, None].repeat(1, n_walks)
+        self.cycles = torch.zeros((n, n_walks), dtype=torch.long)
+        longest = int((wave.slot_end - wave.slot_start).max()) if n else 0
+        self.lengths = torch.zeros((n, n_walks, max(longest, 1)), dtype=torch.long)  # a cycle moves >= 1 anchor
+        self.window = torch.ones((n, n_walks), dtype=torch.long)
+        self.one_token = torch.zeros((n, n_walks), dtype=torch.long)  # drafted anchors whose cycle produced one token
+
+    def advance(self, cap: int) -> None:
+        """Move every walk as far as the drafted anchors allow; update its lookahead (``_grow``).
+
+        The lookahead depends on the sample's own drafts only, so what is drafted for a sample does not
+        depend on which other samples share its evaluation (or its rank under DDP).
+        """
+        wave = self.wave
+        start_pos, start_cycles = self.pos.clone(), self.cycles.clone()
+        walk = torch.arange(self.pos.shape[1])
+        while wave.slots:
+            s, j = (~self.done).nonzero(as_tuple=True)
+            if not s.numel():
+                break
+            p = self.pos[s, j]
+            slot = wave.slot_start[s] + p - wave.prompt_len[s]
+            produced = wave.produced[slot, walk[j]]
+            move = produced > 0
+            if not bool(move.any()):
+                break
+            s, j, p, slot, produced = s[move], j[move], p[move], slot[move], produced[move]
+            c = self.cycles[s, j]
+            self.lengths[s, j, c] = produced
+            wave.visited[slot] = True
+            new = p + produced
+            # A stop token among the committed tokens p + 1 .. new ends the walk, as does the loop's end.
+            stopped = wave.next_stop[wave.token_start[s] + p + 1] <= new
+            self.done[s, j] = stopped | (new + 1 >= wave.loop_end[s])
+            self.pos[s, j] = new
+            self.cycles[s, j] = c + 1
+        seen = wave.drafted.clamp(min=1)[:, None].double()
+        consumed = (self.pos - start_pos == self.window) & (self.cycles - start_cycles == self.window)
+        self.window = _grow(self.window, self.one_token.double() / seen, consumed, cap)
+
+
+@dataclass
+class _Scored:
+    """What drafting a chunk of slots gave (``_Scorer.score``), for ``_Wave.record``."""
+
+    produced: torch.Tensor  # [N, walks] the cycle's produced per walk (greedy, then each budget)
+    accepted: torch.Tensor  # [N] greedy leading matches before any cut
+    argmax: torch.Tensor | None  # [N, D] the greedy block (-2 past the drafted depths), kept for keep_drafts
+    depths: torch.Tensor | None  # [N] drafted depths (block length - 1), with ``argmax``
+    stat_rows: torch.Tensor | None  # indexes of the statistics rows among the N
+    stat_table: torch.Tensor | None  # [r, 2 + 3 D] int16 (CPU): accepted, produced, valid, match, SpecForge match
+    t1: torch.Tensor | None  # [r] float64 (CPU): expected accepted length at temperature 1
+
+
+class _Scorer:
+    """Drafts chunks of a wave's slots and scores them: per walk the ``produced`` of a cycle there, and for
+    anchors of a statistics set their per-anchor statistics.
 
     ``specforge``: "served" when SpecForge's masks are the served ones (its accuracy comes from the same
     drafts, but for shortened tail blocks, which it drafts again in full), "own pass" when they differ (every
@@ -415,218 +665,146 @@ class _Drafting:
     """
 
     def __init__(self, runner: DraftRunner, head: TargetHead, spec: DrafterSpec, budgets: tuple[int, ...],
-                 strides: tuple[int, ...], head_mem_bytes: int, max_blocks: int, tail_blocks: str, specforge: str):
+                 head_mem_bytes: int, tail_blocks: str, specforge: str, keep_drafts: bool, timer: Any):
         self.runner, self.head, self.spec, self.budgets = runner, head, spec, budgets
-        self.tail_blocks, self.specforge = tail_blocks, specforge
-        self.strides = torch.tensor(strides, device=head.embed_tokens.device)
-        self.head_mem_bytes, self.max_blocks = head_mem_bytes, max_blocks
+        self.tail_blocks, self.specforge, self.keep_drafts = tail_blocks, specforge, keep_drafts
+        self.head_mem_bytes, self.timer = head_mem_bytes, timer
 
-    def run(self, wave: _Wave, requests: list[tuple[int, int]]) -> None:
-        requests.sort()
-        for i in range(0, len(requests), self.max_blocks):
-            self._chunk(wave, requests[i:i + self.max_blocks])
-
-    def _chunk(self, wave: _Wave, requests: list[tuple[int, int]]) -> None:
-        spec, head = self.spec, self.head
+    def score(self, wave: _Wave, slots: torch.Tensor) -> _Scored:
+        spec, head, timer = self.spec, self.head, self.timer
+        tables = wave.scoring
         dev = head.embed_tokens.device
         n, d = spec.block_size, spec.block_size - 1
-        who = [w for w, _ in requests]
-        order, segments = _segments(who)
-        lives = [wave.lives[w] for w in order]
-        sample = torch.tensor(who, device=dev)
-        anchors = torch.tensor([p for _, p in requests], device=dev)
-        base = wave.offset[sample]
-        lengths = block_lengths(wave.loop_end[sample], anchors, n, self.tail_blocks)
-        emb = block_embeddings(wave.tokens, base + anchors, n, spec, head.embed_tokens).to(self.runner.dtype)
-        short = lengths if bool((lengths < n).any()) else None
-        blocks = self.runner.block_rows([lv.state for lv in lives], emb, anchors, segments, short)
+        sample = wave.slot_sample[slots].to(dev)
+        anchors = wave.slot_anchor[slots].to(dev)
+        in_stats = wave.stats[slots].to(dev)
+        base = tables.token_start[sample]
+        lengths = block_lengths(tables.loop_end[sample], anchors, n, self.tail_blocks)
+        with timer.phase(FORWARD):
+            emb = block_embeddings(tables.tokens, base + anchors, n, spec, head.embed_tokens).to(self.runner.dtype)
+            short = lengths if bool((lengths < n).any()) else None
+            blocks = self.runner.block_rows(wave.context, emb, anchors, sample, short)
         depth = torch.arange(1, d + 1, device=dev)[None, :]
         pos = anchors[:, None] + depth  # positions of depths 1..D
-        last = (wave.length[sample] - 1)[:, None]
-        target = wave.tokens[base[:, None] + torch.minimum(pos, last)]
-        target = torch.where(pos < wave.known_end[sample][:, None], target, -1)
-        tk = None
-        if wave.topk is not None:
+        last = (tables.length[sample] - 1)[:, None]
+        target = tables.tokens[base[:, None] + torch.minimum(pos, last)]
+        target = torch.where(pos < tables.known_end[sample][:, None], target, -1)
+        target_topk = None
+        if tables.topk is not None:
             # The target's distribution for the token at p + k sits at position p + k - 1.
             at = (base[:, None] + torch.minimum(pos - 1, last)).reshape(-1)
-            tk = (wave.topk[0][at], wave.topk[1][at])
-        # Rows of a statistics set: anchors[offset::stride] of their sample, for any of the strides.
-        rel = (anchors - wave.prompt_len[sample])[:, None] - wave.stat_offsets[sample]
-        sel = (rel % self.strides[None, :] == 0).any(dim=1)
-        keep_rows = any(lv.rows is not None for lv in lives)
-        out = None
-        if self.budgets or keep_rows or bool(sel.all()):
-            every = torch.arange(len(requests), device=dev)[:, None]
-            flat = blocks.rows(every, depth).reshape(len(requests) * d, -1)
-            out = apply_head(flat, head.lm_head, spec, max(self.budgets, default=0), self.head_mem_bytes, tk)
-            raw, overlap = out.argmax.view(-1, d), None if out.overlap is None else out.overlap.view(-1, d)
-        else:
-            raw, overlap = self._greedy_head(blocks, target, sel, tk)
+            target_topk = (tables.topk[0][at], tables.topk[1][at])
+        with timer.phase(HEAD):
+            out = None
+            if self.budgets or self.keep_drafts or bool(in_stats.all()):
+                every = torch.arange(len(slots), device=dev)[:, None]
+                flat = blocks.rows(every, depth).reshape(len(slots) * d, -1)
+                out = apply_head(flat, head.lm_head, spec, max(self.budgets, default=0), self.head_mem_bytes,
+                                 target_topk)
+                raw, overlap = out.argmax.view(-1, d), None if out.overlap is None else out.overlap.view(-1, d)
+            else:
+                raw, overlap = self._greedy_head(blocks, target, in_stats, target_topk)
         # Depths past a (tail) block's length get values that never match or score: -2, -inf, 0.
         inside = depth < lengths[:, None]
         argmax = torch.where(inside, raw, -2)
         accepted = leading_matches(argmax, target)
         first_stop = None
         if wave.has_stops:
-            nxt = base + torch.minimum(anchors + 1, wave.length[sample] - 1)
-            first_stop = wave.next_stop[nxt]
-        loop_end = wave.loop_end[sample]
+            nxt = base + torch.minimum(anchors + 1, tables.length[sample] - 1)
+            first_stop = tables.next_stop[nxt]
+        loop_end = tables.loop_end[sample]
         produced = [cut_produced(accepted, anchors, loop_end, first_stop)]
         if self.budgets:
-            assert out is not None
-            kk = out.topk_ids.shape[-1]
-            top_ids = torch.where(inside[..., None], out.topk_ids.view(-1, d, kk), -2)
-            top_lp = torch.where(inside[..., None], out.topk_logprobs.view(-1, d, kk), float("-inf"))
-            tree = ddtree_accepted(top_ids, top_lp, lengths - 1, target, max(self.budgets))
-            produced += [cut_produced(tree[:, b - 1], anchors, loop_end, first_stop) for b in self.budgets]
-        table = torch.stack(produced, dim=1)  # [N, walks]
-        rows = argmax.tolist() if keep_rows else None
-        depths = (lengths - 1).tolist() if keep_rows else None
-        for r, ((w, p), vals, a) in enumerate(zip(requests, table.tolist(), accepted.tolist(), strict=True)):
-            lv = wave.lives[w]
-            lv.known[p] = tuple(vals)
-            lv.correct[p] = a
-            for j, v in enumerate(vals):
-                lv.ones[j] += v == 1
-            if lv.rows is not None:
-                lv.rows[p] = rows[r][: depths[r]]
-        if bool(sel.any()):
-            self._keep_statistics(wave, sample, anchors, lengths, emb, sel, inside & (target >= 0), target, argmax,
-                                  accepted, produced[0], overlap)
+            assert out is not None and out.topk_ids is not None and out.topk_logprobs is not None
+            with timer.phase(DDTREE):
+                kk = out.topk_ids.shape[-1]
+                top_ids = torch.where(inside[..., None], out.topk_ids.view(-1, d, kk), -2)
+                top_lp = torch.where(inside[..., None], out.topk_logprobs.view(-1, d, kk), float("-inf"))
+                tree = ddtree_accepted(top_ids, top_lp, lengths - 1, target, max(self.budgets))
+                produced += [cut_produced(tree[:, b - 1], anchors, loop_end, first_stop) for b in self.budgets]
+        scored = _Scored(torch.stack(produced, dim=1), accepted, argmax if self.keep_drafts else None,
+                         lengths - 1 if self.keep_drafts else None, None, None, None)
+        if bool(in_stats.any()):
+            with timer.phase(STATISTICS):
+                scored.stat_rows, scored.stat_table, scored.t1 = self._statistics(
+                    wave, sample, anchors, lengths, emb, in_stats, inside & (target >= 0), target, argmax, accepted,
+                    produced[0], overlap)
+        return scored
 
-    def _keep_statistics(self, wave: _Wave, sample: torch.Tensor, anchors: torch.Tensor, lengths: torch.Tensor,
-                         emb: torch.Tensor, sel: torch.Tensor, valid: torch.Tensor, target: torch.Tensor,
-                         argmax: torch.Tensor, accepted: torch.Tensor, produced: torch.Tensor,
-                         overlap: torch.Tensor | None) -> None:
-        """Per-anchor statistics of the statistics rows ``sel``, kept per sample (on the CPU, small integers):
-        the sums over each stride's set are taken when the sample is finished (``_anchor_counts``)."""
+    def _statistics(self, wave: _Wave, sample: torch.Tensor, anchors: torch.Tensor, lengths: torch.Tensor,
+                    emb: torch.Tensor, in_stats: torch.Tensor, valid: torch.Tensor, target: torch.Tensor,
+                    argmax: torch.Tensor, accepted: torch.Tensor, produced: torch.Tensor,
+                    overlap: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Per-anchor statistics of the statistics rows (small integers, on the CPU) and their temperature-1
+        estimate: the sums over each stride's set are taken when the wave is done (``_Wave.anchor_counts``)."""
         match = argmax == target
         sf_match = match
         if self.specforge != "none":
             # SpecForge drafts full blocks under its own masks: draft again where that changes the drafts.
-            again = sel if self.specforge == "own pass" else sel & (lengths < self.spec.block_size)
+            again = in_stats if self.specforge == "own pass" else in_stats & (lengths < self.spec.block_size)
             if bool(again.any()):
                 sf_match = match.clone()
                 sf_match[again] = self._specforge_argmax(wave, sample, anchors, emb, again) == target[again]
         table = torch.cat([accepted[:, None], produced[:, None], valid, match & valid, sf_match & valid], dim=1)
-        rows = sel.nonzero()[:, 0]
-        table = table[rows].to(device="cpu", dtype=torch.int16)
-        at = anchors[rows].cpu()
+        rows = in_stats.nonzero()[:, 0]
         t1 = None
         if overlap is not None:
             alpha = torch.where(valid, overlap, 0.0)[rows]
             t1 = torch.cumprod(alpha.double(), dim=1).sum(dim=1).cpu()  # expected accepted at temperature 1
-        who = sample[rows].cpu()
-        for w in torch.unique_consecutive(who).tolist():
-            m = who == w
-            lv = wave.lives[w]
-            lv.scored.append((at[m], table[m], t1[m] if t1 is not None and lv.has_topk else None))
+        return rows, table[rows].to(device="cpu", dtype=torch.int16), t1
 
     def _specforge_argmax(self, wave: _Wave, sample: torch.Tensor, anchors: torch.Tensor, emb: torch.Tensor,
                           rows: torch.Tensor) -> torch.Tensor:
         """Greedy drafts [r, D] of the blocks ``rows`` drafted in full under SpecForge's training masks."""
         idx = rows.nonzero()[:, 0]
-        order, segments = _segments(sample[idx].tolist())
-        states = [wave.lives[w].state for w in order]
         d = self.spec.block_size - 1
-        blocks = self.runner.specforge_rows(states, emb[idx], anchors[idx], segments)
-        depth = torch.arange(1, d + 1, device=idx.device)[None, :]
-        hid = blocks.rows(torch.arange(idx.numel(), device=idx.device)[:, None], depth)
-        out = apply_head(hid.reshape(idx.numel() * d, -1), self.head.lm_head, self.spec, 0, self.head_mem_bytes)
+        with self.timer.phase(FORWARD):
+            blocks = self.runner.specforge_rows(wave.context, emb[idx], anchors[idx], sample[idx])
+        with self.timer.phase(HEAD):
+            depth = torch.arange(1, d + 1, device=idx.device)[None, :]
+            hid = blocks.rows(torch.arange(idx.numel(), device=idx.device)[:, None], depth)
+            out = apply_head(hid.reshape(idx.numel() * d, -1), self.head.lm_head, self.spec, 0, self.head_mem_bytes)
         return out.argmax.view(-1, d)
 
-    def _greedy_head(self, blocks: BlockRows, target: torch.Tensor, sel: torch.Tensor,
-                     tk: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Greedy-only argmax [N, D]: every depth for the statistics rows ``sel``; for the others only as
-        deep as the leading matches reach (the replay reads depth k only when depths 1..k-1 matched),
-        -2 past that. The head (and the last layer's token-wise tail, ``BlockRows``) is most of a
-        block's cost, and tau ~ 4 reads about a third of it. The live rows go a few depths per head
-        call, about ``_HEAD_ROWS`` rows a call: a call on a handful of rows costs as much as reading
-        the head matrix once. Returns the argmax and, for ``sel`` rows when ``tk`` is given, the
+    def _greedy_head(self, blocks: BlockRows, target: torch.Tensor, in_stats: torch.Tensor,
+                     target_topk: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Greedy-only argmax [N, D]: every depth for the statistics rows; for the others only as deep as
+        the leading matches reach (the replay reads depth k only when depths 1..k-1 matched), -2 past that.
+        The head (and the last layer's token-wise tail, ``model.DeferredBlocks``) is most of a block's cost,
+        and tau ~ 4 reads about a third of it. The live rows go a few depths per head call, about
+        ``_HEAD_ROWS`` rows a call: a call on a handful of rows costs as much as reading the head matrix
+        once. Returns the argmax and, for statistics rows when ``target_topk`` is given, the
         temperature-1 overlap."""
         n, d = target.shape
         head, spec = self.head, self.spec
         dev = target.device
         raw = torch.full((n, d), -2, dtype=torch.long, device=dev)
         overlap = None
-        rows = sel.nonzero()[:, 0]
+        rows = in_stats.nonzero()[:, 0]
         if rows.numel():
-            sub = None if tk is None else tuple(t.view(n, d, -1)[rows].reshape(rows.numel() * d, -1) for t in tk)
+            sub = None if target_topk is None else tuple(
+                t.view(n, d, -1)[rows].reshape(rows.numel() * d, -1) for t in target_topk)
             hid = blocks.rows(rows[:, None], torch.arange(1, d + 1, device=dev)[None, :])
             out = apply_head(hid.reshape(rows.numel() * d, -1), head.lm_head, spec, 0, self.head_mem_bytes, sub)
             raw[rows] = out.argmax.view(-1, d)
             if out.overlap is not None:
                 overlap = torch.zeros((n, d), device=dev)
                 overlap[rows] = out.overlap.view(-1, d)
-        live = (~sel).nonzero()[:, 0]
+        live = (~in_stats).nonzero()[:, 0]
         k = 0
         while k < d and live.numel():
             c = min(d - k, max(1, _HEAD_ROWS // live.numel()))
             hid = blocks.rows(live[:, None], torch.arange(k + 1, k + c + 1, device=dev)[None, :])
             # Row-chunked like the statistics rows: at tau ~ 1 every block is live, and a call on all of
             # them at once would hold [max_blocks, vocab] logits (1 GB at the real vocabulary).
-            am = apply_head(hid.reshape(live.numel() * c, -1), head.lm_head, spec, 0, self.head_mem_bytes)
-            am = am.argmax.view(-1, c)
-            lead = leading_matches(am, target[live, k:k + c])
+            drafts = apply_head(hid.reshape(live.numel() * c, -1), head.lm_head, spec, 0, self.head_mem_bytes)
+            drafts = drafts.argmax.view(-1, c)
+            lead = leading_matches(drafts, target[live, k:k + c])
             # Depths up to the first miss are read (the miss decides the cycle); the rest stay -2.
-            raw[live, k:k + c] = torch.where(torch.arange(c, device=dev)[None, :] <= lead[:, None], am, -2)
+            raw[live, k:k + c] = torch.where(torch.arange(c, device=dev)[None, :] <= lead[:, None], drafts, -2)
             live = live[lead == c]
             k += c
         return raw, overlap
-
-
-def _segments(who: list[int]) -> tuple[list[int], list[tuple[int, int]]]:
-    """The samples of sorted rows ``who`` and each one's rows (start, stop)."""
-    order: list[int] = []
-    segments: list[tuple[int, int]] = []
-    for i, w in enumerate(who):
-        if not order or order[-1] != w:
-            order.append(w)
-            segments.append((i, i + 1))
-        else:
-            segments[-1] = (segments[-1][0], i + 1)
-    return order, segments
-
-
-def _advance(lv: _Live, cap: int) -> None:
-    """Move every walk of a sample as far as the drafted anchors allow; update its lookahead.
-
-    The lookahead depends on this sample's drafts only, so what is drafted for a sample does not
-    depend on which other samples share its evaluation (or its rank under DDP).
-    """
-    seen = max(len(lv.known), 1)
-    for j, walk in enumerate(lv.walks):
-        start, cycles = walk.p, len(walk.lengths)
-        while walk.anchor is not None and walk.anchor in lv.known:
-            walk.advance(lv.known[walk.anchor][j])
-        w = lv.window[j]
-        consumed = walk.p - start == w and len(walk.lengths) - cycles == w  # w one-token cycles
-        lv.window[j] = _grow(w, lv.ones[j] / seen, consumed, cap)
-
-
-def _requests(wave: _Wave, first: bool) -> list[tuple[int, int]]:
-    out: set[tuple[int, int]] = set()
-    for w, lv in enumerate(wave.lives):
-        if first:
-            out.update((w, p) for p in lv.stats if p not in lv.known)
-        last = lv.bounds.anchors.stop
-        for j, walk in enumerate(lv.walks):
-            p = walk.anchor
-            if p is not None:
-                out.update((w, q) for q in range(p, max(p + 1, min(last, p + lv.window[j]))) if q not in lv.known)
-    return list(out)
-
-
-def _anchors_in_order(lengths: Sequence[int], start: int) -> list[int]:
-    out, p = [], start
-    for k in lengths:
-        out.append(p)
-        p += k
-    return out
-
-
-def _visited(lengths: Sequence[int], start: int) -> set[int]:
-    return set(_anchors_in_order(lengths, start))
 
 
 # ---------------------------------------------------------------------------
@@ -648,6 +826,7 @@ class EvalReport:
     # How ``specforge/acc`` was computed: "" when SpecForge's masks are the served ones; else why they
     # differ and that it had its own pass, or was left out (``SPECFORGE_OWN_PASS`` / ``SPECFORGE_LEFT_OUT``).
     specforge_note: str = ""
+    passes: int = 0  # drafter passes made (rounds of every wave, at most max_blocks blocks each)
 
     @property
     def summary(self) -> dict[str, float]:
@@ -688,12 +867,10 @@ def summed_counts(samples: Sequence[SampleResult], block_size: int, budgets: Seq
     """``EvalCounts`` of scored samples, summed in their order from per-sample integers, with the anchor
     statistics of ``stride``: the same whichever samples were evaluated together (or on which rank)."""
     counts = EvalCounts(block_size, tuple(budgets), tuple(categories))
-    for r in samples:
-        counts.add_cycles(r.acceptance_lengths, r.category)
-        for i, b in enumerate(counts.budgets):
-            counts.add_ddtree(i, r.ddtree[b])
-        counts.add_cost(r.anchors_drafted, r.anchors_needed)
-        counts.add_anchor_counts(r.anchor_counts[stride])
+    counts.add_samples([r.acceptance_lengths for r in samples], [r.category for r in samples],
+                       [[r.ddtree[b] for b in counts.budgets] for r in samples],
+                       [(r.anchors_drafted, r.anchors_needed) for r in samples],
+                       [r.anchor_counts[stride] for r in samples])
     return counts
 
 
@@ -759,11 +936,10 @@ def evaluate(cache: StateCache, drafter: Any, head: TargetHead | None = None, *,
              sample_ids: Iterable[str] | None = None, budgets: Sequence[int] = DEFAULT_BUDGETS,
              anchor_stride: int = 1, device: torch.device | str | None = None,
              autocast_dtype: torch.dtype | None = None, spec: DrafterSpec | None = None, verify: bool = False,
-             progress: bool = False, attn_mem_bytes: int = 512 << 20, head_mem_bytes: int = 512 << 20,
-             context_mem_bytes: int = 4 << 30, max_blocks: int = 1024, keep_drafts: int = 0,
+             progress: bool = False, limits: MemoryLimits = DEFAULT_LIMITS, keep_drafts: int = 0,
              tail_blocks: str = "served", block_size: int | None = None, anchor_seed: int = DEFAULT_ANCHOR_SEED,
-             extra_anchor_strides: Sequence[int] = (), anchor_offsets: Mapping[str, int] | None = None
-             ) -> EvalReport:
+             extra_anchor_strides: Sequence[int] = (), anchor_offsets: Mapping[str, int] | None = None,
+             draft_all: bool = False, timer: PhaseTimer | None = None) -> EvalReport:
     """Score ``drafter`` on ``cache``: exact greedy replay, DDTree per budget, anchor statistics.
 
     ``anchor_stride`` picks the anchor-statistics set (per-depth acceptance, ``specforge/acc``,
@@ -775,34 +951,43 @@ def evaluate(cache: StateCache, drafter: Any, head: TargetHead | None = None, *,
     own drawn offsets; what is drafted is the union); ``EvalReport.counts_at(stride)`` gives their counts.
     The replays are exact whatever the strides. ``specforge/acc`` is SpecForge 0.2.0's accuracy: when
     its training masks differ from the served ones (``model.specforge_mask_difference``), the statistics
-    anchors are drafted once more under its masks (``EvalReport.specforge_note``). ``head`` defaults to the cache's exported target head. ``autocast_dtype`` (e.g.
-    bfloat16 on GPU) trades exactness for speed; exactness tests use float32. ``keep_drafts`` > 0
-    keeps, per sample, the draft blocks of that many first cycles (``SampleResult.drafts``).
+    anchors are drafted once more under its masks (``EvalReport.specforge_note``). ``head`` defaults to
+    the cache's exported target head. ``autocast_dtype`` (e.g. bfloat16 on GPU) trades exactness for
+    speed; exactness tests use float32. ``keep_drafts`` > 0 keeps, per sample, the draft blocks of that
+    many first cycles (``SampleResult.drafts``).
     ``tail_blocks`` (``replay.TAIL_BLOCKS``): "served" drafts full blocks up to the end, as SGLang;
     "reference" shortens the last blocks, as ``dflash_generate`` (docs/method.md, "Tail blocks").
     ``block_size`` (``replay.check_block_size``: 2 .. the drafter's, None = the drafter's) is the block
     every cycle drafts, as a server started with a smaller block does; the tail rules and the
-    per-depth statistics follow it (``EvalReport.block_size``).
+    per-depth statistics follow it (``EvalReport.block_size``). ``draft_all``: the first round drafts every
+    anchor, as stride 1 does, whatever the statistics stride: one round instead of one per cycle, cheaper when
+    the walks would draft most anchors anyway (a weak drafter) or a pass costs more than the blocks it
+    spares (few samples; ``cost.draft_all_is_cheaper`` decides for the live evaluator). Only what is drafted
+    changes, never a figure. ``timer`` (``common.timing.PhaseTimer``) collects the seconds of each phase
+    (``PHASES``).
 
     The head runs in its own dtype: a head loaded here (``head`` None) is read in the compute dtype
     (``autocast_dtype``, else the drafter's), so a bf16 evaluation never holds a float32 head; a
     given head is used as it is (``EvalReport.head_dtype`` says which).
 
-    Memory model (``cost.memory_bound`` computes it; the README's memory section gives the figures),
-    for the Qwen3.6-27B drafter in bf16 (5 layers, hidden 5120, vocabulary 248,320, block 16):
+    Memory model (``limits``, a ``cost.MemoryLimits``; ``cost.memory_bound`` computes it; the README's
+    memory section gives the figures), for the Qwen3.6-27B drafter in bf16 (5 layers, hidden 5120,
+    vocabulary 248,320, block 16):
 
     - drafter weights: 1.73 B parameters, 3.5 GB;
     - target embedding + output head, in the compute dtype: 2 x 248,320 x 5,120 x 2 bytes = 5.1 GB
       (2.5 GB when tied);
     - context K/V, 5 layers x 2 x 8 KV heads x 128 x 2 bytes = 20 KiB per position: 42 MB per
       2,048-token sample, 2.7 GB for 64; samples are evaluated in waves whose K/V fit
-      ``context_mem_bytes`` together (4 GiB default: 64 such samples are one wave);
-    - bounded buffers: a round drafts at most ``max_blocks`` blocks per pass (token-wise activations
+      ``limits.context_bytes`` together (4 GiB default: 64 such samples are one wave); their features are
+      projected in batches under ``limits.attn_bytes``;
+    - bounded buffers: a round drafts at most ``limits.max_blocks`` blocks per pass (token-wise activations
       ~ ``max_blocks`` x block_size x (3 x intermediate + 4 x hidden): 2.4 GB at 1,024 blocks in bf16); attention
-      temporaries stay under ``attn_mem_bytes`` per chunk, and every vocabulary-sized tensor (the
-      head's logits, greedy and statistics rows alike) under ``head_mem_bytes``.
+      temporaries stay under ``limits.attn_bytes`` per call, and every vocabulary-sized tensor (the
+      head's logits, greedy and statistics rows alike) under ``limits.head_bytes``.
     """
     start = time.perf_counter()
+    timer = timer if timer is not None else NO_TIMER
     check_tail_blocks(tail_blocks)
     if not check.is_int(anchor_stride) or anchor_stride < 1:
         raise check.ArgumentError(f"anchor_stride must be >= 1 (1 = every anchor), got {anchor_stride!r}")
@@ -810,7 +995,9 @@ def evaluate(cache: StateCache, drafter: Any, head: TargetHead | None = None, *,
     extra = check.int_list("extra_anchor_strides", list(extra_anchor_strides), 1)
     strides = (anchor_stride, *sorted(set(extra) - {anchor_stride}))
     anchor_offsets = check_anchor_offsets("anchor_offsets", anchor_offsets, anchor_stride)
-    runner = as_runner(drafter, spec, attn_mem_bytes)
+    if not isinstance(limits, MemoryLimits):
+        raise check.ArgumentError(f"limits={limits!r}: expected a dflash_cb.core.cost.MemoryLimits")
+    runner = as_runner(drafter, spec, limits)
     spec = runner.spec
     cache.check_drafter(spec.as_cache_check())
     block = check_block_size(block_size, spec.block_size)
@@ -823,20 +1010,22 @@ def evaluate(cache: StateCache, drafter: Any, head: TargetHead | None = None, *,
         p = getattr(getattr(runner, "drafter", None), "fc", None)
         device = p.weight.device if p is not None else torch.device("cpu")
     device = torch.device(device)
-    if head is None:
-        head = cache.load_head(device=device, dtype=autocast_dtype or runner.dtype)
-    elif head.embed_tokens.device != device:
-        head = head.to(device)
+    with timer.phase(LOAD):
+        if head is None:
+            head = cache.load_head(device=device, dtype=autocast_dtype or runner.dtype)
+        elif head.embed_tokens.device != device:
+            head = head.to(device)
     budgets = tuple(sorted({int(b) for b in budgets}))
     if any(b < 1 for b in budgets):
         raise ValueError(f"DDTree budgets must be positive, got {budgets}")
     ids = list(sample_ids) if sample_ids is not None else [s.id for s in cache.samples]
     categories = cache.categories
     manifest = cache.manifest
-    stops = frozenset(manifest.stop_token_ids)
     offsets = {s: offsets_for(ids, s, anchor_seed, anchor_offsets if s == anchor_stride else None) for s in strides}
-    drafting = _Drafting(runner, head, drafting_spec, budgets, strides, head_mem_bytes, max_blocks, tail_blocks,
-                         specforge)
+    plan = _Plan(strides, offsets, 1 + len(budgets), block - 1, keep_drafts > 0, bool(draft_all),
+                 tuple(manifest.stop_token_ids), device, verify)
+    scorer = _Scorer(runner, head, drafting_spec, budgets, limits.head_bytes, tail_blocks, specforge,
+                     keep_drafts > 0, timer)
     state_dtype = autocast_dtype or runner.dtype
     bar = None
     if progress:
@@ -844,90 +1033,61 @@ def evaluate(cache: StateCache, drafter: Any, head: TargetHead | None = None, *,
 
         bar = tqdm(total=len(ids), desc="evaluating", unit="sample")
     results: dict[str, SampleResult] = {}
+    passes = 0
     with torch.no_grad(), autocast_context(device, autocast_dtype):
-        for wave_ids in _waves(cache, ids, runner, state_dtype, context_mem_bytes):
-            wave = _load_wave(cache, wave_ids, runner, manifest, stops, strides, offsets, len(budgets), device,
-                              verify, keep_drafts > 0)
+        for wave_ids in _waves(cache, ids, runner, state_dtype, limits.context_bytes):
+            wave = _load_wave(cache, wave_ids, runner, plan, timer)
             first = True
             while True:
-                for lv in wave.lives:
-                    _advance(lv, 8 * block)
-                requests = _requests(wave, first)
+                with timer.phase(WALK):
+                    wave.walks.advance(lookahead_cap(block))
+                    slots = wave.requests(first)
                 first = False
-                if not requests:
+                if not slots.numel():
                     break
-                drafting.run(wave, requests)
-            for lv in wave.lives:
-                results[lv.id] = _finish(lv, budgets, keep_drafts, strides, block, specforge != "none")
-                lv.state = None  # the context K/V of this wave can go
+                for i in range(0, slots.numel(), limits.max_blocks):
+                    chunk = slots[i:i + limits.max_blocks]
+                    scored = scorer.score(wave, chunk)
+                    passes += 1
+                    with timer.phase(WALK):
+                        wave.record(chunk, scored)
+            with timer.phase(STATISTICS):
+                for r in wave.results(budgets, keep_drafts, block, specforge != "none"):
+                    results[r.id] = r
+            del wave  # the context K/V of this wave can go
             if bar is not None:
                 bar.update(len(wave_ids))
     if bar is not None:
         bar.close()
     samples = [results[sid] for sid in ids]
-    # In sample order, from per-sample integers: the counts do not depend on waves, rounds or ranks.
-    counts = summed_counts(samples, block, budgets, categories, anchor_stride)
+    with timer.phase(STATISTICS):
+        # In sample order, from per-sample integers: the counts do not depend on waves, rounds or ranks.
+        counts = summed_counts(samples, block, budgets, categories, anchor_stride)
     return EvalReport(counts, samples, time.perf_counter() - start, spec, budgets, anchor_stride, tail_blocks,
-                      str(head.lm_head.dtype).removeprefix("torch."), anchor_seed, strides[1:], note)
+                      str(head.lm_head.dtype).removeprefix("torch."), anchor_seed, strides[1:], note, passes)
 
 
-def _load_wave(cache: StateCache, ids: list[str], runner: DraftRunner, manifest: Manifest, stops: frozenset[int],
-               strides: tuple[int, ...], offsets: dict[int, dict[str, int]], n_budgets: int, device: torch.device,
-               verify: bool, keep_rows: bool) -> _Wave:
-    lives, tokens, topk = [], [], []
-    for sid in ids:
-        sample = cache.load(sid, verify=verify)
-        bounds = bounds_for(sample, manifest)
-        tok_list = sample.input_ids.tolist()
-        state = None
-        if len(bounds.anchors):
-            # Block at p sees context rows [0, p): the last anchor bounds the rows any block needs.
-            rows = bounds.anchors[-1]
-            state = runner.prepare(sample.hidden[:rows].to(device=device, dtype=runner.dtype))
-        walks = [Walk(bounds, tok_list, stops) for _ in range(1 + n_budgets)]
-        own = tuple(offsets[s][sid] for s in strides)
-        stats = sorted(set().union(*(stats_anchors(bounds, s, o) for s, o in zip(strides, own, strict=True))))
-        lives.append(_Live(sid, sample.entry.category, bounds, state, own, stats, walks,
-                           has_topk=sample.topk_ids is not None, rows={} if keep_rows else None,
-                           window=[1] * len(walks), ones=[0] * len(walks)))
-        tokens.append(sample.input_ids.long())
-        topk.append(None if sample.topk_ids is None else (sample.topk_ids, sample.topk_logprobs))
-        del sample  # the features are no longer needed: the state holds what the drafter uses
-    return _Wave(lives, tokens, topk, sorted(stops), device)
+def _load_wave(cache: StateCache, ids: list[str], runner: DraftRunner, plan: _Plan, timer: Any) -> _Wave:
+    """Read a wave's samples (each shard opened once) and build its drafter state as they arrive."""
+    manifest, device = cache.manifest, plan.device
+    entries = [cache.entry(i) for i in ids]
+    # Block at p sees context rows [0, p): the last anchor bounds the rows any block needs.
+    rows = [e.prompt_len + n - 1 if n else 0 for e, n in ((e, anchor_count(e, manifest)) for e in entries)]
+    bounds, tokens, topk = [], [], []
 
+    def features() -> Iterator[torch.Tensor]:
+        with contextlib.closing(cache.load_many(ids, verify=plan.verify)) as samples:
+            for r in rows:
+                with timer.phase(LOAD):
+                    sample = next(samples)
+                    bounds.append(bounds_for(sample, manifest))
+                    tokens.append(sample.input_ids.long())
+                    topk.append(None if sample.topk_ids is None else (sample.topk_ids, sample.topk_logprobs))
+                    feats = sample.hidden[:r].to(device=device, dtype=runner.dtype)
+                    del sample  # the features are no longer needed once projected
+                yield feats
 
-def _anchor_counts(lv: _Live, stride: int, offset: int, depths: int, specforge: bool) -> AnchorCounts:
-    """The sample's counts over its statistics set at ``stride`` from its scored per-anchor rows."""
-    if not lv.scored:
-        return count_anchors(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long),
-                             torch.zeros(0, depths, dtype=torch.bool), torch.zeros(0, depths, dtype=torch.bool),
-                             specforge=specforge, t1=torch.zeros(0) if lv.has_topk else None)
-    at = torch.cat([a for a, _, _ in lv.scored])
-    order = torch.argsort(at)  # anchor order: the float t1 sum does not depend on how rounds chunked them
-    at, table = at[order], torch.cat([t for _, t, _ in lv.scored])[order].long()
-    t1 = torch.cat([x for _, _, x in lv.scored])[order] if lv.has_topk and lv.scored[0][2] is not None else None
-    m = (at - lv.bounds.prompt_len - offset) % stride == 0
-    d = depths
-    table = table[m]
-    return count_anchors(table[:, 0], table[:, 1], table[:, 2:2 + d].bool(), table[:, 2 + d:2 + 2 * d].bool(),
-                         table[:, 2 + 2 * d:].bool(), specforge, None if t1 is None else t1[m])
-
-
-def _finish(lv: _Live, budgets: tuple[int, ...], keep_drafts: int, strides: tuple[int, ...], block_size: int,
-            specforge: bool) -> SampleResult:
-    greedy = lv.walks[0].lengths
-    res = SampleResult(lv.id, lv.category, greedy, {b: w.lengths for b, w in zip(budgets, lv.walks[1:], strict=True)},
-                       len(stats_anchors(lv.bounds, strides[0], lv.offsets[0])))
-    res.anchor_offsets = dict(zip(strides, lv.offsets, strict=True))
-    res.anchor_counts = {s: _anchor_counts(lv, s, o, block_size - 1, specforge)
-                         for s, o in zip(strides, lv.offsets, strict=True)}
-    lv.scored = []
-    res.correct_drafts = [lv.correct[p] for p in _anchors_in_order(greedy, lv.bounds.prompt_len)]
-    if keep_drafts and lv.rows is not None:
-        res.drafts = [lv.rows[p] for p in sorted(_visited(greedy[:keep_drafts], lv.bounds.prompt_len))]
-    needed = set(lv.stats)
-    for w in lv.walks:
-        needed |= _visited(w.lengths, lv.bounds.prompt_len)
-    res.anchors_drafted = len(lv.known)
-    res.anchors_needed = len(needed)
-    return res
+    with timer.phase(CONTEXT):
+        context = runner.context(features(), rows)
+    with timer.phase(WALK):
+        return _Wave(ids, entries, bounds, tokens, topk, context, plan)

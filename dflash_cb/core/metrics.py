@@ -52,6 +52,11 @@ EVAL_STEP = "step"
 STEP_KEY = "trainer/global_step"
 
 
+# The seconds the evaluation was predicted to take before it ran (``cost.SecondsPredictor``: calibrated by the
+# evaluations measured before it), logged beside its measured ``eval_time_s``.
+PREDICTED_SECONDS = "predicted/seconds"
+
+
 def predicted_anchors(kind: str) -> str:
     """Anchors one ``kind`` ("periodic" / "full") evaluation is expected to draft (``cost.evaluation_cost``)."""
     return f"predicted/{kind}_anchors"
@@ -278,39 +283,64 @@ class EvalCounts:
             self.data[k] += v
         return self
 
-    def add_cycles(self, lengths: list[int], category: str) -> None:
-        self.data["samples"] += 1
-        self.data["cycles"] += len(lengths)
-        self.data["produced"] += sum(lengths)
-        for n in lengths:
-            self.data["hist"][n] += 1
-        c = self.categories.index(category)
-        self.data["cat_cycles"][c] += len(lengths)
-        self.data["cat_produced"][c] += sum(lengths)
+    def add_samples(self, cycles: Sequence[Sequence[int]] = (), categories: Sequence[str] = (),
+                    ddtree: Sequence[Sequence[Sequence[int]]] = (), cost: Sequence[tuple[int, int]] = (),
+                    anchors: Sequence[AnchorCounts] = ()) -> None:
+        """Add samples: per sample its greedy cycles' ``produced`` (``cycles``, with its category), its DDTree
+        cycles per budget in ``budgets`` order, its (anchors drafted, anchors needed) and its anchor statistics
+        (``count_anchors``). Each sequence is one entry per sample (empty: that part is not added).
 
-    def add_ddtree(self, budget_index: int, lengths: list[int]) -> None:
-        self.data["dd_cycles"][budget_index] += len(lengths)
-        self.data["dd_produced"][budget_index] += sum(lengths)
+        Summed in plain Python in sample order and added once: every count is an integer sum, exact in any
+        order; ``t1_sum``, the one float, is added sample after sample as it always was.
+        """
+        d = self.data
+        if cycles:
+            hist = [0] * (self.block_size + 1)
+            cat_cycles, cat_produced = [0] * len(self.categories), [0] * len(self.categories)
+            for lengths, category in zip(cycles, categories, strict=True):
+                c = self.categories.index(category)
+                cat_cycles[c] += len(lengths)
+                cat_produced[c] += sum(lengths)
+                for n in lengths:
+                    hist[n] += 1
+            d["samples"] += len(cycles)
+            d["cycles"] += sum(cat_cycles)
+            d["produced"] += sum(cat_produced)
+            d["hist"] += torch.tensor(hist, dtype=torch.float64)
+            d["cat_cycles"] += torch.tensor(cat_cycles, dtype=torch.float64)
+            d["cat_produced"] += torch.tensor(cat_produced, dtype=torch.float64)
+        if ddtree:
+            per_budget = list(zip(*ddtree, strict=True))
+            d["dd_cycles"] += torch.tensor([sum(map(len, b)) for b in per_budget], dtype=torch.float64)
+            d["dd_produced"] += torch.tensor([sum(map(sum, b)) for b in per_budget], dtype=torch.float64)
+        if cost:
+            d["anchors_drafted"] += sum(c[0] for c in cost)
+            d["anchors_needed"] += sum(c[1] for c in cost)
+        if anchors:
+            t1 = float(d["t1_sum"][0])
+            for a in anchors:
+                t1 += a.t1_sum
+            d["t1_sum"][0] = t1
+            for k in ANCHOR_COUNT_KEYS:
+                if k == "t1_sum":
+                    continue
+                values = [getattr(a, k) for a in anchors]
+                if isinstance(values[0], tuple):
+                    rows = [v for v in values if v]  # an empty tuple: a sample scored no anchor
+                    if rows:
+                        d[k] += torch.tensor([sum(col) for col in zip(*rows, strict=True)], dtype=torch.float64)
+                else:
+                    d[k] += sum(values)
 
     def add_anchor_counts(self, counts: AnchorCounts) -> None:
         """One sample's anchor statistics (``count_anchors``)."""
-        for k in ANCHOR_COUNT_KEYS:
-            v = getattr(counts, k)
-            if isinstance(v, tuple):
-                if v:  # an empty tuple: a sample scored no anchor
-                    self.data[k] += torch.tensor(v, dtype=torch.float64)
-            else:
-                self.data[k] += v
+        self.add_samples(anchors=[counts])
 
     def add_anchors(self, accepted: torch.Tensor, produced: torch.Tensor, valid_depth: torch.Tensor,
                     match: torch.Tensor) -> None:
         """Teacher-forced counts over anchors of a sample (``count_anchors``; SpecForge's masks taken to be
         the drafter's own)."""
         self.add_anchor_counts(count_anchors(accepted, produced, valid_depth, match))
-
-    def add_cost(self, drafted: int, needed: int) -> None:
-        self.data["anchors_drafted"] += drafted
-        self.data["anchors_needed"] += needed
 
 
 def _ratio(num: float, den: float) -> float:

@@ -4,9 +4,10 @@ Weight names, config fields and numerics follow the reference ``dflash.model.DFl
 (a Qwen3 config plus ``num_target_layers``, ``block_size`` and a ``dflash_config`` dict), so a
 folder saved here loads there and vice versa. Besides the reference ``forward`` (used for
 training), the drafter exposes the two halves the evaluation engine batches separately:
-``context_kv`` (depends only on the cached target features: computed once per sample) and
-``forward_samples`` (many anchors' blocks of many samples in one pass, each block seeing its own
-context prefix). The block, its attention and the sliding-window rule: docs/method.md.
+``context_kv`` / ``stream_context`` (depends only on the cached target features: computed once per
+sample, for many samples together) and ``block_rows`` (many anchors' blocks of many samples in one
+pass, each block seeing its own sample's context prefix; ``forward_samples`` finishes every row). The
+block, its attention and the sliding-window rule: docs/method.md.
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -291,18 +292,39 @@ class DFlashAttention(nn.Module):
 
 @dataclass
 class _AttentionPart:
-    """A chunk of one sample's blocks that attends in one kernel call (see ``forward_samples``)."""
+    """Rows of a pass (possibly of several samples) that attend in one kernel call (see ``_attention_parts``)."""
 
-    sample: int
-    rows: slice | torch.Tensor  # the chunk's rows, padded to a multiple of ``group`` by repeating the last
-    count: int  # real rows (outputs past them are dropped)
-    context: int  # context keys kept: the largest anchor of the chunk
+    rows: slice | torch.Tensor  # the part's rows; with ``group`` > 1 each sample's run is padded to a multiple
+    keep: torch.Tensor | None  # real rows among the packed outputs (None: all of them, in order)
+    context: int  # context keys kept: the part's largest anchor
     group: int
+    # The context keys: ``(start, None)`` one sample's rows [start, start + context), shared by every row set;
+    # ``(None, index)`` [row sets, context] flat context rows of each row set's own sample.
+    context_start: int | None
+    context_index: torch.Tensor | None
     masks: list[torch.Tensor | None]
 
 
+class BlockRows(Protocol):
+    """Drafter hidden states of a batch of blocks, read by (block, position) pairs (what the engine reads)."""
+
+    def rows(self, block: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """[..., hidden] at ``(block, position)`` (index tensors broadcast together)."""
+        ...
+
+
+class HiddenBlocks:
+    """``BlockRows`` over finished hidden states [blocks, L, hidden]."""
+
+    def __init__(self, hidden: torch.Tensor):
+        self.hidden = hidden
+
+    def rows(self, block: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        return self.hidden[block, position]
+
+
 class DeferredBlocks:
-    """Blocks whose last layer stopped after attention (``forward_samples(defer_last=True)``).
+    """``BlockRows`` of blocks whose last layer stopped after attention (``DFlashDrafter.block_rows``).
 
     The rest of that layer and the final norm are token-wise, so ``rows`` computes the output hidden
     states of any chosen (block, position) pairs alone, the same values a full pass gives them.
@@ -314,9 +336,18 @@ class DeferredBlocks:
         self.attended = attended  # [A, L, heads * head_dim]: its attention output before o_proj
 
     def rows(self, block: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        """Hidden states [..., hidden] at ``(block, position)`` (index tensors broadcast together)."""
         return self.drafter.norm(self.drafter.layers[-1].finish(self.residual[block, position],
                                                                 self.attended[block, position]))
+
+
+@dataclass
+class ContextKV:
+    """Every drafter layer's context keys and values for one or more samples, end to end: sample ``s``
+    holds flat rows ``starts[s] .. starts[s] + rows[s] - 1`` (its positions ``0 .. rows[s] - 1``)."""
+
+    layers: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: k, v [kv_heads, total rows, head_dim]
+    starts: list[int]
+    rows: list[int]
 
 
 class DFlashDecoderLayer(nn.Module):
@@ -430,13 +461,60 @@ class DFlashDrafter(nn.Module):
         return specforge_mask_difference(self.config, block_size or self.spec.block_size)
 
     # -- engine interface -----------------------------------------------------
-    def context_kv(self, target_hidden: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per-layer context keys/values [kv_heads, T, d] for one sample's features [T, F] (positions 0..T-1)."""
-        t = target_hidden.shape[0]
-        pos = torch.arange(t, device=target_hidden.device)
-        ctx = self.hidden_norm(self.fc(target_hidden))
-        cos, sin = self.rotary_emb(ctx, pos)
-        return [layer.self_attn.project_kv(ctx, cos, sin) for layer in self.layers]
+    def context_kv(self, target_hidden: torch.Tensor | Sequence[torch.Tensor]) -> ContextKV:
+        """Context K/V of one sample's features [T, F] (positions 0..T-1), or of a sequence of samples'."""
+        feats = [target_hidden] if isinstance(target_hidden, torch.Tensor) else list(target_hidden)
+        return self.stream_context(feats, [f.shape[0] for f in feats])
+
+    def stream_context(self, features: Iterable[torch.Tensor], rows: Sequence[int],
+                       batch_bytes: int | None = None) -> ContextKV:
+        """Context K/V of samples whose features ([rows[s], F] each) arrive one at a time.
+
+        The projection (``fc``, ``hidden_norm``, each layer's k and v) is token-wise, so the samples are
+        projected together, in batches whose features stay under ``batch_bytes`` (None: all at once),
+        straight into the flat K/V: one small matmul per layer per batch instead of per sample.
+        """
+        starts = [0]
+        for r in rows[:-1]:
+            starts.append(starts[-1] + r)
+        total = sum(rows)
+        layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        pending: list[torch.Tensor] = []
+        done = 0  # flat rows written
+        held = 0  # bytes of features pending
+
+        def project() -> None:
+            nonlocal done, held
+            x = torch.cat(pending) if len(pending) > 1 else pending[0]
+            pos = torch.cat([torch.arange(f.shape[0], device=x.device) for f in pending])
+            ctx = self.hidden_norm(self.fc(x))
+            cos, sin = self.rotary_emb(ctx, pos)
+            for li, layer in enumerate(self.layers):
+                k, v = layer.self_attn.project_kv(ctx, cos, sin)
+                if len(layers) <= li:
+                    layers.append((k.new_empty(k.shape[0], total, k.shape[2]),
+                                   v.new_empty(v.shape[0], total, v.shape[2])))
+                layers[li][0][:, done:done + k.shape[1]] = k
+                layers[li][1][:, done:done + v.shape[1]] = v
+            done += x.shape[0]
+            pending.clear()
+            held = 0
+
+        for f in features:
+            if f.shape[0] == 0:
+                continue
+            pending.append(f)
+            held += f.numel() * f.element_size()
+            if batch_bytes is not None and held >= batch_bytes:
+                project()
+        if pending:
+            project()
+        if not layers:  # no sample has a context row
+            attn = self.layers[0].self_attn
+            w = self.fc.weight
+            layers = [(w.new_empty(attn.num_kv_heads, 0, attn.head_dim), w.new_empty(attn.num_kv_heads, 0, attn.head_dim))
+                      for _ in self.layers]
+        return ContextKV(layers, starts, list(rows))
 
     def context_bytes_per_token(self, dtype: torch.dtype) -> int:
         """Bytes of context K/V one cached position costs (all layers, keys and values)."""
@@ -444,102 +522,154 @@ class DFlashDrafter(nn.Module):
         elem = dtype.itemsize
         return len(self.layers) * 2 * attn.num_kv_heads * attn.head_dim * elem
 
-    def forward_blocks(self, ctx_kv: list[tuple[torch.Tensor, torch.Tensor]], noise_embedding: torch.Tensor,
-                       anchors: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+    def forward_blocks(self, context: ContextKV, noise_embedding: torch.Tensor, anchors: torch.Tensor,
+                       lengths: torch.Tensor | None = None) -> torch.Tensor:
         """Blocks [A, L, hidden] anchored at ``anchors`` [A] of one sample; block a sees context rows
         [0, anchors[a]). ``lengths`` [A] (<= L) makes block a behave as a block of that length (the loop's
         shorter tail block): its padding positions are hidden from every query; their outputs are meaningless.
         """
-        return self.forward_samples([ctx_kv], noise_embedding, anchors, [(0, anchors.shape[0])], lengths)
+        samples = torch.zeros_like(anchors)
+        return self.forward_samples(context, noise_embedding, anchors, samples, lengths)
 
-    def forward_samples(self, ctx_kvs: Sequence[list[tuple[torch.Tensor, torch.Tensor]]],
-                        noise_embedding: torch.Tensor, anchors: torch.Tensor, segments: Sequence[tuple[int, int]],
-                        lengths: torch.Tensor | None = None, attn_mem_bytes: int | None = None,
-                        defer_last: bool = False, masks: str = "served") -> torch.Tensor | DeferredBlocks:
-        """Blocks of several samples in one pass; rows ``segments[s] = (start, stop)`` belong to sample s.
+    def forward_samples(self, context: ContextKV, noise_embedding: torch.Tensor, anchors: torch.Tensor,
+                        samples: torch.Tensor, lengths: torch.Tensor | None = None, attn_mem_bytes: int | None = None,
+                        masks: str = "served") -> torch.Tensor:
+        """Hidden states [N, L, hidden] of blocks of several samples in one pass (``block_rows``, every row)."""
+        h, attended = self._through_last_attention(context, noise_embedding, anchors, samples, lengths,
+                                                   attn_mem_bytes, masks)
+        return self.norm(self.layers[-1].finish(h, attended))
 
-        Token-wise work (projections, norms, MLP) runs on all rows together; attention runs per sample
-        against that sample's context K/V ``ctx_kvs[s]`` (from ``context_kv``), in chunks that keep its
-        temporaries under ``attn_mem_bytes`` (None: no limit). Segments must cover the rows in order.
-        ``defer_last`` stops after the last layer's attention and returns a ``DeferredBlocks``: what
-        follows (``o_proj``, MLP, norms) is token-wise, so it can run only on the positions a caller reads.
-        ``masks`` (``MASKS``): "specforge" runs the blocks under SpecForge's training masks instead.
+    def block_rows(self, context: ContextKV, noise_embedding: torch.Tensor, anchors: torch.Tensor,
+                   samples: torch.Tensor, lengths: torch.Tensor | None = None, attn_mem_bytes: int | None = None,
+                   masks: str = "served") -> DeferredBlocks:
+        """Blocks of several samples in one pass, up to the last layer's attention: block ``i`` is anchored at
+        ``anchors[i]`` and sees the context of sample ``samples[i]`` (an index into ``context``; each sample's
+        blocks next to each other). What follows (``o_proj``, MLP, norms) is token-wise, so ``DeferredBlocks``
+        runs it only on the positions a caller reads.
+
+        Token-wise work (projections, norms, MLP) runs on all rows together; attention runs on parts of rows,
+        several samples per kernel call, each block over its own sample's context prefix, with temporaries
+        under ``attn_mem_bytes`` (None: no limit). ``masks`` (``MASKS``): "specforge" runs the blocks under
+        SpecForge's training masks instead.
         """
+        return DeferredBlocks(self, *self._through_last_attention(context, noise_embedding, anchors, samples,
+                                                                  lengths, attn_mem_bytes, masks))
+
+    def _through_last_attention(self, context: ContextKV, noise_embedding: torch.Tensor, anchors: torch.Tensor,
+                                samples: torch.Tensor, lengths: torch.Tensor | None, attn_mem_bytes: int | None,
+                                masks: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the last layer's input, its attention output before ``o_proj``) of every block."""
         n = noise_embedding.shape[1]
-        anchor_list = anchors.tolist()  # one host sync per call: chunking and key trimming need the values
-        parts: list[_AttentionPart] = []
-        for s, (lo, hi) in enumerate(segments):
-            parts += self._plan_attention(s, lo, hi, anchor_list, anchors, lengths, n,
-                                          attn_mem_bytes, noise_embedding.element_size(), masks)
+        parts = self._attention_parts(context, anchors, samples, lengths, n, attn_mem_bytes,
+                                      noise_embedding.element_size(), masks)
         q_pos = anchors[:, None] + torch.arange(n, device=anchors.device)[None, :]
         cos, sin = self.rotary_emb(noise_embedding, q_pos)
         h = noise_embedding
+        last = len(self.layers) - 1
         for li, layer in enumerate(self.layers):
             attn = layer.self_attn
             x = layer.input_layernorm(h)
             q = attn.project_q(x, cos, sin)
             bk, bv = attn.project_kv(x, cos, sin)
+            ck_all, cv_all = context.layers[li]
             outs = []
             for part in parts:
-                ck, cv = ctx_kvs[part.sample][li]
-                o = attn.attend(q[part.rows], bk[part.rows], bv[part.rows], ck[:, :part.context],
-                                cv[:, :part.context], part.masks[li], part.group)
-                outs.append(o[: part.count])
+                if part.context_index is None:
+                    s = part.context_start
+                    ck, cv = ck_all[:, s:s + part.context], cv_all[:, s:s + part.context]
+                else:
+                    idx = part.context_index
+                    b = idx.shape[0]
+                    ck = ck_all.index_select(1, idx.reshape(-1)).view(ck_all.shape[0], b, part.context, -1).transpose(0, 1)
+                    cv = cv_all.index_select(1, idx.reshape(-1)).view(cv_all.shape[0], b, part.context, -1).transpose(0, 1)
+                o = attn.attend(q[part.rows], bk[part.rows], bv[part.rows], ck, cv, part.masks[li], part.group)
+                outs.append(o if part.keep is None else o[part.keep])
             a_out = torch.cat(outs) if len(outs) > 1 else outs[0]
-            if defer_last and li == len(self.layers) - 1:
-                return DeferredBlocks(self, h, a_out)
+            if li == last:
+                return h, a_out
             h = layer.finish(h, a_out)
-        return self.norm(h)
+        raise AssertionError("a drafter has at least one layer")
 
-    def _plan_attention(self, sample: int, lo: int, hi: int, anchor_list: list[int], anchors: torch.Tensor,
-                        lengths: torch.Tensor | None, n: int, mem_bytes: int | None, elem: int,
-                        masks: str = "served") -> list[_AttentionPart]:
-        """Chunks of one sample's rows [lo, hi), each with its packing group and per-layer masks
-        (``lengths`` None: every block has the full length)."""
-        if hi <= lo:
+    def _attention_parts(self, context: ContextKV, anchors: torch.Tensor, samples: torch.Tensor,
+                         lengths: torch.Tensor | None, n: int, mem_bytes: int | None, elem: int,
+                         masks: str) -> list[_AttentionPart]:
+        """The rows cut into consecutive parts whose attention temporaries stay under ``mem_bytes``: per block,
+        its share of the copied context keys and values, its mask and the kernel's score rows."""
+        total = anchors.shape[0]
+        if total == 0:
             return []
         attn = self.layers[0].self_attn
-        dev = anchors.device
-        widest = max(anchor_list[lo:hi])
-        # Per block: its share of the copied context K and V, the mask and the kernel's score rows.
-        per_block = (widest + n) * (2 * attn.num_kv_heads * attn.head_dim * elem + n + attn.num_heads * n * 4)
-        step = hi - lo if mem_bytes is None else max(1, mem_bytes // max(per_block, 1))
-        parts = []
-        for i in range(lo, hi, step):
-            j = min(hi, i + step)
-            count = j - i
-            c = max(anchor_list[i:j])  # no block sees past its anchor: trim the keys
-            # Pack ~C / (4 L) blocks per attention row set: their extra block keys cost at most a quarter
-            # of the context's, and the context keys are copied once per group instead of once per block.
-            group = max(1, min(count, c // (4 * n)))
-            pad = (-count) % group
-            rows: slice | torch.Tensor = slice(i, j)
-            if count == 1 and lengths is None:
-                # One whole block over its own prefix: everything is visible but for the layers' reach.
-                if all(layer.self_attn.unrestricted_under(masks) for layer in self.layers):
-                    layer_masks: list[torch.Tensor | None] = [None] * len(self.layers)  # no positions to build
-                else:
-                    q_pos = anchors[i:j, None] + torch.arange(n, device=dev)[None, :]
-                    k_pos = torch.cat([torch.arange(c, device=dev)[None, :], q_pos], dim=1)
-                    layer_masks = self._layer_masks(None, q_pos, k_pos, masks, c)
-                parts.append(_AttentionPart(sample, rows, 1, c, 1, layer_masks))
-                continue
-            if pad:  # repeat the last block; its outputs are dropped
-                rows = torch.cat([torch.arange(i, j, device=dev), torch.full((pad,), j - 1, device=dev)])
-            anc = anchors[rows]
-            lens = torch.full_like(anc, n) if lengths is None else lengths[rows]
-            b, m = (count + pad) // group, group * n
-            packed_pos = (anc[:, None] + torch.arange(n, device=dev)[None, :]).reshape(b, m)
-            q_anchor = anc.view(b, group, 1).expand(b, group, n).reshape(b, m)
-            member = torch.arange(group, device=dev).repeat_interleave(n)  # block of each packed row
-            in_block = (torch.arange(n, device=dev)[None, :] < lens[:, None]).reshape(b, m)
-            see_ctx = torch.arange(c, device=dev)[None, None, :] < q_anchor[:, :, None]  # [b, m, C]
-            see_blk = (member[:, None] == member[None, :])[None] & in_block[:, None, :]  # [b, m, m]
-            base = torch.cat([see_ctx, see_blk], dim=2)[:, None]
-            k_pos = torch.cat([torch.arange(c, device=dev).expand(b, c), packed_pos], dim=1)
-            parts.append(_AttentionPart(sample, rows, count, c, group,
-                                        self._layer_masks(base, packed_pos, k_pos, masks, c)))
+        per_key = 2 * attn.num_kv_heads * attn.head_dim * elem + n + attn.num_heads * n * 4
+        anchor_list, sample_list = anchors.tolist(), samples.tolist()  # one host sync: plans need the values
+        parts, i = [], 0
+        while i < total:
+            if mem_bytes is None:
+                j = total
+            else:  # the longest run from i whose blocks fit at the run's widest context (cost grows with j)
+                widest, j = anchor_list[i], i + 1
+                while j < total and (j - i + 1) * (max(widest, anchor_list[j]) + n) * per_key <= mem_bytes:
+                    widest = max(widest, anchor_list[j])
+                    j += 1
+            parts.append(self._attention_part(context, anchors, lengths, anchor_list, sample_list, i, j, n, masks))
+            i = j
         return parts
+
+    def _attention_part(self, context: ContextKV, anchors: torch.Tensor, lengths: torch.Tensor | None,
+                        anchor_list: list[int], sample_list: list[int], i: int, j: int, n: int,
+                        masks: str) -> _AttentionPart:
+        """Rows [i, j): packed ``group`` blocks of one sample per attention row set, with per-layer masks."""
+        dev = anchors.device
+        c = max(anchor_list[i:j])  # no block sees past its anchor: trim the keys
+        runs: list[tuple[int, int]] = []  # (first row, rows) of each sample's run
+        for r in range(i, j):
+            if runs and sample_list[r] == sample_list[runs[-1][0]]:
+                runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+            else:
+                runs.append((r, 1))
+        count = j - i
+        # Pack ~C / (4 L) blocks of a sample per attention row set (at most its typical run): their extra block
+        # keys cost at most a quarter of the context's, and the context keys are copied once per group.
+        group = max(1, min(c // (4 * n), count // len(runs)))
+        one = len(runs) == 1
+        start = context.starts[sample_list[i]]
+        if count == 1 and lengths is None:
+            # One whole block over its own prefix: everything is visible but for the layers' reach.
+            if all(layer.self_attn.unrestricted_under(masks) for layer in self.layers):
+                layer_masks: list[torch.Tensor | None] = [None] * len(self.layers)  # no positions to build
+            else:
+                q_pos = anchors[i:j, None] + torch.arange(n, device=dev)[None, :]
+                k_pos = torch.cat([torch.arange(c, device=dev)[None, :], q_pos], dim=1)
+                layer_masks = self._layer_masks(None, q_pos, k_pos, masks, c)
+            return _AttentionPart(slice(i, j), None, c, 1, start, None, layer_masks)
+        rows: slice | torch.Tensor = slice(i, j)
+        keep = None
+        set_samples = [sample_list[r] for r, m in runs for _ in range(0, m, group)]
+        if group > 1 and any(m % group for _, m in runs):  # pad each run by repeating its last block
+            packed, kept = [], []
+            for r, m in runs:
+                kept.extend(range(len(packed), len(packed) + m))
+                packed.extend(range(r, r + m))
+                packed.extend([r + m - 1] * ((-m) % group))
+            rows = torch.tensor(packed, device=dev)
+            keep = torch.tensor(kept, device=dev)
+        anc = anchors[rows]
+        lens = torch.full_like(anc, n) if lengths is None else lengths[rows]
+        b, m = anc.shape[0] // group, group * n
+        packed_pos = (anc[:, None] + torch.arange(n, device=dev)[None, :]).reshape(b, m)
+        q_anchor = anc.view(b, group, 1).expand(b, group, n).reshape(b, m)
+        member = torch.arange(group, device=dev).repeat_interleave(n)  # block of each packed row
+        in_block = (torch.arange(n, device=dev)[None, :] < lens[:, None]).reshape(b, m)
+        see_ctx = torch.arange(c, device=dev)[None, None, :] < q_anchor[:, :, None]  # [b, m, C]
+        see_blk = (member[:, None] == member[None, :])[None] & in_block[:, None, :]  # [b, m, m]
+        base = torch.cat([see_ctx, see_blk], dim=2)[:, None]
+        k_pos = torch.cat([torch.arange(c, device=dev).expand(b, c), packed_pos], dim=1)
+        index = None
+        if not one:  # each row set's own sample's rows; keys past a sample's rows are masked (see_ctx)
+            first = torch.tensor([context.starts[s] for s in set_samples], device=dev)
+            last = max(sum(context.rows) - 1, 0)
+            index = (first[:, None] + torch.arange(c, device=dev)[None, :]).clamp(max=last)
+        return _AttentionPart(rows, keep, c, group, start if one else None, index,
+                              self._layer_masks(base, packed_pos, k_pos, masks, c))
 
     # -- checkpoint format ----------------------------------------------------
     @classmethod

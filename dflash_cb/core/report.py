@@ -13,6 +13,7 @@ from .metrics import (
     DELTA_TAU,
     EVAL_OVERHEAD,
     EVAL_TIME,
+    PREDICTED_SECONDS,
     SPECFORGE_ACC,
     T1_TAU_ESTIMATE,
     TAU,
@@ -49,7 +50,8 @@ def format_results(res: Results) -> str:
     if meta.get("drafter"):
         step = res.drafter_step
         lines.append(f"drafter  {res.drafter_path}" + (f" (global step {step})" if step is not None else "")
-                     + f"  dtype={meta.get('dtype')} head={meta.get('head_dtype')} device={meta.get('device')}")
+                     + f"  dtype={meta.get('dtype')} head={meta.get('head_dtype')} device={meta.get('device')}"
+                     + (f" threads={meta['threads']}" if meta.get("threads") is not None else ""))
     cycles = sum(len(s.acceptance_lengths) for s in res.samples)
     lines.append(f"samples  {len(res.samples)}   cycles {cycles}   wall {meta.get('wall_time_s')} s")
     if meta.get("block_size") is not None:
@@ -111,8 +113,9 @@ def format_results(res: Results) -> str:
 
 
 def evaluation_line(step: int, metrics: dict[str, float], budgets: Sequence[int] = (),
-                    baselines: Sequence[str] = ()) -> str:
-    """One console line per evaluation: tau with its interval, DDTree tau at the largest budget, deltas, time."""
+                    baselines: Sequence[str] = (), note: str = "") -> str:
+    """One console line per evaluation: tau with its interval, DDTree tau at the largest budget, deltas, time
+    (and the predicted time beside it), then ``note`` (e.g. what the first evaluation spent besides scoring)."""
     def get(name: str) -> float | None:
         v = metrics.get(name)
         return v if isinstance(v, (int, float)) and math.isfinite(v) else None
@@ -128,6 +131,9 @@ def evaluation_line(step: int, metrics: dict[str, float], budgets: Sequence[int]
             iv = f" [{lo:+.2f}, {hi:+.2f}]" if lo is not None and hi is not None else ""
             parts.append(f"vs {key.split('/', 1)[1]} {get(name):+.3f}{iv}")
     if get(EVAL_TIME) is not None:
-        share = get(EVAL_OVERHEAD)
-        parts.append(f"{get(EVAL_TIME):.2f} s" + (f" ({share:.1%} of wall time)" if share is not None else ""))
+        share, predicted = get(EVAL_OVERHEAD), get(PREDICTED_SECONDS)
+        parts.append(f"{get(EVAL_TIME):.2f} s" + (f", predicted {predicted:.2f} s" if predicted is not None else "")
+                     + (f" ({share:.1%} of wall time)" if share is not None else ""))
+    if note:
+        parts.append(f"({note})")
     return "  ".join(parts)

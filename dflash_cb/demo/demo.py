@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 from ..common import cli
 from ..common.errors import DFlashCBError
 from ..common.fileio import atomic_path, atomic_write_json, atomic_write_text, naming_failures, output_path
+from ..common.threads import THREADS_HELP, parse_threads, set_threads
 from ..core.metrics import (
     ACCEPT_LENGTH_SERVED,
     ALL_ANCHOR_TAU,
@@ -186,8 +187,7 @@ def _quiet() -> None:
 def _setup_torch(cfg: DemoConfig) -> None:
     import torch
 
-    # Tiny matrices: one thread is as fast as two, and under CPU contention far faster (no spin-waits).
-    torch.set_num_threads(max(1, cfg.threads))
+    set_threads(max(1, cfg.threads))
     torch.manual_seed(cfg.seed)
     torch.use_deterministic_algorithms(True)
 
@@ -393,7 +393,7 @@ def extract_and_score(cfg: DemoConfig, paths: Paths, checkpoint: Path | None = N
     report = evaluate(cache, drafter, budgets=cfg.ddtree_budgets, device=torch.device("cpu"))
     provenance = {**drafter_provenance(checkpoint, info["global_step"]), "extracted_to": str(drafter_dir.resolve())}
     results = report_to_results(report, cache, meta={"drafter": provenance, "dtype": "float32",
-                                                     "device": "cpu", "head_source": "cache"},
+                                                     "device": "cpu", "threads": cfg.threads, "head_source": "cache"},
                                 position_edges=POSITION_EDGES)
     write_results(results, results_path or paths.results)
     return results
@@ -602,7 +602,7 @@ def _print_summary(s: dict[str, Any], results: Results, cfg: DemoConfig) -> None
     _say(f"  summary:            {p['summary']}")
     t = s["timings_s"]
     _say(f"  wall time:          {t['total']:.0f}s (target {t['target']:.0f}s, precompute {t['precompute']:.0f}s, "
-         f"drafter training {t['drafter_training']:.0f}s)")
+         f"drafter training {t['drafter_training']:.0f}s; {cfg.threads} torch thread(s))")
     _say("=" * 78)
 
 
@@ -621,7 +621,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--wandb-mode", choices=["offline", "online"], default="offline",
                    help="offline (default; sync later with `wandb sync`) or online (needs `wandb login`)")
     p.add_argument("--wandb-project", default="dflash-cb-demo", help="W&B project (default dflash-cb-demo)")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: fastest for these sizes)")
+    p.add_argument("--threads", default=None, help=THREADS_HELP)
     return p
 
 
@@ -629,7 +629,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     try:
         cfg = DemoConfig.resolve(a.out, a.seed, a.steps, a.eval_every, a.quick, overwrite=a.overwrite,
-                                 wandb_mode=a.wandb_mode, wandb_project=a.wandb_project, threads=a.threads)
+                                 wandb_mode=a.wandb_mode, wandb_project=a.wandb_project,
+                                 threads=parse_threads(a.threads))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

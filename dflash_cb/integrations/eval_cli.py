@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from ..common import cli
+from ..common.threads import THREADS_HELP
 from ..core.positions import DEFAULT_POSITION_EDGES
 
 USAGE = """Score a saved DFlash drafter on a cache of target states: exact tau, DDTree, per-depth acceptance.
@@ -17,7 +18,7 @@ USAGE = """Score a saved DFlash drafter on a cache of target states: exact tau, 
     python tools/eval_drafter.py --states cached_states/qwen36-27b-v1 --drafter path/to/drafter \\
         --out results.json [--ddtree-budgets 16,32,64] [--device cuda] [--dtype bfloat16]
         [--samples N | --sample-ids a,b,c] [--anchor-stride N [--anchor-seed S]] [--block-size N]
-        [--served-check] [--no-verify]
+        [--served-check] [--no-verify] [--threads N]
 
 Every argument, the cache, the drafter and the head are checked (and the shards to score hashed)
 before the evaluation starts; a problem is one line naming the file and the fix, exit code 2.
@@ -92,6 +93,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "must be the one the server ran during the precompute)")
     p.add_argument("--position-edges", default=",".join(map(str, DEFAULT_POSITION_EDGES)),
                    help="completion-position buckets for tau by position (results.json breakdown)")
+    p.add_argument("--threads", default=None, help=THREADS_HELP)
     p.add_argument("--wandb-project", default=None, help="also log the evaluation to this W&B project")
     p.add_argument("--wandb-name", default=None, help="W&B run name")
     return p.parse_args(argv)
@@ -106,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     from ..common.arguments import parse_int, parse_position_edges
     from ..common.errors import DFlashCBError
     from ..common.fileio import check_outputs_apart
+    from ..common.threads import parse_threads, set_threads
     from ..core.anchor_sets import sparse_stride_warning
     from ..core.checkpoints import load_drafter
     from ..core.ddtree import check_ddtree_budgets
@@ -138,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     sample_ids = parse_id_list(args.sample_ids, "--sample-ids") if args.sample_ids is not None else None
     sample_seed = parse_int("--sample-seed", args.sample_seed, 0)
     edges = parse_position_edges("--position-edges", args.position_edges)
+    threads = set_threads(parse_threads(args.threads))
     if args.served_check and args.tail_blocks != "served":
         raise DFlashCBError("--served-check with --tail-blocks reference: the server drafts full blocks, so the "
                             "check always replays with --tail-blocks served; drop --tail-blocks reference")
@@ -190,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
                       anchor_seed=anchor_seed, tail_blocks=args.tail_blocks, block_size=block_size)
     results = report_to_results(report, cache, position_edges=edges, meta={
         "drafter": drafter_provenance(args.drafter), "dtype": dtype_name, "head_dtype": report.head_dtype,
-        "device": str(device),
+        "device": str(device), "threads": threads,
         "head_source": args.target or "cache", "verified": bool(args.verify),
         "sample_selection": {"samples": num_samples, "sample_ids": sample_ids, "sample_seed": sample_seed},
     })

@@ -43,19 +43,35 @@ from torch import nn
 from ..cache.states import CacheMismatchError, TargetHead
 from ..common import arguments as check
 from ..common.errors import DFlashCBError
+from ..common.timing import PhaseTimer
 from ..core.anchor_sets import sparse_stride_warning
 from ..core.baselines import baseline_scalars
 from ..core.compare import live_metrics
-from ..core.cost import eval_overhead, predict, setup_line
+from ..core.cost import (
+    DrafterShape,
+    SecondsPredictor,
+    draft_all_is_cheaper,
+    eval_overhead,
+    predict,
+    setup_line,
+)
 from ..core.ddtree import check_ddtree_budgets
-from ..core.engine import EvalReport, SampleResult, anchors_per_sample, resolve_autocast
+from ..core.engine import (
+    EvalReport,
+    SampleResult,
+    anchors_per_sample,
+    group_seconds,
+    resolve_autocast,
+)
 from ..core.metrics import (
     ANCHOR_STRIDE,
+    ANCHORS_DRAFTED,
     EVAL_OVERHEAD,
     EVAL_STEP,
     EVAL_TIME,
     FAILED_EVALS,
     FULL_PREFIX,
+    PREDICTED_SECONDS,
     SETUP_TIME,
     TAU,
     EvalCounts,
@@ -72,7 +88,7 @@ from .config import EvalConfig
 from .distributed import full_parameters_of, world
 from .drafter_source import NotADrafterError, describe_source, target_weight, unwrap
 from .eval_state import EvalState, MalformedStateError, estimator_record, new_series_reason
-from .live_eval import RankedEvaluation, evaluate_across_ranks, score_untouched
+from .live_eval import RankedEvaluation, evaluate_across_ranks, rank_share, score_untouched
 from .schedule import (
     FIT_END,
     Profile,
@@ -115,6 +131,8 @@ class Measurement:
     seconds: float
     rank: int
     samples: list[SampleResult]  # rank zero: every rank's samples, in eval_ids order; empty elsewhere
+    predicted: float | None = None  # the seconds predicted before it ran (None at a session's first)
+    warm_up: float | None = None  # a session's first evaluation: the seconds of it spent warming up
 
 
 class LiveEvaluator:
@@ -434,6 +452,12 @@ class LiveEvaluator:
         profile = choose_profile(reason, self.state.num_evals, cfg.full_every_n_evals, cfg.ddtree_budgets,
                                  cfg.light_budgets, cfg.light_stride(s.block_size))
         self.state.last_eval_full = profile.full
+        kind = "full" if profile.full else "light"
+        c = s.cost
+        first = c.warm_up_seconds is None
+        predictor = self._predictor(drafter)
+        predicted = predictor.predict(kind, profile.budgets, profile.stride, c.tau, c.tree_taus,
+                                      self._draft_all(profile)) if predictor is not None else None
         ranked = self._measure(step, drafter, model, profile)
         since, s.clock = s.clock, (time.perf_counter(), step)
         if ranked.failed:
@@ -441,7 +465,9 @@ class LiveEvaluator:
             return None
         s.failed_in_a_row = 0
         assert ranked.counts is not None
-        m = Measurement(step, reason, profile, ranked.counts, ranked.seconds, ranked.rank, ranked.samples or [])
+        m = Measurement(step, reason, profile, ranked.counts, ranked.seconds, ranked.rank, ranked.samples or [],
+                        predicted, c.warm_up_seconds if first else None)
+        self._calibrate(m)
         # NaN for an evaluation with no training before it.
         overhead = eval_overhead(m.seconds, s.clock[0] - since[0]) if since is not None and since[1] != step else math.nan
         return self._publish(m, overhead)
@@ -465,18 +491,74 @@ class LiveEvaluator:
             head = self._target_head(model, param.device, autocast or param.dtype)
             table = set(s.table_ids)
             keep = self.config.table_cycles if self.config.table_samples > 0 and table.intersection(ids) else 0
+            run = dict(device=param.device, budgets=profile.budgets, autocast_dtype=autocast, spec=spec,
+                       verify=self.config.verify_cache, tail_blocks=self.config.tail_blocks, block_size=s.block_size)
+            if s.cost.warm_up_seconds is None:
+                self._warm_up(module, head, ids, run)
+            s.cost.draft_all = self._draft_all(profile)
+            timer = PhaseTimer(sync=torch.cuda.synchronize if param.device.type == "cuda" else None)
+            started = time.perf_counter()
             # verify: only a shard whose file identity changed since it was hashed is hashed again.
-            report = score_untouched(s.cache, module, head, ids, device=param.device, budgets=profile.budgets,
-                                     anchor_stride=profile.stride, extra_anchor_strides=strides[1:],
-                                     anchor_seed=self.config.anchor_seed, autocast_dtype=autocast, spec=spec,
-                                     keep_drafts=keep, verify=self.config.verify_cache,
-                                     tail_blocks=self.config.tail_blocks, block_size=s.block_size)
+            report = score_untouched(s.cache, module, head, ids, anchor_stride=profile.stride,
+                                     extra_anchor_strides=strides[1:], anchor_seed=self.config.anchor_seed,
+                                     keep_drafts=keep, draft_all=s.cost.draft_all, timer=timer, **run)
+            s.cost.groups = group_seconds(timer.seconds, time.perf_counter() - started)
+            s.cost.counted = (int(report.counts.data[ANCHORS_DRAFTED].item()), report.passes)
             for r in report.samples:
                 if r.id not in table:
                     r.drafts = None  # only the table's drafts travel to rank zero
             return report
 
         return evaluate_across_ranks(s.eval_ids, score, templates, lambda: self._gathered(drafter, model))
+
+    def _warm_up(self, module: nn.Module, head: TargetHead, ids: list[str], run: dict[str, Any]) -> None:
+        """A session's first evaluation starts with one of this rank's samples scored at stride 1: the first
+        calls' one-time costs are paid there, timed apart (the first evaluation's console line says how long)."""
+        s = self.session
+        assert s is not None
+        lengths = anchors_per_sample(s.cache, ids[:16])
+        started = time.perf_counter()
+        if lengths:
+            score_untouched(s.cache, module, head, [max(lengths, key=lengths.__getitem__)], anchor_stride=1, **run)
+        s.cost.warm_up_seconds = time.perf_counter() - started
+
+    def _predictor(self, drafter: nn.Module) -> SecondsPredictor | None:
+        """The session's cost model of this drafter (None for a drafter without a Qwen3-style config)."""
+        s = self.session
+        assert s is not None and s.spec is not None
+        c, spec = s.cost, s.spec
+        if c.predictor is None and not c.everything:
+            module = unwrap(drafter)
+            c.everything = [(e.prompt_len, e.valid_len - e.prompt_len) for e in map(s.cache.entry, s.eval_ids)]
+            try:
+                shape = DrafterShape.of(module.config, s.block_size, len(spec.target_layer_ids) * spec.target_hidden_size)
+            except (AttributeError, TypeError, ValueError):
+                return None
+            mine = map(s.cache.entry, rank_share(s.eval_ids, *world()))  # this rank's samples: its own seconds
+            c.predictor = SecondsPredictor(shape, [(e.prompt_len, e.valid_len - e.prompt_len) for e in mine],
+                                           state_itemsize=next(module.parameters()).element_size())
+        return c.predictor
+
+    def _draft_all(self, profile: Profile) -> bool:
+        """Whether this evaluation drafts every anchor at once (``cost.draft_all_is_cheaper``: from every sample
+        and the taus the last evaluation measured, tau 1 before the first, so every rank decides alike)."""
+        s = self.session
+        assert s is not None
+        c = s.cost
+        return c.predictor is not None and draft_all_is_cheaper(
+            c.predictor.shape, c.everything, c.tau, profile.budgets, profile.stride, c.tree_taus,
+            state_itemsize=c.predictor.state_itemsize)
+
+    def _calibrate(self, m: Measurement) -> None:
+        """What this evaluation says of the next one: the drafter's taus, and the rates its cost model is
+        calibrated by (``cost.SecondsPredictor``, per profile)."""
+        s = self.session
+        assert s is not None
+        c, p = s.cost, m.profile
+        c.taus(summarize(m.counts[p.stride]), p.budgets)
+        if c.predictor is not None and c.groups is not None:
+            c.predictor.measured("full" if p.full else "light", c.groups, p.budgets, p.stride, c.tau, c.tree_taus,
+                                 c.draft_all, c.counted)
 
     def _publish(self, m: Measurement, overhead: float) -> dict[str, float]:
         """The metric keys of a measurement, the history, the console line and the sinks.
@@ -489,6 +571,8 @@ class LiveEvaluator:
         assert s is not None and s.spec is not None
         prefix, p = self.prefix, m.profile
         cost = {EVAL_TIME: m.seconds, EVAL_OVERHEAD: overhead}
+        if m.predicted is not None:
+            cost[PREDICTED_SECONDS] = m.predicted
         summary = {**_light_only(summarize(m.counts[p.light_stride]), p), **cost}
         full = {**summarize(m.counts[p.stride]), **cost} if p.full else None
         self.state.num_evals += 1
@@ -512,7 +596,8 @@ class LiveEvaluator:
         if self.config.console:
             shown, budgets = (full, p.budgets) if full is not None else (summary, p.light_budgets)
             self.say(f"{self.name} " + evaluation_line(m.step, shown, budgets,
-                                                       [b.key for b in s.baselines if b.samples]))
+                                                       [b.key for b in s.baselines if b.samples],
+                                                       self._first_note(m)))
         metrics[prefix + ANCHOR_STRIDE] = float(p.light_stride)
         metrics[prefix + FAILED_EVALS] = float(self.state.failed_evaluations)
         metrics.update(baseline_scalars(s.baselines, prefix))
@@ -524,6 +609,15 @@ class LiveEvaluator:
         self._to_sinks(f"the evaluation at step {m.step}", m.step, lambda sink: sink.evaluation(record))
         self.last = LastEvaluation(m.step, dict(metrics), dict(shared), dict(summary), m.samples)
         return metrics
+
+    def _first_note(self, m: Measurement) -> str:
+        """What a session's first evaluation spent besides scoring: its warm-up, and the setup before it."""
+        s = self.session
+        if m.warm_up is None or s is None:
+            return ""
+        v = s.verified
+        hashed = f", sha256 of {v.files} file(s) {v.seconds:.2f} s" if v is not None and v.files else ""
+        return f"first evaluation: {m.warm_up:.2f} s of it warm-up; setup {s.setup_seconds:.2f} s before it{hashed}"
 
     def _sample_metrics(self, m: Measurement, budgets: tuple[int, ...], stride: int) -> dict[str, float]:
         """Rank zero: intervals (the anchor statistics' at ``stride``), position/cycle taus and paired deltas,

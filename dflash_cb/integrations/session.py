@@ -10,8 +10,9 @@ no per-run field can be forgotten in a reset.
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +22,8 @@ import torch
 from ..cache.selection import select_sample_ids, stratified_ids
 from ..cache.states import StateCache, TargetHead
 from ..core.baselines import Baseline, load_measured, load_published, load_served
+from ..core.cost import SecondsPredictor
+from ..core.metrics import TAU, ddtree_tau
 from ..core.model import DrafterSpec
 from .config import EvalConfig
 from .eval_state import selection_record
@@ -56,6 +59,28 @@ class HeadCache:
 
 
 @dataclass
+class CostTracking:
+    """What a session learns of its evaluations' time: the first evaluation's warm-up, the drafter's last taus
+    (counts summed over every rank: what decides ``engine.evaluate(draft_all=...)``), and the model that
+    predicts the next evaluation's seconds (``cost.SecondsPredictor``, this rank's samples)."""
+
+    predictor: SecondsPredictor | None = None
+    everything: list[tuple[int, int]] = field(default_factory=list)  # every evaluated sample's (prompt, scored)
+    warm_up_seconds: float | None = None  # None until the first evaluation warmed up
+    tau: float = 1.0
+    tree_taus: dict[int, float] = field(default_factory=dict)
+    draft_all: bool = False  # what the last scoring drafted at once
+    groups: dict[str, float] | None = None  # the last scoring's seconds per cost group, on this rank
+    counted: tuple[int, int] | None = None  # and the anchors it drafted and the passes it made
+
+    def taus(self, summary: dict[str, float], budgets: Sequence[int]) -> None:
+        """Keep the taus of a scoring's ``summary`` (those it measured)."""
+        if math.isfinite(summary[TAU]):
+            self.tau = summary[TAU]
+        self.tree_taus = {b: summary[ddtree_tau(b)] for b in budgets if math.isfinite(summary[ddtree_tau(b)])}
+
+
+@dataclass
 class EvalSession:
     """One run's opened cache, selection, references and loop context (``open_session``)."""
 
@@ -76,6 +101,7 @@ class EvalSession:
     failed_in_a_row: int = 0
     # (time, global step) the last evaluation ended at: the training time between evaluations.
     clock: tuple[float, int] | None = None
+    cost: CostTracking = field(default_factory=CostTracking)
     _tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
@@ -125,4 +151,4 @@ def open_session(config: EvalConfig, loop: LoopContext) -> EvalSession:
                        time.perf_counter() - started)
 
 
-__all__ = ["EvalSession", "HeadCache", "LoopContext", "open_session"]
+__all__ = ["CostTracking", "EvalSession", "HeadCache", "LoopContext", "open_session"]

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ...common import cli
+from ...common.threads import THREADS_HELP, parse_threads, set_threads
 from .compute_dtype import COMPUTE_DTYPE_NAMES, MARGIN_HELP
 from .errors import PrecomputeError
 from .merge import merge_parts
@@ -83,12 +84,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds per SGLang request, whole answer included (default 600)")
     p.add_argument("--sglang-retries", type=int, default=S, help="retries per SGLang request (default 5)")
     p.add_argument("--no-progress", dest="progress", action="store_false", default=S, help="no progress bar")
+    p.add_argument("--threads", default=None, help=THREADS_HELP)
     return p
 
 
 def args_from_cli(argv: Sequence[str] | None = None) -> PrecomputeArgs:
     """Parse the command line over the optional --config YAML over the defaults."""
     ns = vars(build_parser().parse_args(argv))
+    ns.pop("threads")  # applied by the command itself (_precompute), not by parsing
     values: dict[str, Any] = {}
     config = ns.pop("config", None)
     if config:
@@ -122,6 +125,7 @@ def args_from_cli(argv: Sequence[str] | None = None) -> PrecomputeArgs:
 
 
 def _precompute(argv: Sequence[str] | None) -> int:
+    set_threads(parse_threads(build_parser().parse_args(argv).threads))
     run_precompute(args_from_cli(argv))
     return 0
 

@@ -1,0 +1,142 @@
+"""What an evaluation costs, where its time goes, and how many threads it runs on.
+
+The light evaluation (statistics every block-th anchor, the largest budget) must never cost more than the
+full one (stride 1, every budget): at the sizes the demo reaches, a round of drafting costs more than the
+blocks it spares, and the live evaluator then drafts every anchor at once (``cost.draft_all_is_cheaper``).
+Times are this process's CPU seconds, the fastest of several interleaved runs: another job on the machine
+takes none of them.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_cb.cache.states import StateCache
+from dflash_cb.common.timing import PhaseTimer
+from dflash_cb.core.cost import DrafterShape, draft_all_is_cheaper
+from dflash_cb.core.engine import PHASES, evaluate
+from dflash_cb.core.metrics import ddtree_tau
+from dflash_cb.core.model import DFlashDrafter
+
+BUDGETS = (4, 8)
+
+
+@pytest.fixture(scope="module")
+def caches(tiny_cache, tmp_path_factory) -> dict[str, Path]:
+    """The toy at two of the demo's sizes: 6 samples of 24 tokens and 30 of 40 (its eval cache)."""
+    from conftest import build_tiny_cache
+
+    return {"6 samples": tiny_cache,
+            "30 samples": build_tiny_cache(tmp_path_factory.mktemp("thirty"), n_prompts=30, max_new_tokens=40)}
+
+
+def drafter_at(cfg: dict, cache: StateCache, trained: bool) -> DFlashDrafter:
+    from tiny_target import train_briefly
+
+    torch.manual_seed(0)
+    drafter = DFlashDrafter.from_config_dict(cfg)
+    return train_briefly(drafter, cache) if trained else drafter.eval()
+
+
+def cpu_seconds(run, repeats: int = 5) -> list[float]:
+    out = []
+    for _ in range(repeats):
+        start = time.process_time()
+        run()
+        out.append(time.process_time() - start)
+    return out
+
+
+@pytest.mark.parametrize("trained", [False, True])
+@pytest.mark.parametrize("size", ["6 samples", "30 samples"])
+def test_the_light_evaluation_costs_no_more_than_the_full_one(caches, tiny_drafter_config, size, trained):
+    """As the live evaluator runs them: the light evaluation decides from a warm-up sample's taus whether to
+    draft every anchor at once; the full one has the light stride's statistics too. An untrained drafter
+    (tau 1: the walks visit every anchor, both draft everything) and a briefly trained one."""
+    cache = StateCache(caches[size])
+    drafter = drafter_at(tiny_drafter_config, cache, trained)
+    spec = drafter.spec
+    block = spec.block_size
+    shape = DrafterShape.of(drafter.config, block, len(spec.target_layer_ids) * spec.target_hidden_size)
+    everything = [(e.prompt_len, e.valid_len - e.prompt_len) for e in cache.samples]
+    longest = max(cache.samples, key=lambda e: e.valid_len - e.prompt_len).id
+    warm = evaluate(cache, drafter, sample_ids=[longest], budgets=BUDGETS[-1:], anchor_stride=1)
+    draft_all = draft_all_is_cheaper(shape, everything, warm.tau, BUDGETS[-1:], block,
+                                     {BUDGETS[-1]: warm.summary[ddtree_tau(BUDGETS[-1])]})
+    light = lambda: evaluate(cache, drafter, budgets=BUDGETS[-1:], anchor_stride=block, draft_all=draft_all)  # noqa: E731
+    full = lambda: evaluate(cache, drafter, budgets=BUDGETS, anchor_stride=1, extra_anchor_strides=[block])  # noqa: E731
+    light_s, full_s = [], []
+    for _ in range(5):  # interleaved: a slow spell of the machine hits both
+        light_s += cpu_seconds(light, 1)
+        full_s += cpu_seconds(full, 1)
+    assert min(light_s) <= 1.1 * min(full_s), (size, trained, draft_all, min(light_s), min(full_s))
+    one, every = light(), full()
+    if draft_all:
+        assert one.passes == every.passes
+    assert one.counts.data["anchors_drafted"].item() <= every.counts.data["anchors_drafted"].item()
+    # The same replays whatever was drafted at once.
+    assert [s.acceptance_lengths for s in one.samples] == [s.acceptance_lengths for s in every.samples]
+
+
+def test_drafting_every_anchor_at_once_changes_only_what_is_drafted(tiny_cache, tiny_drafter_config):
+    """draft_all: one round instead of one per cycle, every figure of the evaluation equal."""
+    cache = StateCache(tiny_cache)
+    drafter = drafter_at(tiny_drafter_config, cache, True)
+    rounds = evaluate(cache, drafter, budgets=BUDGETS, anchor_stride=3)
+    at_once = evaluate(cache, drafter, budgets=BUDGETS, anchor_stride=3, draft_all=True)
+    assert rounds.passes > 2 and at_once.passes == 1
+    assert at_once.counts.data["anchors_drafted"].item() > rounds.counts.data["anchors_drafted"].item()
+    for k, v in rounds.counts.data.items():
+        if k not in ("anchors_drafted", "t1_sum"):
+            assert torch.equal(at_once.counts.data[k], v), k
+    assert [(s.acceptance_lengths, s.ddtree) for s in at_once.samples] == [
+        (s.acceptance_lengths, s.ddtree) for s in rounds.samples]
+
+
+def test_phase_timers_account_for_the_evaluation(tiny_cache, tiny_drafter_config):
+    """Every engine phase is timed, each second once (nested phases exclusive), inside the evaluation's own time."""
+    cache = StateCache(tiny_cache)
+    drafter = drafter_at(tiny_drafter_config, cache, True)
+    timer = PhaseTimer()
+    start = time.perf_counter()
+    report = evaluate(cache, drafter, budgets=BUDGETS, anchor_stride=3, timer=timer)
+    total = time.perf_counter() - start
+    assert set(timer.seconds) == set(PHASES)
+    assert all(v > 0 for v in timer.seconds.values()) and timer.total <= total
+    assert report.wall_time_s <= total
+
+
+def test_threads_default_to_the_usable_cores_and_are_recorded(tiny_cache, tiny_drafter_config, tmp_path, capsys,
+                                                              monkeypatch):
+    """--threads: the cores this process may use, at most one per physical core and OMP_NUM_THREADS; given, it
+    is checked (one line, exit 2) before any work, printed in the summary and recorded in results.json."""
+    from dflash_cb.common.cli import run
+    from dflash_cb.common.threads import default_threads, physical_cores, usable_cpus
+    from dflash_cb.integrations import eval_cli
+
+    cpus = usable_cpus()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert default_threads() == min(len(cpus), physical_cores(cpus) or len(cpus))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert default_threads() == 1
+    drafter = DFlashDrafter.from_config_dict(tiny_drafter_config)
+    drafter.save_pretrained(tmp_path / "drafter")
+    out = tmp_path / "results.json"
+    argv = ["--states", str(tiny_cache), "--drafter", str(tmp_path / "drafter"), "--out", str(out),
+            "--ddtree-budgets", "", "--device", "cpu"]
+    n = torch.get_num_threads()
+    try:
+        assert run(eval_cli.main, [*argv, "--threads", "0"]) == 2
+        err = capsys.readouterr().err
+        assert "--threads '0': expected a positive integer" in err and len(err.strip().splitlines()) == 1
+        assert not out.exists()
+        assert run(eval_cli.main, [*argv, "--threads", "1"]) == 0
+        assert "threads=1" in capsys.readouterr().out
+        assert json.loads(out.read_text())["meta"]["threads"] == 1 and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(n)
