@@ -124,7 +124,16 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="pairs of fits (without, then with the callback)")
     ap.add_argument("--budgets", default="16,32,64")
     ap.add_argument("--json", default=None, help="also write the figures here")
+    ap.add_argument("--update-docs", action="store_true", help="also write the report into docs/performance.md")
     args = ap.parse_args()
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _docs import report_to_docs
+
+    with report_to_docs(args.update_docs, "performance.md", "callback"):
+        report(args)
+
+
+def report(args: argparse.Namespace) -> None:
     p = PRESETS[args.preset]
     budgets = tuple(int(b) for b in args.budgets.split(",") if b)
     dev = args.device

@@ -62,7 +62,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-anchors", type=int, default=512,
                    help="SpecForge's anchors per sequence (its default, 512: every anchor of these sequences)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--update-docs", action="store_true",
+                   help="also write the report into docs/training-loops.md (the specforge-curve-<steps> block)")
     args = p.parse_args(argv)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _docs import report_to_docs
+
+    with report_to_docs(args.update_docs, "training-loops.md", f"specforge-curve-{args.steps}"):
+        return report(args)
+
+
+def report(args: argparse.Namespace) -> int:
 
     from specforge.algorithms.common.dflash_family_model import OnlineDFlashModel
     from specforge.modeling.draft.dflash import DFlashDraftModel

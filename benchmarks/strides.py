@@ -71,7 +71,16 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3, help="timed runs per stride (the minimum is reported)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     p.add_argument("--seeds", type=int, default=200, help="offset draws for the mean / sd table (default 200)")
+    p.add_argument("--update-docs", action="store_true", help="also write the report into docs/method.md")
     args = p.parse_args()
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _docs import report_to_docs
+
+    with report_to_docs(args.update_docs, "method.md", "strides"):
+        report(args)
+
+
+def report(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     demo = Path(args.demo)
     cache = StateCache(demo / "cache" / args.cache)

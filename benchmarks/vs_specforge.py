@@ -64,6 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--package", default=None, help="benchmark the dflash_cb package found in this folder")
     p.add_argument("--json", default=None, help="also write the figures to this file")
+    p.add_argument("--update-docs", action="store_true",
+                   help="also write the report into docs/performance.md (the vs-specforge-<cache> block)")
     return p.parse_args(argv)
 
 
@@ -182,6 +184,15 @@ def clocked(fn: Callable[[], Any], sync: Callable[[], None] | None) -> tuple[Any
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _docs import report_to_docs
+
+    name = "vs-specforge-" + ("other" if args.states else args.cache)
+    with report_to_docs(args.update_docs and not args.package, "performance.md", name):
+        return report(args)
+
+
+def report(args: argparse.Namespace) -> int:
     sys.path.insert(0, str(Path(args.package).resolve() if args.package else ROOT))
     import torch
 
