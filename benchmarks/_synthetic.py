@@ -17,7 +17,7 @@ from dflash_cb.core.engine import FastRunner, apply_head, block_embeddings
 from dflash_cb.core.model import DFlashDrafter
 
 PRESETS = {
-    # The Qwen3.6-27B drafter's shape (issue 3): 5 layers, hidden 5120, 32/8 heads of 128, vocab 248,320.
+    # The Qwen3.6-27B drafter's shape: 5 layers, hidden 5120, 32/8 heads of 128, vocab 248,320.
     "qwen36-27b": dict(hidden=5120, layers=5, heads=32, kv=8, head_dim=128, inter=17408, vocab=248320,
                        target_layers=[1, 16, 31, 46, 61], block=16),
     # Demo scale: the size a CPU run actually evaluates; per-call overhead dominates a per-cycle loop.

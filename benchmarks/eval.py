@@ -1,7 +1,7 @@
 #!/usr/bin/env python
-"""Evaluation speed: the demand-driven engine side by side with today's engine and a per-cycle loop.
+"""Evaluation speed: the demand-driven engine side by side with an earlier engine and a per-cycle loop.
 
-    python benchmarks/eval.py                          # CPU: the issue-8 table (preset cpu, 8 x 512, planted)
+    python benchmarks/eval.py                          # CPU: the engine against a per-cycle loop and an earlier engine (preset cpu, 8 x 512, planted)
     python benchmarks/eval.py --preset qwen36-27b --device cuda --samples 64 --tokens 2048   # GPU profiles
 
 CPU presets print one row per setting, each a ratio measured side by side in one run, repeated
@@ -9,14 +9,14 @@ CPU presets print one row per setting, each a ratio measured side by side in one
 ``acceptance_lengths`` (and DDTree lists) in every repetition:
 
 - greedy only (``budgets=()``, stride 16) vs the per-cycle loop (one drafter call per cycle),
-- greedy + DDTree budget 32, stride 16 vs today's engine with budget 32,
-- full (stride 1, budgets 16,32,64) vs today's engine with the same budgets,
-- random completions (tau ~ 1), greedy only, stride 16 vs today's engine,
+- greedy + DDTree budget 32, stride 16 vs an earlier engine with budget 32,
+- full (stride 1, budgets 16,32,64) vs an earlier engine with the same budgets,
+- random completions (tau ~ 1), greedy only, stride 16 vs an earlier engine,
 
 each with ``anchors_drafted / anchors_needed``. Both wall and process CPU seconds are recorded (on a
 machine shared with other jobs the CPU seconds are the steadier measure); one torch thread by default.
 "Today's engine" is the ``dflash_cb`` package of the git revision ``--baseline-ref`` (default
-``c7f1746``, the all-anchor engine before issue 8), extracted with ``git archive`` into a temp folder
+``c7f1746``, an earlier all-anchor engine), extracted with ``git archive`` into a temp folder
 as the package ``dflash_cb_baseline`` and imported next to this checkout's package.
 
 The GPU preset (Qwen3.6-27B drafter shape, random weights, bf16) times the callback's three
@@ -115,7 +115,7 @@ def _lists(rep) -> tuple[list, dict]:
 
 
 def compare(args, p: dict, drafter, head, tmp: Path) -> dict:
-    """The issue-8 table: each row new vs old, interleaved repetitions, identical lists asserted."""
+    """The CPU table: each row new vs old, interleaved repetitions, identical lists asserted."""
     base_engine = load_baseline(args.baseline_ref)
     # The old engine must drive the drafter its fast way (our class, weights shared), or its rows flatter us.
     if not isinstance(base_engine.as_runner(drafter), base_engine.FastRunner):
@@ -141,11 +141,11 @@ def compare(args, p: dict, drafter, head, tmp: Path) -> dict:
 
     rows = {
         f"greedy only (budgets=(), stride {stride}) vs per-cycle loop": (new("planted", (), stride), loop("planted"), False),
-        f"greedy + DDTree 32, stride {stride} vs today's engine (budget 32)":
+        f"greedy + DDTree 32, stride {stride} vs an earlier engine (budget 32)":
             (new("planted", (32,), stride), old("planted", (32,)), True),
-        "full (stride 1, budgets 16,32,64) vs today's engine":
+        "full (stride 1, budgets 16,32,64) vs an earlier engine":
             (new("planted", (16, 32, 64), 1), old("planted", (16, 32, 64)), True),
-        f"random completions (tau ~1), greedy only, stride {stride} vs today's engine":
+        f"random completions (tau ~1), greedy only, stride {stride} vs an earlier engine":
             (new("random", (), stride), old("random", ()), True),
     }
     # name -> {"wall" | "cpu": ([new seconds], [other seconds])}
@@ -241,7 +241,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2, help="interleaved repetitions per row")
     ap.add_argument("--profiles", action="store_true", help="time the three callback profiles (default on GPU presets)")
     ap.add_argument("--baseline-ref", default="c7f1746",
-                    help="git revision whose engine is 'today's engine' (default: the all-anchor engine before issue 8)")
+                    help="git revision whose engine is 'an earlier engine' (default: an earlier all-anchor engine)")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
                     help="drafter, head and cache dtype (default: bfloat16 for qwen36-27b, float32 for cpu presets)")
     ap.add_argument("--threads", type=int, default=1,

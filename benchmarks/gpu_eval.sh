@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU evaluation benchmark (issue 8) as one prepared run on the device machine: a
+# The GPU evaluation benchmark as one prepared run on the device machine: a
 # Qwen3.6-27B-shaped random drafter (bf16, autocast) on a synthetic 64 x 2,048-token cache (completions
 # planted to follow the drafter for 0-7 tokens per cycle), timed in
 # the callback's three profiles (greedy only; callback default: stride = block size, the largest

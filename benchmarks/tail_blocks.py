@@ -14,6 +14,7 @@ the statistics and DDTree walks that differ (``docs/evaluating.md``, "Tail block
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -69,6 +70,7 @@ def main() -> None:
     ap.add_argument("--demo", default="demo_out", help="a finished tools/demo.py output folder")
     ap.add_argument("--tokens", type=int, default=16, help="max_new_tokens of the short cache (default 16)")
     ap.add_argument("--update-docs", action="store_true", help="write the table into docs/evaluating.md")
+    ap.add_argument("--docs-table", default="tail-blocks", help="which marked table of docs/evaluating.md")
     args = ap.parse_args()
     torch.set_num_threads(1)
     demo = Path(args.demo)
@@ -86,7 +88,9 @@ def main() -> None:
     if args.update_docs:
         from _docs import update_docs_table
 
-        update_docs_table("evaluating.md", "tail-blocks", table)
+        kernels = os.environ.get("ATEN_CPU_CAPABILITY")
+        update_docs_table("evaluating.md", args.docs_table, table,
+                          f" with `ATEN_CPU_CAPABILITY={kernels}`" if kernels else "")
 
 
 if __name__ == "__main__":

@@ -115,7 +115,7 @@ def trained_toy(tiny_cache, tiny_drafter_config):
     return train_briefly(DFlashDrafter.from_config_dict(tiny_drafter_config), StateCache(tiny_cache))
 
 
-def cpu_measured(cache, drafter, repeats: int = 3, **kwargs):
+def cpu_measured(cache, drafter, repeats: int = 5, **kwargs):
     """The fastest of ``repeats`` evaluations in this process's CPU seconds (another job on the machine takes
     none of them), with its seconds per cost group and its report."""
     best = None

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..cache.states import CacheMismatchError, TargetHead
+from ..cache.states import TargetHead
 from ..common import arguments as check
 from ..common.errors import DFlashCBError
 from ..common.timing import PhaseTimer
@@ -48,14 +48,10 @@ from ..core.anchor_sets import sparse_stride_warning
 from ..core.baselines import baseline_scalars
 from ..core.compare import live_metrics
 from ..core.cost import (
-    DrafterShape,
-    SecondsPredictor,
-    draft_all_is_cheaper,
     eval_overhead,
     predict,
     setup_line,
 )
-from ..core.ddtree import check_ddtree_budgets
 from ..core.engine import (
     EvalReport,
     SampleResult,
@@ -82,13 +78,12 @@ from ..core.metrics import (
     summarize,
 )
 from ..core.model import DrafterSpec
-from ..core.replay import check_block_size
 from ..core.report import evaluation_line
 from .config import EvalConfig
 from .distributed import full_parameters_of, world
-from .drafter_source import NotADrafterError, describe_source, target_weight, unwrap
+from .drafter_source import target_weight, unwrap
 from .eval_state import EvalState, MalformedStateError, estimator_record, new_series_reason
-from .live_eval import RankedEvaluation, evaluate_across_ranks, rank_share, score_untouched
+from .live_eval import RankedEvaluation, evaluate_across_ranks, score_untouched
 from .schedule import (
     FIT_END,
     Profile,
@@ -97,7 +92,7 @@ from .schedule import (
     fit_start_eval_due,
     periodic_eval_reason,
 )
-from .session import EvalSession, LoopContext, open_session
+from .session import EvalSession, LoopContext, drafter_fit, open_session
 from .sinks import EvaluationRecord, MetricsSink, RunInfo, TableSample, as_sinks
 
 
@@ -381,42 +376,8 @@ class LiveEvaluator:
         """Cache vs drafter (and head) compatibility; raises CacheMismatchError naming every field."""
         s = self.session
         assert s is not None, "setup() first"
-        drafter = unwrap(drafter)
-        try:
-            spec = DrafterSpec.of(drafter)
-        except TypeError:
-            raise NotADrafterError(
-                f"{self.name}: the drafter is a {type(drafter).__name__} with neither a .spec nor a DFlash .config "
-                "(block size, mask token, target layers); point drafter= at the DFlash module inside it (an "
-                "attribute path or a function model -> drafter)") from None
-        config = getattr(drafter, "config", None)
-        s.cache.check_drafter(spec.as_cache_check())
-        m = s.cache.manifest
-        block = check_block_size(self.config.block_size, spec.block_size)
-        for name, budgets in (("ddtree_budgets", self.config.ddtree_budgets),
-                              ("periodic_ddtree_budgets", self.config.light_budgets)):
-            check_ddtree_budgets(budgets, block, m.vocab_size, name)  # before any evaluation
-        problems = []
-        n_target = getattr(config, "num_target_layers", None)
-        if n_target is not None and m.target.get("num_layers") is not None and int(n_target) != int(m.target["num_layers"]):
-            problems.append(f"num_target_layers: drafter was made for a {n_target}-layer target, "
-                            f"the cache's target has {m.target['num_layers']}")
-        if not self.config.needs_cache_head:
-            for what, source in (("target_embed", self.config.target_embed),
-                                 ("target_lm_head", self.config.target_lm_head)):
-                if source is None:
-                    continue
-                t = target_weight(model, source, self.name)
-                if tuple(t.shape) != (m.vocab_size, m.hidden_size):
-                    problems.append(f"{what} ({describe_source(source)}): shape {tuple(t.shape)}, the cache's target "
-                                    f"has [vocab {m.vocab_size}, hidden {m.hidden_size}]")
-        elif not s.cache.has_head:
-            problems.append("target head: the cache has no exported head (built with --no-export-head) and no "
-                            "target_embed/target_lm_head were given")
-        if problems:
-            raise CacheMismatchError(f"cache {s.cache.path} does not fit the drafter:\n  - " + "\n  - ".join(problems))
-        s.spec, s.block_size = spec, block
-        light = self.config.light_stride(block)
+        s.spec, s.block_size = drafter_fit(s, self.config, unwrap(drafter), model, self.name)
+        light = self.config.light_stride(s.block_size)
         sparse = sparse_stride_warning(anchors_per_sample(s.cache, s.eval_ids), light, self.config.anchor_seed,
                                        option="periodic_anchor_stride")
         if sparse is not None:
@@ -455,9 +416,9 @@ class LiveEvaluator:
         kind = "full" if profile.full else "light"
         c = s.cost
         first = c.warm_up_seconds is None
-        predictor = self._predictor(drafter)
+        predictor = c.model_of(unwrap(drafter), s)
         predicted = predictor.predict(kind, profile.budgets, profile.stride, c.tau, c.tree_taus,
-                                      self._draft_all(profile)) if predictor is not None else None
+                                      c.draft_all_is_cheaper(profile)) if predictor is not None else None
         ranked = self._measure(step, drafter, model, profile)
         since, s.clock = s.clock, (time.perf_counter(), step)
         if ranked.failed:
@@ -467,7 +428,7 @@ class LiveEvaluator:
         assert ranked.counts is not None
         m = Measurement(step, reason, profile, ranked.counts, ranked.seconds, ranked.rank, ranked.samples or [],
                         predicted, c.warm_up_seconds if first else None)
-        self._calibrate(m)
+        c.measured(summarize(m.counts[profile.stride]), profile)
         # NaN for an evaluation with no training before it.
         overhead = eval_overhead(m.seconds, s.clock[0] - since[0]) if since is not None and since[1] != step else math.nan
         return self._publish(m, overhead)
@@ -495,7 +456,7 @@ class LiveEvaluator:
                        verify=self.config.verify_cache, tail_blocks=self.config.tail_blocks, block_size=s.block_size)
             if s.cost.warm_up_seconds is None:
                 self._warm_up(module, head, ids, run)
-            s.cost.draft_all = self._draft_all(profile)
+            s.cost.draft_all = s.cost.draft_all_is_cheaper(profile)
             timer = PhaseTimer(sync=torch.cuda.synchronize if param.device.type == "cuda" else None)
             started = time.perf_counter()
             # verify: only a shard whose file identity changed since it was hashed is hashed again.
@@ -521,44 +482,6 @@ class LiveEvaluator:
         if lengths:
             score_untouched(s.cache, module, head, [max(lengths, key=lengths.__getitem__)], anchor_stride=1, **run)
         s.cost.warm_up_seconds = time.perf_counter() - started
-
-    def _predictor(self, drafter: nn.Module) -> SecondsPredictor | None:
-        """The session's cost model of this drafter (None for a drafter without a Qwen3-style config)."""
-        s = self.session
-        assert s is not None and s.spec is not None
-        c, spec = s.cost, s.spec
-        if c.predictor is None and not c.everything:
-            module = unwrap(drafter)
-            c.everything = [(e.prompt_len, e.valid_len - e.prompt_len) for e in map(s.cache.entry, s.eval_ids)]
-            try:
-                shape = DrafterShape.of(module.config, s.block_size, len(spec.target_layer_ids) * spec.target_hidden_size)
-            except (AttributeError, TypeError, ValueError):
-                return None
-            mine = map(s.cache.entry, rank_share(s.eval_ids, *world()))  # this rank's samples: its own seconds
-            c.predictor = SecondsPredictor(shape, [(e.prompt_len, e.valid_len - e.prompt_len) for e in mine],
-                                           state_itemsize=next(module.parameters()).element_size())
-        return c.predictor
-
-    def _draft_all(self, profile: Profile) -> bool:
-        """Whether this evaluation drafts every anchor at once (``cost.draft_all_is_cheaper``: from every sample
-        and the taus the last evaluation measured, tau 1 before the first, so every rank decides alike)."""
-        s = self.session
-        assert s is not None
-        c = s.cost
-        return c.predictor is not None and draft_all_is_cheaper(
-            c.predictor.shape, c.everything, c.tau, profile.budgets, profile.stride, c.tree_taus,
-            state_itemsize=c.predictor.state_itemsize)
-
-    def _calibrate(self, m: Measurement) -> None:
-        """What this evaluation says of the next one: the drafter's taus, and the rates its cost model is
-        calibrated by (``cost.SecondsPredictor``, per profile)."""
-        s = self.session
-        assert s is not None
-        c, p = s.cost, m.profile
-        c.taus(summarize(m.counts[p.stride]), p.budgets)
-        if c.predictor is not None and c.groups is not None:
-            c.predictor.measured("full" if p.full else "light", c.groups, p.budgets, p.stride, c.tau, c.tree_taus,
-                                 c.draft_all, c.counted)
 
     def _publish(self, m: Measurement, overhead: float) -> dict[str, float]:
         """The metric keys of a measurement, the history, the console line and the sinks.

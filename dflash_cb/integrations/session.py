@@ -12,22 +12,28 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
 
 from ..cache.selection import select_sample_ids, stratified_ids
-from ..cache.states import StateCache, TargetHead
+from ..cache.states import CacheMismatchError, StateCache, TargetHead
 from ..core.baselines import Baseline, load_measured, load_published, load_served
-from ..core.cost import SecondsPredictor
+from ..core.cost import DrafterShape, SecondsPredictor, draft_all_is_cheaper
+from ..core.ddtree import check_ddtree_budgets
 from ..core.metrics import TAU, ddtree_tau
 from ..core.model import DrafterSpec
+from ..core.replay import check_block_size
 from .config import EvalConfig
+from .distributed import world
+from .drafter_source import NotADrafterError, describe_source, target_weight
 from .eval_state import selection_record
-from .live_eval import SetupCheck, verify_across_ranks
+from .live_eval import SetupCheck, rank_share, verify_across_ranks
+from .schedule import Profile
 from .sinks import MetricsSink, TableSample
 
 
@@ -73,11 +79,42 @@ class CostTracking:
     groups: dict[str, float] | None = None  # the last scoring's seconds per cost group, on this rank
     counted: tuple[int, int] | None = None  # and the anchors it drafted and the passes it made
 
-    def taus(self, summary: dict[str, float], budgets: Sequence[int]) -> None:
-        """Keep the taus of a scoring's ``summary`` (those it measured)."""
+    def model_of(self, drafter: nn.Module, session: EvalSession) -> SecondsPredictor | None:
+        """The cost model of the session's drafter, built once (None for a drafter without a Qwen3-style
+        config): the work of every evaluated sample, and this rank's samples for its own seconds."""
+        if self.predictor is None and not self.everything:
+            spec = session.spec
+            assert spec is not None
+            self.everything = [(e.prompt_len, e.valid_len - e.prompt_len) for e in map(session.cache.entry,
+                                                                                         session.eval_ids)]
+            try:
+                shape = DrafterShape.of(drafter.config, session.block_size,
+                                        len(spec.target_layer_ids) * spec.target_hidden_size)
+            except (AttributeError, TypeError, ValueError):
+                return None
+            mine = map(session.cache.entry, rank_share(session.eval_ids, *world()))
+            self.predictor = SecondsPredictor(shape, [(e.prompt_len, e.valid_len - e.prompt_len) for e in mine],
+                                              state_itemsize=next(drafter.parameters()).element_size())
+        return self.predictor
+
+    def draft_all_is_cheaper(self, profile: Profile) -> bool:
+        """Whether an evaluation of ``profile`` drafts every anchor at once (``cost.draft_all_is_cheaper``):
+        from every sample and the taus the last evaluation measured (tau 1 before the first), so every rank
+        decides alike."""
+        return self.predictor is not None and draft_all_is_cheaper(
+            self.predictor.shape, self.everything, self.tau, profile.budgets, profile.stride, self.tree_taus,
+            state_itemsize=self.predictor.state_itemsize)
+
+    def measured(self, summary: dict[str, float], profile: Profile) -> None:
+        """What an evaluation (its ``summary`` at its own stride) says of the next one: the drafter's taus,
+        and the rates the cost model is calibrated by (``cost.SecondsPredictor``, per profile)."""
         if math.isfinite(summary[TAU]):
             self.tau = summary[TAU]
-        self.tree_taus = {b: summary[ddtree_tau(b)] for b in budgets if math.isfinite(summary[ddtree_tau(b)])}
+        self.tree_taus = {b: summary[ddtree_tau(b)] for b in profile.budgets
+                          if math.isfinite(summary[ddtree_tau(b)])}
+        if self.predictor is not None and self.groups is not None:
+            self.predictor.measured("full" if profile.full else "light", self.groups, profile.budgets,
+                                    profile.stride, self.tau, self.tree_taus, self.draft_all, self.counted)
 
 
 @dataclass
@@ -151,4 +188,42 @@ def open_session(config: EvalConfig, loop: LoopContext) -> EvalSession:
                        time.perf_counter() - started)
 
 
-__all__ = ["CostTracking", "EvalSession", "HeadCache", "LoopContext", "open_session"]
+def drafter_fit(session: EvalSession, config: EvalConfig, drafter: nn.Module, model: Any,
+                owner: str) -> tuple[DrafterSpec, int]:
+    """The drafter's spec and the block evaluated, once the drafter is checked against the session's cache:
+    layer ids, sizes, vocabulary, mask token, number of target layers, the block size and DDTree budgets,
+    and the target's matrices. Raises ``CacheMismatchError`` naming every field that does not fit."""
+    try:
+        spec = DrafterSpec.of(drafter)
+    except TypeError:
+        raise NotADrafterError(
+            f"{owner}: the drafter is a {type(drafter).__name__} with neither a .spec nor a DFlash .config "
+            "(block size, mask token, target layers); point drafter= at the DFlash module inside it (an "
+            "attribute path or a function model -> drafter)") from None
+    cache, m = session.cache, session.cache.manifest
+    cache.check_drafter(spec.as_cache_check())
+    block = check_block_size(config.block_size, spec.block_size)
+    for name, budgets in (("ddtree_budgets", config.ddtree_budgets), ("periodic_ddtree_budgets", config.light_budgets)):
+        check_ddtree_budgets(budgets, block, m.vocab_size, name)  # before any evaluation
+    problems = []
+    n_target = getattr(getattr(drafter, "config", None), "num_target_layers", None)
+    if n_target is not None and m.target.get("num_layers") is not None and int(n_target) != int(m.target["num_layers"]):
+        problems.append(f"num_target_layers: drafter was made for a {n_target}-layer target, "
+                        f"the cache's target has {m.target['num_layers']}")
+    if not config.needs_cache_head:
+        for what, source in (("target_embed", config.target_embed), ("target_lm_head", config.target_lm_head)):
+            if source is None:
+                continue
+            t = target_weight(model, source, owner)
+            if tuple(t.shape) != (m.vocab_size, m.hidden_size):
+                problems.append(f"{what} ({describe_source(source)}): shape {tuple(t.shape)}, the cache's target "
+                                f"has [vocab {m.vocab_size}, hidden {m.hidden_size}]")
+    elif not cache.has_head:
+        problems.append("target head: the cache has no exported head (built with --no-export-head) and no "
+                        "target_embed/target_lm_head were given")
+    if problems:
+        raise CacheMismatchError(f"cache {cache.path} does not fit the drafter:\n  - " + "\n  - ".join(problems))
+    return spec, block
+
+
+__all__ = ["CostTracking", "EvalSession", "HeadCache", "LoopContext", "drafter_fit", "open_session"]
