@@ -29,6 +29,18 @@ def one_thread():
     torch.set_num_threads(n)
 
 
+@pytest.fixture(autouse=True)
+def threads_as_found():
+    """A tool's main() run in this process sets torch's thread count (--threads): each test leaves it as it
+    found it, so the next one runs with the session's one thread."""
+    import torch
+
+    n = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def tiny_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_cache(tmp_path_factory.mktemp("tiny_cache"))

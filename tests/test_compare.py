@@ -439,3 +439,15 @@ def test_published_files_that_cannot_be_used_are_one_line_naming_file_entry_and_
     code, out, err = _run_here(capsys, str(a), str(b), "--out", str(tmp_path / "ok"), "--published", str(pub),
                                "--resamples", "20")
     assert code == 0 and "| b8 | DDTree tau, budget 8 | 2.500 |" in out, err
+
+
+def test_a_tool_run_inside_another_program_leaves_its_thread_count(two_results, tmp_path):
+    """``--threads`` sets torch's threads for the tool; run in-process (the demo runs the precompute so),
+    the caller's count is back afterwards."""
+    from dflash_cb.common.cli import run
+    from dflash_cb.core import compare as tool
+
+    a, b = two_results
+    torch.set_num_threads(1)
+    assert run(tool.main, [str(a), str(b), "--out", str(tmp_path / "cmp"), "--threads", "2"]) == 0
+    assert torch.get_num_threads() == 1

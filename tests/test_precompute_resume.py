@@ -28,7 +28,7 @@ def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path, capsys):
     # enough prompts that the kill lands mid-run
     prompts = write_prompts(tmp_path / "prompts.jsonl", random_prompts(30, (8, 40), seed=7))
     common = ["--target", str(target), "--prompts", str(prompts), "--layers", "0,1,3", "--max-new-tokens", "8",
-              "--dtype", "float32", "--topk-logprobs", "3", "--no-progress"]
+              "--dtype", "float32", "--topk-logprobs", "3", "--no-progress", "--threads", "1"]
     # One thread everywhere: bitwise equality across processes needs the same reduction order.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     threads = torch.get_num_threads()

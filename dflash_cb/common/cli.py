@@ -76,13 +76,26 @@ def _messages_on_stderr() -> Iterator[None]:
 Main = Callable[[Sequence[str] | None], int | None]
 
 
+@contextlib.contextmanager
+def _threads_kept() -> Iterator[None]:
+    """A tool sets torch's thread count (``--threads``); run in another program's process (the demo runs the
+    precompute, a test runs a tool), it leaves that program's count as it found it."""
+    torch = sys.modules.get("torch")
+    before = torch.get_num_threads() if torch is not None else None
+    try:
+        yield
+    finally:
+        if before is not None and torch.get_num_threads() != before:
+            torch.set_num_threads(before)
+
+
 def run(main: Main, argv: Sequence[str] | None = None) -> int:
     """Call ``main(argv)``; turn user errors into one stderr line and exit code 2.
 
     Set ``DFLASH_CB_TRACEBACK=1`` to get the full traceback instead (for bug reports).
     """
     try:
-        with _messages_on_stderr():
+        with _messages_on_stderr(), _threads_kept():
             return int(main(argv) or 0)
     except (DFlashCBError, OSError) as e:
         if os.environ.get("DFLASH_CB_TRACEBACK"):

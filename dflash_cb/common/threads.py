@@ -1,9 +1,8 @@
 """How many CPU threads torch uses: the one rule of every command line's ``--threads`` (and the demo's).
 
 torch's default is every core the machine has. When other processes share the machine (another training
-run, a data loader, a second evaluation) its threads wait on each other: on a 2-core machine with one
-other busy process the same greedy evaluation took 1.1 s, 6.8 s and 37.9 s with two threads and under
-0.9 s with one (docs/performance.md). So the default is the cores *this process may use*
+run, a data loader, a second evaluation) its threads wait on each other, and a run can take many times as
+long as with one thread (docs/performance.md). So the default is the cores *this process may use*
 (``os.sched_getaffinity``: a ``taskset``, a container's CPU set or a scheduler's allocation), at most one
 per physical core (hyper-threads share a core's arithmetic units), and at most ``OMP_NUM_THREADS`` when
 that is set (the variable a user or a launcher sets to say how many threads a process gets; torch reads

@@ -234,7 +234,8 @@ def build_target(cfg: DemoConfig, paths: Paths) -> dict[str, Any]:
 def precompute_argv(cfg: DemoConfig, target: Path, prompts: Path, out: Path) -> list[str]:
     return ["--target", str(target), "--prompts", str(prompts), "--out", str(out),
             "--layers", ",".join(str(i) for i in cfg.layer_ids), "--reference", "local", "--dtype", "float32",
-            "--max-new-tokens", str(cfg.max_new_tokens), "--samples-per-shard", "64", "--no-progress"]
+            "--max-new-tokens", str(cfg.max_new_tokens), "--samples-per-shard", "64", "--no-progress",
+            "--threads", str(max(1, cfg.threads))]
 
 
 def build_caches(cfg: DemoConfig, paths: Paths) -> dict[str, Any]:
