@@ -421,7 +421,7 @@ def test_cli_yaml_config_parses_into_callback(tmp_path, tiny_cache, tiny_drafter
     assert len(cbs) == 1
     cb = cbs[0]
     assert cb.config.states == "cached_states/qwen36-27b-v1" and cb.config.every_n_train_steps == 1000
-    assert cb.drafter == "drafter" and cb.config.ddtree_budgets == (16, 32, 64) and cb.config.prefix == "dflash_eval/"
+    assert cb.drafter_source == "drafter" and cb.config.ddtree_budgets == (16, 32, 64) and cb.config.prefix == "dflash_eval/"
     assert cb.config.published is None and cb.config.fail_on_error is False and cb.config.verify_cache is True
     assert cb.config.max_failed_evaluations == 3
     mine = [c for c in cli.trainer.callbacks if isinstance(c, ModelCheckpoint) and c.monitor == "dflash_eval/tau"]

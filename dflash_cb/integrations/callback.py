@@ -160,7 +160,7 @@ class DFlashEvalCallback(Callback):
             tokenizer=tokenizer, verify_cache=verify_cache, position_edges=position_edges, console=console,
             tail_blocks=tail_blocks, block_size=block_size)
         self.evaluator = LiveEvaluator(config, say=rank_zero_info, name=type(self).__name__)
-        self.drafter = drafter
+        self.drafter_source = drafter  # where the drafter is in the training model (a path or a function)
         self.prog_bar = check.flag("prog_bar", prog_bar)
         self._fast_dev_run_noted = False
 
@@ -224,7 +224,7 @@ class DFlashEvalCallback(Callback):
             self._publish(trainer, self.evaluator.finish(trainer.global_step, self._drafter(pl_module), pl_module))
 
     def _drafter(self, pl_module: LightningModule, required: bool = True) -> nn.Module | None:
-        return find_drafter(pl_module, self.drafter, type(self).__name__, required)
+        return find_drafter(pl_module, self.drafter_source, type(self).__name__, required)
 
     def _skipped(self, trainer: Trainer) -> bool:
         if trainer.fast_dev_run and not self._fast_dev_run_noted:

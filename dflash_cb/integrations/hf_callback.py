@@ -101,7 +101,7 @@ class DFlashEvalTrainerCallback(TrainerCallback, ExportableState):
         if not states:
             raise check.ArgumentError("DFlashEvalTrainerCallback: states= (the cache folder) is required")
         self.trainer = trainer
-        self.drafter = drafter
+        self.drafter_source = drafter  # where the drafter is in the training model (a path or a function)
         config = EvalConfig(
             states=states, every_n_train_steps=every_n_train_steps, eval_on_fit_start=eval_on_fit_start,
             eval_on_fit_end=eval_on_fit_end, target_embed=target_embed, target_lm_head=target_lm_head,
@@ -193,7 +193,7 @@ class DFlashEvalTrainerCallback(TrainerCallback, ExportableState):
     def _drafter(self, model: nn.Module | None) -> nn.Module:
         if model is None:
             raise check.ArgumentError("DFlashEvalTrainerCallback: the trainer passed no model to the callback")
-        drafter = find_drafter(model, self.drafter, type(self).__name__)
+        drafter = find_drafter(model, self.drafter_source, type(self).__name__)
         assert drafter is not None
         return drafter
 

@@ -76,7 +76,7 @@ class SpecForgeEvaluation:
                  keep_best_by_tau: bool, resume_from: str | os.PathLike | None) -> None:
         self.controller = controller
         self.evaluator = evaluator
-        self.drafter = drafter
+        self.drafter_source = drafter  # where the drafter is in the training model (a path or a function)
         self.resume_from = resume_from
         self._fitting = False
         self._resumed = False  # the checkpoint's state is read once, at the first fit
@@ -167,7 +167,7 @@ class SpecForgeEvaluation:
 
     # -- helpers ----------------------------------------------------------------------------------
     def _drafter(self, module: nn.Module) -> nn.Module:
-        drafter = find_drafter(module, self.drafter, type(self).__name__)
+        drafter = find_drafter(module, self.drafter_source, type(self).__name__)
         assert drafter is not None
         return drafter
 
