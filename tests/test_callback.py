@@ -410,13 +410,16 @@ def test_cli_yaml_config_parses_into_callback(tmp_path, tiny_cache, tiny_drafter
             "--trainer.callbacks.init_args.every_n_train_steps=1000", "--trainer.max_steps=2",
             # (states: overridden below to the test cache, budgets to one small one)
             "--trainer.logger=false", "--trainer.enable_progress_bar=false", "--trainer.accelerator=cpu"]
-    old = sys.argv
-    try:
-        sys.argv = ["prog"]
-        cli = LightningCLI(DFlashDrafterModule, CachedStatesDataModule, run=False, args=argv,
-                           save_config_kwargs={"overwrite": True})
-    finally:
-        sys.argv = old
+    def parse(argv: list[str]) -> LightningCLI:
+        old = sys.argv
+        try:
+            sys.argv = ["prog"]
+            return LightningCLI(DFlashDrafterModule, CachedStatesDataModule, run=False, args=argv,
+                                save_config_kwargs={"overwrite": True})
+        finally:
+            sys.argv = old
+
+    cli = parse(argv)
     cbs = [c for c in cli.trainer.callbacks if isinstance(c, DFlashEvalCallback)]
     assert len(cbs) == 1
     cb = cbs[0]
@@ -428,13 +431,8 @@ def test_cli_yaml_config_parses_into_callback(tmp_path, tiny_cache, tiny_drafter
     assert len(mine) == 1
     # And it runs: fit from the YAML with command-line overrides (on the test cache), evaluating at the
     # start and the end.
-    argv += [f"--trainer.callbacks.init_args.states={tiny_cache}", "--trainer.callbacks.init_args.ddtree_budgets=[4]"]
-    try:
-        sys.argv = ["prog"]
-        cli = LightningCLI(DFlashDrafterModule, CachedStatesDataModule, run=False, args=argv,
-                           save_config_kwargs={"overwrite": True})
-    finally:
-        sys.argv = old
+    cli = parse([*argv, f"--trainer.callbacks.init_args.states={tiny_cache}",
+                 "--trainer.callbacks.init_args.ddtree_budgets=[4]"])
     cb = next(c for c in cli.trainer.callbacks if isinstance(c, DFlashEvalCallback))
     mine = [c for c in cli.trainer.callbacks if isinstance(c, ModelCheckpoint) and c.monitor == "dflash_eval/tau"]
     assert cb.config.states == str(tiny_cache) and cb.config.ddtree_budgets == (4,)
