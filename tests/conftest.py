@@ -16,6 +16,9 @@ from tiny_target import TINY_LAYER_IDS, TINY_MASK, build_tiny_cache  # noqa: E40
 # Keep W&B local and quiet in every test, whatever the machine's configuration.
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
+# One thread everywhere (the session's torch, the tools' --threads default, subprocesses): the tests compare
+# tensors bit for bit across runs, which needs one reduction order, and tiny models gain nothing from more.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session", autouse=True)
