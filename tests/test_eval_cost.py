@@ -115,17 +115,22 @@ def trained_toy(tiny_cache, tiny_drafter_config):
     return train_briefly(DFlashDrafter.from_config_dict(tiny_drafter_config), StateCache(tiny_cache))
 
 
-def cpu_measured(cache, drafter, repeats: int = 5, **kwargs):
-    """The fastest of ``repeats`` evaluations in this process's CPU seconds (another job on the machine takes
-    none of them), with its seconds per cost group and its report."""
-    best = None
-    for _ in range(repeats):
-        timer = PhaseTimer(clock=time.process_time)
-        start = time.process_time()
-        report = evaluate(cache, drafter, timer=timer, **kwargs)
-        total = time.process_time() - start
-        if best is None or total < best[0]:
-            best = (total, group_seconds(timer.seconds, total), report)
+def cpu_measured(cache, drafter, runs: list[dict], rounds: int = 7):
+    """Each of ``runs`` (``evaluate`` keyword arguments) timed in this process's CPU seconds (another job on the
+    machine takes none of them): the fastest of ``rounds``, taken round-robin so that a slow spell of a shared
+    machine falls on every run alike, after one untimed round (a profile's first run pays one-time costs:
+    allocations, kernels for new shapes). Per run: its seconds, its seconds per cost group and its report."""
+    for kwargs in runs:
+        evaluate(cache, drafter, **kwargs)
+    best: list = [None] * len(runs)
+    for _ in range(rounds):
+        for i, kwargs in enumerate(runs):
+            timer = PhaseTimer(clock=time.process_time)
+            start = time.process_time()
+            report = evaluate(cache, drafter, timer=timer, **kwargs)
+            total = time.process_time() - start
+            if best[i] is None or total < best[i][0]:
+                best[i] = (total, group_seconds(timer.seconds, total), report)
     return best
 
 
@@ -141,21 +146,26 @@ def test_predicted_seconds_are_within_one_and_a_half_of_measured(tiny_cache, tra
     budgets = () if budget is None else (budget,)
     shape = DrafterShape.of(trained_toy.config, spec.block_size, len(spec.target_layer_ids) * spec.target_hidden_size)
     everything = [(e.prompt_len, e.valid_len - e.prompt_len) for e in cache.samples]
-    predictor = SecondsPredictor(shape, everything)
     longest = max(cache.samples, key=lambda e: e.valid_len - e.prompt_len).id
     warm = evaluate(cache, trained_toy, sample_ids=[longest], budgets=budgets, anchor_stride=1)
-    tau, taus = warm.tau, {b: warm.summary[ddtree_tau(b)] for b in budgets}
-    ratios = {}
-    for i, (kind, stride) in enumerate((("light", spec.block_size), ("light", spec.block_size), ("full", 1),
-                                        ("full", 1), ("light", spec.block_size))):
-        draft_all = draft_all_is_cheaper(shape, everything, tau, budgets, stride, taus)
-        predicted = predictor.predict(kind, budgets, stride, tau, taus, draft_all)
-        seconds, groups, report = cpu_measured(cache, trained_toy, budgets=budgets, anchor_stride=stride,
-                                               draft_all=draft_all)
+    sequence = (("light", spec.block_size), ("light", spec.block_size), ("full", 1), ("full", 1),
+                ("light", spec.block_size))
+    # The sequence as the evaluator runs it: each evaluation's tau decides the next one's draft_all.
+    tau, taus, runs = warm.tau, {b: warm.summary[ddtree_tau(b)] for b in budgets}, []
+    for _, stride in sequence:
+        runs.append(dict(budgets=budgets, anchor_stride=stride, tau=tau, taus=taus,
+                         draft_all=draft_all_is_cheaper(shape, everything, tau, budgets, stride, taus)))
+        report = evaluate(cache, trained_toy, budgets=budgets, anchor_stride=stride, draft_all=runs[-1]["draft_all"])
+        tau, taus = report.tau, {b: report.summary[ddtree_tau(b)] for b in budgets}
+    timed = cpu_measured(cache, trained_toy, [{k: r[k] for k in ("budgets", "anchor_stride", "draft_all")}
+                                              for r in runs])
+    predictor, ratios = SecondsPredictor(shape, everything), {}
+    for i, ((kind, stride), run, (seconds, groups, report)) in enumerate(zip(sequence, runs, timed, strict=True)):
+        predicted = predictor.predict(kind, budgets, stride, run["tau"], run["taus"], run["draft_all"])
         if i:
             ratios[f"{i} {kind}"] = predicted / seconds
-        tau, taus = report.tau, {b: report.summary[ddtree_tau(b)] for b in budgets}
-        predictor.measured(kind, groups, budgets, stride, tau, taus, draft_all,
+        predictor.measured(kind, groups, budgets, stride, report.tau,
+                           {b: report.summary[ddtree_tau(b)] for b in budgets}, run["draft_all"],
                            (int(report.counts.data["anchors_drafted"].item()), report.passes))
     print(budget, {k: round(r, 2) for k, r in ratios.items()})
     assert all(1 / 1.5 < r < 1.5 for r in ratios.values()), ratios
