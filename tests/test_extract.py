@@ -142,11 +142,13 @@ def test_out_never_deletes_what_the_tool_did_not_create(lightning_ckpt: Path, tm
 def test_bad_inputs_are_one_line_errors(lightning_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """Not a checkpoint / truncated / a file as --out / a bad --config: one line naming
     the file, exit 2, never torch's advice to retry with weights_only=False."""
-    import os
+    import random
 
-    data = lightning_ckpt.read_bytes()
+    data, noise = lightning_ckpt.read_bytes(), random.Random(0).randbytes(4095)
     cases = {
-        "random.ckpt": (os.urandom(4096), "not a PyTorch checkpoint"),
+        "random.ckpt": (b"\x13" + noise, "not a PyTorch checkpoint"),
+        "random_proto.ckpt": (b"\x80\xcd" + noise, "not a PyTorch checkpoint"),  # PROTO, no protocol torch reads
+        "random_pickle.ckpt": (b"\x80\x02" + noise, "the weights-only reader stopped at: "),
         "text.ckpt": (b"epoch: 3\nloss: 0.1\n", "not a PyTorch checkpoint"),
         "truncated.ckpt": (data[: len(data) // 2], "truncated or damaged"),
         "truncated.safetensors": (b"\x10\x00\x00\x00\x00\x00\x00\x00{\"a\":", "not a readable safetensors"),

@@ -53,7 +53,8 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     with open(path, "rb") as f:
         head = f.read(4)
     is_zip = head.startswith(b"PK\x03\x04")  # torch.save's default format
-    is_pickle = head[:1] == b"\x80"  # torch's legacy format starts with a pickle protocol byte
+    # torch's legacy format is a pickle: PROTO opcode, then a protocol torch writes (2) or Python reads (up to 5)
+    is_pickle = head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05")
     if not is_zip and not is_pickle:
         raise CheckpointError(f"{path}: not a PyTorch checkpoint (neither the zip format of torch.save nor a "
                               f"pickle; it starts with {head!r}); pass the .ckpt written by Lightning's "
@@ -71,7 +72,7 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
                 f"({found.group(1)}), and this tool never unpickles code. Save the drafter's state_dict "
                 "(or a LightningModule checkpoint whose hyper-parameters are plain values) and try again"
             ) from None
-        raise CheckpointError(f"{path}: not a checkpoint this tool can read safely ({_first_line(e)}); "
+        raise CheckpointError(f"{path}: not a checkpoint this tool can read safely ({_unpickler_reason(e)}); "
                               "pass a Lightning .ckpt, a torch.save'd state dict or a .safetensors file") from None
     except Exception as e:  # torch's reader on a damaged archive (RuntimeError, EOFError, KeyError ...)
         raise CheckpointError(f"{path}: truncated or damaged checkpoint ({type(e).__name__}: {_first_line(e)}); "
@@ -80,6 +81,12 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
         raise CheckpointError(f"{path}: expected a dict (a Lightning checkpoint or a state dict), "
                               f"got {type(obj).__name__}")
     return obj
+
+
+def _unpickler_reason(e: BaseException) -> str:
+    """What torch's weights-only reader stopped at, without its advice to retry unsafely."""
+    found = re.search(r"WeightsUnpickler error:\s*(\S[^\n]*)", str(e))
+    return f"the weights-only reader stopped at: {found.group(1).strip()}" if found else type(e).__name__
 
 
 def _first_line(e: BaseException) -> str:
