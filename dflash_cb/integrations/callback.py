@@ -54,9 +54,9 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
 from ..common import arguments as check
-from ..core.engine import DEFAULT_BUDGETS
 from ..core.metrics import TAU
 from ..core.positions import DEFAULT_POSITION_EDGES
+from ..core.request import DEFAULT_BUDGETS
 from .config import DEFAULT_PREFIX, AutocastName, EvalConfig, TailBlocks
 from .distributed import full_parameters, sharding_kind
 from .drafter_source import find_drafter

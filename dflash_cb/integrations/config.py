@@ -20,10 +20,11 @@ import torch
 from torch import nn
 
 from ..common import arguments as check
-from ..core.engine import AUTOCAST_NAMES, DEFAULT_BUDGETS
+from ..core.engine import AUTOCAST_NAMES
 from ..core.metrics import DEFAULT_PREFIX
 from ..core.positions import DEFAULT_POSITION_EDGES
 from ..core.replay import TAIL_BLOCKS
+from ..core.request import DEFAULT_BUDGETS
 
 # The target's embedding or head: an attribute path on the training model, a module, or the matrix itself.
 WeightSource = str | nn.Module | torch.Tensor
