@@ -23,8 +23,9 @@ from dflash_cb.core.metrics import EVAL_TIME
 from dflash_cb.demo.lightning_module import CachedStatesDataModule, DFlashDrafterModule
 from dflash_cb.integrations.evaluator import DFlashEvalError
 from dflash_cb.integrations.schedule import (
-    FIT_END,
     Profile,
+    Reason,
+    Trigger,
     choose_profile,
     fit_end_eval_due,
     fit_start_eval_due,
@@ -457,9 +458,10 @@ def test_schedule_decisions():
     """The hooks' decisions as pure functions: when to evaluate, and with which profile."""
     # every 2 steps, max_steps 6: steps 2 and 4 are periodic, step 6 is the fit-end one
     assert [periodic_eval_reason(s, 2, -1, True, 6) for s in range(7)] == [
-        None, None, "step 2", None, "step 4", None, FIT_END]
-    assert periodic_eval_reason(6, 2, -1, False, 6) == "step 6"  # no fit-end evaluation asked for
-    assert periodic_eval_reason(6, 2, -1, True, -1) == "step 6"  # no max_steps: the last step is unknown
+        None, None, Reason(Trigger.PERIODIC, 2), None, Reason(Trigger.PERIODIC, 4), None, Reason(Trigger.FIT_END, 6)]
+    assert [str(periodic_eval_reason(s, 2, -1, True, 6)) for s in (2, 6)] == ["step 2", "fit end"]  # in messages
+    assert periodic_eval_reason(6, 2, -1, False, 6) == Reason(Trigger.PERIODIC, 6)  # no fit-end evaluation asked for
+    assert periodic_eval_reason(6, 2, -1, True, -1) == Reason(Trigger.PERIODIC, 6)  # no max_steps: last step unknown
     assert periodic_eval_reason(4, 2, 4, True, 6) is None  # the next micro-batch of an evaluated step
     assert periodic_eval_reason(4, 0, -1, True, 6) is None  # periodic evaluations off
     assert fit_start_eval_due(0, -1, False, True)
@@ -470,20 +472,22 @@ def test_schedule_decisions():
     assert fit_end_eval_due(6, 6, False, True)  # the last step's evaluation was a light one
     assert not fit_end_eval_due(6, 6, True, True)
     assert not fit_end_eval_due(6, 4, False, False)
-    assert [is_full_evaluation("step", k, 3) for k in range(6)] == [False, False, True, False, False, True]
-    assert is_full_evaluation(FIT_END, 0, 0) and not any(is_full_evaluation("step", k, 0) for k in range(6))
+    step, end = Reason(Trigger.PERIODIC, 2), Reason(Trigger.FIT_END, 6)
+    assert [is_full_evaluation(step, k, 3) for k in range(6)] == [False, False, True, False, False, True]
+    assert is_full_evaluation(end, 0, 0) and not any(is_full_evaluation(step, k, 0) for k in range(6))
 
 
 def test_evaluation_profiles():
     """Light periodic evaluations, a full one every N-th and at fit end; bad profile values refused early."""
     cfg = DFlashEvalCallback(states="x", ddtree_budgets=[16, 32, 64], full_every_n_evals=3).config
-    plan = [choose_profile("step", k, cfg.full_every_n_evals, cfg.ddtree_budgets, cfg.light_budgets,
+    step, end = Reason(Trigger.PERIODIC, 2), Reason(Trigger.FIT_END, 6)
+    plan = [choose_profile(step, k, cfg.full_every_n_evals, cfg.ddtree_budgets, cfg.light_budgets,
                            cfg.light_stride(16)) for k in range(6)]
     light, full = Profile(False, (64,), 16, (64,), 16), Profile(True, (16, 32, 64), 1, (64,), 16)
     assert plan == [light, light, full, light, light, full]
-    assert choose_profile(FIT_END, 0, 3, cfg.ddtree_budgets, cfg.light_budgets, cfg.light_stride(16)) == full
+    assert choose_profile(end, 0, 3, cfg.ddtree_budgets, cfg.light_budgets, cfg.light_stride(16)) == full
     custom = DFlashEvalCallback(states="x", periodic_ddtree_budgets=[8, 4], periodic_anchor_stride=4).config
-    assert choose_profile("step", 0, 0, custom.ddtree_budgets, custom.light_budgets,
+    assert choose_profile(step, 0, 0, custom.ddtree_budgets, custom.light_budgets,
                           custom.light_stride(16)) == Profile(False, (4, 8), 4, (4, 8), 4)
     for bad in ({"periodic_anchor_stride": 0}, {"full_every_n_evals": -1}, {"periodic_ddtree_budgets": [0]},
                 {"tail_blocks": "short"}):

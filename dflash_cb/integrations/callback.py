@@ -159,7 +159,7 @@ class DFlashEvalCallback(Callback):
             autocast_dtype=autocast_dtype, table_samples=table_samples, table_cycles=table_cycles,
             tokenizer=tokenizer, verify_cache=verify_cache, position_edges=position_edges, console=console,
             tail_blocks=tail_blocks, block_size=block_size)
-        self.evaluator = LiveEvaluator(config, say=rank_zero_info, name=type(self).__name__)
+        self.evaluator = LiveEvaluator(config, name=type(self).__name__)
         self.drafter_source = drafter  # where the drafter is in the training model (a path or a function)
         self.prog_bar = check.flag("prog_bar", prog_bar)
         self._fast_dev_run_noted = False
