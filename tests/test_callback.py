@@ -22,6 +22,7 @@ from dflash_cb.cache.states import CacheMismatchError, StateCache
 from dflash_cb.core.metrics import EVAL_TIME
 from dflash_cb.demo.lightning_module import CachedStatesDataModule, DFlashDrafterModule
 from dflash_cb.integrations.evaluator import DFlashEvalError
+from dflash_cb.integrations.sample_table import format_blocks, make_decoder
 from dflash_cb.integrations.schedule import (
     Profile,
     Reason,
@@ -32,7 +33,6 @@ from dflash_cb.integrations.schedule import (
     is_full_evaluation,
     periodic_eval_reason,
 )
-from dflash_cb.integrations.wandb_logging import format_blocks, make_decoder
 
 ROOT = Path(__file__).resolve().parents[1]
 BUDGETS = [4, 8]
@@ -439,6 +439,28 @@ def test_cli_yaml_config_parses_into_callback(tmp_path, tiny_cache, tiny_drafter
     assert cb.config.states == str(tiny_cache) and cb.config.ddtree_budgets == (4,)
     cli.trainer.fit(cli.model, cli.datamodule)
     assert [h["step"] for h in cb.history] == [0, 2] and mine[0].best_model_score is not None
+
+
+def test_the_shipped_yaml_lists_every_argument_with_its_default():
+    """configs/callback/dflash_eval.yaml is the callback's reference: every argument (the old names of the light
+    options excepted, named in a comment), each with the default the signature has (the cache path aside)."""
+    import inspect
+
+    import yaml
+
+    from dflash_cb.integrations.config import OLD_NAMES
+
+    text = (ROOT / "configs" / "callback" / "dflash_eval.yaml").read_text()
+    listed = yaml.safe_load(text)["trainer"]["callbacks+"][0]["init_args"]
+    params = inspect.signature(DFlashEvalCallback.__init__).parameters
+    assert set(listed) == set(params) - {"self", *OLD_NAMES}
+    for name, value in listed.items():
+        default = params[name].default
+        if name == "states":
+            continue
+        want = list(default) if isinstance(default, tuple) else ({} if name == "baselines" else default)
+        assert value == want, name
+    assert all(old in text for old in OLD_NAMES) and "jsonargparse[signatures] >= 4.39.0" in text
 
 
 def test_state_dict_round_trip():

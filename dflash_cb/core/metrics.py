@@ -52,13 +52,18 @@ EVAL_STEP = "step"
 STEP_KEY = "trainer/global_step"
 
 
+# The first segments of the metric names below a prefix: a prefix must not end in one (``{prefix}full/tau``
+# of one evaluation would be another's full key).
+KEY_NAMESPACES = ("acceptance", "acceptance_cond", "baseline", "best", "category", "cycle", "ddtree", "full",
+                  "position", "predicted", "produced_frac", "published", "selector", "specforge", "charts")
+
 # The seconds the evaluation was predicted to take before it ran (``cost.SecondsPredictor``: calibrated by the
 # evaluations measured before it), logged beside its measured ``eval_time_s``.
 PREDICTED_SECONDS = "predicted/seconds"
 
 
 def predicted_anchors(kind: str) -> str:
-    """Anchors one ``kind`` ("periodic" / "full") evaluation is expected to draft (``cost.evaluation_cost``)."""
+    """Anchors one ``kind`` ("light" / "full") evaluation is expected to draft (``cost.evaluation_cost``)."""
     return f"predicted/{kind}_anchors"
 
 

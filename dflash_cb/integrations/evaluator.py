@@ -308,7 +308,7 @@ class LiveEvaluator:
         self._measurer = Measurer(self.config, s, fit, self._gathered, world, self.name)
         light = self.config.light_stride(fit.block_size)
         sparse = sparse_stride_warning(anchors_per_sample(s.cache, s.eval_ids), light, self.config.anchor_seed,
-                                       option="periodic_anchor_stride")
+                                       option="light_anchor_stride")
         if sparse is not None:
             log.warn(f"{self.name}: {sparse}")
         self._continue_series()  # the block and anchor set are known now

@@ -116,7 +116,7 @@ def drafter_fit(session: EvalSession, config: EvalConfig, drafter: nn.Module, mo
     cache, m = session.cache, session.cache.manifest
     cache.check_drafter(spec.as_cache_check())
     block = check_block_size(config.block_size, spec.block_size)
-    for name, budgets in (("ddtree_budgets", config.ddtree_budgets), ("periodic_ddtree_budgets", config.light_budgets)):
+    for name, budgets in (("ddtree_budgets", config.ddtree_budgets), ("light_ddtree_budgets", config.light_budgets)):
         check_ddtree_budgets(budgets, block, m.vocab_size, name)  # before any evaluation
     problems = []
     n_target = getattr(getattr(drafter, "config", None), "num_target_layers", None)
