@@ -56,6 +56,8 @@ class ConsoleLines(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         if _root_prints():
             return
+        if record.name.startswith(CONSOLE) and self not in logging.getLogger(CONSOLE).handlers and _ensured():
+            return  # the console logger's own handler shows it
         to_stdout = record.name.startswith(CONSOLE) and record.levelno < logging.WARNING
         stream = sys.stdout if to_stdout else sys.stderr
         try:
@@ -83,11 +85,19 @@ def install_console(level: int = logging.INFO) -> ConsoleLines | None:
     return handler
 
 
+def _ensured() -> bool:
+    return any(isinstance(h, ConsoleLines) for h in logging.getLogger(CONSOLE).handlers)
+
+
 def ensure_console() -> None:
-    """``install_console`` once, for a library user (the live evaluator calls it before it speaks): its lines
-    are shown as ``print`` would show them unless the program configured the package's logging itself."""
-    if not logging.getLogger(PACKAGE).handlers:
-        install_console()
+    """For a library user (the live evaluator calls it before it speaks): the console lines are shown as
+    ``print`` would show them, the package's other messages stay quiet (INFO), unless the program configured
+    the console logger itself."""
+    console = logging.getLogger(CONSOLE)
+    if not console.handlers:
+        console.addHandler(ConsoleLines())
+        if console.level == logging.NOTSET:
+            console.setLevel(logging.INFO)
 
 
 def say(text: str) -> None:

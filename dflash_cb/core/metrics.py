@@ -52,6 +52,15 @@ EVAL_STEP = "step"
 STEP_KEY = "trainer/global_step"
 
 
+def metric_key(name: str, prefix: str = DEFAULT_PREFIX) -> str:
+    """The logged key of a metric: ``metric_key(TAU)`` is ``"dflash_eval/tau"`` (for ``ModelCheckpoint(monitor=...)``,
+    ``metric_for_best_model``, a dashboard)."""
+    return prefix + name
+
+
+TAU_KEY = DEFAULT_PREFIX + TAU  # "dflash_eval/tau": the default evaluator's tau
+
+
 # The first segments of the metric names below a prefix: a prefix must not end in one (``{prefix}full/tau``
 # of one evaluation would be another's full key).
 KEY_NAMESPACES = ("acceptance", "acceptance_cond", "baseline", "best", "category", "cycle", "ddtree", "full",

@@ -61,8 +61,8 @@ from .config import DEFAULT_PREFIX, AutocastName, EvalConfig, TailBlocks, config
 from .distributed import full_parameters, sharding_kind
 from .drafter_source import find_drafter
 from .evaluator import LiveEvaluator
-from .sinks import MetricsSink, as_sinks
-from .trackers import lightning_sinks
+from .sinks import MetricsSink
+from .trackers import as_sinks, lightning_sinks
 
 DrafterSource = str | Callable[[LightningModule], nn.Module]
 
@@ -249,6 +249,3 @@ class LightningLoggers(MetricsSink):
 
     def __str__(self) -> str:
         return "Lightning loggers"
-
-
-__all__ = ["DFlashEvalCallback", "LightningLoggers"]

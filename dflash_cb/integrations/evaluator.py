@@ -47,7 +47,7 @@ from .config import EvalConfig
 from .distributed import full_parameters_of, world
 from .drafter_source import unwrap
 from .eval_state import EvalState, MalformedStateError, estimator_record, new_series_reason
-from .measure import DrafterChangedError, FailedMeasurement, Measurer
+from .measure import FailedMeasurement, Measurer
 from .publish import LastEvaluation, Publisher
 from .schedule import (
     Reason,
@@ -58,7 +58,8 @@ from .schedule import (
     periodic_eval_reason,
 )
 from .session import DrafterFit, EvalSession, LoopContext, drafter_fit, open_session
-from .sinks import MetricsSink, as_sinks
+from .sinks import MetricsSink
+from .trackers import as_sinks
 
 
 class DFlashEvalError(DFlashCBError, RuntimeError):
@@ -303,7 +304,7 @@ class LiveEvaluator:
         """Cache vs drafter (and head) compatibility; raises CacheMismatchError naming every field."""
         s = self.session
         assert s is not None, "setup() first"
-        fit = drafter_fit(s, self.config, unwrap(drafter), model, self.name)
+        fit = drafter_fit(s.cache, self.config, unwrap(drafter), model, self.name)
         self.fit = fit
         self._measurer = Measurer(self.config, s, fit, self._gathered, world, self.name)
         light = self.config.light_stride(fit.block_size)
@@ -378,6 +379,3 @@ def _check_max_steps(max_steps: Any) -> int:
         raise check.ArgumentError(f"max_steps={max_steps!r}: expected the run's last optimizer step (an integer "
                                   ">= 1), or None / -1 when unknown")
     return int(max_steps)
-
-
-__all__ = ["DFlashEvalError", "DrafterChangedError", "LiveEvaluator"]

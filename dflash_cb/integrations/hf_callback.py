@@ -54,8 +54,8 @@ from .config import (
 from .distributed import full_parameters_of
 from .drafter_source import DrafterSource, find_drafter
 from .evaluator import LiveEvaluator
-from .sinks import MetricsSink, as_sinks
-from .trackers import hf_sinks
+from .sinks import MetricsSink
+from .trackers import as_sinks, hf_sinks
 
 
 class DFlashEvalTrainerCallback(TrainerCallback, ExportableState):
@@ -239,6 +239,3 @@ def _jsonable(value: Any) -> Any:
         return json.loads(json.dumps(value))
     except (TypeError, ValueError):
         return _NOT_JSON
-
-
-__all__ = ["DFlashEvalTrainerCallback", "TrainerLog"]

@@ -11,7 +11,7 @@ opens a new session, so no per-run field can be forgotten in a reset.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +20,7 @@ from torch import nn
 
 from ..cache.selection import select_sample_ids, stratified_ids
 from ..cache.states import CacheMismatchError, StateCache
+from ..common import log
 from ..core.baselines import Baseline, load_measured, load_published, load_served
 from ..core.ddtree import check_ddtree_budgets
 from ..core.model import DrafterSpec
@@ -68,15 +69,33 @@ class EvalSession:
         return self.cache.categories
 
 
-def open_session(config: EvalConfig, loop: LoopContext) -> EvalSession:
+def chosen_samples(cache: StateCache, config: EvalConfig, option: str = "num_samples",
+                   warn: Callable[[str], Any] | None = None) -> list[str]:
+    """The evaluated sample ids (``selection.select_sample_ids``), with a warning when ``num_samples`` asks for
+    more samples than the cache holds (``option`` names it as the caller spells it; ``warn`` says it, by
+    default a Python warning; a tool prints it)."""
+    ids = select_sample_ids(cache, config.num_samples, config.sample_ids, config.sample_seed)
+    if config.sample_ids is None and config.num_samples is not None and config.num_samples > len(cache.samples):
+        message = (f"{option} {config.num_samples}: the cache {cache.path} has only {len(cache.samples)} samples; "
+                   f"scoring all {len(cache.samples)}")
+        if warn is not None:
+            warn(message)
+        else:
+            log.warn(message, stacklevel=3)
+    return ids
+
+
+def open_session(config: EvalConfig, loop: LoopContext, cache: StateCache | None = None,
+                 eval_ids: list[str] | None = None) -> EvalSession:
     """Open and check the cache for ``config``, choose the samples, load the references.
 
+    ``cache`` / ``eval_ids``: the cache and samples a caller opened and chose already (``chosen_samples``).
     A collective under ``torch.distributed`` when ``verify_cache`` (each rank hashes the shards it
     scores, rank zero the head): every rank calls it.
     """
     started = time.perf_counter()
-    cache = StateCache(config.states)  # CacheError: no or broken manifest
-    eval_ids = select_sample_ids(cache, config.num_samples, config.sample_ids, config.sample_seed)
+    cache = cache if cache is not None else StateCache(config.states)  # CacheError: no or broken manifest
+    eval_ids = eval_ids if eval_ids is not None else chosen_samples(cache, config)
     # A missing or truncated file is found now (a stat each), not inside an evaluation; with
     # verify_cache a changed byte too (sha256; files verified before in this process are not hashed again).
     cache.check_files(eval_ids, head=config.needs_cache_head)
@@ -101,11 +120,15 @@ def open_session(config: EvalConfig, loop: LoopContext) -> EvalSession:
                        table_ids, baselines, skipped, loop, verified, time.perf_counter() - started)
 
 
-def drafter_fit(session: EvalSession, config: EvalConfig, drafter: nn.Module, model: Any,
-                owner: str) -> DrafterFit:
-    """The drafter's spec and the block evaluated, once the drafter is checked against the session's cache:
-    layer ids, sizes, vocabulary, mask token, number of target layers, the block size and DDTree budgets,
-    and the target's matrices. Raises ``CacheMismatchError`` naming every field that does not fit."""
+def drafter_fit(cache: StateCache, config: EvalConfig, drafter: nn.Module, model: Any, owner: str,
+                head_given: bool = False, names: Mapping[str, str] | None = None) -> DrafterFit:
+    """The drafter's spec and the block evaluated, once the drafter is checked against the cache: layer ids,
+    sizes, vocabulary, mask token, number of target layers, the block size and DDTree budgets, and the target's
+    matrices (not when ``head_given``: a head the caller loads and checks itself, ``eval_drafter.py --target``).
+    Raises ``CacheMismatchError`` naming every field that does not fit; ``names`` spells options as the caller
+    takes them (``{"block_size": "--block-size"}``). Cheap: configs and the manifest only,
+    so a caller runs it before hashing or loading anything large. The one check of the live evaluator and of
+    ``eval_drafter.py``."""
     try:
         spec = DrafterSpec.of(drafter)
     except TypeError:
@@ -113,17 +136,20 @@ def drafter_fit(session: EvalSession, config: EvalConfig, drafter: nn.Module, mo
             f"{owner}: the drafter is a {type(drafter).__name__} with neither a .spec nor a DFlash .config "
             "(block size, mask token, target layers); point drafter= at the DFlash module inside it (an "
             "attribute path or a function model -> drafter)") from None
-    cache, m = session.cache, session.cache.manifest
+    m = cache.manifest
     cache.check_drafter(spec.as_cache_check())
-    block = check_block_size(config.block_size, spec.block_size)
+    spelled = dict(names or {})
+    block = check_block_size(config.block_size, spec.block_size, spelled.get("block_size", "block_size"))
     for name, budgets in (("ddtree_budgets", config.ddtree_budgets), ("light_ddtree_budgets", config.light_budgets)):
-        check_ddtree_budgets(budgets, block, m.vocab_size, name)  # before any evaluation
+        check_ddtree_budgets(budgets, block, m.vocab_size, spelled.get(name, name))  # before any evaluation
     problems = []
     n_target = getattr(getattr(drafter, "config", None), "num_target_layers", None)
     if n_target is not None and m.target.get("num_layers") is not None and int(n_target) != int(m.target["num_layers"]):
         problems.append(f"num_target_layers: drafter was made for a {n_target}-layer target, "
                         f"the cache's target has {m.target['num_layers']}")
-    if not config.needs_cache_head:
+    if head_given:
+        pass
+    elif not config.needs_cache_head:
         for what, source in (("target_embed", config.target_embed), ("target_lm_head", config.target_lm_head)):
             if source is None:
                 continue

@@ -53,7 +53,8 @@ from .config import EvalConfig, config_fields, one_per_prefix
 from .distributed import world
 from .drafter_source import DrafterSource, find_drafter
 from .evaluator import LiveEvaluator
-from .sinks import CallableSink, MetricsSink, as_sinks
+from .sinks import CallableSink, MetricsSink
+from .trackers import as_sinks
 
 STATE_FILE = "dflash_cb_eval.json"  # in each SpecForge checkpoint folder: {prefix: LiveEvaluator.state_dict()}
 # The OnlineDFlashModel's frozen target matrices, the default head of the evaluation.
@@ -295,6 +296,3 @@ def _read_states(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ValueError(f"expected a JSON object of {{prefix: state}}, found a {type(data).__name__}")
     return data
-
-
-__all__ = ["MODEL_HEAD", "STATE_FILE", "SpecForgeEvaluation", "attach", "evaluation_config"]

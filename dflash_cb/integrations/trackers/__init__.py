@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..sinks import MetricsSink
+from ..sinks import CallableSink, EvaluationRecord, MetricsSink, RunInfo
 
 SinkOf = Callable[[Any], MetricsSink | None]
 
@@ -86,3 +86,52 @@ def object_sink(obj: Any) -> MetricsSink | None:
         if sink is not None:
             return sink
     return None
+
+
+def as_sinks(log: Any) -> list[MetricsSink]:
+    """Sinks from what a user passes as ``log=`` or ``sinks=``: None, a sink (any object with ``log``), a
+    tracker's own object (a W&B run, a TensorBoard ``SummaryWriter``: ``trackers``), a function, or a list of
+    these."""
+    if log is None:
+        return []
+    if isinstance(log, MetricsSink):
+        return [log]
+    tracked = object_sink(log)
+    if tracked is not None:
+        return [tracked]
+    if _has_sink_interface(log):
+        return [_OwnSink(log)]
+    if callable(log):
+        return [CallableSink(log)]
+    if isinstance(log, Sequence) and not isinstance(log, (str, bytes)):
+        return [s for item in log for s in as_sinks(item)]
+    from ...common.arguments import ArgumentError
+
+    raise ArgumentError(f"log={type(log).__name__}: expected a function log(metrics, step), a W&B run, a "
+                        "TensorBoard SummaryWriter, a MetricsSink (or any object with its methods) or a list of them")
+
+
+class _OwnSink(MetricsSink):
+    """A user's object with the sink's methods but not its base: the methods it lacks do nothing."""
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def begin(self, run: RunInfo) -> None:
+        if callable(getattr(self.obj, "begin", None)):
+            self.obj.begin(run)
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self.obj.log(metrics, step)
+
+    def evaluation(self, record: EvaluationRecord) -> None:
+        if callable(getattr(self.obj, "evaluation", None)):
+            self.obj.evaluation(record)
+
+    def __str__(self) -> str:
+        return str(self.obj)
+
+
+def _has_sink_interface(obj: Any) -> bool:
+    """An object of the user's own with the sink's methods (``log`` and the optional ``begin``/``evaluation``)."""
+    return callable(getattr(obj, "log", None)) and any(callable(getattr(obj, m, None)) for m in ("begin", "evaluation"))
