@@ -395,3 +395,17 @@ def test_precompute_needs_the_url(target_dir, prompts, tmp_path, capsys) -> None
                        "--server-retries", "0") == 2
     err = capsys.readouterr().err
     assert "vLLM server at http://127.0.0.1:9 is not reachable" in err and "--vllm-url" in err
+
+
+def test_per_position_status() -> None:
+    """vLLM's per-position layout against the replay's correct drafts per cycle [2, 0, 1] (entry j: rounds
+    whose first j + 1 drafts were accepted: [2, 1, 0, 0]); when the last cycle's matches reached the end of
+    the known completion the server may have accepted more there, one more at each position from 1 on."""
+    from dflash_cb.core.served_check import CENSORED, DIFFERS, EQUAL, per_position_status
+
+    assert per_position_status([2, 0, 1], False, [2, 1, 0, 0]) == EQUAL
+    assert per_position_status([2, 0, 1], True, [2, 2, 1, 0]) == CENSORED  # the server accepted 3 there
+    assert per_position_status([2, 0, 1], True, [2, 2, 0, 0]) == CENSORED  # or 2
+    assert per_position_status([2, 0, 1], False, [2, 2, 0, 0]) == DIFFERS  # not at the end: a difference
+    assert per_position_status([2, 0, 1], True, [2, 1, 1, 0]) == DIFFERS  # the first round differs
+    assert per_position_status([2, 0, 1], True, [1, 0, 0, 0]) == DIFFERS  # fewer is never censoring

@@ -239,7 +239,8 @@ def nothing_selected(cache_path: str | os.PathLike, selected: Sequence[Any]) -> 
     reasons = Counter(why[1].split(": ")[0] for _, why in verdicts)
     listed = "; ".join(f"{n} x {label}" for label, n in sorted(reasons.items())[:5])
     more = f"; {len(reasons) - 5} more kinds" if len(reasons) > 5 else ""
-    flagged = next((f"; flagged {sid}: {why[1]}" for sid, why in verdicts if why[0] == FLAGGED), "")
+    flagged = next((f"; flagged {sid}: {why[1]}" for sid, why in verdicts if why[0] == FLAGGED), "") or \
+        next((f"; e.g. {sid}: {why[1]}" for sid, why in verdicts), "")
     return ServedCheckError(
         f"{cache_path}: none of the {len(selected)} selected sample(s) has served counters to compare "
         f"({listed}{more}{flagged}); select samples that do (--sample-ids / --samples), or drop --served-check")
