@@ -4,6 +4,8 @@ by the reference ``dflash.model.DFlashDraftModel``) and an untrained one."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -59,3 +61,14 @@ def build_world(root: Path) -> dict[str, Any]:
     target = Qwen3ForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     return dict(root=root, target_dir=target_dir, prompts=prompts, ref=ref, target=target, mask=m.vocab_size - 1,
                 stop=m.stop_token_ids, drafter=root / "drafter-served", other=root / "drafter-other")
+
+
+def edited_cache(src: Path, dst: Path, edit) -> Path:
+    """A copy of the cache at ``src`` whose manifest ``edit(manifest_dict)`` changed (the shards are the same)."""
+    from dflash_cb.cache.manifest import MANIFEST_NAME
+
+    shutil.copytree(src, dst)
+    data = json.loads((dst / MANIFEST_NAME).read_text())
+    edit(data)
+    (dst / MANIFEST_NAME).write_text(json.dumps(data))
+    return dst

@@ -32,6 +32,7 @@ from full_block_loop import full_block_generate
 from local_http import JSONHandler
 from processes import sigkill_when
 from served_world import BLOCK, LAYERS, MAX_NEW, N_PROMPTS, build_world, drafter_config, precompute
+from served_world import edited_cache as _edited
 
 from dflash_cb.core.results import load_results
 
@@ -526,19 +527,6 @@ def test_one_definition_of_comparable_samples(served_cache) -> None:
 # -- the server's block size --------------------------------------------------------------------------
 
 SMALL = 4  # a served block shorter than the drafter's BLOCK
-
-
-def _edited(src: Path, dst: Path, edit) -> Path:
-    """A copy of the cache at ``src`` whose manifest ``edit(manifest_dict)`` changed (the shards are the same)."""
-    import shutil
-
-    from dflash_cb.cache.manifest import MANIFEST_NAME
-
-    shutil.copytree(src, dst)
-    data = json.loads((dst / MANIFEST_NAME).read_text())
-    edit(data)
-    (dst / MANIFEST_NAME).write_text(json.dumps(data))
-    return dst
 
 
 def _drafter_at_block(world: dict[str, Any], block: int, out: Path) -> Path:

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from full_block_loop import full_block_generate
 from served_world import BLOCK, LAYERS, N_PROMPTS, build_world, precompute
+from served_world import edited_cache as _edited
 from vllm_server import FakeVLLM, Loop, Run, serve
 
 from dflash_cb.cache import vllm_counters as V
@@ -55,16 +56,6 @@ def _eval(cache: Path, drafter: Path, out: Path, *extra: str) -> int:
 
     return run(eval_drafter.main, ["--states", str(cache), "--drafter", str(drafter), "--out", str(out),
                                    "--ddtree-budgets", "", "--served-check", *extra])
-
-
-def _edited(src: Path, dst: Path, edit) -> Path:
-    from dflash_cb.cache.manifest import MANIFEST_NAME
-
-    shutil.copytree(src, dst)
-    data = json.loads((dst / MANIFEST_NAME).read_text())
-    edit(data)
-    (dst / MANIFEST_NAME).write_text(json.dumps(data))
-    return dst
 
 
 @pytest.fixture(scope="module")

@@ -53,7 +53,7 @@ from ..common.errors import DFlashCBError
 from . import vllm_counters as V
 from .counts import clip as _clip
 from .counts import json_safe as _json_safe
-from .counts import whole_count
+from .counts import too_few_drafts, too_many_rounds, whole_count
 
 SPEC_PREFIX = "spec_"
 VERIFY_CT = "spec_verify_ct"
@@ -301,9 +301,8 @@ def impossible_counters(counters: Mapping[str, Any], completion_tokens: int,
     if rounds is None:
         return None
     committed = completion_tokens - 1
-    if rounds > committed:
-        return (f"impossible {VERIFY_CT}: {rounds} rounds for {committed} tokens committed by rounds (served tau "
-                f"{committed / rounds:.3f} < 1): every round commits at least one token")
+    if (why := too_many_rounds(rounds, completion_tokens, VERIFY_CT)) is not None:
+        return why
     correct = counters.get(CORRECT_DRAFTS)
     hist = counters.get(HISTOGRAM)
     if hist is not None:
@@ -316,10 +315,9 @@ def impossible_counters(counters: Mapping[str, Any], completion_tokens: int,
         if block_size is not None and top > block_size - 1:
             return (f"impossible {HISTOGRAM}: a round with {top} correct drafts, the server drafts blocks of "
                     f"{block_size} (at most {block_size - 1} drafts)")
-    if correct is not None:
-        if committed > correct + rounds:
-            return (f"impossible {CORRECT_DRAFTS}: {committed} tokens committed by {rounds} rounds with {correct} "
-                    "correct drafts: a round commits at most its correct drafts + 1")
+    if correct is not None and (why := too_few_drafts(completion_tokens, correct, rounds, CORRECT_DRAFTS,
+                                                      "correct")) is not None:
+        return why
     if block_size is not None and committed > rounds * block_size:
         return (f"impossible {VERIFY_CT}: {committed} tokens committed by {rounds} rounds of blocks of {block_size} "
                 f"(at most {block_size} tokens a round)")

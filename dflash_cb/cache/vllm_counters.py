@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .counts import clip, json_safe, whole_count
+from .counts import clip, json_safe, too_few_drafts, too_many_rounds, whole_count
 from .prometheus import by_label, parse_exposition, total
 
 DRAFTS = "vllm:spec_decode_num_drafts_total"
@@ -254,16 +254,13 @@ def impossible(counters: Mapping[str, Any], completion_tokens: int, block_size: 
     r = rounds(counters)
     if r is None:
         return None
-    committed = completion_tokens - 1
-    if r > committed:
-        return (f"impossible {DRAFTS}: {r} rounds for {committed} tokens committed by rounds: every round commits at "
-                "least one token")
+    if (why := too_many_rounds(r, completion_tokens, DRAFTS)) is not None:
+        return why
     accepted, drafted = whole_count(counters.get(ACCEPTED)), whole_count(counters.get(DRAFT_TOKENS))
     if accepted is not None and drafted is not None and accepted > drafted:
         return f"impossible {ACCEPTED}: {accepted} drafts accepted of {drafted} verified ({DRAFT_TOKENS})"
-    if accepted is not None and committed > accepted + r:
-        return (f"impossible {ACCEPTED}: {committed} tokens committed by {r} rounds with {accepted} drafts accepted: "
-                "a round commits at most its accepted drafts + 1")
+    if accepted is not None and (why := too_few_drafts(completion_tokens, accepted, r, ACCEPTED, "accepted")):
+        return why
     pp = per_position(counters)
     if pp:
         if any(b > a for a, b in zip(pp, pp[1:], strict=False)) or pp[0] > r:
