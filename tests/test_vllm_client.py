@@ -186,6 +186,15 @@ def test_a_request_already_running(server) -> None:
     assert "1 request(s) were running after it had finished" in got.meta_info[V.UNATTRIBUTABLE_REASON]
 
 
+def test_a_preempted_request(server) -> None:
+    """vLLM preempts a request under memory pressure and recomputes it: its rounds are not one loop."""
+    url, fake = server
+    fake.preempt.add(tuple(PROMPTS[0]))
+    got = client(url).generate(PROMPTS[0], 12, [2])
+    assert got.meta_info[V.ATTRIBUTABLE] is False and got.meta_info[V.PREEMPTIONS] == 1
+    assert got.meta_info[V.UNATTRIBUTABLE_REASON].startswith("preempted 1 time(s) during it")
+
+
 def test_faults_are_survived_and_the_counters_are_the_last_attempts(server, model) -> None:
     """503, a dropped connection after the server ran the request, garbage JSON after it ran, an HTML page
     for /metrics: retried; the completion is the greedy one and the counters are the last attempt's own."""
@@ -255,7 +264,7 @@ def test_prometheus_text() -> None:
 
 def _snap(**values: float) -> V.Snapshot:
     base = {V.DRAFTS: 10.0, V.DRAFT_TOKENS: 30.0, V.ACCEPTED: 12.0, V.REQUEST_SUCCESS: 4.0,
-            V.GENERATION_TOKENS: 50.0, V.RUNNING: 0.0, V.WAITING: 0.0}
+            V.GENERATION_TOKENS: 50.0, V.PREEMPTIONS: 0.0, V.RUNNING: 0.0, V.WAITING: 0.0}
     return V.Snapshot({**base, **values}, {0: 6.0, 1: 4.0, 2: 2.0})
 
 
@@ -266,6 +275,8 @@ def test_attribution_rules() -> None:
     assert "restarted" in V.attribution_problem(before, _snap(**{V.RUNNING: None, V.REQUEST_SUCCESS: 5.0}), 0)
     assert "generated 9 tokens during it, the request 8" in V.attribution_problem(
         before, _snap(**{V.REQUEST_SUCCESS: 5.0, V.GENERATION_TOKENS: 59.0}), 8)
+    assert "preempted 2 time(s)" in V.attribution_problem(
+        _snap(**{V.PREEMPTIONS: 1.0}), _snap(**{V.REQUEST_SUCCESS: 5.0, V.GENERATION_TOKENS: 58.0, V.PREEMPTIONS: 3.0}), 8)
     assert "were waiting when it was sent" in V.attribution_problem(
         _snap(**{V.WAITING: 1.0}), _snap(**{V.REQUEST_SUCCESS: 5.0, V.GENERATION_TOKENS: 58.0}), 8)
 
@@ -375,6 +386,31 @@ def test_precompute_faults_lose_nothing(model, target_dir, prompts, tmp_path) ->
     # the same bytes but for the server's address
     assert (b / MANIFEST_NAME).read_text().replace(url_b, url_a) == (a / MANIFEST_NAME).read_text()
     assert (b / JOURNAL_NAME).read_bytes() == (a / JOURNAL_NAME).read_bytes()
+
+
+def test_precompute_resumes_with_the_counters(server, target_dir, prompts, tmp_path, capsys) -> None:
+    """A run that fails on one prompt keeps every answer before it, counters included; the rerun asks only
+    for the others and ends with the cache an uninterrupted run makes."""
+    from dflash_cb.cache.manifest import MANIFEST_NAME
+    from dflash_cb.cache.precompute import JOURNAL_NAME
+
+    url, fake = server
+    args = ("--reference", "vllm", "--vllm-url", url)
+    assert _precompute(target_dir, prompts, tmp_path / "whole", *args) == 0
+    third = tuple(json.loads(prompts.read_text().splitlines()[2])["input_ids"])
+    fake.unavailable.add(third)
+    out = tmp_path / "resumed"
+    capsys.readouterr()
+    assert _precompute(target_dir, prompts, out, *args, "--server-retries", "0") == 2
+    assert "rerun to resume" in capsys.readouterr().err and not (out / MANIFEST_NAME).exists()
+    saved = [json.loads(line) for line in (out / JOURNAL_NAME).read_text().splitlines()]
+    assert [j["id"] for j in saved] == ["p000", "p001"] and all(j["served_spec"][V.ATTRIBUTABLE] for j in saved)
+    fake.unavailable.clear()
+    asked = len(fake.ledger)
+    assert _precompute(target_dir, prompts, out, *args) == 0
+    assert len(fake.ledger) - asked == 3
+    for name in (MANIFEST_NAME, JOURNAL_NAME):
+        assert (out / name).read_bytes() == (tmp_path / "whole" / name).read_bytes()
 
 
 def test_precompute_in_parallel_marks_every_sample(server, target_dir, prompts, tmp_path, capsys) -> None:

@@ -74,6 +74,8 @@ class FakeVLLM:
     late_stats_s: float = 0.0  # a request's counters land this long after its answer
     bos_first: bool = False  # answer as if it had put a BOS token before the prompt
     ignores_return_token_ids: bool = False  # an older vLLM: no token_ids in the choice
+    preempt: set[tuple[int, ...]] = field(default_factory=set)  # prompts preempted once while running
+    unavailable: set[tuple[int, ...]] = field(default_factory=set)  # prompts answered 503 without running
     on_arrival: dict[tuple[int, ...], Callable[[], None]] = field(default_factory=dict)  # called before running
     hold: dict[tuple[int, ...], threading.Event] = field(default_factory=dict)  # wait for it before running
     # what happened
@@ -87,7 +89,8 @@ class FakeVLLM:
         self.lock = threading.Lock()
         self.created = time.time()
         self.counters: list[dict[str, float]] = [dict.fromkeys(
-            ("drafts", "draft_tokens", "accepted", "generation", "prompt"), 0.0) for _ in range(self.engines)]
+            ("drafts", "draft_tokens", "accepted", "generation", "prompt", "preemptions"), 0.0)
+            for _ in range(self.engines)]
         k = self.num_spec_tokens or 0
         self.per_pos: list[list[float]] = [[0.0] * k for _ in range(self.engines)]
         self.success: list[dict[str, float]] = [dict.fromkeys(FINISH_REASONS, 0.0) for _ in range(self.engines)]
@@ -132,7 +135,8 @@ class FakeVLLM:
                    [(base(e), self.running[e]) for e in engines])
             family("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.",
                    [(base(e), 0) for e in engines])
-            for metric, key, doc in (("vllm:prompt_tokens", "prompt", "Number of prefill tokens processed."),
+            for metric, key, doc in (("vllm:num_preemptions", "preemptions", "Cumulative number of preemption from the engine."),
+                                     ("vllm:prompt_tokens", "prompt", "Number of prefill tokens processed."),
                                      ("vllm:generation_tokens", "generation", "Number of generation tokens processed.")):
                 family(f"{metric}_total", "counter", doc, [(base(e), self.counters[e][key]) for e in engines])
                 family(f"{metric}_created", "gauge", doc, [(base(e), self.created) for e in engines])
@@ -178,6 +182,7 @@ class FakeVLLM:
                         self.per_pos[engine][j] += 1
                         own["per_pos"][j] += 1
             c["generation"] += len(run.output_ids)
+            c["preemptions"] += tuple(prompt) in self.preempt
             c["prompt"] += len(prompt)
             self.success[engine][reason] += 1
             self.ledger.append(own)
@@ -247,7 +252,7 @@ def serve(state: FakeVLLM) -> Iterator[str]:
                 state.calls += 1
                 call = state.calls
                 state.bodies.append(body)
-            if call <= state.fail_first:
+            if call <= state.fail_first or tuple(body.get("prompt") or []) in state.unavailable:
                 self.send_json({"object": "error", "message": "Service Unavailable", "code": 503}, status=503)
                 return
             key = tuple(body.get("prompt") or [])

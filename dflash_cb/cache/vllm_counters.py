@@ -31,6 +31,7 @@ ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
 PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
 REQUEST_SUCCESS = "vllm:request_success_total"
 GENERATION_TOKENS = "vllm:generation_tokens_total"
+PREEMPTIONS = "vllm:num_preemptions_total"
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
 POSITION_LABEL = "position"
@@ -39,7 +40,7 @@ PREFIX = "vllm:"
 ATTRIBUTABLE = "attributable"
 UNATTRIBUTABLE_REASON = "unattributable_reason"
 
-_COUNTERS = (DRAFTS, DRAFT_TOKENS, ACCEPTED, REQUEST_SUCCESS, GENERATION_TOKENS)
+_COUNTERS = (DRAFTS, DRAFT_TOKENS, ACCEPTED, REQUEST_SUCCESS, GENERATION_TOKENS, PREEMPTIONS)
 _GAUGES = (RUNNING, WAITING)
 CONVENTION = ("vLLM: server-wide counters, a request's figures are their change across it; mean acceptance "
               "length = 1 + num_accepted_tokens / num_drafts (a round's accepted drafts plus its bonus token, "
@@ -109,8 +110,9 @@ def _count(v: float) -> int | float:
 def attribution_problem(before: Snapshot, after: Snapshot, completion_tokens: int) -> str | None:
     """Why the counters' change across a request is not the request's own, or None. It is when exactly
     one request finished meanwhile (``request_success``), no request was running or waiting before it
-    was sent or after it finished (the gauges, where exported), and the server generated exactly its
-    tokens in between (``generation_tokens``, where exported)."""
+    was sent or after it finished (the gauges, where exported), the server generated exactly its
+    tokens in between (``generation_tokens``, where exported) and preempted nothing (``num_preemptions``:
+    a preempted request is recomputed and drafts again, so its rounds are not one loop)."""
     names = [n for n in (*_COUNTERS, *_GAUGES) if (before.values.get(n) is None) != (after.values.get(n) is None)]
     if names:
         return f"the server's exported counters changed across the request ({names[0]}; the server restarted?)"
@@ -132,6 +134,10 @@ def attribution_problem(before: Snapshot, after: Snapshot, completion_tokens: in
         n = snap.values.get(name)
         if n:
             return f"{n:g} request(s) were {'running' if name == RUNNING else 'waiting'} {when} ({name})"
+    preempted = (after.values.get(PREEMPTIONS) or 0) - (before.values.get(PREEMPTIONS) or 0)
+    if preempted:
+        return (f"preempted {preempted:g} time(s) during it ({PREEMPTIONS}): a preempted request is recomputed and "
+                "drafts again, so its rounds are not one loop")
     generated = after.values.get(GENERATION_TOKENS)
     if generated is not None:
         generated -= before.values[GENERATION_TOKENS]
