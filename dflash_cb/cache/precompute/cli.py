@@ -88,8 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="concurrent server requests (default 8 for SGLang; 1 for vLLM, whose speculative counters "
                         "are per request only one at a time)")
     p.add_argument("--server-timeout", "--sglang-timeout", dest="sglang_timeout", type=float, default=S,
+                   metavar="SECONDS",
                    help="seconds per SGLang or vLLM request, whole answer included (default 600)")
-    p.add_argument("--server-retries", "--sglang-retries", dest="sglang_retries", type=int, default=S,
+    p.add_argument("--server-retries", "--sglang-retries", dest="sglang_retries", type=int, default=S, metavar="N",
                    help="retries per SGLang or vLLM request (default 5)")
     p.add_argument("--no-progress", dest="progress", action="store_false", default=S, help="no progress bar")
     p.add_argument("--threads", default=None, help=THREADS_HELP)
