@@ -294,8 +294,8 @@ def compare(entries: Sequence[Any], offline: Mapping[str, Sequence[int]], server
             served_accept_length=float(length) if isinstance(length, (int, float)) else None,
             convention=convention_of(counters, e.completion_len))
         served_pp = V.per_position(counters) if V.is_vllm(counters) else None
-        if V.is_vllm(counters):
-            check.served_accept_length = V.mean_acceptance_length(counters[V.ACCEPTED], rounds)
+        if V.is_vllm(counters) and (accepted := whole_count(counters.get(V.ACCEPTED))) is not None:
+            check.served_accept_length = V.mean_acceptance_length(accepted, rounds)  # vLLM's own convention
         correct = None if correct_drafts is None else correct_drafts.get(e.id)
         if correct is not None:
             correct = [int(k) for k in correct]
