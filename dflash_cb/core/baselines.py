@@ -174,8 +174,10 @@ def load_served(cache: StateCache, sample_ids: Sequence[str] | None = None) -> B
     tau, rounds, n = got
     path = config.get("draft_model_path")
     name = Path(str(path).rstrip("/")).name if path else "served"
+    counted = ("vLLM's /metrics deltas per request (spec_decode_num_drafts)" if config.get("server") == "vllm"
+               else "SGLang spec_verify_ct")
     return Baseline(name, SERVED, {TAU: tau}, None,
-                    source=f"SGLang spec_verify_ct stored in {cache.path} by the precompute",
+                    source=f"{counted} stored in {cache.path} by the precompute",
                     details={"samples": n, "rounds": rounds, "server": config})
 
 
