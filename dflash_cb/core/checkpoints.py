@@ -13,12 +13,14 @@ import re
 import shutil
 import tempfile
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file
 
+from ..common.arguments import is_int
 from ..common.cli import describe_os_error
 from ..common.errors import DFlashCBError
 from ..common.fileio import (
@@ -39,6 +41,10 @@ DRAFTER_FILES = ("config.json", "model.safetensors")
 
 class CheckpointError(DFlashCBError, ValueError):
     """A checkpoint or drafter folder cannot be read, or an output folder must not be written."""
+
+
+class NoDrafterConfigError(CheckpointError):
+    """A checkpoint that carries no drafter config, read without one (``--config``)."""
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
@@ -170,11 +176,19 @@ _WEIGHT_KEYS = ("state_dict", "model", "module", "model_state_dict")
 _CONFIG_KEYS = ("drafter_config", "config")
 
 
+# SpecForge's checkpoint folder (``{run_id}-step{N}/``): the shared payload, the draft's weights under
+# ``draft_state_dict`` with ``global_step``, beside per-rank optimizer and RNG files.
+SPECFORGE_STATE = "training_state.pt"
+
+
 def load_checkpoint_folder(folder: Path) -> dict[str, Any]:
     """A Hugging Face ``Trainer`` checkpoint folder (``checkpoint-N``): its model weights (``model.safetensors``,
     sharded ``model-*-of-*.safetensors``, or ``pytorch_model.bin``), and its ``config.json`` when that is a
-    DFlash drafter config (a ``PreTrainedModel`` drafter)."""
+    DFlash drafter config (a ``PreTrainedModel`` drafter); or a SpecForge checkpoint folder (its
+    ``training_state.pt``, read with ``weights_only=True`` as SpecForge's own warm start reads it)."""
     shards = sorted(folder.glob("model*.safetensors"))
+    if not shards and (folder / SPECFORGE_STATE).is_file():
+        return load_checkpoint(folder / SPECFORGE_STATE)
     if shards:
         state: dict[str, torch.Tensor] = {}
         for f in shards:
@@ -183,9 +197,10 @@ def load_checkpoint_folder(folder: Path) -> dict[str, Any]:
     elif (folder / "pytorch_model.bin").is_file():
         ckpt = {"state_dict": state_dict_of(load_checkpoint(folder / "pytorch_model.bin"))}
     else:
-        raise CheckpointError(f"{folder}: a folder without model weights (no model.safetensors, model-*.safetensors "
-                              "or pytorch_model.bin); pass a Hugging Face checkpoint-N folder, a .ckpt/.pt file or "
-                              "a .safetensors file")
+        raise CheckpointError(f"{folder}: a folder without model weights (no model.safetensors, model-*.safetensors, "
+                              f"pytorch_model.bin or SpecForge's {SPECFORGE_STATE}); pass a Hugging Face "
+                              "checkpoint-N folder, a SpecForge <run>-stepN folder, a .ckpt/.pt file or a "
+                              ".safetensors file")
     step = _trainer_state_step(folder / "trainer_state.json")
     if step is not None:
         ckpt["global_step"] = step
@@ -287,6 +302,64 @@ def find_prefix(keys: set[str], expected: set[str]) -> str:
     raise CheckpointError(f"several key prefixes hold a complete drafter: {found}; choose one with --prefix")
 
 
+@dataclass
+class CheckpointDrafter:
+    """The drafter a checkpoint holds (``drafter_in_checkpoint``): loaded, checked, and where it was found."""
+
+    model: DFlashDrafter  # the drafter of its family with the checkpoint's weights, on the CPU
+    config: dict[str, Any]  # its config.json, as ``extract_drafter`` writes it
+    weights: dict[str, torch.Tensor]  # the checkpoint's tensors under the prefix, without it (not copied)
+    info: dict[str, Any]  # entry, prefix, tensors, dropped entries, other tensors, global_step, params
+
+
+def drafter_in_checkpoint(ckpt_path: str | os.PathLike, config: dict[str, Any] | None = None,
+                          prefix: str | None = None) -> CheckpointDrafter:
+    """Read a checkpoint and load the drafter it holds, in memory; refuses missing or unexpected keys.
+
+    The one reading of a checkpoint: ``extract_drafter`` writes what this returns, and the sweep scores it
+    without a folder (the model is the one ``load_drafter`` makes from the folder ``extract_drafter`` writes:
+    the same config, round-tripped through JSON, and the same weights). ``config`` defaults to the one the
+    checkpoint carries (``stored_config``).
+    """
+    ckpt = load_checkpoint(ckpt_path)
+    if config is None:
+        config = stored_config(ckpt)
+        if config is None:
+            raise NoDrafterConfigError(f"{ckpt_path}: no drafter config stored in the checkpoint "
+                                  "(hyper_parameters.drafter_config, or a drafter_config entry); pass --config "
+                                  "drafter_config.json")
+    try:
+        config = json.loads(json.dumps(config))  # what a written config.json reads back as
+        expected = expected_keys(config)
+    except Exception as e:
+        raise CheckpointError(f"the drafter config is not a valid DFlash config ({type(e).__name__}: "
+                              f"{_first_line(e)}); check --config") from None
+    entry, prefix, state = locate_drafter(ckpt, expected, prefix, str(ckpt_path))
+    sub = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+    # Keys and shapes checked by loading into a real drafter (of the closest family) before anything is written.
+    model = _drafter_for(config, sub, "the drafter config")
+    try:
+        load_weights(model, sub, source=f"{ckpt_path} [prefix {prefix!r}]")
+    except ValueError as e:
+        raise CheckpointError(f"{e}; check --config / --prefix") from None
+    # What was left behind: the checkpoint's other entries, and tensors beside the drafter's.
+    dropped = [k for k in ckpt if k != entry] if entry else [k for k, v in ckpt.items() if not isinstance(v, torch.Tensor)]
+    info = {"entry": entry, "prefix": prefix, "tensors": len(sub), "dropped_entries": sorted(dropped),
+            "other_tensors": sorted(k for k in state if not k.startswith(prefix)),
+            "global_step": checkpoint_step(ckpt), "params": sum(v.numel() for v in sub.values())}
+    return CheckpointDrafter(model, config, sub, info)
+
+
+def checkpoint_step(ckpt: dict[str, Any]) -> int | None:
+    """The training step a checkpoint records: ``global_step`` (Lightning, SpecForge, a Hugging Face folder's
+    ``trainer_state.json``), else a plain loop's ``step`` entry; None when it records none."""
+    for key in ("global_step", "step"):
+        step = ckpt.get(key)
+        if is_int(step) and step >= 0:
+            return int(step)
+    return None
+
+
 def extract_drafter(ckpt_path: str | os.PathLike, out_dir: str | os.PathLike,
                     config: dict[str, Any] | None = None, prefix: str | None = None,
                     overwrite: bool = False) -> dict[str, Any]:
@@ -300,28 +373,9 @@ def extract_drafter(ckpt_path: str | os.PathLike, out_dir: str | os.PathLike,
     """
     out = output_path(out_dir)  # a symbolic link is written through: the link keeps pointing at the drafter
     overwrite_into = check_drafter_out(out, ckpt_path, overwrite)  # before any reading
-    ckpt = load_checkpoint(ckpt_path)
-    if config is None:
-        config = stored_config(ckpt)
-        if config is None:
-            raise CheckpointError(f"{ckpt_path}: no drafter config stored in the checkpoint "
-                                  "(hyper_parameters.drafter_config, or a drafter_config entry); pass --config "
-                                  "drafter_config.json")
-    try:
-        expected = expected_keys(config)
-    except Exception as e:
-        raise CheckpointError(f"the drafter config is not a valid DFlash config ({type(e).__name__}: "
-                              f"{_first_line(e)}); check --config") from None
-    entry, prefix, state = locate_drafter(ckpt, expected, prefix, str(ckpt_path))
-    sub = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
-    # Keys and shapes checked by loading into a real drafter (of the closest family) before anything is written.
-    model = _drafter_for(config, sub, "the drafter config")
-    try:
-        load_weights(model, sub, source=f"{ckpt_path} [prefix {prefix!r}]")
-    except ValueError as e:
-        raise CheckpointError(f"{e}; check --config / --prefix") from None
-    weights = {k: v.detach().contiguous().clone() for k, v in sub.items()}
-    config_text = json.dumps(config, indent=2) + "\n"
+    found = drafter_in_checkpoint(ckpt_path, config, prefix)
+    weights = {k: v.detach().contiguous().clone() for k, v in found.weights.items()}
+    config_text = json.dumps(found.config, indent=2) + "\n"
     try:
         if overwrite_into:
             _write_drafter_files(out, weights, config_text)
@@ -330,13 +384,7 @@ def extract_drafter(ckpt_path: str | os.PathLike, out_dir: str | os.PathLike,
     except OSError as e:  # names the file (fileio.naming_failures), e.g. a full disk
         kept = "" if overwrite_into else f"; --out {out} is as it was"
         raise CheckpointError(f"{describe_os_error(e)}: the drafter could not be written{kept}") from None
-    step = ckpt.get("global_step")
-    # What was left behind: the checkpoint's other entries, and tensors beside the drafter's.
-    dropped = [k for k in ckpt if k != entry] if entry else [k for k, v in ckpt.items() if not isinstance(v, torch.Tensor)]
-    return {"entry": entry, "prefix": prefix, "tensors": len(weights), "dropped_entries": sorted(dropped),
-            "other_tensors": sorted(k for k in state if not k.startswith(prefix)),
-            "global_step": int(step) if isinstance(step, int) else None,
-            "params": sum(v.numel() for v in weights.values())}
+    return found.info
 
 
 def check_drafter_out(out: Path, ckpt_path: str | os.PathLike, overwrite: bool) -> bool:
