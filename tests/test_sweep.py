@@ -415,6 +415,14 @@ def test_watch_scores_checkpoints_as_another_process_writes_them(tiny_cache, pla
     assert "its zip archive has no central directory yet" in stdout  # it saw each half-written file and waited
 
 
+def test_until_step_ends_a_watch(tiny_cache, plain_run, drafter_json, tmp_path, counted):
+    """Checkpoints already on disk are settled: the first look scores them, and a scored step 4 or later stops it."""
+    folder = next(iter(plain_run.values())).parent
+    assert sweep(tiny_cache, tmp_path / "sweep", folder, extra=("--config", str(drafter_json), "--watch",
+                                                                "--poll-seconds", "0.05", "--until-step", "4")) == 0
+    assert [e["step"] for e in record(tmp_path / "sweep")["entries"]] == [2, 4, 6] and len(counted) == 3
+
+
 @pytest.mark.e2e
 def test_ctrl_c_ends_a_watch_with_the_sweep_written(tiny_cache, plain_run, drafter_json, tmp_path):
     folder = next(iter(plain_run.values())).parent
@@ -486,16 +494,34 @@ def test_the_wandb_run_has_the_live_keys_and_step_axis_and_the_panels(tiny_cache
 
 # -- several ranks --------------------------------------------------------------------------------------------
 
+def _rank(out: str, argv: list[str]) -> None:
+    """One rank of the two-rank test (this file run as a script): the sweep, with the files it hashes counted."""
+    from dflash_cb.cache import integrity
+
+    hashed: list[str] = []
+    real = integrity.sha256_file
+    integrity.sha256_file = lambda p, *a, **k: hashed.append(Path(p).name) or real(p, *a, **k)
+    code = run(sweep_cli.main, argv)
+    Path(out, f"rank{os.environ['RANK']}.json").write_text(json.dumps({"code": code, "hashed": hashed}))
+
+
 @pytest.mark.e2e
 def test_two_ranks_share_the_checkpoints_and_give_one_process_numbers(tiny_cache, tiny_drafter_config, drafter_json,
                                                                        tmp_path):
+    """Two gloo processes: each scores its own checkpoints, each shard is hashed once over both (a shard the other
+    rank verified is the same file here), rank zero writes the sweep; the numbers are one process's."""
     saved = plain_loop(tmp_path / "ckpts", tiny_cache, tiny_drafter_config, steps=5, every=1)
-    run_ranks(str(ROOT / "tools" / "sweep_checkpoints.py"),
-              [str(tmp_path / "ckpts"), "--states", str(tiny_cache), "--out", str(tmp_path / "two"), "--config",
-               str(drafter_json), *OPTIONS], tmp_path, env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    run_ranks(__file__, [str(tmp_path), str(tmp_path / "ckpts"), "--states", str(tiny_cache), "--out",
+                         str(tmp_path / "two"), "--config", str(drafter_json), *OPTIONS], tmp_path,
+              env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["code"] for r in ranks] == [0, 0]
+    shards = sorted(p.name for p in tiny_cache.glob("states-*.safetensors"))
+    hashed = sorted(n for r in ranks for n in r["hashed"] if n.startswith("states-"))
+    assert hashed == shards and all(ranks[1]["hashed"]) and not any("head" in n for n in ranks[1]["hashed"])
     two = record(tmp_path / "two")
     assert [e["step"] for e in two["entries"]] == sorted(saved)
-    assert {e["rank"] for e in two["entries"]} == {0, 1}  # each rank scored its own
+    assert [e["rank"] for e in two["entries"]] == [0, 1, 0, 1, 0]  # waves of one checkpoint per rank
     assert sweep(tiny_cache, tmp_path / "one", tmp_path / "ckpts", extra=("--config", str(drafter_json))) == 0
     one = record(tmp_path / "one")
     for a, b in zip(one["entries"], two["entries"], strict=True):
@@ -575,3 +601,7 @@ def test_bad_arguments_are_one_line_errors_before_any_work(tiny_cache, plain_run
         assert err.startswith("error: --out") and err.count("\n") == 1 and needle in err, (needle, err)
     assert sorted(p.name for p in hf_like.iterdir()) == ["config.json", "model.safetensors"]
     assert counted == []
+
+
+if __name__ == "__main__":
+    _rank(sys.argv[1], sys.argv[2:])

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ..cache.manifest import CacheError
-from ..cache.states import CacheMismatchError
+from ..cache.states import CacheMismatchError, StateCache
 from ..common import log
 from ..common.arguments import ArgumentError
 from ..common.errors import DFlashCBError
@@ -399,6 +399,8 @@ class Sweep:
                 import torch
 
                 self.scorer.open(getattr(torch, dtypes[0]))
+                if self.world > 1 and self.options.scoring.verify:
+                    adopt_verified(self.scorer.cache)
         outcome: Outcome | None = prepared if isinstance(prepared, Outcome) else None
         if isinstance(prepared, Prepared):
             try:
@@ -435,6 +437,24 @@ class Sweep:
         finally:
             self._bar.close()
             self._bar = None
+
+
+def adopt_verified(cache: StateCache) -> None:
+    """Every rank scores every sample of its checkpoints, but opening the session hashed only this rank's share of
+    the shards (``live_eval.verify_across_ranks``): a shard another rank hashed counts as verified here when this
+    rank sees the very same file (the same ``integrity.file_identity``: one copy on a shared filesystem), so each
+    shard is hashed once over all ranks; a copy of its own (another node's disk) is hashed here when first read.
+    A collective: every rank calls it."""
+    from ..cache.integrity import VERIFIED, file_identity
+
+    expected = {s.file: s.sha256 for s in cache.manifest.shards}
+    mine = [(name, list(file_identity((cache.path / name).stat()))) for name, _ in cache.hashed if name in expected]
+    for part in all_gather(mine):
+        for name, identity in part:
+            path = cache.path / name
+            st = path.stat()
+            if list(file_identity(st)) == identity:
+                VERIFIED.add(path, expected[name], st)
 
 
 def _state_of(prepared: Prepared | Outcome | None) -> tuple[str, str] | None:
