@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 import torch
 from processes import run_ranks, sigkill_when
+from tiny_target import TINY_LAYER_IDS
 
 from dflash_cb.common.cli import run
 from dflash_cb.core import extract_cli
@@ -239,7 +240,10 @@ def test_specforge_checkpoints_equal_the_tool_on_specforges_own_export(tiny_cach
     for e in rec["entries"]:
         exported = export_to_hf(str(folders[e["step"]]), str(drafter_json), str(tmp_path / f"export_{e['step']}"))
         theirs = eval_results(tiny_cache, Path(exported), tmp_path / f"tool_{e['step']}.json")
-        assert_same_numbers(json.loads((tmp_path / "sweep" / e["results"]).read_text()), theirs, e["step"])
+        ours = json.loads((tmp_path / "sweep" / e["results"]).read_text())
+        assert_same_numbers(ours, theirs, e["step"])
+    # tools/extract_drafter.py reads the folder too (its training_state.pt), to the same numbers
+    assert_same_numbers(ours, tool_results(tiny_cache, folders[4], tmp_path, drafter_json), "extract_drafter")
 
 
 # -- resume, damage, kill --------------------------------------------------------------------------------
@@ -316,6 +320,35 @@ def test_damaged_checkpoints_are_reported_and_skipped(tiny_cache, plain_run, dra
     assert f"{folder / 'step_3.pt'}: not scored: " in err
     report = (tmp_path / "sweep" / "sweep.md").read_text()
     assert "### Not scored" in report and "step_5.pt" in report
+
+
+def test_a_drafter_that_does_not_fit_the_cache_stops_before_the_cache_is_hashed(tiny_cache, tiny_drafter_config,
+                                                                               plain_run, tmp_path, capsys, counted,
+                                                                               monkeypatch):
+    """Checkpoints of a drafter for other target layers, and checkpoints without a config and no --config: the
+    first one read says so (exit 2), nothing is hashed or scored, the others are not read."""
+    from dflash_cb.cache import integrity
+    from dflash_cb.core.model import DFlashDrafter
+
+    hashed: list[str] = []
+    real = integrity.sha256_file
+    monkeypatch.setattr(integrity, "sha256_file", lambda p, *a, **k: hashed.append(Path(p).name) or real(p, *a, **k))
+    other = json.loads(json.dumps(tiny_drafter_config))
+    other["dflash_config"]["target_layer_ids"] = [i + 1 for i in TINY_LAYER_IDS]  # layers the cache does not hold
+    folder = tmp_path / "other"
+    folder.mkdir()
+    for step in (2, 4):
+        torch.save({"step": step, "drafter": DFlashDrafter.from_config_dict(other).state_dict(),
+                    "drafter_config": other}, folder / f"step_{step}.pt")
+    assert sweep(tiny_cache, tmp_path / "sweep", folder) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: cache {tiny_cache} does not fit the drafter: - target_layer_ids") and \
+        err.count("\n") == 1, err
+    assert sweep(tiny_cache, tmp_path / "sweep2", next(iter(plain_run.values())).parent) == 2
+    err = capsys.readouterr().err
+    assert "no drafter config stored in the checkpoint" in err and "--config" in err and err.count("\n") == 1, err
+    assert hashed == [] and counted == []
+    assert record(tmp_path / "sweep")["entries"] == [] and len(record(tmp_path / "sweep")["failed"]) == 0
 
 
 def test_the_report_compares_the_best_with_the_last(tiny_cache, tiny_drafter_config, plain_run, drafter_json,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import signal
 import time
 from collections.abc import Iterator, Sequence
@@ -118,7 +119,6 @@ class Outcome:
     entry: SweepEntry | None = None
     failure: SweepFailure | None = None
     fatal: str | None = None  # every rank stops (the cache changed, a bug, a drafter that does not fit the cache)
-    seconds: float = 0.0
 
 
 @dataclass
@@ -149,8 +149,10 @@ class CheckpointScorer:
     def prepare(self, planned: Planned, plan: Plan) -> Prepared | Outcome:
         """The checkpoint's drafter, read in memory and checked against the cache and the sweep; a checkpoint
         that cannot be scored is an ``Outcome`` with its failure (a fatal one when the drafter does not fit the
-        cache and nothing is scored yet: the cache or the checkpoints are the wrong ones)."""
+        cache, or no config is known, before anything was scored or hashed: the same holds for every checkpoint of
+        the run, so it is said once, before the cache is hashed)."""
         found = planned.found
+        first = self.scorer.session is None and not plan.steps
 
         def failed(why: str) -> Outcome:
             return Outcome(failure=SweepFailure(planned.path, planned.identity, why.removeprefix(f"{planned.path}: ")))
@@ -158,7 +160,7 @@ class CheckpointScorer:
         try:
             read = drafter_in_checkpoint(found.path, self.options.config, self.options.prefix)
         except NoDrafterConfigError as e:  # the same for every checkpoint of the run: said once, before any hashing
-            return Outcome(fatal=log_text(e)) if not plan.steps else failed(log_text(e))
+            return Outcome(fatal=log_text(e)) if first else failed(log_text(e))
         except (CheckpointError, OSError) as e:
             return failed(log_text(e))
         step, step_from = read.info["global_step"], "checkpoint"
@@ -175,9 +177,7 @@ class CheckpointScorer:
         try:
             fit = self.scorer.check(drafter, planned.path)
         except (CacheMismatchError, CacheError, ArgumentError) as e:
-            if not plan.steps:
-                return Outcome(fatal=log_text(e))
-            return failed(log_text(e))
+            return Outcome(fatal=log_text(e)) if first else failed(log_text(e))
         if plan.block_size is not None and fit.block_size != plan.block_size:
             return failed(f"its drafter drafts blocks of {fit.block_size}, the sweep's entries blocks of "
                           f"{plan.block_size}: one series is one block (pass --block-size {plan.block_size}, or "
@@ -186,7 +186,6 @@ class CheckpointScorer:
 
     def score(self, p: Prepared) -> Outcome:
         """Score a prepared checkpoint and write its ``results.json`` (atomically) before reporting it."""
-        started = time.perf_counter()
         planned = p.planned
         name = results_name(planned.path, p.step)
         results, _ = self.scorer.score(p.drafter, p.fit, drafter_provenance(planned.path, p.step), meta={"sweep": {
@@ -195,8 +194,7 @@ class CheckpointScorer:
         from ..core.results import write_results
 
         write_results(results, self.options.out / name)
-        entry = entry_of(results, name)
-        return Outcome(entry=entry, seconds=time.perf_counter() - started)
+        return Outcome(entry=entry_of(results, name))
 
 
 def entry_of(results: Results, name: str) -> SweepEntry:
@@ -271,6 +269,7 @@ class Sweep:
         o, record = self.options, self.record
         found = find_checkpoints(o.paths, skip=[o.out, o.scoring.states], require=first and not o.watch)
         check_found(found, o.out, first)
+        record.failed = [f for f in record.failed if os.path.lexists(f.checkpoint)]  # rotated away since
         todo = []
         for c in found:
             path = str(c.path)
@@ -356,8 +355,8 @@ class Sweep:
                         bar.refresh()
                     for at in range(0, len(plan.todo), self.world):
                         self._wave(plan.todo[at:at + self.world], plan)
-                    if self.rank == 0 and plan.todo:
-                        self.report()
+                    if self.rank == 0 and plan.todo and self.options.watch:
+                        self.report()  # a watcher's report is current after every round
                     first = False
                     if not self.options.watch or plan.stop or self._agreed(self._done):
                         break
@@ -411,6 +410,10 @@ class Sweep:
             finally:
                 prepared.drafter = None  # its memory back before the next checkpoint
         outcomes = all_gather(outcome)
+        for o in outcomes:  # every rank knows the steps and the block scored so far (rank zero has the last word)
+            if o is not None and o.entry is not None:
+                plan.steps.setdefault(o.entry.step, o.entry.checkpoint)
+                plan.block_size = plan.block_size or o.entry.block_size
         if self.rank == 0:
             self.record_wave(wave, outcomes)
         self._stop_if_fatal([("fatal", o.fatal) for o in outcomes if o is not None and o.fatal], error)
