@@ -351,6 +351,21 @@ def test_a_drafter_that_does_not_fit_the_cache_stops_before_the_cache_is_hashed(
     assert record(tmp_path / "sweep")["entries"] == [] and len(record(tmp_path / "sweep")["failed"]) == 0
 
 
+def test_a_damaged_cache_gives_no_number(tiny_cache, plain_run, drafter_json, tmp_path, capsys, counted):
+    """A shard with one byte changed (its size intact) is found by its sha256 when the cache is opened."""
+    broken = tmp_path / "cache"
+    shutil.copytree(tiny_cache, broken)
+    shard = sorted(broken.glob("states-*.safetensors"))[1]
+    data = bytearray(shard.read_bytes())
+    data[-5] ^= 0x01
+    shard.write_bytes(bytes(data))
+    folder = next(iter(plain_run.values())).parent
+    assert sweep(broken, tmp_path / "sweep", folder, extra=("--config", str(drafter_json))) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {shard}: sha256") and "does not match" in err and err.count("\n") == 1, err
+    assert counted == [] and record(tmp_path / "sweep")["entries"] == []
+
+
 def test_the_report_compares_the_best_with_the_last(tiny_cache, tiny_drafter_config, plain_run, drafter_json,
                                                      tmp_path):
     """A run whose last checkpoint is worse (its weights reset): the report's paired best-minus-last is

@@ -326,9 +326,20 @@ class Sweep:
             if self._bar is not None:
                 self._bar.update(1)
         self.record.save(self.options.out)
+        self._to_wandb("logging to", lambda t: t.log(self.record, self.options.out))
         if self.tracker is not None:
-            self.tracker.log(self.record, self.options.out)
-            self.record.save(self.options.out)
+            self.record.save(self.options.out)  # the steps the run received
+
+    def _to_wandb(self, what: str, call: Any) -> None:
+        """The live evaluation's policy for a sink: a failure is a warning and the sweep goes on (its entries are
+        in sweep.json; the steps W&B did not receive are logged by the next run of the sweep)."""
+        if self.tracker is None:
+            return
+        try:
+            call(self.tracker)
+        except Exception as e:  # wandb raises many types (network, quota, a finished run)
+            logger.warning(f"warning: {what} W&B failed ({type(e).__name__}: {' '.join(str(e).split())[:300]}); "
+                           "the entries are in sweep.json, and the next run of the same command logs what W&B missed")
 
     def report(self) -> None:
         """Rank zero: ``sweep.md`` and ``sweep.png``."""
@@ -365,8 +376,7 @@ class Sweep:
         finally:
             if self.rank == 0:
                 self.report()
-                if self.tracker is not None:
-                    self.tracker.finish()
+                self._to_wandb("finishing the run in", lambda t: t.finish())
 
     def _agreed(self, decide: Any) -> Any:
         """Rank zero's ``decide()`` on every rank; its ``DFlashCBError`` stops every rank with its message."""
