@@ -21,8 +21,8 @@ dflash_cb (DFlashDrafter.from_pretrained) and in the reference dflash.model.DFla
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=USAGE, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", required=True,
-                   help="Lightning .ckpt, a Hugging Face checkpoint-N folder, a plain loop's torch.save'd checkpoint "
-                        "(the drafter's state dict in any entry) or a .safetensors file")
+                   help="Lightning .ckpt, a Hugging Face checkpoint-N folder, a SpecForge <run>-stepN folder, a plain "
+                        "loop's torch.save'd checkpoint (the drafter's state dict in any entry) or a .safetensors file")
     p.add_argument("--out", required=True,
                    help="drafter folder to write: new, empty, or an earlier drafter folder (replaced atomically)")
     p.add_argument("--overwrite", action="store_true",
