@@ -120,8 +120,8 @@ def plot_sweep(record: SweepRecord, comparison: Comparison | None, path: str | P
         ax.set(xlabel="best - last (paired, 95% interval)", title=comparison.labels[1] + " vs " + comparison.labels[0])
     else:
         ax.axis("off")
-        ax.text(0.5, 0.5, "no comparison: fewer than two checkpoints,\nor the best is the last",
-                ha="center", va="center")
+        why = "the best checkpoint is the last one" if len(entries) > 1 else "fewer than two checkpoints"
+        ax.text(0.5, 0.5, f"best vs last: {why}", ha="center", va="center")
     fig.tight_layout()
     try:
         with naming_failures(path):

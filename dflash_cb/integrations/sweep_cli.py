@@ -169,7 +169,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             + (f"best: step {best.step} ({best.checkpoint}), tau {best.tau:.3f}; " if best is not None else "")
             + (f"{len(record.failed)} not scored (listed in sweep.json); " if record.failed else "")
             + f"wrote {options.out / 'sweep.json'}, {options.out / 'sweep.md'}")
-        if record.wandb.get("dir"):
+        if (options.wandb_project or options.wandb_run_id) and record.wandb.get("dir"):
             run_dir = Path(record.wandb["dir"]).parent
             if run_dir.name.startswith("offline-run"):
                 say(f"W&B (offline): python tools/wandb_panels.py --run {run_dir} --show")
