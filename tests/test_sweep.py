@@ -449,6 +449,9 @@ def test_watch_scores_checkpoints_as_another_process_writes_them(tiny_cache, pla
                                 str(drafter_json), *OPTIONS, "--watch", "--poll-seconds", "0.2",
                                 "--max-checkpoints", "3"], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not (tmp_path / "sweep" / "sweep.json").is_file() and watcher.poll() is None:
+        time.sleep(0.05)  # the watcher is up (its checks passed, the cache opened) before the run writes anything
     writer = subprocess.run([sys.executable, str(tmp_path / "writer.py"), str(src), str(run_dir), "2"],
                             env=ENV, timeout=120)
     assert writer.returncode == 0
