@@ -29,7 +29,7 @@ from dflash_cb.cache.manifest import HEAD_NAME, Manifest, SampleEntry, ShardEntr
 from dflash_cb.cache.states import StateCache, TargetHead
 from dflash_cb.common.errors import DFlashCBError
 from dflash_cb.common.fileio import atomic_write_bytes
-from dflash_cb.core import engine
+from dflash_cb.core import engine, proposers
 from dflash_cb.core.anchor_sets import anchor_offset
 from dflash_cb.core.cost import MemoryLimits
 from dflash_cb.core.engine import PerAnchorRunner, apply_head, block_embeddings, evaluate
@@ -372,14 +372,14 @@ def test_every_head_call_stays_under_head_mem_bytes(planted, tmp_path: Path, mon
         cache = _write_cache(tmp_path / "misses", planted["drafter"], planted["head"], most=0)
     budget = 2 * VOCAB * 4 * 3  # head_rows(): two rows of float32 logits and two temporaries
     sizes: list[int] = []
-    logits_of = engine.draft_logits
+    logits_of = proposers.draft_logits
 
     def counted(*a, **k):
         out = logits_of(*a, **k)
         sizes.append(out.numel() * out.element_size())
         return out
 
-    monkeypatch.setattr(engine, "draft_logits", counted)
+    monkeypatch.setattr(proposers, "draft_logits", counted)
     small = evaluate(cache, planted["drafter"], budgets=budgets, anchor_stride=BLOCK,
                      limits=MemoryLimits(head_bytes=budget))
     assert sizes and max(sizes) <= budget // 3, max(sizes)
