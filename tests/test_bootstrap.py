@@ -147,7 +147,8 @@ def test_results_schema_round_trip_partition_and_refusals(tmp_path, tiny_cache, 
     back = load_results(path, cache)
     assert back.to_dict() == json.loads(path.read_text())
     raw = json.loads(path.read_text())
-    assert raw["version"] == 4 and "tau" not in raw  # every scalar once, under metrics
+    assert raw["version"] == 5 and "tau" not in raw  # every scalar once, under metrics
+    assert raw["meta"]["drafter_family"] == "dflash" == back.family
     assert back.tau == pytest.approx(report.tau)
     for name in ("tau", "ddtree/tau_b4", "specforge/acc", "acceptance/depth_01", "all_anchor_tau"):
         assert back.metric(name + "_ci_low") <= back.metric(name) <= back.metric(name + "_ci_high"), name
@@ -156,6 +157,11 @@ def test_results_schema_round_trip_partition_and_refusals(tmp_path, tiny_cache, 
     assert [s.anchor_offsets for s in back.samples] == [s.anchor_offsets for s in report.samples]
     assert [s.anchor_counts for s in back.samples] == [s.anchor_counts for s in report.samples]
     assert {s.anchor_offsets[3] for s in back.samples} != {0}  # not every sample starts at its first anchor
+    # Version 4 files (no family: a DFlash drafter's) are read as they were.
+    v4 = {**raw, "version": 4, "meta": {k: v for k, v in raw["meta"].items() if k != "drafter_family"}}
+    (tmp_path / "v4.json").write_text(json.dumps(v4))
+    old4 = load_results(tmp_path / "v4.json", cache)
+    assert old4.family == "dflash" and old4.metrics == back.metrics and old4.samples == back.samples
     # Version 3 files (no anchor statistics) are still read; their anchor figures have no interval then.
     v3 = {**raw, "version": 3, "samples": [{k: v for k, v in x.items() if k != "anchor_statistics"}
                                            for x in raw["samples"]]}

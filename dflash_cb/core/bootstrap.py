@@ -46,6 +46,7 @@ from .metrics import (
     ci_low,
     ddtree_tau,
     depth_acc,
+    family_ratios,
     sample_accept_length_served,
     sample_tau,
 )
@@ -143,7 +144,8 @@ def paired_difference(a: Sums, b: Sums, n_resamples: int = DEFAULT_RESAMPLES, se
 # -- from scored samples ---------------------------------------------------------------------
 
 def anchor_sums(samples: Sequence[Any], stride: int) -> dict[str, Sums]:
-    """Per-sample sums of ``specforge/acc``, each ``acceptance/depth_KK`` and ``all_anchor_tau`` over the
+    """Per-sample sums of ``specforge/acc``, each ``acceptance/depth_KK``, ``all_anchor_tau`` and a drafter
+    family's own anchor figures (DFlash 2: ``selector/recall``, ``selector/acc``, per depth too) over the
     statistics sets of stride ``stride``; {} unless every sample has counts at that stride."""
     counts = [getattr(s, "anchor_counts", {}).get(stride) for s in samples]
     if not counts or any(c is None for c in counts):
@@ -154,6 +156,15 @@ def anchor_sums(samples: Sequence[Any], stride: int) -> dict[str, Sums]:
     for k in range(1, depths + 1):
         out[depth_acc(k)] = Sums.of([c.depth_match[k - 1] if c.depth_match else 0 for c in counts],
                                     [c.depth_total[k - 1] if c.depth_total else 0 for c in counts])
+    # A drafter family's own figures (DFlash 2: the selector's recall and accuracy), from the same per-sample
+    # integers as the counts' (``metrics.family_ratios``); a sample without anchors adds zeros.
+    names = sorted({k for c in counts for k in c.depth_counts})
+    if names:
+        zero = (0,) * depths
+        ratios = [family_ratios({"depth_total": c.depth_total or zero, "depth_match": c.depth_match or zero,
+                                 **{k: c.depth_counts.get(k) or zero for k in names}}) for c in counts]
+        for metric in ratios[0]:
+            out[metric] = Sums.of([r[metric][0] for r in ratios], [r[metric][1] for r in ratios])
     return out
 
 
@@ -166,8 +177,9 @@ def metric_sums(samples: Sequence[Any], budgets: Sequence[int] = (),
     one, a sample without a cycle adds nothing (``metrics.EvalCounts.add_samples``).
 
     ``samples``: scored samples (``engine.SampleResult`` or ``results.SampleRecord``: ``category``,
-    ``acceptance_lengths``, ``ddtree: {budget: lengths}``, ``anchor_counts: {stride: AnchorCounts}``), in
-    one fixed order.
+    ``acceptance_lengths``, ``ddtree: {budget: lengths}``, ``walks: {tau key: lengths}`` (a drafter family's
+    own walks, e.g. ``selector/unary_tau``: each gets its sums too), ``anchor_counts: {stride:
+    AnchorCounts}``), in one fixed order.
     """
     produced = [float(sum(s.acceptance_lengths)) for s in samples]
     cycles = [float(len(s.acceptance_lengths)) for s in samples]
@@ -180,6 +192,9 @@ def metric_sums(samples: Sequence[Any], budgets: Sequence[int] = (),
     for b in budgets:
         dd = [s.ddtree.get(b, []) for s in samples]
         out[ddtree_tau(b)] = Sums.of([float(sum(x)) for x in dd], [float(len(x)) for x in dd])
+    for name in sorted({k for s in samples for k in getattr(s, "walks", {})}):  # a drafter family's own walks
+        w = [s.walks.get(name, []) for s in samples]
+        out[name] = Sums.of([float(sum(x)) for x in w], [float(len(x)) for x in w])
     for c in categories:
         mask = [s.category == c for s in samples]
         out[category_tau(c)] = Sums.of([p if m else 0.0 for p, m in zip(produced, mask, strict=True)],

@@ -28,6 +28,11 @@ from .bootstrap import DEFAULT_RESAMPLES, DEFAULT_SEED, Interval, intervals, met
 from .metrics import (
     ACCEPT_LENGTH_SERVED,
     DELTA_TAU,
+    FAMILY_COUNTS,
+    SELECTOR_ACC,
+    SELECTOR_ORACLE_TAU,
+    SELECTOR_RECALL,
+    SELECTOR_UNARY_TAU,
     TAU,
     TAU_REQUEST_MEAN,
     category_tau,
@@ -36,7 +41,7 @@ from .metrics import (
     ddtree_tau,
 )
 from .positions import DEFAULT_POSITION_EDGES, check_edges, cycle_table, position_table
-from .report import with_interval
+from .report import metric_with_interval, with_interval
 from .results import Results, check_results_path, derived_metrics, load_results, tail_blocks_mismatch
 
 
@@ -84,12 +89,15 @@ def shared(a: Sequence[Any], b: Sequence[Any]) -> tuple[list[Any], list[Any]]:
 def paired(a_samples: Sequence[Any], b_samples: Sequence[Any], la: str, lb: str, budgets: Sequence[int] = (),
            categories: Sequence[str] = (), n_resamples: int = DEFAULT_RESAMPLES,
            seed: int = DEFAULT_SEED) -> dict[str, Difference]:
-    """``b - a`` for tau, each DDTree tau and each category tau, on the samples both scored."""
+    """``b - a`` for tau, each DDTree tau, each category tau and the drafter family walks' taus both have, on the
+    samples both scored."""
     sa, sb = shared(a_samples, b_samples)
     if not sa:
         raise CompareError(f"{la} and {lb} share no scored sample: nothing to compare")
     ma, mb = metric_sums(sa, budgets, categories), metric_sums(sb, budgets, categories)
-    return {k: Difference(la, lb, k, paired_difference(ma[k], mb[k], n_resamples, seed), len(sa)) for k in ma}
+    # A figure only one side has (a DFlash 2 drafter's selector walks beside a DFlash one) has no difference.
+    return {k: Difference(la, lb, k, paired_difference(ma[k], mb[k], n_resamples, seed), len(sa))
+            for k in ma if k in mb}
 
 
 def delta_metrics(live: Sequence[Any], baselines: Sequence[Any], n_resamples: int = DEFAULT_RESAMPLES,
@@ -211,10 +219,19 @@ def compare(labels: Sequence[str], results: Sequence[Results], n_resamples: int 
                       check_edges(position_edges), notes)
 
 
+# Every family walk's tau key, in a fixed order (``metrics.FAMILY_COUNTS``).
+FAMILY_WALKS = tuple(dict.fromkeys(w for f in FAMILY_COUNTS.values() for w in f.walks))
+# The selector's anchor figures, shown per evaluation from its own file (each file's own statistics set).
+SELECTOR_ROWS = (SELECTOR_RECALL, SELECTOR_ACC)
+
 _LABELS = {
     TAU: "tau (pooled over cycles)",
     TAU_REQUEST_MEAN: "tau, mean over requests (dflash.benchmark)",
     ACCEPT_LENGTH_SERVED: "served accept length, mean over requests (SGLang)",
+    SELECTOR_UNARY_TAU: "DFlash 2: tau with the selector off (unary argmax)",
+    SELECTOR_ORACLE_TAU: "DFlash 2: tau with a perfect selector over the candidates",
+    SELECTOR_RECALL: "DFlash 2: target among the unary top-K (pooled)",
+    SELECTOR_ACC: "DFlash 2: selector's pick given recall (pooled)",
 }
 
 
@@ -236,8 +253,12 @@ def _fmt_iv(iv: Interval) -> str:
 
 
 def _metrics_order(c: Comparison) -> list[str]:
+    """The rows of the tables: every evaluation's figures, then the walks of a drafter family some evaluations
+    have (DFlash 2's selector walks: "n/a" for the others)."""
+    walks = [w for w in FAMILY_WALKS if any(w in iv for iv in c.intervals)]
     return [TAU, TAU_REQUEST_MEAN, ACCEPT_LENGTH_SERVED, *(ddtree_tau(b) for b in c.budgets),
-            *(category_tau(x) for x in c.categories)]
+            *(category_tau(x) for x in c.categories), *walks]
+
 
 
 def published_rows(c: Comparison, published: Sequence[Any]) -> list[str]:
@@ -268,7 +289,12 @@ def render_markdown(c: Comparison, plot_path: str | None = None, published: Sequ
         lines.append(f"- **{d[TAU].text}**: {d[TAU].verdict}")
     lines += ["", "| metric | " + " | ".join(c.labels) + " |", "|---" * (len(c.labels) + 1) + "|"]
     for m in _metrics_order(c):
-        lines.append(f"| {_metric_label(m)} | " + " | ".join(_fmt_iv(iv[m]) for iv in c.intervals) + " |")
+        lines.append(f"| {_metric_label(m)} | " + " | ".join(_fmt_iv(iv[m]) if m in iv else "n/a"
+                                                               for iv in c.intervals) + " |")
+    for m in SELECTOR_ROWS:
+        if any(r.metric(m) is not None for r in c.results):  # the whole file's figure, with its own interval
+            lines.append(f"| {_metric_label(m)} | " + " | ".join(metric_with_interval(r, m) for r in c.results)
+                         + " |")
     if published:
         lines += ["", "### Published figures (other prompts and hardware: context, not measured here)", "",
                   "Each figure stands beside the figure of its own convention on these prompts.", "",
@@ -278,6 +304,8 @@ def render_markdown(c: Comparison, plot_path: str | None = None, published: Sequ
               "|---|---|---|---|"]
     for (i, j), d in c.differences.items():
         for m in _metrics_order(c):
+            if m not in d:
+                continue
             x = d[m]
             lines.append(f"| {c.labels[j]} - {c.labels[i]} | {_metric_label(m)} | {x.interval.value:+.3f} "
                          f"[{x.interval.low:+.3f}, {x.interval.high:+.3f}] | {x.verdict} |")

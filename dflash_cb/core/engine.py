@@ -1,7 +1,13 @@
 """The evaluation engine: drafts only where the replays and the anchor statistics look, batched
 across samples (the method, and why the replay is exact: docs/method.md).
 
-The replays (the greedy walk and one walk per DDTree budget, for every sample) advance in rounds.
+What a drafter's hidden states draft is its family's ``proposers.Proposer`` (``drafters.PROPOSERS``): DFlash's
+head argmax, DFlash 2's selector given the target's own predecessor (docs/method.md, "DFlash 2"); the engine
+reads hidden rows, hands them to it, and walks what it answers. A family may add walks of its own (DFlash 2:
+the unary-argmax path and a perfect selector) and per-depth statistics (``metrics.FAMILY_COUNTS``).
+
+The replays (the greedy walk, one walk per DDTree budget and the family's own walks, for every sample)
+advance in rounds.
 Each round collects the anchors that the live walks need next, plus, in the first round, the
 fixed anchor-statistics set (per sample every ``anchor_stride``-th anchor from a drawn offset,
 ``anchor_sets``; the union over the extra strides); each distinct (sample, anchor) is drafted once
@@ -250,9 +256,6 @@ class SampleResult:
     category: str
     acceptance_lengths: list[int]
     ddtree: dict[int, list[int]] = field(default_factory=dict)
-    # The drafter family's own walks (``metrics.FAMILY_COUNTS``; DFlash 2: the unary path, a perfect selector):
-    # their cycles' produced, by the walk's tau key.
-    walks: dict[str, list[int]] = field(default_factory=dict)
     anchors: int = 0  # anchors in this sample's statistics set (at the evaluation's anchor_stride)
     # Per statistics stride (the evaluation's anchor_stride and each extra one): this sample's offset
     # (anchor_sets.anchor_offset) and its anchor-statistic counts over anchors[offset::stride].
@@ -266,6 +269,9 @@ class SampleResult:
     # Per greedy cycle: drafts equal to the target's tokens before the stop / max_new_tokens cut (only
     # tokens the cache knows can match), SGLang's "correct drafts" (served.py).
     correct_drafts: list[int] = field(default_factory=list)
+    # The drafter family's own walks (``metrics.FAMILY_COUNTS``; DFlash 2: the unary path, a perfect selector):
+    # their cycles' produced, by the walk's tau key.
+    walks: dict[str, list[int]] = field(default_factory=dict)
 
 
 def block_embeddings(tokens: torch.Tensor, anchors: torch.Tensor, length: int, spec: DrafterSpec,
@@ -443,9 +449,8 @@ class _Wave:
             first = 1 + len(budgets)  # the family's walks follow the budgets'
             res = SampleResult(sid, self.entries[s].category, g,
                                {b: lengths[s][1 + i][:cycles[s][1 + i]] for i, b in enumerate(budgets)},
-                               {name: lengths[s][first + i][:cycles[s][first + i]]
-                                for i, name in enumerate(self.family_walks)},
                                len(stats_anchors(self.bounds[s], self.strides[0], self.offsets[s][0])))
+            res.walks = {name: lengths[s][first + i][:cycles[s][first + i]] for i, name in enumerate(self.family_walks)}
             res.anchor_offsets = dict(zip(self.strides, self.offsets[s], strict=True))
             res.anchor_counts = {stride: c[s] for stride, c in zip(self.strides, counts, strict=True)}
             res.correct_drafts = correct[s][:len(g)]
@@ -994,7 +999,13 @@ def evaluate(cache: StateCache, drafter: Any, head: TargetHead | None = None, re
     - bounded buffers: a round drafts at most ``limits.max_blocks`` blocks per pass (token-wise activations
       ~ ``max_blocks`` x block_size x (3 x intermediate + 4 x hidden): 2.4 GB at 1,024 blocks in bf16); attention
       temporaries stay under ``limits.attn_bytes`` per call, and every vocabulary-sized tensor (the
-      head's logits, greedy and statistics rows alike) under ``limits.head_bytes``.
+      head's logits, greedy and statistics rows alike) under ``limits.head_bytes``;
+    - a DFlash 2 drafter adds its selector's codebooks (2 x vocabulary x rank in the weights' dtype: 254 MB
+      at 248,320 x 256 in bf16) and, with DDTree budgets, the lattice of a pass (``cost.memory_bound``).
+
+    A DFlash 2 drafter (``DrafterSpec.family``) is scored by its selector (docs/method.md, "DFlash 2"): the
+    replays, the DDTree taus (over the selector's lattice) and the per-depth acceptance score the selector's
+    drafts; ``specforge/acc`` the unary argmax; ``selector/...`` says where tau is lost (docs/metrics.md).
     """
     start = time.perf_counter()
     timer = timer if timer is not None else NO_TIMER

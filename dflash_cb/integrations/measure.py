@@ -187,7 +187,8 @@ class Measurer:
         # The light stride's statistics come from the same pass as a full evaluation's own (one estimator
         # per key: the main keys are the light profile's at every evaluation).
         strides = [profile.stride] + ([profile.light_stride] if profile.light_stride != profile.stride else [])
-        templates = {st: EvalCounts(self.fit.block_size, profile.budgets, self.session.categories) for st in strides}
+        templates = {st: EvalCounts(self.fit.block_size, profile.budgets, self.session.categories,
+                                    self.fit.spec.family) for st in strides}
         ranked = evaluate_across_ranks(self.session.eval_ids, lambda ids: self._score(ids, drafter, model, profile,
                                                                                      strides),
                                        templates, lambda: self.gathered(drafter, model))

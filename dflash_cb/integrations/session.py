@@ -141,7 +141,8 @@ def drafter_fit(cache: StateCache, config: EvalConfig, drafter: nn.Module, model
     spelled = dict(names or {})
     block = check_block_size(config.block_size, spec.block_size, spelled.get("block_size", "block_size"))
     for name, budgets in (("ddtree_budgets", config.ddtree_budgets), ("light_ddtree_budgets", config.light_budgets)):
-        check_ddtree_budgets(budgets, block, m.vocab_size, spelled.get(name, name))  # before any evaluation
+        check_ddtree_budgets(budgets, block, m.vocab_size, spelled.get(name, name),  # before any evaluation
+                             spec.selector_top_k)
     problems = []
     n_target = getattr(getattr(drafter, "config", None), "num_target_layers", None)
     if n_target is not None and m.target.get("num_layers") is not None and int(n_target) != int(m.target["num_layers"]):
