@@ -208,6 +208,55 @@ def train_briefly(drafter, cache, epochs: int = 6, lr: float = 3e-3, seed: int =
     return drafter.eval()
 
 
+def train_selector_briefly(drafter, cache, epochs: int = 6, lr: float = 3e-3, seed: int = 0):
+    """``train_briefly`` for a DFlash 2 drafter, its selector trained with it: besides the DFlash loss, the
+    cross-entropy of the edge scores over the unary top-K given the target's previous token, at the depths
+    whose target token is a candidate. A test helper (partial acceptance, a selector that matters), not a
+    training recipe. Returns the drafter in eval mode."""
+    import torch.nn.functional as F
+
+    from dflash_cb.core import selector
+    from dflash_cb.core.engine import block_embeddings
+    from dflash_cb.core.model import draft_logits
+    from dflash_cb.core.training import sample_anchors
+
+    head = cache.load_head()
+    spec = drafter.spec
+    n, k = spec.block_size, spec.selector_top_k
+    opt = torch.optim.AdamW(drafter.parameters(), lr=lr)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(epochs):
+        for e in cache.samples:
+            s = cache.load(e.id)
+            anchors = sample_anchors(e.prompt_len, e.valid_len, 16, g)
+            if anchors.numel() == 0:
+                continue
+            tokens = s.input_ids.long()
+            context = drafter.context_kv(s.hidden[: int(anchors.max().item())])
+            hidden = drafter.forward_blocks(context, block_embeddings(tokens, anchors, n, spec, head.embed_tokens),
+                                            anchors)[:, 1:]
+            logits = draft_logits(hidden, head.lm_head, spec)
+            pos = anchors[:, None] + torch.arange(1, n)[None, :]
+            valid = pos < e.valid_len
+            target = tokens[pos.clamp(max=tokens.shape[0] - 1)]
+            ce = F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="none").view_as(target)
+            with torch.no_grad():
+                ids = selector.top_candidates(logits, k)[0]
+            previous = torch.cat([tokens[anchors][:, None], target[:, :-1]], dim=1)
+            scores = selector.edge_scores(logits.gather(-1, ids), drafter.project(hidden),
+                                          selector.codes(drafter.codebooks[0], previous)[..., None, :],
+                                          selector.codes(drafter.codebooks[1], ids))[..., 0, :]
+            label = ids == target[..., None]
+            scored = label.any(-1) & valid
+            loss = (ce * valid).sum() / valid.sum().clamp(min=1)
+            if scored.any():
+                loss = loss + F.cross_entropy(scores[scored], label[scored].float().argmax(-1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return drafter.eval()
+
+
 TINY_LAYER_IDS = [0, 2]
 TINY_MASK = 127  # prompts use ids < 120, so the mask token never appears in them
 
