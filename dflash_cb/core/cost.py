@@ -322,10 +322,13 @@ def memory_bound(shape: DrafterShape, context_tokens: int, *, weight_itemsize: i
     - ``head_logits`` and ``attention``: the chunked temporaries, ``limits.head_bytes`` and
       ``limits.attn_bytes``;
     - DFlash 2 only: ``codebooks``, the selector's two [vocab, rank] codebooks in the weights' dtype, and
-      ``selector``, its temporaries for a pass of ``limits.max_blocks`` blocks (``selector.transition_logprobs``):
-      four float32 [blocks, depths, K, rank] tensors (the candidates' successor codes, a transposed copy the
-      matmul makes, their predecessor codes, and those times ``H(h)``) and three 8-byte [blocks, depths, K, K]
-      ones (the edge scores, in float32 and float64, and their log-softmax).
+      ``selector``, the temporaries of its lattice (DDTree budgets; ``selector.transition_logprobs``), built
+      ``LATTICE_BLOCKS`` blocks at a time: four float32 [blocks, depths, K, rank] tensors (the candidates'
+      successor codes, a transposed copy the matmul makes, their predecessor codes, and those times ``H(h)``)
+      and three 8-byte [blocks, depths, K, K] ones (the edge scores, in float32 and float64, and their
+      log-softmax), plus the lattice's log-probabilities of the pass (float64 [max_blocks, depths, K, K]) that
+      the tree reads. The selector's pick makes its candidates' codes a few hundred rows at a time
+      (``dflash2.PICK_ROWS``): megabytes, not counted.
     """
     b = limits.max_blocks * shape.block_size
     parts = {
@@ -337,10 +340,16 @@ def memory_bound(shape: DrafterShape, context_tokens: int, *, weight_itemsize: i
         "attention": limits.attn_bytes,
     }
     if shape.selector_rank:
-        k, cells = shape.selector_top_k, limits.max_blocks * (shape.block_size - 1) * shape.selector_top_k
+        k, d = shape.selector_top_k, shape.block_size - 1
+        chunk = min(limits.max_blocks, LATTICE_BLOCKS) * d * k
         parts["codebooks"] = shape.codebook_params * weight_itemsize
-        parts["selector"] = cells * (4 * shape.selector_rank * 4 + 3 * k * 8)
+        parts["selector"] = chunk * (4 * shape.selector_rank * 4 + 3 * k * 8) + limits.max_blocks * d * k * k * 8
     return parts
+
+
+# Blocks whose DFlash 2 selector lattice is built at once (``dflash2.SelectorProposer.tree``): its code
+# temporaries, [blocks, depths, K, rank] float32 each, stay tens of MB at the real width.
+LATTICE_BLOCKS = 64
 
 
 # ``drafting_passes`` tends to count more rounds than there are (walks meet drafted anchors more often than

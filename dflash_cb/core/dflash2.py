@@ -19,6 +19,7 @@ from torch import nn
 from transformers import Qwen3Config
 
 from . import selector
+from .cost import LATTICE_BLOCKS
 from .families import DFLASH2_FIELDS, FAMILY_ARCHITECTURE
 from .model import (
     ContextKV,
@@ -292,6 +293,11 @@ class SelectorWeights:
                    weight(selector_module.successor_codebook))
 
 
+# Rows whose selector pick is computed at once (``SelectorProposer.rows``): their candidates' codes, [rows, K, rank]
+# float32, stay a few MB (8 MB at K 16 and rank 256), and so in cache.
+PICK_ROWS = 256
+
+
 class SelectorProposer(Proposer):
     """DFlash 2 (docs/method.md, "DFlash 2"): the draft at a depth is the selector's pick among the unary top-K
     candidates given the predecessor (``selector.choose``); DDTree over the selector's lattice
@@ -325,7 +331,11 @@ class SelectorProposer(Proposer):
             del logits
             query = self.project(hidden[at])
             with torch.autocast(hidden.device.type, enabled=False):
-                token, scores = selector.choose(ids, unary, query, previous[at], w.predecessor, w.successor)
+                # ``PICK_ROWS`` rows at a time: their [rows, K, R] code temporaries stay in cache (a few MB).
+                picks = [selector.choose(ids[i:i + PICK_ROWS], unary[i:i + PICK_ROWS], query[i:i + PICK_ROWS],
+                                         previous[at][i:i + PICK_ROWS], w.predecessor, w.successor)
+                         for i in range(0, ids.shape[0], PICK_ROWS)]
+            token, scores = (torch.cat(x) for x in zip(*picks, strict=True))
             tokens.append(token)
             unary_first.append(ids[:, 0])  # the head's argmax: the first of the canonical order
             recall.append((ids == target[at, None]).any(-1))
@@ -352,11 +362,17 @@ class SelectorProposer(Proposer):
              inside: torch.Tensor, max_budget: int) -> torch.Tensor:
         n, d = target.shape
         ids, unary, query = self._lattice(parts, n, d)
+        firsts, steps = [], []
         with torch.autocast(ids.device.type, enabled=False):
-            first, steps = selector.transition_logprobs(ids, unary, query, anchor, self.weights.predecessor,
-                                                        self.weights.successor)
-        return selector.lattice_tree_accepted(torch.where(inside[..., None], ids, -2), first, steps, depths, target,
-                                              max_budget)
+            # ``LATTICE_BLOCKS`` blocks at a time: their [blocks, D, K, R] code temporaries stay small (and in cache).
+            for i in range(0, n, LATTICE_BLOCKS):
+                at = slice(i, i + LATTICE_BLOCKS)
+                f, s = selector.transition_logprobs(ids[at], unary[at], query[at], anchor[at], self.weights.predecessor,
+                                                    self.weights.successor)
+                firsts.append(f)
+                steps.append(s)
+        return selector.lattice_tree_accepted(torch.where(inside[..., None], ids, -2), torch.cat(firsts),
+                                              torch.cat(steps), depths, target, max_budget)
 
     def block(self, parts: Any, tokens: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
         ids, unary, query = self._lattice(parts, *tokens.shape)

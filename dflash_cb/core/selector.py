@@ -28,8 +28,15 @@ def top_candidates(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Te
     higher unary score, then the lower id. The reference takes ``topk(sorted=False)`` and an argmax over that
     unspecified order: the two agree except where two candidates' scores are exactly equal.
     """
-    values, ids = torch.topk(logits, k, dim=-1)
-    over = (logits >= values[..., -1:]).sum(-1) > k  # equal values at the boundary: which ones is unspecified
+    if k < logits.shape[-1]:
+        # One more than asked: a K-th value equal to the next one is a tie at the boundary, where which of the
+        # equal ones torch returns is unspecified (cheaper than counting the values >= the K-th over the vocabulary).
+        values, ids = torch.topk(logits, k + 1, dim=-1)
+        over = values[..., k - 1] == values[..., k]
+        values, ids = values[..., :k], ids[..., :k]
+    else:
+        values, ids = torch.topk(logits, k, dim=-1)
+        over = torch.zeros(values.shape[:-1], dtype=torch.bool, device=values.device)
     if bool(over.any()):
         rows = logits[over]
         chosen = torch.sort(rows, dim=-1, descending=True, stable=True).indices[..., :k]  # ties: lower id first
