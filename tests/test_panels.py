@@ -262,3 +262,17 @@ def test_panels_tool_without_login_network_or_a_valid_url_is_one_line(tmp_path, 
     monkeypatch.setenv("WANDB_API_KEY", "x" * 40)  # a key, but nothing answers at WANDB_BASE_URL
     err = one_line()
     assert "saving the view failed" in err and "WANDB_BASE_URL" in err
+
+
+def test_the_selector_section_is_built_from_the_metric_names():
+    """A DFlash 2 run gets the Selector panels (its keys from dflash_cb.core.metrics); a DFlash run none, and the
+    layout read back from a run's keys says which it was."""
+    from dflash_cb.core.metrics import SELECTOR_ORACLE_TAU, SELECTOR_UNARY_TAU, selector_acc, selector_recall
+
+    assert panel_plan(PanelLayout(block_size=8))["Selector"] == []
+    section = panel_plan(PanelLayout(block_size=8, selector=True))["Selector"]
+    keys = {k for spec in section for k in spec.keys}
+    assert {"dflash_eval/" + k for k in (SELECTOR_UNARY_TAU, SELECTOR_ORACLE_TAU, selector_recall(7), selector_acc(1))} \
+        <= keys and not any(k.endswith("_08") for k in keys)
+    logged = ["dflash_eval/tau", "dflash_eval/acceptance/depth_07", "dflash_eval/" + SELECTOR_UNARY_TAU]
+    assert layout_from_keys(logged).selector and not layout_from_keys(logged[:2]).selector
