@@ -5,7 +5,7 @@ written here with the reference's own modules (the selector diagnostics and the 
 heap of tests/selector_reference.py).
 
 A tiny Qwen3 target (precomputed by our tool, a stop token among its completions, the target's top-K stored), and a
-DFlash 2 drafter of block 16 trained briefly with its selector (tests/tiny_target.py), so that acceptance is partial
+DFlash 2 drafter of block 16 trained briefly with its selector (tests/tiny_target.py, ``selector_loss``), so that acceptance is partial
 and the selector's walk, the unary argmax and a perfect selector give three different taus. One drafter layer is
 causal with a sliding window shorter than the contexts (and than the block). Blocks of 16 and, served smaller, 8.
 """
@@ -19,6 +19,7 @@ from collections import Counter
 from pathlib import Path
 
 import oracles
+import plain_replay
 import pytest
 import torch
 from selector_reference import heap_tree_accept
@@ -101,7 +102,7 @@ def _run_loops(cache, ref, target, block: int, full: bool = True) -> tuple[dict,
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    from tiny_target import random_prompts, save_tiny_qwen3, train_selector_briefly, write_prompts
+    from tiny_target import random_prompts, save_tiny_qwen3, selector_loss, train_briefly, write_prompts
     from transformers import Qwen3ForCausalLM
 
     from dflash_cb.cache.states import StateCache
@@ -121,7 +122,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict:
     m = cache.manifest
     cfg = _drafter_config(m.vocab_size, m.hidden_size)
     torch.manual_seed(0)
-    ours = train_selector_briefly(DFlash2Drafter.from_config_dict(cfg), cache, epochs=20)
+    ours = train_briefly(DFlash2Drafter.from_config_dict(cfg), cache, epochs=20, loss=selector_loss)
     ref = _reference(ours, cfg)
     target = Qwen3ForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     runs = {block: _run_loops(cache, ref, target, block) for block in (BLOCK, SMALL)}
@@ -222,11 +223,9 @@ def _plain_replay(world, budgets: tuple[int, ...]) -> dict:
     for e in cache.samples:
         s = cache.load(e.id)
         tok = s.input_ids.tolist()
-        full_end = e.prompt_len + MAX_NEW
-        whole = e.valid_len >= e.total_len and (e.total_len >= full_end or tok[-1] in stops)
-        loop_end, known_end = (full_end, e.total_len) if whole else (min(full_end, e.valid_len), e.valid_len)
+        loop_end, known_end = plain_replay.loop_bounds(e.prompt_len, e.total_len, e.valid_len, tok, MAX_NEW, stops)
         produced = {}
-        for p in range(e.prompt_len, max(e.prompt_len, min(loop_end, known_end) - 1)):
+        for p in plain_replay.anchors(e.prompt_len, loop_end, known_end):
             n = min(BLOCK, loop_end - p)
             ids = torch.tensor([tok[p]] + [ref.mask_token_id] * (n - 1))
             h = ref(target_hidden=s.hidden[None, :p], noise_embedding=head.embed_tokens[ids][None],
@@ -270,32 +269,14 @@ def _plain_replay(world, budgets: tuple[int, ...]) -> dict:
             trees = [heap_tree_accept(cand.tolist(), first, steps, n - 1, target, b) for b in budgets]
 
             accepted = [_lead(picked), *trees, _lead(unary_hit), _lead(recall)]
-            produced[p] = [_cut(a, p, loop_end, tok, stops) for a in accepted]
-        per_sample[e.id] = [_walk(produced, e.prompt_len, loop_end, known_end, tok, stops, w)
-                            for w in range(3 + len(budgets))]
+            produced[p] = [plain_replay.committed(a, p, loop_end, tok, stops) for a in accepted]
+        per_sample[e.id] = [plain_replay.walk(lambda q, w=w, at=produced: at[q][w], e.prompt_len, loop_end, known_end,
+                                              tok, stops) for w in range(3 + len(budgets))]
     return dict(samples=per_sample, counts=counts, t1=sum(t1) / len(t1))
 
 
 def _lead(hits: list[bool]) -> int:
     return next((i for i, x in enumerate(hits) if not x), len(hits))
-
-
-def _cut(accepted: int, p: int, loop_end: int, tok: list[int], stops: set[int]) -> int:
-    k = min(accepted + 1, loop_end - p - 1)
-    return next((j for j in range(1, k + 1) if tok[p + j] in stops), k)
-
-
-def _walk(produced: dict, p: int, loop_end: int, known_end: int, tok: list[int], stops: set[int], w: int) -> list[int]:
-    out: list[int] = []
-    if p >= known_end or tok[p] in stops:
-        return out
-    while p + 1 < loop_end:
-        k = produced[p][w]
-        out.append(k)
-        p += k
-        if stops & set(tok[p - k + 1: p + 1]):
-            break
-    return out
 
 
 def test_selector_diagnostics_and_lattice_tree_equal_a_plain_replay(world) -> None:
