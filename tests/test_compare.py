@@ -368,15 +368,39 @@ def test_a_baseline_with_other_tail_blocks_is_warned_about(two_results, tiny_cac
     cache = StateCache(tiny_cache)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert load_measured(a, cache, tail_blocks="served").details["tail_blocks"] == "served"
+        assert load_measured(a, cache, series={"tail_blocks": "served"}).details["tail_blocks"] == "served"
     with pytest.warns(RuntimeWarning, match=r"tail_blocks differ \(this run 'reference', baseline .*first.json "
                                             r"'served'\)"):
-        load_measured(a, cache, tail_blocks="reference")
+        load_measured(a, cache, series={"tail_blocks": "reference"})
     old = _edited(a, tmp_path / "old.json", lambda d: (d.__setitem__("version", 3), d["meta"].pop("tail_blocks")))
     # A file that does not say how it replayed the tail blocks is compared with a warning, never silently.
     assert load_results(old).tail_blocks is None
     with pytest.warns(RuntimeWarning, match=r"this run 'served', baseline .*old.json \(not recorded\)"):
-        load_measured(old, cache, tail_blocks="served")
+        load_measured(old, cache, series={"tail_blocks": "served"})
+
+
+def test_a_baseline_or_comparison_at_another_block_or_dtype_says_so(two_results, tiny_cache, tmp_path, capsys):
+    """The series fields that change the measured quantity (block drafted, tail convention, compute dtype) are
+    compared wherever two evaluations meet: a baseline of the live run and compare_results. A block-6 drafter
+    beside one scored at --block-size 3 is not 'better' without a word; the Evaluations list shows the block."""
+    from dflash_cb.cache.states import StateCache
+    from dflash_cb.core.baselines import load_measured
+
+    a, b = two_results
+    cache = StateCache(tiny_cache)
+    block = load_results(a).block_size
+    with pytest.warns(RuntimeWarning, match=rf"block_size differ \(this run 3, baseline .*first.json {block}\).*"
+                                            r"--block-size"):
+        load_measured(a, cache, series={**load_results(a).series, "block_size": 3})
+    with pytest.warns(RuntimeWarning, match=r"dtype differ \(this run 'bfloat16', baseline .* 'float32'\).*--dtype"):
+        load_measured(a, cache, series={**load_results(a).series, "dtype": "bfloat16"})
+    with warnings.catch_warnings():  # the anchor set is how the statistics estimate, not what they measure
+        warnings.simplefilter("error")
+        load_measured(a, cache, series={**load_results(a).series, "anchor_stride": 8})
+    small = _edited(b, tmp_path / "small.json", lambda d: d["meta"].__setitem__("block_size", 3))
+    code, out, err = _run_here(capsys, str(a), str(small), "--out", str(tmp_path / "cmp3"), "--resamples", "20")
+    assert code == 0 and f"block_size differ (first {block}, small 3)" in err + out
+    assert f", block {block}, " in out and ", block 3, " in out
 
 
 # -- malformed fields of a results file --------------------------------------------------------

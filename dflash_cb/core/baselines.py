@@ -21,7 +21,7 @@ import math
 import os
 import re
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,7 +44,7 @@ from .metrics import (
     TAU_REQUEST_MEAN,
     ddtree_tau,
 )
-from .results import Results, SampleRecord, load_results, tail_blocks_mismatch
+from .results import Results, SampleRecord, load_results, series_mismatch
 
 MEASURED = "measured"
 PUBLISHED = "published"
@@ -72,6 +72,7 @@ class Baseline:
     # the paired difference ``live - baseline`` (``compare.paired_delta``).
     samples: list[SampleRecord] | None = None
     budgets: tuple[int, ...] = ()
+    series: dict[str, Any] = field(default_factory=dict)  # what identifies a measured file's figures (Results.series)
 
     @property
     def label(self) -> str:
@@ -102,17 +103,19 @@ def _finite(x: Any) -> float | None:
 # -- measured -----------------------------------------------------------------------------
 
 def load_measured(path: str | os.PathLike, cache: StateCache, name: str | None = None,
-                  sample_ids: Sequence[str] | None = None, tail_blocks: str | None = None) -> Baseline:
+                  sample_ids: Sequence[str] | None = None, series: Mapping[str, Any] | None = None) -> Baseline:
     """A ``results.json`` as a baseline; refused if it was measured on another cache.
 
     ``sample_ids``: the samples the live evaluation scores. Tau, DDTree tau and per-category tau
     are recomputed on them; per-depth acceptance (stored aggregated) stays the whole-cache figure.
-    ``tail_blocks``: the live evaluation's convention; a file replayed with another one (or that does
+    ``series``: what identifies the live evaluation's figures (``request.EvalRequest.series``; the names it
+    holds are compared); a file measured with another block, tail convention or compute dtype (or that does
     not say) is warned about (``RuntimeWarning``), as ``tools/compare_results.py`` does.
     """
     res = load_results(path, cache)
-    if tail_blocks is not None:
-        mismatch = tail_blocks_mismatch([("this run", tail_blocks), (f"baseline {path}", res.tail_blocks)])
+    if series is not None:
+        mismatch = series_mismatch([("this run", series),
+                                    (f"baseline {path}", {k: res.series.get(k) for k in series})])
         if mismatch:
             warnings.warn(mismatch, RuntimeWarning, stacklevel=2)
     name = name or Path(path).stem
@@ -125,6 +128,7 @@ def load_measured(path: str | os.PathLike, cache: StateCache, name: str | None =
         "cache_manifest_sha256": res.manifest_sha256,
         "drafter": res.drafter_path,
         "dtype": res.meta.get("dtype"),
+        "block_size": res.block_size,
         "tail_blocks": res.tail_blocks,
         "samples_in_file": len(res.samples),
     }
@@ -132,7 +136,7 @@ def load_measured(path: str | os.PathLike, cache: StateCache, name: str | None =
     if sample_ids is not None:
         samples = _restrict(metrics, res, list(sample_ids), details)
     return Baseline(name, MEASURED, metrics, per_depth, source=f"tools/eval_drafter.py -> {path}", details=details,
-                    samples=samples, budgets=tuple(res.budgets))
+                    samples=samples, budgets=tuple(res.budgets), series=res.series)
 
 
 def _restrict(metrics: dict[str, float], res: Results, ids: list[str], details: dict[str, Any]) -> list[SampleRecord]:

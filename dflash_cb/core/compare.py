@@ -37,7 +37,7 @@ from .metrics import (
 )
 from .positions import DEFAULT_POSITION_EDGES, check_edges, cycle_table, position_table
 from .report import with_interval
-from .results import Results, check_results_path, derived_metrics, load_results, tail_blocks_mismatch
+from .results import Results, check_results_path, derived_metrics, load_results, series_mismatch
 
 
 class CompareError(DFlashCBError, ValueError):
@@ -206,7 +206,7 @@ def compare(labels: Sequence[str], results: Sequence[Results], n_resamples: int 
     diffs = {}
     for i, j in combinations(range(len(results)), 2):
         diffs[(i, j)] = paired(aligned[i], aligned[j], labels[i], labels[j], budgets, categories, n_resamples, seed)
-    notes = [m for m in [tail_blocks_mismatch(list(zip(labels, (r.tail_blocks for r in results), strict=True)))] if m]
+    notes = [m for m in [series_mismatch(list(zip(labels, (r.series for r in results), strict=True)))] if m]
     return Comparison(list(labels), list(results), aligned, budgets, categories, ivs, diffs,
                       check_edges(position_edges), notes)
 
@@ -293,8 +293,8 @@ def render_markdown(c: Comparison, plot_path: str | None = None, published: Sequ
     for label, r in zip(c.labels, c.results, strict=True):
         step = r.drafter_step
         lines.append(f"- {label}: drafter `{r.drafter_path}`" + (f" (global step {step})" if step is not None else "")
-                     + f", {len(r.samples)} samples, dtype {r.meta.get('dtype')}, tail blocks "
-                     + (r.tail_blocks or "not recorded"))
+                     + f", {len(r.samples)} samples, block {r.block_size or 'not recorded'}, dtype "
+                     + f"{r.meta.get('dtype')}, tail blocks " + (r.tail_blocks or "not recorded"))
     if plot_path:
         lines += ["", f"![comparison]({plot_path})"]
     return "\n".join(lines) + "\n"

@@ -829,6 +829,7 @@ class EvalReport:
     # differ and that it had its own pass, or was left out (``SPECFORGE_OWN_PASS`` / ``SPECFORGE_LEFT_OUT``).
     specforge_note: str = ""
     passes: int = 0  # drafter passes made (rounds of every wave, at most max_blocks blocks each)
+    series: dict[str, Any] = field(default_factory=dict)  # what identifies these figures (EvalRequest.series)
 
     @property
     def summary(self) -> dict[str, float]:
@@ -1052,7 +1053,8 @@ def evaluate(cache: StateCache, drafter: Any, head: TargetHead | None = None, re
         # In sample order, from per-sample integers: the counts do not depend on waves, rounds or ranks.
         counts = summed_counts(samples, block, budgets, categories, req.anchor_stride)
     return EvalReport(counts, samples, time.perf_counter() - start, spec, budgets, req.anchor_stride, req.tail_blocks,
-                      str(head.lm_head.dtype).removeprefix("torch."), req.anchor_seed, strides[1:], note, passes)
+                      str(head.lm_head.dtype).removeprefix("torch."), req.anchor_seed, strides[1:], note, passes,
+                      req.series(block_size=block))
 
 
 def specforge_pass(runner: DraftRunner, block_size: int) -> tuple[SpecForgePass, str]:
