@@ -271,6 +271,27 @@ def test_hf_trainer_resume_neither_repeats_nor_skips(tmp_path, tiny_cache, tiny_
 
 
 @pytest.mark.e2e
+def test_hf_run_reporting_to_tensorboard_gets_the_evaluators_names_and_the_rich_record(tmp_path, tiny_cache,
+                                                                                      tiny_drafter_config):
+    """``report_to=["tensorboard"]``: the Trainer's own TensorBoard writer gets the scalars under the evaluator's
+    names and step (not renamed ``train/...``), the histogram, the per-depth chart and the sample table."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    trainer, cb, _ = hf_train(tmp_path, tiny_cache, tiny_drafter_config, max_steps=4, every=2, table_samples=2,
+                              training_args={"report_to": ["tensorboard"]})
+    (events,) = list((tmp_path / "hf").glob("runs/*"))
+    acc = EventAccumulator(str(events), size_guidance={"scalars": 0, "histograms": 0, "images": 0, "tensors": 0})
+    acc.Reload()
+    tags = acc.Tags()
+    steps = sorted(_evaluations(trainer))
+    assert [e.step for e in acc.Scalars(PREFIX + "tau")] == steps == [0, 2, 4]
+    assert not any(t.startswith("train/" + PREFIX) for t in tags["scalars"])
+    assert [e.step for e in acc.Histograms(PREFIX + "produced_hist")] == steps
+    assert [e.step for e in acc.Images(PREFIX + "charts/acceptance_per_depth")] == steps
+    assert PREFIX + "sample_table/text_summary" in tags["tensors"]
+
+
+@pytest.mark.e2e
 def test_hf_run_reporting_to_wandb_gets_working_panels_and_one_console_line(tmp_path, tiny_cache,
                                                                               tiny_drafter_config, monkeypatch,
                                                                               capsys):
