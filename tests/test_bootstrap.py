@@ -7,6 +7,7 @@ import math
 
 import numpy as np
 import pytest
+from replay_reference import replay_walk
 
 from dflash_cb.core.bootstrap import Sums, intervals, metric_sums, paired_difference
 from dflash_cb.core.positions import (
@@ -15,7 +16,7 @@ from dflash_cb.core.positions import (
     position_labels,
     position_table,
 )
-from dflash_cb.core.replay import SampleBounds, replay_walk
+from dflash_cb.core.replay import SampleBounds
 from dflash_cb.core.results import SampleRecord
 
 
@@ -192,7 +193,13 @@ def test_results_schema_round_trip_partition_and_refusals(tmp_path, tiny_cache, 
 def test_anchor_statistics_get_intervals_from_per_sample_counts():
     """specforge/acc, acceptance/depth_KK and all_anchor_tau of a stride are ratios of per-sample sums: the
     value is the pooled ratio and the interval comes from resampling samples (offsets included)."""
-    from dflash_cb.core.bootstrap import anchor_interval_metrics
+    from dflash_cb.core.bootstrap import (
+        DEFAULT_LEVEL,
+        DEFAULT_RESAMPLES,
+        DEFAULT_SEED,
+        anchor_sums,
+        interval_keys,
+    )
     from dflash_cb.core.compare import live_metrics
     from dflash_cb.core.metrics import ALL_ANCHOR_TAU, SPECFORGE_ACC, AnchorCounts, ci_high, ci_low, depth_acc
 
@@ -216,5 +223,6 @@ def test_anchor_statistics_get_intervals_from_per_sample_counts():
     for name in (SPECFORGE_ACC, ALL_ANCHOR_TAU, depth_acc(1), depth_acc(2)):
         assert live[ci_low(name)] < sums[name].value < live[ci_high(name)], name
     assert live_metrics(samples, (), ["c"]) == live  # the one stride the samples have: the callback's call today
-    alone = anchor_interval_metrics(samples, 4)
+    # The anchor statistics' intervals alone: the same resamples (they depend on the seed alone), the same ends.
+    alone = interval_keys(anchor_sums(samples, 4), DEFAULT_RESAMPLES, DEFAULT_SEED, DEFAULT_LEVEL)
     assert alone and alone == {k: v for k, v in live.items() if k in alone}  # same resamples, same ends

@@ -203,19 +203,10 @@ def interval_metrics(samples: Sequence[Any], budgets: Sequence[int] = (), catego
     and with ``anchor_stride`` for that stride's anchor statistics (finite ends only)."""
     if not samples:
         return {}
-    return _interval_keys(metric_sums(samples, budgets, categories, anchor_stride), n_resamples, seed, level)
+    return interval_keys(metric_sums(samples, budgets, categories, anchor_stride), n_resamples, seed, level)
 
 
-def anchor_interval_metrics(samples: Sequence[Any], stride: int, n_resamples: int = DEFAULT_RESAMPLES,
-                            seed: int = DEFAULT_SEED, level: float = DEFAULT_LEVEL) -> dict[str, float]:
-    """The interval keys of stride ``stride``'s anchor statistics alone (``anchor_sums``); the same values
-    ``interval_metrics(..., anchor_stride=stride)`` gives them (the resamples depend on the seed alone)."""
-    if not samples:
-        return {}
-    return _interval_keys(anchor_sums(samples, stride), n_resamples, seed, level)
-
-
-def _interval_keys(sums: Mapping[str, Sums], n_resamples: int, seed: int, level: float) -> dict[str, float]:
+def interval_keys(sums: Mapping[str, Sums], n_resamples: int, seed: int, level: float) -> dict[str, float]:
     out: dict[str, float] = {}
     for k, iv in intervals(sums, n_resamples, seed, level).items():
         if math.isfinite(iv.low) and math.isfinite(iv.high):
