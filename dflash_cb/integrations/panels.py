@@ -21,6 +21,7 @@ serialising the view needs no network; only ``save()`` talks to W&B.
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -401,6 +402,10 @@ def _run_history(run: str, entity: str, project: str) -> tuple[list[dict[str, An
 
         rows, summary = offline_history(run)
         return rows, set(summary)
+    if not (entity and project) or "/" in run or os.sep in run or run.endswith(".wandb"):
+        raise PanelsError(f"--run {run}: no such folder; give a local offline run folder (wandb/offline-run-<date>-"
+                          "<id>, written with WANDB_MODE=offline), or the id of a run on W&B with --entity and "
+                          "--project")
 
     def fetch() -> tuple[list[dict[str, Any]], set[str]]:
         import wandb
