@@ -451,3 +451,79 @@ def test_a_tool_run_inside_another_program_leaves_its_thread_count(two_results, 
     torch.set_num_threads(1)
     assert run(tool.main, [str(a), str(b), "--out", str(tmp_path / "cmp"), "--threads", "2"]) == 0
     assert torch.get_num_threads() == 1
+
+
+# -- many small comparisons, odd seeds and labels ------------------------------------------------------------------
+
+def _null_categories(rng: np.random.Generator, n_categories: int = 10, per: int = 6,
+                     gain: float = 0.0) -> tuple[Results, Results]:
+    """Two drafters on ``n_categories`` x ``per`` prompts: each cycle commits one more token with chance 1/2 in
+    either, independently, and in ``gain`` of B's cycles one more still: no difference at ``gain`` 0."""
+    a_s, b_s = [], []
+    for i in range(n_categories * per):
+        lens = 1 + rng.binomial(7, rng.beta(2, 2), rng.integers(20, 60))
+        extra = (rng.random(len(lens)) < gain).astype(int)
+        a_s.append(SampleRecord(f"s{i}", f"c{i % n_categories}", (lens + rng.integers(0, 2, len(lens))).tolist()))
+        b_s.append(SampleRecord(f"s{i}", f"c{i % n_categories}",
+                                (lens + rng.integers(0, 2, len(lens)) + extra).tolist()))
+    meta = {"cache_manifest_sha256": "c" * 64, "ddtree_budgets": []}
+    mk = lambda s: Results({}, s, {"unconditional": [0.5]}, {}, dict(meta))  # noqa: E731
+    return mk(a_s), mk(b_s)
+
+
+def test_category_verdicts_are_many_small_comparisons():
+    """Ten categories of six prompts, no difference anywhere: at 95% each, a category's interval misses zero by
+    chance (the trap); its row gives no verdict, since the overall tau has none. With a real gain the overall
+    tau has a verdict, and each category's is taken from an interval corrected for ten comparisons (Bonferroni:
+    99.5% each), the level shown in its row."""
+    from dflash_cb.core.bootstrap import metric_sums, paired_difference
+    from dflash_cb.core.metrics import category_tau
+
+    cats = [f"c{i}" for i in range(10)]
+    a, b = _null_categories(np.random.default_rng(2))
+    c = compare(["A", "B"], [a, b])
+    d = c.differences[(0, 1)]
+    sa, sb = metric_sums(a.samples, (), cats), metric_sums(b.samples, (), cats)
+    by_chance = [x for x in cats if paired_difference(sa[category_tau(x)], sb[category_tau(x)]).excludes_zero()]
+    assert d["tau"].verdict.startswith("no difference detectable") and by_chance  # the trap is there
+    for x in cats:
+        assert d[category_tau(x)].verdict == "no verdict: the overall tau has none (10 categories are 10 comparisons)"
+    md = render_markdown(c)
+    assert "no verdict: the overall tau has none" in md and "Bonferroni" in md
+    assert "is better" not in md
+    a, b = _null_categories(np.random.default_rng(2), gain=0.5)
+    d = compare(["A", "B"], [a, b]).differences[(0, 1)]
+    assert d["tau"].verdict == "B is better"
+    sa, sb = metric_sums(a.samples, (), cats), metric_sums(b.samples, (), cats)
+    for x in cats:
+        want = paired_difference(sa[category_tau(x)], sb[category_tau(x)], level=1 - 0.05 / 10)
+        got = d[category_tau(x)]
+        assert (got.interval.low, got.interval.high) == (want.low, want.high)
+        assert got.verdict.endswith("(Bonferroni over 10 categories: 99.5% interval)"), got.verdict
+    assert "[99.5%]" in render_markdown(compare(["A", "B"], [a, b]))
+    assert "\n".join(line for line in render_markdown(c).splitlines() if "By position" in line)  # the tables stay
+
+
+def test_a_negative_seed_is_one_line(two_results, tmp_path, capsys):
+    a, b = two_results
+    err = _one_line_refusal(capsys, tmp_path / "cmp", str(a), str(b), "--seed", "-1")
+    assert "--seed -1: expected an integer >= 0" in err
+
+
+def test_the_same_file_twice_is_refused_and_labels_are_told_apart(two_results, tmp_path, capsys, monkeypatch):
+    """The same file compared with itself says so (it used to print ``/first - /first``); files of one name in
+    other folders get the shortest path that tells them apart, never a label starting with '/'."""
+    a, _ = two_results
+    monkeypatch.chdir(a.parent)
+    err = _one_line_refusal(capsys, tmp_path / "cmp", a.name, a.name)
+    assert f"{a.name} is given twice" in err and "two different results files" in err
+    err = _one_line_refusal(capsys, tmp_path / "cmp", a.name, str(a))
+    assert "given twice" in err
+    for sub in ("x/run", "y/run"):
+        (tmp_path / sub).mkdir(parents=True)
+        shutil.copy(a, tmp_path / sub / "first.json")
+    code, out, err = _run_here(capsys, str(tmp_path / "x/run/first.json"), str(tmp_path / "y/run/first.json"),
+                               "--out", str(tmp_path / "cmp"))
+    assert code == 0 and "**y/run/first - x/run/first = +0.000" in out, err
+    code, out, err = _run_here(capsys, a.name, str(tmp_path / "x/run/first.json"), "--out", str(tmp_path / "cmp"))
+    assert code == 0 and "**run/first - first = +0.000" in out, (out[:400], err)
