@@ -64,7 +64,7 @@ def test_tool_writes_markdown_and_png(two_results, tmp_path):
     ra, rb = load_results(a), load_results(b)
     assert f"**second - first = {rb.tau - ra.tau:+.3f} [" in md
     assert "| tau (pooled over cycles) |" in md and "DDTree tau, budget 8" in md and "tau, code" in md
-    assert "### By position in the completion" in md and "| 0_256 |" in md and "| 4plus |" in md
+    assert "### By position in the completion" in md and "| 0_8 |" in md and "| 4plus |" in md
     assert "global step 2" in md and md in proc.stdout
 
 
@@ -259,24 +259,27 @@ def test_labels_out_hashes_and_categories_are_checked(two_results, tmp_path, cap
 
 
 def test_position_buckets_stop_where_the_completions_stop(two_results, tmp_path, capsys):
-    """Buckets past the longest completion printed rows of ``n/a (0 cycles)``."""
+    """Buckets past the longest completion printed rows of ``n/a (0 cycles)``. The tiny cache's completions
+    are 24 tokens: the default edges, fitted to them, are 0, 8, 16, 32, 64 (``positions.fitted_edges``)."""
     from dflash_cb.core.compare import live_metrics
     from dflash_cb.core.report import format_results
 
     a, b = two_results
     res = load_results(a)
     longest = max(sum(s.acceptance_lengths) for s in res.samples)
-    assert 0 < longest <= 256  # the tiny cache: every anchor in the first default bucket [0, 256)
+    assert 16 < longest <= 32  # every anchor in the first three fitted buckets
+    kept = ["0_8", "8_16", "16_32"]
     code, out, err = _run_here(capsys, str(a), str(b), "--out", str(tmp_path / "cmp"), "--resamples", "50")
     assert code == 0, err
-    assert "| 0_256 |" in out and "256_512" not in out and "2048_plus" not in out and "n/a (0)" not in out
+    assert all(f"| {k} |" in out for k in kept) and "32_64" not in out and "64_end" not in out
+    assert "n/a (0)" not in out and "0_256" not in out
     text = format_results(res)  # the console report of tools/eval_drafter.py
-    assert "0_256" in text and "256_512" not in text and "(0 cycles)" not in text
-    assert list(res.breakdown["position"]) == ["0_256"]
-    assert not [k for k in res.metrics if k.startswith("position/") and "0_256" not in k]
+    assert all(k in text for k in kept) and "32_64" not in text and "(0 cycles)" not in text
+    assert list(res.breakdown["position"]) == kept
+    assert not [k for k in res.metrics if k.startswith("position/") and k.split("/")[1] not in kept]
     live = live_metrics(res.samples, res.budgets, res.categories, n_resamples=50)  # what the callback logs
-    assert live["position/0_256/cycles"] == sum(len(s.acceptance_lengths) for s in res.samples)
-    assert not [k for k in live if k.startswith("position/") and "0_256" not in k]
+    assert sum(live[f"position/{k}/cycles"] for k in kept) == sum(len(s.acceptance_lengths) for s in res.samples)
+    assert not [k for k in live if k.startswith("position/") and k.split("/")[1] not in kept]
     # Edges within the data keep every bucket up to the one holding the last anchor.
     cut = longest // 2
     edges = (0, cut, longest, longest + 5)

@@ -349,3 +349,14 @@ def test_a_run_folder_with_two_logs_names_both(small_run, tmp_path, capsys):
     assert f"--run {log}" in err  # the fix: give the file
     code, out, err = _show(capsys, other)
     assert code == 0 and "3.0000" in out
+
+
+def test_the_by_position_section_shows_what_each_bucket_rests_on():
+    """A bucket's tau beside its cycle count: a bucket of a few cycles says little, and the panel shows it."""
+    from dflash_cb.core.metrics import position_cycles, position_tau
+
+    buckets = position_labels(EDGES)
+    plan = panel_plan(PanelLayout(budgets=BUDGETS, position_buckets=buckets))
+    keys = [p.keys for p in plan["By position"]]
+    assert tuple("dflash_eval/" + position_tau(b) for b in buckets) in keys
+    assert tuple("dflash_eval/" + position_cycles(b) for b in buckets) in keys

@@ -376,8 +376,13 @@ def plot_comparison(c: Comparison, path: str | Path) -> Path:
     ax = axes[2]
     for label, s in zip(c.labels, c.samples, strict=True):
         t = position_table(s, c.position_edges)
-        ax.plot(list(t), [math.nan if v["tau"] is None else v["tau"] for v in t.values()], "o-", label=label)
-    ax.set(xlabel="anchor position in the completion", ylabel="tau", title="tau by position")
+        ys = [math.nan if v["tau"] is None else v["tau"] for v in t.values()]
+        ax.plot(list(t), ys, "o-", label=label)
+        for k, (v, y) in enumerate(zip(t.values(), ys, strict=True)):  # what each point rests on
+            if math.isfinite(y):
+                ax.annotate(f"{v['cycles']}", (k, y), textcoords="offset points", xytext=(0, 4), fontsize=7,
+                            ha="center")
+    ax.set(xlabel="anchor position in the completion", ylabel="tau (cycles at each point)", title="tau by position")
     ax.tick_params(axis="x", rotation=20)
     ax.legend(fontsize=8)
     fig.tight_layout()

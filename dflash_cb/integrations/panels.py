@@ -56,6 +56,7 @@ from ..core.metrics import (
     ddtree_tau,
     depth_acc,
     depth_acc_cond,
+    position_cycles,
     position_tau,
 )
 from ..core.positions import DEFAULT_CYCLE_BUCKETS, DEFAULT_POSITION_EDGES, cycle_labels, position_labels
@@ -159,6 +160,8 @@ def panel_plan(layout: PanelLayout) -> dict[str, list[PanelSpec]]:
                  line("acceptance per depth (given the previous depths matched)", [depth_acc_cond(k) for k in depths])]
 
     by_position = [line("tau by anchor position in the completion", [position_tau(b) for b in layout.position_buckets]),
+                   line("cycles by anchor position (what each bucket's tau rests on)",
+                        [position_cycles(b) for b in layout.position_buckets]),
                    line("tau by cycle index after the prompt", [cycle_tau(b) for b in layout.cycle_buckets])]
 
     cost = [line(f"cost: {n}", [n]) for n in layout.cost]
