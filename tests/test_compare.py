@@ -530,3 +530,27 @@ def test_the_same_file_twice_is_refused_and_labels_are_told_apart(two_results, t
     assert code == 0 and "**y/run/first - x/run/first = +0.000" in out, err
     code, out, err = _run_here(capsys, a.name, str(tmp_path / "x/run/first.json"), "--out", str(tmp_path / "cmp"))
     assert code == 0 and "**run/first - first = +0.000" in out, (out[:400], err)
+
+
+def test_published_figures_per_category_stand_beside_that_category_or_the_overall_figure(two_results, tmp_path,
+                                                                                          capsys):
+    """A published per-benchmark request mean stands beside the evaluations' request mean of that category where
+    the prompts have it, and beside their request mean over all prompts (said so) where they do not."""
+    import yaml
+
+    from dflash_cb.core.metrics import TAU_REQUEST_MEAN
+
+    a, b = two_results
+    pub = tmp_path / "pub.yaml"
+    pub.write_text(yaml.safe_dump({"entries": [{"name": "authors", "source": "TEST DATA", "convention": "request_mean",
+                                                "metrics": {"category/code/tau": 6.0, "category/gsm8k/tau": 6.55}}]}))
+    code, out, err = _run_here(capsys, str(a), str(b), "--out", str(tmp_path / "cmp"), "--published", str(pub))
+    assert code == 0, err
+    rows = [line for line in out.splitlines() if line.startswith("| authors |")]
+    ra, rb = load_results(a), load_results(b)
+    code_row = next(r for r in rows if "code" in r)
+    assert "| tau, code, mean over requests (dflash.benchmark) | 6.000 |" in code_row
+    assert all(f"{r.metric('category/code/tau_request_mean'):.3f} [" in code_row for r in (ra, rb))
+    gsm = next(r for r in rows if "gsm8k" in r)
+    assert "| tau, gsm8k, mean over requests (dflash.benchmark) | 6.550 |" in gsm
+    assert all(f"{r.metric(TAU_REQUEST_MEAN):.3f} [" in gsm for r in (ra, rb)) and gsm.count("(all prompts)") == 2

@@ -99,3 +99,10 @@ def test_the_pages_build_strict(tmp_path):
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert (tmp_path / "site" / "metrics" / "index.html").exists()
+
+
+def test_the_metrics_page_opens_with_the_number_to_watch_and_why_the_accuracies_differ():
+    """A new user reads the first lines: which figure to watch, and why the live specforge/acc is not the tool's."""
+    head = "\n".join((ROOT / "docs" / "metrics.md").read_text().splitlines()[:16])
+    assert "**Watch `dflash_eval/tau`**" in head
+    assert "`specforge/acc`" in head and "full/specforge/acc" in head and "--anchor-stride" in head

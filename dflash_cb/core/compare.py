@@ -259,7 +259,8 @@ def _metric_label(metric: str) -> str:
     if metric.startswith("ddtree/tau_b"):
         return f"DDTree tau, budget {metric.rsplit('_b', 1)[1]}"
     if metric.startswith("category/"):
-        return f"tau, {metric.split('/')[1]}"
+        _, category, name = metric.split("/", 2)
+        return f"tau, {category}" + (", mean over requests (dflash.benchmark)" if name == TAU_REQUEST_MEAN else "")
     return metric
 
 
@@ -276,7 +277,8 @@ def _metrics_order(c: Comparison) -> list[str]:
 
 
 def published_rows(c: Comparison, published: Sequence[Any]) -> list[str]:
-    """Markdown rows: each published figure beside every evaluation's figure of the same convention.
+    """Markdown rows: each published figure beside every evaluation's figure of the same convention (a figure of
+    a category the evaluations do not have: beside their figure over all prompts, marked ``(all prompts)``).
 
     ``published``: ``baselines.Baseline`` entries of kind published (their metric names already carry the
     convention, ``baselines.published_metric``). A figure no evaluation has is listed as such.
@@ -284,9 +286,17 @@ def published_rows(c: Comparison, published: Sequence[Any]) -> list[str]:
     rows = []
     for b in published:
         for m, v in sorted(b.metrics.items()):
-            live = [c.intervals[i][m] if m in c.intervals[i] else None for i in range(len(c.labels))]
-            cells = " | ".join("n/a" if iv is None else _fmt_iv(iv) for iv in live)
-            rows.append(f"| {b.name} | {_metric_label(m)} | {v:.3f} | {cells} |")
+            cells = []
+            for iv in c.intervals:
+                # A benchmark these prompts do not have: beside the same convention over all prompts, said so.
+                overall = m.rsplit("/", 1)[1] if m.startswith("category/") and m not in iv else None
+                if m in iv:
+                    cells.append(_fmt_iv(iv[m]))
+                elif overall in iv:
+                    cells.append(f"{_fmt_iv(iv[overall])} (all prompts)")
+                else:
+                    cells.append("n/a")
+            rows.append(f"| {b.name} | {_metric_label(m)} | {v:.3f} | {' | '.join(cells)} |")
     return rows
 
 

@@ -346,7 +346,7 @@ def derived_metrics(samples: list[Any], budgets: tuple[int, ...] | list[int], ca
     """
     position = position_table(samples, position_edges, categories)
     cycle = cycle_table(samples, cycle_buckets, categories)
-    scalars = request_means(samples)
+    scalars = request_means(samples, categories)
     scalars.update(interval_metrics(samples, budgets, categories, n_resamples, seed, anchor_stride=anchor_stride))
     scalars.update(breakdown_metrics(position, cycle))
     tables = {"position_edges": list(position_edges_for(samples, position_edges)), "position": position, "cycle": cycle,
