@@ -106,3 +106,20 @@ def test_the_metrics_page_opens_with_the_number_to_watch_and_why_the_accuracies_
     head = "\n".join((ROOT / "docs" / "metrics.md").read_text().splitlines()[:16])
     assert "**Watch `dflash_eval/tau`**" in head
     assert "`specforge/acc`" in head and "full/specforge/acc" in head and "--anchor-stride" in head
+
+
+_DURATION = re.compile(r"\b\d+(?:\.\d+)?\s?(?:s|ms|seconds?|minutes?)\b|\babout a minute\b|\bunder a minute\b|"
+                       r"\ba few minutes\b")
+
+
+def test_every_quoted_timing_says_its_thread_count():
+    """A time depends on the threads it ran with: a paragraph that quotes one says how many (a measured table's
+    header names them: ``benchmarks/_docs.py``)."""
+    missing = []
+    for page in sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]:
+        text = re.sub(r"<!-- table:(\S+) -->.*?<!-- /table:\1 -->", "", page.read_text(), flags=re.S)
+        text = re.sub(r"```.*?```", "", text, flags=re.S)  # commands and formulas, not measurements
+        for paragraph in re.split(r"\n\s*\n", text):
+            if _DURATION.search(paragraph) and "thread" not in paragraph:
+                missing.append(f"{page.name}: {' '.join(paragraph.split())[:160]}")
+    assert not missing, "\n".join(missing)
