@@ -22,16 +22,17 @@ from dflash_cb.cache.states import CacheMismatchError, StateCache
 from dflash_cb.core.metrics import EVAL_TIME
 from dflash_cb.demo.lightning_module import CachedStatesDataModule, DFlashDrafterModule
 from dflash_cb.integrations.evaluator import DFlashEvalError
+from dflash_cb.integrations.sample_table import format_blocks, make_decoder
 from dflash_cb.integrations.schedule import (
-    FIT_END,
     Profile,
+    Reason,
+    Trigger,
     choose_profile,
     fit_end_eval_due,
     fit_start_eval_due,
     is_full_evaluation,
     periodic_eval_reason,
 )
-from dflash_cb.integrations.wandb_logging import format_blocks, make_decoder
 
 ROOT = Path(__file__).resolve().parents[1]
 BUDGETS = [4, 8]
@@ -440,6 +441,28 @@ def test_cli_yaml_config_parses_into_callback(tmp_path, tiny_cache, tiny_drafter
     assert [h["step"] for h in cb.history] == [0, 2] and mine[0].best_model_score is not None
 
 
+def test_the_shipped_yaml_lists_every_argument_with_its_default():
+    """configs/callback/dflash_eval.yaml is the callback's reference: every argument (the old names of the light
+    options excepted, named in a comment), each with the default the signature has (the cache path aside)."""
+    import inspect
+
+    import yaml
+
+    from dflash_cb.integrations.config import OLD_NAMES
+
+    text = (ROOT / "configs" / "callback" / "dflash_eval.yaml").read_text()
+    listed = yaml.safe_load(text)["trainer"]["callbacks+"][0]["init_args"]
+    params = inspect.signature(DFlashEvalCallback.__init__).parameters
+    assert set(listed) == set(params) - {"self", *OLD_NAMES}
+    for name, value in listed.items():
+        default = params[name].default
+        if name == "states":
+            continue
+        want = list(default) if isinstance(default, tuple) else ({} if name == "baselines" else default)
+        assert value == want, name
+    assert all(old in text for old in OLD_NAMES) and "jsonargparse[signatures] >= 4.39.0" in text
+
+
 def test_state_dict_round_trip():
     cb = DFlashEvalCallback(states="x", every_n_train_steps=5)
     saved = {**cb.state_dict(), "last_eval_step": 10, "num_evals": 3, "start_done": True,
@@ -457,9 +480,10 @@ def test_schedule_decisions():
     """The hooks' decisions as pure functions: when to evaluate, and with which profile."""
     # every 2 steps, max_steps 6: steps 2 and 4 are periodic, step 6 is the fit-end one
     assert [periodic_eval_reason(s, 2, -1, True, 6) for s in range(7)] == [
-        None, None, "step 2", None, "step 4", None, FIT_END]
-    assert periodic_eval_reason(6, 2, -1, False, 6) == "step 6"  # no fit-end evaluation asked for
-    assert periodic_eval_reason(6, 2, -1, True, -1) == "step 6"  # no max_steps: the last step is unknown
+        None, None, Reason(Trigger.PERIODIC, 2), None, Reason(Trigger.PERIODIC, 4), None, Reason(Trigger.FIT_END, 6)]
+    assert [str(periodic_eval_reason(s, 2, -1, True, 6)) for s in (2, 6)] == ["step 2", "fit end"]  # in messages
+    assert periodic_eval_reason(6, 2, -1, False, 6) == Reason(Trigger.PERIODIC, 6)  # no fit-end evaluation asked for
+    assert periodic_eval_reason(6, 2, -1, True, -1) == Reason(Trigger.PERIODIC, 6)  # no max_steps: last step unknown
     assert periodic_eval_reason(4, 2, 4, True, 6) is None  # the next micro-batch of an evaluated step
     assert periodic_eval_reason(4, 0, -1, True, 6) is None  # periodic evaluations off
     assert fit_start_eval_due(0, -1, False, True)
@@ -470,20 +494,22 @@ def test_schedule_decisions():
     assert fit_end_eval_due(6, 6, False, True)  # the last step's evaluation was a light one
     assert not fit_end_eval_due(6, 6, True, True)
     assert not fit_end_eval_due(6, 4, False, False)
-    assert [is_full_evaluation("step", k, 3) for k in range(6)] == [False, False, True, False, False, True]
-    assert is_full_evaluation(FIT_END, 0, 0) and not any(is_full_evaluation("step", k, 0) for k in range(6))
+    step, end = Reason(Trigger.PERIODIC, 2), Reason(Trigger.FIT_END, 6)
+    assert [is_full_evaluation(step, k, 3) for k in range(6)] == [False, False, True, False, False, True]
+    assert is_full_evaluation(end, 0, 0) and not any(is_full_evaluation(step, k, 0) for k in range(6))
 
 
 def test_evaluation_profiles():
     """Light periodic evaluations, a full one every N-th and at fit end; bad profile values refused early."""
     cfg = DFlashEvalCallback(states="x", ddtree_budgets=[16, 32, 64], full_every_n_evals=3).config
-    plan = [choose_profile("step", k, cfg.full_every_n_evals, cfg.ddtree_budgets, cfg.light_budgets,
+    step, end = Reason(Trigger.PERIODIC, 2), Reason(Trigger.FIT_END, 6)
+    plan = [choose_profile(step, k, cfg.full_every_n_evals, cfg.ddtree_budgets, cfg.light_budgets,
                            cfg.light_stride(16)) for k in range(6)]
     light, full = Profile(False, (64,), 16, (64,), 16), Profile(True, (16, 32, 64), 1, (64,), 16)
     assert plan == [light, light, full, light, light, full]
-    assert choose_profile(FIT_END, 0, 3, cfg.ddtree_budgets, cfg.light_budgets, cfg.light_stride(16)) == full
+    assert choose_profile(end, 0, 3, cfg.ddtree_budgets, cfg.light_budgets, cfg.light_stride(16)) == full
     custom = DFlashEvalCallback(states="x", periodic_ddtree_budgets=[8, 4], periodic_anchor_stride=4).config
-    assert choose_profile("step", 0, 0, custom.ddtree_budgets, custom.light_budgets,
+    assert choose_profile(step, 0, 0, custom.ddtree_budgets, custom.light_budgets,
                           custom.light_stride(16)) == Profile(False, (4, 8), 4, (4, 8), 4)
     for bad in ({"periodic_anchor_stride": 0}, {"full_every_n_evals": -1}, {"periodic_ddtree_budgets": [0]},
                 {"tail_blocks": "short"}):

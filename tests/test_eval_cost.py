@@ -67,19 +67,19 @@ def test_setup_hashes_each_file_once_per_process(tmp_path, tiny_cache, tiny_draf
 
 @pytest.mark.e2e
 def test_predicted_cost_and_overhead_are_printed_and_logged(tmp_path, tiny_cache, tiny_drafter_config, caplog):
-    """Setup prints one line (setup time, hashing, predicted periodic and full cost) and logs the
+    """Setup prints one line (setup time, hashing, predicted light and full cost) and logs the
     prediction; every evaluation after training logs eval_overhead in (0, 1) and prints it."""
     cb = DFlashEvalCallback(states=tiny_cache, every_n_train_steps=2, ddtree_budgets=[4, 8])
     with caplog.at_level(logging.INFO):
         trainer, _ = fit(tmp_path, tiny_drafter_config, tiny_cache, [cb], max_steps=4,
                          logger=CSVLogger(tmp_path / "logs"))
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("DFlashEvalCallback")]
-    assert lines[0].startswith("DFlashEvalCallback setup ") and "predicted at tau 1.00: periodic: ~" in lines[0]
+    assert lines[0].startswith("DFlashEvalCallback setup ") and "predicted at tau 1.00: light: ~" in lines[0]
     assert "full: ~" in lines[0] and "sha256 of" in lines[0]
     logged = read_csv_metrics(Path(trainer.logger.log_dir) / "metrics.csv")
     # tau 1: every anchor is drafted with every depth read, whatever the profile
-    assert logged[0]["predicted/full_gflop"] >= logged[0]["predicted/periodic_gflop"] > 0
-    assert logged[0]["predicted/full_anchors"] >= logged[0]["predicted/periodic_anchors"] > 0
+    assert logged[0]["predicted/full_gflop"] >= logged[0]["predicted/light_gflop"] > 0
+    assert logged[0]["predicted/full_anchors"] >= logged[0]["predicted/light_anchors"] > 0
     assert logged[0]["setup_time_s"] > 0
     assert "eval_overhead" not in logged[0]  # the fit-start evaluation has no training before it
     for step in (2, 4):

@@ -229,8 +229,8 @@ def test_bf16_evaluation_holds_no_float32_head(tiny_cache, drafter_dir, tmp_path
     assert m.target_head["dtype"] == "float32"
     heads = []
     evaluate = engine.evaluate
-    monkeypatch.setattr(engine, "evaluate", lambda cache, drafter, head, **k: heads.append(head) or
-                        evaluate(cache, drafter, head, **k))
+    monkeypatch.setattr(engine, "evaluate", lambda cache, drafter, head, *a, **k: heads.append(head) or
+                        evaluate(cache, drafter, head, *a, **k))
     shapes = {(m.vocab_size, m.hidden_size), (m.hidden_size, m.vocab_size)}  # the head or its transpose
     with Allocations(lambda t: tuple(t.shape) in shapes) as seen:
         code, out, err = evaluate_tool(capsys, tiny_cache, drafter_dir, tmp_path / "r.json", "--dtype", "bfloat16")

@@ -228,7 +228,7 @@ def test_the_anchor_set_is_part_of_the_series(tiny_cache, tiny_drafter_config):
         warnings.simplefilter("error", RuntimeWarning)
         same.start(2, d)
     assert [h["step"] for h in same.history] == [0, 2]
-    for other in ({"anchor_seed": 4}, {"periodic_anchor_stride": 3}, {"block_size": 5}):
+    for other in ({"anchor_seed": 4}, {"light_anchor_stride": 3}, {"block_size": 5}):
         resumed = evaluator(tiny_cache, every_n_train_steps=2, **{"anchor_seed": 3, **other})
         resumed.load_state_dict(saved)
         with pytest.warns(RuntimeWarning, match="measured with another block or anchor set"):
@@ -237,8 +237,8 @@ def test_the_anchor_set_is_part_of_the_series(tiny_cache, tiny_drafter_config):
 
 
 def test_a_stride_past_most_completions_is_warned_about_at_setup(tiny_cache, tiny_drafter_config):
-    with pytest.warns(RuntimeWarning, match="periodic_anchor_stride 4096"):
-        evaluator(tiny_cache, periodic_anchor_stride=4096).setup(drafter(tiny_drafter_config))
+    with pytest.warns(RuntimeWarning, match="light_anchor_stride 4096"):
+        evaluator(tiny_cache, light_anchor_stride=4096).setup(drafter(tiny_drafter_config))
 
 
 def test_every_evaluation_logs_the_light_estimator_under_the_main_keys(tiny_cache, tiny_drafter_config):

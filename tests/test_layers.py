@@ -102,3 +102,26 @@ def test_no_import_circles():
                 path.append(nxt)
                 stack.append(iter(sorted(graph[nxt])))
     assert not circles, "\n".join(circles)
+
+
+def test_the_public_api_is_what_a_user_imports():
+    """``dflash_cb`` exports the adapters, the evaluator and its config, the sink interface, the offline API and
+    the metric names, each resolving to the object of its module; importing the package pulls in neither
+    Lightning, transformers' Trainer nor W&B."""
+    import subprocess
+    import sys
+
+    import dflash_cb
+    from dflash_cb import TAU_KEY, metric_key
+    from dflash_cb.integrations.callback import DFlashEvalCallback
+    from dflash_cb.integrations.specforge import attach
+
+    assert sorted(dflash_cb.__all__) == sorted([*dflash_cb._EXPORTS, "__version__"])
+    for name in dflash_cb.__all__:
+        assert getattr(dflash_cb, name) is not None, name
+    assert dflash_cb.DFlashEvalCallback is DFlashEvalCallback and dflash_cb.attach_specforge is attach
+    assert TAU_KEY == "dflash_eval/tau" == metric_key("tau") and metric_key("tau", "x/") == "x/tau"
+    code = ("import sys, dflash_cb; dflash_cb.TAU_KEY; dflash_cb.EvalConfig; "
+            "print(sorted(m for m in ('lightning', 'wandb', 'transformers.trainer') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -19,32 +19,60 @@ CLOCKS = {"perf_counter", "perf_counter_ns", "process_time", "process_time_ns", 
 CLOCK_MODULES = {"time", "timeit", "resource", "os"}
 
 
-def _is_clock(node: ast.AST, imported: set[str], helpers: set[str]) -> bool:
-    """A clock read (called or passed on), a PhaseTimer on its default clock, or a module helper that reads one."""
+def _is_clock(node: ast.AST, imported: set[str]) -> bool:
+    """A clock read, called or passed on (``time.perf_counter``, ``process_time`` imported by name, ...)."""
     if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
         return node.value.id in CLOCK_MODULES and node.attr in CLOCKS
-    if isinstance(node, ast.Name):
-        return node.id in imported
-    if isinstance(node, ast.Call):
-        name = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", "")
-        if name == "PhaseTimer" and not any(k.arg == "clock" for k in node.keywords) and len(node.args) < 1:
-            return True
-        return name in helpers
-    return False
+    return isinstance(node, ast.Name) and node.id in imported
 
 
-def _uses(expr: ast.AST, tainted: set[str], imported: set[str], helpers: set[str]) -> bool:
-    return any(_is_clock(n, imported, helpers) or (isinstance(n, ast.Name) and n.id in tainted)
-               for n in ast.walk(expr))
+class _Scope:
+    """What one function knows: names holding a clock's reading (``raw``: a timestamp, a deadline) and names
+    holding a measured time (``measured``: a difference of readings, a default ``PhaseTimer``)."""
+
+    def __init__(self, imported: set[str], helpers: set[str]):
+        self.imported, self.helpers = imported, helpers
+        self.raw: set[str] = set()
+        self.measured: set[str] = set()
+
+    def reads(self, expr: ast.AST) -> bool:
+        return any(_is_clock(n, self.imported) or (isinstance(n, ast.Name) and n.id in self.raw | self.measured)
+                   for n in ast.walk(expr))
+
+    def measures(self, expr: ast.AST) -> bool:
+        """A time measured in ``expr``: two readings subtracted or compared, a measured name, a helper that
+        returns one, or a ``PhaseTimer`` on its default clock. A single reading (a timestamp, ``now + 30`` for a
+        deadline) measures nothing."""
+        for n in ast.walk(expr):
+            if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Sub) and (self.reads(n.left) or self.reads(n.right)):
+                return True
+            if isinstance(n, ast.Compare) and sum(map(self.reads, [n.left, *n.comparators])) >= 2:
+                return True
+            if isinstance(n, ast.Name) and n.id in self.measured:
+                return True
+            if isinstance(n, ast.Call):
+                name = n.func.id if isinstance(n.func, ast.Name) else getattr(n.func, "attr", "")
+                if name in self.helpers or (name == "PhaseTimer" and not n.args
+                                            and not any(k.arg == "clock" for k in n.keywords)):
+                    return True
+        return False
+
+    def learn(self, bindings: list[tuple[set[str], ast.AST]]) -> None:
+        grew = True
+        while grew:
+            grew = False
+            for names, value in bindings:
+                if not names <= self.measured and self.measures(value):
+                    self.measured |= names
+                    grew = True
+                elif not names <= self.raw | self.measured and self.reads(value):
+                    self.raw |= names
+                    grew = True
 
 
 def _bound_names(target: ast.AST) -> set[str]:
     """Names a target binds or mutates (``x``, ``x[i]``, ``x.y``, tuples of those)."""
-    out = set()
-    for n in ast.walk(target):
-        if isinstance(n, ast.Name):
-            out.add(n.id)
-    return out
+    return {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
 
 
 def _bindings(fn: ast.AST) -> list[tuple[set[str], ast.AST]]:
@@ -77,23 +105,18 @@ def timed_asserts(source: str, filename: str) -> list[str]:
     while changed:  # a helper that returns what a clock measured is a clock itself
         changed = False
         for fn in functions:
-            if fn.name not in helpers and any(_is_clock(n, imported, helpers) for n in ast.walk(fn)) and any(
-                    isinstance(n, ast.Return) and n.value is not None for n in ast.walk(fn)):
+            if fn.name in helpers:
+                continue
+            scope = _Scope(imported, helpers)
+            scope.learn(_bindings(fn))
+            if any(isinstance(n, ast.Return) and n.value is not None and scope.measures(n.value) for n in ast.walk(fn)):
                 helpers.add(fn.name)
                 changed = True
     found = []
     for fn in functions:
-        tainted: set[str] = set()
-        bindings = _bindings(fn)
-        grew = True
-        while grew:
-            grew = False
-            for names, value in bindings:
-                if not names <= tainted and _uses(value, tainted, imported, helpers):
-                    tainted |= names
-                    grew = True
-        found += [f"{filename}:{n.lineno}" for n in ast.walk(fn)
-                  if isinstance(n, ast.Assert) and _uses(n.test, tainted, imported, helpers)]
+        scope = _Scope(imported, helpers)
+        scope.learn(_bindings(fn))
+        found += [f"{filename}:{n.lineno}" for n in ast.walk(fn) if isinstance(n, ast.Assert) and scope.measures(n.test)]
     return sorted(set(found))
 
 
@@ -105,12 +128,15 @@ def test_the_check_sees_a_timed_assert_and_lets_a_deadline_pass():
         "def test_b():\n    out = []\n    for _ in range(3):\n        out.append(secs(g))\n    assert min(out) < 2\n",
         "from time import monotonic as m\ndef test_c():\n    s = m()\n    total = m() - s\n    assert total < 3\n",
         "def test_d():\n    timer = PhaseTimer()\n    run(timer)\n    assert timer.total > 0\n",
+        "def test_h():\n    deadline = time.monotonic() + 30\n    run()\n    assert time.monotonic() < deadline\n",
     }
     for source in refused:
         assert timed_asserts(source, "x.py"), source
     allowed = ("def test_e():\n    deadline = time.monotonic() + 30\n    while time.monotonic() < deadline:\n"
                "        if done():\n            break\n    assert done()\n"
-               "def test_f():\n    timer = PhaseTimer(clock=ticks)\n    run(timer)\n    assert timer.total <= 9\n")
+               "def test_f():\n    timer = PhaseTimer(clock=ticks)\n    run(timer)\n    assert timer.total <= 9\n"
+               "def answer():\n    return {'created': int(time.time())}\n"
+               "def test_g():\n    a = answer()\n    assert a['created'] > 0\n")
     assert timed_asserts(allowed, "x.py") == []
 
 

@@ -187,7 +187,7 @@ def test_panels_show_what_the_light_and_full_profiles_log(offline_run, tiny_draf
     # References: no DDTree key the layout cannot know was logged; from the run's keys, exactly those logged.
     assert not [k for k in keys if "/baseline/" in k or "/published/" in k]
     logged = set().union(*history)
-    rows_layout = layout_from_keys(logged | set(offline_run["summary"]), periodic_budgets=[8])
+    rows_layout = layout_from_keys(logged | set(offline_run["summary"]), light_budgets=[8])
     keys = _ddtree_panel(panel_plan(rows_layout))
     assert {"dflash_eval/baseline/zlab/ddtree/tau_b4", "dflash_eval/published/paper-x/ddtree/tau_b8"} <= set(keys)
     assert set(keys) <= logged

@@ -26,68 +26,24 @@ from pathlib import Path
 from typing import Any
 
 import local_http
-import oracles
 import pytest
 import torch
 from full_block_loop import full_block_generate
 from local_http import JSONHandler
 from processes import sigkill_when
+from served_world import BLOCK, LAYERS, MAX_NEW, N_PROMPTS, build_world, drafter_config, precompute
+from served_world import edited_cache as _edited
 
 from dflash_cb.core.results import load_results
 
-dm = oracles.require("dflash.model")
-
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = [1, 3]
-MAX_NEW = 40
-BLOCK = 6
-N_PROMPTS = 6
-
-
-def _drafter_config(vocab: int, hidden: int) -> dict:
-    return dict(
-        architectures=["DFlashDraftModel"], model_type="qwen3", vocab_size=vocab, hidden_size=hidden,
-        intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-        max_position_embeddings=512, rms_norm_eps=1e-6, num_target_layers=4, block_size=BLOCK,
-        dflash_config={"target_layer_ids": LAYERS, "mask_token_id": vocab - 1},
-    )
-
-
-def _precompute(*args: str) -> int:
-    from dflash_cb.cache.precompute import main
-
-    return main([*args, "--layers", ",".join(map(str, LAYERS)), "--dtype", "float32",
-                 "--max-new-tokens", str(MAX_NEW), "--no-progress"])
+_drafter_config, _precompute = drafter_config, precompute
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Tiny target, a local cache to train on, the served drafter (trained) and another one (untrained)."""
-    from tiny_target import random_prompts, save_tiny_qwen3, train_briefly, write_prompts
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    from dflash_cb.cache.states import StateCache
-    from dflash_cb.core.model import DFlashDrafter
-
-    root = tmp_path_factory.mktemp("served")
-    target_dir = save_tiny_qwen3(root / "target", seed=3)
-    prompts = write_prompts(root / "prompts.jsonl", random_prompts(N_PROMPTS, (4, 12), seed=5, vocab=120),
-                            categories=["math", "code"])
-    assert _precompute("--target", str(target_dir), "--prompts", str(prompts), "--out", str(root / "local"),
-                       "--reference", "local") == 0
-    cache = StateCache(root / "local")
-    m = cache.manifest
-    cfg = _drafter_config(m.vocab_size, m.hidden_size)
-    torch.manual_seed(0)
-    other = DFlashDrafter.from_config_dict(cfg).eval()
-    served = train_briefly(DFlashDrafter.from_config_dict(cfg), cache)  # partial acceptance: rounds informative
-    served.save_pretrained(root / "drafter-served")
-    other.save_pretrained(root / "drafter-other")
-    ref = dm.DFlashDraftModel(Qwen3Config(**cfg)).eval()
-    ref.load_state_dict(served.state_dict())
-    target = Qwen3ForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    yield dict(root=root, target_dir=target_dir, prompts=prompts, ref=ref, target=target, mask=m.vocab_size - 1,
-               stop=m.stop_token_ids, drafter=root / "drafter-served", other=root / "drafter-other")
+    return build_world(tmp_path_factory.mktemp("served"))
 
 
 class SpecServer:
@@ -571,19 +527,6 @@ def test_one_definition_of_comparable_samples(served_cache) -> None:
 # -- the server's block size --------------------------------------------------------------------------
 
 SMALL = 4  # a served block shorter than the drafter's BLOCK
-
-
-def _edited(src: Path, dst: Path, edit) -> Path:
-    """A copy of the cache at ``src`` whose manifest ``edit(manifest_dict)`` changed (the shards are the same)."""
-    import shutil
-
-    from dflash_cb.cache.manifest import MANIFEST_NAME
-
-    shutil.copytree(src, dst)
-    data = json.loads((dst / MANIFEST_NAME).read_text())
-    edit(data)
-    (dst / MANIFEST_NAME).write_text(json.dumps(data))
-    return dst
 
 
 def _drafter_at_block(world: dict[str, Any], block: int, out: Path) -> Path:

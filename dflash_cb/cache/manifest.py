@@ -65,8 +65,9 @@ class SampleEntry:
     valid_len: int
     finish_reason: str
     index: int = 0  # position in the prompt file
-    # The server's own speculative counters for this request (every spec_* field of SGLang's
-    # meta_info, e.g. spec_verify_ct, spec_accept_length); None when the server sent none.
+    # The server's own speculative counters for this request: every spec_* field of SGLang's
+    # meta_info (e.g. spec_verify_ct, spec_accept_length), or the change of vLLM's vllm:* counters
+    # across it with whether it is the request's own (vllm_counters); None when the server sent none.
     served_spec: dict[str, Any] | None = None
 
     @property
@@ -87,7 +88,7 @@ class Manifest:
     target: dict[str, Any]  # name_or_path, architecture, num_layers, hidden_size, vocab_size, config_sha256
     layer_ids: list[int]
     dtype: str
-    # The completion source (the precompute's --reference): kind (local | sglang | file), url, served_model,
+    # The completion source (the precompute's --reference): kind (local | sglang | vllm | file), url, served_model,
     # sampling_params, max_new_tokens, stop_token_ids; the key keeps the option's name.
     reference: dict[str, Any]
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -97,8 +98,9 @@ class Manifest:
     agreement: dict[str, Any] = field(default_factory=dict)
     target_head: dict[str, Any] | None = None  # file, sha256, tied, vocab_size, hidden_size, dtype
     prompts: dict[str, Any] = field(default_factory=dict)  # file name and sha256 of the prompt set
-    # The server's speculative configuration (/get_server_info: algorithm, draft_model_path,
-    # num_draft_tokens, topk, num_steps); None for local/file completions or servers that do not say.
+    # The server's speculative configuration (SGLang's /get_server_info: algorithm, draft_model_path,
+    # num_draft_tokens, topk, num_steps; vLLM's: server "vllm", what /metrics and /server_info say);
+    # None for local/file completions or servers that do not say.
     served_spec_config: dict[str, Any] | None = None
     compute_dtype: str | None = None  # dtype the target computed in; None (older caches): the same as dtype
     layer_index_convention: str = LAYER_INDEX_CONVENTION

@@ -1,5 +1,11 @@
 """The server's own speculative counters next to the offline replay (``--served-check``).
 
+Two servers, one set of rules: SGLang reports its counters per request (below); vLLM reports
+server-wide Prometheus counters, whose change across a request the precompute records when the
+request ran alone (``vllm_counters``: its names, its attribution rule, its checks). A sample's
+``served_spec`` says which by its field names (``spec_*`` or ``vllm:*``), and every function here that
+reads one dispatches on that.
+
 When SGLang serves the target with speculative decoding, every ``/generate`` answer carries the
 request's counters in ``meta_info``. The precompute keeps every ``spec_*`` field per sample
 (``SampleEntry.served_spec``) and the server's speculative configuration from
@@ -44,6 +50,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..common.errors import DFlashCBError
+from . import vllm_counters as V
+from .counts import clip as _clip
+from .counts import json_safe as _json_safe
+from .counts import too_few_drafts, too_many_rounds, whole_count
 
 SPEC_PREFIX = "spec_"
 VERIFY_CT = "spec_verify_ct"
@@ -75,18 +85,6 @@ class ServedCheckError(DFlashCBError, ValueError):
 
 # -- parsing (what the precompute stores) ---------------------------------------------------------
 
-def _json_safe(value: Any) -> bool:
-    if isinstance(value, bool) or value is None or isinstance(value, (int, str)):
-        return True
-    if isinstance(value, float):
-        return math.isfinite(value)  # the manifest must stay valid JSON
-    if isinstance(value, (list, tuple)):
-        return all(_json_safe(v) for v in value)
-    if isinstance(value, dict):
-        return all(isinstance(k, str) and _json_safe(v) for k, v in value.items())
-    return False
-
-
 def served_counters(meta_info: Mapping[str, Any] | None) -> dict[str, Any] | None:
     """Every ``spec_*`` field of a ``/generate`` answer's ``meta_info`` (sorted), with ``num_retractions``
     when the answer has spec fields, or None when there is none.
@@ -94,10 +92,14 @@ def served_counters(meta_info: Mapping[str, Any] | None) -> dict[str, Any] | Non
     Names are kept as the server sends them (they changed between SGLang versions), values that are
     not JSON-safe (NaN, objects) are dropped. A non-speculative server sends none, and so does a
     speculative one for a request that needed no verification round (SGLang writes the fields only
-    when ``spec_verify_ct > 0``).
+    when ``spec_verify_ct > 0``). vLLM's per-request counters (``vllm_counters.request_counters``) are
+    kept under their own names, with whether they are the request's own.
     """
     if not isinstance(meta_info, Mapping):
         return None
+    if V.is_vllm(meta_info):
+        kept_v = V.kept_fields(meta_info)
+        return {k: kept_v[k] for k in sorted(kept_v)} or None
     kept = {str(k): (list(v) if isinstance(v, tuple) else v) for k, v in meta_info.items()
             if isinstance(k, str) and k.startswith(SPEC_PREFIX) and _json_safe(v)}
     if kept and _json_safe(meta_info.get(RETRACTIONS)) and RETRACTIONS in meta_info:
@@ -150,11 +152,19 @@ def served_block_size(server: Mapping[str, Any] | None) -> int | None:
     sets it too (SGLang refuses the two set apart, and resolves an unset one from the draft model's
     config, so a DFlash server reports the block it drafts with). For another algorithm the draft
     tokens are not a block: None, as for an old manifest that recorded neither.
+
+    vLLM drafts ``num_speculative_tokens`` tokens a round after the anchor: its block is that + 1, from
+    ``/server_info`` where the server serves it, else from the positions of its per-position counter
+    (``vllm_counters.speculative_config``).
     """
     if not isinstance(server, Mapping):
         return None
     if "algorithm" in server and str(server["algorithm"]).upper() != "DFLASH":  # None: not speculating
         return None
+    if server.get("server") == "vllm":
+        said, counted = V.drafts_per_round(server)
+        k = said or counted
+        return k + 1 if k else None
     for key in ("dflash_block_size", "num_draft_tokens"):
         v = server.get(key)
         if isinstance(v, int) and not isinstance(v, bool) and v > 0:
@@ -162,10 +172,15 @@ def served_block_size(server: Mapping[str, Any] | None) -> int | None:
     return None
 
 
+def rounds_key(counters: Mapping[str, Any] | None) -> str:
+    """The field that counts a request's verification rounds: SGLang's ``spec_verify_ct`` or vLLM's ``num_drafts``."""
+    return V.DRAFTS if V.is_vllm(counters) else VERIFY_CT
+
+
 def verify_rounds(counters: Mapping[str, Any] | None) -> int | None:
-    """``spec_verify_ct`` as a positive int, else None (absent, 0 on versions that send it for a request
-    without a round, or not a whole number)."""
-    v = counters.get(VERIFY_CT) if isinstance(counters, Mapping) else None
+    """The rounds (``spec_verify_ct``, vLLM's ``num_drafts``) as a positive int, else None (absent, 0 on
+    versions that send it for a request without a round, or not a whole number)."""
+    v = counters.get(rounds_key(counters)) if isinstance(counters, Mapping) else None
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v != int(v) or v <= 0:
         return None
     return int(v)
@@ -183,20 +198,25 @@ def spec_accept_length(completion_tokens: int, rounds: int) -> float:
 def served_rounds_and_tau(counters: Mapping[str, Any], completion_tokens: int) -> tuple[int, float]:
     """``(rounds, tau)`` of one served request in the replay's convention.
 
-    ``rounds`` is SGLang's ``spec_verify_ct``; ``tau`` = tokens committed by rounds / rounds, where
-    the committed tokens are ``completion_tokens - 1``: the first completion token comes from the
-    prefill, which SGLang counts in ``spec_accept_length`` (= ``completion_tokens / spec_verify_ct``)
-    but the replay does not count in tau. Raises ServedCheckError when the counters are unusable.
+    ``rounds`` is SGLang's ``spec_verify_ct`` (vLLM's ``num_drafts`` across the request); ``tau`` = tokens
+    committed by rounds / rounds, where the committed tokens are ``completion_tokens - 1``: the first
+    completion token comes from the prefill, which SGLang counts in ``spec_accept_length`` (=
+    ``completion_tokens / spec_verify_ct``) but the replay does not count in tau. Raises
+    ServedCheckError when the counters are unusable.
     """
     rounds = verify_rounds(counters)
     if rounds is None:
-        raise ServedCheckError(f"{VERIFY_CT} = {counters.get(VERIFY_CT)!r}: expected a positive integer")
+        key = rounds_key(counters)
+        raise ServedCheckError(f"{key} = {counters.get(key)!r}: expected a positive integer")
     return rounds, (completion_tokens - 1) / rounds
 
 
 def convention_of(counters: Mapping[str, Any], completion_tokens: int) -> str:
     """Which numerator the server's ``spec_accept_length`` uses: "with_prefill_token" (SGLang's),
-    "rounds_only" (tokens committed by rounds), or "unknown" (absent, or neither fits)."""
+    "rounds_only" (tokens committed by rounds), or "unknown" (absent, or neither fits); "vllm" for vLLM's
+    counters (no per-request accept length: :func:`vllm_counters.mean_acceptance_length` stands for it)."""
+    if V.is_vllm(counters):
+        return "vllm"
     length, v = counters.get(ACCEPT_LENGTH), counters.get(VERIFY_CT)
     if not isinstance(length, (int, float)) or not isinstance(v, (int, float)) or v <= 0:
         return "unknown"
@@ -229,12 +249,6 @@ def trim_histogram(hist: Sequence[int]) -> list[int]:
     return out
 
 
-def whole_count(v: Any) -> int | None:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v != int(v) or v < 0:
-        return None
-    return int(v)
-
-
 def served_spec_problem(value: Any) -> str | None:
     """What is wrong with a sample entry's ``served_spec`` as a whole, or None: the precompute writes an
     object of the server's counters (:func:`served_counters`) or nothing. The manifest reader refuses
@@ -246,11 +260,6 @@ def served_spec_problem(value: Any) -> str | None:
             "server's spec_* counters, or null)")
 
 
-def _clip(value: Any, width: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= width else text[: width - 3] + "..."
-
-
 # Each field: what it must be (a whole count; for spec_verify_ct 0 is a request without a round).
 _COUNT_FIELDS = (VERIFY_CT, CORRECT_DRAFTS, RETRACTIONS)
 
@@ -258,7 +267,10 @@ _COUNT_FIELDS = (VERIFY_CT, CORRECT_DRAFTS, RETRACTIONS)
 def malformed_counters(counters: Mapping[str, Any]) -> str | None:
     """``"malformed <field>: ..."`` for the first recorded field whose value no server sends (a negative,
     fractional, string or boolean count, a histogram that is not a list of counts, an accept length that
-    is not a non-negative number), else None. An absent field is not malformed (versions differ)."""
+    is not a non-negative number), else None. An absent field is not malformed (versions differ).
+    vLLM's counters: :func:`vllm_counters.malformed`."""
+    if V.is_vllm(counters):
+        return V.malformed(counters)
     for key in _COUNT_FIELDS:
         if key in counters and whole_count(counters[key]) is None:
             return f"malformed {key}: {counters[key]!r} (expected a whole number >= 0)"
@@ -278,17 +290,19 @@ def impossible_counters(counters: Mapping[str, Any], completion_tokens: int,
     (:func:`malformed_counters`) or ``"impossible <field>: ..."``. Every round commits at least one
     token (so rounds <= completion_tokens - 1, served tau >= 1); the histogram has one entry per round
     and its weighted total is the correct-draft count; a round commits at most its correct drafts + 1;
-    with the server's ``block_size`` known, a round has at most ``block_size - 1`` correct drafts."""
+    with the server's ``block_size`` known, a round has at most ``block_size - 1`` correct drafts.
+    vLLM's counters: :func:`vllm_counters.impossible`, the same rules in its layout."""
     bad = malformed_counters(counters)
     if bad is not None:
         return bad
+    if V.is_vllm(counters):
+        return V.impossible(counters, completion_tokens, block_size)
     rounds = verify_rounds(counters)
     if rounds is None:
         return None
     committed = completion_tokens - 1
-    if rounds > committed:
-        return (f"impossible {VERIFY_CT}: {rounds} rounds for {committed} tokens committed by rounds (served tau "
-                f"{committed / rounds:.3f} < 1): every round commits at least one token")
+    if (why := too_many_rounds(rounds, completion_tokens, VERIFY_CT)) is not None:
+        return why
     correct = counters.get(CORRECT_DRAFTS)
     hist = counters.get(HISTOGRAM)
     if hist is not None:
@@ -301,10 +315,9 @@ def impossible_counters(counters: Mapping[str, Any], completion_tokens: int,
         if block_size is not None and top > block_size - 1:
             return (f"impossible {HISTOGRAM}: a round with {top} correct drafts, the server drafts blocks of "
                     f"{block_size} (at most {block_size - 1} drafts)")
-    if correct is not None:
-        if committed > correct + rounds:
-            return (f"impossible {CORRECT_DRAFTS}: {committed} tokens committed by {rounds} rounds with {correct} "
-                    "correct drafts: a round commits at most its correct drafts + 1")
+    if correct is not None and (why := too_few_drafts(completion_tokens, correct, rounds, CORRECT_DRAFTS,
+                                                      "correct")) is not None:
+        return why
     if block_size is not None and committed > rounds * block_size:
         return (f"impossible {VERIFY_CT}: {committed} tokens committed by {rounds} rounds of blocks of {block_size} "
                 f"(at most {block_size} tokens a round)")
@@ -320,7 +333,8 @@ def comparability(entry: Any, block_size: int | None = None) -> tuple[str, str] 
 
     Counters no server sends are FLAGGED with the field named, before anything else: they are
     damage, never "no counters" or a difference. A sample without ``spec_verify_ct`` (or with 0) has no
-    round to compare."""
+    round to compare. vLLM's counters count only when they are the request's own (recorded
+    ``attributable``), and only when every round verified a full block's drafts."""
     spec = getattr(entry, "served_spec", None)
     problem = served_spec_problem(spec)
     if problem is not None:
@@ -329,6 +343,9 @@ def comparability(entry: Any, block_size: int | None = None) -> tuple[str, str] 
     bad = malformed_counters(counters)
     if bad is not None:
         return FLAGGED, bad
+    vllm = V.is_vllm(counters)
+    if vllm and (why := V.unattributed(counters)) is not None:
+        return SKIPPED, why
     if verify_rounds(counters) is None:
         return SKIPPED, ("no served counters: the server sends none for a request without a verification "
                          "round (e.g. a completion of one token), or it was not speculating")
@@ -342,6 +359,8 @@ def comparability(entry: Any, block_size: int | None = None) -> tuple[str, str] 
     why = impossible_counters(counters, entry.completion_len, block_size)
     if why is not None:
         return FLAGGED, why
+    if vllm and (why := V.unlike_the_replay(counters, block_size)) is not None:
+        return SKIPPED, why
     return None
 
 
@@ -359,20 +378,29 @@ def block_size_settings(server: Mapping[str, Any] | None, block_size: int | None
     drafted (``block_size``; the drafter's trained block is ``drafter_block_size``), naming both."""
     server = server or {}
     out = []
-    both = [server.get(k) for k in ("dflash_block_size", "num_draft_tokens")]
-    if all(isinstance(v, int) and not isinstance(v, bool) for v in both) and both[0] != both[1]:
-        out.append(f"the recorded server arguments disagree: speculative_dflash_block_size {both[0]}, "
-                   f"speculative_num_draft_tokens {both[1]} (SGLang refuses that): which block it drafted is unknown")
+    if server.get("server") == "vllm":
+        said, counted = V.drafts_per_round(server)
+        if said and counted and said != counted:
+            out.append(f"the server's settings disagree: /server_info says num_speculative_tokens {said}, its "
+                       f"per-position counter has {counted} positions: which block it drafted is unknown")
+        setting = f"num_speculative_tokens {said or counted}"
+    else:
+        both = [server.get(k) for k in ("dflash_block_size", "num_draft_tokens")]
+        if all(isinstance(v, int) and not isinstance(v, bool) for v in both) and both[0] != both[1]:
+            out.append(f"the recorded server arguments disagree: speculative_dflash_block_size {both[0]}, "
+                       f"speculative_num_draft_tokens {both[1]} (SGLang refuses that): which block it drafted is "
+                       "unknown")
+        setting = "speculative_num_draft_tokens"
     served = served_block_size(server)
     if served is None or block_size is None or served == block_size:
         return out
     drafter = f" (the drafter's block is {drafter_block_size})" if drafter_block_size not in (None, block_size) else ""
     if drafter_block_size is not None and served > drafter_block_size:
-        out.append(f"the server drafts blocks of {served} tokens (speculative_num_draft_tokens), more than the "
+        out.append(f"the server drafts blocks of {served} tokens ({setting}), more than the "
                    f"drafter's trained block of {drafter_block_size}: the replay drafts at most that, so its cycles "
                    "cannot be the server's rounds")
     else:
-        out.append(f"the server drafts blocks of {served} tokens (speculative_num_draft_tokens), the replay drafted "
+        out.append(f"the server drafts blocks of {served} tokens ({setting}), the replay drafted "
                    f"blocks of {block_size}{drafter}: replay at the server's block (--block-size {served})")
     return out
 
@@ -383,9 +411,15 @@ def incomparable_settings(server: Mapping[str, Any] | None, longest_context: int
                           drafter_block_size: int | None = None) -> list[str]:
     """One line per recorded server setting under which the server drafts differently from the replay
     (SGLang 0.5.23's DFlash worker; docs/method.md, "Tail blocks" and "Check against the server"),
-    the block size included (:func:`block_size_settings`)."""
+    the block size included (:func:`block_size_settings`). A server speculating with another method than
+    DFlash is named too. For vLLM only those two are known (docs/served-check.md, "vLLM")."""
     server = server or {}
     out = []
+    method = server.get("algorithm")
+    if isinstance(method, str) and method.upper() not in ("DFLASH", "NONE"):
+        out.append(f"the server speculates with {method!r}, not DFlash: its rounds are not the replay's cycles")
+    if server.get("server") == "vllm":
+        return out + block_size_settings(server, block_size, drafter_block_size)
     window = server.get("draft_window_size")
     if isinstance(window, int) and not isinstance(window, bool) and window > 0 and longest_context > window:
         page = server.get("page_size")

@@ -241,8 +241,3 @@ def parse_str_list(name: str, text: str) -> list[str]:
     if not items:
         raise _refuse(name, text, "one or more comma-separated values")
     return items
-
-
-__all__ = ["SERVED_BASELINE_NAME", "ArgumentError", "baseline_paths", "check_edges", "file_path", "flag", "int_at_least",
-           "int_list", "is_int", "metric_segment", "parse_int", "parse_int_list", "parse_position_edges", "parse_str_list",
-           "path_or_none", "position_edges", "str_list"]

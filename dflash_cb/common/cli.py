@@ -4,8 +4,8 @@ Every ``tools/*.py`` and every console command (``[project.scripts]``, made by `
 ``run(main)``. The package's own errors (``DFlashCBError``) and OS errors on user paths (an
 unwritable ``--out``, a file where a folder is expected, a full disk) print ``error: <what, where>
 (<fix>)`` on stderr, no traceback. Anything else is a bug in this package and keeps its traceback.
-While a tool runs, the package's library messages (``logging.getLogger(__name__)`` in its modules,
-INFO and above) are shown on stderr, one line each, as the message alone.
+While a tool runs, the package's messages are shown (``common.log``: its output on stdout, library
+notes and warnings, INFO and above, on stderr), one line each, as the message alone.
 
 Ctrl-C is ``interrupted`` and exit code 130 from the first moment: a console command is a ``launcher``
 that imports its tool (and torch, seconds of it) only once a start-up handler is on, which leaves at
@@ -28,6 +28,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from . import log
 from .errors import DFlashCBError
 
 EXIT_USER_ERROR = 2
@@ -56,32 +57,19 @@ def describe_os_error(err: OSError) -> str:
     return f"{text} ({fix})" if fix else text
 
 
-class _StderrLines(logging.Handler):
-    """Each record as its message alone, on the ``sys.stderr`` of the moment (a test may swap it)."""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        try:
-            print(self.format(record), file=sys.stderr, flush=True)
-        except Exception:  # as logging's own handlers do: a failed message never stops the tool
-            self.handleError(record)
-
-
 @contextlib.contextmanager
-def _messages_on_stderr() -> Iterator[None]:
-    """Show the package's library messages on stderr for the duration (once, however nested)."""
-    package = logging.getLogger(__name__.split(".")[0])
-    if any(isinstance(h, _StderrLines) for h in package.handlers):
-        yield
-        return
-    handler, level = _StderrLines(), package.level
-    package.addHandler(handler)
-    if level == logging.NOTSET:  # a level the caller chose is kept
-        package.setLevel(logging.INFO)
+def _messages_shown() -> Iterator[None]:
+    """Show the package's messages for the duration (``log.ConsoleLines``: the tool's output on stdout, its
+    notes and warnings on stderr); once, however nested."""
+    package = logging.getLogger(log.PACKAGE)
+    level = package.level
+    handler = log.install_console()
     try:
         yield
     finally:
-        package.removeHandler(handler)
-        package.setLevel(level)
+        if handler is not None:
+            package.removeHandler(handler)
+            package.setLevel(level)
 
 
 Main = Callable[[Sequence[str] | None], int | None]
@@ -112,7 +100,7 @@ def run(main: Main, argv: Sequence[str] | None = None, *, on_start: Callable[[],
     try:
         if on_start is not None:
             on_start()
-        with _messages_on_stderr(), _threads_kept():
+        with _messages_shown(), _threads_kept():
             return int(main(argv) or 0)
     except (DFlashCBError, OSError) as e:
         if os.environ.get("DFLASH_CB_TRACEBACK"):

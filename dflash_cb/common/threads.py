@@ -65,6 +65,3 @@ def set_threads(threads: int) -> int:
 
     torch.set_num_threads(threads)
     return threads
-
-
-__all__ = ["THREADS_HELP", "default_threads", "parse_threads", "physical_cores", "set_threads", "usable_cpus"]

@@ -58,5 +58,3 @@ class _NoTimer:
 
 
 NO_TIMER = _NoTimer()
-
-__all__ = ["NO_TIMER", "PhaseTimer"]

@@ -29,7 +29,7 @@ from typing import Any
 import yaml
 
 from ..cache.states import StateCache
-from ..common.arguments import metric_segment as _slug
+from ..common.arguments import metric_segment
 from ..common.errors import DFlashCBError
 from .bootstrap import metric_sums
 from .metrics import (
@@ -88,7 +88,7 @@ class Baseline:
         """Metric-name segment: ``baseline/<name>``, ``baseline/served`` or ``published/<name>``."""
         if self.kind == SERVED:
             return SERVED_BASELINE
-        return f"{'published' if self.kind == PUBLISHED else 'baseline'}/{_slug(self.name)}"
+        return f"{'published' if self.kind == PUBLISHED else 'baseline'}/{metric_segment(self.name)}"
 
 
 def _finite(x: Any) -> float | None:
@@ -176,8 +176,10 @@ def load_served(cache: StateCache, sample_ids: Sequence[str] | None = None) -> B
     tau, rounds, n = got
     path = config.get("draft_model_path")
     name = Path(str(path).rstrip("/")).name if path else "served"
+    counted = ("vLLM's /metrics deltas per request (spec_decode_num_drafts)" if config.get("server") == "vllm"
+               else "SGLang spec_verify_ct")
     return Baseline(name, SERVED, {TAU: tau}, None,
-                    source=f"SGLang spec_verify_ct stored in {cache.path} by the precompute",
+                    source=f"{counted} stored in {cache.path} by the precompute",
                     details={"samples": n, "rounds": rounds, "server": config})
 
 
@@ -276,7 +278,7 @@ def _published_entry(path: Path, i: int, e: Any, seen: dict[str, str]
     unknown = sorted(str(k) for k in e if k not in _ENTRY_FIELDS)
     if unknown:
         raise PublishedError(f"{where}: unknown field(s) {unknown}; an entry has {', '.join(_ENTRY_FIELDS)}")
-    key = _slug(name)
+    key = metric_segment(name)
     if key in seen:
         raise PublishedError(f"{where}: " + (f"duplicate entry name {name!r}" if seen[key] == name else
                              f"logged as published/{key}/... like entry {seen[key]!r}; rename one of them"))

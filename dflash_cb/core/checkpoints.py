@@ -30,7 +30,9 @@ from ..common.fileio import (
     output_path,
 )
 from ..common.tensorfile import write_safetensors
-from .model import DFlashDrafter, DrafterSpec, load_state_dict_strict
+from .dflash2 import published_state
+from .drafters import drafter_from_config, layout_keys, load_weights
+from .model import DFlashDrafter, DrafterSpec
 
 DRAFTER_FILES = ("config.json", "model.safetensors")
 
@@ -105,8 +107,10 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
 
 
 def load_drafter(path: str | os.PathLike, device: torch.device | str = "cpu") -> DFlashDrafter:
-    """``DFlashDrafter.from_pretrained`` with every problem of the folder reported as a ``CheckpointError``
-    naming the file: a missing or invalid ``config.json``, truncated weights, missing or unexpected keys."""
+    """A drafter folder loaded into the class of its family (``drafters.drafter_family``: DFlash or DFlash 2,
+    from ``architectures``, else from the weights' keys), every problem of the folder reported as a
+    ``CheckpointError`` naming the file: a missing or invalid ``config.json``, truncated weights, missing or
+    unexpected keys (of the closest family's layout)."""
     folder = Path(path)
     cfg_path = folder / "config.json"
     if not folder.is_dir():
@@ -116,23 +120,29 @@ def load_drafter(path: str | os.PathLike, device: torch.device | str = "cpu") ->
         raise CheckpointError(f"{cfg_path}: no drafter config; a drafter folder holds config.json and "
                               "model.safetensors (tools/extract_drafter.py makes one from a checkpoint)")
     config = read_drafter_config(cfg_path)
-    try:
-        model = DFlashDrafter.from_config_dict(config)
-        DrafterSpec.from_config(model.config)  # block size, mask token, layer ids
-    except Exception as e:  # transformers' config class or the drafter constructor
-        raise CheckpointError(f"{cfg_path}: not a valid DFlash drafter config ({type(e).__name__}: "
-                              f"{_first_line(e)}); compare it with the reference drafter's config.json") from None
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{folder}: no *.safetensors weights next to config.json")
     state: dict[str, torch.Tensor] = {}
     for f in files:
         state.update(read_safetensors(f))
+    model = _drafter_for(config, state, str(cfg_path))
     try:
-        load_state_dict_strict(model, state, source=str(folder))
+        load_weights(model, state, source=str(folder))
     except ValueError as e:
         raise CheckpointError(str(e)) from None
     return model.to(device=device)
+
+
+def _drafter_for(config: dict[str, Any], state: dict[str, torch.Tensor], where: str) -> DFlashDrafter:
+    """A fresh drafter of the family of ``config`` (and of ``state``'s keys when the config does not say)."""
+    try:
+        model = drafter_from_config(config, state)
+        DrafterSpec.from_config(model.config)  # block size, mask token, layer ids
+    except Exception as e:  # transformers' config class or the drafter constructor
+        raise CheckpointError(f"{where}: not a valid DFlash drafter config ({type(e).__name__}: "
+                              f"{_first_line(e)}); compare it with the reference drafter's config.json") from None
+    return model
 
 
 def read_drafter_config(path: str | os.PathLike) -> dict[str, Any]:
@@ -239,7 +249,12 @@ def weight_sources(ckpt: dict[str, Any]) -> list[tuple[str, dict[str, torch.Tens
     top = {k: v for k, v in ckpt.items() if isinstance(v, torch.Tensor)}
     if top:
         out.append(("", top))
-    return out
+    # A live DFlash 2 module's codebooks are embeddings (``...codebook.weight``): the published names, as
+    # every layout is compared in them.
+    try:
+        return [(key, published_state(tensors)) for key, tensors in out]
+    except ValueError as e:
+        raise CheckpointError(f"checkpoint entry holds {e}") from None
 
 
 def state_dict_of(ckpt: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -275,8 +290,8 @@ def locate_drafter(ckpt: dict[str, Any], expected: set[str], prefix: str | None,
 
 
 def expected_keys(config: dict[str, Any]) -> set[str]:
-    with torch.device("meta"):
-        return set(DFlashDrafter.from_config_dict(config).state_dict())
+    """The weight names of the drafter ``config`` describes (its family's, DFlash when it does not say)."""
+    return layout_keys(config)
 
 
 def find_prefix(keys: set[str], expected: set[str]) -> str:
@@ -320,18 +335,13 @@ def extract_drafter(ckpt_path: str | os.PathLike, out_dir: str | os.PathLike,
                               f"{_first_line(e)}); check --config") from None
     entry, prefix, state = locate_drafter(ckpt, expected, prefix, str(ckpt_path))
     sub = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
-    missing = sorted(expected - set(sub))
-    unexpected = sorted(set(sub) - expected)
-    if missing or unexpected:
-        raise CheckpointError(f"{ckpt_path}: under prefix {prefix!r} the drafter has missing keys {missing[:8]} "
-                              f"and unexpected keys {unexpected[:8]}; check --config / --prefix")
-    weights = {k: v.detach().contiguous().clone() for k, v in sub.items()}
-    # Validate shapes by loading into a real drafter before anything is written.
-    model = DFlashDrafter.from_config_dict(config)
+    # Keys and shapes checked by loading into a real drafter (of the closest family) before anything is written.
+    model = _drafter_for(config, sub, "the drafter config")
     try:
-        load_state_dict_strict(model, weights, source=f"{ckpt_path} [{prefix}]")
+        load_weights(model, sub, source=f"{ckpt_path} [prefix {prefix!r}]")
     except ValueError as e:
-        raise CheckpointError(str(e)) from None
+        raise CheckpointError(f"{e}; check --config / --prefix") from None
+    weights = {k: v.detach().contiguous().clone() for k, v in sub.items()}
     config_text = json.dumps(config, indent=2) + "\n"
     try:
         if overwrite_into:

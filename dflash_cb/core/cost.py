@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..common.arguments import int_at_least
+from .families import config_family
 
 
 @dataclass(frozen=True)
@@ -28,15 +29,27 @@ class DrafterShape:
     block_size: int
     vocab: int
     features: int  # context width: target layers x target hidden size
+    # DFlash 2 (docs/method.md, "DFlash 2"); all 0 for a DFlash drafter.
+    conv_taps: int = 0  # taps of each grouped causal convolution (two per layer)
+    conv_groups: int = 0  # channel groups of each: hidden / conv_group_size
+    selector_rank: int = 0
+    selector_top_k: int = 0
 
     @classmethod
     def of(cls, config: Any, block_size: int, features: int) -> DrafterShape:
-        """From a Qwen3-style drafter config (``num_hidden_layers``, ``hidden_size`` ...)."""
+        """From a Qwen3-style drafter config (``num_hidden_layers``, ``hidden_size`` ...; a DFlash 2 one's
+        ``dflash_config`` adds the convolutions and the selector)."""
         heads = int(config.num_attention_heads)
         head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+        dflash2 = {}
+        if config_family(config) == "dflash2":
+            field = (getattr(config, "dflash_config", None) or {}).get
+            dflash2 = dict(conv_taps=int(field("conv_kernel_size")),
+                           conv_groups=int(config.hidden_size) // int(field("conv_group_size")),
+                           selector_rank=int(field("selector_rank")), selector_top_k=int(field("selector_top_k")))
         return cls(int(config.num_hidden_layers), int(config.hidden_size), int(config.intermediate_size), heads,
                    int(getattr(config, "num_key_value_heads", None) or heads), head_dim, int(block_size),
-                   int(config.vocab_size), int(features))
+                   int(config.vocab_size), int(features), **dflash2)
 
     @property
     def layer_params(self) -> int:
@@ -46,8 +59,21 @@ class DrafterShape:
 
     @property
     def weight_params(self) -> int:
-        """Matmul weights of the drafter: its layers and the context projection (fc)."""
-        return self.layers * self.layer_params + self.features * self.hidden
+        """Matmul weights of the drafter: its layers and the context projection (fc); for DFlash 2 also the
+        convolutions and the selector's hidden projection (its codebooks: ``codebook_params``)."""
+        return self.layers * self.layer_params + self.features * self.hidden + self.conv_params + self.hidden * \
+            self.selector_rank
+
+    @property
+    def conv_params(self) -> int:
+        """The DFlash 2 convolutions, two per layer: ``base_kernel`` [2, taps, hidden] and ``kernel_projection``
+        [2 x taps x groups, hidden] each."""
+        return self.layers * 2 * (2 * self.conv_taps * self.hidden + 2 * self.conv_taps * self.conv_groups * self.hidden)
+
+    @property
+    def codebook_params(self) -> int:
+        """The DFlash 2 selector's predecessor and successor codebooks, [vocab, rank] each."""
+        return 2 * self.vocab * self.selector_rank
 
     def kv_bytes_per_position(self, itemsize: int) -> int:
         """Context K/V one position holds: every layer's keys and values."""
@@ -274,10 +300,15 @@ def memory_bound(shape: DrafterShape, context_tokens: int, *, weight_itemsize: i
       bounded by ``limits.context_bytes``);
     - ``activations``: the token-wise pass of ``limits.max_blocks`` blocks (MLP input, gate and up);
     - ``head_logits`` and ``attention``: the chunked temporaries, ``limits.head_bytes`` and
-      ``limits.attn_bytes``.
+      ``limits.attn_bytes``;
+    - DFlash 2 only: ``codebooks``, the selector's two [vocab, rank] codebooks in the weights' dtype, and
+      ``selector``, its temporaries for a pass of ``limits.max_blocks`` blocks (``selector.transition_logprobs``):
+      four float32 [blocks, depths, K, rank] tensors (the candidates' successor codes, a transposed copy the
+      matmul makes, their predecessor codes, and those times ``H(h)``) and three 8-byte [blocks, depths, K, K]
+      ones (the edge scores, in float32 and float64, and their log-softmax).
     """
     b = limits.max_blocks * shape.block_size
-    return {
+    parts = {
         "weights": shape.weight_params * weight_itemsize,
         "head": (1 if tied else 2) * shape.vocab * shape.hidden * head_itemsize,
         "context": context_tokens * shape.kv_bytes_per_position(state_itemsize),
@@ -285,6 +316,11 @@ def memory_bound(shape: DrafterShape, context_tokens: int, *, weight_itemsize: i
         "head_logits": limits.head_bytes,
         "attention": limits.attn_bytes,
     }
+    if shape.selector_rank:
+        k, cells = shape.selector_top_k, limits.max_blocks * (shape.block_size - 1) * shape.selector_top_k
+        parts["codebooks"] = shape.codebook_params * weight_itemsize
+        parts["selector"] = cells * (4 * shape.selector_rank * 4 + 3 * k * 8)
+    return parts
 
 
 # ``drafting_passes`` tends to count more rounds than there are (walks meet drafted anchors more often than

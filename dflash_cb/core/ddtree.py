@@ -10,7 +10,7 @@ pop, hence every smaller budget too.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 import torch
@@ -76,7 +76,6 @@ def ddtree_accepted(topk_ids: torch.Tensor, topk_logprobs: torch.Tensor, depths:
     whatever the device: a numpy call costs a fraction of a torch call's dispatch (and of a kernel launch).
     """
     a, d, k = topk_ids.shape
-    neg = -np.inf
     # A node is its code depth * K + rank; per anchor and code: its log-probability, whether its token is the
     # target's at its depth, whether it may have a child (its depth + 1 is drafted).
     codes = np.arange(d * k)
@@ -84,24 +83,43 @@ def ddtree_accepted(topk_ids: torch.Tensor, topk_logprobs: torch.Tensor, depths:
     hit = (topk_ids == target[:, :, None]).cpu().numpy().reshape(-1)
     drafted = depths.cpu().numpy()
     has_child = np.repeat((np.arange(d)[None, :] + 1) < drafted[:, None], k, axis=1).reshape(-1)
-    sibling_code = np.minimum(codes + 1, d * k - 1)
-    has_sibling = codes % k + 1 < k
     child_code = np.minimum(codes // k + 1, d - 1) * k
-    depth_of = codes // k + 1  # accepted length when the node is on the target path
+    out = best_first_accepted(drafted > 0, logp, hit, has_child, lambda c, node: child_code[c],
+                              np.minimum(codes + 1, d * k - 1), codes % k + 1 < k, codes // k + 1, max_budget)
+    return torch.from_numpy(out).to(topk_ids.device)
+
+
+def best_first_accepted(rooted: np.ndarray, logp: np.ndarray, hit: np.ndarray, has_child: np.ndarray,
+                        child_of: Callable[[np.ndarray, np.ndarray], np.ndarray], sibling_code: np.ndarray,
+                        has_sibling: np.ndarray, depth_of: np.ndarray, max_budget: int) -> np.ndarray:
+    """The best-first heap of docs/method.md's DDTree for a tree whose nodes each anchor numbers with codes
+    ``0 .. C - 1`` (code 0: the first node pushed), then the walk along the target: [A, max_budget] accepted.
+
+    Per node (``anchor * C + code``, flat): ``logp`` its log-probability given its parent, ``hit`` whether its
+    token is the target's at its depth, ``has_child`` whether it may have a child. Per code: ``sibling_code``
+    and ``has_sibling`` (the next rank under the same parent), ``depth_of`` (its depth, 1 ..).
+    ``child_of(codes, nodes)``: the code of each popped node's rank-0 child. ``rooted`` [A]: anchors with a
+    first node at all. Candidate slots are numbered in push order and ``argmax`` takes the first maximum,
+    so score ties go to the earliest push, as in a heap keyed on ``(-score, push counter)``.
+    """
+    a = rooted.shape[0]
+    n_codes = logp.shape[0] // a if a else 0
+    neg = -np.inf
     slots = 1 + 2 * max_budget
     # Candidate slots in push order: score, node code, whether the parent is on the target path, parent score.
     score = np.full((a, slots), neg)
     code = np.zeros((a, slots), dtype=np.int64)
     par_on = np.zeros((a, slots), dtype=bool)
     par_score = np.zeros((a, slots))
-    row_code = np.arange(a) * (d * k)  # flat index of each anchor's code 0
+    row_code = np.arange(a) * n_codes  # flat index of each anchor's code 0
     row_slot = np.arange(a) * slots  # flat index of each anchor's slot 0
-    score[:, 0] = np.where(drafted > 0, logp[row_code], neg) if a else score[:, 0]
+    if a and n_codes:
+        score[:, 0] = np.where(rooted, logp[row_code], neg)
     par_on[:, 0] = True
     flat_score, flat_code, flat_on, flat_par = (x.reshape(-1) for x in (score, code, par_on, par_score))
     acc = np.zeros(a, dtype=np.int64)
     out = np.zeros((a, max_budget), dtype=np.int64)
-    for step in range(max_budget if a else 0):
+    for step in range(max_budget if a and n_codes else 0):
         j = 2 * step + 1  # slots 0 .. j - 1 hold every candidate pushed so far
         at = row_slot + score[:, :j].argmax(axis=1)  # first maximum: the earliest push among equal scores
         s, c, pon, psc = flat_score[at], flat_code[at], flat_on[at], flat_par[at]
@@ -117,7 +135,7 @@ def ddtree_accepted(topk_ids: torch.Tensor, topk_logprobs: torch.Tensor, depths:
         score[:, j] = np.where(valid & has_sibling[c], psc + logp[row_code + sib], neg)
         code[:, j], par_on[:, j], par_score[:, j] = sib, pon, psc
         # (b) first child one depth down
-        child = child_code[c]
+        child = child_of(c, node)
         score[:, j + 1] = np.where(valid & has_child[node], s + logp[row_code + child], neg)
         code[:, j + 1], par_on[:, j + 1], par_score[:, j + 1] = child, on, s
-    return torch.from_numpy(out).to(topk_ids.device)
+    return out

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -42,13 +41,12 @@ from torch import nn
 from ..cache.manifest import Manifest, SampleEntry
 from ..cache.states import CachedSample, StateCache, TargetHead
 from ..cache.target import DTYPES
-from ..common import arguments as check
 from ..common.errors import DFlashCBError
 from ..common.timing import NO_TIMER, PhaseTimer
-from .anchor_sets import DEFAULT_ANCHOR_SEED, check_anchor_offsets, offsets_for, strided
+from .anchor_sets import DEFAULT_ANCHOR_SEED, offsets_for, strided
 from .cost import COST_GROUPS, DEFAULT_LIMITS, MemoryLimits
 from .ddtree import ddtree_accepted
-from .metrics import TAU, AnchorCounts, EvalCounts, summarize
+from .metrics import TAU, AnchorCounts, EvalCounts, anchor_counts_per_sample, summarize
 from .model import (
     BlockRows,
     ContextKV,
@@ -61,16 +59,16 @@ from .model import (
 )
 from .replay import (
     SampleBounds,
+    TailBlocks,
     block_lengths,
     check_block_size,
-    check_tail_blocks,
     cut_produced,
     leading_matches,
     next_stop_positions,
     sample_bounds,
 )
+from .request import EvalRequest, SpecForgePass
 
-DEFAULT_BUDGETS = (16, 32, 64)
 # Rows per greedy head call: below about this many, a call costs what reading the head matrix costs.
 _HEAD_ROWS = 16
 
@@ -427,8 +425,8 @@ class _Wave:
             self.stats |= self.in_set(k, stride)
         self.produced = torch.full((slots, plan.walks), -1, dtype=torch.long)
         self.correct = torch.zeros(slots, dtype=torch.long)  # greedy leading matches before any cut
-        # Per statistics slot: accepted, produced and per depth valid, match, SpecForge match; t1.
-        self.stat_table = torch.zeros((slots, 2 + 3 * depths), dtype=torch.int16)
+        # Per statistics slot: its row of ``StatColumns``; t1.
+        self.stat_table = torch.zeros((slots, StatColumns(depths).width), dtype=torch.int16)
         self.t1 = torch.zeros(slots, dtype=torch.float64)
         self.drafts = torch.zeros((slots, depths), dtype=torch.long) if plan.keep_drafts else None
         self.draft_depths = torch.zeros(slots, dtype=torch.long) if plan.keep_drafts else None
@@ -511,39 +509,43 @@ class _Wave:
         return out
 
     def anchor_counts(self, k: int, stride: int, depths: int, specforge: bool) -> list[AnchorCounts]:
-        """Each sample's counts over its statistics set at stride ``strides[k]`` (``metrics.count_anchors``),
-        summed per sample from the per-anchor rows: integers, and ``t1_sum`` exactly rounded."""
-        n, d = len(self.ids), depths
+        """Each sample's counts over its statistics set at stride ``strides[k]``, from the per-anchor rows
+        (``metrics.anchor_counts_per_sample``)."""
         rows = (self.stats & self.in_set(k, stride)).nonzero()[:, 0]  # in (sample, anchor) order
-        sample = self.slot_sample[rows]
-        t = self.stat_table[rows].long()
-        accepted, valid = t[:, 0], t[:, 2:2 + d].bool()
-        depth = torch.arange(1, d + 1)[None, :]
+        t, cols = self.stat_table[rows], StatColumns(depths)
+        return anchor_counts_per_sample(self.slot_sample[rows], len(self.ids), cols.get(t, "accepted"),
+                                        cols.get(t, "produced"), cols.get(t, "valid"), cols.get(t, "match"),
+                                        cols.get(t, "specforge_match"), specforge, self.t1[rows], self.has_topk)
 
-        def per_sample(x: torch.Tensor) -> list[Any]:
-            return torch.zeros((n, *x.shape[1:]), dtype=torch.long).index_add_(0, sample, x.long()).tolist()
 
-        anchors = per_sample(torch.ones_like(sample))
-        produced = per_sample(t[:, 1])
-        total = per_sample(valid)
-        match = per_sample(t[:, 2 + d:2 + 2 * d].bool() & valid)
-        cond_num = per_sample(accepted[:, None] >= depth)
-        cond_den = per_sample((accepted[:, None] >= depth - 1) & valid)
-        sf_match = per_sample(t[:, 2 + 2 * d:].bool() & valid)
-        t1: list[list[float]] = [[] for _ in range(n)]
-        for s, x in zip(sample.tolist(), self.t1[rows].tolist(), strict=True):
-            t1[s].append(x + 1)
-        zeros = (0,) * d
-        out = []
-        for s in range(n):
-            scored = self.has_topk[s]
-            out.append(AnchorCounts(
-                anchors=anchors[s], anchor_produced=produced[s], depth_total=tuple(total[s]),
-                depth_match=tuple(match[s]), cond_num=tuple(cond_num[s]), cond_den=tuple(cond_den[s]),
-                specforge_total=tuple(total[s]) if specforge else zeros,
-                specforge_match=tuple(sf_match[s]) if specforge else zeros,
-                t1_sum=math.fsum(t1[s]) if scored else 0.0, t1_anchors=anchors[s] if scored else 0))
-        return out
+class StatColumns:
+    """The columns of the engine's per-anchor statistics table (int16, one row per statistics anchor), named
+    once: the scalars ``accepted`` (leading matches) and ``produced``, then per depth ``valid`` (the depth
+    exists and its target token is known), ``match`` and ``specforge_match`` (booleans)."""
+
+    SCALARS = ("accepted", "produced")
+    PER_DEPTH = ("valid", "match", "specforge_match")
+
+    def __init__(self, depths: int):
+        self.depths = depths
+        self._at: dict[str, int | slice] = {name: i for i, name in enumerate(self.SCALARS)}
+        for j, name in enumerate(self.PER_DEPTH):
+            first = len(self.SCALARS) + j * depths
+            self._at[name] = slice(first, first + depths)
+
+    @property
+    def width(self) -> int:
+        return len(self.SCALARS) + len(self.PER_DEPTH) * self.depths
+
+    def pack(self, **columns: torch.Tensor) -> torch.Tensor:
+        """The [rows, width] int16 table (CPU) of ``columns``, one per name."""
+        if set(columns) != set(self._at):
+            raise ValueError(f"statistics columns {sorted(columns)}, expected {sorted(self._at)}")
+        parts = [columns[n][:, None] for n in self.SCALARS] + [columns[n] for n in self.PER_DEPTH]
+        return torch.cat([p.long() for p in parts], dim=1).to(device="cpu", dtype=torch.int16)
+
+    def get(self, table: torch.Tensor, name: str) -> torch.Tensor:
+        return table[:, self._at[name]].long()
 
 
 def _topk_table(topk: list[tuple[torch.Tensor, torch.Tensor] | None], lens: list[int],
@@ -651,7 +653,7 @@ class _Scored:
     argmax: torch.Tensor | None  # [N, D] the greedy block (-2 past the drafted depths), kept for keep_drafts
     depths: torch.Tensor | None  # [N] drafted depths (block length - 1), with ``argmax``
     stat_rows: torch.Tensor | None  # indexes of the statistics rows among the N
-    stat_table: torch.Tensor | None  # [r, 2 + 3 D] int16 (CPU): accepted, produced, valid, match, SpecForge match
+    stat_table: torch.Tensor | None  # [r, StatColumns.width] int16 (CPU)
     t1: torch.Tensor | None  # [r] float64 (CPU): expected accepted length at temperature 1
 
 
@@ -659,13 +661,12 @@ class _Scorer:
     """Drafts chunks of a wave's slots and scores them: per walk the ``produced`` of a cycle there, and for
     anchors of a statistics set their per-anchor statistics.
 
-    ``specforge``: "served" when SpecForge's masks are the served ones (its accuracy comes from the same
-    drafts, but for shortened tail blocks, which it drafts again in full), "own pass" when they differ (every
-    statistics anchor is drafted again under its masks), "none" when the runner cannot run them.
+    ``specforge`` (``SpecForgePass``): how SpecForge's accuracy is drafted.
     """
 
     def __init__(self, runner: DraftRunner, head: TargetHead, spec: DrafterSpec, budgets: tuple[int, ...],
-                 head_mem_bytes: int, tail_blocks: str, specforge: str, keep_drafts: bool, timer: Any):
+                 head_mem_bytes: int, tail_blocks: TailBlocks, specforge: SpecForgePass, keep_drafts: bool,
+                 timer: Any):
         self.runner, self.head, self.spec, self.budgets = runner, head, spec, budgets
         self.tail_blocks, self.specforge, self.keep_drafts = tail_blocks, specforge, keep_drafts
         self.head_mem_bytes, self.timer = head_mem_bytes, timer
@@ -739,19 +740,20 @@ class _Scorer:
         estimate: the sums over each stride's set are taken when the wave is done (``_Wave.anchor_counts``)."""
         match = argmax == target
         sf_match = match
-        if self.specforge != "none":
+        if self.specforge is not SpecForgePass.LEFT_OUT:
             # SpecForge drafts full blocks under its own masks: draft again where that changes the drafts.
-            again = in_stats if self.specforge == "own pass" else in_stats & (lengths < self.spec.block_size)
+            again = in_stats if self.specforge is SpecForgePass.OWN_PASS else in_stats & (lengths < self.spec.block_size)
             if bool(again.any()):
                 sf_match = match.clone()
                 sf_match[again] = self._specforge_argmax(wave, sample, anchors, emb, again) == target[again]
-        table = torch.cat([accepted[:, None], produced[:, None], valid, match & valid, sf_match & valid], dim=1)
         rows = in_stats.nonzero()[:, 0]
+        table = StatColumns(valid.shape[1]).pack(accepted=accepted[rows], produced=produced[rows], valid=valid[rows],
+                                                 match=(match & valid)[rows], specforge_match=(sf_match & valid)[rows])
         t1 = None
         if overlap is not None:
             alpha = torch.where(valid, overlap, 0.0)[rows]
             t1 = torch.cumprod(alpha.double(), dim=1).sum(dim=1).cpu()  # expected accepted at temperature 1
-        return rows, table[rows].to(device="cpu", dtype=torch.int16), t1
+        return rows, table, t1
 
     def _specforge_argmax(self, wave: _Wave, sample: torch.Tensor, anchors: torch.Tensor, emb: torch.Tensor,
                           rows: torch.Tensor) -> torch.Tensor:
@@ -819,7 +821,7 @@ class EvalReport:
     spec: DrafterSpec
     budgets: tuple[int, ...]
     anchor_stride: int = 1
-    tail_blocks: str = "served"
+    tail_blocks: TailBlocks = "served"
     head_dtype: str = ""  # the dtype the output head computed in
     anchor_seed: int = DEFAULT_ANCHOR_SEED
     extra_anchor_strides: tuple[int, ...] = ()
@@ -932,15 +934,12 @@ def _waves(cache: StateCache, ids: list[str], runner: DraftRunner, dtype: torch.
     return [w for w in waves if w]
 
 
-def evaluate(cache: StateCache, drafter: Any, head: TargetHead | None = None, *,
-             sample_ids: Iterable[str] | None = None, budgets: Sequence[int] = DEFAULT_BUDGETS,
-             anchor_stride: int = 1, device: torch.device | str | None = None,
-             autocast_dtype: torch.dtype | None = None, spec: DrafterSpec | None = None, verify: bool = False,
-             progress: bool = False, limits: MemoryLimits = DEFAULT_LIMITS, keep_drafts: int = 0,
-             tail_blocks: str = "served", block_size: int | None = None, anchor_seed: int = DEFAULT_ANCHOR_SEED,
-             extra_anchor_strides: Sequence[int] = (), anchor_offsets: Mapping[str, int] | None = None,
-             draft_all: bool = False, timer: PhaseTimer | None = None) -> EvalReport:
+def evaluate(cache: StateCache, drafter: Any, head: TargetHead | None = None, request: EvalRequest | None = None, *,
+             progress: bool = False, timer: PhaseTimer | None = None, **options: Any) -> EvalReport:
     """Score ``drafter`` on ``cache``: exact greedy replay, DDTree per budget, anchor statistics.
+
+    What to compute is an ``EvalRequest`` (``request``; keyword ``options`` replace its fields, so
+    ``evaluate(cache, drafter, budgets=(16,), anchor_stride=8)`` reads as before). Its fields:
 
     ``anchor_stride`` picks the anchor-statistics set (per-depth acceptance, ``specforge/acc``,
     ``all_anchor_tau``, the chain and temperature-1 estimates): per sample ``anchors[o::anchor_stride]``
@@ -964,7 +963,7 @@ def evaluate(cache: StateCache, drafter: Any, head: TargetHead | None = None, *,
     the walks would draft most anchors anyway (a weak drafter) or a pass costs more than the blocks it
     spares (few samples; ``cost.draft_all_is_cheaper`` decides for the live evaluator). Only what is drafted
     changes, never a figure. ``timer`` (``common.timing.PhaseTimer``) collects the seconds of each phase
-    (``PHASES``).
+    (``PHASES``); ``progress`` shows a progress bar over the samples.
 
     The head runs in its own dtype: a head loaded here (``head`` None) is read in the compute dtype
     (``autocast_dtype``, else the drafter's), so a bf16 evaluation never holds a float32 head; a
@@ -988,45 +987,34 @@ def evaluate(cache: StateCache, drafter: Any, head: TargetHead | None = None, *,
     """
     start = time.perf_counter()
     timer = timer if timer is not None else NO_TIMER
-    check_tail_blocks(tail_blocks)
-    if not check.is_int(anchor_stride) or anchor_stride < 1:
-        raise check.ArgumentError(f"anchor_stride must be >= 1 (1 = every anchor), got {anchor_stride!r}")
-    anchor_seed = check.int_at_least("anchor_seed", anchor_seed, 0)
-    extra = check.int_list("extra_anchor_strides", list(extra_anchor_strides), 1)
-    strides = (anchor_stride, *sorted(set(extra) - {anchor_stride}))
-    anchor_offsets = check_anchor_offsets("anchor_offsets", anchor_offsets, anchor_stride)
-    if not isinstance(limits, MemoryLimits):
-        raise check.ArgumentError(f"limits={limits!r}: expected a dflash_cb.core.cost.MemoryLimits")
-    runner = as_runner(drafter, spec, limits)
+    req = EvalRequest.of(request, options)
+    limits, budgets = req.limits, req.budgets
+    runner = as_runner(drafter, req.spec, limits)
     spec = runner.spec
     cache.check_drafter(spec.as_cache_check())
-    block = check_block_size(block_size, spec.block_size)
+    block = check_block_size(req.block_size, spec.block_size)
     drafting_spec = dataclasses.replace(spec, block_size=block)  # what the cycles draft; the report keeps spec
-    difference = runner.specforge_difference(block)
-    specforge = "served" if difference is None else "own pass" if runner.has_specforge_masks else "none"
-    note = "" if difference is None else f"{difference}: " + (
-        SPECFORGE_OWN_PASS if specforge == "own pass" else SPECFORGE_LEFT_OUT)
+    specforge, note = specforge_pass(runner, block)
+    device = req.device
     if device is None:
         p = getattr(getattr(runner, "drafter", None), "fc", None)
         device = p.weight.device if p is not None else torch.device("cpu")
-    device = torch.device(device)
     with timer.phase(LOAD):
         if head is None:
-            head = cache.load_head(device=device, dtype=autocast_dtype or runner.dtype)
+            head = cache.load_head(device=device, dtype=req.autocast_dtype or runner.dtype)
         elif head.embed_tokens.device != device:
             head = head.to(device)
-    budgets = tuple(sorted({int(b) for b in budgets}))
-    if any(b < 1 for b in budgets):
-        raise ValueError(f"DDTree budgets must be positive, got {budgets}")
-    ids = list(sample_ids) if sample_ids is not None else [s.id for s in cache.samples]
+    ids = list(req.sample_ids) if req.sample_ids is not None else [s.id for s in cache.samples]
     categories = cache.categories
     manifest = cache.manifest
-    offsets = {s: offsets_for(ids, s, anchor_seed, anchor_offsets if s == anchor_stride else None) for s in strides}
-    plan = _Plan(strides, offsets, 1 + len(budgets), block - 1, keep_drafts > 0, bool(draft_all),
-                 tuple(manifest.stop_token_ids), device, verify)
-    scorer = _Scorer(runner, head, drafting_spec, budgets, limits.head_bytes, tail_blocks, specforge,
-                     keep_drafts > 0, timer)
-    state_dtype = autocast_dtype or runner.dtype
+    strides = req.strides
+    offsets = {s: offsets_for(ids, s, req.anchor_seed, req.anchor_offsets if s == req.anchor_stride else None)
+               for s in strides}
+    plan = _Plan(strides, offsets, 1 + len(budgets), block - 1, req.keep_drafts > 0, req.draft_all,
+                 tuple(manifest.stop_token_ids), device, req.verify)
+    scorer = _Scorer(runner, head, drafting_spec, budgets, limits.head_bytes, req.tail_blocks, specforge,
+                     req.keep_drafts > 0, timer)
+    state_dtype = req.autocast_dtype or runner.dtype
     bar = None
     if progress:
         from tqdm.auto import tqdm
@@ -1034,7 +1022,7 @@ def evaluate(cache: StateCache, drafter: Any, head: TargetHead | None = None, *,
         bar = tqdm(total=len(ids), desc="evaluating", unit="sample")
     results: dict[str, SampleResult] = {}
     passes = 0
-    with torch.no_grad(), autocast_context(device, autocast_dtype):
+    with torch.no_grad(), autocast_context(device, req.autocast_dtype):
         for wave_ids in _waves(cache, ids, runner, state_dtype, limits.context_bytes):
             wave = _load_wave(cache, wave_ids, runner, plan, timer)
             first = True
@@ -1052,7 +1040,7 @@ def evaluate(cache: StateCache, drafter: Any, head: TargetHead | None = None, *,
                     with timer.phase(WALK):
                         wave.record(chunk, scored)
             with timer.phase(STATISTICS):
-                for r in wave.results(budgets, keep_drafts, block, specforge != "none"):
+                for r in wave.results(budgets, req.keep_drafts, block, specforge is not SpecForgePass.LEFT_OUT):
                     results[r.id] = r
             del wave  # the context K/V of this wave can go
             if bar is not None:
@@ -1062,9 +1050,20 @@ def evaluate(cache: StateCache, drafter: Any, head: TargetHead | None = None, *,
     samples = [results[sid] for sid in ids]
     with timer.phase(STATISTICS):
         # In sample order, from per-sample integers: the counts do not depend on waves, rounds or ranks.
-        counts = summed_counts(samples, block, budgets, categories, anchor_stride)
-    return EvalReport(counts, samples, time.perf_counter() - start, spec, budgets, anchor_stride, tail_blocks,
-                      str(head.lm_head.dtype).removeprefix("torch."), anchor_seed, strides[1:], note, passes)
+        counts = summed_counts(samples, block, budgets, categories, req.anchor_stride)
+    return EvalReport(counts, samples, time.perf_counter() - start, spec, budgets, req.anchor_stride, req.tail_blocks,
+                      str(head.lm_head.dtype).removeprefix("torch."), req.anchor_seed, strides[1:], note, passes)
+
+
+def specforge_pass(runner: DraftRunner, block_size: int) -> tuple[SpecForgePass, str]:
+    """How ``specforge/acc`` is computed for ``runner``'s drafter at ``block_size`` and the report's note on
+    it ("" when SpecForge's masks are the served ones)."""
+    difference = runner.specforge_difference(block_size)
+    if difference is None:
+        return SpecForgePass.SAME_DRAFTS, ""
+    if runner.has_specforge_masks:
+        return SpecForgePass.OWN_PASS, f"{difference}: {SPECFORGE_OWN_PASS}"
+    return SpecForgePass.LEFT_OUT, f"{difference}: {SPECFORGE_LEFT_OUT}"
 
 
 def _load_wave(cache: StateCache, ids: list[str], runner: DraftRunner, plan: _Plan, timer: Any) -> _Wave:

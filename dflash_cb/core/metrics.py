@@ -52,13 +52,27 @@ EVAL_STEP = "step"
 STEP_KEY = "trainer/global_step"
 
 
+def metric_key(name: str, prefix: str = DEFAULT_PREFIX) -> str:
+    """The logged key of a metric: ``metric_key(TAU)`` is ``"dflash_eval/tau"`` (for ``ModelCheckpoint(monitor=...)``,
+    ``metric_for_best_model``, a dashboard)."""
+    return prefix + name
+
+
+TAU_KEY = DEFAULT_PREFIX + TAU  # "dflash_eval/tau": the default evaluator's tau
+
+
+# The first segments of the metric names below a prefix: a prefix must not end in one (``{prefix}full/tau``
+# of one evaluation would be another's full key).
+KEY_NAMESPACES = ("acceptance", "acceptance_cond", "baseline", "best", "category", "cycle", "ddtree", "full",
+                  "position", "predicted", "produced_frac", "published", "selector", "specforge", "charts")
+
 # The seconds the evaluation was predicted to take before it ran (``cost.SecondsPredictor``: calibrated by the
 # evaluations measured before it), logged beside its measured ``eval_time_s``.
 PREDICTED_SECONDS = "predicted/seconds"
 
 
 def predicted_anchors(kind: str) -> str:
-    """Anchors one ``kind`` ("periodic" / "full") evaluation is expected to draft (``cost.evaluation_cost``)."""
+    """Anchors one ``kind`` ("light" / "full") evaluation is expected to draft (``cost.evaluation_cost``)."""
     return f"predicted/{kind}_anchors"
 
 
@@ -216,35 +230,59 @@ class AnchorCounts:
 def count_anchors(accepted: torch.Tensor, produced: torch.Tensor, valid_depth: torch.Tensor, match: torch.Tensor,
                   specforge_match: torch.Tensor | None = None, specforge: bool = True,
                   t1: torch.Tensor | None = None) -> AnchorCounts:
-    """The counts of a set of anchors of one sample (teacher forced).
+    """The counts of a set of anchors of one sample (teacher forced): ``anchor_counts_per_sample`` of one
+    sample, the one implementation.
 
     accepted [A]: leading matches; produced [A]; valid_depth [A, D]: the depth exists and its target
     token is known; match [A, D]: draft == target at that depth; specforge_match [A, D]: the same
     under SpecForge's masks and full blocks (None: ``match``); ``specforge`` False: SpecForge's
     figure could not be computed (zero weights). t1 [A]: expected accepted length at temperature 1
-    (None: no top-K log-probs stored). Summed in anchor order, so equal sets give equal counts.
+    (None: no top-K log-probs stored).
     """
-    d = valid_depth.shape[1]
-    depths = torch.arange(1, d + 1, device=accepted.device)
-    valid = valid_depth.bool()
-    hit = match.bool() & valid
-    sf_hit = hit if specforge_match is None else specforge_match.bool() & valid
-    reached = accepted[:, None] >= depths[None, :] - 1  # depths 1..k-1 all matched
+    sample = torch.zeros(accepted.shape[0], dtype=torch.long)
+    sf = match if specforge_match is None else specforge_match
+    t1_values = torch.zeros(accepted.shape[0], dtype=torch.float64) if t1 is None else t1
+    return anchor_counts_per_sample(sample, 1, accepted.cpu(), produced.cpu(), valid_depth.cpu(), match.cpu(),
+                                    sf.cpu(), specforge, t1_values.cpu(), [t1 is not None])[0]
 
-    def per_depth(x: torch.Tensor) -> tuple[int, ...]:
-        return tuple(x.sum(0).tolist()) if x.shape[0] else (0,) * d
 
-    total = per_depth(valid.long())
-    return AnchorCounts(
-        anchors=int(accepted.numel()), anchor_produced=int(produced.sum().item()),
-        depth_total=total, depth_match=per_depth(hit.long()),
-        cond_num=per_depth((accepted[:, None] >= depths[None, :]).long()),
-        cond_den=per_depth((reached & valid).long()),
-        specforge_total=total if specforge else (0,) * d,
-        specforge_match=per_depth(sf_hit.long()) if specforge else (0,) * d,
-        t1_sum=0.0 if t1 is None or t1.numel() == 0 else float(t1.double().add(1).sum().item()),
-        t1_anchors=0 if t1 is None else int(t1.numel()),
-    )
+def anchor_counts_per_sample(sample: torch.Tensor, n_samples: int, accepted: torch.Tensor, produced: torch.Tensor,
+                             valid: torch.Tensor, match: torch.Tensor, specforge_match: torch.Tensor, specforge: bool,
+                             t1: torch.Tensor, t1_scored: Sequence[bool]) -> list[AnchorCounts]:
+    """Each sample's ``AnchorCounts`` over anchors given as flat rows (CPU tensors), in (sample, anchor) order.
+
+    sample [A]: each row's sample index in ``[0, n_samples)``; accepted, produced [A]; valid, match,
+    specforge_match [A, D] booleans (a match counts only where the depth is valid); ``specforge`` False:
+    SpecForge's figure could not be computed (zero weights); t1 [A] float64: expected accepted length at
+    temperature 1, counted for the samples whose ``t1_scored`` is True. Integer sums per sample (the same
+    whatever else the rows hold), and ``t1_sum`` exactly rounded (``math.fsum``) in row order.
+    """
+    d = valid.shape[1]
+    depth = torch.arange(1, d + 1)[None, :]
+    valid = valid.bool()
+    accepted = accepted.long()
+
+    def per_sample(x: torch.Tensor) -> list[Any]:
+        return torch.zeros((n_samples, *x.shape[1:]), dtype=torch.long).index_add_(0, sample, x.long()).tolist()
+
+    anchors = per_sample(torch.ones_like(sample))
+    anchor_produced = per_sample(produced)
+    total = per_sample(valid)
+    hit = per_sample(match.bool() & valid)
+    cond_num = per_sample(accepted[:, None] >= depth)
+    cond_den = per_sample((accepted[:, None] >= depth - 1) & valid)  # depths 1..k-1 all matched
+    sf_hit = per_sample(specforge_match.bool() & valid)
+    t1_rows: list[list[float]] = [[] for _ in range(n_samples)]
+    for s, x in zip(sample.tolist(), t1.tolist(), strict=True):
+        t1_rows[s].append(x + 1)
+    zeros = (0,) * d
+    return [AnchorCounts(
+        anchors=anchors[s], anchor_produced=anchor_produced[s], depth_total=tuple(total[s]),
+        depth_match=tuple(hit[s]), cond_num=tuple(cond_num[s]), cond_den=tuple(cond_den[s]),
+        specforge_total=tuple(total[s]) if specforge else zeros,
+        specforge_match=tuple(sf_hit[s]) if specforge else zeros,
+        t1_sum=math.fsum(t1_rows[s]) if t1_scored[s] else 0.0, t1_anchors=anchors[s] if t1_scored[s] else 0)
+        for s in range(n_samples)]
 
 
 @dataclass

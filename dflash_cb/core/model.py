@@ -7,7 +7,8 @@ training), the drafter exposes the two halves the evaluation engine batches sepa
 ``context_kv`` / ``stream_context`` (depends only on the cached target features: computed once per
 sample, for many samples together) and ``block_rows`` (many anchors' blocks of many samples in one
 pass, each block seeing its own sample's context prefix; ``forward_samples`` finishes every row). The
-block, its attention and the sliding-window rule: docs/method.md.
+block, its attention and the sliding-window rule: docs/method.md. DFlash 2 drafters (``dflash2.DFlash2Drafter``)
+are a subclass; which family a config is: ``families``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
+
+from .families import DFLASH2_FIELDS, FAMILY_ARCHITECTURE, FAMILY_LABEL, Family, config_family
 
 
 def _dflash_value(config: Any, name: str, default: Any = None) -> Any:
@@ -54,6 +57,9 @@ class DrafterSpec:
     input_embedding_scale: float = 1.0
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
+    family: Family = "dflash"
+    # DFlash 2: the candidates the selector scores at each block position (None for DFlash).
+    selector_top_k: int | None = None
 
     @classmethod
     def of(cls, drafter: Any) -> DrafterSpec:
@@ -76,6 +82,12 @@ class DrafterSpec:
         if mask is None:
             raise ValueError("drafter config has no mask_token_id (expected in dflash_config)")
         softcap = _dflash_value(config, "final_logit_softcapping")
+        family = config_family(config) or "dflash"
+        top_k = None
+        if family == "dflash2":
+            top_k = _dflash_value(config, "selector_top_k")
+            if top_k is None:
+                raise ValueError("a DFlash 2 drafter config has no selector_top_k (expected in dflash_config)")
         return cls(
             block_size=int(_dflash_value(config, "block_size", 16)),
             mask_token_id=int(mask),
@@ -86,6 +98,8 @@ class DrafterSpec:
             input_embedding_scale=float(_dflash_value(config, "input_embedding_scale", 1.0) or 1.0),
             output_multiplier=float(_dflash_value(config, "output_multiplier", 1.0) or 1.0),
             final_logit_softcapping=float(softcap) if softcap else None,
+            family=family,
+            selector_top_k=int(top_k) if top_k is not None else None,
         )
 
     def differences(self, other: DrafterSpec) -> list[tuple[str, Any, Any]]:
@@ -361,11 +375,16 @@ class DFlashDecoderLayer(nn.Module):
     def forward(self, h: torch.Tensor, ctx_kv: tuple[torch.Tensor, torch.Tensor], cos: torch.Tensor,
                 sin: torch.Tensor, mask: torch.Tensor | None, group: int = 1) -> torch.Tensor:
         attn = self.self_attn
-        x = self.input_layernorm(h)
+        x, carry = self.attention_input(h)
         bk, bv = attn.project_kv(x, cos, sin)
-        return self.finish(h, attn.attend(attn.project_q(x, cos, sin), bk, bv, *ctx_kv, mask, group))
+        return self.finish(h, attn.attend(attn.project_q(x, cos, sin), bk, bv, *ctx_kv, mask, group), carry)
 
-    def finish(self, h: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+    def attention_input(self, h: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """(what the block's queries, keys and values are projected from, what ``finish`` needs of it):
+        the normed layer input, and nothing (a DFlash 2 layer convolves it and carries a kernel)."""
+        return self.input_layernorm(h), None
+
+    def finish(self, h: torch.Tensor, attended: torch.Tensor, carry: Any = None) -> torch.Tensor:
         """The layer after its attention, given the layer input ``h`` and the attention output before
         ``o_proj``: token-wise, so it may run on any subset of positions (``DeferredBlocks``)."""
         h = h + self.self_attn.o_proj(attended)
@@ -375,17 +394,27 @@ class DFlashDecoderLayer(nn.Module):
 class DFlashDrafter(nn.Module):
     """DFlash drafter: ``layers.N.*``, ``fc``, ``hidden_norm``, ``norm``; no vocabulary matrices."""
 
+    family: Family = "dflash"
+
     def __init__(self, config: Qwen3Config):
+        said = config_family(config)
+        if said not in (None, self.family):
+            raise ValueError(f"the config is a {FAMILY_LABEL[said]} drafter's, not a {FAMILY_LABEL[self.family]} "
+                             "one: build it with the class of its family (drafters.drafter_from_config, "
+                             "checkpoints.load_drafter)")
         super().__init__()
         self.config = config
         self.spec = DrafterSpec.from_config(config)
-        self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(self._layer(config, i) for i in range(config.num_hidden_layers))
         self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
         n_ctx = len(self.spec.target_layer_ids) * self.spec.target_hidden_size
         self.fc = nn.Linear(n_ctx, config.hidden_size, bias=False)
         self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.reset_parameters()
+
+    def _layer(self, config: Qwen3Config, layer_idx: int) -> DFlashDecoderLayer:
+        return DFlashDecoderLayer(config, layer_idx)
 
     @property
     def block_size(self) -> int:
@@ -535,9 +564,9 @@ class DFlashDrafter(nn.Module):
                         samples: torch.Tensor, lengths: torch.Tensor | None = None, attn_mem_bytes: int | None = None,
                         masks: str = "served") -> torch.Tensor:
         """Hidden states [N, L, hidden] of blocks of several samples in one pass (``block_rows``, every row)."""
-        h, attended = self._through_last_attention(context, noise_embedding, anchors, samples, lengths,
-                                                   attn_mem_bytes, masks)
-        return self.norm(self.layers[-1].finish(h, attended))
+        h, attended, carry = self._through_last_attention(context, noise_embedding, anchors, samples, lengths,
+                                                          attn_mem_bytes, masks)
+        return self.norm(self.layers[-1].finish(h, attended, carry))
 
     def block_rows(self, context: ContextKV, noise_embedding: torch.Tensor, anchors: torch.Tensor,
                    samples: torch.Tensor, lengths: torch.Tensor | None = None, attn_mem_bytes: int | None = None,
@@ -552,13 +581,15 @@ class DFlashDrafter(nn.Module):
         under ``attn_mem_bytes`` (None: no limit). ``masks`` (``MASKS``): "specforge" runs the blocks under
         SpecForge's training masks instead.
         """
-        return DeferredBlocks(self, *self._through_last_attention(context, noise_embedding, anchors, samples,
-                                                                  lengths, attn_mem_bytes, masks))
+        h, attended, _ = self._through_last_attention(context, noise_embedding, anchors, samples, lengths,
+                                                      attn_mem_bytes, masks)
+        return DeferredBlocks(self, h, attended)
 
     def _through_last_attention(self, context: ContextKV, noise_embedding: torch.Tensor, anchors: torch.Tensor,
                                 samples: torch.Tensor, lengths: torch.Tensor | None, attn_mem_bytes: int | None,
-                                masks: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the last layer's input, its attention output before ``o_proj``) of every block."""
+                                masks: str) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """(the last layer's input, its attention output before ``o_proj``, what its ``finish`` needs
+        besides) of every block."""
         n = noise_embedding.shape[1]
         parts = self._attention_parts(context, anchors, samples, lengths, n, attn_mem_bytes,
                                       noise_embedding.element_size(), masks)
@@ -568,7 +599,7 @@ class DFlashDrafter(nn.Module):
         last = len(self.layers) - 1
         for li, layer in enumerate(self.layers):
             attn = layer.self_attn
-            x = layer.input_layernorm(h)
+            x, carry = layer.attention_input(h)
             q = attn.project_q(x, cos, sin)
             bk, bv = attn.project_kv(x, cos, sin)
             ck_all, cv_all = context.layers[li]
@@ -586,8 +617,8 @@ class DFlashDrafter(nn.Module):
                 outs.append(o if part.keep is None else o[part.keep])
             a_out = torch.cat(outs) if len(outs) > 1 else outs[0]
             if li == last:
-                return h, a_out
-            h = layer.finish(h, a_out)
+                return h, a_out, carry
+            h = layer.finish(h, a_out, carry)
         raise AssertionError("a drafter has at least one layer")
 
     def _attention_parts(self, context: ContextKV, anchors: torch.Tensor, samples: torch.Tensor,
@@ -676,10 +707,16 @@ class DFlashDrafter(nn.Module):
     def from_config_dict(cls, data: dict[str, Any]) -> DFlashDrafter:
         return cls(Qwen3Config.from_dict(dict(data)))
 
+    @staticmethod
+    def canonical_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``state`` under this class's key names (DFlash: as it is; DFlash 2 renames its codebooks)."""
+        return state
+
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, device: torch.device | str = "cpu",
                         dtype: torch.dtype | None = None) -> DFlashDrafter:
-        """Load a drafter folder (``config.json`` + safetensors); missing or unexpected keys are errors."""
+        """Load a drafter folder (``config.json`` + safetensors) into this class; missing or unexpected keys
+        are errors (``drafters.load_pretrained`` picks the class from the folder)."""
         path = Path(path)
         cfg_path = path / "config.json"
         if not cfg_path.is_file():
@@ -696,21 +733,49 @@ class DFlashDrafter(nn.Module):
         return model.to(device=device, dtype=dtype)
 
     def save_pretrained(self, path: str | os.PathLike) -> None:
+        """The published format: ``model.safetensors`` under this class's key names and ``config.json``."""
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
         save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
-        (path / "config.json").write_text(self.config.to_json_string(use_diff=False))
+        (path / "config.json").write_text(self._published_config().to_json_string(use_diff=False))
+
+    def _published_config(self) -> Qwen3Config:
+        """The config ``save_pretrained`` writes."""
+        return self.config
 
 
-def load_state_dict_strict(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
+def _listed(keys: list[str]) -> str:
+    return f"{keys[:8]}{' ...' if len(keys) > 8 else ''}"
+
+
+def load_state_dict_strict(model: nn.Module, state: dict[str, torch.Tensor], source: str,
+                           layouts: dict[Family, set[str]] | None = None) -> None:
+    """Load ``state`` into ``model`` when its keys and shapes are exactly the model's; else a ValueError naming
+    the missing and unexpected keys of the closest layout: the model's own, or one of ``layouts`` (the key
+    names of the other families for the same config, ``drafters.layouts``), whichever differs least."""
+    if isinstance(model, DFlashDrafter):
+        state = model.canonical_state(state)
+    own: Family = model.spec.family if isinstance(model, DFlashDrafter) else "dflash"
     expected = set(model.state_dict())
     missing = sorted(expected - set(state))
     unexpected = sorted(set(state) - expected)
     if missing or unexpected:
-        raise ValueError(f"{source}: drafter weights do not match the DFlash layout: "
-                         f"missing {missing[:8]}{' ...' if len(missing) > 8 else ''}, "
-                         f"unexpected {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
+        best, best_missing, best_unexpected = own, missing, unexpected
+        for family, keys in (layouts or {}).items():
+            m, u = sorted(keys - set(state)), sorted(set(state) - keys)
+            if family != own and len(m) + len(u) < len(best_missing) + len(best_unexpected):
+                best, best_missing, best_unexpected = family, m, u
+        if best == own:
+            raise ValueError(f"{source}: drafter weights do not match the {FAMILY_LABEL[own]} layout: "
+                             f"missing {_listed(missing)}, unexpected {_listed(unexpected)}")
+        said = f"the config says {FAMILY_LABEL[own]}"
+        if not best_missing and not best_unexpected:
+            raise ValueError(f"{source}: the weights are a {FAMILY_LABEL[best]} drafter's, but {said}: set "
+                             f"architectures [{FAMILY_ARCHITECTURE[best]!r}] in its config.json"
+                             + (f" and dflash_config's {', '.join(DFLASH2_FIELDS)}" if best == "dflash2" else ""))
+        raise ValueError(f"{source}: drafter weights fit neither layout; the closest is {FAMILY_LABEL[best]} "
+                         f"({said}): missing {_listed(best_missing)}, unexpected {_listed(best_unexpected)}")
     for k, v in state.items():
         want = model.state_dict()[k].shape
         if tuple(v.shape) != tuple(want):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 
@@ -53,7 +53,8 @@ def sample_bounds(prompt_len: int, total_len: int, valid_len: int, max_new_token
 # "served" drafts a full block every cycle and cuts what verification accepts, as SGLang's DFlash
 # worker does; "reference" shortens the block to the tokens left, as dflash's ``dflash_generate``.
 # Only bidirectional drafter layers see the difference (a shorter block changes their earlier drafts).
-TAIL_BLOCKS = ("served", "reference")
+TailBlocks = Literal["served", "reference"]
+TAIL_BLOCKS: tuple[TailBlocks, ...] = get_args(TailBlocks)
 
 
 def check_tail_blocks(tail_blocks: str) -> str:

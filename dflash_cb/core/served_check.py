@@ -1,9 +1,11 @@
-"""The served check: the offline replay against the SGLang server's own speculative counters, per sample.
+"""The served check: the offline replay against the server's own speculative counters, per sample.
 
 ``tools/eval_drafter.py --served-check`` runs it. The counters' definitions (which fields SGLang sends,
-its convention, which samples are comparable) live with the cache in ``dflash_cb.cache.served``; this
-module compares them with the replay's cycles and correct drafts and summarises the difference with
-the comparison code's paired bootstrap (docs/method.md, *Conventions*).
+what vLLM's ``/metrics`` deltas mean, their conventions, which samples are comparable) live with the
+cache in ``dflash_cb.cache.served`` and ``dflash_cb.cache.vllm_counters``; this module compares them
+with the replay's cycles and correct drafts (SGLang's histogram of correct drafts per round, vLLM's
+accepted drafts per position) and summarises the difference with the comparison code's paired
+bootstrap (docs/method.md, *Conventions*).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ..cache import vllm_counters as V
 from ..cache.served import (
     ACCEPT_LENGTH,
     CONVENTION,
@@ -21,13 +24,13 @@ from ..cache.served import (
     FLAGGED,
     HISTOGRAM,
     SKIPPED,
-    VERIFY_CT,
     ServedCheckError,
     comparability,
     comparable_entries,
     convention_of,
     histogram_of,
     incomparable_settings,
+    rounds_key,
     served_block_size,
     served_rounds_and_tau,
     trim_histogram,
@@ -55,6 +58,13 @@ class SampleCheck:
     # EQUAL; CENSORED (equal, the last round's count a lower bound that the server's meets); DIFFERS;
     # None when either side has no histogram
     histogram: str | None = None
+    # vLLM: rounds whose first j + 1 drafts were accepted, per position j; their status as for the histogram
+    offline_per_position: list[int] | None = None
+    served_per_position: list[int] | None = None
+    per_position: str | None = None
+    # vLLM's mean acceptance length, 1 + correct drafts / rounds (vllm_counters.mean_acceptance_length)
+    offline_vllm_accept_length: float | None = None
+    served_vllm_accept_length: float | None = None
 
     @property
     def equal(self) -> bool:
@@ -74,6 +84,28 @@ def histogram_status(correct: Sequence[int], censored: bool, served: Sequence[in
         if min(left, default=0) >= 0 and sum(left) == 1 and left.index(1) >= correct[-1]:
             return CENSORED
     return DIFFERS
+
+
+def per_position_status(correct: Sequence[int], censored: bool, served: Sequence[int]) -> str:
+    """Offline per-cycle correct drafts against vLLM's per-position counts (entry j: rounds whose first
+    j + 1 drafts were accepted). ``censored`` as for :func:`histogram_status`: then the server may have
+    accepted more in the last round, which adds one at each position from the replay's count on."""
+    offline = V.accepted_per_position(correct, len(served))
+    if offline == [int(v) for v in served]:
+        return EQUAL
+    if censored and correct:
+        extra = [j for j, (a, b) in enumerate(zip(served, offline, strict=True)) if a != b]
+        steps = [int(served[j]) - offline[j] for j in extra]
+        if extra and set(steps) == {1} and extra == list(range(correct[-1], correct[-1] + len(extra))):
+            return CENSORED
+    return DIFFERS
+
+
+def _pooled(vectors: Sequence[Sequence[int] | None]) -> list[int] | None:
+    given = [list(v) for v in vectors if v is not None]
+    if not given:
+        return None
+    return [sum(v[j] for v in given if j < len(v)) for j in range(max(len(v) for v in given))]
 
 
 @dataclass
@@ -105,15 +137,28 @@ class ServedCheck:
         srv_tokens = sum(x.served_tau * x.served_rounds for x in s)
         both = [x for x in s if x.offline_tau is not None]
         diffs = [abs(x.offline_tau - x.served_tau) for x in both]
-        hist = [x for x in s if x.histogram is not None]
+        hist = [x for x in s if x.histogram is not None or x.per_position is not None]
+        pos = [x for x in s if x.per_position is not None]
         interval = self.paired_interval()
+        known = [x for x in s if x.offline_correct_drafts is not None and x.served_correct_drafts is not None]
+        k_rounds = (sum(x.offline_rounds for x in known), sum(x.served_rounds for x in known))
         return {
             "comparable": self.comparable,
             "samples_compared": len(s),
             "samples_equal_rounds": self.equal_rounds,
-            "samples_with_histogram": len(hist),
-            "samples_equal_histogram": sum(x.histogram in (EQUAL, CENSORED) for x in hist),
-            "samples_histogram_censored": sum(x.histogram == CENSORED for x in hist),
+            "samples_with_histogram": sum(x.histogram is not None for x in s),
+            "samples_equal_histogram": sum(x.histogram in (EQUAL, CENSORED) for x in s),
+            "samples_histogram_censored": sum(x.histogram == CENSORED for x in s),
+            "samples_with_per_position": len(pos),
+            "samples_equal_per_position": sum(x.per_position in (EQUAL, CENSORED) for x in pos),
+            "samples_per_position_censored": sum(x.per_position == CENSORED for x in pos),
+            # vLLM's layout pooled over those samples: entry j = rounds whose first j + 1 drafts were accepted
+            "offline_per_position": _pooled([x.offline_per_position for x in pos]),
+            "served_per_position": _pooled([x.served_per_position for x in pos]),
+            # vLLM's "Mean acceptance length" (1 + accepted / drafts, pooled over rounds) on both sides
+            "vllm_mean_acceptance_length": None if not (known and all(k_rounds)) else {
+                "offline": round(V.mean_acceptance_length(sum(x.offline_correct_drafts for x in known), k_rounds[0]), 6),
+                "served": round(V.mean_acceptance_length(sum(x.served_correct_drafts for x in known), k_rounds[1]), 6)},
             "samples_skipped": len(self.skipped),
             "samples_flagged": len(self.flagged),
             "offline_rounds": off_rounds,
@@ -151,9 +196,12 @@ class ServedCheck:
 
 
 def has_served_counters(entries: Sequence[Any]) -> bool:
-    """Whether any sample holds the server's round count, whatever its value: a malformed one is flagged
-    by the check (:func:`comparability`), not mistaken for a cache without counters."""
-    return any(isinstance(e.served_spec, Mapping) and VERIFY_CT in e.served_spec for e in entries)
+    """Whether any sample holds the server's round count (SGLang's ``spec_verify_ct``, vLLM's ``num_drafts``),
+    whatever its value, or vLLM counters marked unattributable: a malformed or unattributable one is
+    skipped or flagged by the check with its reason (:func:`comparability`), not mistaken for a cache
+    without counters."""
+    return any(isinstance(e.served_spec, Mapping) and (rounds_key(e.served_spec) in e.served_spec
+                                                       or V.ATTRIBUTABLE in e.served_spec) for e in entries)
 
 
 def replay_block_size(server: Mapping[str, Any] | None, drafter_block_size: int, requested: int | None = None,
@@ -176,9 +224,11 @@ def replay_block_size(server: Mapping[str, Any] | None, drafter_block_size: int,
 
 def nothing_to_compare(cache_path: str | os.PathLike) -> ServedCheckError:
     return ServedCheckError(
-        f"{cache_path}: no sample holds the server's speculative counters (spec_verify_ct), so there is nothing "
-        "to compare; precompute with --reference sglang against a server that runs the drafter "
-        "(sglang.launch_server ... --speculative-algorithm DFLASH --speculative-draft-model-path <drafter>)")
+        f"{cache_path}: no sample holds the server's speculative counters (spec_verify_ct, or vLLM's {V.DRAFTS}), "
+        "so there is nothing to compare; precompute with --reference sglang against a server that runs the drafter "
+        "(sglang.launch_server ... --speculative-algorithm DFLASH --speculative-draft-model-path <drafter>), or with "
+        "--reference vllm --max-in-flight 1 against vllm serve <target> --speculative-config "
+        "'{\"method\": \"dflash\", \"model\": <drafter>, ...}'")
 
 
 def nothing_selected(cache_path: str | os.PathLike, selected: Sequence[Any]) -> ServedCheckError | None:
@@ -189,7 +239,8 @@ def nothing_selected(cache_path: str | os.PathLike, selected: Sequence[Any]) -> 
     reasons = Counter(why[1].split(": ")[0] for _, why in verdicts)
     listed = "; ".join(f"{n} x {label}" for label, n in sorted(reasons.items())[:5])
     more = f"; {len(reasons) - 5} more kinds" if len(reasons) > 5 else ""
-    flagged = next((f"; flagged {sid}: {why[1]}" for sid, why in verdicts if why[0] == FLAGGED), "")
+    flagged = next((f"; flagged {sid}: {why[1]}" for sid, why in verdicts if why[0] == FLAGGED), "") or \
+        next((f"; e.g. {sid}: {why[1]}" for sid, why in verdicts), "")
     return ServedCheckError(
         f"{cache_path}: none of the {len(selected)} selected sample(s) has served counters to compare "
         f"({listed}{more}{flagged}); select samples that do (--sample-ids / --samples), or drop --served-check")
@@ -211,6 +262,12 @@ def compare(entries: Sequence[Any], offline: Mapping[str, Sequence[int]], server
     """
     block = block_size if block_size is not None else drafter_block_size
     server_block = served_block_size(server)
+    vllm = any(V.is_vllm(e.served_spec) for e in entries if e.id in offline)
+    counted_block = None  # vLLM: the block its counters show, when its configuration is not recorded
+    if vllm and server_block is None:
+        shown = Counter(b for e in entries if e.id in offline and V.is_vllm(e.served_spec)
+                        and V.unattributed(e.served_spec) is None and (b := V.block_of(e.served_spec)) is not None)
+        counted_block = shown.most_common(1)[0][0] if shown else None
     checks: list[SampleCheck] = []
     skipped: dict[str, str] = {}
     flagged: dict[str, str] = {}
@@ -219,7 +276,7 @@ def compare(entries: Sequence[Any], offline: Mapping[str, Sequence[int]], server
     for e in entries:
         if e.id not in offline:
             continue
-        why = comparability(e, server_block)
+        why = comparability(e, server_block or counted_block)
         if why is not None:
             (skipped if why[0] == SKIPPED else flagged)[e.id] = why[1]
             continue
@@ -236,19 +293,29 @@ def compare(entries: Sequence[Any], offline: Mapping[str, Sequence[int]], server
             offline_tau=sum(lengths) / len(lengths) if lengths else None, served_tau=tau,
             served_accept_length=float(length) if isinstance(length, (int, float)) else None,
             convention=convention_of(counters, e.completion_len))
+        served_pp = V.per_position(counters) if V.is_vllm(counters) else None
+        if V.is_vllm(counters) and (accepted := whole_count(counters.get(V.ACCEPTED))) is not None:
+            check.served_accept_length = V.mean_acceptance_length(accepted, rounds)  # vLLM's own convention
         correct = None if correct_drafts is None else correct_drafts.get(e.id)
         if correct is not None:
             correct = [int(k) for k in correct]
             check.offline_correct_drafts = sum(correct)
             check.offline_histogram = histogram_of(correct)
-            check.served_correct_drafts = whole_count(counters.get(CORRECT_DRAFTS))
+            check.served_correct_drafts = whole_count(counters.get(V.ACCEPTED if V.is_vllm(counters) else CORRECT_DRAFTS))
+            # The last cycle matched up to the last known token: the server may have matched more.
+            last_anchor = e.prompt_len + sum(lengths[:-1])
+            censored = bool(correct) and (block is None or correct[-1] < block - 1) \
+                and last_anchor + correct[-1] + 1 >= e.total_len
             if isinstance(hist, list):
                 check.served_histogram = [int(v) for v in hist]
-                # The last cycle matched up to the last known token: the server may have matched more.
-                last_anchor = e.prompt_len + sum(lengths[:-1])
-                censored = bool(correct) and (block is None or correct[-1] < block - 1) \
-                    and last_anchor + correct[-1] + 1 >= e.total_len
                 check.histogram = histogram_status(correct, censored, check.served_histogram)
+            if served_pp is not None:
+                check.served_per_position = served_pp
+                check.offline_per_position = V.accepted_per_position(correct, len(served_pp))
+                check.per_position = per_position_status(correct, censored, served_pp)
+            if lengths and check.served_correct_drafts is not None:
+                check.offline_vllm_accept_length = V.mean_acceptance_length(sum(correct), len(lengths))
+                check.served_vllm_accept_length = V.mean_acceptance_length(check.served_correct_drafts, rounds)
         checks.append(check)
     warnings = []
     served_path = (server or {}).get("draft_model_path")
@@ -262,7 +329,7 @@ def compare(entries: Sequence[Any], offline: Mapping[str, Sequence[int]], server
     if missing:
         warnings.append(f"{len(missing)} sample(s) have no {ACCEPT_LENGTH} (e.g. {missing[0]}): their rounds are "
                         "compared, the server's accept length is not shown")
-    odd = sorted({c.convention for c in checks if c.served_accept_length is not None} - {"with_prefill_token"})
+    odd = sorted({c.convention for c in checks if c.served_accept_length is not None} - {"with_prefill_token", "vllm"})
     if odd:
         warnings.append(f"some samples' spec_accept_length does not fit completion_tokens / spec_verify_ct "
                         f"(conventions seen: {odd}); the round counts are still compared")
@@ -275,15 +342,21 @@ def compare(entries: Sequence[Any], offline: Mapping[str, Sequence[int]], server
                             f"{most_served + 1}, rerun with --block-size {most_served + 1}")
     settings = incomparable_settings(server, longest, drafter_input_embedding_scale, drafter_path, block,
                                      drafter_block_size)
-    if server_block is None and block is not None and longest_round > block:
+    if counted_block is not None and block is not None and counted_block != block:
+        drafter = (f", the drafter's trained block is {drafter_block_size}: the replay cannot draft that long"
+                   if drafter_block_size is not None and counted_block > drafter_block_size
+                   else f": replay at the server's block (--block-size {counted_block})")
+        settings.append(f"the server's configuration is not recorded, and its counters show blocks of {counted_block} "
+                        f"tokens ({V.DRAFT_TOKENS} / {V.DRAFTS} + 1), the replay drafted blocks of {block}{drafter}")
+    elif server_block is None and counted_block is None and block is not None and longest_round > block:
         settings.append(f"the server's block is not recorded, and its counters show a round of at least "
                         f"{longest_round} tokens, longer than the replay's blocks of {block}"
                         + (f" (the drafter's block is {drafter_block_size})" if drafter_block_size not in
                            (None, block) else "") + ": the server drafted with another block or drafter")
     warnings += [f"not comparable: {w}" for w in settings]
     return ServedCheck(checks, skipped, dict(server) if server else None, warnings, flagged=flagged,
-                       not_comparable=settings,
-                       blocks={"replay": block, "server": server_block, "drafter": drafter_block_size})
+                       not_comparable=settings, convention=V.CONVENTION if vllm else CONVENTION,
+                       blocks={"replay": block, "server": server_block or counted_block, "drafter": drafter_block_size})
 
 
 def format_check(check: ServedCheck, max_rows: int = 40) -> str:
@@ -293,7 +366,9 @@ def format_check(check: ServedCheck, max_rows: int = 40) -> str:
     def f(x: float | None) -> str:
         return "n/a" if x is None else f"{x:.3f}"
 
-    lines = ["served check: offline replay vs the server's own counters (SGLang spec_verify_ct)",
+    vllm = check.convention == V.CONVENTION
+    source = (f"vLLM {V.DRAFTS} across each request" if vllm else "SGLang spec_verify_ct")
+    lines = [f"served check: offline replay vs the server's own counters ({source})",
              f"  convention: {check.convention}"]
     if check.server:
         lines.append("  server: " + ", ".join(f"{k}={v}" for k, v in check.server.items()))
@@ -310,6 +385,15 @@ def format_check(check: ServedCheck, max_rows: int = 40) -> str:
         lines.append(f"  correct-draft histograms equal {s['samples_equal_histogram']}/{s['samples_with_histogram']}"
                      f" ({s['samples_histogram_censored']} with a censored last round); correct drafts offline "
                      f"{s['offline_correct_drafts']}, served {s['served_correct_drafts']}")
+    if s["samples_with_per_position"]:
+        lines.append(f"  per-position acceptance equal {s['samples_equal_per_position']}/{s['samples_with_per_position']}"
+                     f" ({s['samples_per_position_censored']} with a censored last round); accepted drafts offline "
+                     f"{s['offline_correct_drafts']}, served {s['served_correct_drafts']}; per position offline "
+                     f"{s['offline_per_position']}, served {s['served_per_position']}")
+    if s["vllm_mean_acceptance_length"] is not None:
+        m = s["vllm_mean_acceptance_length"]
+        lines.append(f"  mean acceptance length, vLLM's convention (1 + accepted / drafts): offline {f(m['offline'])}, "
+                     f"served {f(m['served'])} (tau below counts the tokens committed, after the last round's cut)")
     lines.append(f"  rounds offline {s['offline_rounds']}, served {s['served_rounds']}; pooled tau offline "
                  f"{f(s['offline_tau'])}, served {f(s['served_tau'])}; mean |tau diff| per sample "
                  f"{f(s['mean_abs_tau_diff'])}")
@@ -318,14 +402,19 @@ def format_check(check: ServedCheck, max_rows: int = 40) -> str:
         lines.append(f"  served - offline tau {d:+.3f}, paired 95% interval [{lo:+.3f}, {hi:+.3f}]")
     for w in check.warnings:
         lines.append(f"  warning: {w}")
-    rows = sorted(check.samples, key=lambda x: (x.equal and x.histogram != DIFFERS, x.id))
+    def same(x: SampleCheck) -> bool:
+        return x.equal and DIFFERS not in (x.histogram, x.per_position)
+
+    rows = sorted(check.samples, key=lambda x: (same(x), x.id))
     if rows:
         lines.append(f"  {'sample':<16} {'rounds off':>10} {'served':>7} {'tau off':>8} {'served':>7}  "
-                     "server accept_length")
+                     + ("server 1 + accepted/drafts" if vllm else "server accept_length"))
     for x in rows[:max_rows]:
-        mark = "" if x.equal and x.histogram != DIFFERS else ("  <- differs" if check.comparable else "  (differs)")
+        mark = "" if same(x) else ("  <- differs" if check.comparable else "  (differs)")
         if x.histogram == DIFFERS:
             mark += f" (histogram offline {x.offline_histogram}, served {x.served_histogram})"
+        if x.per_position == DIFFERS:
+            mark += f" (per position offline {x.offline_per_position}, served {x.served_per_position})"
         lines.append(f"  {x.id:<16} {x.offline_rounds:>10} {x.served_rounds:>7} {f(x.offline_tau):>8} "
                      f"{f(x.served_tau):>7}  {f(x.served_accept_length)}{mark}")
     if len(rows) > max_rows:

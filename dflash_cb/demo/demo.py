@@ -346,8 +346,8 @@ def train_drafter(cfg: DemoConfig, paths: Paths) -> dict[str, Any]:
     # At toy scale a full evaluation (every anchor, every budget) costs next to nothing, so the demo
     # runs the full profile each time; a real run keeps the light periodic defaults.
     eval_cb = DFlashEvalCallback(states=str(paths.cache_eval), every_n_train_steps=cfg.eval_every,
-                                 ddtree_budgets=cfg.ddtree_budgets, periodic_ddtree_budgets=cfg.ddtree_budgets,
-                                 periodic_anchor_stride=1, table_samples=3, table_cycles=4,
+                                 ddtree_budgets=cfg.ddtree_budgets, light_ddtree_budgets=cfg.ddtree_budgets,
+                                 light_anchor_stride=1, table_samples=3, table_cycles=4,
                                  tokenizer=S.decode, autocast_dtype="float32", console=False,
                                  position_edges=POSITION_EDGES)
     trainer = pl.Trainer(max_steps=cfg.steps, max_epochs=-1, accelerator="cpu", devices=1,

@@ -54,15 +54,15 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
 from ..common import arguments as check
-from ..core.engine import DEFAULT_BUDGETS
 from ..core.metrics import TAU
 from ..core.positions import DEFAULT_POSITION_EDGES
-from .config import DEFAULT_PREFIX, AutocastName, EvalConfig, TailBlocks
+from ..core.request import DEFAULT_BUDGETS
+from .config import DEFAULT_PREFIX, AutocastName, EvalConfig, TailBlocks, config_from
 from .distributed import full_parameters, sharding_kind
 from .drafter_source import find_drafter
 from .evaluator import LiveEvaluator
-from .sinks import MetricsSink, WandbSink
-from .wandb_logging import find_wandb_run
+from .sinks import MetricsSink
+from .trackers import as_sinks, lightning_sinks
 
 DrafterSource = str | Callable[[LightningModule], nn.Module]
 
@@ -119,8 +119,8 @@ class DFlashEvalCallback(Callback):
         target_embed: str | None = None,
         target_lm_head: str | None = None,
         ddtree_budgets: Sequence[int] = DEFAULT_BUDGETS,
-        periodic_ddtree_budgets: Sequence[int] | None = None,
-        periodic_anchor_stride: int | None = None,
+        light_ddtree_budgets: Sequence[int] | None = None,
+        light_anchor_stride: int | None = None,
         anchor_seed: int = 0,
         full_every_n_evals: int = 0,
         num_samples: int | None = None,
@@ -141,27 +141,20 @@ class DFlashEvalCallback(Callback):
         console: bool = True,
         tail_blocks: TailBlocks = "served",
         block_size: int | None = None,
+        periodic_ddtree_budgets: Sequence[int] | None = None,
+        periodic_anchor_stride: int | None = None,
         prog_bar: bool = False,
+        sinks: Sequence[MetricsSink] | None = None,
     ) -> None:
+        config = config_from(locals())  # first: the arguments as given
         super().__init__()
         if not isinstance(drafter, str) and not callable(drafter):
             raise check.ArgumentError(f"drafter={drafter!r}: expected an attribute path (str) or a function taking "
                                       "the LightningModule")
-        config = EvalConfig(
-            states=states, every_n_train_steps=every_n_train_steps, eval_on_fit_start=eval_on_fit_start,
-            eval_on_fit_end=eval_on_fit_end, target_embed=target_embed, target_lm_head=target_lm_head,
-            ddtree_budgets=ddtree_budgets, periodic_ddtree_budgets=periodic_ddtree_budgets,
-            periodic_anchor_stride=periodic_anchor_stride, anchor_seed=anchor_seed,
-            full_every_n_evals=full_every_n_evals,
-            num_samples=num_samples, sample_ids=sample_ids, sample_seed=sample_seed, prefix=prefix,
-            baselines=baselines, published=published, published_entries=published_entries,
-            fail_on_error=fail_on_error, max_failed_evaluations=max_failed_evaluations,
-            autocast_dtype=autocast_dtype, table_samples=table_samples, table_cycles=table_cycles,
-            tokenizer=tokenizer, verify_cache=verify_cache, position_edges=position_edges, console=console,
-            tail_blocks=tail_blocks, block_size=block_size)
-        self.evaluator = LiveEvaluator(config, say=rank_zero_info, name=type(self).__name__)
+        self.evaluator = LiveEvaluator(config, name=type(self).__name__)
         self.drafter_source = drafter  # where the drafter is in the training model (a path or a function)
         self.prog_bar = check.flag("prog_bar", prog_bar)
+        self.sinks = as_sinks(sinks)  # beside the trainer's loggers and the trackers found among them
         self._fast_dev_run_noted = False
 
     @property
@@ -193,10 +186,9 @@ class DFlashEvalCallback(Callback):
         if sharding_kind(trainer) == "deepspeed3":
             raise RuntimeError("DFlashEvalCallback: DeepSpeed ZeRO stage 3 shards parameters in a way this callback "
                                "cannot gather; use ZeRO stage 1/2, DDP or FSDP")
-        sinks: list[MetricsSink] = [LightningLoggers(trainer)]
-        run = find_wandb_run(trainer)
-        if run is not None:  # the scalars go through the WandbLogger; the run gets the tables and charts
-            sinks.append(WandbSink(run, scalars=False))
+        # The scalars to every logger; the rich record to the trackers among them (W&B, TensorBoard); then the
+        # user's own sinks.
+        sinks: list[MetricsSink] = [LightningLoggers(trainer), *lightning_sinks(trainer), *self.sinks]
         # The drafter may only exist after configure_model (FSDP); then on_fit_start validates it.
         self.evaluator.setup(self._drafter(pl_module, required=False), pl_module, sinks=sinks,
                              max_steps=trainer.max_steps, full_parameters=lambda: full_parameters(trainer))
@@ -257,6 +249,3 @@ class LightningLoggers(MetricsSink):
 
     def __str__(self) -> str:
         return "Lightning loggers"
-
-
-__all__ = ["DFlashEvalCallback", "LightningLoggers"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -20,10 +20,11 @@ import torch
 from torch import nn
 
 from ..common import arguments as check
-from ..core.engine import AUTOCAST_NAMES, DEFAULT_BUDGETS
-from ..core.metrics import DEFAULT_PREFIX
+from ..core.engine import AUTOCAST_NAMES
+from ..core.metrics import DEFAULT_PREFIX, KEY_NAMESPACES
 from ..core.positions import DEFAULT_POSITION_EDGES
 from ..core.replay import TAIL_BLOCKS
+from ..core.request import DEFAULT_BUDGETS
 
 # The target's embedding or head: an attribute path on the training model, a module, or the matrix itself.
 WeightSource = str | nn.Module | torch.Tensor
@@ -48,10 +49,10 @@ class EvalConfig:
             once, onto the drafter's device, and kept there (Qwen3.6-27B: embedding + head = 5.1 GB in
             bf16). ``target_lm_head`` may be omitted only when the target ties embedding and head.
         ddtree_budgets: DDTree node budgets (empty: no DDTree) of the full evaluations.
-        periodic_ddtree_budgets: DDTree budgets of the periodic (light) evaluations; None = the largest of
-            ``ddtree_budgets`` only (each budget's walk visits its own anchors: extra budgets cost nearly a
-            full replay each).
-        periodic_anchor_stride: anchor-statistics stride of the periodic evaluations (per-depth acceptance,
+        light_ddtree_budgets: DDTree budgets of the light evaluations (the periodic ones, but every
+            ``full_every_n_evals``-th); None = the largest of ``ddtree_budgets`` only (each budget's walk
+            visits its own anchors: extra budgets cost nearly a full replay each).
+        light_anchor_stride: anchor-statistics stride of the light evaluations (per-depth acceptance,
             ``specforge/acc``, all-anchor and estimated taus on every N-th anchor from a per-sample offset; the
             tau replays are exact whatever the stride); None = the evaluated block size. These strided figures
             are the main keys at every evaluation; full evaluations add the exact (stride 1) ones under
@@ -96,6 +97,8 @@ class EvalConfig:
         block_size: the block the loop drafts with, from 2 up to the drafter's trained block: a server can
             draft with a shorter one (SGLang's ``--speculative-dflash-block-size``), which caps its tau.
             None = the drafter's (checked against the drafter at setup, ``replay.check_block_size``).
+        periodic_ddtree_budgets, periodic_anchor_stride: the first names of ``light_ddtree_budgets`` and
+            ``light_anchor_stride``, still accepted (not both names of one option).
 
     Intervals: ``{prefix}<metric>_ci_low``/``_ci_high`` are 95% cluster-bootstrap intervals over the
     evaluated samples (``dflash_cb.core.bootstrap``): the uncertainty from the choice of prompts.
@@ -108,8 +111,8 @@ class EvalConfig:
     target_embed: WeightSource | None = None
     target_lm_head: WeightSource | None = None
     ddtree_budgets: Sequence[int] = DEFAULT_BUDGETS
-    periodic_ddtree_budgets: Sequence[int] | None = None
-    periodic_anchor_stride: int | None = None
+    light_ddtree_budgets: Sequence[int] | None = None
+    light_anchor_stride: int | None = None
     anchor_seed: int = 0
     full_every_n_evals: int = 0
     num_samples: int | None = None
@@ -130,6 +133,9 @@ class EvalConfig:
     console: bool = True
     tail_blocks: TailBlocks = "served"
     block_size: int | None = None
+    # The light options' first names, still accepted (YAML and code written for them keep working).
+    periodic_ddtree_budgets: Sequence[int] | None = None
+    periodic_anchor_stride: int | None = None
 
     def __post_init__(self) -> None:
         # Normalised in place (frozen: object.__setattr__), so every reader sees one spelling: paths as str,
@@ -137,11 +143,20 @@ class EvalConfig:
         def put(name: str, value: Any) -> None:
             object.__setattr__(self, name, value)
 
+        named = {new: new for new in OLD_NAMES.values()}  # errors name the option as it was given
+        for old, new in OLD_NAMES.items():
+            if getattr(self, old) is not None:
+                named[new] = old
+                if getattr(self, new) is not None:
+                    raise check.ArgumentError(f"{old} and {new} both given: {old} is the old name of {new}; "
+                                              f"give {new} only")
+                put(new, getattr(self, old))
+                put(old, None)
         budgets = tuple(sorted(set(check.int_list("ddtree_budgets", self.ddtree_budgets, 1, note="[] = no DDTree"))))
         put("ddtree_budgets", budgets)
-        periodic = check.int_list("periodic_ddtree_budgets", self.periodic_ddtree_budgets, 1,
-                                  none="the largest of ddtree_budgets")
-        put("periodic_ddtree_budgets", tuple(sorted(set(periodic))) if periodic is not None else None)
+        light = check.int_list(named["light_ddtree_budgets"], self.light_ddtree_budgets, 1,
+                               none="the largest of ddtree_budgets")
+        put("light_ddtree_budgets", tuple(sorted(set(light))) if light is not None else None)
         embed = None if isinstance(self.target_embed, str) and not self.target_embed else self.target_embed
         head = None if isinstance(self.target_lm_head, str) and not self.target_lm_head else self.target_lm_head
         for name, source in (("target_embed", embed), ("target_lm_head", head)):
@@ -164,8 +179,8 @@ class EvalConfig:
                                                       note="0 = no periodic evaluations"))
         for name in ("eval_on_fit_start", "eval_on_fit_end", "fail_on_error", "verify_cache", "console"):
             check.flag(name, getattr(self, name))
-        put("periodic_anchor_stride", check.int_at_least("periodic_anchor_stride", self.periodic_anchor_stride, 1,
-                                                         none="the drafter's block size"))
+        put("light_anchor_stride", check.int_at_least(named["light_anchor_stride"], self.light_anchor_stride, 1,
+                                                      none="the drafter's block size"))
         put("anchor_seed", check.int_at_least("anchor_seed", self.anchor_seed, 0))
         put("full_every_n_evals", check.int_at_least("full_every_n_evals", self.full_every_n_evals, 0,
                                                      note="0 = only the fit-end evaluation is full"))
@@ -173,8 +188,7 @@ class EvalConfig:
         ids = check.str_list("sample_ids", self.sample_ids, none="num_samples decides")
         put("sample_ids", tuple(ids) if ids is not None else None)
         put("sample_seed", check.int_at_least("sample_seed", self.sample_seed, 0))
-        if not isinstance(self.prefix, str):
-            raise check.ArgumentError(f"prefix={self.prefix!r}: expected a string, e.g. {DEFAULT_PREFIX!r}")
+        check_prefix(self.prefix)
         put("baselines", check.baseline_paths("baselines", self.baselines))
         put("published", check.path_or_none("published", self.published))
         entries = check.str_list("published_entries", self.published_entries, none="every non-placeholder entry")
@@ -190,14 +204,14 @@ class EvalConfig:
     # -- derived -----------------------------------------------------------------------------
     @property
     def light_budgets(self) -> tuple[int, ...]:
-        """The DDTree budgets of a periodic (light) evaluation."""
-        if self.periodic_ddtree_budgets is not None:
-            return tuple(self.periodic_ddtree_budgets)
+        """The DDTree budgets of a light evaluation."""
+        if self.light_ddtree_budgets is not None:
+            return tuple(self.light_ddtree_budgets)
         return tuple(self.ddtree_budgets)[-1:]
 
     def light_stride(self, block_size: int) -> int:
-        """The anchor-statistics stride of a periodic evaluation at the evaluated ``block_size``."""
-        return self.periodic_anchor_stride or block_size
+        """The anchor-statistics stride of a light evaluation at the evaluated ``block_size``."""
+        return self.light_anchor_stride or block_size
 
     @property
     def needs_cache_head(self) -> bool:
@@ -213,8 +227,8 @@ class EvalConfig:
         evaluated (once the drafter is known)."""
         return {
             "states": self.states, "every_n_train_steps": self.every_n_train_steps,
-            "ddtree_budgets": list(self.ddtree_budgets), "periodic_ddtree_budgets": list(self.light_budgets),
-            "periodic_anchor_stride": self.light_stride(block_size) if block_size else self.periodic_anchor_stride,
+            "ddtree_budgets": list(self.ddtree_budgets), "light_ddtree_budgets": list(self.light_budgets),
+            "light_anchor_stride": self.light_stride(block_size) if block_size else self.light_anchor_stride,
             "anchor_seed": self.anchor_seed,
             "full_every_n_evals": self.full_every_n_evals, "tail_blocks": self.tail_blocks,
             "block_size": block_size if block_size is not None else self.block_size,
@@ -222,9 +236,44 @@ class EvalConfig:
         }
 
 
+# Old option name -> the name it has now.
+OLD_NAMES = {"periodic_ddtree_budgets": "light_ddtree_budgets", "periodic_anchor_stride": "light_anchor_stride"}
+
+
 def config_fields() -> tuple[str, ...]:
     """The option names, in order (the adapters' signatures repeat them: ``tests/test_config.py``)."""
     return tuple(f.name for f in dataclasses.fields(EvalConfig))
 
 
-__all__ = ["DEFAULT_PREFIX", "AutocastName", "EvalConfig", "TailBlocks", "WeightSource", "config_fields"]
+def config_from(arguments: Mapping[str, Any]) -> EvalConfig:
+    """The ``EvalConfig`` of an adapter's arguments (its ``locals()`` at the top of ``__init__``): every config
+    field taken by name, the adapter's own arguments left out. One call for every adapter, so an option
+    added to ``EvalConfig`` reaches every loop (``tests/test_config.py``)."""
+    return EvalConfig(**{name: arguments[name] for name in config_fields()})
+
+
+def one_per_prefix(adapter: str, prefix: str, peers: Iterable[str], where: str, what: str = "evaluations") -> None:
+    """Refuse a second evaluation under ``prefix`` in one loop (``peers``: the other evaluations' prefixes
+    there): their metrics and saved states would collide. The one guard of every adapter."""
+    if prefix in set(peers):
+        raise check.ArgumentError(f"{adapter}: two {what} with prefix={prefix!r} on one {where}; give each "
+                                  f"its own prefix= (e.g. {DEFAULT_PREFIX!r} and 'dflash_eval_b/'): their metrics "
+                                  "and saved states would collide")
+
+
+def check_prefix(prefix: Any) -> str:
+    """A metric prefix: a non-empty string ending in ``/`` whose last segment is no metric namespace (then
+    ``{prefix}tau`` reads as one key and no key of another evaluator's ``full/``, ``baseline/``, ... is
+    taken)."""
+    if not isinstance(prefix, str):
+        raise check.ArgumentError(f"prefix={prefix!r}: expected a string, e.g. {DEFAULT_PREFIX!r}")
+    last = prefix.rstrip("/").rsplit("/", 1)[-1]
+    if not prefix.endswith("/") or not prefix.strip("/") or any(c.isspace() for c in prefix):
+        fixed = (prefix.strip().replace(" ", "_") or DEFAULT_PREFIX.rstrip("/")).rstrip("/") + "/"
+        raise check.ArgumentError(f"prefix={prefix!r}: a metric prefix is a name ending in '/' (keys are "
+                                  f"prefix + 'tau'), without spaces; e.g. prefix={fixed!r}")
+    if last in KEY_NAMESPACES:
+        raise check.ArgumentError(f"prefix={prefix!r}: its last part {last!r} is a namespace of the metric names "
+                                  f"(keys such as {DEFAULT_PREFIX}{last}/...), so its keys would collide with "
+                                  f"another evaluation's; choose another name, e.g. prefix={prefix.rstrip('/')}_eval/")
+    return prefix

@@ -90,6 +90,3 @@ def target_weight(model: Any, source: Any, owner: str) -> torch.Tensor:
 
 def describe_source(source: Any) -> str:
     return source if isinstance(source, str) else type(source).__name__
-
-
-__all__ = ["DrafterNotFoundError", "NotADrafterError", "DrafterSource", "describe_source", "find_drafter", "target_weight", "unwrap"]

@@ -5,13 +5,17 @@ before any work, the files it writes); the evaluation itself is ``dflash_cb.core
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 from pathlib import Path
 
 from ..common import cli
+from ..common.log import get_logger, say
 from ..common.threads import THREADS_HELP
 from ..core.positions import DEFAULT_POSITION_EDGES
+
+logger = get_logger(__name__)
 
 USAGE = """Score a saved DFlash drafter on a cache of target states: exact tau, DDTree, per-depth acceptance.
 
@@ -103,7 +107,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
 
     from ..cache.prompts import parse_id_list
-    from ..cache.selection import select_sample_ids
     from ..cache.states import StateCache
     from ..common.arguments import parse_int, parse_position_edges
     from ..common.errors import DFlashCBError
@@ -113,8 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     from ..core.checkpoints import load_drafter
     from ..core.ddtree import check_ddtree_budgets
     from ..core.engine import anchors_per_sample, evaluate, resolve_autocast
-    from ..core.replay import check_block_size
     from ..core.report import format_results
+    from ..core.request import EvalRequest
     from ..core.results import check_results_path, drafter_provenance, report_to_results, write_results
     from ..core.served_check import (
         compare,
@@ -124,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
         nothing_to_compare,
         replay_block_size,
     )
+    from .config import EvalConfig
+    from .session import LoopContext, chosen_samples, drafter_fit, open_session
 
     # Cheap checks first, then the files, so nothing is computed for a run that cannot finish.
     check_outputs_apart([("--states", args.states), ("--drafter", args.drafter), ("--target", args.target)],
@@ -147,27 +152,37 @@ def main(argv: list[str] | None = None) -> int:
                             "check always replays with --tail-blocks served; drop --tail-blocks reference")
     device = resolve_device(args.device)
     dtype_name = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    # The live evaluator's configuration and checks (session.py), with this tool's options.
+    config = EvalConfig(args.states, every_n_train_steps=0, ddtree_budgets=budgets, light_ddtree_budgets=budgets,
+                        light_anchor_stride=anchor_stride, anchor_seed=anchor_seed, num_samples=num_samples,
+                        sample_ids=sample_ids, sample_seed=sample_seed, verify_cache=bool(args.verify),
+                        position_edges=edges, tail_blocks=args.tail_blocks, block_size=block_size, table_samples=0,
+                        console=False)
     cache = StateCache(args.states)
     if args.served_check and not has_served_counters(cache.samples):
         raise nothing_to_compare(cache.path)  # before any weights are read
-    ids = select_sample_ids(cache, num_samples, sample_ids, sample_seed)
-    if num_samples is not None and num_samples > len(cache.samples):
-        print(f"warning: --samples {num_samples}: the cache {cache.path} has only {len(cache.samples)} samples; "
-              f"scoring all {len(cache.samples)}", file=sys.stderr)
+    ids = chosen_samples(cache, config, option="--samples", warn=lambda m: logger.warning(f"warning: {m}"))
     sparse = sparse_stride_warning(anchors_per_sample(cache, ids), anchor_stride, anchor_seed, option="--anchor-stride")
     if sparse is not None:
-        print(f"warning: {sparse}", file=sys.stderr)
+        logger.warning(f"warning: {sparse}")
     if args.served_check:
         chosen = set(ids)
         why = nothing_selected(cache.path, [e for e in cache.samples if e.id in chosen])
         if why is not None:
             raise why  # the selection holds no sample with comparable counters: before any weights are read
     drafter = load_drafter(args.drafter, device=device)
-    cache.check_drafter(drafter.spec.as_cache_check())
     if args.served_check:  # the server's block when it is recorded (docs/method.md, "Check against the server")
-        block_size = replay_block_size(cache.manifest.served_spec_config, drafter.spec.block_size, block_size)
-    block_size = check_block_size(block_size, drafter.spec.block_size, "--block-size")
-    check_ddtree_budgets(budgets, block_size, cache.manifest.vocab_size, "--ddtree-budgets")
+        cache.check_drafter(drafter.spec.as_cache_check())  # before its block is compared with the server's
+        config = config.replace(block_size=replay_block_size(cache.manifest.served_spec_config,
+                                                             drafter.spec.block_size, block_size))
+    if not args.target and not cache.has_head:
+        from ..cache.manifest import CacheError
+
+        raise CacheError(f"{cache.path} has no exported target head (built with --no-export-head); "
+                         "pass --target <the target model folder>")
+    fit = drafter_fit(cache, config, drafter, None, "--drafter", head_given=bool(args.target),
+                      names={"block_size": "--block-size", "ddtree_budgets": "--ddtree-budgets",
+                             "light_ddtree_budgets": "--ddtree-budgets"})
     drafter.eval()
     autocast = resolve_autocast(dtype_name, device, next(drafter.parameters()).dtype)
     # The head is held in the dtype it computes in: bf16 for a bf16 evaluation, float32 only when asked.
@@ -178,20 +193,14 @@ def main(argv: list[str] | None = None) -> int:
 
         head = load_target_head(args.target, device=device, dtype=head_dtype)
         cache.check_head(head, f"--target {args.target}")  # tie flag, vocabulary and hidden size
-    elif not cache.has_head:
-        from ..cache.manifest import CacheError
-
-        raise CacheError(f"{cache.path} has no exported target head (built with --no-export-head); "
-                         "pass --target <the target model folder>")
-    cache.check_files(ids, head=head is None)
-    if args.verify:
-        cache.verify(cache.shards_of(ids))
-    cache.check_samples(ids)  # manifest fields against the shards (small tensors only)
+        config = config.replace(target_embed=head.embed_tokens, target_lm_head=head.lm_head)
+    open_session(config, LoopContext(), cache, ids)  # file sizes, the shards' sha256 (--verify), sample fields
     if head is None:
         head = cache.load_head(device=device, dtype=head_dtype, verify=args.verify)
-    report = evaluate(cache, drafter, head, sample_ids=ids, budgets=budgets, device=device,
-                      autocast_dtype=autocast, verify=args.verify, progress=True, anchor_stride=anchor_stride,
-                      anchor_seed=anchor_seed, tail_blocks=args.tail_blocks, block_size=block_size)
+    request = EvalRequest(sample_ids=tuple(ids), budgets=budgets, anchor_stride=anchor_stride, anchor_seed=anchor_seed,
+                          block_size=fit.block_size, tail_blocks=args.tail_blocks, device=device,
+                          autocast_dtype=autocast, verify=bool(args.verify))
+    report = evaluate(cache, drafter, head, request, progress=True)
     results = report_to_results(report, cache, position_edges=edges, meta={
         "drafter": drafter_provenance(args.drafter), "dtype": dtype_name, "head_dtype": report.head_dtype,
         "device": str(device), "threads": threads,
@@ -203,21 +212,41 @@ def main(argv: list[str] | None = None) -> int:
         check = compare(cache.samples, {s.id: s.acceptance_lengths for s in report.samples},
                         cache.manifest.served_spec_config, drafter.spec.block_size, args.drafter,
                         correct_drafts={s.id: s.correct_drafts for s in report.samples},
-                        drafter_input_embedding_scale=drafter.spec.input_embedding_scale, block_size=block_size)
+                        drafter_input_embedding_scale=drafter.spec.input_embedding_scale, block_size=fit.block_size)
         results.breakdown["served_check"] = check.to_dict()
-    print(format_results(results))  # shown before writing: a failing write does not lose the numbers
-    if check is not None:
-        print("\n" + format_check(check))
-    write_results(results, out)
-    print(f"\nwrote {out}")
+    lines = [format_results(results)] + (["\n" + format_check(check)] if check is not None else [])
+    # Written before the summary is printed, so a closed pipe (``eval_drafter ... | head``) cannot lose the
+    # results; a write that fails (a full disk) still shows the numbers, then names the file.
+    try:
+        write_results(results, out)
+    except OSError:
+        for line in lines:
+            say(line)
+        raise
+    try:
+        for line in [*lines, f"\nwrote {out}"]:
+            say(line)
+    except BrokenPipeError:
+        _stdout_closed(out)
+        return 0
     if args.wandb_project:
         from .wandb_logging import log_standalone_results
 
         run_dir = Path(log_standalone_results(results, project=args.wandb_project, name=args.wandb_name)).parent
         how = (f"; see it with python tools/wandb_panels.py --run {shlex.quote(str(run_dir))} --show"
                if run_dir.name.startswith("offline-run") else "")
-        print(f"logged to W&B project {args.wandb_project}: {run_dir}{how}")
+        say(f"logged to W&B project {args.wandb_project}: {run_dir}{how}")
     return 0
+
+
+def _stdout_closed(out: Path) -> None:
+    """The reader of stdout went away (``| head``): the results are written; say so where it can be read."""
+    try:
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - the interpreter's final flush must not fail again
+        print(f"eval_drafter: stdout was closed before the summary was printed; the results are in {out}",
+              file=sys.stderr)
+    except OSError:
+        pass
 
 
 command = cli.command(main)  # the ``dflash-eval`` console command

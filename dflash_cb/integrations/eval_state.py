@@ -144,7 +144,3 @@ def _is_number(value: Any) -> bool:
 
 def _is_sha256(value: Any) -> bool:
     return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
-
-
-__all__ = ["EvalState", "MalformedStateError", "describe_selection", "estimator_record", "new_series_reason",
-           "selection_record"]

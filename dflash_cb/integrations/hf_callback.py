@@ -39,13 +39,23 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
 from ..common import arguments as check
-from ..core.engine import DEFAULT_BUDGETS
 from ..core.positions import DEFAULT_POSITION_EDGES
-from .config import DEFAULT_PREFIX, AutocastName, EvalConfig, TailBlocks, WeightSource, config_fields
+from ..core.request import DEFAULT_BUDGETS
+from .config import (
+    DEFAULT_PREFIX,
+    AutocastName,
+    EvalConfig,
+    TailBlocks,
+    WeightSource,
+    config_fields,
+    config_from,
+    one_per_prefix,
+)
 from .distributed import full_parameters_of
 from .drafter_source import DrafterSource, find_drafter
 from .evaluator import LiveEvaluator
-from .sinks import MetricsSink, WandbSink
+from .sinks import MetricsSink
+from .trackers import as_sinks, hf_sinks
 
 
 class DFlashEvalTrainerCallback(TrainerCallback, ExportableState):
@@ -75,8 +85,8 @@ class DFlashEvalTrainerCallback(TrainerCallback, ExportableState):
         target_embed: WeightSource | None = None,
         target_lm_head: WeightSource | None = None,
         ddtree_budgets: Sequence[int] = DEFAULT_BUDGETS,
-        periodic_ddtree_budgets: Sequence[int] | None = None,
-        periodic_anchor_stride: int | None = None,
+        light_ddtree_budgets: Sequence[int] | None = None,
+        light_anchor_stride: int | None = None,
         anchor_seed: int = 0,
         full_every_n_evals: int = 0,
         num_samples: int | None = None,
@@ -97,23 +107,16 @@ class DFlashEvalTrainerCallback(TrainerCallback, ExportableState):
         console: bool = True,
         tail_blocks: TailBlocks = "served",
         block_size: int | None = None,
+        periodic_ddtree_budgets: Sequence[int] | None = None,
+        periodic_anchor_stride: int | None = None,
+        sinks: Sequence[MetricsSink] | None = None,
     ) -> None:
         if not states:
             raise check.ArgumentError("DFlashEvalTrainerCallback: states= (the cache folder) is required")
+        config = config_from(locals())
         self.trainer = trainer
         self.drafter_source = drafter  # where the drafter is in the training model (a path or a function)
-        config = EvalConfig(
-            states=states, every_n_train_steps=every_n_train_steps, eval_on_fit_start=eval_on_fit_start,
-            eval_on_fit_end=eval_on_fit_end, target_embed=target_embed, target_lm_head=target_lm_head,
-            ddtree_budgets=ddtree_budgets, periodic_ddtree_budgets=periodic_ddtree_budgets,
-            periodic_anchor_stride=periodic_anchor_stride, anchor_seed=anchor_seed,
-            full_every_n_evals=full_every_n_evals,
-            num_samples=num_samples, sample_ids=sample_ids, sample_seed=sample_seed, prefix=prefix,
-            baselines=baselines, published=published, published_entries=published_entries,
-            fail_on_error=fail_on_error, max_failed_evaluations=max_failed_evaluations,
-            autocast_dtype=autocast_dtype, table_samples=table_samples, table_cycles=table_cycles,
-            tokenizer=tokenizer, verify_cache=verify_cache, position_edges=position_edges, console=console,
-            tail_blocks=tail_blocks, block_size=block_size)
+        self.sinks = as_sinks(sinks)  # beside the Trainer's log and the trackers its report_to names
         self.evaluator = LiveEvaluator(config, name=type(self).__name__)
         if trainer is not None:
             _check_one_per_prefix(self, trainer)
@@ -160,12 +163,9 @@ class DFlashEvalTrainerCallback(TrainerCallback, ExportableState):
                 "restore_callback_states_from_checkpoint=True transformers rebuilds callbacks "
                 "without it: leave that option False (this callback restores its own state)")
         _check_one_per_prefix(self, self.trainer)
-        sinks: list[MetricsSink] = [TrainerLog(self.trainer)]
-        report_to = getattr(self.trainer.args, "report_to", None) or []
-        if "wandb" in report_to or report_to == "all":
-            # Straight into the run, under the evaluator's own names and step axis (trainer/global_step), as
-            # Lightning's WandbLogger and a plain loop log them: the same panels fit every loop.
-            sinks.append(WandbSink(_current_wandb_run))
+        # The scalars into the Trainer's own record; the trackers its report_to names (W&B gets the scalars
+        # straight, under the evaluator's names and step axis; TensorBoard the rich record); the user's sinks.
+        sinks: list[MetricsSink] = [TrainerLog(self.trainer), *hf_sinks(self.trainer), *self.sinks]
         self.evaluator.setup(None, model, sinks=sinks, max_steps=int(state.max_steps or -1),
                              full_parameters=lambda: full_parameters_of(model))
         if state.global_step > 0:
@@ -199,14 +199,10 @@ class DFlashEvalTrainerCallback(TrainerCallback, ExportableState):
 
 
 def _check_one_per_prefix(callback: DFlashEvalTrainerCallback, trainer: Any) -> None:
-    """Two evaluations under one prefix would log over each other and share one saved state."""
     handler = getattr(trainer, "callback_handler", None)
-    others = [c for c in getattr(handler, "callbacks", []) if isinstance(c, DFlashEvalTrainerCallback)
-              and c is not callback and c.config.prefix == callback.config.prefix]
-    if others:
-        raise check.ArgumentError(f"DFlashEvalTrainerCallback: two callbacks with prefix={callback.config.prefix!r} "
-                                  "on one Trainer; give each its own prefix= (e.g. 'dflash_eval/' and "
-                                  "'dflash_eval_b/'): their metrics and saved states would collide")
+    others = [c.config.prefix for c in getattr(handler, "callbacks", [])
+              if isinstance(c, DFlashEvalTrainerCallback) and c is not callback]
+    one_per_prefix(type(callback).__name__, callback.config.prefix, others, "Trainer", "callbacks")
 
 
 class TrainerLog(MetricsSink):
@@ -234,12 +230,6 @@ class TrainerLog(MetricsSink):
         return "the Trainer's log"
 
 
-def _current_wandb_run() -> Any | None:
-    import wandb
-
-    return wandb.run
-
-
 _NOT_JSON = object()
 
 
@@ -249,6 +239,3 @@ def _jsonable(value: Any) -> Any:
         return json.loads(json.dumps(value))
     except (TypeError, ValueError):
         return _NOT_JSON
-
-
-__all__ = ["DFlashEvalTrainerCallback", "TrainerLog"]

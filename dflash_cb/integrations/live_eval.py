@@ -23,8 +23,10 @@ from torch import nn
 
 from ..cache.manifest import CacheError
 from ..cache.states import StateCache, TargetHead
+from ..common.timing import PhaseTimer
 from ..core.engine import EvalReport, SampleResult, evaluate
 from ..core.metrics import EvalCounts
+from ..core.request import EvalRequest
 from .distributed import all_gather, all_reduce_sum, gather_to_zero, world
 
 
@@ -70,21 +72,21 @@ def verify_across_ranks(cache: StateCache, ids: Sequence[str], head: bool) -> Se
     return SetupCheck(sum(p[1] for p in parts), sum(p[2] for p in parts), max(p[3] for p in parts))
 
 
-def score_untouched(cache: StateCache, drafter: nn.Module, head: TargetHead, sample_ids: Sequence[str], *,
-                    device: torch.device, **evaluate_kwargs: Any) -> EvalReport:
-    """``engine.evaluate`` of ``drafter`` on ``sample_ids``, leaving the training state as it was.
+def score_untouched(cache: StateCache, drafter: nn.Module, head: TargetHead, request: EvalRequest, *,
+                    timer: PhaseTimer | None = None) -> EvalReport:
+    """``engine.evaluate`` of ``drafter`` for ``request`` (its device set), leaving the training state as it was.
 
     The drafter runs in eval mode (each submodule's mode is restored afterwards, whatever happens),
     under ``torch.no_grad``, and the CPU (and this CUDA device's) RNG state is restored afterwards.
-    ``evaluate_kwargs`` go to ``engine.evaluate`` (budgets, anchor_stride, autocast_dtype, ...).
     """
+    device = request.device if request.device is not None else torch.device("cpu")
     modes = [(m, m.training) for m in drafter.modules()]
     cuda = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
     drafter.eval()
     try:
         # fork_rng: the CPU (and this CUDA device's) RNG state is restored afterwards, whatever happens.
         with torch.random.fork_rng(devices=cuda), torch.no_grad():
-            return evaluate(cache, drafter, head, sample_ids=sample_ids, device=device, **evaluate_kwargs)
+            return evaluate(cache, drafter, head, request, timer=timer)
     finally:
         for m, was_training in modes:
             m.training = was_training
@@ -152,5 +154,3 @@ def evaluate_across_ranks(ids: Sequence[str], score: Callable[[list[str]], EvalR
     return RankedEvaluation(rank, 0, error, dict(templates), seconds, samples)
 
 
-__all__ = ["RankedEvaluation", "SetupCheck", "evaluate_across_ranks", "rank_share", "score_untouched",
-           "verify_across_ranks"]

@@ -8,7 +8,7 @@ block size, position buckets, baselines), so a renamed metric breaks ``tests/tes
 instead of leaving an empty panel.
 
 The panels follow the callback's evaluation profiles: every evaluation logs the light profile's figures
-under the main keys (DDTree tau at ``periodic_ddtree_budgets``, strided statistics), and a full one adds
+under the main keys (DDTree tau at ``light_ddtree_budgets``, strided statistics), and a full one adds
 its exact figures (stride 1, every budget) under ``{prefix}full/``; so the other budgets are shown as
 their ``full/`` keys. Reference series appear
 only when they are known to be logged. With ``--run`` the run's keys are known (from W&B, or read
@@ -81,9 +81,9 @@ class PanelLayout:
     # (baselines.CONVENTIONS: tau, tau_request_mean or accept_length_served).
     published: Sequence[str] = ()
     cost: Sequence[str] = COST_KEYS
-    # Budgets of the light (periodic) evaluations; None = the callback's default, the largest budget.
+    # Budgets of the light evaluations; None = the callback's default, the largest budget.
     # The other budgets are logged by the full evaluations only, so their panel shows the full/ keys.
-    periodic_budgets: Sequence[int] | None = None
+    light_ddtree_budgets: Sequence[int] | None = None
     served: bool = False  # "baseline/served/tau": the cache holds the server's counters (no samples, no delta)
     # DDTree budgets each reference ("baseline/<name>", "published/<name>") logged; a reference not
     # listed gets no DDTree series (a key nobody logged would be an empty line).
@@ -97,8 +97,8 @@ class PanelLayout:
     @property
     def light_budgets(self) -> list[int]:
         """The budgets logged at every evaluation (light and full)."""
-        if self.periodic_budgets is not None:
-            return sorted(int(b) for b in self.periodic_budgets)
+        if self.light_ddtree_budgets is not None:
+            return sorted(int(b) for b in self.light_ddtree_budgets)
         return [max(self.budgets)] if self.budgets else []
 
 
@@ -180,10 +180,10 @@ def referenced_keys(plan: dict[str, list[PanelSpec]]) -> dict[str, set[str]]:
 
 
 def layout_from_keys(keys: Iterable[str], prefix: str = DEFAULT_PREFIX,
-                     periodic_budgets: Sequence[int] | None = None) -> PanelLayout:
+                     light_budgets: Sequence[int] | None = None) -> PanelLayout:
     """The dimensions of a run from the keys it logged (for a run made with other budgets, categories...).
 
-    ``periodic_budgets``: the budgets of its light evaluations (``light_budgets`` of its history
+    ``light_budgets``: the budgets of its light evaluations (``light_budgets`` of its history
     rows); None = the callback's default.
     """
     keys = [k[len(prefix):] for k in keys if k.startswith(prefix)]
@@ -209,7 +209,7 @@ def layout_from_keys(keys: Iterable[str], prefix: str = DEFAULT_PREFIX,
         baselines=baselines,
         published=published,
         cost=[n for n in COST_KEYS if n in keys],
-        periodic_budgets=periodic_budgets,
+        light_ddtree_budgets=light_budgets,
         served=SERVED_BASELINE in {f"baseline/{n}" for n in named},
         reference_budgets={r: bs for r in refs
                            if (bs := sorted(int(b) for b in grab(re.escape(r) + r"/ddtree/tau_b(\d+)")))},
@@ -297,8 +297,8 @@ def build_parser() -> Any:
                         "(wandb/offline-run-..., read without network); panels it never logged are warned about")
     p.add_argument("--prefix", default=DEFAULT_PREFIX)
     p.add_argument("--budgets", default="16,32,64", help="DDTree budgets of the full evaluations (ddtree_budgets)")
-    p.add_argument("--periodic-budgets", default=None,
-                   help="DDTree budgets of the light evaluations (periodic_ddtree_budgets; default: the largest "
+    p.add_argument("--light-budgets", "--periodic-budgets", dest="light_budgets", default=None,
+                   help="DDTree budgets of the light evaluations (light_ddtree_budgets; default: the largest "
                         "budget); the others show as full/ keys, logged by the full evaluations only")
     p.add_argument("--categories", default="", help="comma-separated prompt categories")
     p.add_argument("--block-size", type=int, default=16)
@@ -353,13 +353,13 @@ def _csv(text: str) -> list[str]:
 
 def _published_key(item: str) -> str:
     """``NAME`` or ``NAME:CONVENTION`` -> ``published/<slug>/<metric of that convention>``."""
-    from ..core.baselines import _slug
+    from ..common.arguments import metric_segment
 
     name, _, convention = item.partition(":")
     convention = convention or "pooled"
     if convention not in CONVENTIONS:
         raise ValueError(f"--published {item!r}: unknown convention {convention!r}; use one of {sorted(CONVENTIONS)}")
-    return f"published/{_slug(name)}/{CONVENTIONS[convention]}"
+    return f"published/{metric_segment(name)}/{CONVENTIONS[convention]}"
 
 
 class PanelsError(DFlashCBError, ValueError):
@@ -424,8 +424,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import sys
     from pathlib import Path
 
-    from ..common.arguments import parse_int_list, parse_position_edges
-    from ..core.baselines import _slug
+    from ..common.arguments import metric_segment, parse_int_list, parse_position_edges
 
     args = build_parser().parse_args(argv)
     if args.block_size < 2:
@@ -464,10 +463,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  position_buckets=position_labels(parse_position_edges("--position-edges",
                                                                                        args.position_edges)),
                                  cycle_buckets=cycle_labels(args.cycle_buckets),
-                                 baselines=[f"baseline/{_slug(n)}" for n in _csv(args.baselines)],
+                                 baselines=[f"baseline/{metric_segment(n)}" for n in _csv(args.baselines)],
                                  published=[_published_key(x) for x in _csv(args.published)],
-                                 periodic_budgets=None if args.periodic_budgets is None
-                                 else list(parse_int_list("--periodic-budgets", args.periodic_budgets, 1)),
+                                 light_ddtree_budgets=None if args.light_budgets is None
+                                 else list(parse_int_list("--light-budgets", args.light_budgets, 1)),
                                  served=args.served)
         except ValueError as e:
             raise PanelsError(f"wandb_panels.py: {e}") from None

@@ -40,7 +40,7 @@ import json
 import os
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -49,11 +49,12 @@ from torch import nn
 from ..common import arguments as check
 from ..common.fileio import atomic_write_json
 from ..core.metrics import TAU
-from .config import EvalConfig, config_fields
+from .config import EvalConfig, config_fields, one_per_prefix
 from .distributed import world
 from .drafter_source import DrafterSource, find_drafter
 from .evaluator import LiveEvaluator
-from .sinks import CallableSink
+from .sinks import CallableSink, MetricsSink
+from .trackers import as_sinks
 
 STATE_FILE = "dflash_cb_eval.json"  # in each SpecForge checkpoint folder: {prefix: LiveEvaluator.state_dict()}
 # The OnlineDFlashModel's frozen target matrices, the default head of the evaluation.
@@ -73,8 +74,10 @@ class SpecForgeEvaluation:
     """
 
     def __init__(self, controller: Any, evaluator: LiveEvaluator, drafter: DrafterSource,
-                 keep_best_by_tau: bool, resume_from: str | os.PathLike | None) -> None:
+                 keep_best_by_tau: bool, resume_from: str | os.PathLike | None,
+                 sinks: Sequence[MetricsSink] = ()) -> None:
         self.controller = controller
+        self.sinks = list(sinks)
         self.evaluator = evaluator
         self.drafter_source = drafter  # where the drafter is in the training model (a path or a function)
         self.resume_from = resume_from
@@ -125,7 +128,7 @@ class SpecForgeEvaluation:
     def _fit(self, original: Callable[..., Any], data: Any, *args: Any, **kwargs: Any) -> Any:
         c = self.controller
         module = c.core.strategy.trainable_module()
-        sinks = [CallableSink(c.logger)] if c.logger is not None else []
+        sinks = ([CallableSink(c.logger)] if c.logger is not None else []) + self.sinks
         self.evaluator.setup(None, module, sinks=sinks, max_steps=c.max_steps if c.max_steps is not None else -1)
         if c.global_step > 0 and not self._resumed:
             self._restore(c.global_step)
@@ -212,7 +215,8 @@ class SpecForgeEvaluation:
 
 def attach(controller: Any, states: str | os.PathLike | EvalConfig, every_n_train_steps: int = 500,
            drafter: DrafterSource = "draft_model", *, keep_best_by_tau: bool = False,
-           resume_from: str | os.PathLike | None = None, **options: Any) -> SpecForgeEvaluation:
+           resume_from: str | os.PathLike | None = None, sinks: Sequence[Any] | None = None,
+           **options: Any) -> SpecForgeEvaluation:
     """Evaluate the drafter a SpecForge ``TrainerController`` trains, in its own loop (see the module doc).
 
     Args:
@@ -229,6 +233,8 @@ def attach(controller: Any, states: str | os.PathLike | EvalConfig, every_n_trai
         resume_from: the checkpoint folder a resumed run started from, when it is not the controller's own
             ``{output_dir}/{run_id}-step{N}`` (SpecForge's ``training.resume_from``); one that does not exist,
             or the state file in it, is refused (``check_resume_from``).
+        sinks: more destinations beside SpecForge's ``logger`` (a W&B run, a TensorBoard ``SummaryWriter``, a
+            ``MetricsSink``, a function ``log(metrics, step)``): SpecForge's logger gets the scalars only.
         options: ``EvalConfig``'s other fields (``dflash_cb.integrations.config``). ``target_embed`` and
             ``target_lm_head`` default to the ``OnlineDFlashModel``'s ``embed_tokens``/``lm_head``; give
             ``target_embed=None`` for the cache's exported head.
@@ -253,11 +259,8 @@ def attach(controller: Any, states: str | os.PathLike | EvalConfig, every_n_trai
         config = evaluation_config(states, every_n_train_steps, options)
         evaluator = LiveEvaluator(config, name=SpecForgeEvaluation.__name__)
     attached = _ATTACHED.setdefault(controller, {})
-    if evaluator.prefix in attached:
-        raise check.ArgumentError(f"attach(): this controller already has an evaluation with "
-                                  f"prefix={evaluator.prefix!r}; give the second its own prefix= (e.g. 'dflash_eval_b/'): "
-                                  "their metrics and saved states would collide")
-    attachment = SpecForgeEvaluation(controller, evaluator, drafter, keep_best_by_tau, resume_from)
+    one_per_prefix("attach()", evaluator.prefix, attached, "controller")
+    attachment = SpecForgeEvaluation(controller, evaluator, drafter, keep_best_by_tau, resume_from, as_sinks(sinks))
     attachment._install()
     attached[evaluator.prefix] = attachment
     return attachment
@@ -314,6 +317,3 @@ def _read_states(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ValueError(f"expected a JSON object of {{prefix: state}}, found a {type(data).__name__}")
     return data
-
-
-__all__ = ["MODEL_HEAD", "STATE_FILE", "SpecForgeEvaluation", "attach", "evaluation_config"]

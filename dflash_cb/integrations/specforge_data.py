@@ -78,6 +78,3 @@ def dflash_objective(config: dict[str, Any], state: dict[str, torch.Tensor], hea
     mask = cfg.dflash_config["mask_token_id"]
     return (objective or OnlineDFlashModel)(drafter, lm_head, embed, mask, block_size=cfg.block_size,
                                             attention_backend="sdpa", num_anchors=num_anchors).eval()
-
-
-__all__ = ["dflash_objective", "sample_features", "train_batches", "write_offline_features"]

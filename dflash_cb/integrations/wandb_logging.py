@@ -19,31 +19,13 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any
 
-from ..core.baselines import Baseline, baseline_scalars, is_headline
+from ..core.baselines import Baseline, baseline_scalars
 from ..core.metrics import BEST_STEP, BEST_TAU, DEFAULT_PREFIX, EVAL_TIME, STEP_KEY, TAU
 from ..core.results import Results
-
-if TYPE_CHECKING:
-    pass
-
-TABLE_COLUMNS = ["step", "sample", "category", "prompt", "reference", "drafter_blocks", "acceptance_lengths", "tau"]
-
-
-def find_wandb_run(trainer: Any) -> Any | None:
-    """The W&B run of the trainer's first ``WandbLogger`` (rank zero only), else None."""
-    try:
-        from lightning.pytorch.loggers import WandbLogger
-    except ImportError:  # pragma: no cover
-        return None
-    if getattr(trainer, "global_rank", 0) != 0:
-        return None
-    for lg in getattr(trainer, "loggers", []) or []:
-        if isinstance(lg, WandbLogger):
-            return lg.experiment
-    return None
+from .sample_table import TABLE_COLUMNS, clip
 
 
 def define_eval_metrics(run: Any, prefix: str = DEFAULT_PREFIX) -> None:
@@ -71,70 +53,6 @@ def log_best(run: Any, history: Sequence[dict[str, float]], prefix: str = DEFAUL
         best = max(scored, key=lambda h: h[TAU])
         run.summary[prefix + BEST_TAU] = best[TAU]
         run.summary[prefix + BEST_STEP] = int(best["step"])
-
-
-# -- text for the samples table ---------------------------------------------------------------
-
-Decoder = Callable[[Sequence[int]], str]
-
-
-def make_decoder(tokenizer: Any) -> Decoder:
-    """``tokenizer``: None (token ids), a Hugging Face tokenizer path or object, or a function ids -> str."""
-    if tokenizer is None:
-        return lambda ids: " ".join(str(int(t)) for t in ids)
-    if isinstance(tokenizer, (str, os.PathLike)):
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer))
-    if hasattr(tokenizer, "decode"):
-        tok = tokenizer
-        return lambda ids: tok.decode([int(t) for t in ids], skip_special_tokens=False)
-    if callable(tokenizer):
-        return tokenizer
-    raise TypeError(f"tokenizer must be a path, an object with decode(), or a function; got {type(tokenizer).__name__}")
-
-
-def _clip(text: str, n: int, left: bool = False) -> str:
-    if len(text) <= n:
-        return text
-    return "…" + text[-n:] if left else text[:n] + "…"
-
-
-def format_blocks(input_ids: Sequence[int], prompt_len: int, lengths: Sequence[int], drafts: Sequence[Sequence[int]],
-                  decode: Decoder, max_chars: int = 2000) -> str:
-    """One line per cycle: ``✓«accepted» ✗[rejected drafts] +bonus``.
-
-    Accepted = the leading drafted tokens equal to the reference; the cycle then commits the
-    target's token at the first mismatch (the bonus). ``produced`` = accepted + 1, except at the tail.
-    """
-    lines = []
-    p = prompt_len
-    for i, (k, block) in enumerate(zip(lengths, drafts, strict=False)):
-        ref = list(input_ids[p + 1: p + 1 + len(block)])
-        a = 0
-        while a < len(block) and a < len(ref) and int(block[a]) == int(ref[a]):
-            a += 1
-        acc = decode(block[:a]) if a else ""
-        rej = decode(block[a:]) if a < len(block) else ""
-        bonus = decode(input_ids[p + a + 1: p + a + 2]) if a < k and p + a + 1 < len(input_ids) else ""
-        lines.append(f"#{i + 1} @{p} produced {k}: ✓«{acc}» ✗[{rej}]" + (f" +«{bonus}»" if bonus else ""))
-        p += k
-    return _clip("\n".join(lines), max_chars)
-
-
-def table_row(step: int, sample_id: str, category: str, input_ids: Sequence[int], prompt_len: int,
-              lengths: Sequence[int], drafts: Sequence[Sequence[int]] | None, decode: Decoder,
-              prompt_tokens: int = 256) -> list[Any]:
-    shown = sum(lengths[: len(drafts)]) if drafts else sum(lengths[:4])
-    ref_end = min(len(input_ids), prompt_len + max(shown, 1) + 16)
-    prompt = decode(input_ids[max(0, prompt_len - prompt_tokens): prompt_len])
-    if prompt_len > prompt_tokens:
-        prompt = "…" + prompt
-    blocks = format_blocks(input_ids, prompt_len, lengths, drafts, decode) if drafts else "(no drafts kept)"
-    tau = sum(lengths) / len(lengths) if lengths else math.nan
-    return [int(step), sample_id, category, _clip(prompt, 2000, left=True),
-            _clip(decode(input_ids[prompt_len:ref_end]), 2000), blocks,
-            _clip(" ".join(str(k) for k in lengths), 1000), tau]
 
 
 # -- per-evaluation logging ---------------------------------------------------------------------
@@ -255,7 +173,7 @@ def log_standalone_results(results: Results, project: str, name: str | None = No
         for s in results.samples:
             ls = s.acceptance_lengths
             rows.append([0, s.id, s.category, "", "", "(standalone evaluation: no drafts kept)",
-                         _clip(" ".join(str(k) for k in ls), 1000), sum(ls) / len(ls) if ls else math.nan])
+                         clip(" ".join(str(k) for k in ls), 1000), sum(ls) / len(ls) if ls else math.nan])
         run.log({**scalars, STEP_KEY: 0})
         log_evaluation(run, step=0, prefix=prefix, live_per_depth=per_depth, hist=hist, baselines=baselines,
                        rows=rows)
@@ -268,8 +186,3 @@ def log_standalone_results(results: Results, project: str, name: str | None = No
         run.finish()
 
 
-__all__ = [
-    "DEFAULT_PREFIX", "STEP_KEY", "TABLE_COLUMNS", "define_eval_metrics", "find_wandb_run", "format_blocks",
-    "is_headline", "log_baselines_summary", "log_best", "log_evaluation", "log_standalone_results", "make_decoder",
-    "per_depth_chart", "produced_histogram", "results_scalars", "start_live_run", "table_row",
-]

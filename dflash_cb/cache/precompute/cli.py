@@ -46,6 +46,10 @@ def _json_dict(value: Any) -> dict[str, Any]:
     return value
 
 
+# YAML keys named like the options' newer spellings (--server-timeout) map to the fields they set.
+_YAML_ALIASES = {"server_timeout": "sglang_timeout", "server_retries": "sglang_retries"}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="precompute_states.py",
@@ -60,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drafter-config", default=S, help="drafter config.json giving the layer ids")
     p.add_argument("--reference", default=S, choices=COMPLETION_SOURCES, help="completion source (default local)")
     p.add_argument("--sglang-url", default=S, help="SGLang server for --reference sglang")
+    p.add_argument("--vllm-url", default=S, help="vLLM server (OpenAI API) for --reference vllm")
     p.add_argument("--completions", default=S, help='JSONL of {"id", "output_ids"} for --reference file')
     p.add_argument("--max-new-tokens", type=int, default=S, help="generation length (default 256)")
     p.add_argument("--chat-template-kwargs", default=S, help='JSON, e.g. \'{"enable_thinking": false}\'')
@@ -79,10 +84,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not export the target's embedding and head")
     p.add_argument("--overwrite", action="store_true", default=S,
                    help="replace a cache in --out made with other arguments")
-    p.add_argument("--max-in-flight", type=int, default=S, help="concurrent SGLang requests (default 8)")
-    p.add_argument("--sglang-timeout", type=float, default=S,
-                   help="seconds per SGLang request, whole answer included (default 600)")
-    p.add_argument("--sglang-retries", type=int, default=S, help="retries per SGLang request (default 5)")
+    p.add_argument("--max-in-flight", type=int, default=S,
+                   help="concurrent server requests (default 8 for SGLang; 1 for vLLM, whose speculative counters "
+                        "are per request only one at a time)")
+    p.add_argument("--server-timeout", "--sglang-timeout", dest="sglang_timeout", type=float, default=S,
+                   metavar="SECONDS",
+                   help="seconds per SGLang or vLLM request, whole answer included (default 600)")
+    p.add_argument("--server-retries", "--sglang-retries", dest="sglang_retries", type=int, default=S, metavar="N",
+                   help="retries per SGLang or vLLM request (default 5)")
     p.add_argument("--no-progress", dest="progress", action="store_false", default=S, help="no progress bar")
     p.add_argument("--threads", default=None, help=THREADS_HELP)
     return p
@@ -106,6 +115,7 @@ def args_from_cli(argv: Sequence[str] | None = None) -> PrecomputeArgs:
         known = {f.name for f in dataclasses.fields(PrecomputeArgs)}
         for k, v in loaded.items():
             key = str(k).replace("-", "_")
+            key = _YAML_ALIASES.get(key, key)
             if key == "no_export_head":
                 key, v = "export_head", not v
             if key not in known:
@@ -118,7 +128,7 @@ def args_from_cli(argv: Sequence[str] | None = None) -> PrecomputeArgs:
         values["stop_token_ids"] = _int_list(values["stop_token_ids"])
     if "chat_template_kwargs" in values:
         values["chat_template_kwargs"] = _json_dict(values["chat_template_kwargs"] or {})
-    for k in ("target", "prompts", "out", "drafter_config", "sglang_url", "completions", "tokenizer"):
+    for k in ("target", "prompts", "out", "drafter_config", "sglang_url", "vllm_url", "completions", "tokenizer"):
         if values.get(k) is not None:
             values[k] = str(values[k])
     return PrecomputeArgs(**values)

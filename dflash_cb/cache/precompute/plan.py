@@ -2,8 +2,8 @@
 
 ``prepare(args)`` validates, in this order and before anything expensive, the arguments, the
 target's config.json and the layer ids (``_target_and_layers``), the prompt file, tokenized
-(``_tokenized_prompts``), the completion source (``_completion_source``: SGLang health and model
-info, or the completions file), then the output folder and the compute dtype (a folder made with
+(``_tokenized_prompts``), the completion source (``_completion_source``: the SGLang or vLLM server's
+health, model and speculative configuration, or the completions file), then the output folder and the compute dtype (a folder made with
 other arguments is refused unless ``overwrite``). The result is a ``Plan``: everything
 ``run.execute`` needs, including the arguments' fingerprint that a resumed run must match.
 """
@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from ...common.fileio import check_outputs_apart, output_path
+from ..completion_client import CompletionClient
 from ..integrity import sha256_file
 from ..manifest import HEAD_NAME, MANIFEST_NAME, CacheError, Manifest
 from ..prompts import PromptRecord
-from ..served import served_counters, server_spec_config
-from ..sglang_client import SGLangClient
+from ..served import served_counters
 from ..target import TargetConfig
 from .compute_dtype import (
     COMPUTE_DTYPE_NAMES,
@@ -43,7 +43,10 @@ logger = logging.getLogger(__name__)
 PROGRESS_NAME = "progress.jsonl"  # resume record: fingerprint line, then one line per finished shard
 LOG_NAME = "precompute_log.json"
 JOURNAL_NAME = "reference_completions.jsonl"  # same format as --completions, reusable with --reference file
-COMPLETION_SOURCES = ("local", "sglang", "file")  # the values of --reference
+COMPLETION_SOURCES = ("local", "sglang", "vllm", "file")  # the values of --reference
+SERVED_SOURCES = ("sglang", "vllm")  # the completion sources that are servers (completion_client)
+# Requests in flight by default: vLLM's counters are per request only one at a time (vllm_counters).
+DEFAULT_IN_FLIGHT = {"sglang": 8, "vllm": 1}
 DTYPE_NAMES = ("bfloat16", "float32")
 # Files a cache folder may hold; anything else means --out points at the wrong folder.
 _OWN_FILES = {MANIFEST_NAME, PROGRESS_NAME, LOG_NAME, JOURNAL_NAME, HEAD_NAME}
@@ -62,6 +65,7 @@ class PrecomputeArgs:
     drafter_config: str | None = None
     reference: str = "local"  # the completion source, one of COMPLETION_SOURCES
     sglang_url: str | None = None
+    vllm_url: str | None = None
     completions: str | None = None
     max_new_tokens: int = 256
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -75,9 +79,9 @@ class PrecomputeArgs:
     tokenizer: str | None = None  # default: --target (only needed for text/messages prompts)
     export_head: bool = True
     overwrite: bool = False
-    max_in_flight: int = 8
-    sglang_timeout: float = 600.0
-    sglang_retries: int = 5
+    max_in_flight: int | None = None  # None: DEFAULT_IN_FLIGHT of the --reference server
+    sglang_timeout: float = 600.0  # per served request (SGLang or vLLM); --server-timeout too
+    sglang_retries: int = 5  # --server-retries too
     progress: bool = True
 
 
@@ -92,13 +96,19 @@ class DtypeProbe:
 @dataclass
 class CompletionSource:
     """Where the completions come from (``--reference``): the target's own greedy generation
-    (``local``), an SGLang server (``sglang``) or a file of token ids (``file``)."""
+    (``local``), an SGLang or vLLM server (``sglang``, ``vllm``: one ``CompletionClient`` interface) or a
+    file of token ids (``file``)."""
 
     kind: str
     record: dict[str, Any]  # what the manifest keeps of it (``Manifest.reference``)
-    client: SGLangClient | None = None  # sglang: checked healthy, serving the target
+    client: CompletionClient | None = None  # a server: checked healthy, serving the target
     completions: dict[str, dict[str, Any]] = field(default_factory=dict)  # file: every completion, by id
-    server_spec: dict[str, Any] | None = None  # sglang: the server's speculative configuration
+    server_spec: dict[str, Any] | None = None  # a server: its speculative configuration
+    max_in_flight: int = 1  # a server: requests in flight
+
+    @property
+    def served(self) -> bool:
+        return self.kind in SERVED_SOURCES
 
 
 @dataclass
@@ -202,6 +212,8 @@ def check_args(a: PrecomputeArgs) -> None:
         raise PrecomputeError(f"--reference {a.reference!r}: use one of {', '.join(COMPLETION_SOURCES)}")
     if a.reference == "sglang" and not a.sglang_url:
         raise PrecomputeError("--reference sglang needs --sglang-url (e.g. http://127.0.0.1:30000)")
+    if a.reference == "vllm" and not a.vllm_url:
+        raise PrecomputeError("--reference vllm needs --vllm-url (e.g. http://127.0.0.1:8000)")
     if a.reference == "file" and not a.completions:
         raise PrecomputeError("--reference file needs --completions FILE (JSONL of {\"id\", \"output_ids\"})")
     if a.dtype not in DTYPE_NAMES:
@@ -217,12 +229,12 @@ def check_args(a: PrecomputeArgs) -> None:
                               "need num_shards >= 1 and 0 <= shard_index < num_shards")
     if a.samples_per_shard < 1:
         raise PrecomputeError(f"--samples-per-shard must be >= 1, got {a.samples_per_shard}")
-    if a.max_in_flight < 1:
+    if a.max_in_flight is not None and a.max_in_flight < 1:
         raise PrecomputeError(f"--max-in-flight must be >= 1, got {a.max_in_flight}")
     if not a.sglang_timeout > 0:
-        raise PrecomputeError(f"--sglang-timeout must be > 0 seconds, got {a.sglang_timeout}")
+        raise PrecomputeError(f"--server-timeout (--sglang-timeout) must be > 0 seconds, got {a.sglang_timeout}")
     if a.sglang_retries < 0:
-        raise PrecomputeError(f"--sglang-retries must be >= 0, got {a.sglang_retries}")
+        raise PrecomputeError(f"--server-retries (--sglang-retries) must be >= 0, got {a.sglang_retries}")
     if not isinstance(a.chat_template_kwargs, dict):
         raise PrecomputeError(f"--chat-template-kwargs must be a JSON object, got {a.chat_template_kwargs!r}")
 
@@ -426,21 +438,43 @@ def _completion_source(a: PrecomputeArgs, tcfg: TargetConfig, prompts: _Prompts,
                                             tcfg.vocab_size, a.max_new_tokens, stop)
         record["completions"] = {"file": Path(a.completions).name, "sha256": sha256_file(a.completions)}
         return CompletionSource(a.reference, record, completions=completions), []
-    from ..sglang_client import SGLangError, served_model_mismatch
+    from ..completion_client import ServerError, served_model_mismatch
 
-    client = SGLangClient(a.sglang_url, timeout=a.sglang_timeout, max_retries=a.sglang_retries)
+    client = served_client(a)
     try:
         client.health()
         info = client.model_info()
-    except SGLangError as e:
+        server_spec = client.speculative_config()  # served.py / vllm_counters.py: the --served-check side
+    except ServerError as e:
         raise PrecomputeError(str(e)) from e
-    server_spec = server_spec_config(client.server_info())  # served.py: the --served-check side
-    msg = served_model_mismatch(info, a.target)
-    if msg:
-        logger.warning(f"warning: {msg}")
-    record.update(url=client.url, served_model=info,
-                  sampling_params={"temperature": 0, "max_new_tokens": a.max_new_tokens, "stop_token_ids": stop})
-    return CompletionSource(a.reference, record, client=client, server_spec=server_spec), [msg] if msg else []
+    warnings = [w for w in [served_model_mismatch(info, a.target, client.name, client.url_option),
+                            _concurrency_warning(a, server_spec)] if w]
+    for w in warnings:
+        logger.warning(f"warning: {w}")
+    in_flight = a.max_in_flight if a.max_in_flight is not None else DEFAULT_IN_FLIGHT[a.reference]
+    record.update(url=client.url, served_model=info, sampling_params=client.sampling_params(a.max_new_tokens, stop))
+    return CompletionSource(a.reference, record, client=client, server_spec=server_spec,
+                            max_in_flight=in_flight), warnings
+
+
+def served_client(a: PrecomputeArgs) -> CompletionClient:
+    """The client of ``--reference sglang`` or ``--reference vllm``."""
+    if a.reference == "vllm":
+        from ..vllm_client import VLLMClient
+
+        return VLLMClient(a.vllm_url, timeout=a.sglang_timeout, max_retries=a.sglang_retries)
+    from ..sglang_client import SGLangClient
+
+    return SGLangClient(a.sglang_url, timeout=a.sglang_timeout, max_retries=a.sglang_retries)
+
+
+def _concurrency_warning(a: PrecomputeArgs, server_spec: dict[str, Any] | None) -> str | None:
+    """vLLM's counters are server-wide: with several requests in flight none is any request's own."""
+    speculating = (server_spec or {}).get("metrics_positions") is not None
+    if a.reference != "vllm" or not speculating or (a.max_in_flight or 1) == 1:
+        return None
+    return (f"--max-in-flight {a.max_in_flight} with --reference vllm: the server's counters are server-wide, so no "
+            "sample's counters will be its own (all marked unattributable); --max-in-flight 1 records them")
 
 
 def _refuse_other_arguments(out: Path, old: dict[str, Any] | None, source: str, fingerprint: dict[str, Any]) -> None:

@@ -233,7 +233,7 @@ def _served_completions(plan: Plan, todo: list[PromptRecord]) -> Completions:
             append_entry(journal, have[sid])
 
         client.generate_many(need, plan.args.max_new_tokens, plan.stop_token_ids,
-                             max_in_flight=plan.args.max_in_flight, on_result=on_result,
+                             max_in_flight=plan.source.max_in_flight, on_result=on_result,
                              vocab_size=plan.target.vocab_size)
     return have
 
@@ -245,15 +245,15 @@ def _served_completions(plan: Plan, todo: list[PromptRecord]) -> Completions:
 def _completions(plan: Plan, todo: list[PromptRecord], tally: _Tally) -> Completions:
     """Every completion the run uses that is not generated locally: the file's, or the server's (the
     journal's for a complete cache)."""
-    if plan.source.kind != "sglang":
+    if not plan.source.served:
         return plan.source.completions
-    from ..sglang_client import SGLangError
+    from ..completion_client import ServerError
 
     t = time.time()
     try:
         completions = _served_completions(plan, todo) if todo else \
             read_journal(plan.out / JOURNAL_NAME, _request_keys(plan))[0]
-    except SGLangError as e:
+    except ServerError as e:
         raise PrecomputeError(f"{e}\n(completions received so far are saved in {plan.out / JOURNAL_NAME}; "
                               "rerun to resume)") from e
     tally.timings["reference_s"] = time.time() - t
@@ -371,7 +371,7 @@ def _write_manifest(plan: Plan, state: _State, completions: Completions) -> Mani
         (out / HEAD_NAME).unlink(missing_ok=True)
     manifest = build_manifest(plan.header, list(state.shards.values()), list(state.samples.values()), state.head)
     ids = [s.id for s in manifest.samples]
-    if plan.source.kind == "sglang" and all(i in completions for i in ids):
+    if plan.source.served and all(i in completions for i in ids):
         # sorted once complete, so the journal too is deterministic
         write_in_order(out / JOURNAL_NAME, completions, ids)
     manifest.write(out)
