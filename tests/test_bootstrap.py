@@ -226,3 +226,41 @@ def test_anchor_statistics_get_intervals_from_per_sample_counts():
     # The anchor statistics' intervals alone: the same resamples (they depend on the seed alone), the same ends.
     alone = interval_keys(anchor_sums(samples, 4), DEFAULT_RESAMPLES, DEFAULT_SEED, DEFAULT_LEVEL)
     assert alone and alone == {k: v for k, v in live.items() if k in alone}  # same resamples, same ends
+
+
+def test_the_default_position_buckets_fit_short_completions(tiny_cache, tiny_drafter_config):
+    """On completions far shorter than the default edges (0, 256, ... 2048) one bucket held every cycle: a single
+    point. The default edges are halved until at least three buckets start within the longest completion, the
+    same for every drafter on the samples; results.json records the edges used, the callback's default
+    (``DEFAULT_POSITION_EDGES``) gets them, each bucket carries its cycle count, and edges a user gives are
+    kept as given."""
+    import torch
+
+    from dflash_cb.cache.states import StateCache
+    from dflash_cb.core.compare import live_metrics
+    from dflash_cb.core.engine import evaluate
+    from dflash_cb.core.metrics import position_cycles
+    from dflash_cb.core.model import DFlashDrafter
+    from dflash_cb.core.positions import DEFAULT_POSITION_EDGES, completion_extent, fitted_edges
+    from dflash_cb.core.results import report_to_results
+
+    cache = StateCache(tiny_cache)
+    torch.manual_seed(0)
+    report = evaluate(cache, DFlashDrafter.from_config_dict(tiny_drafter_config).eval(), budgets=[])
+    extent = completion_extent(report.samples)
+    assert 8 < extent < 32  # the tiny cache: 24 new tokens
+    res = report_to_results(report, cache)  # the tool's default edges
+    table = res.breakdown["position"]
+    assert list(table) == ["0_8", "8_16", "16_32"] and res.breakdown["position_edges"] == [0, 8, 16, 32, 64]
+    assert sum(r["cycles"] for r in table.values()) == sum(len(s.acceptance_lengths) for s in report.samples)
+    assert all(r["cycles"] > 0 for r in table.values())
+    live = live_metrics(report.samples, [], [], position_edges=DEFAULT_POSITION_EDGES, n_resamples=20)
+    assert {k for k in live if k.startswith("position/")} == {
+        f"position/{b}/{x}" for b in table for x in ("tau", "cycles")}
+    assert all(live[position_cycles(b)] == r["cycles"] for b, r in table.items())
+    # Long completions keep the default; edges given are never changed.
+    assert fitted_edges(DEFAULT_POSITION_EDGES, 2000) == DEFAULT_POSITION_EDGES
+    assert fitted_edges(DEFAULT_POSITION_EDGES, 600) == DEFAULT_POSITION_EDGES  # 0, 256, 512: three buckets
+    assert fitted_edges(DEFAULT_POSITION_EDGES, 3) == (0, 1, 2, 4, 8)
+    assert fitted_edges((0, 256), 20) == (0, 256)
+    assert list(report_to_results(report, cache, position_edges=(0, 256)).breakdown["position"]) == ["0_256"]

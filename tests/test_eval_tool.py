@@ -296,3 +296,15 @@ def test_strided_statistics_equal_evaluate_and_record_their_offsets(tiny_cache, 
     assert code == 0 and len(lines) == 1, se
     n = len(cache.samples)
     assert lines[0].startswith(f"warning: --anchor-stride 4096: {n} of {n} samples have at most 4096 anchors"), lines
+
+
+def test_a_drafter_folder_as_the_cache_says_which_is_which(tiny_cache, drafter_dir, tmp_path, capsys):
+    """``--states <a drafter folder>`` advised creating a cache in the drafter's folder; it says the folder holds
+    a drafter and where each goes (a Lightning checkpoint file as the cache likewise)."""
+    code, out, err = evaluate_tool(capsys, drafter_dir, drafter_dir, tmp_path / "r.json")
+    assert_one_line(code, out, err, f"{drafter_dir}: a DFlash drafter folder", "--drafter", "precompute_states.py")
+    assert "Create the cache" not in err
+    ckpt = tmp_path / "last.ckpt"
+    ckpt.write_bytes(b"PK")
+    code, out, err = evaluate_tool(capsys, ckpt, drafter_dir, tmp_path / "r.json")
+    assert_one_line(code, out, err, f"{ckpt}: a file", "precompute_states.py")

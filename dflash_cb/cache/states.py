@@ -82,6 +82,19 @@ class TargetHead:
         return TargetHead(embed, head, self.tied)
 
 
+def _what_else(path: Path) -> str | None:
+    """What ``path`` is when it is no cache but something a user confuses with one (None: nothing known)."""
+    if path.is_file():
+        return "a file"
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if isinstance(config, dict) and "dflash_config" in config:
+        return "a DFlash drafter folder (its config.json has dflash_config; pass it as --drafter)"
+    return "a Hugging Face model folder (config.json)" if isinstance(config, dict) else None
+
+
 class StateCache:
     """Read-only, lazy view of a cache folder. Shards are opened memory-mapped on first use."""
 
@@ -89,6 +102,10 @@ class StateCache:
         self.path = Path(path)
         manifest_path = self.path / MANIFEST_NAME
         if not manifest_path.is_file():
+            not_a_cache = _what_else(self.path)
+            if not_a_cache:
+                raise CacheError(f"{self.path}: {not_a_cache}, not a cache of target states: give the folder "
+                                 "tools/precompute_states.py --out wrote (it holds manifest.json)")
             hint = ""
             if interrupted_merge(self.path):
                 hint = (" (a tools/merge_states.py run into this folder was interrupted: rerun the same merge "

@@ -42,6 +42,8 @@ from .metrics import (
     SPECFORGE_ACC,
     TAU,
     TAU_REQUEST_MEAN,
+    category_tau,
+    category_tau_request_mean,
     ddtree_tau,
 )
 from .results import Results, SampleRecord, load_results, series_mismatch
@@ -202,6 +204,8 @@ _ENTRY_FIELDS = ("name", "source", "url", "target", "drafter", "setting", "place
 # Figures a paper may report that the live evaluation logs too, pooled (``tau`` goes by the convention).
 _POOLED_FIGURES = (ALL_ANCHOR_TAU, CHAIN_TAU_ESTIMATE, SPECFORGE_ACC)
 _FRACTIONS = (SPECFORGE_ACC,)  # a share of matches, in [0, 1]; every other figure is a length, >= 1
+# The live per-category figure of each convention (a served per-request figure exists over the whole cache only).
+_PER_CATEGORY = {"pooled": category_tau, "request_mean": category_tau_request_mean}
 
 
 def load_published(path: str | os.PathLike, names: Sequence[str] | None = None,
@@ -336,7 +340,9 @@ def _check_budgets(where: str, metrics: dict[str, float], budgets: Sequence[int]
 def published_metric(metric: str, convention: str, where: str) -> str:
     """The live metric a published figure stands beside: its ``tau`` goes to the convention's metric.
 
-    Other figures (DDTree tau, ...) exist live only pooled, so a non-pooled entry may give ``tau`` only.
+    ``category/<c>/tau`` (a figure over one benchmark's prompts) goes to the convention's per-category metric
+    (``category_tau``, ``category_tau_request_mean``). Other figures (DDTree tau, ...) exist live only pooled,
+    so a non-pooled entry may give only those two.
     A name the live evaluation never logs (a typo, a per-request name given directly) is refused.
     """
     if metric == TAU:
@@ -344,6 +350,18 @@ def published_metric(metric: str, convention: str, where: str) -> str:
     if metric in CONVENTIONS.values():
         given = next(c for c, m in CONVENTIONS.items() if m == metric)
         raise PublishedError(f"{where}: metrics.{metric}: give it as tau with convention: {given}")
+    category = re.fullmatch(r"category/([^/]+)/(.+)", metric)
+    if category and category[2] != TAU and category[2] in CONVENTIONS.values():
+        given = next(c for c, m in CONVENTIONS.items() if m == category[2])
+        raise PublishedError(f"{where}: metrics.{metric}: give it as category/{category[1]}/tau with convention: "
+                             f"{given}")
+    if category and category[2] == TAU:
+        if convention not in _PER_CATEGORY:
+            raise PublishedError(f"{where}: {metric!r} under convention {convention!r}: per category dflash-cb "
+                                 f"measures {' and '.join(sorted(_PER_CATEGORY))} only; give it in an entry with one "
+                                 "of those, or drop it")
+        # A figure over one benchmark's prompts: the convention's figure over that category's requests.
+        return _PER_CATEGORY[convention](category[1])
     if not (metric in _POOLED_FIGURES or re.fullmatch(r"ddtree/tau_b[1-9][0-9]*", metric)
             or re.fullmatch(r"category/[^/]+/tau", metric)):
         raise PublishedError(f"{where}: metrics.{metric}: not a figure dflash-cb logs; use tau, ddtree/tau_b<budget>, "

@@ -42,6 +42,7 @@ from .metrics import (
     TAU,
     TAU_REQUEST_MEAN,
     category_tau,
+    category_tau_request_mean,
     ci_high,
     ci_low,
     ddtree_tau,
@@ -159,7 +160,8 @@ def anchor_sums(samples: Sequence[Any], stride: int) -> dict[str, Sums]:
 
 def metric_sums(samples: Sequence[Any], budgets: Sequence[int] = (),
                 categories: Sequence[str] = (), anchor_stride: int | None = None) -> dict[str, Sums]:
-    """Per-sample sums of ``tau``, the per-request means, each DDTree tau and each category tau, and with
+    """Per-sample sums of ``tau``, the per-request means, each DDTree tau and each category's tau and
+    ``tau_request_mean``, and with
     ``anchor_stride`` the anchor statistics of that stride (``anchor_sums``).
 
     A per-request mean is a ratio too: each sample with a cycle adds its own value over a weight of
@@ -180,20 +182,24 @@ def metric_sums(samples: Sequence[Any], budgets: Sequence[int] = (),
     for b in budgets:
         dd = [s.ddtree.get(b, []) for s in samples]
         out[ddtree_tau(b)] = Sums.of([float(sum(x)) for x in dd], [float(len(x)) for x in dd])
+    per_request = out[TAU_REQUEST_MEAN]
     for c in categories:
         mask = [s.category == c for s in samples]
         out[category_tau(c)] = Sums.of([p if m else 0.0 for p, m in zip(produced, mask, strict=True)],
                                        [n if m else 0.0 for n, m in zip(cycles, mask, strict=True)])
+        out[category_tau_request_mean(c)] = Sums.of(np.where(mask, per_request.produced, 0.0),
+                                                    np.where(mask, per_request.cycles, 0.0))
     if anchor_stride is not None:
         out.update(anchor_sums(samples, anchor_stride))
     return out
 
 
-def request_means(samples: Sequence[Any]) -> dict[str, float]:
+def request_means(samples: Sequence[Any], categories: Sequence[str] = ()) -> dict[str, float]:
     """``tau_request_mean`` and ``accept_length_served`` of ``samples`` (in their fixed order; a sample
-    without a cycle is left out of both, NaN when none has one)."""
-    sums = metric_sums(samples)
-    return {k: sums[k].value for k in (TAU_REQUEST_MEAN, ACCEPT_LENGTH_SERVED)}
+    without a cycle is left out of both, NaN when none has one), and ``tau_request_mean`` per category."""
+    sums = metric_sums(samples, (), categories)
+    names = (TAU_REQUEST_MEAN, ACCEPT_LENGTH_SERVED, *(category_tau_request_mean(c) for c in categories))
+    return {k: sums[k].value for k in names}
 
 
 def interval_metrics(samples: Sequence[Any], budgets: Sequence[int] = (), categories: Sequence[str] = (),

@@ -52,6 +52,7 @@ from .positions import (
     DEFAULT_POSITION_EDGES,
     breakdown_metrics,
     cycle_table,
+    position_edges_for,
     position_table,
 )
 from .replay import TAIL_BLOCKS
@@ -367,10 +368,10 @@ def derived_metrics(samples: list[Any], budgets: tuple[int, ...] | list[int], ca
     """
     position = position_table(samples, position_edges, categories)
     cycle = cycle_table(samples, cycle_buckets, categories)
-    scalars = request_means(samples)
+    scalars = request_means(samples, categories)
     scalars.update(interval_metrics(samples, budgets, categories, n_resamples, seed, anchor_stride=anchor_stride))
     scalars.update(breakdown_metrics(position, cycle))
-    tables = {"position_edges": list(position_edges), "position": position, "cycle": cycle,
+    tables = {"position_edges": list(position_edges_for(samples, position_edges)), "position": position, "cycle": cycle,
               "interval": {"method": "cluster bootstrap over samples, percentile", "resamples": n_resamples,
                            "level": DEFAULT_LEVEL, "seed": seed}}
     return scalars, tables
