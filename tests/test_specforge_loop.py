@@ -367,7 +367,8 @@ def test_specforge_command_line_on_two_torchrun_ranks(tmp_path, tiny_cache, tiny
                         save_interval=4)
     done = specforge_train(tmp_path, tiny_cache, torchrun=2)
     outputs = [next((tmp_path / "ranks").rglob(f"attempt_0/{rank}/stdout.log")).read_text() for rank in (0, 1)]
-    assert done.returncode == 0, outputs[0][-3000:] + done.stderr[-3000:]
+    errors = [p.read_text()[-2000:] for p in sorted((tmp_path / "ranks").rglob("attempt_0/*/stderr.log"))]
+    assert done.returncode == 0, outputs[0][-2000:] + "\n".join(errors) + done.stderr[-2000:]
     logged = evaluations(outputs[0])
     assert sorted(logged) == [0, 2, 4] and evaluations(outputs[1]) == {}  # rank zero logs, once each
     expected = export_and_score(tmp_path, tiny_cache, 4, tiny_drafter_config["block_size"])
