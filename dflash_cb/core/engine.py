@@ -1076,6 +1076,9 @@ def _load_wave(cache: StateCache, ids: list[str], runner: DraftRunner, plan: _Pl
     rows = [e.prompt_len + n - 1 if n else 0 for e, n in ((e, anchor_count(e, manifest)) for e in entries)]
     bounds, tokens, topk = [], [], []
 
+    # The drafter's own layers of the cache's (a cache may hold more, for several drafters).
+    columns = cache.feature_columns(runner.spec.target_layer_ids)
+
     def features() -> Iterator[torch.Tensor]:
         with contextlib.closing(cache.load_many(ids, verify=plan.verify)) as samples:
             for r in rows:
@@ -1084,7 +1087,8 @@ def _load_wave(cache: StateCache, ids: list[str], runner: DraftRunner, plan: _Pl
                     bounds.append(bounds_for(sample, manifest))
                     tokens.append(sample.input_ids.long())
                     topk.append(None if sample.topk_ids is None else (sample.topk_ids, sample.topk_logprobs))
-                    feats = sample.hidden[:r].to(device=device, dtype=runner.dtype)
+                    feats = sample.hidden[:r] if columns is None else sample.hidden[:r].index_select(1, columns)
+                    feats = feats.to(device=device, dtype=runner.dtype)
                     del sample  # the features are no longer needed once projected
                 yield feats
 

@@ -19,25 +19,29 @@ from ..cache.states import StateCache
 from ..common.fileio import atomic_path
 
 
-def sample_features(cache: StateCache, sample_id: str) -> dict[str, torch.Tensor]:
+def sample_features(cache: StateCache, sample_id: str, layer_ids: Sequence[int] | None = None) -> dict[str, torch.Tensor]:
     """One sample's SpecForge features, unbatched: ``input_ids`` and ``loss_mask`` ``[seq]``, ``hidden_states``
-    ``[seq, layers * hidden]`` (float32)."""
+    ``[seq, layers * hidden]`` (float32). ``layer_ids``: the drafter's target layers, when the cache holds more
+    (None: all of the cache's)."""
     e = cache.entry(sample_id)
     s = cache.load(sample_id)
     loss_mask = torch.zeros(e.total_len, dtype=torch.long)
     loss_mask[e.prompt_len:e.valid_len] = 1
-    return {"input_ids": s.input_ids.long(), "loss_mask": loss_mask, "hidden_states": s.hidden.float()}
+    columns = None if layer_ids is None else cache.feature_columns(layer_ids)
+    hidden = s.hidden if columns is None else s.hidden.index_select(1, columns)
+    return {"input_ids": s.input_ids.long(), "loss_mask": loss_mask, "hidden_states": hidden.float()}
 
 
-def train_batches(states: str | os.PathLike | StateCache, sample_ids: Sequence[str] | None = None) -> list[Any]:
+def train_batches(states: str | os.PathLike | StateCache, sample_ids: Sequence[str] | None = None,
+                  layer_ids: Sequence[int] | None = None) -> list[Any]:
     """One SpecForge ``TrainBatch`` (strategy ``"dflash"``) per sample, for ``TrainerController.fit`` or its
-    ``eval_data_factory``."""
+    ``eval_data_factory`` (``layer_ids``: ``sample_features``)."""
     from specforge.runtime.contracts import TrainBatch
 
     cache = states if isinstance(states, StateCache) else StateCache(states)
     out = []
     for i in sample_ids if sample_ids is not None else [e.id for e in cache.samples]:
-        f = sample_features(cache, i)
+        f = sample_features(cache, i, layer_ids)
         out.append(TrainBatch([i], "dflash", {"input_ids": f["input_ids"][None],
                                               "hidden_states": f["hidden_states"][None],
                                               "loss_mask": f["loss_mask"][None].float()}))
