@@ -329,3 +329,16 @@ def test_every_evaluation_logs_the_light_estimator_under_the_main_keys(tiny_cach
     assert full[PREFIX + "full/anchor_stride"] == 1 and full[PREFIX + "anchor_stride"] == 6
     assert PREFIX + "ddtree/tau_b2" not in full and PREFIX + "full/ddtree/tau_b2" in full
     assert full[PREFIX + "full/specforge/acc"] != full[PREFIX + "specforge/acc"]  # two estimators, two keys
+
+
+def test_more_samples_than_the_cache_holds_is_said_by_the_live_evaluator_too(tiny_cache, tiny_drafter_config):
+    """``num_samples`` above the cache's size scores every sample, as eval_drafter's ``--samples`` does, and says
+    so (one warning naming the cache and both counts) instead of accepting it silently."""
+    with pytest.warns(RuntimeWarning, match=rf"num_samples 500: the cache {tiny_cache} has only 6 samples; scoring "
+                                            r"all 6"):
+        ev = evaluator(tiny_cache, num_samples=500)
+        ev.setup()
+    assert len(ev.eval_ids) == 6
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        evaluator(tiny_cache, num_samples=6).setup()
