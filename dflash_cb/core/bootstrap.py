@@ -42,6 +42,7 @@ from .metrics import (
     TAU,
     TAU_REQUEST_MEAN,
     category_tau,
+    category_tau_request_mean,
     ci_high,
     ci_low,
     ddtree_tau,
@@ -170,7 +171,8 @@ def anchor_sums(samples: Sequence[Any], stride: int) -> dict[str, Sums]:
 
 def metric_sums(samples: Sequence[Any], budgets: Sequence[int] = (),
                 categories: Sequence[str] = (), anchor_stride: int | None = None) -> dict[str, Sums]:
-    """Per-sample sums of ``tau``, the per-request means, each DDTree tau and each category tau, and with
+    """Per-sample sums of ``tau``, the per-request means, each DDTree tau and each category's tau and
+    ``tau_request_mean``, and with
     ``anchor_stride`` the anchor statistics of that stride (``anchor_sums``).
 
     A per-request mean is a ratio too: each sample with a cycle adds its own value over a weight of
@@ -195,20 +197,24 @@ def metric_sums(samples: Sequence[Any], budgets: Sequence[int] = (),
     for name in sorted({k for s in samples for k in getattr(s, "walks", {})}):  # a drafter family's own walks
         w = [s.walks.get(name, []) for s in samples]
         out[name] = Sums.of([float(sum(x)) for x in w], [float(len(x)) for x in w])
+    per_request = out[TAU_REQUEST_MEAN]
     for c in categories:
         mask = [s.category == c for s in samples]
         out[category_tau(c)] = Sums.of([p if m else 0.0 for p, m in zip(produced, mask, strict=True)],
                                        [n if m else 0.0 for n, m in zip(cycles, mask, strict=True)])
+        out[category_tau_request_mean(c)] = Sums.of(np.where(mask, per_request.produced, 0.0),
+                                                    np.where(mask, per_request.cycles, 0.0))
     if anchor_stride is not None:
         out.update(anchor_sums(samples, anchor_stride))
     return out
 
 
-def request_means(samples: Sequence[Any]) -> dict[str, float]:
+def request_means(samples: Sequence[Any], categories: Sequence[str] = ()) -> dict[str, float]:
     """``tau_request_mean`` and ``accept_length_served`` of ``samples`` (in their fixed order; a sample
-    without a cycle is left out of both, NaN when none has one)."""
-    sums = metric_sums(samples)
-    return {k: sums[k].value for k in (TAU_REQUEST_MEAN, ACCEPT_LENGTH_SERVED)}
+    without a cycle is left out of both, NaN when none has one), and ``tau_request_mean`` per category."""
+    sums = metric_sums(samples, (), categories)
+    names = (TAU_REQUEST_MEAN, ACCEPT_LENGTH_SERVED, *(category_tau_request_mean(c) for c in categories))
+    return {k: sums[k].value for k in names}
 
 
 def interval_metrics(samples: Sequence[Any], budgets: Sequence[int] = (), categories: Sequence[str] = (),
@@ -218,19 +224,10 @@ def interval_metrics(samples: Sequence[Any], budgets: Sequence[int] = (), catego
     and with ``anchor_stride`` for that stride's anchor statistics (finite ends only)."""
     if not samples:
         return {}
-    return _interval_keys(metric_sums(samples, budgets, categories, anchor_stride), n_resamples, seed, level)
+    return interval_keys(metric_sums(samples, budgets, categories, anchor_stride), n_resamples, seed, level)
 
 
-def anchor_interval_metrics(samples: Sequence[Any], stride: int, n_resamples: int = DEFAULT_RESAMPLES,
-                            seed: int = DEFAULT_SEED, level: float = DEFAULT_LEVEL) -> dict[str, float]:
-    """The interval keys of stride ``stride``'s anchor statistics alone (``anchor_sums``); the same values
-    ``interval_metrics(..., anchor_stride=stride)`` gives them (the resamples depend on the seed alone)."""
-    if not samples:
-        return {}
-    return _interval_keys(anchor_sums(samples, stride), n_resamples, seed, level)
-
-
-def _interval_keys(sums: Mapping[str, Sums], n_resamples: int, seed: int, level: float) -> dict[str, float]:
+def interval_keys(sums: Mapping[str, Sums], n_resamples: int, seed: int, level: float) -> dict[str, float]:
     out: dict[str, float] = {}
     for k, iv in intervals(sums, n_resamples, seed, level).items():
         if math.isfinite(iv.low) and math.isfinite(iv.high):

@@ -844,6 +844,7 @@ class EvalReport:
     # differ and that it had its own pass, or was left out (``SPECFORGE_OWN_PASS`` / ``SPECFORGE_LEFT_OUT``).
     specforge_note: str = ""
     passes: int = 0  # drafter passes made (rounds of every wave, at most max_blocks blocks each)
+    series: dict[str, Any] = field(default_factory=dict)  # what identifies these figures (EvalRequest.series)
 
     @property
     def summary(self) -> dict[str, float]:
@@ -1076,7 +1077,8 @@ def evaluate(cache: StateCache, drafter: Any, head: TargetHead | None = None, re
         # In sample order, from per-sample integers: the counts do not depend on waves, rounds or ranks.
         counts = summed_counts(samples, block, budgets, categories, req.anchor_stride, spec.family)
     return EvalReport(counts, samples, time.perf_counter() - start, spec, budgets, req.anchor_stride, req.tail_blocks,
-                      str(head.lm_head.dtype).removeprefix("torch."), req.anchor_seed, strides[1:], note, passes)
+                      str(head.lm_head.dtype).removeprefix("torch."), req.anchor_seed, strides[1:], note, passes,
+                      req.series(block_size=block))
 
 
 def specforge_pass(runner: DraftRunner, block_size: int) -> tuple[SpecForgePass, str]:
@@ -1098,6 +1100,9 @@ def _load_wave(cache: StateCache, ids: list[str], runner: DraftRunner, plan: _Pl
     rows = [e.prompt_len + n - 1 if n else 0 for e, n in ((e, anchor_count(e, manifest)) for e in entries)]
     bounds, tokens, topk = [], [], []
 
+    # The drafter's own layers of the cache's (a cache may hold more, for several drafters).
+    columns = cache.feature_columns(runner.spec.target_layer_ids)
+
     def features() -> Iterator[torch.Tensor]:
         with contextlib.closing(cache.load_many(ids, verify=plan.verify)) as samples:
             for r in rows:
@@ -1106,7 +1111,8 @@ def _load_wave(cache: StateCache, ids: list[str], runner: DraftRunner, plan: _Pl
                     bounds.append(bounds_for(sample, manifest))
                     tokens.append(sample.input_ids.long())
                     topk.append(None if sample.topk_ids is None else (sample.topk_ids, sample.topk_logprobs))
-                    feats = sample.hidden[:r].to(device=device, dtype=runner.dtype)
+                    feats = sample.hidden[:r] if columns is None else sample.hidden[:r].index_select(1, columns)
+                    feats = feats.to(device=device, dtype=runner.dtype)
                     del sample  # the features are no longer needed once projected
                 yield feats
 

@@ -97,6 +97,11 @@ def category_tau(category: str) -> str:
     return f"category/{category}/tau"
 
 
+def category_tau_request_mean(category: str) -> str:
+    """``tau_request_mean`` over one category's requests: a published per-benchmark figure stands beside it."""
+    return f"category/{category}/{TAU_REQUEST_MEAN}"
+
+
 def hist_frac(n: int) -> str:
     return f"produced_frac/{n:02d}"
 

@@ -27,7 +27,7 @@ import os
 import shlex
 import tempfile
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,9 +56,11 @@ from .positions import (
     DEFAULT_POSITION_EDGES,
     breakdown_metrics,
     cycle_table,
+    position_edges_for,
     position_table,
 )
 from .replay import TAIL_BLOCKS
+from .request import QUANTITY, series_names
 
 RESULTS_FORMAT = "dflash-cb-results"
 RESULTS_VERSION = 5
@@ -179,6 +181,11 @@ class Results:
     def family(self) -> str:
         """The scored drafter's family (``families.FAMILIES``); files before version 5 scored DFlash drafters."""
         return str(self.meta.get("drafter_family") or "dflash")
+
+    @property
+    def series(self) -> dict[str, Any]:
+        """What identifies these figures (``request.series_names``), as recorded (None: not recorded)."""
+        return {name: self.meta.get(name) for name in series_names()}
 
     @property
     def tail_blocks(self) -> str | None:
@@ -336,17 +343,33 @@ def check_fields(res: Results, where: str) -> None:
                            f"{'it' if len(empty) == 1 else 'them'}; {_RERUN}")
 
 
-def tail_blocks_mismatch(labelled: Sequence[tuple[str, str | None]]) -> str | None:
-    """What to say when evaluations set side by side replayed the tail blocks differently (or one does not
-    say how): near ``max_new_tokens`` the two conventions draft blocks of different lengths, so a
-    bidirectional drafter's tau differs there (docs/method.md, "Tail blocks"). None when they agree."""
-    values = {v for _, v in labelled}
-    if len(values) == 1 and None not in values:
+def series_mismatch(labelled: Sequence[tuple[str, Mapping[str, Any]]], kind: str | None = QUANTITY) -> str | None:
+    """What to say when evaluations set side by side were measured with different settings of what
+    identifies a series (``request.series_fields``: by default the quantities, the block drafted, the tail
+    convention, the compute dtype; ``kind=None`` adds the anchor set), or one does not record one: their
+    figures are not like for like. None when they agree. ``labelled``: (label, its series: ``Results.series``,
+    ``EvalRequest.series``); a name some record does not hold at all is not compared (a value None is: it was
+    not recorded)."""
+    clauses = []
+    for name in series_names(kind):
+        if not all(name in record for _, record in labelled):
+            continue
+        values = [(label, record.get(name)) for label, record in labelled]
+        if len({repr(v) for _, v in values}) == 1 and values[0][1] is not None:
+            continue
+        shown = ", ".join(f"{label} {v!r}" if v is not None else f"{label} (not recorded)" for label, v in values)
+        clauses.append(f"{name} differ ({shown})" + (_TAIL_NOTE if name == "tail_blocks" else ""))
+    if not clauses:
         return None
-    shown = ", ".join(f"{label} {v!r}" if v else f"{label} (not recorded)" for label, v in labelled)
-    return (f"tail_blocks differ ({shown}): near max_new_tokens the replays draft blocks of different lengths "
-            "(docs/method.md, \"Tail blocks\"), so the figures are not like for like; score each with "
-            "tools/eval_drafter.py --tail-blocks <the same value>")
+    options = ", ".join(_OPTION.get(c.split(" ", 1)[0], c.split(" ", 1)[0]) for c in clauses)
+    return "; ".join(clauses) + (f": the figures are not like for like; score each with tools/eval_drafter.py "
+                                 f"and the same {options}")
+
+
+# Why a tail convention matters, and the option that sets each series field on the command line.
+_TAIL_NOTE = ": near max_new_tokens the replays draft blocks of different lengths (docs/method.md, \"Tail blocks\")"
+_OPTION = {"block_size": "--block-size", "tail_blocks": "--tail-blocks", "dtype": "--dtype",
+           "anchor_stride": "--anchor-stride", "anchor_seed": "--anchor-seed"}
 
 
 def _get(data: Any, key: str) -> Any:
@@ -371,10 +394,10 @@ def derived_metrics(samples: list[Any], budgets: tuple[int, ...] | list[int], ca
     """
     position = position_table(samples, position_edges, categories)
     cycle = cycle_table(samples, cycle_buckets, categories)
-    scalars = request_means(samples)
+    scalars = request_means(samples, categories)
     scalars.update(interval_metrics(samples, budgets, categories, n_resamples, seed, anchor_stride=anchor_stride))
     scalars.update(breakdown_metrics(position, cycle))
-    tables = {"position_edges": list(position_edges), "position": position, "cycle": cycle,
+    tables = {"position_edges": list(position_edges_for(samples, position_edges)), "position": position, "cycle": cycle,
               "interval": {"method": "cluster bootstrap over samples, percentile", "resamples": n_resamples,
                            "level": DEFAULT_LEVEL, "seed": seed}}
     return scalars, tables
@@ -417,6 +440,7 @@ def report_to_results(report: EvalReport, cache: StateCache, meta: dict[str, Any
             "tail_blocks": report.tail_blocks,  # replay.TAIL_BLOCKS; docs/method.md, "Tail blocks"
             ANCHORS_DRAFTED: int(counts.data["anchors_drafted"].item()),
             ANCHORS_NEEDED: int(counts.data["anchors_needed"].item()),
+            **report.series,  # what identifies the figures (request.series_fields), the names above included
             **(meta or {}),
         },
         breakdown=tables,

@@ -216,6 +216,15 @@ class Measurer:
                            autocast_dtype=autocast, spec=self.fit.spec, verify=cfg.verify_cache,
                            keep_drafts=keep_drafts, draft_all=self.cost.draft_all_is_cheaper(profile))
 
+    def series(self, drafter: nn.Module) -> dict[str, Any]:
+        """What identifies the main keys' figures (``EvalRequest.series`` of a light evaluation with the
+        drafter where it is now: its device decides what ``autocast_dtype="auto"`` computes in)."""
+        param = next(unwrap(drafter).parameters())
+        autocast = resolve_autocast(self.config.autocast_dtype, param.device, param.dtype)
+        light = self.config.light_stride(self.fit.block_size)
+        profile = Profile(False, self.config.light_budgets, light, self.config.light_budgets, light)
+        return self.request(profile, param.device, autocast, [], 0).series()
+
     def _score(self, ids: list[str], drafter: nn.Module, model: Any, profile: Profile,
                strides: list[int]) -> EvalReport:
         s, c = self.session, self.cost

@@ -21,6 +21,7 @@ serialising the view needs no network; only ``save()`` talks to W&B.
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -59,6 +60,7 @@ from ..core.metrics import (
     ddtree_tau,
     depth_acc,
     depth_acc_cond,
+    position_cycles,
     position_tau,
     selector_acc,
     selector_recall,
@@ -179,6 +181,8 @@ def panel_plan(layout: PanelLayout) -> dict[str, list[PanelSpec]]:
             line("DFlash 2: the selector's pick given recall, per depth", [selector_acc(k) for k in depths])]
 
     by_position = [line("tau by anchor position in the completion", [position_tau(b) for b in layout.position_buckets]),
+                   line("cycles by anchor position (what each bucket's tau rests on)",
+                        [position_cycles(b) for b in layout.position_buckets]),
                    line("tau by cycle index after the prompt", [cycle_tau(b) for b in layout.cycle_buckets])]
 
     cost = [line(f"cost: {n}", [n]) for n in layout.cost]
@@ -427,6 +431,10 @@ def _run_history(run: str, entity: str, project: str) -> tuple[list[dict[str, An
 
         rows, summary = offline_history(run)
         return rows, set(summary)
+    if not (entity and project) or "/" in run or os.sep in run or run.endswith(".wandb"):
+        raise PanelsError(f"--run {run}: no such folder; give a local offline run folder (wandb/offline-run-<date>-"
+                          "<id>, written with WANDB_MODE=offline), or the id of a run on W&B with --entity and "
+                          "--project")
 
     def fetch() -> tuple[list[dict[str, Any]], set[str]]:
         import wandb

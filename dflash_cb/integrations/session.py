@@ -101,9 +101,9 @@ def open_session(config: EvalConfig, loop: LoopContext, cache: StateCache | None
     cache.check_files(eval_ids, head=config.needs_cache_head)
     verified = verify_across_ranks(cache, eval_ids, config.needs_cache_head) if config.verify_cache else None
     cache.check_samples(eval_ids)  # manifest fields against the shards (small tensors only)
-    # A file replayed with other tail blocks is warned about (results.tail_blocks_mismatch).
-    baselines = [load_measured(p, cache, name=n, sample_ids=eval_ids, tail_blocks=config.tail_blocks)
-                 for n, p in config.baselines.items()]
+    # A file measured with other settings is warned about once the drafter's block is known (the evaluator's
+    # validate: results.series_mismatch).
+    baselines = [load_measured(p, cache, name=n, sample_ids=eval_ids) for n, p in config.baselines.items()]
     served = load_served(cache, eval_ids)  # the server's own counters, when the cache has them
     if served is not None:
         baselines.append(served)
