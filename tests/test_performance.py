@@ -18,7 +18,7 @@ import torch
 
 from dflash_cb.cache.states import StateCache
 from dflash_cb.common.timing import PhaseTimer
-from dflash_cb.core import engine
+from dflash_cb.core import proposers
 from dflash_cb.core.cost import DrafterShape, draft_all_is_cheaper, evaluation_cost, predicted_seconds
 from dflash_cb.core.engine import PHASES, evaluate
 from dflash_cb.core.metrics import ddtree_tau
@@ -47,13 +47,13 @@ def drafter_at(cfg: dict, cache: StateCache, trained: bool) -> DFlashDrafter:
 def counting_heap_pops(monkeypatch) -> list[int]:
     """The DDTree heap pops the engine makes (anchors x the budget each heap runs to), summed in ``[0]``."""
     pops = [0]
-    real = engine.ddtree_accepted
+    real = proposers.ddtree_accepted  # DFlash's trees (proposers.ArgmaxProposer.tree)
 
     def counted(topk_ids, topk_logprobs, depths, target, max_budget):
         pops[0] += topk_ids.shape[0] * max_budget
         return real(topk_ids, topk_logprobs, depths, target, max_budget)
 
-    monkeypatch.setattr(engine, "ddtree_accepted", counted)
+    monkeypatch.setattr(proposers, "ddtree_accepted", counted)
     return pops
 
 
