@@ -141,6 +141,22 @@ FAMILY_COUNTS: dict[Family, FamilyCounts] = {
     "dflash": FamilyCounts(),
     "dflash2": FamilyCounts((SELECTOR_UNARY_TAU, SELECTOR_ORACLE_TAU), (SELECTOR_RECALL_COUNT,)),
 }
+class FamilyFigures:
+    """What its drafter ``family`` adds (``FAMILY_COUNTS``), for anything that has one: the counts, a proposer."""
+
+    family: Family
+
+    @property
+    def walks(self) -> tuple[str, ...]:
+        """The family's replay walks besides the greedy one and the DDTree budgets (their tau keys)."""
+        return FAMILY_COUNTS[self.family].walks
+
+    @property
+    def depth_counts(self) -> tuple[str, ...]:
+        """The family's per-depth anchor counts besides the served match and SpecForge's."""
+        return FAMILY_COUNTS[self.family].depth_counts
+
+
 # Every per-depth count any family adds (the names a results.json may hold beside ``ANCHOR_COUNT_KEYS``).
 EXTRA_ANCHOR_COUNTS = tuple(dict.fromkeys(n for f in FAMILY_COUNTS.values() for n in f.depth_counts))
 
@@ -355,7 +371,7 @@ def anchor_counts_per_sample(sample: torch.Tensor, n_samples: int, accepted: tor
 
 
 @dataclass
-class EvalCounts:
+class EvalCounts(FamilyFigures):
     """Integer-valued sums (kept in float64: exact up to 2**53) over scored samples.
 
     The parts and their sizes follow from (block size, budgets, categories, family): the drafter family adds
@@ -367,14 +383,6 @@ class EvalCounts:
     categories: tuple[str, ...]
     family: Family = "dflash"
     data: dict[str, torch.Tensor] = field(default_factory=dict)
-
-    @property
-    def walks(self) -> tuple[str, ...]:
-        return FAMILY_COUNTS[self.family].walks
-
-    @property
-    def depth_counts(self) -> tuple[str, ...]:
-        return FAMILY_COUNTS[self.family].depth_counts
 
     def __post_init__(self) -> None:
         d = self.block_size - 1

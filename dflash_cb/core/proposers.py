@@ -24,7 +24,7 @@ import torch
 
 from .ddtree import ddtree_accepted
 from .families import Family
-from .metrics import FAMILY_COUNTS
+from .metrics import FamilyFigures
 from .model import DrafterSpec, draft_logits
 
 # ---------------------------------------------------------------------------
@@ -115,24 +115,14 @@ def predecessors(anchor: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return torch.cat([anchor[:, None], target[:, :-1]], dim=1)
 
 
-class Proposer:
+class Proposer(FamilyFigures):
     """How one drafter family drafts, for the engine (module docstring). Subclasses set ``family`` and
-    implement ``rows``; ``walks`` and ``depth_counts`` come from ``metrics.FAMILY_COUNTS``."""
+    implement ``rows``; ``walks`` and ``depth_counts`` (``metrics.FamilyFigures``) name what they add."""
 
     family: ClassVar[Family]
 
     def __init__(self, spec: DrafterSpec, lm_head: torch.Tensor, mem_bytes: int):
         self.spec, self.lm_head, self.mem_bytes = spec, lm_head, mem_bytes
-
-    @property
-    def walks(self) -> tuple[str, ...]:
-        """The family's replay walks besides the greedy one and the DDTree budgets (their tau keys)."""
-        return FAMILY_COUNTS[self.family].walks
-
-    @property
-    def depth_counts(self) -> tuple[str, ...]:
-        """The family's per-depth statistics columns besides the served match and SpecForge's."""
-        return FAMILY_COUNTS[self.family].depth_counts
 
     def rows(self, hidden: torch.Tensor, previous: torch.Tensor, target: torch.Tensor, *, tree_k: int = 0,
              parts: bool = False, target_topk: tuple[torch.Tensor, torch.Tensor] | None = None) -> RowDrafts:
