@@ -143,7 +143,7 @@ def test_evaluation_leaves_training_untouched(tmp_path, tiny_cache, tiny_drafter
 @pytest.mark.e2e
 @pytest.mark.parametrize("change, message", [
     ({"dflash_config": {"target_layer_ids": [1, 3], "mask_token_id": 127}},
-     r"target_layer_ids: drafter \[1, 3\], cache \[0, 2\]"),
+     r"target_layer_ids: the drafter reads layers \[1, 3\]; the cache holds \[0, 2\], without \[1, 3\]"),
     ({"num_target_layers": 64}, r"num_target_layers: drafter was made for a 64-layer target, the cache's target has 4"),
     ({"dflash_config": {"target_layer_ids": [0, 2], "mask_token_id": 999}}, r"mask_token_id: drafter 999"),
 ])
