@@ -112,11 +112,11 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict:
     target_dir = save_tiny_qwen3(root / "target", seed=3)
     prompts = write_prompts(root / "prompts.jsonl", random_prompts(6, (4, 12), seed=5, vocab=120),
                             categories=["math", "code", "chat"])
-    # The stop token: one found a few tokens into some completions but not all, so that some samples stop
-    # and others reach max_new_tokens (where the tail-block conventions part).
+    # The stop token: one found a few tokens into two completions, so that two samples stop and the others
+    # reach max_new_tokens (where the tail-block conventions part).
     first = StateCache(_precompute(target_dir, prompts, root / "plain"))
     seen = [set(first.load(e.id).input_ids[e.prompt_len + 6:].tolist()) for e in first.samples]
-    stop = next(t for t, n in Counter(t for s in seen for t in s).most_common() if n < len(seen) - 1)
+    stop = next(t for t, n in Counter(t for s in seen for t in s).most_common() if n == 2)
     cache = StateCache(_precompute(target_dir, prompts, root / "cache", "--stop-token-ids", str(stop),
                                    "--topk-logprobs", "8"))
     m = cache.manifest
@@ -189,6 +189,13 @@ def test_served_tail_blocks_equal_a_full_block_loop_of_selector_walks(world, blo
         assert s.acceptance_lengths == want.acceptance_lengths, s.id
         assert s.drafts == want.drafts, s.id
         assert s.correct_drafts[:-1] == want.correct_drafts[:-1] and s.correct_drafts[-1] <= want.correct_drafts[-1]
+    # At block 16 the reference convention's shortened tail blocks draft otherwise (the first layer is
+    # bidirectional): there the comparison sees the tail convention.
+    ref = evaluate(world["cache"], world["ours"], budgets=(), keep_drafts=MAX_NEW, block_size=block,
+                   tail_blocks="reference")
+    changed = any(a[: len(b)] != b for s, r in zip(rep.samples, ref.samples, strict=True)
+                  for a, b in zip(s.drafts, r.drafts, strict=False))
+    assert changed or block != BLOCK
 
 
 def test_scaled_and_capped_logits(world) -> None:
@@ -482,7 +489,7 @@ def test_plain_loop_logs_the_tools_selector_figures(world, tmp_path: Path) -> No
     for s in (0, 2, 4):
         assert PREFIX + SELECTOR_UNARY_TAU in logged[s] and PREFIX + selector_acc(1) in logged[s]
         assert_step_equals_tool(world["cache"].path, tmp_path / f"drafter_{s}", tmp_path / f"r{s}.json", logged[s],
-                                s == 4, BLOCK, s)
+                                s == 4, BLOCK, s, approx=(T1_TAU_ESTIMATE,))
     assert PREFIX + "full/" + SELECTOR_ORACLE_TAU in logged[4]
     keys = set().union(*logged.values())
     layout = layout_from_keys(keys)
