@@ -11,10 +11,10 @@ editable with its ``dev`` extra, then the test oracles without their dependencie
 strict and only a few of their modules are imported by the tests). A stamp keyed on pyproject.toml,
 the oracle pins and the interpreter makes a second run skip pip entirely.
 
-Which torch: ``torch==2.13.0`` from pip's configured index, unless ``DFLASH_CB_TORCH_INDEX`` names
-another (``https://download.pytorch.org/whl/cpu`` for the CPU build on a CPU-only machine where the
-default index serves the multi-GB CUDA build). An installed torch (say, a CUDA build on a GPU node)
-is always kept.
+Which torch: ``torch==2.13.0``; on Linux without an NVIDIA GPU from the CPU index
+(``https://download.pytorch.org/whl/cpu``: pip's default index serves the multi-GB CUDA build there),
+otherwise from pip's configured index; ``DFLASH_CB_TORCH_INDEX`` names another index and overrides
+both. An installed torch (say, a CUDA build on a GPU node) is always kept.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
@@ -32,6 +33,7 @@ TORCH_PIN = "torch==2.13.0"
 # The test oracles, the one list: reference code the tests compare against, never runtime dependencies.
 ORACLE_PINS = ("dflash==0.1.0", "specforge==0.2.0")
 TORCH_INDEX_ENV = "DFLASH_CB_TORCH_INDEX"
+CPU_TORCH_INDEX = "https://download.pytorch.org/whl/cpu"
 STAMP = ROOT / ".dev_setup.json"
 # Kept local and quiet in the demo and the tests, whatever the machine's configuration.
 TEST_ENV = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "HF_HUB_OFFLINE": "1",
@@ -62,6 +64,25 @@ def _oracle_missing(pins: tuple[str, ...]) -> list[str]:
     return out
 
 
+def nvidia_gpu(root: Path = Path("/")) -> bool:
+    """Whether the NVIDIA driver shows a GPU (``/proc/driver/nvidia/gpus/*`` or ``/dev/nvidia0``), without torch."""
+    gpus = root / "proc" / "driver" / "nvidia" / "gpus"
+    try:
+        if any(gpus.iterdir()):
+            return True
+    except OSError:
+        pass
+    return (root / "dev" / "nvidia0").exists()
+
+
+def torch_index(environ: Mapping[str, str], platform: str, gpu: bool) -> str | None:
+    """The index torch is installed from: ``DFLASH_CB_TORCH_INDEX`` if set; the CPU build's on Linux without a
+    GPU (the default index's Linux wheel is the CUDA build); else pip's configured index (None)."""
+    if environ.get(TORCH_INDEX_ENV):
+        return environ[TORCH_INDEX_ENV]
+    return CPU_TORCH_INDEX if platform.startswith("linux") and not gpu else None
+
+
 def pip_commands(torch_installed: bool, oracles_missing: list[str], stamp_ok: bool,
                  torch_index: str | None) -> list[list[str]]:
     """The pip argument lists still to run (empty when all is in place)."""
@@ -86,7 +107,7 @@ def setup() -> None:
     key = setup_key((ROOT / "pyproject.toml").read_bytes())
     stamp_ok = _read_stamp().get(sys.executable) == key and _installed("dflash-cb") is not None
     cmds = pip_commands(_installed("torch") is not None, _oracle_missing(ORACLE_PINS), stamp_ok,
-                        os.environ.get(TORCH_INDEX_ENV) or None)
+                        torch_index(os.environ, sys.platform, nvidia_gpu()))
     for args in cmds:
         print("dev.py: pip " + " ".join(args), flush=True)
         subprocess.run([sys.executable, "-m", "pip", "-q", *args], check=True,

@@ -79,8 +79,9 @@ def specforge_pass(cache: Any, drafter: Any, device: Any) -> Callable[[], dict[s
     """SpecForge's evaluation pass, ready to run: its model and batches are built here, outside the clock."""
     from specforge.eval.evaluator import Evaluator
     from specforge.training.strategies.base import DFlashTrainStrategy
+    from specforge_objective import dflash_objective
 
-    from dflash_cb.integrations.specforge_data import dflash_objective, train_batches
+    from dflash_cb.integrations.specforge_data import train_batches
 
     longest = max(e.total_len for e in cache.samples)
     model = dflash_objective(drafter.config.to_dict(), drafter.state_dict(), cache.load_head(), longest).to(device)
@@ -194,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def report(args: argparse.Namespace) -> int:
     sys.path.insert(0, str(Path(args.package).resolve() if args.package else ROOT))
+    sys.path.insert(0, str(ROOT / "tests"))  # SpecForge's own objective: tests/specforge_objective.py
     import torch
 
     import dflash_cb

@@ -6,12 +6,13 @@ Written from the serving side's description (docs/method.md, "Tail blocks"): eve
 committed run (accepted drafts, then the target's bonus token) is cut afterwards, at a stop token
 or at ``max_new_tokens``. No key/value caches, no engine code: the target runs on the whole prefix
 each cycle and the drafter module (``dflash.model.DFlashDraftModel``) sees the context features
-and one full block. Slow, and only meant for tiny models.
+and one full block; its drafts are the head's argmax, or what ``propose`` makes of the block's hidden
+states (a DFlash 2 drafter: its ``propose``, the selector's walk). Slow, and only meant for tiny models.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +29,8 @@ class FullBlockRun:
 @torch.no_grad()
 def full_block_generate(draft: torch.nn.Module, target: torch.nn.Module, prompt: Sequence[int], max_new_tokens: int,
                         stop_token_ids: Sequence[int], layer_ids: Sequence[int], block_size: int,
-                        mask_token_id: int) -> FullBlockRun:
+                        mask_token_id: int,
+                        propose: Callable[[torch.Tensor, int], list[int]] | None = None) -> FullBlockRun:
     ids = [int(t) for t in prompt]
     n = len(ids)
     end = n + max_new_tokens
@@ -51,7 +53,7 @@ def full_block_generate(draft: torch.nn.Module, target: torch.nn.Module, prompt:
         noise = torch.nn.functional.embedding(block, embed)  # no input_embedding_scale: the server ignores it
         hidden = draft(target_hidden=context, noise_embedding=noise,
                        position_ids=torch.arange(p + block_size)[None])[:, 1:, :]
-        drafts = head(hidden)[0].argmax(-1).tolist()
+        drafts = head(hidden)[0].argmax(-1).tolist() if propose is None else propose(hidden, ids[p])
         drafted.append(drafts)
         verify = target_pass(ids[: p + 1] + drafts).logits[0, p:].argmax(-1).tolist()  # tokens at p+1 .. p+B
         a = 0

@@ -7,6 +7,7 @@ import math
 
 import numpy as np
 import pytest
+from replay_reference import replay_walk
 
 from dflash_cb.core.bootstrap import Sums, intervals, metric_sums, paired_difference
 from dflash_cb.core.positions import (
@@ -15,7 +16,7 @@ from dflash_cb.core.positions import (
     position_labels,
     position_table,
 )
-from dflash_cb.core.replay import SampleBounds, replay_walk
+from dflash_cb.core.replay import SampleBounds
 from dflash_cb.core.results import SampleRecord
 
 
@@ -147,7 +148,8 @@ def test_results_schema_round_trip_partition_and_refusals(tmp_path, tiny_cache, 
     back = load_results(path, cache)
     assert back.to_dict() == json.loads(path.read_text())
     raw = json.loads(path.read_text())
-    assert raw["version"] == 4 and "tau" not in raw  # every scalar once, under metrics
+    assert raw["version"] == 5 and "tau" not in raw  # every scalar once, under metrics
+    assert raw["meta"]["drafter_family"] == "dflash" == back.family
     assert back.tau == pytest.approx(report.tau)
     for name in ("tau", "ddtree/tau_b4", "specforge/acc", "acceptance/depth_01", "all_anchor_tau"):
         assert back.metric(name + "_ci_low") <= back.metric(name) <= back.metric(name + "_ci_high"), name
@@ -156,6 +158,11 @@ def test_results_schema_round_trip_partition_and_refusals(tmp_path, tiny_cache, 
     assert [s.anchor_offsets for s in back.samples] == [s.anchor_offsets for s in report.samples]
     assert [s.anchor_counts for s in back.samples] == [s.anchor_counts for s in report.samples]
     assert {s.anchor_offsets[3] for s in back.samples} != {0}  # not every sample starts at its first anchor
+    # Version 4 files (no family: a DFlash drafter's) are read as they were.
+    v4 = {**raw, "version": 4, "meta": {k: v for k, v in raw["meta"].items() if k != "drafter_family"}}
+    (tmp_path / "v4.json").write_text(json.dumps(v4))
+    old4 = load_results(tmp_path / "v4.json", cache)
+    assert old4.family == "dflash" and old4.metrics == back.metrics and old4.samples == back.samples
     # Version 3 files (no anchor statistics) are still read; their anchor figures have no interval then.
     v3 = {**raw, "version": 3, "samples": [{k: v for k, v in x.items() if k != "anchor_statistics"}
                                            for x in raw["samples"]]}
@@ -192,7 +199,13 @@ def test_results_schema_round_trip_partition_and_refusals(tmp_path, tiny_cache, 
 def test_anchor_statistics_get_intervals_from_per_sample_counts():
     """specforge/acc, acceptance/depth_KK and all_anchor_tau of a stride are ratios of per-sample sums: the
     value is the pooled ratio and the interval comes from resampling samples (offsets included)."""
-    from dflash_cb.core.bootstrap import anchor_interval_metrics
+    from dflash_cb.core.bootstrap import (
+        DEFAULT_LEVEL,
+        DEFAULT_RESAMPLES,
+        DEFAULT_SEED,
+        anchor_sums,
+        interval_keys,
+    )
     from dflash_cb.core.compare import live_metrics
     from dflash_cb.core.metrics import ALL_ANCHOR_TAU, SPECFORGE_ACC, AnchorCounts, ci_high, ci_low, depth_acc
 
@@ -216,5 +229,44 @@ def test_anchor_statistics_get_intervals_from_per_sample_counts():
     for name in (SPECFORGE_ACC, ALL_ANCHOR_TAU, depth_acc(1), depth_acc(2)):
         assert live[ci_low(name)] < sums[name].value < live[ci_high(name)], name
     assert live_metrics(samples, (), ["c"]) == live  # the one stride the samples have: the callback's call today
-    alone = anchor_interval_metrics(samples, 4)
+    # The anchor statistics' intervals alone: the same resamples (they depend on the seed alone), the same ends.
+    alone = interval_keys(anchor_sums(samples, 4), DEFAULT_RESAMPLES, DEFAULT_SEED, DEFAULT_LEVEL)
     assert alone and alone == {k: v for k, v in live.items() if k in alone}  # same resamples, same ends
+
+
+def test_the_default_position_buckets_fit_short_completions(tiny_cache, tiny_drafter_config):
+    """On completions far shorter than the default edges (0, 256, ... 2048) one bucket held every cycle: a single
+    point. The default edges are halved until at least three buckets start within the longest completion, the
+    same for every drafter on the samples; results.json records the edges used, the callback's default
+    (``DEFAULT_POSITION_EDGES``) gets them, each bucket carries its cycle count, and edges a user gives are
+    kept as given."""
+    import torch
+
+    from dflash_cb.cache.states import StateCache
+    from dflash_cb.core.compare import live_metrics
+    from dflash_cb.core.engine import evaluate
+    from dflash_cb.core.metrics import position_cycles
+    from dflash_cb.core.model import DFlashDrafter
+    from dflash_cb.core.positions import DEFAULT_POSITION_EDGES, completion_extent, fitted_edges
+    from dflash_cb.core.results import report_to_results
+
+    cache = StateCache(tiny_cache)
+    torch.manual_seed(0)
+    report = evaluate(cache, DFlashDrafter.from_config_dict(tiny_drafter_config).eval(), budgets=[])
+    extent = completion_extent(report.samples)
+    assert 8 < extent < 32  # the tiny cache: 24 new tokens
+    res = report_to_results(report, cache)  # the tool's default edges
+    table = res.breakdown["position"]
+    assert list(table) == ["0_8", "8_16", "16_32"] and res.breakdown["position_edges"] == [0, 8, 16, 32, 64]
+    assert sum(r["cycles"] for r in table.values()) == sum(len(s.acceptance_lengths) for s in report.samples)
+    assert all(r["cycles"] > 0 for r in table.values())
+    live = live_metrics(report.samples, [], [], position_edges=DEFAULT_POSITION_EDGES, n_resamples=20)
+    assert {k for k in live if k.startswith("position/")} == {
+        f"position/{b}/{x}" for b in table for x in ("tau", "cycles")}
+    assert all(live[position_cycles(b)] == r["cycles"] for b, r in table.items())
+    # Long completions keep the default; edges given are never changed.
+    assert fitted_edges(DEFAULT_POSITION_EDGES, 2000) == DEFAULT_POSITION_EDGES
+    assert fitted_edges(DEFAULT_POSITION_EDGES, 600) == DEFAULT_POSITION_EDGES  # 0, 256, 512: three buckets
+    assert fitted_edges(DEFAULT_POSITION_EDGES, 3) == (0, 1, 2, 4, 8)
+    assert fitted_edges((0, 256), 20) == (0, 256)
+    assert list(report_to_results(report, cache, position_edges=(0, 256)).breakdown["position"]) == ["0_256"]

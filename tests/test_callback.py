@@ -143,7 +143,7 @@ def test_evaluation_leaves_training_untouched(tmp_path, tiny_cache, tiny_drafter
 @pytest.mark.e2e
 @pytest.mark.parametrize("change, message", [
     ({"dflash_config": {"target_layer_ids": [1, 3], "mask_token_id": 127}},
-     r"target_layer_ids: drafter \[1, 3\], cache \[0, 2\]"),
+     r"target_layer_ids: the drafter reads layers \[1, 3\]; the cache holds \[0, 2\], without \[1, 3\]"),
     ({"num_target_layers": 64}, r"num_target_layers: drafter was made for a 64-layer target, the cache's target has 4"),
     ({"dflash_config": {"target_layer_ids": [0, 2], "mask_token_id": 999}}, r"mask_token_id: drafter 999"),
 ])
@@ -515,6 +515,27 @@ def test_evaluation_profiles():
                 {"tail_blocks": "short"}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             DFlashEvalCallback(states="x", **bad)
+
+
+@pytest.mark.e2e
+def test_a_checkpoint_cadence_off_the_evaluations_is_warned_about_at_setup(tmp_path, tiny_cache, tiny_drafter_config):
+    """A ModelCheckpoint monitoring a dflash_eval key on a cadence that is not a multiple of the evaluation's
+    (3 steps against 2, or epoch ends) would write stale taus into file names and the best-checkpoint choice:
+    fit warns before the first step, naming both cadences and the fix; an aligned one (4 against 2) is quiet."""
+    cb = DFlashEvalCallback(states=tiny_cache, every_n_train_steps=2, ddtree_budgets=BUDGETS)
+    off = ModelCheckpoint(dirpath=tmp_path / "a", monitor="dflash_eval/tau", mode="max", every_n_train_steps=3)
+    epochs = ModelCheckpoint(dirpath=tmp_path / "b", monitor="dflash_eval/ddtree/tau_b8", mode="max")
+    aligned = ModelCheckpoint(dirpath=tmp_path / "c", monitor="dflash_eval/tau", mode="max", every_n_train_steps=4)
+    other = ModelCheckpoint(dirpath=tmp_path / "d", monitor="train_loss", every_n_train_steps=3)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        fit(tmp_path, tiny_drafter_config, tiny_cache, [cb, off, epochs, aligned, other], max_steps=2,
+            checkpointing=True)
+    said = [str(w.message) for w in rec if "ModelCheckpoint(monitor=" in str(w.message)]
+    assert len(said) == 2, said
+    assert "'dflash_eval/tau') saves every 3 training step(s), the evaluation runs every 2 step(s)" in said[0]
+    assert "every_n_train_steps=2) or a multiple of it" in said[0]
+    assert "'dflash_eval/ddtree/tau_b8') saves at the end of every 1 epoch(s)" in said[1]
 
 
 @pytest.mark.e2e

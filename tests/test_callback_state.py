@@ -86,6 +86,23 @@ def test_resume_with_the_same_ids_goes_on(tmp_path, tiny_cache, tiny_drafter_con
     assert ours(rec) == [] and steps(same) == [0, 2, 4] and same.evaluator.state.num_evals == 3
 
 
+@pytest.mark.e2e
+@pytest.mark.filterwarnings(*RESUME_NOISE)
+@pytest.mark.parametrize("setting, message", [
+    ({"tail_blocks": "reference"}, "tail_blocks 'served' -> 'reference'"),
+    ({"autocast_dtype": "bfloat16"}, "dtype 'float32' -> 'bfloat16'"),
+])
+def test_resume_with_another_setting_that_changes_the_figures_starts_a_new_series(
+        tmp_path, tiny_cache, tiny_drafter_config, three_sample_ckpt, setting, message):
+    """The tail convention and the compute dtype change the figures: a resume with another one is a new series
+    (one curve, one best tau, one delta_tau each), with a warning naming the setting and both values."""
+    ckpt, first = three_sample_ckpt
+    resumed = make_cb(tiny_cache, num_samples=3, **setting)
+    with pytest.warns(RuntimeWarning, match=rf"measured with other settings than this run's \({message}\)"):
+        fit(tmp_path, tiny_drafter_config, tiny_cache, [resumed], max_steps=4, ckpt_path=str(ckpt))
+    assert steps(resumed) == [2, 4] and resumed.evaluator.state.num_evals == 2
+
+
 # -- a malformed saved state ----------------------------------------------------------------------
 
 GOOD = EvalState(last_eval_step=4, num_evals=2, start_done=True, history=[{"step": 0, "tau": 1.5}, {"step": 4, "tau": 2.0}],

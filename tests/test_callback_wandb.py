@@ -114,9 +114,10 @@ def test_baseline_from_another_cache_is_refused_before_training(tmp_path, tiny_c
 def test_shipped_published_yaml_logs_nothing_unverified():
     root = Path(__file__).resolve().parents[1]
     pf = load_published(root / "configs" / "baselines" / "published.yaml")
-    assert pf.baselines == []  # every entry is a placeholder until a value is checked against its paper
-    assert {s.split(":")[0] for s in pf.skipped} == {"dflash-paper-qwen3-8b", "ddtree-paper-qwen3-8b",
-                                                     "zlab-qwen36-27b"}
+    # Only the figures checked against their source (the DFlash authors' table, tests/test_conventions.py); the
+    # others stay placeholders until they are.
+    assert [b.name for b in pf.baselines] == ["dflash-qwen3-8b-b16", "dflash-qwen3-4b-b16"]
+    assert {s.split(":")[0] for s in pf.skipped} == {"ddtree-paper-qwen3-8b", "zlab-qwen36-27b"}
 
 
 @pytest.mark.e2e

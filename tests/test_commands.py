@@ -40,9 +40,15 @@ def tool_target(path: Path) -> str:
     return f"{args[0]}:{args[1] if len(args) > 1 else 'command'}"
 
 
+def launched(target: str) -> str:
+    """``module:object`` a console script's launcher runs (``cli.launcher``)."""
+    module, attr = target.split(":")
+    return getattr(importlib.import_module(module), attr).target
+
+
 def test_every_tool_is_a_console_command_running_the_same_object():
     scripts = console_scripts()
-    assert sorted(scripts.values()) == sorted(tool_target(t) for t in TOOLS)
+    assert sorted(map(launched, scripts.values())) == sorted(tool_target(t) for t in TOOLS)
     assert all(name.startswith("dflash-") for name in scripts)
     for t in TOOLS:
         assert "sys.path" not in t.read_text(), f"{t.name} changes sys.path"
@@ -90,3 +96,65 @@ def test_library_messages_are_shown_while_a_tool_runs(capsys):
     assert (list(package.handlers), package.level) == before
     logger.info("a library message")
     assert capsys.readouterr().err == ""
+
+
+# -- Ctrl-C while a tool starts -------------------------------------------------------------------------------------
+
+def _interrupted_while_starting(argv: list[str]) -> tuple[int, str, str]:
+    """Run ``python -X importtime *argv --help`` and send SIGINT as soon as torch's C extension has been
+    imported (``-X importtime`` prints a line as each import completes: the signal lands in the middle of
+    torch's start-up, seconds before any tool could print its usage). Returns (exit code, stdout, stderr
+    without the import-time lines)."""
+    import os
+    import signal
+
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.Popen([sys.executable, "-X", "importtime", *argv, "--help"], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        lines = []
+        for line in proc.stderr:
+            lines.append(line)
+            if line.startswith("import time:") and line.split("|")[-1].strip() == "torch._C":
+                proc.send_signal(signal.SIGINT)
+                break
+        lines += proc.stderr.readlines()
+        out = proc.stdout.read()
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.stdout.close()
+        proc.stderr.close()
+    return proc.returncode, out, "".join(x for x in lines if not x.startswith("import time:"))
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("tool", TOOLS, ids=lambda p: p.name)
+def test_ctrl_c_while_a_tool_starts_is_one_line(tool):
+    """Python's own handler printed a KeyboardInterrupt traceback from the middle of ``import torch`` (or torch's
+    C++ start-up aborted: ``what(): KeyboardInterrupt``, exit 134); the tool says ``interrupted`` and exits 130,
+    as it does when interrupted later."""
+    code, out, err = _interrupted_while_starting([str(tool)])
+    assert (code, err) == (130, "interrupted\n"), (code, err[-3000:])
+    assert "usage:" not in out  # it was stopped while starting, before it could answer --help
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("name", sorted(console_scripts()))
+def test_ctrl_c_while_a_console_command_starts_is_one_line(name):
+    """The same for each ``[project.scripts]`` command, run as pip's generated script runs it."""
+    module, attr = console_scripts()[name].split(":")
+    script = f"import sys; from {module} import {attr}; sys.argv[0] = {name!r}; sys.exit({attr}())"
+    code, out, err = _interrupted_while_starting(["-c", script])
+    assert (code, err) == (130, "interrupted\n"), (code, err[-3000:])
+    assert "usage:" not in out
+
+
+def test_console_commands_import_nothing_heavy_before_their_guard():
+    """What pip's script imports before calling the command is light: torch comes in under the Ctrl-C guard."""
+    script = ("import importlib, sys; [importlib.import_module(t.split(':')[0]) for t in sys.argv[1:]]; "
+              "print(sorted(m for m in ('torch', 'numpy', 'transformers', 'lightning') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", script, *console_scripts().values()], cwd=ROOT, text=True,
+                          capture_output=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]", (proc.stdout, proc.stderr)

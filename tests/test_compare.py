@@ -64,7 +64,7 @@ def test_tool_writes_markdown_and_png(two_results, tmp_path):
     ra, rb = load_results(a), load_results(b)
     assert f"**second - first = {rb.tau - ra.tau:+.3f} [" in md
     assert "| tau (pooled over cycles) |" in md and "DDTree tau, budget 8" in md and "tau, code" in md
-    assert "### By position in the completion" in md and "| 0_256 |" in md and "| 4plus |" in md
+    assert "### By position in the completion" in md and "| 0_8 |" in md and "| 4plus |" in md
     assert "global step 2" in md and md in proc.stdout
 
 
@@ -259,24 +259,27 @@ def test_labels_out_hashes_and_categories_are_checked(two_results, tmp_path, cap
 
 
 def test_position_buckets_stop_where_the_completions_stop(two_results, tmp_path, capsys):
-    """Buckets past the longest completion printed rows of ``n/a (0 cycles)``."""
+    """Buckets past the longest completion printed rows of ``n/a (0 cycles)``. The tiny cache's completions
+    are 24 tokens: the default edges, fitted to them, are 0, 8, 16, 32, 64 (``positions.fitted_edges``)."""
     from dflash_cb.core.compare import live_metrics
     from dflash_cb.core.report import format_results
 
     a, b = two_results
     res = load_results(a)
     longest = max(sum(s.acceptance_lengths) for s in res.samples)
-    assert 0 < longest <= 256  # the tiny cache: every anchor in the first default bucket [0, 256)
+    assert 16 < longest <= 32  # every anchor in the first three fitted buckets
+    kept = ["0_8", "8_16", "16_32"]
     code, out, err = _run_here(capsys, str(a), str(b), "--out", str(tmp_path / "cmp"), "--resamples", "50")
     assert code == 0, err
-    assert "| 0_256 |" in out and "256_512" not in out and "2048_plus" not in out and "n/a (0)" not in out
+    assert all(f"| {k} |" in out for k in kept) and "32_64" not in out and "64_end" not in out
+    assert "n/a (0)" not in out and "0_256" not in out
     text = format_results(res)  # the console report of tools/eval_drafter.py
-    assert "0_256" in text and "256_512" not in text and "(0 cycles)" not in text
-    assert list(res.breakdown["position"]) == ["0_256"]
-    assert not [k for k in res.metrics if k.startswith("position/") and "0_256" not in k]
+    assert all(k in text for k in kept) and "32_64" not in text and "(0 cycles)" not in text
+    assert list(res.breakdown["position"]) == kept
+    assert not [k for k in res.metrics if k.startswith("position/") and k.split("/")[1] not in kept]
     live = live_metrics(res.samples, res.budgets, res.categories, n_resamples=50)  # what the callback logs
-    assert live["position/0_256/cycles"] == sum(len(s.acceptance_lengths) for s in res.samples)
-    assert not [k for k in live if k.startswith("position/") and "0_256" not in k]
+    assert sum(live[f"position/{k}/cycles"] for k in kept) == sum(len(s.acceptance_lengths) for s in res.samples)
+    assert not [k for k in live if k.startswith("position/") and k.split("/")[1] not in kept]
     # Edges within the data keep every bucket up to the one holding the last anchor.
     cut = longest // 2
     edges = (0, cut, longest, longest + 5)
@@ -368,15 +371,39 @@ def test_a_baseline_with_other_tail_blocks_is_warned_about(two_results, tiny_cac
     cache = StateCache(tiny_cache)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert load_measured(a, cache, tail_blocks="served").details["tail_blocks"] == "served"
+        assert load_measured(a, cache, series={"tail_blocks": "served"}).details["tail_blocks"] == "served"
     with pytest.warns(RuntimeWarning, match=r"tail_blocks differ \(this run 'reference', baseline .*first.json "
                                             r"'served'\)"):
-        load_measured(a, cache, tail_blocks="reference")
+        load_measured(a, cache, series={"tail_blocks": "reference"})
     old = _edited(a, tmp_path / "old.json", lambda d: (d.__setitem__("version", 3), d["meta"].pop("tail_blocks")))
     # A file that does not say how it replayed the tail blocks is compared with a warning, never silently.
     assert load_results(old).tail_blocks is None
     with pytest.warns(RuntimeWarning, match=r"this run 'served', baseline .*old.json \(not recorded\)"):
-        load_measured(old, cache, tail_blocks="served")
+        load_measured(old, cache, series={"tail_blocks": "served"})
+
+
+def test_a_baseline_or_comparison_at_another_block_or_dtype_says_so(two_results, tiny_cache, tmp_path, capsys):
+    """The series fields that change the measured quantity (block drafted, tail convention, compute dtype) are
+    compared wherever two evaluations meet: a baseline of the live run and compare_results. A block-6 drafter
+    beside one scored at --block-size 3 is not 'better' without a word; the Evaluations list shows the block."""
+    from dflash_cb.cache.states import StateCache
+    from dflash_cb.core.baselines import load_measured
+
+    a, b = two_results
+    cache = StateCache(tiny_cache)
+    block = load_results(a).block_size
+    with pytest.warns(RuntimeWarning, match=rf"block_size differ \(this run 3, baseline .*first.json {block}\).*"
+                                            r"--block-size"):
+        load_measured(a, cache, series={**load_results(a).series, "block_size": 3})
+    with pytest.warns(RuntimeWarning, match=r"dtype differ \(this run 'bfloat16', baseline .* 'float32'\).*--dtype"):
+        load_measured(a, cache, series={**load_results(a).series, "dtype": "bfloat16"})
+    with warnings.catch_warnings():  # the anchor set is how the statistics estimate, not what they measure
+        warnings.simplefilter("error")
+        load_measured(a, cache, series={**load_results(a).series, "anchor_stride": 8})
+    small = _edited(b, tmp_path / "small.json", lambda d: d["meta"].__setitem__("block_size", 3))
+    code, out, err = _run_here(capsys, str(a), str(small), "--out", str(tmp_path / "cmp3"), "--resamples", "20")
+    assert code == 0 and f"block_size differ (first {block}, small 3)" in err + out
+    assert f", block {block}, " in out and ", block 3, " in out
 
 
 # -- malformed fields of a results file --------------------------------------------------------
@@ -451,3 +478,103 @@ def test_a_tool_run_inside_another_program_leaves_its_thread_count(two_results, 
     torch.set_num_threads(1)
     assert run(tool.main, [str(a), str(b), "--out", str(tmp_path / "cmp"), "--threads", "2"]) == 0
     assert torch.get_num_threads() == 1
+
+
+# -- many small comparisons, odd seeds and labels ------------------------------------------------------------------
+
+def _null_categories(rng: np.random.Generator, n_categories: int = 10, per: int = 6,
+                     gain: float = 0.0) -> tuple[Results, Results]:
+    """Two drafters on ``n_categories`` x ``per`` prompts: each cycle commits one more token with chance 1/2 in
+    either, independently, and in ``gain`` of B's cycles one more still: no difference at ``gain`` 0."""
+    a_s, b_s = [], []
+    for i in range(n_categories * per):
+        lens = 1 + rng.binomial(7, rng.beta(2, 2), rng.integers(20, 60))
+        extra = (rng.random(len(lens)) < gain).astype(int)
+        a_s.append(SampleRecord(f"s{i}", f"c{i % n_categories}", (lens + rng.integers(0, 2, len(lens))).tolist()))
+        b_s.append(SampleRecord(f"s{i}", f"c{i % n_categories}",
+                                (lens + rng.integers(0, 2, len(lens)) + extra).tolist()))
+    meta = {"cache_manifest_sha256": "c" * 64, "ddtree_budgets": []}
+    mk = lambda s: Results({}, s, {"unconditional": [0.5]}, {}, dict(meta))  # noqa: E731
+    return mk(a_s), mk(b_s)
+
+
+def test_category_verdicts_are_many_small_comparisons():
+    """Ten categories of six prompts, no difference anywhere: at 95% each, a category's interval misses zero by
+    chance (the trap); its row gives no verdict, since the overall tau has none. With a real gain the overall
+    tau has a verdict, and each category's is taken from an interval corrected for ten comparisons (Bonferroni:
+    99.5% each), the level shown in its row."""
+    from dflash_cb.core.bootstrap import metric_sums, paired_difference
+    from dflash_cb.core.metrics import category_tau
+
+    cats = [f"c{i}" for i in range(10)]
+    a, b = _null_categories(np.random.default_rng(2))
+    c = compare(["A", "B"], [a, b])
+    d = c.differences[(0, 1)]
+    sa, sb = metric_sums(a.samples, (), cats), metric_sums(b.samples, (), cats)
+    by_chance = [x for x in cats if paired_difference(sa[category_tau(x)], sb[category_tau(x)]).excludes_zero()]
+    assert d["tau"].verdict.startswith("no difference detectable") and by_chance  # the trap is there
+    for x in cats:
+        assert d[category_tau(x)].verdict == "no verdict: the overall tau has none (10 categories are 10 comparisons)"
+    md = render_markdown(c)
+    assert "no verdict: the overall tau has none" in md and "Bonferroni" in md
+    assert "is better" not in md
+    a, b = _null_categories(np.random.default_rng(2), gain=0.5)
+    d = compare(["A", "B"], [a, b]).differences[(0, 1)]
+    assert d["tau"].verdict == "B is better"
+    sa, sb = metric_sums(a.samples, (), cats), metric_sums(b.samples, (), cats)
+    for x in cats:
+        want = paired_difference(sa[category_tau(x)], sb[category_tau(x)], level=1 - 0.05 / 10)
+        got = d[category_tau(x)]
+        assert (got.interval.low, got.interval.high) == (want.low, want.high)
+        assert got.verdict.endswith("(Bonferroni over 10 categories: 99.5% interval)"), got.verdict
+    assert "[99.5%]" in render_markdown(compare(["A", "B"], [a, b]))
+    assert "\n".join(line for line in render_markdown(c).splitlines() if "By position" in line)  # the tables stay
+
+
+def test_a_negative_seed_is_one_line(two_results, tmp_path, capsys):
+    a, b = two_results
+    err = _one_line_refusal(capsys, tmp_path / "cmp", str(a), str(b), "--seed", "-1")
+    assert "--seed -1: expected an integer >= 0" in err
+
+
+def test_the_same_file_twice_is_refused_and_labels_are_told_apart(two_results, tmp_path, capsys, monkeypatch):
+    """The same file compared with itself says so (it used to print ``/first - /first``); files of one name in
+    other folders get the shortest path that tells them apart, never a label starting with '/'."""
+    a, _ = two_results
+    monkeypatch.chdir(a.parent)
+    err = _one_line_refusal(capsys, tmp_path / "cmp", a.name, a.name)
+    assert f"{a.name} is given twice" in err and "two different results files" in err
+    err = _one_line_refusal(capsys, tmp_path / "cmp", a.name, str(a))
+    assert "given twice" in err
+    for sub in ("x/run", "y/run"):
+        (tmp_path / sub).mkdir(parents=True)
+        shutil.copy(a, tmp_path / sub / "first.json")
+    code, out, err = _run_here(capsys, str(tmp_path / "x/run/first.json"), str(tmp_path / "y/run/first.json"),
+                               "--out", str(tmp_path / "cmp"))
+    assert code == 0 and "**y/run/first - x/run/first = +0.000" in out, err
+    code, out, err = _run_here(capsys, a.name, str(tmp_path / "x/run/first.json"), "--out", str(tmp_path / "cmp"))
+    assert code == 0 and "**run/first - first = +0.000" in out, (out[:400], err)
+
+
+def test_published_figures_per_category_stand_beside_that_category_or_the_overall_figure(two_results, tmp_path,
+                                                                                          capsys):
+    """A published per-benchmark request mean stands beside the evaluations' request mean of that category where
+    the prompts have it, and beside their request mean over all prompts (said so) where they do not."""
+    import yaml
+
+    from dflash_cb.core.metrics import TAU_REQUEST_MEAN
+
+    a, b = two_results
+    pub = tmp_path / "pub.yaml"
+    pub.write_text(yaml.safe_dump({"entries": [{"name": "authors", "source": "TEST DATA", "convention": "request_mean",
+                                                "metrics": {"category/code/tau": 6.0, "category/gsm8k/tau": 6.55}}]}))
+    code, out, err = _run_here(capsys, str(a), str(b), "--out", str(tmp_path / "cmp"), "--published", str(pub))
+    assert code == 0, err
+    rows = [line for line in out.splitlines() if line.startswith("| authors |")]
+    ra, rb = load_results(a), load_results(b)
+    code_row = next(r for r in rows if "code" in r)
+    assert "| tau, code, mean over requests (dflash.benchmark) | 6.000 |" in code_row
+    assert all(f"{r.metric('category/code/tau_request_mean'):.3f} [" in code_row for r in (ra, rb))
+    gsm = next(r for r in rows if "gsm8k" in r)
+    assert "| tau, gsm8k, mean over requests (dflash.benchmark) | 6.550 |" in gsm
+    assert all(f"{r.metric(TAU_REQUEST_MEAN):.3f} [" in gsm for r in (ra, rb)) and gsm.count("(all prompts)") == 2

@@ -198,3 +198,72 @@ def test_no_figure_carries_specforges_name_unless_it_is_specforges(scored):
     _, _, report = scored
     names = [k for k in report.summary if "specforge" in k.lower()]
     assert names == [SPECFORGE_ACC] and not math.isnan(report.summary[SPECFORGE_ACC])
+
+
+# -- the authors' own table, and figures per category ----------------------------------------------------------------
+
+# z-lab/dflash README.md at commit bb48ef9 (2026-01-05), temperature 0, tau only: what the shipped file must hold.
+AUTHORS_TABLE = {
+    "dflash-qwen3-8b-b16": {"gsm8k": 6.55, "math500": 7.87, "aime24": 7.48, "aime25": 7.31, "humaneval": 6.55,
+                            "mbpp": 6.00, "livecodebench": 7.12, "swe-bench": 3.69, "mt-bench": 4.25, "alpaca": 3.16},
+    "dflash-qwen3-4b-b16": {"gsm8k": 6.50, "math500": 7.84, "aime24": 7.47, "aime25": 7.28, "humaneval": 6.63,
+                            "mbpp": 6.19, "livecodebench": 6.97, "swe-bench": 3.70, "mt-bench": 4.35, "alpaca": 3.10},
+}
+
+
+def test_the_authors_table_ships_as_request_means_per_benchmark():
+    """configs/baselines/published.yaml holds the authors' temperature-0 taus as real entries, per benchmark (the
+    dataset names of their run_benchmark.sh), under the live per-category request mean; DDTree's stays a
+    placeholder."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "configs" / "baselines" / "published.yaml"
+    pf = load_published(path)
+    got = {b.name: b for b in pf.baselines}
+    assert set(got) == set(AUTHORS_TABLE)
+    for name, table in AUTHORS_TABLE.items():
+        b = got[name]
+        assert b.metrics == {f"category/{c}/tau_request_mean": v for c, v in table.items()}
+        assert "z-lab/dflash" in b.source and "bb48ef9" in b.source and b.details["convention"] == "request_mean"
+        for fact in ("B200", "enable_thinking=False", "--max-new-tokens 2048", "block size 16", "temperature 0"):
+            assert fact in b.details["setting"], (name, fact)
+        assert "not a like-for-like comparison" in b.details["note"]
+    assert any(s.startswith("ddtree-paper-qwen3-8b: placeholder") for s in pf.skipped)
+
+
+def test_category_request_means_follow_dflash_benchmark(scored):
+    """``category/<c>/tau_request_mean``: dflash.benchmark's figure (the mean over requests of each request's mean
+    acceptance length) over the requests of one category, beside which a per-benchmark published figure stands."""
+    import numpy as np
+
+    from dflash_cb.core.compare import live_metrics
+
+    cache, _, report = scored
+    res = report_to_results(report, cache)
+    live = live_metrics(report.samples, [], cache.categories, n_resamples=20)
+    for c in cache.categories:
+        mine = [s.acceptance_lengths for s in report.samples if s.category == c and s.acceptance_lengths]
+        want = float(np.mean([np.mean(x) for x in mine]))
+        key = f"category/{c}/tau_request_mean"
+        assert res.metrics[key] == pytest.approx(want, rel=1e-12) and live[key] == res.metrics[key]
+        assert ci_low(key) in res.metrics and ci_high(key) in res.metrics
+
+
+def test_published_category_figures_follow_the_convention(tmp_path):
+    from dflash_cb.core.baselines import PublishedError
+
+    pf = load_published(_published(tmp_path, [
+        {"name": "p", "source": "TEST", "convention": "pooled", "metrics": {"category/code/tau": 5.0}},
+        {"name": "r", "source": "TEST", "convention": "request_mean", "metrics": {"category/gsm8k/tau": 6.5}}]))
+    assert [b.metrics for b in pf.baselines] == [{"category/code/tau": 5.0}, {"category/gsm8k/tau_request_mean": 6.5}]
+    cases = [({"convention": "served_request_mean", "metrics": {"category/gsm8k/tau": 6.5}},
+              "'category/gsm8k/tau' under convention 'served_request_mean': per category dflash-cb measures pooled "
+              "and request_mean only"),
+             ({"convention": "request_mean", "metrics": {"category/gsm8k/tau": 0.5}}, "is 0.5: an acceptance length"),
+             ({"convention": "request_mean", "metrics": {"category//tau": 6.5}}, "not a figure dflash-cb logs"),
+             ({"convention": "request_mean", "metrics": {"category/gsm8k/tau_request_mean": 6.5}},
+              "give it as category/gsm8k/tau with convention: request_mean")]
+    for entry, needle in cases:
+        with pytest.raises(PublishedError) as e:
+            load_published(_published(tmp_path, [{"name": "x", "source": "TEST", **entry}]))
+        assert needle in str(e.value), (entry, str(e.value))

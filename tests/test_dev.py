@@ -70,3 +70,21 @@ def test_no_wheel_files_are_tracked() -> None:
     tracked = subprocess.run(["git", "ls-files", "*.whl"], cwd=ROOT, capture_output=True, text=True, check=True)
     assert tracked.stdout.strip() == ""
     assert "*.whl" in (ROOT / ".gitignore").read_text().splitlines()
+
+
+def test_a_machine_without_a_gpu_takes_the_cpu_build_of_torch(tmp_path) -> None:
+    """On Linux pip's default index serves the multi-GB CUDA build of torch: without an NVIDIA GPU, dev.py asks
+    the CPU index for it; with one, pip's own index; ``DFLASH_CB_TORCH_INDEX`` overrides both. Other systems'
+    default wheels have no CUDA. The GPU is looked for where the NVIDIA driver shows one, no network."""
+    cpu = "https://download.pytorch.org/whl/cpu"
+    assert dev.CPU_TORCH_INDEX == cpu
+    assert dev.torch_index({}, "linux", gpu=False) == cpu
+    assert dev.torch_index({}, "linux", gpu=True) is None
+    assert dev.torch_index({}, "darwin", gpu=False) is None and dev.torch_index({}, "win32", gpu=False) is None
+    for gpu in (False, True):
+        assert dev.torch_index({dev.TORCH_INDEX_ENV: "https://mirror/whl"}, "linux", gpu) == "https://mirror/whl"
+    assert dev.pip_commands(False, [], True, dev.torch_index({}, "linux", gpu=False))[0] == [
+        "install", dev.TORCH_PIN, "--index-url", cpu]
+    assert not dev.nvidia_gpu(tmp_path)  # a machine with no driver
+    (tmp_path / "proc" / "driver" / "nvidia" / "gpus" / "0000:01:00.0").mkdir(parents=True)
+    assert dev.nvidia_gpu(tmp_path)

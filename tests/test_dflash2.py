@@ -234,6 +234,7 @@ def test_teacher_forced_replay_equals_dflash_generate(tiny_cache: Path, tiny_dra
     cycle, what our blocks (all anchors of all samples in one pass) and teacher-forced selector drafts give."""
     import time
 
+    from replay_reference import replay_walk
     from tiny_target import train_briefly
     from transformers import Qwen3ForCausalLM
 
@@ -243,7 +244,6 @@ def test_teacher_forced_replay_equals_dflash_generate(tiny_cache: Path, tiny_dra
         cut_produced,
         leading_matches,
         next_stop_positions,
-        replay_walk,
         sample_bounds,
     )
 

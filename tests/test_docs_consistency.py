@@ -99,3 +99,30 @@ def test_the_pages_build_strict(tmp_path):
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert (tmp_path / "site" / "metrics" / "index.html").exists()
+
+
+def test_the_metrics_page_opens_with_the_number_to_watch_and_why_the_accuracies_differ():
+    """A new user reads the first lines: which figure to watch, and why the live specforge/acc is not the tool's."""
+    head = "\n".join((ROOT / "docs" / "metrics.md").read_text().splitlines()[:16])
+    assert "**Watch `dflash_eval/tau`**" in head
+    assert "`specforge/acc`" in head and "full/specforge/acc" in head and "--anchor-stride" in head
+
+
+_DURATION = re.compile(r"\b\d+(?:\.\d+)?\s?(?:s|ms|seconds?|minutes?)\b|\babout a minute\b|\bunder a minute\b|"
+                       r"\ba few minutes\b")
+
+
+def test_every_quoted_timing_says_its_thread_count():
+    """A time depends on the threads it ran with: a paragraph that quotes one says how many (a measured table's
+    header names them: ``benchmarks/_docs.py``); a limit (a timeout) is no measured time."""
+    missing = []
+    for page in sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]:
+        text = re.sub(r"<!-- table:(\S+) -->.*?<!-- /table:\1 -->", "", page.read_text(), flags=re.S)
+        text = re.sub(r"```.*?```", "", text, flags=re.S)  # commands and formulas, not measurements
+        for paragraph in re.split(r"\n\s*\n", text):
+            # A limit ("waits up to 5 s", "within 30 s") is a setting, not a measured time.
+            measured = [m for m in _DURATION.finditer(paragraph)
+                        if not re.search(r"(up to|within|every|at most)\s+$", paragraph[:m.start()])]
+            if measured and "thread" not in paragraph:
+                missing.append(f"{page.name}: {' '.join(paragraph.split())[:160]}")
+    assert not missing, "\n".join(missing)

@@ -19,6 +19,7 @@ import random
 from pathlib import Path
 
 import oracles
+import plain_replay
 import pytest
 import torch
 from ddtree_reference import reference_tree_accept
@@ -29,7 +30,7 @@ from dflash_cb.cache.manifest import HEAD_NAME, Manifest, SampleEntry, ShardEntr
 from dflash_cb.cache.states import StateCache, TargetHead
 from dflash_cb.common.errors import DFlashCBError
 from dflash_cb.common.fileio import atomic_write_bytes
-from dflash_cb.core import engine
+from dflash_cb.core import engine, proposers
 from dflash_cb.core.anchor_sets import anchor_offset
 from dflash_cb.core.cost import MemoryLimits
 from dflash_cb.core.engine import PerAnchorRunner, apply_head, block_embeddings, evaluate
@@ -131,11 +132,9 @@ def _brute_force(cache: StateCache, ref: torch.nn.Module, head: TargetHead) -> d
     for e in cache.samples:
         s = cache.load(e.id)
         tok = s.input_ids.tolist()
-        full_end = e.prompt_len + MAX_NEW
-        whole = e.valid_len >= e.total_len and (e.total_len >= full_end or tok[-1] in stops)
-        loop_end, known_end = (full_end, e.total_len) if whole else (min(full_end, e.valid_len), e.valid_len)
+        loop_end, known_end = plain_replay.loop_bounds(e.prompt_len, e.total_len, e.valid_len, tok, MAX_NEW, stops)
         anchors = {}
-        for p in range(e.prompt_len, max(e.prompt_len, min(loop_end, known_end) - 1)):
+        for p in plain_replay.anchors(e.prompt_len, loop_end, known_end):
             n = min(BLOCK, loop_end - p)
             ids = torch.tensor([tok[p]] + [VOCAB - 1] * (n - 1))
             with torch.no_grad():
@@ -159,27 +158,14 @@ def _brute_force(cache: StateCache, ref: torch.nn.Module, head: TargetHead) -> d
                 alpha.append(sum(min(math.exp(lp_t), math.exp(lp[k - 1, i].item()))
                                  for i, lp_t in zip(t_ids, t_lp, strict=True)))
             anchors[p] = dict(draft=draft, target=target, acc=acc, trees=trees, alpha=alpha,
-                              produced=[_produced(a, p, loop_end, tok, stops) for a in [acc, *trees]])
+                              produced=[plain_replay.committed(a, p, loop_end, tok, stops) for a in [acc, *trees]])
         out[e.id] = dict(entry=e, tok=tok, loop_end=loop_end, known_end=known_end, anchors=anchors)
     return out
 
 
-def _produced(accepted: int, p: int, loop_end: int, tok: list[int], stops: set[int]) -> int:
-    k = min(accepted + 1, loop_end - p - 1)
-    return next((j for j in range(1, k + 1) if tok[p + j] in stops), k)
-
-
 def _walk(b: dict, which: int) -> list[int]:
-    tok, p, out = b["tok"], b["entry"].prompt_len, []
-    if p >= b["known_end"] or tok[p] == STOP:
-        return out
-    while p + 1 < b["loop_end"]:
-        k = b["anchors"][p]["produced"][which]
-        out.append(k)
-        p += k
-        if STOP in tok[p - k + 1: p + 1]:
-            break
-    return out
+    return plain_replay.walk(lambda p: b["anchors"][p]["produced"][which], b["entry"].prompt_len, b["loop_end"],
+                             b["known_end"], b["tok"], {STOP})
 
 
 def _expected_counts(brute: dict, stride: int) -> dict[str, list[float]]:
@@ -372,14 +358,14 @@ def test_every_head_call_stays_under_head_mem_bytes(planted, tmp_path: Path, mon
         cache = _write_cache(tmp_path / "misses", planted["drafter"], planted["head"], most=0)
     budget = 2 * VOCAB * 4 * 3  # head_rows(): two rows of float32 logits and two temporaries
     sizes: list[int] = []
-    logits_of = engine.draft_logits
+    logits_of = proposers.draft_logits
 
     def counted(*a, **k):
         out = logits_of(*a, **k)
         sizes.append(out.numel() * out.element_size())
         return out
 
-    monkeypatch.setattr(engine, "draft_logits", counted)
+    monkeypatch.setattr(proposers, "draft_logits", counted)
     small = evaluate(cache, planted["drafter"], budgets=budgets, anchor_stride=BLOCK,
                      limits=MemoryLimits(head_bytes=budget))
     assert sizes and max(sizes) <= budget // 3, max(sizes)

@@ -296,3 +296,38 @@ def test_strided_statistics_equal_evaluate_and_record_their_offsets(tiny_cache, 
     assert code == 0 and len(lines) == 1, se
     n = len(cache.samples)
     assert lines[0].startswith(f"warning: --anchor-stride 4096: {n} of {n} samples have at most 4096 anchors"), lines
+
+
+def test_a_drafter_folder_as_the_cache_says_which_is_which(tiny_cache, drafter_dir, tmp_path, capsys):
+    """``--states <a drafter folder>`` advised creating a cache in the drafter's folder; it says the folder holds
+    a drafter and where each goes (a Lightning checkpoint file as the cache likewise)."""
+    code, out, err = evaluate_tool(capsys, drafter_dir, drafter_dir, tmp_path / "r.json")
+    assert_one_line(code, out, err, f"{drafter_dir}: a DFlash drafter folder", "--drafter", "precompute_states.py")
+    assert "Create the cache" not in err
+    ckpt = tmp_path / "last.ckpt"
+    ckpt.write_bytes(b"PK")
+    code, out, err = evaluate_tool(capsys, ckpt, drafter_dir, tmp_path / "r.json")
+    assert_one_line(code, out, err, f"{ckpt}: a file", "precompute_states.py")
+
+
+@pytest.mark.e2e
+def test_a_closed_stdout_loses_no_results(tiny_cache, drafter_dir, tmp_path):
+    """``eval_drafter ... | head``: the reader of stdout goes away before the summary is printed; the results
+    are written first, so results.json is complete, and stderr says where they are (exit 0, no traceback)."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "r.json"
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the tool prints anything
+    try:
+        proc = subprocess.run([sys.executable, str(ROOT / "tools" / "eval_drafter.py"), "--states", str(tiny_cache),
+                               "--drafter", str(drafter_dir), "--out", str(out), "--ddtree-budgets", "4", "--device",
+                               "cpu", "--threads", "1"], stdout=write, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                              timeout=600)
+    finally:
+        os.close(write)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and f"the results are in {out}" in proc.stderr
+    assert json.loads(out.read_text())["metrics"]["tau"] >= 1.0

@@ -182,11 +182,16 @@ def test_a_baseline_replayed_with_other_tail_blocks_is_warned_about_at_setup(tin
     cache = StateCache(tiny_cache)
     write_results(report_to_results(evaluate(cache, drafter(tiny_drafter_config).eval(), budgets=[4],
                                              tail_blocks="reference"), cache), tmp_path / "ref.json")
-    with pytest.warns(RuntimeWarning, match="tail"):
-        evaluator(tiny_cache, baselines={"ref": str(tmp_path / "ref.json")}).setup()
+    # Checked once the drafter is known (its block is part of what must agree).
+    with pytest.warns(RuntimeWarning, match="tail_blocks differ"):
+        evaluator(tiny_cache, baselines={"ref": str(tmp_path / "ref.json")}).setup(drafter(tiny_drafter_config))
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
-        evaluator(tiny_cache, baselines={"ref": str(tmp_path / "ref.json")}, tail_blocks="reference").setup()
+        evaluator(tiny_cache, baselines={"ref": str(tmp_path / "ref.json")},
+                  tail_blocks="reference").setup(drafter(tiny_drafter_config))
+    with pytest.warns(RuntimeWarning, match=r"block_size differ \(this run 4, baseline .*ref.json 6\)"):
+        evaluator(tiny_cache, baselines={"ref": str(tmp_path / "ref.json")}, tail_blocks="reference",
+                  block_size=4).setup(drafter(tiny_drafter_config))
 
 
 def test_the_block_the_server_drafts_with_equals_the_tool_at_that_block(tiny_cache, tiny_drafter_config, tmp_path):
@@ -221,19 +226,87 @@ def test_the_anchor_set_is_part_of_the_series(tiny_cache, tiny_drafter_config):
     first.start(0, d)
     first.step(2, d)
     saved = first.state_dict()
-    assert saved["estimator"] == {"block_size": 6, "anchor_stride": 6, "anchor_seed": 3}
+    assert saved["series"] == {"block_size": 6, "anchor_stride": 6, "anchor_seed": 3, "tail_blocks": "served",
+                               "dtype": "float32"}
     same = evaluator(tiny_cache, every_n_train_steps=2, anchor_seed=3)
     same.load_state_dict(saved)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
         same.start(2, d)
     assert [h["step"] for h in same.history] == [0, 2]
-    for other in ({"anchor_seed": 4}, {"light_anchor_stride": 3}, {"block_size": 5}):
+    for other, changed in (({"anchor_seed": 4}, "anchor_seed 3 -> 4"), ({"light_anchor_stride": 3}, "anchor_stride 6 -> 3"),
+                           ({"block_size": 5}, "block_size 6 -> 5"),
+                           ({"tail_blocks": "reference"}, "tail_blocks 'served' -> 'reference'"),
+                           ({"autocast_dtype": "bfloat16"}, "dtype 'float32' -> 'bfloat16'")):
         resumed = evaluator(tiny_cache, every_n_train_steps=2, **{"anchor_seed": 3, **other})
         resumed.load_state_dict(saved)
-        with pytest.warns(RuntimeWarning, match="measured with another block or anchor set"):
+        with pytest.warns(RuntimeWarning, match=rf"measured with other settings than this run's \(.*{changed}.*\)"):
             resumed.start(2, d)
         assert [h["step"] for h in resumed.history] == [2]  # a new series, from the resumed weights
+    # A state saved before the record had its present name and fields goes on where those agree.
+    old = {**{k: v for k, v in saved.items() if k != "series"},
+           "estimator": {"block_size": 6, "anchor_stride": 6, "anchor_seed": 3}}
+    kept = evaluator(tiny_cache, every_n_train_steps=2, anchor_seed=3)
+    kept.load_state_dict(old)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        kept.start(2, d)
+    assert [h["step"] for h in kept.history] == [0, 2]
+
+
+# Every option of the evaluator, with another value (the options that need files or a model aside).
+_OTHER_VALUES = {
+    "every_n_train_steps": 3, "eval_on_fit_start": False, "eval_on_fit_end": False, "ddtree_budgets": [2, 4],
+    "light_ddtree_budgets": [2], "light_anchor_stride": 2, "anchor_seed": 7, "full_every_n_evals": 2, "num_samples": 3,
+    "sample_ids": None, "sample_seed": 5, "prefix": "other_eval/", "fail_on_error": True, "max_failed_evaluations": 1,
+    "autocast_dtype": "bfloat16", "table_samples": 1, "table_cycles": 2, "tokenizer": str, "verify_cache": False,
+    "position_edges": [0, 4, 8], "console": True, "tail_blocks": "reference", "block_size": 4,
+}
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_cache, tiny_drafter_config):
+    """The tiny drafter after a few epochs: partial acceptance, so the settings have figures to change."""
+    from tiny_target import train_briefly
+
+    from dflash_cb.cache.states import StateCache
+
+    torch.manual_seed(0)
+    return train_briefly(DFlashDrafter.from_config_dict(tiny_drafter_config), StateCache(tiny_cache))
+
+
+def test_every_option_that_changes_a_logged_figure_identifies_the_series(tiny_cache, trained):
+    """The series identity is complete: an option whose change alters a main-key figure of the same weights
+    (compared on the keys both evaluations log, prefix stripped, times aside) changes what a resume compares (the
+    saved series, the sample selection or the cache); an option that leaves every figure alone may stay out."""
+    from dflash_cb.integrations.config import OLD_NAMES, config_fields
+
+    timed = ("eval_time_s", "eval_overhead", "predicted/", "setup_time_s", "step", "failed_evaluations",
+             "anchors_drafted", "anchors_needed")  # the cost of the pass that ran, not figures of the drafter
+    untested = {"states", "target_embed", "target_lm_head", "baselines", "published", "published_entries", *OLD_NAMES}
+    assert set(_OTHER_VALUES) == set(config_fields()) - untested  # a new option must be added here
+
+    def run(**options):
+        ev = LiveEvaluator(str(tiny_cache), **{"ddtree_budgets": [4], "every_n_train_steps": 1, "console": False,
+                                               **options})
+        metrics = ev.start(0, trained) or ev.step(1, trained)
+        prefix = ev.prefix
+        figures = {k[len(prefix):]: v for k, v in metrics.items() if not k[len(prefix):].startswith(timed)}
+        state = ev.state_dict()
+        return figures, (state["series"], state["sample_selection"]["ids_sha256"], state["cache_manifest_sha256"])
+
+    base, identity = run()
+    assert 1.05 < base["tau"] < 4 and 0 < base["acceptance/depth_01"] < 1  # figures that settings can move
+    moved = []
+    for name, value in _OTHER_VALUES.items():
+        figures, other = run(**{name: value})
+        common = set(base) & set(figures)
+        changed = [k for k in common if not math.isclose(base[k], figures[k], rel_tol=0, abs_tol=0)]
+        if changed:
+            moved.append(name)
+            assert other != identity, f"{name}={value!r} changes {sorted(changed)[:4]} but not the series identity"
+    # (tail_blocks moves no figure of this drafter: the resume test above covers it)
+    assert {"autocast_dtype", "block_size", "anchor_seed", "light_anchor_stride", "num_samples"} <= set(moved), moved
 
 
 def test_a_stride_past_most_completions_is_warned_about_at_setup(tiny_cache, tiny_drafter_config):
@@ -256,3 +329,16 @@ def test_every_evaluation_logs_the_light_estimator_under_the_main_keys(tiny_cach
     assert full[PREFIX + "full/anchor_stride"] == 1 and full[PREFIX + "anchor_stride"] == 6
     assert PREFIX + "ddtree/tau_b2" not in full and PREFIX + "full/ddtree/tau_b2" in full
     assert full[PREFIX + "full/specforge/acc"] != full[PREFIX + "specforge/acc"]  # two estimators, two keys
+
+
+def test_more_samples_than_the_cache_holds_is_said_by_the_live_evaluator_too(tiny_cache, tiny_drafter_config):
+    """``num_samples`` above the cache's size scores every sample, as eval_drafter's ``--samples`` does, and says
+    so (one warning naming the cache and both counts) instead of accepting it silently."""
+    with pytest.warns(RuntimeWarning, match=rf"num_samples 500: the cache {tiny_cache} has only 6 samples; scoring "
+                                            r"all 6"):
+        ev = evaluator(tiny_cache, num_samples=500)
+        ev.setup()
+    assert len(ev.eval_ids) == 6
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        evaluator(tiny_cache, num_samples=6).setup()

@@ -184,3 +184,42 @@ def test_written_files_get_the_umask_mode(lightning_ckpt: Path, tmp_path: Path) 
         os.umask(old)
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in [tmp_path / "d", *(tmp_path / "d").iterdir()]}
     assert modes == {"d": 0o755, "config.json": 0o644, "model.safetensors": 0o644}
+
+
+def test_a_sharded_folder_with_a_shard_missing_names_it_and_its_index(tiny_drafter_config: dict, tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture) -> None:
+    """A Hugging Face folder saved in shards (``huggingface_hub.save_torch_state_dict``, what ``save_pretrained``
+    writes past ``max_shard_size``) with one shard gone: the error named no key prefix holding a complete drafter;
+    it names the missing shard and the index that lists it. The whole folder extracts as the drafter it was saved
+    from."""
+    import json
+
+    from huggingface_hub import save_torch_state_dict
+    from safetensors.torch import load_file
+
+    from dflash_cb.core.model import DFlashDrafter
+
+    torch.manual_seed(0)
+    drafter = DFlashDrafter.from_config_dict(tiny_drafter_config)
+    folder = tmp_path / "checkpoint-7"
+    drafter.save_pretrained(folder)  # its config.json
+    (folder / "model.safetensors").unlink()
+    size = sum(v.numel() * v.element_size() for v in drafter.state_dict().values())
+    save_torch_state_dict(drafter.state_dict(), folder, max_shard_size=size // 4)
+    index = folder / "model.safetensors.index.json"
+    shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    assert len(shards) >= 3, shards
+    assert extract("--ckpt", str(folder), "--out", str(tmp_path / "whole")) == 0
+    saved = load_file(str(tmp_path / "whole" / "model.safetensors"))
+    assert saved.keys() == drafter.state_dict().keys()
+    assert all(torch.equal(saved[k], v) for k, v in drafter.state_dict().items())
+    capsys.readouterr()
+    (folder / shards[1]).unlink()
+    assert extract("--ckpt", str(folder), "--out", str(tmp_path / "d")) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and shards[1] in err and str(index) in err and "missing" in err, err
+    assert "no key prefix" not in err and not (tmp_path / "d").exists()
+    index.unlink()  # without the index, the shard names still say how many there are
+    assert extract("--ckpt", str(folder), "--out", str(tmp_path / "d")) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and shards[1] in err and "missing" in err, err

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+import textwrap
 import warnings
 from pathlib import Path
 from typing import Any
@@ -271,6 +272,27 @@ def test_hf_trainer_resume_neither_repeats_nor_skips(tmp_path, tiny_cache, tiny_
 
 
 @pytest.mark.e2e
+def test_hf_run_reporting_to_tensorboard_gets_the_evaluators_names_and_the_rich_record(tmp_path, tiny_cache,
+                                                                                      tiny_drafter_config):
+    """``report_to=["tensorboard"]``: the Trainer's own TensorBoard writer gets the scalars under the evaluator's
+    names and step (not renamed ``train/...``), the histogram, the per-depth chart and the sample table."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    trainer, cb, _ = hf_train(tmp_path, tiny_cache, tiny_drafter_config, max_steps=4, every=2, table_samples=2,
+                              training_args={"report_to": ["tensorboard"]})
+    (events,) = list((tmp_path / "hf").glob("runs/*"))
+    acc = EventAccumulator(str(events), size_guidance={"scalars": 0, "histograms": 0, "images": 0, "tensors": 0})
+    acc.Reload()
+    tags = acc.Tags()
+    steps = sorted(_evaluations(trainer))
+    assert [e.step for e in acc.Scalars(PREFIX + "tau")] == steps == [0, 2, 4]
+    assert not any(t.startswith("train/" + PREFIX) for t in tags["scalars"])
+    assert [e.step for e in acc.Histograms(PREFIX + "produced_hist")] == steps
+    assert [e.step for e in acc.Images(PREFIX + "charts/acceptance_per_depth")] == steps
+    assert PREFIX + "sample_table/text_summary" in tags["tensors"]
+
+
+@pytest.mark.e2e
 def test_hf_run_reporting_to_wandb_gets_working_panels_and_one_console_line(tmp_path, tiny_cache,
                                                                               tiny_drafter_config, monkeypatch,
                                                                               capsys):
@@ -400,12 +422,19 @@ def test_hf_keeps_the_checkpoint_with_the_best_tau_of_its_own_step(tmp_path, tin
 
 # -- the documented snippets, one per loop (docs/training-loops.md) ----------------------------------------------------------------
 
-def run_doc_snippet(title: str, tmp_path: Path, cache: Path, cfg: dict, monkeypatch) -> dict[str, Any]:
-    """The snippet under ``title`` as printed, its settings lines pointed at the test cache and drafter."""
+def doc_snippet(title: str) -> str:
+    """The first Python block under ``title`` in docs/training-loops.md."""
+    text = (ROOT / "docs" / "training-loops.md").read_text()
+    return re.search(r"```python\n(.*?)```", text[text.index(title):], re.S).group(1)
+
+
+def run_doc_snippet(title: str, tmp_path: Path, cache: Path, cfg: dict, monkeypatch, seed: int = 0,
+                    code: str | None = None) -> dict[str, Any]:
+    """The snippet under ``title`` as printed (or ``code``), its settings lines pointed at the test cache and
+    drafter, run after ``torch.manual_seed(seed)``."""
     from dflash_cb import DFlashDrafter
 
-    text = (ROOT / "docs" / "training-loops.md").read_text()
-    code = re.search(r"```python\n(.*?)```", text[text.index(title):], re.S).group(1)
+    code = doc_snippet(title) if code is None else code
     (tmp_path / "drafter_config.json").write_text(json.dumps(cfg))
     DFlashDrafter.from_config_dict(cfg).save_pretrained(tmp_path / "start")
     settings = {"TRAIN": str(cache), "STATES": str(cache), "CONFIG": str(tmp_path / "drafter_config.json"),
@@ -416,7 +445,7 @@ def run_doc_snippet(title: str, tmp_path: Path, cache: Path, cfg: dict, monkeypa
     assert "demo_out" not in code  # every path of the snippet is a settings line
     monkeypatch.chdir(tmp_path)
     namespace: dict[str, Any] = {"__name__": "readme"}
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     exec(compile(code, f"docs/training-loops.md ({title})", "exec"), namespace)
     return namespace
 
@@ -485,9 +514,35 @@ def test_documented_lightning_module_snippet_runs_and_extracts_without_config(tm
 
 
 @pytest.mark.e2e
-def test_documented_hf_trainer_snippet_runs(tmp_path, tiny_cache, tiny_drafter_config, monkeypatch):
-    ns = run_doc_snippet("## Hugging Face `Trainer`", tmp_path, tiny_cache, tiny_drafter_config, monkeypatch)
-    assert sorted(_evaluations(ns["trainer"])) == [0, 2, 4]
+def test_documented_hf_trainer_snippet_runs_and_is_seeded(tmp_path, tiny_cache, tiny_drafter_config, monkeypatch):
+    """Run twice from two different global seeds, the snippet trains the same drafter (it seeds the drafter's
+    initial weights before building it, and the Trainer's data order): the example's numbers are reproducible."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first = run_doc_snippet("## Hugging Face `Trainer`", tmp_path / "a", tiny_cache, tiny_drafter_config,
+                            monkeypatch, seed=1)
+    assert sorted(_evaluations(first["trainer"])) == [0, 2, 4]
+    second = run_doc_snippet("## Hugging Face `Trainer`", tmp_path / "b", tiny_cache, tiny_drafter_config,
+                             monkeypatch, seed=2)
+    a, b = first["model"].drafter.state_dict(), second["model"].drafter.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert [h["tau"] for h in first["callback"].evaluator.history] == [
+        h["tau"] for h in second["callback"].evaluator.history]
+
+
+@pytest.mark.e2e
+def test_documented_hf_best_checkpoint_recipe_runs(tmp_path, tiny_cache, tiny_drafter_config, monkeypatch):
+    """The best-checkpoint recipe (its own block, replacing the snippet's last lines from ``args = ``): with the
+    eval_dataset it names, the Trainer keeps the checkpoint whose step had the best tau."""
+    code = doc_snippet("## Hugging Face `Trainer`")
+    best = textwrap.dedent(doc_snippet("**Best checkpoint by tau.**"))  # a block inside a list item
+    assert "eval_dataset=CachedStatesDataset(STATES)" in best
+    ns = run_doc_snippet("## Hugging Face `Trainer`", tmp_path, tiny_cache, tiny_drafter_config, monkeypatch,
+                         code=code[:code.index("args = TrainingArguments(")] + best)
+    trainer, history = ns["trainer"], ns["callback"].evaluator.history
+    by_step = {h["step"]: h["tau"] for h in history}
+    best_step = int(Path(trainer.state.best_model_checkpoint).name.split("-")[1])
+    assert trainer.state.best_metric == by_step[best_step] == max(by_step[s] for s in (2, 4))
 
 
 if __name__ == "__main__":

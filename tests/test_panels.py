@@ -262,3 +262,115 @@ def test_panels_tool_without_login_network_or_a_valid_url_is_one_line(tmp_path, 
     monkeypatch.setenv("WANDB_API_KEY", "x" * 40)  # a key, but nothing answers at WANDB_BASE_URL
     err = one_line()
     assert "saving the view failed" in err and "WANDB_BASE_URL" in err
+
+
+# -- --show on a local run folder that is missing, damaged or ambiguous ------------------------------------------
+
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory) -> Path:
+    """A real offline W&B run (``wandb.init(mode="offline")``) that logged three evaluations' tau."""
+    import wandb
+    from wandb_runs import finished_records
+
+    tmp = tmp_path_factory.mktemp("small_run")
+    run = wandb.init(project="dflash-cb-test", dir=str(tmp), mode="offline")
+    for step in range(3):
+        run.log({"dflash_eval/tau": 1.0 + step, "trainer/global_step": step})
+    run_dir = Path(run.dir).parent
+    run.finish()
+    finished_records(run_dir)
+    return run_dir
+
+
+def _show(capsys, run_dir) -> tuple[int, str, str]:
+    from dflash_cb.common.cli import run
+    from dflash_cb.integrations.panels import main
+
+    code = run(main, ["--run", str(run_dir), "--show"])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def _copy_run(run_dir: Path, to: Path) -> Path:
+    import shutil
+
+    shutil.copytree(run_dir, to)
+    return next(to.glob("run-*.wandb"))
+
+
+def test_show_prints_a_local_run(small_run, capsys):
+    code, out, err = _show(capsys, small_run)
+    assert code == 0 and err == "" and "3.0000" in out, (out, err)
+
+
+def test_show_on_a_damaged_run_log_is_one_line_naming_the_file(small_run, tmp_path, capsys):
+    """A flipped bit anywhere in a record (each record carries a CRC-32 of its kind and bytes), a record
+    whose bytes are no W&B record, and garbage behind the header: one line naming the file and the offset."""
+    import struct
+    import zlib
+
+    log = _copy_run(small_run, tmp_path / "flipped")
+    data = bytearray(log.read_bytes())
+    for at in (7 + 7 + 3, len(data) // 2):  # inside the first record's bytes, and half-way in
+        flipped = bytearray(data)
+        flipped[at] ^= 0x10
+        log.write_bytes(bytes(flipped))
+        code, out, err = _show(capsys, log.parent)
+        assert code == 2 and err.count("\n") == 1 and str(log) in err and "damaged" in err, (at, err)
+        assert "Traceback" not in err and out == ""
+    payload = b"\xff\xff\xff\xff"  # a valid frame around bytes that are no protobuf Record
+    crc = zlib.crc32(payload, zlib.crc32(bytes([1])))
+    log.write_bytes(bytes(data[:7]) + struct.pack("<IHB", crc, len(payload), 1) + payload)
+    code, out, err = _show(capsys, log.parent)
+    assert code == 2 and err.count("\n") == 1 and str(log) in err and "not a W&B record" in err, err
+    log.write_bytes(bytes(data[:7]) + bytes(range(256)) * 4)
+    code, out, err = _show(capsys, log.parent)
+    assert code == 2 and err.count("\n") == 1 and str(log) in err and "damaged" in err, err
+
+
+def test_show_on_a_folder_that_does_not_exist_names_it(tmp_path, capsys, monkeypatch):
+    """A path that is not there is not a W&B run id: no word of API keys."""
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    missing = tmp_path / "wandb" / "offline-run-20260101_000000-abc"
+    code, out, err = _show(capsys, missing)
+    assert code == 2 and err.count("\n") == 1 and f"--run {missing}: no such folder" in err, err
+    assert "API key" not in err and "login" not in err
+
+
+def test_a_run_folder_with_two_logs_names_both(small_run, tmp_path, capsys):
+    """Two run-*.wandb files in one folder: which one is meant is the user's to say (the file itself)."""
+    import shutil
+
+    log = _copy_run(small_run, tmp_path / "two")
+    other = log.with_name("run-zzzzzzzz.wandb")
+    shutil.copy(log, other)
+    code, out, err = _show(capsys, log.parent)
+    assert code == 2 and err.count("\n") == 1 and log.name in err and other.name in err, err
+    assert f"--run {log}" in err  # the fix: give the file
+    code, out, err = _show(capsys, other)
+    assert code == 0 and "3.0000" in out
+
+
+def test_the_by_position_section_shows_what_each_bucket_rests_on():
+    """A bucket's tau beside its cycle count: a bucket of a few cycles says little, and the panel shows it."""
+    from dflash_cb.core.metrics import position_cycles, position_tau
+
+    buckets = position_labels(EDGES)
+    plan = panel_plan(PanelLayout(budgets=BUDGETS, position_buckets=buckets))
+    keys = [p.keys for p in plan["By position"]]
+    assert tuple("dflash_eval/" + position_tau(b) for b in buckets) in keys
+    assert tuple("dflash_eval/" + position_cycles(b) for b in buckets) in keys
+
+
+def test_the_selector_section_is_built_from_the_metric_names():
+    """A DFlash 2 run gets the Selector panels (its keys from dflash_cb.core.metrics); a DFlash run none, and the
+    layout read back from a run's keys says which it was."""
+    from dflash_cb.core.metrics import SELECTOR_ORACLE_TAU, SELECTOR_UNARY_TAU, selector_acc, selector_recall
+
+    assert panel_plan(PanelLayout(block_size=8))["Selector"] == []
+    section = panel_plan(PanelLayout(block_size=8, selector=True))["Selector"]
+    keys = {k for spec in section for k in spec.keys}
+    assert {"dflash_eval/" + k for k in (SELECTOR_UNARY_TAU, SELECTOR_ORACLE_TAU, selector_recall(7), selector_acc(1))} \
+        <= keys and not any(k.endswith("_08") for k in keys)
+    logged = ["dflash_eval/tau", "dflash_eval/acceptance/depth_07", "dflash_eval/" + SELECTOR_UNARY_TAU]
+    assert layout_from_keys(logged).selector and not layout_from_keys(logged[:2]).selector

@@ -6,13 +6,13 @@ import random
 from collections.abc import Sequence
 
 import torch
+from replay_reference import replay_walk
 
 from dflash_cb.core.replay import (
     SampleBounds,
     cut_produced,
     leading_matches,
     next_stop_positions,
-    replay_walk,
     sample_bounds,
 )
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -247,6 +248,26 @@ def test_bad_arguments_are_refused_at_attach(tmp_path, tiny_cache, tiny_drafter_
     assert not set(vars(controller)) & {"fit", "save_checkpoint"}  # nothing was wrapped
 
 
+@pytest.mark.e2e
+def test_a_resume_from_that_is_no_checkpoint_folder_is_refused_at_attach(tmp_path, tiny_cache, tiny_drafter_config):
+    """A folder that does not exist started a new series with a warning (a typo lost the run's history); the
+    state file instead of its folder failed at the first fit with the path doubled (NotADirectoryError)."""
+    from dflash_cb.integrations.specforge import STATE_FILE
+
+    controller, _ = specforge_controller(tiny_cache, tiny_drafter_config, tmp_path / "out", max_steps=2)
+    missing = tmp_path / "out" / f"{RUN}-step4"
+    with pytest.raises(DFlashCBError, match=rf"resume_from={re.escape(str(missing))}: no such folder"):
+        attach(controller, tiny_cache, resume_from=missing)
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    (folder / STATE_FILE).write_text("{}")
+    with pytest.raises(DFlashCBError, match=rf"the evaluator's state file; give its folder, resume_from="
+                                            rf"{re.escape(str(folder))}$"):
+        attach(controller, tiny_cache, resume_from=folder / STATE_FILE)
+    assert not set(vars(controller)) & {"fit", "save_checkpoint"}  # nothing was wrapped
+    attach(controller, tiny_cache, resume_from=folder).detach()  # a checkpoint folder is taken
+
+
 # -- SpecForge's command line, as a user runs it ------------------------------------------------------------
 
 def write_specforge_run(root: Path, cache_dir: Path, cfg: dict, ranks: int = 1, eval_set: bool = True,
@@ -346,7 +367,8 @@ def test_specforge_command_line_on_two_torchrun_ranks(tmp_path, tiny_cache, tiny
                         save_interval=4)
     done = specforge_train(tmp_path, tiny_cache, torchrun=2)
     outputs = [next((tmp_path / "ranks").rglob(f"attempt_0/{rank}/stdout.log")).read_text() for rank in (0, 1)]
-    assert done.returncode == 0, outputs[0][-3000:] + done.stderr[-3000:]
+    errors = [p.read_text()[-2000:] for p in sorted((tmp_path / "ranks").rglob("attempt_0/*/stderr.log"))]
+    assert done.returncode == 0, outputs[0][-2000:] + "\n".join(errors) + done.stderr[-2000:]
     logged = evaluations(outputs[0])
     assert sorted(logged) == [0, 2, 4] and evaluations(outputs[1]) == {}  # rank zero logs, once each
     expected = export_and_score(tmp_path, tiny_cache, 4, tiny_drafter_config["block_size"])

@@ -43,9 +43,10 @@ from oracles import require
 sf_model = require("specforge.algorithms.common.dflash_family_model")  # a missing oracle fails, never skips
 from specforge.eval.evaluator import Evaluator  # noqa: E402
 from specforge.training.strategies.base import DFlashTrainStrategy  # noqa: E402
+from specforge_objective import dflash_objective  # noqa: E402
 
 from dflash_cb.core.metrics import SPECFORGE_ACC, depth_acc  # noqa: E402
-from dflash_cb.integrations.specforge_data import dflash_objective, train_batches  # noqa: E402
+from dflash_cb.integrations.specforge_data import train_batches  # noqa: E402
 
 BLOCK = 6
 LAYERS = [0, 2]

@@ -6,7 +6,6 @@ checkout that is not installed fails with one line saying so, exit code 2.
 
 from __future__ import annotations
 
-import importlib
 import sys
 from pathlib import Path
 
@@ -15,12 +14,13 @@ NOT_INSTALLED = ("error: the dflash_cb package is not installed for {python}; ru
 
 
 def run_command(module: str, name: str = "command") -> int:
-    """``module.name()``: the command behind a tool, the same object its console script calls."""
+    """``module.name``: the command behind a tool, the same object its console script runs, imported under
+    the start-up Ctrl-C handler (``dflash_cb.common.cli.launch``)."""
     try:
-        command = getattr(importlib.import_module(module), name)
+        from dflash_cb.common.cli import launch
     except ModuleNotFoundError as e:
         if e.name != "dflash_cb":
             raise
         print(NOT_INSTALLED.format(python=sys.executable, root=Path(__file__).resolve().parents[1]), file=sys.stderr)
         return 2
-    return command()
+    return launch(module, name)

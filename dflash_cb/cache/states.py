@@ -82,6 +82,19 @@ class TargetHead:
         return TargetHead(embed, head, self.tied)
 
 
+def _what_else(path: Path) -> str | None:
+    """What ``path`` is when it is no cache but something a user confuses with one (None: nothing known)."""
+    if path.is_file():
+        return "a file"
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if isinstance(config, dict) and "dflash_config" in config:
+        return "a DFlash drafter folder (its config.json has dflash_config; pass it as --drafter)"
+    return "a Hugging Face model folder (config.json)" if isinstance(config, dict) else None
+
+
 class StateCache:
     """Read-only, lazy view of a cache folder. Shards are opened memory-mapped on first use."""
 
@@ -89,6 +102,10 @@ class StateCache:
         self.path = Path(path)
         manifest_path = self.path / MANIFEST_NAME
         if not manifest_path.is_file():
+            not_a_cache = _what_else(self.path)
+            if not_a_cache:
+                raise CacheError(f"{self.path}: {not_a_cache}, not a cache of target states: give the folder "
+                                 "tools/precompute_states.py --out wrote (it holds manifest.json)")
             hint = ""
             if interrupted_merge(self.path):
                 hint = (" (a tools/merge_states.py run into this folder was interrupted: rerun the same merge "
@@ -386,8 +403,10 @@ class StateCache:
         m = self.manifest
         problems = []
         ids = spec.get("target_layer_ids")
-        if ids is not None and list(ids) != list(m.layer_ids):
-            problems.append(f"target_layer_ids: drafter {list(ids)}, cache {m.layer_ids}")
+        missing = [] if ids is None else [i for i in ids if i not in m.layer_ids]
+        if missing:  # a cache may hold more layers than a drafter reads (one cache for several drafters)
+            problems.append(f"target_layer_ids: the drafter reads layers {list(ids)}; the cache holds {m.layer_ids}, "
+                            f"without {missing}")
         hs = spec.get("target_hidden_size")
         if hs is not None and int(hs) != m.hidden_size:
             problems.append(f"target hidden size: drafter expects {hs}, cache has {m.hidden_size}")
@@ -404,5 +423,22 @@ class StateCache:
             raise CacheMismatchError(
                 f"cache {self.path} does not fit the drafter:\n  - " + "\n  - ".join(problems)
                 + "\nUse a cache precomputed with the drafter's target and layer ids "
-                "(tools/precompute_states.py --drafter-config <drafter>/config.json)."
+                "(tools/precompute_states.py --drafter-config <drafter>/config.json; several drafters' configs, "
+                "comma-separated, give a cache of the union of their layers)."
             )
+
+    def feature_columns(self, layer_ids: Sequence[int]) -> torch.Tensor | None:
+        """The columns of a sample's features (``CachedSample.hidden``, the cache's layers side by side) that a
+        drafter reading ``layer_ids`` takes, in its order; None when they are all of them in the cache's order
+        (the features as they are, no copy). The values are the cache's own, so a drafter's figures on a cache
+        of more layers are bit-identical to those on a cache of exactly its layers."""
+        cached = list(self.manifest.layer_ids)
+        ids = [int(i) for i in layer_ids]
+        if ids == cached:
+            return None
+        missing = [i for i in ids if i not in cached]
+        if missing:
+            raise CacheMismatchError(f"cache {self.path} holds target layers {cached}, not {missing} (the drafter "
+                                     f"reads {ids}); precompute a cache with them (--layers or --drafter-config)")
+        h = self.manifest.hidden_size
+        return torch.cat([torch.arange(cached.index(i) * h, (cached.index(i) + 1) * h) for i in ids])

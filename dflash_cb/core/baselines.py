@@ -21,7 +21,7 @@ import math
 import os
 import re
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,9 +42,11 @@ from .metrics import (
     SPECFORGE_ACC,
     TAU,
     TAU_REQUEST_MEAN,
+    category_tau,
+    category_tau_request_mean,
     ddtree_tau,
 )
-from .results import Results, SampleRecord, load_results, tail_blocks_mismatch
+from .results import Results, SampleRecord, load_results, series_mismatch
 
 MEASURED = "measured"
 PUBLISHED = "published"
@@ -72,6 +74,7 @@ class Baseline:
     # the paired difference ``live - baseline`` (``compare.paired_delta``).
     samples: list[SampleRecord] | None = None
     budgets: tuple[int, ...] = ()
+    series: dict[str, Any] = field(default_factory=dict)  # what identifies a measured file's figures (Results.series)
 
     @property
     def label(self) -> str:
@@ -102,17 +105,19 @@ def _finite(x: Any) -> float | None:
 # -- measured -----------------------------------------------------------------------------
 
 def load_measured(path: str | os.PathLike, cache: StateCache, name: str | None = None,
-                  sample_ids: Sequence[str] | None = None, tail_blocks: str | None = None) -> Baseline:
+                  sample_ids: Sequence[str] | None = None, series: Mapping[str, Any] | None = None) -> Baseline:
     """A ``results.json`` as a baseline; refused if it was measured on another cache.
 
     ``sample_ids``: the samples the live evaluation scores. Tau, DDTree tau and per-category tau
     are recomputed on them; per-depth acceptance (stored aggregated) stays the whole-cache figure.
-    ``tail_blocks``: the live evaluation's convention; a file replayed with another one (or that does
+    ``series``: what identifies the live evaluation's figures (``request.EvalRequest.series``; the names it
+    holds are compared); a file measured with another block, tail convention or compute dtype (or that does
     not say) is warned about (``RuntimeWarning``), as ``tools/compare_results.py`` does.
     """
     res = load_results(path, cache)
-    if tail_blocks is not None:
-        mismatch = tail_blocks_mismatch([("this run", tail_blocks), (f"baseline {path}", res.tail_blocks)])
+    if series is not None:
+        mismatch = series_mismatch([("this run", series),
+                                    (f"baseline {path}", {k: res.series.get(k) for k in series})])
         if mismatch:
             warnings.warn(mismatch, RuntimeWarning, stacklevel=2)
     name = name or Path(path).stem
@@ -125,6 +130,7 @@ def load_measured(path: str | os.PathLike, cache: StateCache, name: str | None =
         "cache_manifest_sha256": res.manifest_sha256,
         "drafter": res.drafter_path,
         "dtype": res.meta.get("dtype"),
+        "block_size": res.block_size,
         "tail_blocks": res.tail_blocks,
         "samples_in_file": len(res.samples),
     }
@@ -132,7 +138,7 @@ def load_measured(path: str | os.PathLike, cache: StateCache, name: str | None =
     if sample_ids is not None:
         samples = _restrict(metrics, res, list(sample_ids), details)
     return Baseline(name, MEASURED, metrics, per_depth, source=f"tools/eval_drafter.py -> {path}", details=details,
-                    samples=samples, budgets=tuple(res.budgets))
+                    samples=samples, budgets=tuple(res.budgets), series=res.series)
 
 
 def _restrict(metrics: dict[str, float], res: Results, ids: list[str], details: dict[str, Any]) -> list[SampleRecord]:
@@ -198,6 +204,8 @@ _ENTRY_FIELDS = ("name", "source", "url", "target", "drafter", "setting", "place
 # Figures a paper may report that the live evaluation logs too, pooled (``tau`` goes by the convention).
 _POOLED_FIGURES = (ALL_ANCHOR_TAU, CHAIN_TAU_ESTIMATE, SPECFORGE_ACC)
 _FRACTIONS = (SPECFORGE_ACC,)  # a share of matches, in [0, 1]; every other figure is a length, >= 1
+# The live per-category figure of each convention (a served per-request figure exists over the whole cache only).
+_PER_CATEGORY = {"pooled": category_tau, "request_mean": category_tau_request_mean}
 
 
 def load_published(path: str | os.PathLike, names: Sequence[str] | None = None,
@@ -332,7 +340,9 @@ def _check_budgets(where: str, metrics: dict[str, float], budgets: Sequence[int]
 def published_metric(metric: str, convention: str, where: str) -> str:
     """The live metric a published figure stands beside: its ``tau`` goes to the convention's metric.
 
-    Other figures (DDTree tau, ...) exist live only pooled, so a non-pooled entry may give ``tau`` only.
+    ``category/<c>/tau`` (a figure over one benchmark's prompts) goes to the convention's per-category metric
+    (``category_tau``, ``category_tau_request_mean``). Other figures (DDTree tau, ...) exist live only pooled,
+    so a non-pooled entry may give only those two.
     A name the live evaluation never logs (a typo, a per-request name given directly) is refused.
     """
     if metric == TAU:
@@ -340,6 +350,18 @@ def published_metric(metric: str, convention: str, where: str) -> str:
     if metric in CONVENTIONS.values():
         given = next(c for c, m in CONVENTIONS.items() if m == metric)
         raise PublishedError(f"{where}: metrics.{metric}: give it as tau with convention: {given}")
+    category = re.fullmatch(r"category/([^/]+)/(.+)", metric)
+    if category and category[2] != TAU and category[2] in CONVENTIONS.values():
+        given = next(c for c, m in CONVENTIONS.items() if m == category[2])
+        raise PublishedError(f"{where}: metrics.{metric}: give it as category/{category[1]}/tau with convention: "
+                             f"{given}")
+    if category and category[2] == TAU:
+        if convention not in _PER_CATEGORY:
+            raise PublishedError(f"{where}: {metric!r} under convention {convention!r}: per category dflash-cb "
+                                 f"measures {' and '.join(sorted(_PER_CATEGORY))} only; give it in an entry with one "
+                                 "of those, or drop it")
+        # A figure over one benchmark's prompts: the convention's figure over that category's requests.
+        return _PER_CATEGORY[convention](category[1])
     if not (metric in _POOLED_FIGURES or re.fullmatch(r"ddtree/tau_b[1-9][0-9]*", metric)
             or re.fullmatch(r"category/[^/]+/tau", metric)):
         raise PublishedError(f"{where}: metrics.{metric}: not a figure dflash-cb logs; use tau, ddtree/tau_b<budget>, "

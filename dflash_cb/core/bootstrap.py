@@ -42,10 +42,12 @@ from .metrics import (
     TAU,
     TAU_REQUEST_MEAN,
     category_tau,
+    category_tau_request_mean,
     ci_high,
     ci_low,
     ddtree_tau,
     depth_acc,
+    family_ratios,
     sample_accept_length_served,
     sample_tau,
 )
@@ -143,7 +145,8 @@ def paired_difference(a: Sums, b: Sums, n_resamples: int = DEFAULT_RESAMPLES, se
 # -- from scored samples ---------------------------------------------------------------------
 
 def anchor_sums(samples: Sequence[Any], stride: int) -> dict[str, Sums]:
-    """Per-sample sums of ``specforge/acc``, each ``acceptance/depth_KK`` and ``all_anchor_tau`` over the
+    """Per-sample sums of ``specforge/acc``, each ``acceptance/depth_KK``, ``all_anchor_tau`` and a drafter
+    family's own anchor figures (DFlash 2: ``selector/recall``, ``selector/acc``, per depth too) over the
     statistics sets of stride ``stride``; {} unless every sample has counts at that stride."""
     counts = [getattr(s, "anchor_counts", {}).get(stride) for s in samples]
     if not counts or any(c is None for c in counts):
@@ -154,20 +157,31 @@ def anchor_sums(samples: Sequence[Any], stride: int) -> dict[str, Sums]:
     for k in range(1, depths + 1):
         out[depth_acc(k)] = Sums.of([c.depth_match[k - 1] if c.depth_match else 0 for c in counts],
                                     [c.depth_total[k - 1] if c.depth_total else 0 for c in counts])
+    # A drafter family's own figures (DFlash 2: the selector's recall and accuracy), from the same per-sample
+    # integers as the counts' (``metrics.family_ratios``); a sample without anchors adds zeros.
+    names = sorted({k for c in counts for k in c.depth_counts})
+    if names:
+        zero = (0,) * depths
+        ratios = [family_ratios({"depth_total": c.depth_total or zero, "depth_match": c.depth_match or zero,
+                                 **{k: c.depth_counts.get(k) or zero for k in names}}) for c in counts]
+        for metric in ratios[0]:
+            out[metric] = Sums.of([r[metric][0] for r in ratios], [r[metric][1] for r in ratios])
     return out
 
 
 def metric_sums(samples: Sequence[Any], budgets: Sequence[int] = (),
                 categories: Sequence[str] = (), anchor_stride: int | None = None) -> dict[str, Sums]:
-    """Per-sample sums of ``tau``, the per-request means, each DDTree tau and each category tau, and with
+    """Per-sample sums of ``tau``, the per-request means, each DDTree tau and each category's tau and
+    ``tau_request_mean``, and with
     ``anchor_stride`` the anchor statistics of that stride (``anchor_sums``).
 
     A per-request mean is a ratio too: each sample with a cycle adds its own value over a weight of
     one, a sample without a cycle adds nothing (``metrics.EvalCounts.add_samples``).
 
     ``samples``: scored samples (``engine.SampleResult`` or ``results.SampleRecord``: ``category``,
-    ``acceptance_lengths``, ``ddtree: {budget: lengths}``, ``anchor_counts: {stride: AnchorCounts}``), in
-    one fixed order.
+    ``acceptance_lengths``, ``ddtree: {budget: lengths}``, ``walks: {tau key: lengths}`` (a drafter family's
+    own walks, e.g. ``selector/unary_tau``: each gets its sums too), ``anchor_counts: {stride:
+    AnchorCounts}``), in one fixed order.
     """
     produced = [float(sum(s.acceptance_lengths)) for s in samples]
     cycles = [float(len(s.acceptance_lengths)) for s in samples]
@@ -180,20 +194,27 @@ def metric_sums(samples: Sequence[Any], budgets: Sequence[int] = (),
     for b in budgets:
         dd = [s.ddtree.get(b, []) for s in samples]
         out[ddtree_tau(b)] = Sums.of([float(sum(x)) for x in dd], [float(len(x)) for x in dd])
+    for name in sorted({k for s in samples for k in getattr(s, "walks", {})}):  # a drafter family's own walks
+        w = [s.walks.get(name, []) for s in samples]
+        out[name] = Sums.of([float(sum(x)) for x in w], [float(len(x)) for x in w])
+    per_request = out[TAU_REQUEST_MEAN]
     for c in categories:
         mask = [s.category == c for s in samples]
         out[category_tau(c)] = Sums.of([p if m else 0.0 for p, m in zip(produced, mask, strict=True)],
                                        [n if m else 0.0 for n, m in zip(cycles, mask, strict=True)])
+        out[category_tau_request_mean(c)] = Sums.of(np.where(mask, per_request.produced, 0.0),
+                                                    np.where(mask, per_request.cycles, 0.0))
     if anchor_stride is not None:
         out.update(anchor_sums(samples, anchor_stride))
     return out
 
 
-def request_means(samples: Sequence[Any]) -> dict[str, float]:
+def request_means(samples: Sequence[Any], categories: Sequence[str] = ()) -> dict[str, float]:
     """``tau_request_mean`` and ``accept_length_served`` of ``samples`` (in their fixed order; a sample
-    without a cycle is left out of both, NaN when none has one)."""
-    sums = metric_sums(samples)
-    return {k: sums[k].value for k in (TAU_REQUEST_MEAN, ACCEPT_LENGTH_SERVED)}
+    without a cycle is left out of both, NaN when none has one), and ``tau_request_mean`` per category."""
+    sums = metric_sums(samples, (), categories)
+    names = (TAU_REQUEST_MEAN, ACCEPT_LENGTH_SERVED, *(category_tau_request_mean(c) for c in categories))
+    return {k: sums[k].value for k in names}
 
 
 def interval_metrics(samples: Sequence[Any], budgets: Sequence[int] = (), categories: Sequence[str] = (),
@@ -203,19 +224,10 @@ def interval_metrics(samples: Sequence[Any], budgets: Sequence[int] = (), catego
     and with ``anchor_stride`` for that stride's anchor statistics (finite ends only)."""
     if not samples:
         return {}
-    return _interval_keys(metric_sums(samples, budgets, categories, anchor_stride), n_resamples, seed, level)
+    return interval_keys(metric_sums(samples, budgets, categories, anchor_stride), n_resamples, seed, level)
 
 
-def anchor_interval_metrics(samples: Sequence[Any], stride: int, n_resamples: int = DEFAULT_RESAMPLES,
-                            seed: int = DEFAULT_SEED, level: float = DEFAULT_LEVEL) -> dict[str, float]:
-    """The interval keys of stride ``stride``'s anchor statistics alone (``anchor_sums``); the same values
-    ``interval_metrics(..., anchor_stride=stride)`` gives them (the resamples depend on the seed alone)."""
-    if not samples:
-        return {}
-    return _interval_keys(anchor_sums(samples, stride), n_resamples, seed, level)
-
-
-def _interval_keys(sums: Mapping[str, Sums], n_resamples: int, seed: int, level: float) -> dict[str, float]:
+def interval_keys(sums: Mapping[str, Sums], n_resamples: int, seed: int, level: float) -> dict[str, float]:
     out: dict[str, float] = {}
     for k, iv in intervals(sums, n_resamples, seed, level).items():
         if math.isfinite(iv.low) and math.isfinite(iv.high):

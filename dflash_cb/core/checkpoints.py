@@ -189,6 +189,27 @@ def load_checkpoint_folder(folder: Path) -> dict[str, Any]:
     shards = sorted(folder.glob("model*.safetensors"))
     if not shards and (folder / SPECFORGE_STATE).is_file():
         return load_checkpoint(folder / SPECFORGE_STATE)
+    index = folder / "model.safetensors.index.json"
+    # A sharded save lists its shards in the index, and names each "model-<i>-of-<n>": a shard gone would leave a
+    # drafter with keys missing, so name it (and its index) rather than read what is there.
+    try:
+        listed = set(json.loads(index.read_text())["weight_map"].values()) if index.is_file() else set()
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{index}: not a readable shard index ({_first_line(e)}); restore it from where the "
+                              "checkpoint was written, or remove it") from None
+    numbered = [re.fullmatch(r"model-(\d+)-of-(\d+)\.safetensors", f.name) for f in shards]
+    counts = {int(m[2]) for m in numbered if m}
+    implied = {f"model-{i:0{len(m[2])}d}-of-{m[2]}.safetensors" for m in numbered if m for i in range(1, int(m[2]) + 1)}
+    if len(counts) > 1 and not listed:
+        raise CheckpointError(f"{folder}: shards of {len(counts)} different saves (model-*-of-{sorted(counts)}) and "
+                              "no model.safetensors.index.json to say which is the model; keep one save's shards")
+    missing = sorted(name for name in (listed or implied) if not (folder / name).is_file())
+    if missing:
+        where = f"listed in {index}" if listed else "the other shards' names count them"
+        raise CheckpointError(f"{folder}: shard(s) {', '.join(missing)} missing ({where}); copy the whole "
+                              "checkpoint folder again")
+    if listed:
+        shards = [folder / name for name in sorted(listed)]
     if shards:
         state: dict[str, torch.Tensor] = {}
         for f in shards:

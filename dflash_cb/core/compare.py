@@ -5,6 +5,12 @@ bootstrap resamples the prompts once and takes the difference on each resample
 (``bootstrap.paired_difference``). The verdict says "B is better" only when the whole 95%
 interval of ``B - A`` lies above zero; otherwise the prompts cannot tell the two apart.
 
+The per-category rows are many small comparisons at once: at 95% each, one of ten categories
+misses zero by chance about every other time (more on few prompts). So a category gets a verdict
+only where the overall tau has one (the categories partition its prompts), and then from an
+interval corrected for the number of categories (Bonferroni: each at ``1 - 0.05 / m``). The
+position and cycle tables are descriptive: tau with its cycle count, no verdict.
+
 Used by ``tools/compare_results.py`` (files) and by the callback (``delta_metrics``: live drafter
 minus each measured baseline, on the evaluated samples).
 """
@@ -24,10 +30,23 @@ from ..common import cli
 from ..common.errors import DFlashCBError
 from ..common.fileio import atomic_paths, check_outputs_apart, naming_failures
 from ..common.threads import THREADS_HELP
-from .bootstrap import DEFAULT_RESAMPLES, DEFAULT_SEED, Interval, intervals, metric_sums, paired_difference
+from .bootstrap import (
+    DEFAULT_LEVEL,
+    DEFAULT_RESAMPLES,
+    DEFAULT_SEED,
+    Interval,
+    intervals,
+    metric_sums,
+    paired_difference,
+)
 from .metrics import (
     ACCEPT_LENGTH_SERVED,
     DELTA_TAU,
+    FAMILY_COUNTS,
+    SELECTOR_ACC,
+    SELECTOR_ORACLE_TAU,
+    SELECTOR_RECALL,
+    SELECTOR_UNARY_TAU,
     TAU,
     TAU_REQUEST_MEAN,
     category_tau,
@@ -36,8 +55,8 @@ from .metrics import (
     ddtree_tau,
 )
 from .positions import DEFAULT_POSITION_EDGES, check_edges, cycle_table, position_table
-from .report import with_interval
-from .results import Results, check_results_path, derived_metrics, load_results, tail_blocks_mismatch
+from .report import metric_with_interval, with_interval
+from .results import Results, check_results_path, derived_metrics, load_results, series_mismatch
 
 
 class CompareError(DFlashCBError, ValueError):
@@ -55,6 +74,9 @@ class Difference:
     metric: str
     interval: Interval
     n: int
+    level: float = DEFAULT_LEVEL  # of ``interval``
+    family: int = 1  # comparisons made together with this one (the categories: ``paired``)
+    gated: bool = False  # one of a family whose overall comparison has no verdict: none here either
 
     @property
     def text(self) -> str:
@@ -64,13 +86,19 @@ class Difference:
     @property
     def verdict(self) -> str:
         iv = self.interval
+        if self.gated:
+            return f"no verdict: the overall tau has none ({self.family} categories are {self.family} comparisons)"
         if not (math.isfinite(iv.low) and math.isfinite(iv.high)):
             return "no interval (too few cycles)"
         if iv.low > 0:
-            return f"{self.b} is better"
-        if iv.high < 0:
-            return f"{self.a} is better"
-        return f"no difference detectable with {self.n} prompts"
+            said = f"{self.b} is better"
+        elif iv.high < 0:
+            said = f"{self.a} is better"
+        else:
+            said = f"no difference detectable with {self.n} prompts"
+        if self.family > 1:
+            said += f" (Bonferroni over {self.family} categories: {self.level:.1%} interval)"
+        return said
 
 
 def shared(a: Sequence[Any], b: Sequence[Any]) -> tuple[list[Any], list[Any]]:
@@ -84,12 +112,26 @@ def shared(a: Sequence[Any], b: Sequence[Any]) -> tuple[list[Any], list[Any]]:
 def paired(a_samples: Sequence[Any], b_samples: Sequence[Any], la: str, lb: str, budgets: Sequence[int] = (),
            categories: Sequence[str] = (), n_resamples: int = DEFAULT_RESAMPLES,
            seed: int = DEFAULT_SEED) -> dict[str, Difference]:
-    """``b - a`` for tau, each DDTree tau and each category tau, on the samples both scored."""
+    """``b - a`` for tau, each DDTree tau, each category tau and the drafter family walks' taus both have, on the
+    samples both scored.
+
+    With several categories, each category's interval is Bonferroni-corrected for their number, and it has no
+    verdict unless the overall tau has one (the module's docstring says why)."""
     sa, sb = shared(a_samples, b_samples)
     if not sa:
         raise CompareError(f"{la} and {lb} share no scored sample: nothing to compare")
     ma, mb = metric_sums(sa, budgets, categories), metric_sums(sb, budgets, categories)
-    return {k: Difference(la, lb, k, paired_difference(ma[k], mb[k], n_resamples, seed), len(sa)) for k in ma}
+    # A figure only one side has (a DFlash 2 drafter's selector walks beside a DFlash one) has no difference.
+    out = {k: Difference(la, lb, k, paired_difference(ma[k], mb[k], n_resamples, seed), len(sa))
+           for k in ma if k in mb and k not in {category_tau(c) for c in categories}}
+    m = len(categories)
+    level = 1 - (1 - DEFAULT_LEVEL) / m if m > 1 else DEFAULT_LEVEL
+    headline = out[TAU].verdict.endswith(" is better")
+    for c in categories:
+        k = category_tau(c)
+        out[k] = Difference(la, lb, k, paired_difference(ma[k], mb[k], n_resamples, seed, level), len(sa), level, m,
+                            gated=m > 1 and not headline)
+    return out
 
 
 def delta_metrics(live: Sequence[Any], baselines: Sequence[Any], n_resamples: int = DEFAULT_RESAMPLES,
@@ -206,15 +248,24 @@ def compare(labels: Sequence[str], results: Sequence[Results], n_resamples: int 
     diffs = {}
     for i, j in combinations(range(len(results)), 2):
         diffs[(i, j)] = paired(aligned[i], aligned[j], labels[i], labels[j], budgets, categories, n_resamples, seed)
-    notes = [m for m in [tail_blocks_mismatch(list(zip(labels, (r.tail_blocks for r in results), strict=True)))] if m]
+    notes = [m for m in [series_mismatch(list(zip(labels, (r.series for r in results), strict=True)))] if m]
     return Comparison(list(labels), list(results), aligned, budgets, categories, ivs, diffs,
                       check_edges(position_edges), notes)
 
+
+# Every family walk's tau key, in a fixed order (``metrics.FAMILY_COUNTS``).
+FAMILY_WALKS = tuple(dict.fromkeys(w for f in FAMILY_COUNTS.values() for w in f.walks))
+# The selector's anchor figures, shown per evaluation from its own file (each file's own statistics set).
+SELECTOR_ROWS = (SELECTOR_RECALL, SELECTOR_ACC)
 
 _LABELS = {
     TAU: "tau (pooled over cycles)",
     TAU_REQUEST_MEAN: "tau, mean over requests (dflash.benchmark)",
     ACCEPT_LENGTH_SERVED: "served accept length, mean over requests (SGLang)",
+    SELECTOR_UNARY_TAU: "DFlash 2: tau with the selector off (unary argmax)",
+    SELECTOR_ORACLE_TAU: "DFlash 2: tau with a perfect selector over the candidates",
+    SELECTOR_RECALL: "DFlash 2: target among the unary top-K (pooled)",
+    SELECTOR_ACC: "DFlash 2: selector's pick given recall (pooled)",
 }
 
 
@@ -224,7 +275,8 @@ def _metric_label(metric: str) -> str:
     if metric.startswith("ddtree/tau_b"):
         return f"DDTree tau, budget {metric.rsplit('_b', 1)[1]}"
     if metric.startswith("category/"):
-        return f"tau, {metric.split('/')[1]}"
+        _, category, name = metric.split("/", 2)
+        return f"tau, {category}" + (", mean over requests (dflash.benchmark)" if name == TAU_REQUEST_MEAN else "")
     return metric
 
 
@@ -236,12 +288,16 @@ def _fmt_iv(iv: Interval) -> str:
 
 
 def _metrics_order(c: Comparison) -> list[str]:
+    """The rows of the tables: every evaluation's figures, then the walks of a drafter family some evaluations
+    have (DFlash 2's selector walks: "n/a" for the others)."""
+    walks = [w for w in FAMILY_WALKS if any(w in iv for iv in c.intervals)]
     return [TAU, TAU_REQUEST_MEAN, ACCEPT_LENGTH_SERVED, *(ddtree_tau(b) for b in c.budgets),
-            *(category_tau(x) for x in c.categories)]
+            *(category_tau(x) for x in c.categories), *walks]
 
 
 def published_rows(c: Comparison, published: Sequence[Any]) -> list[str]:
-    """Markdown rows: each published figure beside every evaluation's figure of the same convention.
+    """Markdown rows: each published figure beside every evaluation's figure of the same convention (a figure of
+    a category the evaluations do not have: beside their figure over all prompts, marked ``(all prompts)``).
 
     ``published``: ``baselines.Baseline`` entries of kind published (their metric names already carry the
     convention, ``baselines.published_metric``). A figure no evaluation has is listed as such.
@@ -249,9 +305,17 @@ def published_rows(c: Comparison, published: Sequence[Any]) -> list[str]:
     rows = []
     for b in published:
         for m, v in sorted(b.metrics.items()):
-            live = [c.intervals[i][m] if m in c.intervals[i] else None for i in range(len(c.labels))]
-            cells = " | ".join("n/a" if iv is None else _fmt_iv(iv) for iv in live)
-            rows.append(f"| {b.name} | {_metric_label(m)} | {v:.3f} | {cells} |")
+            cells = []
+            for iv in c.intervals:
+                # A benchmark these prompts do not have: beside the same convention over all prompts, said so.
+                overall = m.rsplit("/", 1)[1] if m.startswith("category/") and m not in iv else None
+                if m in iv:
+                    cells.append(_fmt_iv(iv[m]))
+                elif overall in iv:
+                    cells.append(f"{_fmt_iv(iv[overall])} (all prompts)")
+                else:
+                    cells.append("n/a")
+            rows.append(f"| {b.name} | {_metric_label(m)} | {v:.3f} | {' | '.join(cells)} |")
     return rows
 
 
@@ -268,7 +332,12 @@ def render_markdown(c: Comparison, plot_path: str | None = None, published: Sequ
         lines.append(f"- **{d[TAU].text}**: {d[TAU].verdict}")
     lines += ["", "| metric | " + " | ".join(c.labels) + " |", "|---" * (len(c.labels) + 1) + "|"]
     for m in _metrics_order(c):
-        lines.append(f"| {_metric_label(m)} | " + " | ".join(_fmt_iv(iv[m]) for iv in c.intervals) + " |")
+        lines.append(f"| {_metric_label(m)} | " + " | ".join(_fmt_iv(iv[m]) if m in iv else "n/a"
+                                                               for iv in c.intervals) + " |")
+    for m in SELECTOR_ROWS:
+        if any(r.metric(m) is not None for r in c.results):  # the whole file's figure, with its own interval
+            lines.append(f"| {_metric_label(m)} | " + " | ".join(metric_with_interval(r, m) for r in c.results)
+                         + " |")
     if published:
         lines += ["", "### Published figures (other prompts and hardware: context, not measured here)", "",
                   "Each figure stands beside the figure of its own convention on these prompts.", "",
@@ -278,9 +347,18 @@ def render_markdown(c: Comparison, plot_path: str | None = None, published: Sequ
               "|---|---|---|---|"]
     for (i, j), d in c.differences.items():
         for m in _metrics_order(c):
+            if m not in d:
+                continue
             x = d[m]
+            level = f" [{x.level:.1%}]" if x.level != DEFAULT_LEVEL else ""
             lines.append(f"| {c.labels[j]} - {c.labels[i]} | {_metric_label(m)} | {x.interval.value:+.3f} "
-                         f"[{x.interval.low:+.3f}, {x.interval.high:+.3f}] | {x.verdict} |")
+                         f"[{x.interval.low:+.3f}, {x.interval.high:+.3f}]{level} | {x.verdict} |")
+    if len(c.categories) > 1:
+        m = len(c.categories)
+        lines += ["", f"The {m} category rows are {m} comparisons at once: a category has a verdict only where the "
+                  f"overall tau has one, from an interval Bonferroni-corrected for {m} comparisons "
+                  f"({1 - (1 - DEFAULT_LEVEL) / m:.1%} each). The tables by position and cycle below are "
+                  "descriptive: tau and its cycle count per bucket, no verdict."]
     for title, tables in (("By position in the completion (tau, cycles)",
                            [position_table(s, c.position_edges) for s in c.samples]),
                           ("By cycle index after the prompt (tau, cycles)", [cycle_table(s) for s in c.samples])):
@@ -293,8 +371,8 @@ def render_markdown(c: Comparison, plot_path: str | None = None, published: Sequ
     for label, r in zip(c.labels, c.results, strict=True):
         step = r.drafter_step
         lines.append(f"- {label}: drafter `{r.drafter_path}`" + (f" (global step {step})" if step is not None else "")
-                     + f", {len(r.samples)} samples, dtype {r.meta.get('dtype')}, tail blocks "
-                     + (r.tail_blocks or "not recorded"))
+                     + f", {len(r.samples)} samples, block {r.block_size or 'not recorded'}, dtype "
+                     + f"{r.meta.get('dtype')}, tail blocks " + (r.tail_blocks or "not recorded"))
     if plot_path:
         lines += ["", f"![comparison]({plot_path})"]
     return "\n".join(lines) + "\n"
@@ -334,8 +412,13 @@ def plot_comparison(c: Comparison, path: str | Path) -> Path:
     ax = axes[2]
     for label, s in zip(c.labels, c.samples, strict=True):
         t = position_table(s, c.position_edges)
-        ax.plot(list(t), [math.nan if v["tau"] is None else v["tau"] for v in t.values()], "o-", label=label)
-    ax.set(xlabel="anchor position in the completion", ylabel="tau", title="tau by position")
+        ys = [math.nan if v["tau"] is None else v["tau"] for v in t.values()]
+        ax.plot(list(t), ys, "o-", label=label)
+        for k, (v, y) in enumerate(zip(t.values(), ys, strict=True)):  # what each point rests on
+            if math.isfinite(y):
+                ax.annotate(f"{v['cycles']}", (k, y), textcoords="offset points", xytext=(0, 4), fontsize=7,
+                            ha="center")
+    ax.set(xlabel="anchor position in the completion", ylabel="tau (cycles at each point)", title="tau by position")
     ax.tick_params(axis="x", rotation=20)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -378,10 +461,18 @@ def _labels(paths: Sequence[str], given: str | None) -> list[str]:
             raise CompareError(f"--labels {given!r}: {dup} given more than once; the labels name the columns and "
                                "the differences, so give each file its own name")
         return labels
-    stems = [Path(p).stem for p in paths]
-    if len(set(stems)) == len(stems):
-        return stems
-    return [f"{Path(p).parent.name}/{Path(p).stem}" for p in paths]
+    resolved = [Path(p).resolve() for p in paths]
+    for k, r in enumerate(resolved):
+        if r in resolved[:k]:
+            raise CompareError(f"{paths[k]} is given twice (as {paths[resolved.index(r)]} too): a file compared "
+                               "with itself differs by nothing; give two different results files")
+    # The shortest tail of each path as given (folders and stem) that tells the files apart.
+    tails = [tuple(x for x in Path(p).with_suffix("").parts if x != Path(p).anchor) for p in paths]
+    for n in range(1, max(map(len, tails)) + 1):
+        labels = ["/".join(t[-n:]) for t in tails]
+        if len(set(labels)) == len(labels):
+            return labels
+    return [str(p) for p in paths]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -413,6 +504,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     edges = parse_position_edges("--position-edges", args.position_edges)  # the callback's rule
     if args.resamples < 1:
         raise CompareError(f"--resamples must be >= 1, got {args.resamples}")
+    if args.seed < 0:
+        raise CompareError(f"--seed {args.seed}: expected an integer >= 0 (the bootstrap's seed, default "
+                           f"{DEFAULT_SEED})")
     threads = set_threads(parse_threads(args.threads))
     out = Path(args.out)
     check_outputs_apart([("results file", p) for p in args.results],

@@ -80,18 +80,34 @@ class DrafterShape:
         return self.layers * 2 * self.kv_heads * self.head_dim * itemsize
 
 
-def block_gflop(shape: DrafterShape, context: int, positions: float) -> float:
+def block_gflop(shape: DrafterShape, context: int, positions: float, lattice: bool = False) -> float:
     """GFLOP of one drafted block at an anchor ``context`` tokens in, of which ``positions`` depths are
     read: every layer's token-wise matmuls over the block (the last layer's output projection and MLP
     only at the positions read: they are token-wise, docs/method.md), attention over context + block,
-    and the output head at the positions read."""
+    and the output head at the positions read.
+
+    A DFlash 2 drafter (``shape.selector_rank``) also pays: its last layer at every position (its convolutions
+    mix neighbouring positions, so nothing of it is deferred), each layer's two convolutions at every position
+    (their kernel projections and the two stages of taps), and at every position read the selector (the hidden
+    projection and the K candidates' pair scores given one predecessor); with ``lattice`` (DDTree budgets) the
+    pair scores of every candidate given each of the K candidates one depth up (``selector.transition_logprobs``).
+    """
     b = shape.block_size
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     qkv = shape.hidden * (q + 2 * kv)
     tail = shape.layer_params - qkv  # o_proj and the MLP
-    tokenwise = 2 * b * (shape.layers - 1) * shape.layer_params + 2 * b * qkv + 2 * positions * tail
     head = 2 * positions * shape.hidden * shape.vocab
-    return (tokenwise + head) / 1e9 + attention_gflop(shape, context)
+    if not shape.selector_rank:
+        tokenwise = 2 * b * (shape.layers - 1) * shape.layer_params + 2 * b * qkv + 2 * positions * tail
+        return (tokenwise + head) / 1e9 + attention_gflop(shape, context)
+    h, r, k, taps = shape.hidden, shape.selector_rank, shape.selector_top_k, shape.conv_taps
+    # Per position and layer, two convolutions: a kernel projection (h -> 2 x taps x groups) and two stages of
+    # taps multiply-adds with the per-group offset added to the base kernel.
+    conv = shape.layers * 2 * (2 * h * 2 * taps * shape.conv_groups + 2 * 3 * taps * h)
+    tokenwise = 2 * b * shape.layers * shape.layer_params + b * conv
+    pick = 2 * h * r + r + 2 * k * r  # H(h), A[previous] * H(h), its product with the K successor codes
+    tree = (k * r + 2 * k * k * r) if lattice else 0
+    return (tokenwise + head + positions * (pick + tree)) / 1e9 + attention_gflop(shape, context)
 
 
 def attention_gflop(shape: DrafterShape, context: int) -> float:
@@ -129,7 +145,7 @@ class EvalCost:
     samples: int = 0
     waves: int = 0  # groups of samples evaluated together (``MemoryLimits.context_bytes``)
     passes: float = 0.0  # drafter passes: a wave's rounds (at most ``max_blocks`` blocks a pass), summed
-    topk_values: float = 0.0  # the head's top-K for the trees: read positions x min(largest budget, vocabulary)
+    topk_values: float = 0.0  # the head's top-K: tree positions x min(largest budget, vocab); DFlash 2: read x K
     tree_pops: float = 0.0  # DDTree heap pops: drafted anchors x the largest budget
     tree_slots: float = 0.0  # candidate slots those pops scan: drafted anchors x the largest budget squared
     tree_steps: float = 0.0  # pops made for every anchor of a pass at once: passes x the largest budget
@@ -255,7 +271,7 @@ def evaluation_cost(shape: DrafterShape, samples: Sequence[tuple[int, int]], tau
         scale = counted[0] / predicted.anchors if predicted.anchors else 1.0
     d = shape.block_size - 1
     top = max(budgets, default=0)
-    anchors, gflop, attention, passes, waves = 0, 0.0, 0.0, 0.0, 1
+    anchors, gflop, attention, passes, waves, read = 0, 0.0, 0.0, 0.0, 1, 0.0
     wave: list[int] = []
     wave_bytes, wave_drafted = 0, 0.0
     for prompt, scored in samples:
@@ -277,7 +293,8 @@ def evaluation_cost(shape: DrafterShape, samples: Sequence[tuple[int, int]], tau
         else:
             positions = stats * d + max(0.0, drafted - stats) * min(d, tau)
         mid = prompt + completion // 2  # the average anchor's context
-        gflop += drafted * block_gflop(shape, mid, positions / drafted)
+        gflop += drafted * block_gflop(shape, mid, positions / drafted, lattice=bool(budgets))
+        read += positions
         attention += drafted * attention_gflop(shape, mid)
         anchors += math.ceil(drafted)
         wave.append(completion)
@@ -285,8 +302,11 @@ def evaluation_cost(shape: DrafterShape, samples: Sequence[tuple[int, int]], tau
     passes += drafting_passes(wave, [tau, *taus], anchor_stride, draft_all, wave_drafted, limits.max_blocks)
     if counted is not None:
         anchors, passes = counted
-    return EvalCost(anchors, gflop, attention, len(samples), waves, passes, anchors * d * min(top, shape.vocab),
-                    anchors * top, anchors * top * top, passes * top)
+    # The head's top-K: for the trees at every depth of every drafted anchor; a DFlash 2 drafter takes its
+    # selector's K candidates at every position read, with or without trees.
+    topk = read * shape.selector_top_k if shape.selector_rank else anchors * d * min(top, shape.vocab)
+    return EvalCost(anchors, gflop, attention, len(samples), waves, passes, topk, anchors * top, anchors * top * top,
+                    passes * top)
 
 
 def memory_bound(shape: DrafterShape, context_tokens: int, *, weight_itemsize: int, head_itemsize: int,
@@ -302,10 +322,13 @@ def memory_bound(shape: DrafterShape, context_tokens: int, *, weight_itemsize: i
     - ``head_logits`` and ``attention``: the chunked temporaries, ``limits.head_bytes`` and
       ``limits.attn_bytes``;
     - DFlash 2 only: ``codebooks``, the selector's two [vocab, rank] codebooks in the weights' dtype, and
-      ``selector``, its temporaries for a pass of ``limits.max_blocks`` blocks (``selector.transition_logprobs``):
-      four float32 [blocks, depths, K, rank] tensors (the candidates' successor codes, a transposed copy the
-      matmul makes, their predecessor codes, and those times ``H(h)``) and three 8-byte [blocks, depths, K, K]
-      ones (the edge scores, in float32 and float64, and their log-softmax).
+      ``selector``, the temporaries of its lattice (DDTree budgets; ``selector.transition_logprobs``), built
+      ``LATTICE_BLOCKS`` blocks at a time: four float32 [blocks, depths, K, rank] tensors (the candidates'
+      successor codes, a transposed copy the matmul makes, their predecessor codes, and those times ``H(h)``)
+      and three 8-byte [blocks, depths, K, K] ones (the edge scores, in float32 and float64, and their
+      log-softmax), plus the lattice's log-probabilities of the pass (float64 [max_blocks, depths, K, K]) that
+      the tree reads. The selector's pick makes its candidates' codes a few hundred rows at a time
+      (``dflash2.PICK_ROWS``): megabytes, not counted.
     """
     b = limits.max_blocks * shape.block_size
     parts = {
@@ -317,10 +340,16 @@ def memory_bound(shape: DrafterShape, context_tokens: int, *, weight_itemsize: i
         "attention": limits.attn_bytes,
     }
     if shape.selector_rank:
-        k, cells = shape.selector_top_k, limits.max_blocks * (shape.block_size - 1) * shape.selector_top_k
+        k, d = shape.selector_top_k, shape.block_size - 1
+        chunk = min(limits.max_blocks, LATTICE_BLOCKS) * d * k
         parts["codebooks"] = shape.codebook_params * weight_itemsize
-        parts["selector"] = cells * (4 * shape.selector_rank * 4 + 3 * k * 8)
+        parts["selector"] = chunk * (4 * shape.selector_rank * 4 + 3 * k * 8) + limits.max_blocks * d * k * k * 8
     return parts
+
+
+# Blocks whose DFlash 2 selector lattice is built at once (``dflash2.SelectorProposer.tree``): its code
+# temporaries, [blocks, depths, K, rank] float32 each, stay tens of MB at the real width.
+LATTICE_BLOCKS = 64
 
 
 # ``drafting_passes`` tends to count more rounds than there are (walks meet drafted anchors more often than

@@ -27,33 +27,45 @@ class DDTreeBudgetError(DFlashCBError, ValueError):
     """A DDTree node budget larger than any tree of the block and vocabulary can use."""
 
 
-def max_ddtree_budget(block_size: int | None = None, vocab_size: int | None = None) -> int:
+def max_ddtree_budget(block_size: int | None = None, vocab_size: int | None = None,
+                      candidates: int | None = None) -> int:
     """The largest DDTree node budget worth running for this block size and vocabulary.
 
-    A tree holds at most ``vocab_size ** d`` distinct nodes at depth ``d`` (each node has at most
-    one child per token), for ``d = 1 .. block_size - 1``; past that every pop is empty. The
-    result is that count, or ``DDTREE_MAX_BUDGET`` when it is smaller (or either is not known yet).
+    A tree holds at most ``width ** d`` distinct nodes at depth ``d`` (each node has at most one child per
+    token it may be followed by), for ``d = 1 .. block_size - 1``; past that every pop is empty. ``width`` is
+    the vocabulary, or ``candidates`` when a node's children are drawn from that many (a DFlash 2 drafter's
+    selector lattice: ``selector_top_k`` per position). The result is that count, or ``DDTREE_MAX_BUDGET``
+    when it is smaller (or the block or width is not known yet).
     """
-    if block_size is None or vocab_size is None:
+    width = candidates if candidates is not None else vocab_size
+    if block_size is None or width is None:
         return DDTREE_MAX_BUDGET
     total, level = 0, 1
     for _ in range(block_size - 1):
-        level *= vocab_size
+        level *= width
         total += level
         if total >= DDTREE_MAX_BUDGET:
             return DDTREE_MAX_BUDGET
     return total
 
 
-def check_ddtree_budgets(budgets: Iterable[int], block_size: int | None, vocab_size: int | None, name: str) -> None:
-    """Refuse budgets above ``max_ddtree_budget`` (the tools and the callback, before any work)."""
-    limit = max_ddtree_budget(block_size, vocab_size)
+def check_ddtree_budgets(budgets: Iterable[int], block_size: int | None, vocab_size: int | None, name: str,
+                         candidates: int | None = None) -> None:
+    """Refuse budgets above ``max_ddtree_budget`` (the tools and the callback, before any work). ``candidates``:
+    the children a node may have per position when fewer than the vocabulary (``DrafterSpec.selector_top_k``
+    of a DFlash 2 drafter, whose tree is over its selector's lattice)."""
+    limit = max_ddtree_budget(block_size, vocab_size, candidates)
     over = sorted(b for b in budgets if b > limit)
     if over:
-        why = ("the documented maximum (dflash_cb.core.ddtree.DDTREE_MAX_BUDGET: the cost grows with the square of "
-               "the budget)"
-               if limit == DDTREE_MAX_BUDGET else
-               f"the most distinct nodes a tree can have with block size {block_size} and vocabulary {vocab_size}")
+        if limit == DDTREE_MAX_BUDGET:
+            why = ("the documented maximum (dflash_cb.core.ddtree.DDTREE_MAX_BUDGET: the cost grows with the square "
+                   "of the budget)")
+        elif candidates is not None:
+            why = (f"the nodes of a DFlash 2 drafter's selector lattice with block size {block_size} and "
+                   f"selector_top_k {candidates} ({' + '.join(f'{candidates}^{d}' for d in range(1, block_size))}; "
+                   "its tree is over the selector's candidates, docs/method.md \"DFlash 2\")")
+        else:
+            why = f"the most distinct nodes a tree can have with block size {block_size} and vocabulary {vocab_size}"
         raise DDTreeBudgetError(f"{name} {over}: above {limit}, {why}; use budgets of at most {limit}")
 
 

@@ -19,15 +19,18 @@ from torch import nn
 from transformers import Qwen3Config
 
 from . import selector
+from .cost import LATTICE_BLOCKS
 from .families import DFLASH2_FIELDS, FAMILY_ARCHITECTURE
 from .model import (
     ContextKV,
     DFlashDecoderLayer,
     DFlashDrafter,
+    DrafterSpec,
     HiddenBlocks,
     _dflash_value,
     draft_logits,
 )
+from .proposers import Proposer, RowDrafts, logit_chunks, stored_overlap
 
 # The submodules only a DFlash 2 drafter has: a key naming one of them is a DFlash 2 key.
 DFLASH2_MODULES = ("attention_conv", "mlp_conv", "candidate_selector")
@@ -260,3 +263,118 @@ class DFlash2Drafter(DFlashDrafter):
         ids, unary, query = self.selector_inputs(hidden, lm_head)
         return selector.walk_draft(ids, unary, query, anchor, *self.codebooks)
 
+
+
+# -- the engine's proposer --------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SelectorWeights:
+    """The selector's tensors: ``projection`` [R, H] (``hidden_projection.weight``), the codebooks [V, R]."""
+
+    projection: torch.Tensor
+    predecessor: torch.Tensor
+    successor: torch.Tensor
+
+    @classmethod
+    def of(cls, module: Any) -> SelectorWeights:
+        """From a module with a ``candidate_selector`` (ours, the reference's ``DFlash2DraftModel`` whose codebooks
+        are embeddings, or a training module with those names); the tensors are shared, not copied."""
+        selector_module = getattr(module, "candidate_selector", None)
+        if selector_module is None:
+            raise ValueError(f"a DFlash 2 drafter is scored with its selector, but {type(module).__name__} has no "
+                             "candidate_selector (hidden_projection, predecessor_codebook, successor_codebook); "
+                             "pass the drafter module itself (dflash_cb.core.dflash2.DFlash2Drafter or the reference "
+                             "DFlash2DraftModel)")
+
+        def weight(part: Any) -> torch.Tensor:
+            return part if isinstance(part, torch.Tensor) else part.weight
+
+        return cls(weight(selector_module.hidden_projection), weight(selector_module.predecessor_codebook),
+                   weight(selector_module.successor_codebook))
+
+
+# Rows whose selector pick is computed at once (``SelectorProposer.rows``): their candidates' codes, [rows, K, rank]
+# float32, stay a few MB (8 MB at K 16 and rank 256), and so in cache.
+PICK_ROWS = 256
+
+
+class SelectorProposer(Proposer):
+    """DFlash 2 (docs/method.md, "DFlash 2"): the draft at a depth is the selector's pick among the unary top-K
+    candidates given the predecessor (``selector.choose``); DDTree over the selector's lattice
+    (``selector.lattice_tree_accepted``); the block shown is the selector's greedy walk.
+
+    Its extra walks (``metrics.FAMILY_COUNTS``): the unary argmax path (the selector off: a depth is accepted
+    when the head's argmax is the target's token) and a perfect selector over the K candidates (accepted while
+    the target's token is among them); its per-depth count: that recall. SpecForge's accuracy scores the unary
+    argmax, as SpecForge's inherited DFlash accuracy does."""
+
+    family = "dflash2"
+
+    def __init__(self, spec: DrafterSpec, lm_head: torch.Tensor, mem_bytes: int, weights: SelectorWeights):
+        super().__init__(spec, lm_head, mem_bytes)
+        if spec.selector_top_k is None:
+            raise ValueError("a DFlash 2 drafter spec needs selector_top_k")
+        self.weights, self.k = weights, int(spec.selector_top_k)
+
+    def project(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``H(h)`` [..., R] float32, in the projection's own dtype (no autocast: as the reference module runs)."""
+        w = self.weights.projection
+        with torch.autocast(hidden.device.type, enabled=False):
+            return F.linear(hidden.to(w.dtype), w).float()
+
+    def rows(self, hidden: torch.Tensor, previous: torch.Tensor, target: torch.Tensor, *, tree_k: int = 0,
+             parts: bool = False, target_topk: tuple[torch.Tensor, torch.Tensor] | None = None) -> RowDrafts:
+        w = self.weights
+        tokens, unary_first, recall, overlap, kept = [], [], [], [], []
+        for at, logits in logit_chunks(hidden, self.lm_head, self.spec, self.mem_bytes):
+            ids, unary = selector.top_candidates(logits, self.k)
+            del logits
+            query = self.project(hidden[at])
+            with torch.autocast(hidden.device.type, enabled=False):
+                # ``PICK_ROWS`` rows at a time: their [rows, K, R] code temporaries stay in cache (a few MB).
+                picks = [selector.choose(ids[i:i + PICK_ROWS], unary[i:i + PICK_ROWS], query[i:i + PICK_ROWS],
+                                         previous[at][i:i + PICK_ROWS], w.predecessor, w.successor)
+                         for i in range(0, ids.shape[0], PICK_ROWS)]
+            token, scores = (torch.cat(x) for x in zip(*picks, strict=True))
+            tokens.append(token)
+            unary_first.append(ids[:, 0])  # the head's argmax: the first of the canonical order
+            recall.append((ids == target[at, None]).any(-1))
+            if target_topk is not None:
+                t_ids = target_topk[0][at]
+                # The selector's temperature-1 proposal: a softmax of S over the candidates, zero elsewhere.
+                q = torch.softmax(scores, -1)
+                drawn = (ids[:, None, :] == t_ids[:, :, None]).to(q.dtype) @ q[:, :, None]
+                overlap.append(stored_overlap(t_ids, target_topk[1][at], drawn[..., 0]))
+            if parts:
+                kept.append((ids, unary, query))
+        cat = torch.cat
+        unary_argmax, hit = cat(unary_first), cat(recall)
+        # In the order of metrics.FAMILY_COUNTS["dflash2"]: walks (unary path, perfect selector), then the count.
+        walks = torch.stack([unary_argmax == target, hit], dim=1)
+        return RowDrafts(cat(tokens), walks, hit[:, None], unary_argmax, cat(overlap) if overlap else None,
+                         tuple(cat(x) for x in zip(*kept, strict=True)) if parts else None)
+
+    def _lattice(self, parts: Any, n: int, d: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        ids, unary, query = parts
+        return ids.view(n, d, self.k), unary.view(n, d, self.k), query.view(n, d, -1)
+
+    def tree(self, parts: Any, anchor: torch.Tensor, depths: torch.Tensor, target: torch.Tensor,
+             inside: torch.Tensor, max_budget: int) -> torch.Tensor:
+        n, d = target.shape
+        ids, unary, query = self._lattice(parts, n, d)
+        firsts, steps = [], []
+        with torch.autocast(ids.device.type, enabled=False):
+            # ``LATTICE_BLOCKS`` blocks at a time: their [blocks, D, K, R] code temporaries stay small (and in cache).
+            for i in range(0, n, LATTICE_BLOCKS):
+                at = slice(i, i + LATTICE_BLOCKS)
+                f, s = selector.transition_logprobs(ids[at], unary[at], query[at], anchor[at], self.weights.predecessor,
+                                                    self.weights.successor)
+                firsts.append(f)
+                steps.append(s)
+        return selector.lattice_tree_accepted(torch.where(inside[..., None], ids, -2), torch.cat(firsts),
+                                              torch.cat(steps), depths, target, max_budget)
+
+    def block(self, parts: Any, tokens: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+        ids, unary, query = self._lattice(parts, *tokens.shape)
+        with torch.autocast(ids.device.type, enabled=False):
+            return selector.walk_draft(ids, unary, query, anchor, self.weights.predecessor, self.weights.successor)

@@ -1,23 +1,45 @@
 """The drafter families in one table: which class a config (or, when it does not say, the keys of its
-weights) is, how to build one, check a layout against every family, and adopt a live training module.
+weights) is, how to build one, check a layout against every family, adopt a live training module, and
+which proposer scores it (``proposers``: how the engine turns its hidden states into drafts).
 
 ``checkpoints.load_drafter`` / ``extract_drafter`` load through here, and the engine drives any module it
-is given through ``adopt_module`` when the module has one of these layouts.
+is given through ``adopt_module`` when the module has one of these layouts. A new family is a class, a
+proposer and a row in each of ``CLASSES`` and ``PROPOSERS`` (and ``metrics.FAMILY_COUNTS`` when it adds figures).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
-from .dflash2 import DFlash2Drafter, is_dflash2_key, published_state
+from .dflash2 import DFlash2Drafter, SelectorProposer, SelectorWeights, is_dflash2_key, published_state
 from .families import DFLASH2_FIELDS, FAMILIES, FAMILY_ARCHITECTURE, Family, config_family
-from .model import DFlashDrafter, load_state_dict_strict
+from .model import DFlashDrafter, DrafterSpec, load_state_dict_strict
+from .proposers import ArgmaxProposer, Proposer
 
 CLASSES: dict[Family, type[DFlashDrafter]] = {"dflash": DFlashDrafter, "dflash2": DFlash2Drafter}
+
+
+def _argmax_proposer(spec: DrafterSpec, module: Any, lm_head: torch.Tensor, mem_bytes: int) -> Proposer:
+    return ArgmaxProposer(spec, lm_head, mem_bytes)
+
+
+def _selector_proposer(spec: DrafterSpec, module: Any, lm_head: torch.Tensor, mem_bytes: int) -> Proposer:
+    return SelectorProposer(spec, lm_head, mem_bytes, SelectorWeights.of(module))
+
+
+# Per family: ``(spec, drafter module or None, the target's head [V, H], head memory bytes) -> Proposer``.
+PROPOSERS: dict[Family, Callable[[DrafterSpec, Any, torch.Tensor, int], Proposer]] = {
+    "dflash": _argmax_proposer, "dflash2": _selector_proposer}
+
+
+def proposer_for(spec: DrafterSpec, module: Any, lm_head: torch.Tensor, mem_bytes: int) -> Proposer:
+    """The proposer of ``spec.family`` for a drafter (``module``: its weights beyond the blocks, e.g. DFlash 2's
+    selector; None for a plain callable) with the target's head ``lm_head``, its logits under ``mem_bytes``."""
+    return PROPOSERS[spec.family](spec, module, lm_head, mem_bytes)
 
 
 def drafter_family(config: Any, keys: Iterable[str] | None = None) -> Family:

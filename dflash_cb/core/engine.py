@@ -1,7 +1,13 @@
 """The evaluation engine: drafts only where the replays and the anchor statistics look, batched
 across samples (the method, and why the replay is exact: docs/method.md).
 
-The replays (the greedy walk and one walk per DDTree budget, for every sample) advance in rounds.
+What a drafter's hidden states draft is its family's ``proposers.Proposer`` (``drafters.PROPOSERS``): DFlash's
+head argmax, DFlash 2's selector given the target's own predecessor (docs/method.md, "DFlash 2"); the engine
+reads hidden rows, hands them to it, and walks what it answers. A family may add walks of its own (DFlash 2:
+the unary-argmax path and a perfect selector) and per-depth statistics (``metrics.FAMILY_COUNTS``).
+
+The replays (the greedy walk, one walk per DDTree budget and the family's own walks, for every sample)
+advance in rounds.
 Each round collects the anchors that the live walks need next, plus, in the first round, the
 fixed anchor-statistics set (per sample every ``anchor_stride``-th anchor from a drawn offset,
 ``anchor_sets``; the union over the extra strides); each distinct (sample, anchor) is drafted once
@@ -45,7 +51,8 @@ from ..common.errors import DFlashCBError
 from ..common.timing import NO_TIMER, PhaseTimer
 from .anchor_sets import DEFAULT_ANCHOR_SEED, offsets_for, strided
 from .cost import COST_GROUPS, DEFAULT_LIMITS, MemoryLimits
-from .ddtree import ddtree_accepted
+from .drafters import adopt_module, proposer_for
+from .families import Family
 from .metrics import TAU, AnchorCounts, EvalCounts, anchor_counts_per_sample, summarize
 from .model import (
     BlockRows,
@@ -54,9 +61,9 @@ from .model import (
     DFlashDrafter,
     DrafterSpec,
     HiddenBlocks,
-    draft_logits,
     specforge_mask_difference,
 )
+from .proposers import Proposer, RowDrafts, apply_head, predecessors
 from .replay import (
     SampleBounds,
     TailBlocks,
@@ -104,6 +111,9 @@ class DraftRunner:
     spec: DrafterSpec
     # Whether ``specforge_rows`` can run SpecForge's masks where they differ from the served ones.
     has_specforge_masks = False
+    # The drafter's module, for what a family's proposer reads besides the blocks (DFlash 2's selector); None
+    # for a plain callable.
+    module: Any = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -142,7 +152,7 @@ class FastRunner(DraftRunner):
     has_specforge_masks = True
 
     def __init__(self, drafter: DFlashDrafter, limits: MemoryLimits = DEFAULT_LIMITS):
-        self.drafter = drafter
+        self.drafter = self.module = drafter
         self.spec = drafter.spec
         self.limits = limits
 
@@ -180,7 +190,7 @@ class PerAnchorRunner(DraftRunner):
     """
 
     def __init__(self, fn: Callable[..., torch.Tensor], spec: DrafterSpec, dtype: torch.dtype | None = None):
-        self.fn = fn
+        self.fn = self.module = fn
         self.spec = spec
         self._dtype = dtype or torch.float32
 
@@ -217,34 +227,15 @@ def _drafter_config(module: Any) -> Any:
     return getattr(module, "config", None)
 
 
-def adopt_dflash_module(module: nn.Module) -> DFlashDrafter | None:
-    """Our fast drafter sharing (not copying) the weights of a module in the DFlash layout, if it is one."""
-    config = _drafter_config(module)
-    if config is None:
-        return None
-    state = module.state_dict()
-    with torch.device("meta"):
-        try:
-            ours = DFlashDrafter(config)
-        except Exception:
-            return None
-    if set(ours.state_dict()) != set(state):
-        return None
-    ours.load_state_dict(state, assign=True, strict=True)
-    param = next(iter(state.values()))
-    # Non-persistent buffers (rotary inv_freq) are not in a state dict: rebuild them for real.
-    ours.rotary_emb = type(ours.rotary_emb)(config).to(param.device)
-    return ours
-
-
 def as_runner(drafter: Any, spec: DrafterSpec | None = None, limits: MemoryLimits = DEFAULT_LIMITS) -> DraftRunner:
-    """Pick the fastest exact way to drive ``drafter`` (our class, a module in our layout, or a callable)."""
+    """Pick the fastest exact way to drive ``drafter``: our class (DFlash or DFlash 2), a module in either
+    layout (``drafters.adopt_module``: the reference classes, a training loop's own), or a callable."""
     if isinstance(drafter, DraftRunner):
         return drafter
     if isinstance(drafter, DFlashDrafter):
         return FastRunner(drafter, limits)
     if isinstance(drafter, nn.Module):
-        adopted = adopt_dflash_module(drafter)
+        adopted = adopt_module(drafter)
         if adopted is not None:
             return FastRunner(adopted, limits)
     spec = spec or DrafterSpec.of(drafter)
@@ -253,58 +244,6 @@ def as_runner(drafter: Any, spec: DrafterSpec | None = None, limits: MemoryLimit
         p = next(drafter.parameters(), None)
         dtype = p.dtype if p is not None else None
     return PerAnchorRunner(drafter, spec, dtype)
-
-
-# ---------------------------------------------------------------------------
-# Output head, reduced on the fly
-# ---------------------------------------------------------------------------
-
-@dataclass
-class HeadOutputs:
-    argmax: torch.Tensor  # [N]
-    topk_ids: torch.Tensor | None  # [N, K]
-    topk_logprobs: torch.Tensor | None  # [N, K] float32
-    overlap: torch.Tensor | None  # [N] sum_x min(p_target(x), q_draft(x)) over the target's stored top-K
-
-
-def head_rows(vocab: int, mem_bytes: int) -> int:
-    """Rows per head call so that a chunk's logits stay under ``mem_bytes``: the matmul's output, its
-    float32 copy and one float32 temporary (soft-cap, log-sum-exp) of [rows, vocab] each."""
-    return max(1, mem_bytes // (vocab * 4 * 3))
-
-
-def apply_head(hidden: torch.Tensor, lm_head: torch.Tensor, spec: DrafterSpec, k: int,
-               mem_bytes: int = 512 << 20, target_topk: tuple[torch.Tensor, torch.Tensor] | None = None
-               ) -> HeadOutputs:
-    """Logits ``lm_head(hidden) * output_multiplier`` (soft-capped if configured) in row chunks.
-
-    The matmul runs in the head's own dtype, outside any autocast: autocast would otherwise cast the
-    whole [vocab, hidden] head at every call (a transient copy of the largest tensor there is)."""
-    n = hidden.shape[0]
-    vocab = lm_head.shape[0]
-    rows = head_rows(vocab, mem_bytes)
-    k = min(k, vocab)
-    argmaxes, ids, lps, ovl = [], [], [], []
-    hidden = hidden.to(lm_head.dtype)
-    for i in range(0, n, rows):
-        with torch.autocast(hidden.device.type, enabled=False):
-            logits = draft_logits(hidden[i:i + rows], lm_head, spec)
-        argmaxes.append(logits.argmax(dim=-1))
-        if k > 0 or target_topk is not None:
-            lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-        if k > 0:
-            v, j = torch.topk(logits, k, dim=-1)
-            ids.append(j)
-            lps.append(v - lse)
-        if target_topk is not None:
-            t_ids, t_lp = target_topk[0][i:i + rows], target_topk[1][i:i + rows]
-            q = torch.exp(logits.gather(-1, t_ids.clamp(min=0)) - lse)
-            p = torch.exp(t_lp.float())
-            ovl.append(torch.where(t_ids >= 0, torch.minimum(p, q), torch.zeros_like(p)).sum(-1))
-        del logits
-    cat = torch.cat
-    return HeadOutputs(cat(argmaxes), cat(ids) if ids else None, cat(lps) if lps else None,
-                       cat(ovl) if ovl else None)
 
 
 # ---------------------------------------------------------------------------
@@ -322,13 +261,17 @@ class SampleResult:
     # (anchor_sets.anchor_offset) and its anchor-statistic counts over anchors[offset::stride].
     anchor_offsets: dict[int, int] = field(default_factory=dict)
     anchor_counts: dict[int, AnchorCounts] = field(default_factory=dict)
-    # The drafter's block (argmax per depth) at each of the first cycles, when asked (keep_drafts).
+    # The block the drafter proposed at each of the first cycles, when asked (keep_drafts): DFlash's argmax per
+    # depth, DFlash 2's selector walk (``proposers.Proposer.block``).
     drafts: list[list[int]] | None = None
     anchors_drafted: int = 0  # distinct anchors the drafter ran at
     anchors_needed: int = 0  # distinct anchors the walks visited or the statistics set holds
     # Per greedy cycle: drafts equal to the target's tokens before the stop / max_new_tokens cut (only
     # tokens the cache knows can match), SGLang's "correct drafts" (served.py).
     correct_drafts: list[int] = field(default_factory=list)
+    # The drafter family's own walks (``metrics.FAMILY_COUNTS``; DFlash 2: the unary path, a perfect selector):
+    # their cycles' produced, by the walk's tau key.
+    walks: dict[str, list[int]] = field(default_factory=dict)
 
 
 def block_embeddings(tokens: torch.Tensor, anchors: torch.Tensor, length: int, spec: DrafterSpec,
@@ -359,13 +302,20 @@ class _Plan:
 
     strides: tuple[int, ...]  # the statistics strides: ``anchor_stride`` first, then the extra ones
     offsets: dict[int, dict[str, int]]  # per stride: each sample's offset (``anchor_sets``)
-    walks: int  # per sample: the greedy walk, then one per DDTree budget
+    budgets: tuple[int, ...]  # the DDTree budgets: one walk each
+    family_walks: tuple[str, ...]  # the drafter family's own walks (``Proposer.walks``)
+    depth_counts: tuple[str, ...]  # the drafter family's per-depth statistics (``Proposer.depth_counts``)
     depths: int  # drafted depths of a full block (block size - 1)
     keep_drafts: bool
     draft_all: bool  # the first round drafts every anchor (``evaluate(draft_all=True)``)
     stop_token_ids: tuple[int, ...]
     device: torch.device
     verify: bool
+
+    @property
+    def walks(self) -> int:
+        """Walks per sample: the greedy one, one per DDTree budget, then the family's own, in that order."""
+        return 1 + len(self.budgets) + len(self.family_walks)
 
 
 @dataclass
@@ -426,13 +376,15 @@ class _Wave:
         self.produced = torch.full((slots, plan.walks), -1, dtype=torch.long)
         self.correct = torch.zeros(slots, dtype=torch.long)  # greedy leading matches before any cut
         # Per statistics slot: its row of ``StatColumns``; t1.
-        self.stat_table = torch.zeros((slots, StatColumns(depths).width), dtype=torch.int16)
+        self.columns = StatColumns(depths, plan.depth_counts)
+        self.stat_table = torch.zeros((slots, self.columns.width), dtype=torch.int16)
         self.t1 = torch.zeros(slots, dtype=torch.float64)
         self.drafts = torch.zeros((slots, depths), dtype=torch.long) if plan.keep_drafts else None
         self.draft_depths = torch.zeros(slots, dtype=torch.long) if plan.keep_drafts else None
         self.visited = torch.zeros(slots, dtype=torch.bool)
         self.drafted = torch.zeros(len(ids), dtype=torch.long)  # per sample: distinct anchors drafted
         self.walks = _Walks(self, plan.walks)
+        self.family_walks = plan.family_walks
         self.draft_all = plan.draft_all
 
     @property
@@ -494,9 +446,11 @@ class _Wave:
         out = []
         for s, sid in enumerate(self.ids):
             g = lengths[s][0][:cycles[s][0]]
+            first = 1 + len(budgets)  # the family's walks follow the budgets'
             res = SampleResult(sid, self.entries[s].category, g,
                                {b: lengths[s][1 + i][:cycles[s][1 + i]] for i, b in enumerate(budgets)},
                                len(stats_anchors(self.bounds[s], self.strides[0], self.offsets[s][0])))
+            res.walks = {name: lengths[s][first + i][:cycles[s][first + i]] for i, name in enumerate(self.family_walks)}
             res.anchor_offsets = dict(zip(self.strides, self.offsets[s], strict=True))
             res.anchor_counts = {stride: c[s] for stride, c in zip(self.strides, counts, strict=True)}
             res.correct_drafts = correct[s][:len(g)]
@@ -512,36 +466,39 @@ class _Wave:
         """Each sample's counts over its statistics set at stride ``strides[k]``, from the per-anchor rows
         (``metrics.anchor_counts_per_sample``)."""
         rows = (self.stats & self.in_set(k, stride)).nonzero()[:, 0]  # in (sample, anchor) order
-        t, cols = self.stat_table[rows], StatColumns(depths)
+        t, cols = self.stat_table[rows], self.columns
         return anchor_counts_per_sample(self.slot_sample[rows], len(self.ids), cols.get(t, "accepted"),
                                         cols.get(t, "produced"), cols.get(t, "valid"), cols.get(t, "match"),
-                                        cols.get(t, "specforge_match"), specforge, self.t1[rows], self.has_topk)
+                                        cols.get(t, "specforge_match"), specforge, self.t1[rows], self.has_topk,
+                                        {name: cols.get(t, name) for name in cols.extra})
 
 
 class StatColumns:
     """The columns of the engine's per-anchor statistics table (int16, one row per statistics anchor), named
     once: the scalars ``accepted`` (leading matches) and ``produced``, then per depth ``valid`` (the depth
-    exists and its target token is known), ``match`` and ``specforge_match`` (booleans)."""
+    exists and its target token is known), ``match`` and ``specforge_match`` (booleans), then the drafter
+    family's own per-depth booleans ``extra`` (``Proposer.depth_counts``)."""
 
     SCALARS = ("accepted", "produced")
     PER_DEPTH = ("valid", "match", "specforge_match")
 
-    def __init__(self, depths: int):
-        self.depths = depths
+    def __init__(self, depths: int, extra: Sequence[str] = ()):
+        self.depths, self.extra = depths, tuple(extra)
+        self.per_depth = (*self.PER_DEPTH, *self.extra)
         self._at: dict[str, int | slice] = {name: i for i, name in enumerate(self.SCALARS)}
-        for j, name in enumerate(self.PER_DEPTH):
+        for j, name in enumerate(self.per_depth):
             first = len(self.SCALARS) + j * depths
             self._at[name] = slice(first, first + depths)
 
     @property
     def width(self) -> int:
-        return len(self.SCALARS) + len(self.PER_DEPTH) * self.depths
+        return len(self.SCALARS) + len(self.per_depth) * self.depths
 
     def pack(self, **columns: torch.Tensor) -> torch.Tensor:
         """The [rows, width] int16 table (CPU) of ``columns``, one per name."""
         if set(columns) != set(self._at):
             raise ValueError(f"statistics columns {sorted(columns)}, expected {sorted(self._at)}")
-        parts = [columns[n][:, None] for n in self.SCALARS] + [columns[n] for n in self.PER_DEPTH]
+        parts = [columns[n][:, None] for n in self.SCALARS] + [columns[n] for n in self.per_depth]
         return torch.cat([p.long() for p in parts], dim=1).to(device="cpu", dtype=torch.int16)
 
     def get(self, table: torch.Tensor, name: str) -> torch.Tensor:
@@ -648,31 +605,73 @@ class _Walks:
 class _Scored:
     """What drafting a chunk of slots gave (``_Scorer.score``), for ``_Wave.record``."""
 
-    produced: torch.Tensor  # [N, walks] the cycle's produced per walk (greedy, then each budget)
+    produced: torch.Tensor  # [N, walks] the cycle's produced per walk (greedy, each budget, the family's walks)
     accepted: torch.Tensor  # [N] greedy leading matches before any cut
-    argmax: torch.Tensor | None  # [N, D] the greedy block (-2 past the drafted depths), kept for keep_drafts
+    argmax: torch.Tensor | None  # [N, D] the block proposed (-2 past the drafted depths), kept for keep_drafts
     depths: torch.Tensor | None  # [N] drafted depths (block length - 1), with ``argmax``
     stat_rows: torch.Tensor | None  # indexes of the statistics rows among the N
     stat_table: torch.Tensor | None  # [r, StatColumns.width] int16 (CPU)
     t1: torch.Tensor | None  # [r] float64 (CPU): expected accepted length at temperature 1
 
 
+@dataclass
+class _DepthDrafts:
+    """A proposer's ``RowDrafts`` of N blocks as [N, D] tables (-2 / False where a depth was not read)."""
+
+    tokens: torch.Tensor  # [N, D]
+    hits: torch.Tensor  # [N, D, W] bool
+    counts: torch.Tensor  # [N, D, C] bool
+    specforge: torch.Tensor | None  # [N, D], None: ``tokens``
+    overlap: torch.Tensor | None  # [N, D]
+    parts: Any = None
+
+    @classmethod
+    def of(cls, out: RowDrafts, n: int, d: int) -> _DepthDrafts:
+        def view(x: torch.Tensor | None) -> torch.Tensor | None:
+            return None if x is None else x.view(n, d, *x.shape[1:])
+
+        return cls(out.tokens.view(n, d), view(out.hits), view(out.counts), view(out.specforge),
+                   view(out.overlap), out.parts)
+
+    @classmethod
+    def unread(cls, n: int, d: int, walks: int, counts: int, specforge: bool, device: torch.device) -> _DepthDrafts:
+        def table(*shape: int, fill: Any) -> torch.Tensor:
+            return torch.full(shape, fill, dtype=torch.bool if isinstance(fill, bool) else torch.long, device=device)
+
+        return cls(table(n, d, fill=-2), table(n, d, walks, fill=False), table(n, d, counts, fill=False),
+                   table(n, d, fill=-2) if specforge else None, None)
+
+    def put(self, rows: torch.Tensor, out: RowDrafts) -> None:
+        """Every depth of blocks ``rows`` from their ``RowDrafts`` (the overlap is set by the caller)."""
+        n, d = rows.numel(), self.tokens.shape[1]
+        got = _DepthDrafts.of(out, n, d)
+        self.tokens[rows], self.hits[rows], self.counts[rows] = got.tokens, got.hits, got.counts
+        if self.specforge is not None and got.specforge is not None:
+            self.specforge[rows] = got.specforge
+
+
+def _leading(hits: torch.Tensor) -> torch.Tensor:
+    """[N, D] booleans -> [N]: how many leading depths are True (the accepted length of a chain of them)."""
+    return hits.long().cumprod(dim=1).sum(dim=1)
+
+
 class _Scorer:
     """Drafts chunks of a wave's slots and scores them: per walk the ``produced`` of a cycle there, and for
-    anchors of a statistics set their per-anchor statistics.
+    anchors of a statistics set their per-anchor statistics. What the drafter's hidden states draft is the
+    family's ``proposer`` (``proposers.Proposer``): the engine only reads rows and walks them.
 
     ``specforge`` (``SpecForgePass``): how SpecForge's accuracy is drafted.
     """
 
-    def __init__(self, runner: DraftRunner, head: TargetHead, spec: DrafterSpec, budgets: tuple[int, ...],
-                 head_mem_bytes: int, tail_blocks: TailBlocks, specforge: SpecForgePass, keep_drafts: bool,
-                 timer: Any):
-        self.runner, self.head, self.spec, self.budgets = runner, head, spec, budgets
+    def __init__(self, runner: DraftRunner, head: TargetHead, spec: DrafterSpec, proposer: Proposer,
+                 budgets: tuple[int, ...], head_mem_bytes: int, tail_blocks: TailBlocks, specforge: SpecForgePass,
+                 keep_drafts: bool, timer: Any):
+        self.runner, self.head, self.spec, self.proposer, self.budgets = runner, head, spec, proposer, budgets
         self.tail_blocks, self.specforge, self.keep_drafts = tail_blocks, specforge, keep_drafts
         self.head_mem_bytes, self.timer = head_mem_bytes, timer
 
     def score(self, wave: _Wave, slots: torch.Tensor) -> _Scored:
-        spec, head, timer = self.spec, self.head, self.timer
+        spec, head, timer, proposer = self.spec, self.head, self.timer, self.proposer
         tables = wave.scoring
         dev = head.embed_tokens.device
         n, d = spec.block_size, spec.block_size - 1
@@ -690,24 +689,27 @@ class _Scorer:
         last = (tables.length[sample] - 1)[:, None]
         target = tables.tokens[base[:, None] + torch.minimum(pos, last)]
         target = torch.where(pos < tables.known_end[sample][:, None], target, -1)
+        anchor_tokens = tables.tokens[base + anchors]
+        previous = predecessors(anchor_tokens, target)  # teacher forced: the target's own tokens
         target_topk = None
         if tables.topk is not None:
             # The target's distribution for the token at p + k sits at position p + k - 1.
             at = (base[:, None] + torch.minimum(pos - 1, last)).reshape(-1)
             target_topk = (tables.topk[0][at], tables.topk[1][at])
         with timer.phase(HEAD):
-            out = None
             if self.budgets or self.keep_drafts or bool(in_stats.all()):
                 every = torch.arange(len(slots), device=dev)[:, None]
                 flat = blocks.rows(every, depth).reshape(len(slots) * d, -1)
-                out = apply_head(flat, head.lm_head, spec, max(self.budgets, default=0), self.head_mem_bytes,
-                                 target_topk)
-                raw, overlap = out.argmax.view(-1, d), None if out.overlap is None else out.overlap.view(-1, d)
+                drafts = _DepthDrafts.of(proposer.rows(flat, previous.reshape(-1), target.reshape(-1),
+                                                       tree_k=max(self.budgets, default=0),
+                                                       parts=bool(self.budgets) or self.keep_drafts,
+                                                       target_topk=target_topk), len(slots), d)
             else:
-                raw, overlap = self._greedy_head(blocks, target, in_stats, target_topk)
+                drafts = self._greedy_head(blocks, target, previous, in_stats, target_topk)
         # Depths past a (tail) block's length get values that never match or score: -2, -inf, 0.
         inside = depth < lengths[:, None]
-        argmax = torch.where(inside, raw, -2)
+        known = inside & (target >= 0)
+        argmax = torch.where(inside, drafts.tokens, -2)
         accepted = leading_matches(argmax, target)
         first_stop = None
         if wave.has_stops:
@@ -716,48 +718,53 @@ class _Scorer:
         loop_end = tables.loop_end[sample]
         produced = [cut_produced(accepted, anchors, loop_end, first_stop)]
         if self.budgets:
-            assert out is not None and out.topk_ids is not None and out.topk_logprobs is not None
             with timer.phase(DDTREE):
-                kk = out.topk_ids.shape[-1]
-                top_ids = torch.where(inside[..., None], out.topk_ids.view(-1, d, kk), -2)
-                top_lp = torch.where(inside[..., None], out.topk_logprobs.view(-1, d, kk), float("-inf"))
-                tree = ddtree_accepted(top_ids, top_lp, lengths - 1, target, max(self.budgets))
+                tree = proposer.tree(drafts.parts, anchor_tokens, lengths - 1, target, inside, max(self.budgets))
                 produced += [cut_produced(tree[:, b - 1], anchors, loop_end, first_stop) for b in self.budgets]
-        scored = _Scored(torch.stack(produced, dim=1), accepted, argmax if self.keep_drafts else None,
-                         lengths - 1 if self.keep_drafts else None, None, None, None)
+        for w in range(len(proposer.walks)):  # the family's own walks, under the loop's cut rules
+            produced.append(cut_produced(_leading(drafts.hits[..., w] & known), anchors, loop_end, first_stop))
+        shown = None
+        if self.keep_drafts:
+            shown = torch.where(inside, proposer.block(drafts.parts, drafts.tokens, anchor_tokens), -2)
+        scored = _Scored(torch.stack(produced, dim=1), accepted, shown, lengths - 1 if self.keep_drafts else None,
+                         None, None, None)
         if bool(in_stats.any()):
             with timer.phase(STATISTICS):
                 scored.stat_rows, scored.stat_table, scored.t1 = self._statistics(
-                    wave, sample, anchors, lengths, emb, in_stats, inside & (target >= 0), target, argmax, accepted,
-                    produced[0], overlap)
+                    wave, sample, anchors, lengths, emb, in_stats, known, target, argmax, inside, drafts, accepted,
+                    produced[0])
         return scored
 
     def _statistics(self, wave: _Wave, sample: torch.Tensor, anchors: torch.Tensor, lengths: torch.Tensor,
                     emb: torch.Tensor, in_stats: torch.Tensor, valid: torch.Tensor, target: torch.Tensor,
-                    argmax: torch.Tensor, accepted: torch.Tensor, produced: torch.Tensor,
-                    overlap: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                    argmax: torch.Tensor, inside: torch.Tensor, drafts: _DepthDrafts, accepted: torch.Tensor,
+                    produced: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Per-anchor statistics of the statistics rows (small integers, on the CPU) and their temperature-1
         estimate: the sums over each stride's set are taken when the wave is done (``_Wave.anchor_counts``)."""
         match = argmax == target
-        sf_match = match
+        # What SpecForge's accuracy scores from the served drafts: the draft itself, or the family's own choice
+        # (DFlash 2: the unary argmax, the selector off).
+        sf_match = match if drafts.specforge is None else torch.where(inside, drafts.specforge, -2) == target
         if self.specforge is not SpecForgePass.LEFT_OUT:
             # SpecForge drafts full blocks under its own masks: draft again where that changes the drafts.
             again = in_stats if self.specforge is SpecForgePass.OWN_PASS else in_stats & (lengths < self.spec.block_size)
             if bool(again.any()):
-                sf_match = match.clone()
+                sf_match = sf_match.clone()
                 sf_match[again] = self._specforge_argmax(wave, sample, anchors, emb, again) == target[again]
         rows = in_stats.nonzero()[:, 0]
-        table = StatColumns(valid.shape[1]).pack(accepted=accepted[rows], produced=produced[rows], valid=valid[rows],
-                                                 match=(match & valid)[rows], specforge_match=(sf_match & valid)[rows])
+        extra = {name: (drafts.counts[..., j] & valid)[rows] for j, name in enumerate(self.proposer.depth_counts)}
+        table = wave.columns.pack(accepted=accepted[rows], produced=produced[rows], valid=valid[rows],
+                                  match=(match & valid)[rows], specforge_match=(sf_match & valid)[rows], **extra)
         t1 = None
-        if overlap is not None:
-            alpha = torch.where(valid, overlap, 0.0)[rows]
+        if drafts.overlap is not None:
+            alpha = torch.where(valid, drafts.overlap, 0.0)[rows]
             t1 = torch.cumprod(alpha.double(), dim=1).sum(dim=1).cpu()  # expected accepted at temperature 1
         return rows, table, t1
 
     def _specforge_argmax(self, wave: _Wave, sample: torch.Tensor, anchors: torch.Tensor, emb: torch.Tensor,
                           rows: torch.Tensor) -> torch.Tensor:
-        """Greedy drafts [r, D] of the blocks ``rows`` drafted in full under SpecForge's training masks."""
+        """The head's argmax [r, D] (what SpecForge's DFlash accuracy scores, for every family) of the blocks
+        ``rows`` drafted in full under SpecForge's training masks."""
         idx = rows.nonzero()[:, 0]
         d = self.spec.block_size - 1
         with self.timer.phase(FORWARD):
@@ -768,30 +775,33 @@ class _Scorer:
             out = apply_head(hid.reshape(idx.numel() * d, -1), self.head.lm_head, self.spec, 0, self.head_mem_bytes)
         return out.argmax.view(-1, d)
 
-    def _greedy_head(self, blocks: BlockRows, target: torch.Tensor, in_stats: torch.Tensor,
-                     target_topk: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Greedy-only argmax [N, D]: every depth for the statistics rows; for the others only as deep as
-        the leading matches reach (the replay reads depth k only when depths 1..k-1 matched), -2 past that.
+    def _greedy_head(self, blocks: BlockRows, target: torch.Tensor, previous: torch.Tensor, in_stats: torch.Tensor,
+                     target_topk: tuple[torch.Tensor, torch.Tensor] | None) -> _DepthDrafts:
+        """Greedy-only drafts [N, D]: every depth for the statistics rows; for the others only as deep as a walk
+        reads (the greedy walk reads depth k only when depths 1..k-1 matched; a family's own walks, by their
+        own hits), -2 past that.
         The head (and the last layer's token-wise tail, ``model.DeferredBlocks``) is most of a block's cost,
         and tau ~ 4 reads about a third of it. The live rows go a few depths per head call, about
         ``_HEAD_ROWS`` rows a call: a call on a handful of rows costs as much as reading the head matrix
-        once. Returns the argmax and, for statistics rows when ``target_topk`` is given, the
-        temperature-1 overlap."""
+        once. For the statistics rows, when ``target_topk`` is given, the temperature-1 overlap too."""
         n, d = target.shape
-        head, spec = self.head, self.spec
+        proposer = self.proposer
         dev = target.device
-        raw = torch.full((n, d), -2, dtype=torch.long, device=dev)
-        overlap = None
         rows = in_stats.nonzero()[:, 0]
+        out = None
         if rows.numel():
             sub = None if target_topk is None else tuple(
                 t.view(n, d, -1)[rows].reshape(rows.numel() * d, -1) for t in target_topk)
             hid = blocks.rows(rows[:, None], torch.arange(1, d + 1, device=dev)[None, :])
-            out = apply_head(hid.reshape(rows.numel() * d, -1), head.lm_head, spec, 0, self.head_mem_bytes, sub)
-            raw[rows] = out.argmax.view(-1, d)
+            out = proposer.rows(hid.reshape(rows.numel() * d, -1), previous[rows].reshape(-1),
+                                target[rows].reshape(-1), target_topk=sub)
+        walks, counts = len(proposer.walks), len(proposer.depth_counts)
+        table = _DepthDrafts.unread(n, d, walks, counts, out is not None and out.specforge is not None, dev)
+        if out is not None:
+            table.put(rows, out)
             if out.overlap is not None:
-                overlap = torch.zeros((n, d), device=dev)
-                overlap[rows] = out.overlap.view(-1, d)
+                table.overlap = torch.zeros((n, d), device=dev)
+                table.overlap[rows] = out.overlap.view(-1, d)
         live = (~in_stats).nonzero()[:, 0]
         k = 0
         while k < d and live.numel():
@@ -799,14 +809,19 @@ class _Scorer:
             hid = blocks.rows(live[:, None], torch.arange(k + 1, k + c + 1, device=dev)[None, :])
             # Row-chunked like the statistics rows: at tau ~ 1 every block is live, and a call on all of
             # them at once would hold [max_blocks, vocab] logits (1 GB at the real vocabulary).
-            drafts = apply_head(hid.reshape(live.numel() * c, -1), head.lm_head, spec, 0, self.head_mem_bytes)
-            drafts = drafts.argmax.view(-1, c)
-            lead = leading_matches(drafts, target[live, k:k + c])
-            # Depths up to the first miss are read (the miss decides the cycle); the rest stay -2.
-            raw[live, k:k + c] = torch.where(torch.arange(c, device=dev)[None, :] <= lead[:, None], drafts, -2)
-            live = live[lead == c]
+            got = proposer.rows(hid.reshape(live.numel() * c, -1), previous[live, k:k + c].reshape(-1),
+                                target[live, k:k + c].reshape(-1))
+            drafts, hits = got.tokens.view(-1, c), got.hits.view(live.numel(), c, walks)
+            # Each walk's leading run: the greedy one's matches, then the family's walks' hits.
+            chains = torch.cat([(drafts == target[live, k:k + c])[..., None], hits], dim=-1)
+            read = chains.long().cumprod(dim=1).sum(dim=1).max(dim=-1).values
+            # Depths up to the first miss of the walk reading deepest are read (the miss decides the cycle).
+            keep = torch.arange(c, device=dev)[None, :] <= read[:, None]
+            table.tokens[live, k:k + c] = torch.where(keep, drafts, -2)
+            table.hits[live, k:k + c] = hits & keep[..., None]
+            live = live[read == c]
             k += c
-        return raw, overlap
+        return table
 
 
 # ---------------------------------------------------------------------------
@@ -829,6 +844,7 @@ class EvalReport:
     # differ and that it had its own pass, or was left out (``SPECFORGE_OWN_PASS`` / ``SPECFORGE_LEFT_OUT``).
     specforge_note: str = ""
     passes: int = 0  # drafter passes made (rounds of every wave, at most max_blocks blocks each)
+    series: dict[str, Any] = field(default_factory=dict)  # what identifies these figures (EvalRequest.series)
 
     @property
     def summary(self) -> dict[str, float]:
@@ -857,7 +873,7 @@ class EvalReport:
             raise DFlashCBError(f"stride {stride}: this evaluation has anchor statistics at strides "
                                 f"{list(self.anchor_strides)} only; pass extra_anchor_strides=[{stride}] to evaluate")
         c = self.counts
-        return summed_counts(self.samples, c.block_size, c.budgets, c.categories, stride)
+        return summed_counts(self.samples, c.block_size, c.budgets, c.categories, stride, c.family)
 
 
 SPECFORGE_OWN_PASS = "specforge/acc is computed under SpecForge's masks, with a drafter pass of its own"
@@ -865,14 +881,15 @@ SPECFORGE_LEFT_OUT = "specforge/acc is left out: this drafter's runner cannot ru
 
 
 def summed_counts(samples: Sequence[SampleResult], block_size: int, budgets: Sequence[int],
-                  categories: Sequence[str], stride: int) -> EvalCounts:
+                  categories: Sequence[str], stride: int, family: Family = "dflash") -> EvalCounts:
     """``EvalCounts`` of scored samples, summed in their order from per-sample integers, with the anchor
     statistics of ``stride``: the same whichever samples were evaluated together (or on which rank)."""
-    counts = EvalCounts(block_size, tuple(budgets), tuple(categories))
+    counts = EvalCounts(block_size, tuple(budgets), tuple(categories), family)
     counts.add_samples([r.acceptance_lengths for r in samples], [r.category for r in samples],
                        [[r.ddtree[b] for b in counts.budgets] for r in samples],
                        [(r.anchors_drafted, r.anchors_needed) for r in samples],
-                       [r.anchor_counts[stride] for r in samples])
+                       [r.anchor_counts[stride] for r in samples],
+                       [[r.walks[w] for w in counts.walks] for r in samples] if counts.walks else ())
     return counts
 
 
@@ -983,7 +1000,13 @@ def evaluate(cache: StateCache, drafter: Any, head: TargetHead | None = None, re
     - bounded buffers: a round drafts at most ``limits.max_blocks`` blocks per pass (token-wise activations
       ~ ``max_blocks`` x block_size x (3 x intermediate + 4 x hidden): 2.4 GB at 1,024 blocks in bf16); attention
       temporaries stay under ``limits.attn_bytes`` per call, and every vocabulary-sized tensor (the
-      head's logits, greedy and statistics rows alike) under ``limits.head_bytes``.
+      head's logits, greedy and statistics rows alike) under ``limits.head_bytes``;
+    - a DFlash 2 drafter adds its selector's codebooks (2 x vocabulary x rank in the weights' dtype: 254 MB
+      at 248,320 x 256 in bf16) and, with DDTree budgets, the lattice of a pass (``cost.memory_bound``).
+
+    A DFlash 2 drafter (``DrafterSpec.family``) is scored by its selector (docs/method.md, "DFlash 2"): the
+    replays, the DDTree taus (over the selector's lattice) and the per-depth acceptance score the selector's
+    drafts; ``specforge/acc`` the unary argmax; ``selector/...`` says where tau is lost (docs/metrics.md).
     """
     start = time.perf_counter()
     timer = timer if timer is not None else NO_TIMER
@@ -1010,9 +1033,11 @@ def evaluate(cache: StateCache, drafter: Any, head: TargetHead | None = None, re
     strides = req.strides
     offsets = {s: offsets_for(ids, s, req.anchor_seed, req.anchor_offsets if s == req.anchor_stride else None)
                for s in strides}
-    plan = _Plan(strides, offsets, 1 + len(budgets), block - 1, req.keep_drafts > 0, req.draft_all,
-                 tuple(manifest.stop_token_ids), device, req.verify)
-    scorer = _Scorer(runner, head, drafting_spec, budgets, limits.head_bytes, req.tail_blocks, specforge,
+    # The family's proposer: what the drafter's hidden states draft, and the family's own walks and statistics.
+    proposer = proposer_for(drafting_spec, runner.module, head.lm_head, limits.head_bytes)
+    plan = _Plan(strides, offsets, budgets, proposer.walks, proposer.depth_counts, block - 1, req.keep_drafts > 0,
+                 req.draft_all, tuple(manifest.stop_token_ids), device, req.verify)
+    scorer = _Scorer(runner, head, drafting_spec, proposer, budgets, limits.head_bytes, req.tail_blocks, specforge,
                      req.keep_drafts > 0, timer)
     state_dtype = req.autocast_dtype or runner.dtype
     bar = None
@@ -1050,9 +1075,10 @@ def evaluate(cache: StateCache, drafter: Any, head: TargetHead | None = None, re
     samples = [results[sid] for sid in ids]
     with timer.phase(STATISTICS):
         # In sample order, from per-sample integers: the counts do not depend on waves, rounds or ranks.
-        counts = summed_counts(samples, block, budgets, categories, req.anchor_stride)
+        counts = summed_counts(samples, block, budgets, categories, req.anchor_stride, spec.family)
     return EvalReport(counts, samples, time.perf_counter() - start, spec, budgets, req.anchor_stride, req.tail_blocks,
-                      str(head.lm_head.dtype).removeprefix("torch."), req.anchor_seed, strides[1:], note, passes)
+                      str(head.lm_head.dtype).removeprefix("torch."), req.anchor_seed, strides[1:], note, passes,
+                      req.series(block_size=block))
 
 
 def specforge_pass(runner: DraftRunner, block_size: int) -> tuple[SpecForgePass, str]:
@@ -1074,6 +1100,9 @@ def _load_wave(cache: StateCache, ids: list[str], runner: DraftRunner, plan: _Pl
     rows = [e.prompt_len + n - 1 if n else 0 for e, n in ((e, anchor_count(e, manifest)) for e in entries)]
     bounds, tokens, topk = [], [], []
 
+    # The drafter's own layers of the cache's (a cache may hold more, for several drafters).
+    columns = cache.feature_columns(runner.spec.target_layer_ids)
+
     def features() -> Iterator[torch.Tensor]:
         with contextlib.closing(cache.load_many(ids, verify=plan.verify)) as samples:
             for r in rows:
@@ -1082,7 +1111,8 @@ def _load_wave(cache: StateCache, ids: list[str], runner: DraftRunner, plan: _Pl
                     bounds.append(bounds_for(sample, manifest))
                     tokens.append(sample.input_ids.long())
                     topk.append(None if sample.topk_ids is None else (sample.topk_ids, sample.topk_logprobs))
-                    feats = sample.hidden[:r].to(device=device, dtype=runner.dtype)
+                    feats = sample.hidden[:r] if columns is None else sample.hidden[:r].index_select(1, columns)
+                    feats = feats.to(device=device, dtype=runner.dtype)
                     del sample  # the features are no longer needed once projected
                 yield feats
 

@@ -7,7 +7,7 @@ dividing, so the numbers do not depend on how samples were split into batches or
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -15,6 +15,7 @@ import torch
 
 from ..cache.served import spec_accept_length
 from ..common.arguments import SERVED_BASELINE_NAME
+from .families import Family
 
 # The live evaluation's default name prefix (``{prefix}tau``); every default in the package is this one.
 DEFAULT_PREFIX = "dflash_eval/"
@@ -96,8 +97,83 @@ def category_tau(category: str) -> str:
     return f"category/{category}/tau"
 
 
+def category_tau_request_mean(category: str) -> str:
+    """``tau_request_mean`` over one category's requests: a published per-benchmark figure stands beside it."""
+    return f"category/{category}/{TAU_REQUEST_MEAN}"
+
+
 def hist_frac(n: int) -> str:
     return f"produced_frac/{n:02d}"
+
+
+# -- DFlash 2: where tau is lost (docs/metrics.md, "DFlash 2 drafters") ---------------------------------
+# The replay with the selector switched off (each depth drafts the head's argmax) and with a perfect selector
+# over the K candidates (a depth is accepted while the target's token is among them): the backbone's ceiling.
+SELECTOR_UNARY_TAU = "selector/unary_tau"
+SELECTOR_ORACLE_TAU = "selector/oracle_tau"
+# Pooled over the statistics set's (anchor, depth): the target's token among the K candidates (recall), and
+# the selector's pick given the target's own predecessors equal to it, among the depths where it is a candidate.
+SELECTOR_RECALL = "selector/recall"
+SELECTOR_ACC = "selector/acc"
+# The per-depth anchor count behind them (``EvalCounts`` / ``AnchorCounts``): depths whose target is a candidate.
+SELECTOR_RECALL_COUNT = "selector_recall"
+
+
+def selector_recall(k: int) -> str:
+    return f"selector/recall_depth_{k:02d}"
+
+
+def selector_acc(k: int) -> str:
+    return f"selector/acc_depth_{k:02d}"
+
+
+@dataclass(frozen=True)
+class FamilyCounts:
+    """What a drafter family adds to an evaluation's counts: replay walks besides the greedy one and the DDTree
+    budgets (named by their tau key), and per-depth anchor counts besides the served and SpecForge matches.
+    The engine's proposers (``proposers.Proposer``) produce them in this order."""
+
+    walks: tuple[str, ...] = ()
+    depth_counts: tuple[str, ...] = ()
+
+
+FAMILY_COUNTS: dict[Family, FamilyCounts] = {
+    "dflash": FamilyCounts(),
+    "dflash2": FamilyCounts((SELECTOR_UNARY_TAU, SELECTOR_ORACLE_TAU), (SELECTOR_RECALL_COUNT,)),
+}
+class FamilyFigures:
+    """What its drafter ``family`` adds (``FAMILY_COUNTS``), for anything that has one: the counts, a proposer."""
+
+    family: Family
+
+    @property
+    def walks(self) -> tuple[str, ...]:
+        """The family's replay walks besides the greedy one and the DDTree budgets (their tau keys)."""
+        return FAMILY_COUNTS[self.family].walks
+
+    @property
+    def depth_counts(self) -> tuple[str, ...]:
+        """The family's per-depth anchor counts besides the served match and SpecForge's."""
+        return FAMILY_COUNTS[self.family].depth_counts
+
+
+# Every per-depth count any family adds (the names a results.json may hold beside ``ANCHOR_COUNT_KEYS``).
+EXTRA_ANCHOR_COUNTS = tuple(dict.fromkeys(n for f in FAMILY_COUNTS.values() for n in f.depth_counts))
+
+
+def family_ratios(counts: Mapping[str, Sequence[float]]) -> dict[str, tuple[float, float]]:
+    """(numerator, denominator) of each figure a family's per-depth counts give, pooled and per depth, from
+    ``depth_total``, ``depth_match`` and the family's columns (one sample's or a sum's): the one definition
+    ``summarize`` and the bootstrap (``bootstrap.anchor_sums``) share. {} for a family without such counts."""
+    if SELECTOR_RECALL_COUNT not in counts:
+        return {}
+    total, match, recall = (list(counts[k]) for k in ("depth_total", "depth_match", SELECTOR_RECALL_COUNT))
+    # The served match of a DFlash 2 drafter is the selector's (teacher-forced) pick: a candidate, so a recall.
+    out = {SELECTOR_RECALL: (sum(recall), sum(total)), SELECTOR_ACC: (sum(match), sum(recall))}
+    for k, (t, m, r) in enumerate(zip(total, match, recall, strict=True), start=1):
+        out[selector_recall(k)] = (r, t)
+        out[selector_acc(k)] = (m, r)
+    return out
 
 
 # -- uncertainty, comparisons and breakdowns (dflash_cb.core.bootstrap, dflash_cb.core.positions, dflash_cb.core.compare) --
@@ -180,6 +256,8 @@ class AnchorCounts:
     ``specforge_total`` / ``specforge_match``: the same weights and matches as SpecForge 0.2.0 counts
     them (full blocks under its training masks; zero weights when they could not be computed).
     ``t1_sum``: expected accepted + 1 at temperature 1, summed over the ``t1_anchors`` scored ones.
+    ``depth_counts``: the drafter family's own per-depth counts (``FamilyCounts.depth_counts``; DFlash 2:
+    ``selector_recall``), empty for DFlash.
     """
 
     anchors: int = 0
@@ -192,18 +270,23 @@ class AnchorCounts:
     specforge_match: tuple[int, ...] = ()
     t1_sum: float = 0.0
     t1_anchors: int = 0
+    depth_counts: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+        """One flat object: the fields, then each family count under its own name."""
+        out = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items() if k != "depth_counts"}
+        return {**out, **{k: list(v) for k, v in self.depth_counts.items()}}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], depths: int | None = None) -> AnchorCounts:
         """From ``to_dict``'s form; every field must be there, integers where integers are due and, with
-        ``depths``, per-depth lists of that length."""
-        if not isinstance(data, dict) or set(data) != set(ANCHOR_COUNT_KEYS):
-            raise ValueError(f"anchor counts must hold exactly {', '.join(ANCHOR_COUNT_KEYS)}; got {str(data)[:80]}")
-        out: dict[str, Any] = {}
-        for k in ANCHOR_COUNT_KEYS:
+        ``depths``, per-depth lists of that length; a family's counts (``EXTRA_ANCHOR_COUNTS``) may be."""
+        if not isinstance(data, dict) or not set(ANCHOR_COUNT_KEYS) <= set(data) <= {*ANCHOR_COUNT_KEYS,
+                                                                                      *EXTRA_ANCHOR_COUNTS}:
+            raise ValueError(f"anchor counts must hold exactly {', '.join(ANCHOR_COUNT_KEYS)} (and any of "
+                             f"{', '.join(EXTRA_ANCHOR_COUNTS)}); got {str(data)[:80]}")
+        out: dict[str, Any] = {"depth_counts": {}}
+        for k in (*ANCHOR_COUNT_KEYS, *(n for n in EXTRA_ANCHOR_COUNTS if n in data)):
             v = data[k]
             if k == "t1_sum":
                 if isinstance(v, bool) or not isinstance(v, (int, float)):
@@ -214,7 +297,10 @@ class AnchorCounts:
                         depths is not None and len(v) != depths):
                     raise ValueError(f"anchor counts: {k} must be {depths or 'a list of'} non-negative integers, "
                                      f"got {str(v)[:60]}")
-                out[k] = tuple(v)
+                if k in EXTRA_ANCHOR_COUNTS:
+                    out["depth_counts"][k] = tuple(v)
+                else:
+                    out[k] = tuple(v)
             elif isinstance(v, int) and not isinstance(v, bool) and v >= 0:
                 out[k] = v
             else:
@@ -243,14 +329,16 @@ def count_anchors(accepted: torch.Tensor, produced: torch.Tensor, valid_depth: t
 
 def anchor_counts_per_sample(sample: torch.Tensor, n_samples: int, accepted: torch.Tensor, produced: torch.Tensor,
                              valid: torch.Tensor, match: torch.Tensor, specforge_match: torch.Tensor, specforge: bool,
-                             t1: torch.Tensor, t1_scored: Sequence[bool]) -> list[AnchorCounts]:
+                             t1: torch.Tensor, t1_scored: Sequence[bool],
+                             extra: Mapping[str, torch.Tensor] | None = None) -> list[AnchorCounts]:
     """Each sample's ``AnchorCounts`` over anchors given as flat rows (CPU tensors), in (sample, anchor) order.
 
     sample [A]: each row's sample index in ``[0, n_samples)``; accepted, produced [A]; valid, match,
     specforge_match [A, D] booleans (a match counts only where the depth is valid); ``specforge`` False:
     SpecForge's figure could not be computed (zero weights); t1 [A] float64: expected accepted length at
     temperature 1, counted for the samples whose ``t1_scored`` is True. Integer sums per sample (the same
-    whatever else the rows hold), and ``t1_sum`` exactly rounded (``math.fsum``) in row order.
+    whatever else the rows hold), and ``t1_sum`` exactly rounded (``math.fsum``) in row order. ``extra``: the
+    drafter family's per-depth booleans [A, D] by name (``FamilyCounts.depth_counts``), counted where valid.
     """
     d = valid.shape[1]
     depth = torch.arange(1, d + 1)[None, :]
@@ -267,6 +355,7 @@ def anchor_counts_per_sample(sample: torch.Tensor, n_samples: int, accepted: tor
     cond_num = per_sample(accepted[:, None] >= depth)
     cond_den = per_sample((accepted[:, None] >= depth - 1) & valid)  # depths 1..k-1 all matched
     sf_hit = per_sample(specforge_match.bool() & valid)
+    family = {name: per_sample(x.bool() & valid) for name, x in (extra or {}).items()}
     t1_rows: list[list[float]] = [[] for _ in range(n_samples)]
     for s, x in zip(sample.tolist(), t1.tolist(), strict=True):
         t1_rows[s].append(x + 1)
@@ -276,17 +365,23 @@ def anchor_counts_per_sample(sample: torch.Tensor, n_samples: int, accepted: tor
         depth_match=tuple(hit[s]), cond_num=tuple(cond_num[s]), cond_den=tuple(cond_den[s]),
         specforge_total=tuple(total[s]) if specforge else zeros,
         specforge_match=tuple(sf_hit[s]) if specforge else zeros,
-        t1_sum=math.fsum(t1_rows[s]) if t1_scored[s] else 0.0, t1_anchors=anchors[s] if t1_scored[s] else 0)
+        t1_sum=math.fsum(t1_rows[s]) if t1_scored[s] else 0.0, t1_anchors=anchors[s] if t1_scored[s] else 0,
+        depth_counts={name: tuple(x[s]) for name, x in family.items()})
         for s in range(n_samples)]
 
 
 @dataclass
-class EvalCounts:
-    """Integer-valued sums (kept in float64: exact up to 2**53) over scored samples."""
+class EvalCounts(FamilyFigures):
+    """Integer-valued sums (kept in float64: exact up to 2**53) over scored samples.
+
+    The parts and their sizes follow from (block size, budgets, categories, family): the drafter family adds
+    its walks' cycles and produced tokens (``walk_cycles``, ``walk_produced``) and its per-depth counts
+    (``FAMILY_COUNTS``); a DFlash evaluation has none of them."""
 
     block_size: int
     budgets: tuple[int, ...]
     categories: tuple[str, ...]
+    family: Family = "dflash"
     data: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -302,6 +397,9 @@ class EvalCounts:
             "t1_sum": 1, "t1_anchors": 1,
             "anchors_drafted": 1, "anchors_needed": 1,
         }
+        if self.walks:
+            shapes.update(walk_cycles=len(self.walks), walk_produced=len(self.walks))
+        shapes.update(dict.fromkeys(self.depth_counts, d))
         for k, n in shapes.items():
             self.data.setdefault(k, torch.zeros(n, dtype=torch.float64))
 
@@ -323,10 +421,11 @@ class EvalCounts:
 
     def add_samples(self, cycles: Sequence[Sequence[int]] = (), categories: Sequence[str] = (),
                     ddtree: Sequence[Sequence[Sequence[int]]] = (), cost: Sequence[tuple[int, int]] = (),
-                    anchors: Sequence[AnchorCounts] = ()) -> None:
+                    anchors: Sequence[AnchorCounts] = (), walks: Sequence[Sequence[Sequence[int]]] = ()) -> None:
         """Add samples: per sample its greedy cycles' ``produced`` (``cycles``, with its category), its DDTree
-        cycles per budget in ``budgets`` order, its (anchors drafted, anchors needed) and its anchor statistics
-        (``count_anchors``). Each sequence is one entry per sample (empty: that part is not added).
+        cycles per budget in ``budgets`` order, its (anchors drafted, anchors needed), its anchor statistics
+        (``count_anchors``) and its family walks' cycles in ``walks`` order. Each sequence is one entry per
+        sample (empty: that part is not added).
 
         Summed in plain Python in sample order and added once: every count is an integer sum, exact in any
         order; ``t1_sum``, the one float, is added sample after sample as it always was.
@@ -351,6 +450,10 @@ class EvalCounts:
             per_budget = list(zip(*ddtree, strict=True))
             d["dd_cycles"] += torch.tensor([sum(map(len, b)) for b in per_budget], dtype=torch.float64)
             d["dd_produced"] += torch.tensor([sum(map(sum, b)) for b in per_budget], dtype=torch.float64)
+        if walks:
+            per_walk = list(zip(*walks, strict=True))
+            d["walk_cycles"] += torch.tensor([sum(map(len, w)) for w in per_walk], dtype=torch.float64)
+            d["walk_produced"] += torch.tensor([sum(map(sum, w)) for w in per_walk], dtype=torch.float64)
         if cost:
             d["anchors_drafted"] += sum(c[0] for c in cost)
             d["anchors_needed"] += sum(c[1] for c in cost)
@@ -369,6 +472,10 @@ class EvalCounts:
                         d[k] += torch.tensor([sum(col) for col in zip(*rows, strict=True)], dtype=torch.float64)
                 else:
                     d[k] += sum(values)
+            for k in self.depth_counts:
+                rows = [a.depth_counts[k] for a in anchors if a.depth_counts.get(k)]
+                if rows:
+                    d[k] += torch.tensor([sum(col) for col in zip(*rows, strict=True)], dtype=torch.float64)
 
     def add_anchor_counts(self, counts: AnchorCounts) -> None:
         """One sample's anchor statistics (``count_anchors``)."""
@@ -399,6 +506,11 @@ def summarize(counts: EvalCounts) -> dict[str, float]:
     }
     for i, b in enumerate(counts.budgets):
         out[ddtree_tau(b)] = _ratio(d["dd_produced"][i].item(), d["dd_cycles"][i].item())
+    for i, name in enumerate(counts.walks):
+        out[name] = _ratio(d["walk_produced"][i].item(), d["walk_cycles"][i].item())
+    for name, (num, den) in family_ratios({k: d[k].tolist() for k in ("depth_total", "depth_match",
+                                                                      *counts.depth_counts)}).items():
+        out[name] = _ratio(num, den)
     uncond = [_ratio(m, t) for m, t in zip(d["depth_match"].tolist(), d["depth_total"].tolist(), strict=True)]
     cond = [_ratio(n, m) for n, m in zip(d["cond_num"].tolist(), d["cond_den"].tolist(), strict=True)]
     for k, (u, c) in enumerate(zip(uncond, cond, strict=True), start=1):
@@ -426,7 +538,13 @@ def summarize(counts: EvalCounts) -> dict[str, float]:
 
 
 def per_depth(summary: dict[str, float], block_size: int) -> dict[str, list[float]]:
-    return {
+    """The per-depth figures as lists over depths 1 .. block_size - 1 (a DFlash 2 evaluation's also give the
+    selector's recall and accuracy given recall)."""
+    out = {
         "unconditional": [summary[depth_acc(k)] for k in range(1, block_size)],
         "conditional": [summary[depth_acc_cond(k)] for k in range(1, block_size)],
     }
+    if SELECTOR_RECALL in summary:
+        out["selector_recall"] = [summary[selector_recall(k)] for k in range(1, block_size)]
+        out["selector_acc"] = [summary[selector_acc(k)] for k in range(1, block_size)]
+    return out

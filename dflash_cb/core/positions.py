@@ -9,7 +9,10 @@ the prefill's token at 0, is the running sum of the earlier cycles' ``produced``
 
 - Position buckets ``[lo, hi)`` over that completion position (default edges 0, 256, 512, 1024,
   2048, then everything beyond) show decay on long completions and the drafter's sliding window.
-  Buckets starting beyond the samples' longest completion are omitted (``position_table``).
+  Buckets starting beyond the samples' longest completion are omitted (``position_table``). On
+  completions too short for them (fewer than three default buckets start within the longest), the
+  default edges are halved until three do (``fitted_edges``: 0, 8, 16, 32, 64 on 24-token
+  completions), so the table is a curve, not one point; edges a user gives are kept as given.
 - Cycle-index buckets (0, 1, 2, 3, then 4 and later) show the first cycles after the prompt,
   where the drafter has seen no completion yet.
 
@@ -29,6 +32,7 @@ from .metrics import cycle_bucket, cycle_cycles, cycle_tau, position_bucket, pos
 
 DEFAULT_POSITION_EDGES: tuple[int, ...] = (0, 256, 512, 1024, 2048)
 DEFAULT_CYCLE_BUCKETS = 5  # cycles 0, 1, 2, 3 and "4plus"
+FITTED_BUCKETS = 3  # buckets the default edges keep within the longest completion, halved as needed
 
 
 def position_labels(edges: Sequence[int]) -> list[str]:
@@ -102,15 +106,34 @@ def completion_extent(samples: Sequence[Any]) -> int:
     return max((int(sum(s.acceptance_lengths)) for s in samples), default=0)
 
 
+def fitted_edges(edges: Sequence[int], extent: int) -> tuple[int, ...]:
+    """``edges``, or, when they are the default ones and fewer than ``FITTED_BUCKETS`` of their buckets start
+    within ``extent`` (the longest completion), the default halved until that many do (at most down to
+    0, 1, 2, 4, 8). A property of the samples (``completion_extent``), so every drafter scored on them, and
+    every evaluation of a run, gets the same buckets."""
+    e = check_edges(edges)
+    if e != DEFAULT_POSITION_EDGES:
+        return e
+    while sum(lo < extent for lo in e) < FITTED_BUCKETS and e[1] > 1:
+        e = tuple(x // 2 for x in e)
+    return e
+
+
+def position_edges_for(samples: Sequence[Any], edges: Sequence[int] = DEFAULT_POSITION_EDGES) -> tuple[int, ...]:
+    """The edges ``position_table`` uses on ``samples`` (``fitted_edges`` at their longest completion)."""
+    return fitted_edges(edges, completion_extent(samples))
+
+
 def position_table(samples: Sequence[Any], edges: Sequence[int] = DEFAULT_POSITION_EDGES,
                    categories: Sequence[str] = ()) -> dict[str, dict[str, Any]]:
     """``{bucket: {cycles, tau, categories: {c: {cycles, tau}}}}`` over completion-position buckets.
 
     Buckets that start at or beyond the longest completion are left out (no anchor can fall there:
     a row of ``n/a (0 cycles)`` says nothing), so reports and logged keys stop where the data stops.
+    The default edges are fitted to short completions (``fitted_edges``).
     """
-    e = check_edges(edges)
     extent = completion_extent(samples)
+    e = fitted_edges(edges, extent)
     kept = max(1, sum(1 for lo in e if lo < extent))
     return _bucket_table(samples, lambda ls: position_index(ls, e), position_labels(e)[:kept], categories)
 

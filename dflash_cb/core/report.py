@@ -14,6 +14,10 @@ from .metrics import (
     EVAL_OVERHEAD,
     EVAL_TIME,
     PREDICTED_SECONDS,
+    SELECTOR_ACC,
+    SELECTOR_ORACLE_TAU,
+    SELECTOR_RECALL,
+    SELECTOR_UNARY_TAU,
     SPECFORGE_ACC,
     T1_TAU_ESTIMATE,
     TAU,
@@ -73,7 +77,8 @@ def format_results(res: Results) -> str:
         lines.append(f"  DDTree tau, budget {b:>4}     {metric_with_interval(res, ddtree_tau(b))}")
     lines.append(f"  all-anchor mean accepted     {metric_with_interval(res, ALL_ANCHOR_TAU)}")
     lines.append(f"  SpecForge DFlash accuracy    {metric_with_interval(res, SPECFORGE_ACC)}  "
-                 "(its train/acc, eval/avg_acc)")
+                 "(its train/acc, eval/avg_acc" + ("; the unary argmax, selector off)" if res.family == "dflash2"
+                                                   else ")"))
     masks = meta.get("specforge_masks")
     if masks and masks != "served":
         lines.append(f"    note: {masks}")
@@ -81,6 +86,13 @@ def format_results(res: Results) -> str:
     if res.metric(T1_TAU_ESTIMATE) is not None:
         lines.append(f"  tau at temperature 1         {_f(res.metric(T1_TAU_ESTIMATE))}  "
                      "(ESTIMATE from top-K target log-probs)")
+    if res.metric(SELECTOR_UNARY_TAU) is not None:  # a DFlash 2 drafter: where tau is lost
+        lines.append("  DFlash 2 selector (docs/metrics.md): the served drafts are the selector's walk")
+        lines.append(f"    tau, selector off (unary)  {metric_with_interval(res, SELECTOR_UNARY_TAU)}")
+        lines.append(f"    tau, perfect selector      {metric_with_interval(res, SELECTOR_ORACLE_TAU)}  "
+                     "(the backbone's ceiling over its top-K)")
+        lines.append(f"    target among the top-K     {metric_with_interval(res, SELECTOR_RECALL)}")
+        lines.append(f"    selector's pick | recall   {metric_with_interval(res, SELECTOR_ACC)}")
     lines.append("  [..] = 95% interval over the choice of prompts (cluster bootstrap)")
     pd = res.per_depth
     if pd.get("unconditional"):
@@ -88,6 +100,9 @@ def format_results(res: Results) -> str:
         lines.append("  depth        " + " ".join(f"{k:>5d}" for k in range(1, len(pd["unconditional"]) + 1)))
         lines.append("  accept       " + " ".join(f"{_f(v, 2):>5}" for v in pd["unconditional"]))
         lines.append("  accept|prev  " + " ".join(f"{_f(v, 2):>5}" for v in pd["conditional"]))
+        for name, label in (("selector_recall", "top-K recall"), ("selector_acc", "pick|recall ")):
+            if pd.get(name):
+                lines.append(f"  {label} " + " ".join(f"{_f(v, 2):>5}" for v in pd[name]))
     if res.categories:
         lines.append("")
         for c in res.categories:

@@ -38,6 +38,18 @@ class SpecForgePass(enum.Enum):
     LEFT_OUT = "none"
 
 
+# What identifies a series of figures: every option that changes a logged figure is marked on its field
+# (``field(metadata=...)``) with the name results.json records it under (``EvalReport.series``, ``meta``), and
+# what it changes: "quantity", the number measured (the block drafted, the tail convention, the compute
+# dtype), or "estimator", only how the anchor statistics estimate it (their anchor set). The live evaluator
+# starts a new series when any of them changes; baselines and comparisons warn when a quantity differs.
+QUANTITY, ESTIMATOR = "quantity", "estimator"
+
+
+def _series(name: str, kind: str) -> dict[str, str]:
+    return {"series": name, "changes": kind}
+
+
 @dataclass(frozen=True)
 class EvalRequest:
     """The options of one ``engine.evaluate`` (documented there); normalised and checked at construction.
@@ -48,14 +60,14 @@ class EvalRequest:
 
     sample_ids: tuple[str, ...] | None = None
     budgets: tuple[int, ...] = DEFAULT_BUDGETS
-    anchor_stride: int = 1
+    anchor_stride: int = field(default=1, metadata=_series("anchor_stride", ESTIMATOR))
     extra_anchor_strides: tuple[int, ...] = ()
-    anchor_seed: int = DEFAULT_ANCHOR_SEED
+    anchor_seed: int = field(default=DEFAULT_ANCHOR_SEED, metadata=_series("anchor_seed", ESTIMATOR))
     anchor_offsets: Mapping[str, int] | None = field(default=None, compare=False)
-    block_size: int | None = None
-    tail_blocks: TailBlocks = "served"
+    block_size: int | None = field(default=None, metadata=_series("block_size", QUANTITY))
+    tail_blocks: TailBlocks = field(default="served", metadata=_series("tail_blocks", QUANTITY))
     device: torch.device | None = None
-    autocast_dtype: torch.dtype | None = None
+    autocast_dtype: torch.dtype | None = field(default=None, metadata=_series("dtype", QUANTITY))
     spec: DrafterSpec | None = None  # the drafter's spec when its class carries none
     verify: bool = False  # hash a shard again when its file identity changed since it was hashed
     keep_drafts: int = 0  # per sample, the draft blocks of this many first cycles (SampleResult.drafts)
@@ -92,6 +104,20 @@ class EvalRequest:
         """Every statistics stride: ``anchor_stride`` first, then the extra ones."""
         return (self.anchor_stride, *self.extra_anchor_strides)
 
+    def series(self, block_size: int | None = None) -> dict[str, Any]:
+        """What identifies the figures of this request (``series_fields``), under results.json's names:
+        ``block_size`` (None: this request's; pass the resolved block when it defers to the drafter's), the
+        tail convention, the compute dtype (``"float32"`` without autocast) and the anchor set."""
+        out: dict[str, Any] = {}
+        for f, (name, _) in series_fields().items():
+            value = getattr(self, f)
+            if f == "autocast_dtype":
+                value = str(value or torch.float32).removeprefix("torch.")
+            elif f == "block_size" and block_size is not None:
+                value = block_size
+            out[name] = value
+        return out
+
     def replace(self, **changes: Any) -> EvalRequest:
         """A copy with ``changes``, checked like a new one."""
         return dataclasses.replace(self, **changes)
@@ -105,3 +131,21 @@ class EvalRequest:
             raise TypeError(f"evaluate() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}")
         base = request if request is not None else cls()
         return base.replace(**options) if options else base
+
+
+def series_fields() -> dict[str, tuple[str, str]]:
+    """``{EvalRequest field: (its name in results.json, QUANTITY or ESTIMATOR)}``, from the fields' metadata:
+    the one list of what identifies a series."""
+    return {f.name: (f.metadata["series"], f.metadata["changes"]) for f in dataclasses.fields(EvalRequest)
+            if "series" in f.metadata}
+
+
+def series_names(kind: str | None = None) -> tuple[str, ...]:
+    """The results.json names of the series fields (of one ``kind`` only, when given)."""
+    return tuple(name for name, k in series_fields().values() if kind is None or k == kind)
+
+
+def series_differences(a: Mapping[str, Any], b: Mapping[str, Any], kind: str | None = None) -> list[tuple[str, Any, Any]]:
+    """``(name, a's value, b's value)`` for every series field (of ``kind``) the two records do not agree on; a
+    record that lacks a name (an older file) says None there."""
+    return [(n, a.get(n), b.get(n)) for n in series_names(kind) if a.get(n) != b.get(n)]

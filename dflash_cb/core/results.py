@@ -9,11 +9,14 @@ of samples (``baselines``) or compared sample by sample (``compare``).
 
 Written by ``tools/eval_drafter.py`` and the demo; read back as a baseline by the callback, which
 refuses a baseline measured on another cache (the manifest hash differs), and by
-``tools/compare_results.py``. Version 4 adds each sample's anchor statistics (its offset and integer
-counts per statistics stride, ``anchor_statistics``) and ``meta.anchor_seed``; version 3 files are read
-with none (their anchor statistics have no intervals, and their statistics set started every sample at
-its first anchor). The development formats before version 3 are refused with the command that writes
-the file again.
+``tools/compare_results.py``. Version 5 adds the drafter's family (``meta.drafter_family``) and what a
+family measures besides DFlash's (a DFlash 2 drafter: each sample's ``walks``, the lengths of its
+unary-argmax and perfect-selector replays, and a ``selector_recall`` count in its anchor statistics;
+``per_depth.selector_recall`` / ``selector_acc``); version 4 added each sample's anchor statistics (its
+offset and integer counts per statistics stride, ``anchor_statistics``) and ``meta.anchor_seed``. Versions 3
+and 4 are read as DFlash evaluations (version 3 files with no anchor statistics: their figures have no
+intervals, and their statistics set started every sample at its first anchor). The development formats
+before version 3 are refused with the command that writes the file again.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import os
 import shlex
 import tempfile
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +40,7 @@ from ..common.errors import DFlashCBError
 from ..common.fileio import atomic_write_text, output_path
 from .bootstrap import DEFAULT_LEVEL, DEFAULT_RESAMPLES, DEFAULT_SEED, interval_metrics, request_means
 from .engine import EvalReport
+from .families import FAMILIES
 from .metrics import (
     ANCHOR_SEED,
     ANCHOR_STRIDE,
@@ -52,14 +56,20 @@ from .positions import (
     DEFAULT_POSITION_EDGES,
     breakdown_metrics,
     cycle_table,
+    position_edges_for,
     position_table,
 )
 from .replay import TAIL_BLOCKS
+from .request import QUANTITY, series_names
 
 RESULTS_FORMAT = "dflash-cb-results"
-RESULTS_VERSION = 4
+RESULTS_VERSION = 5
 T1_NOTE = ("estimate: expected accepted length at temperature 1 from per-depth overlap sum_x min(p, q) "
            "with the target's stored top-K log-probs, along the greedy path; not an exact replay")
+SELECTOR_NOTE = ("DFlash 2: tau, the DDTree taus and acceptance/depth_KK score the selector's drafts (teacher "
+                 "forced: the target's own tokens as predecessors; DDTree over the selector's lattice); "
+                 "specforge/acc scores the unary argmax (the selector off), as SpecForge's inherited DFlash accuracy "
+                 "does; selector/* says where tau is lost (docs/metrics.md, \"DFlash 2 drafters\")")
 INTERVAL_NOTE = ("95% cluster-bootstrap percentile intervals over samples (whole samples resampled with their "
                  "cycles): uncertainty from the choice of prompts, for this cache's prompt distribution")
 
@@ -79,10 +89,14 @@ class SampleRecord:
     # Per statistics stride: the sample's offset and its anchor-statistic counts (version 4 on).
     anchor_offsets: dict[int, int] = field(default_factory=dict)
     anchor_counts: dict[int, AnchorCounts] = field(default_factory=dict)
+    # The drafter family's own walks by their tau key (version 5 on; DFlash 2: the unary path, a perfect selector).
+    walks: dict[str, list[int]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         out = {"id": self.id, "category": self.category, "acceptance_lengths": list(self.acceptance_lengths),
                "ddtree": {str(b): list(v) for b, v in sorted(self.ddtree.items())}}
+        if self.walks:
+            out["walks"] = {k: list(v) for k, v in self.walks.items()}
         if self.anchor_counts:
             out["anchor_statistics"] = {str(k): {"offset": self.anchor_offsets[k], **c.to_dict()}
                                         for k, c in sorted(self.anchor_counts.items())}
@@ -96,21 +110,25 @@ class SampleRecord:
         if not isinstance(dd, dict):
             raise ValueError(f"sample {d.get('id')!r}: 'ddtree' is a {type(dd).__name__}; expected "
                              "{budget: [acceptance lengths]}")
+        walks = d.get("walks") or {}
+        if not isinstance(walks, dict):
+            raise ValueError(f"sample {d.get('id')!r}: 'walks' is a {type(walks).__name__}; expected "
+                             "{walk: [acceptance lengths]}")
         offsets, counts = _anchor_statistics(d.get("anchor_statistics") or {}, d.get("id"))
         return cls(str(d["id"]), str(d.get("category", "")), _lengths(d["acceptance_lengths"], d.get("id")),
                    {_budget(b, d.get("id")): _lengths(v, d.get("id"), f"ddtree {b!r}") for b, v in dd.items()},
-                   offsets, counts)
+                   offsets, counts, {str(k): _lengths(v, d.get("id"), f"walk {k!r}") for k, v in walks.items()})
 
     @classmethod
     def of(cls, s: Any) -> SampleRecord:
         """The record of a scored ``engine.SampleResult``."""
         return cls(s.id, s.category, list(s.acceptance_lengths), {b: list(v) for b, v in s.ddtree.items()},
-                   dict(s.anchor_offsets), dict(s.anchor_counts))
+                   dict(s.anchor_offsets), dict(s.anchor_counts), {k: list(v) for k, v in s.walks.items()})
 
 
 @dataclass
 class Results:
-    """The content of a ``results.json`` (version 4)."""
+    """The content of a ``results.json`` (version 5)."""
 
     metrics: dict[str, float | None]
     samples: list[SampleRecord]
@@ -160,6 +178,16 @@ class Results:
         return int(b) if b is not None else None
 
     @property
+    def family(self) -> str:
+        """The scored drafter's family (``families.FAMILIES``); files before version 5 scored DFlash drafters."""
+        return str(self.meta.get("drafter_family") or "dflash")
+
+    @property
+    def series(self) -> dict[str, Any]:
+        """What identifies these figures (``request.series_names``), as recorded (None: not recorded)."""
+        return {name: self.meta.get(name) for name in series_names()}
+
+    @property
     def tail_blocks(self) -> str | None:
         """The replay's tail-block convention (``replay.TAIL_BLOCKS``), None when the file does not say."""
         return self.meta.get("tail_blocks")
@@ -180,7 +208,7 @@ class Results:
         if version in (1, 2):
             raise ResultsError(f"{where}: results version {version}, a development format this version no longer "
                                "reads; rerun tools/eval_drafter.py on the drafter to write it again")
-        if version not in (3, RESULTS_VERSION):
+        if version not in (3, 4, RESULTS_VERSION):
             raise ResultsError(f"{where}: results version {version!r} is not known to dflash-cb {__version__} "
                                f"(it reads 3 to {RESULTS_VERSION}); upgrade dflash-cb or rerun tools/eval_drafter.py")
         try:
@@ -251,7 +279,8 @@ def check_samples(samples: list[SampleRecord], block_size: int | None, where: st
     hi = block_size if block_size and block_size >= 1 else None
     for s in samples:
         for what, lens in (("acceptance_lengths", s.acceptance_lengths),
-                           *((f"ddtree budget {b}", v) for b, v in sorted(s.ddtree.items()))):
+                           *((f"ddtree budget {b}", v) for b, v in sorted(s.ddtree.items())),
+                           *((f"walk {k}", v) for k, v in sorted(s.walks.items()))):
             bad = [x for x in lens if x < 1 or (hi is not None and x > hi)]
             if bad:
                 rng = f"1..{hi} (block_size)" if hi is not None else ">= 1"
@@ -278,6 +307,10 @@ def _check_meta(meta: Any, where: str) -> None:
     block = meta.get("block_size")
     if block is not None and not (is_int(block) and block >= 1):
         raise ResultsError(f"{where}: meta.block_size is {block!r}, expected a positive integer; {_RERUN}")
+    family = meta.get("drafter_family")
+    if family is not None and family not in FAMILIES:
+        raise ResultsError(f"{where}: meta.drafter_family is {family!r}, expected one of {', '.join(FAMILIES)}; "
+                           f"{_RERUN}")
     tail = meta.get("tail_blocks")
     if tail is not None and tail not in TAIL_BLOCKS:
         raise ResultsError(f"{where}: meta.tail_blocks is {tail!r}, expected one of {', '.join(TAIL_BLOCKS)} "
@@ -310,17 +343,33 @@ def check_fields(res: Results, where: str) -> None:
                            f"{'it' if len(empty) == 1 else 'them'}; {_RERUN}")
 
 
-def tail_blocks_mismatch(labelled: Sequence[tuple[str, str | None]]) -> str | None:
-    """What to say when evaluations set side by side replayed the tail blocks differently (or one does not
-    say how): near ``max_new_tokens`` the two conventions draft blocks of different lengths, so a
-    bidirectional drafter's tau differs there (docs/method.md, "Tail blocks"). None when they agree."""
-    values = {v for _, v in labelled}
-    if len(values) == 1 and None not in values:
+def series_mismatch(labelled: Sequence[tuple[str, Mapping[str, Any]]], kind: str | None = QUANTITY) -> str | None:
+    """What to say when evaluations set side by side were measured with different settings of what
+    identifies a series (``request.series_fields``: by default the quantities, the block drafted, the tail
+    convention, the compute dtype; ``kind=None`` adds the anchor set), or one does not record one: their
+    figures are not like for like. None when they agree. ``labelled``: (label, its series: ``Results.series``,
+    ``EvalRequest.series``); a name some record does not hold at all is not compared (a value None is: it was
+    not recorded)."""
+    clauses = []
+    for name in series_names(kind):
+        if not all(name in record for _, record in labelled):
+            continue
+        values = [(label, record.get(name)) for label, record in labelled]
+        if len({repr(v) for _, v in values}) == 1 and values[0][1] is not None:
+            continue
+        shown = ", ".join(f"{label} {v!r}" if v is not None else f"{label} (not recorded)" for label, v in values)
+        clauses.append(f"{name} differ ({shown})" + (_TAIL_NOTE if name == "tail_blocks" else ""))
+    if not clauses:
         return None
-    shown = ", ".join(f"{label} {v!r}" if v else f"{label} (not recorded)" for label, v in labelled)
-    return (f"tail_blocks differ ({shown}): near max_new_tokens the replays draft blocks of different lengths "
-            "(docs/method.md, \"Tail blocks\"), so the figures are not like for like; score each with "
-            "tools/eval_drafter.py --tail-blocks <the same value>")
+    options = ", ".join(_OPTION.get(c.split(" ", 1)[0], c.split(" ", 1)[0]) for c in clauses)
+    return "; ".join(clauses) + (f": the figures are not like for like; score each with tools/eval_drafter.py "
+                                 f"and the same {options}")
+
+
+# Why a tail convention matters, and the option that sets each series field on the command line.
+_TAIL_NOTE = ": near max_new_tokens the replays draft blocks of different lengths (docs/method.md, \"Tail blocks\")"
+_OPTION = {"block_size": "--block-size", "tail_blocks": "--tail-blocks", "dtype": "--dtype",
+           "anchor_stride": "--anchor-stride", "anchor_seed": "--anchor-seed"}
 
 
 def _get(data: Any, key: str) -> Any:
@@ -345,10 +394,10 @@ def derived_metrics(samples: list[Any], budgets: tuple[int, ...] | list[int], ca
     """
     position = position_table(samples, position_edges, categories)
     cycle = cycle_table(samples, cycle_buckets, categories)
-    scalars = request_means(samples)
+    scalars = request_means(samples, categories)
     scalars.update(interval_metrics(samples, budgets, categories, n_resamples, seed, anchor_stride=anchor_stride))
     scalars.update(breakdown_metrics(position, cycle))
-    tables = {"position_edges": list(position_edges), "position": position, "cycle": cycle,
+    tables = {"position_edges": list(position_edges_for(samples, position_edges)), "position": position, "cycle": cycle,
               "interval": {"method": "cluster bootstrap over samples, percentile", "resamples": n_resamples,
                            "level": DEFAULT_LEVEL, "seed": seed}}
     return scalars, tables
@@ -366,6 +415,8 @@ def report_to_results(report: EvalReport, cache: StateCache, meta: dict[str, Any
     notes = {"intervals": INTERVAL_NOTE}
     if T1_TAU_ESTIMATE in summary:
         notes[T1_TAU_ESTIMATE] = T1_NOTE
+    if counts.walks:
+        notes["selector"] = SELECTOR_NOTE
     samples = [SampleRecord.of(s) for s in report.samples]
     return Results(
         metrics={k: _clean(v) for k, v in metrics.items()},
@@ -377,6 +428,7 @@ def report_to_results(report: EvalReport, cache: StateCache, meta: dict[str, Any
             "cache_manifest_sha256": cache.manifest_sha256,
             "block_size": report.block_size,  # the block every cycle drafted (evaluate(block_size=...))
             "drafter_block_size": report.spec.block_size,  # the drafter's trained block (>= block_size)
+            "drafter_family": report.spec.family,  # families.FAMILIES: what the figures score
             "ddtree_budgets": list(report.budgets),
             "categories": list(counts.categories),
             "dflash_cb_version": __version__,
@@ -388,6 +440,7 @@ def report_to_results(report: EvalReport, cache: StateCache, meta: dict[str, Any
             "tail_blocks": report.tail_blocks,  # replay.TAIL_BLOCKS; docs/method.md, "Tail blocks"
             ANCHORS_DRAFTED: int(counts.data["anchors_drafted"].item()),
             ANCHORS_NEEDED: int(counts.data["anchors_needed"].item()),
+            **report.series,  # what identifies the figures (request.series_fields), the names above included
             **(meta or {}),
         },
         breakdown=tables,

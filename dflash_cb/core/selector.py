@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from .ddtree import best_first_accepted
+from .proposers import predecessors
 
 
 def top_candidates(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -27,8 +28,15 @@ def top_candidates(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Te
     higher unary score, then the lower id. The reference takes ``topk(sorted=False)`` and an argmax over that
     unspecified order: the two agree except where two candidates' scores are exactly equal.
     """
-    values, ids = torch.topk(logits, k, dim=-1)
-    over = (logits >= values[..., -1:]).sum(-1) > k  # equal values at the boundary: which ones is unspecified
+    if k < logits.shape[-1]:
+        # One more than asked: a K-th value equal to the next one is a tie at the boundary, where which of the
+        # equal ones torch returns is unspecified (cheaper than counting the values >= the K-th over the vocabulary).
+        values, ids = torch.topk(logits, k + 1, dim=-1)
+        over = values[..., k - 1] == values[..., k]
+        values, ids = values[..., :k], ids[..., :k]
+    else:
+        values, ids = torch.topk(logits, k, dim=-1)
+        over = torch.zeros(values.shape[:-1], dtype=torch.bool, device=values.device)
     if bool(over.any()):
         rows = logits[over]
         chosen = torch.sort(rows, dim=-1, descending=True, stable=True).indices[..., :k]  # ties: lower id first
@@ -54,6 +62,20 @@ def codes(codebook: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return F.embedding(ids, codebook).float()
 
 
+def choose(ids: torch.Tensor, unary: torch.Tensor, query: torch.Tensor, predecessor: torch.Tensor,
+           predecessor_codebook: torch.Tensor, successor_codebook: torch.Tensor
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The selector's pick at positions of any blocks, each given one predecessor token: (tokens [...], edge
+    scores [..., K]), the first maximum of ``S`` over the candidate order of ``top_candidates``.
+
+    ``ids``, ``unary`` [..., K], ``query`` [..., R], ``predecessor`` [...] (negative ids are read as token 0:
+    the caller's mark for an unknown token, after which nothing the pick decides is scored). The one
+    selection rule of the walk, the teacher-forced draft and the engine's rows."""
+    scores = edge_scores(unary, query, codes(predecessor_codebook, predecessor.clamp(min=0))[..., None, :],
+                         codes(successor_codebook, ids))[..., 0, :]
+    return ids.gather(-1, scores.argmax(-1, keepdim=True))[..., 0], scores
+
+
 def forced_draft(ids: torch.Tensor, unary: torch.Tensor, query: torch.Tensor, anchor: torch.Tensor,
                  target: torch.Tensor, predecessor_codebook: torch.Tensor,
                  successor_codebook: torch.Tensor) -> torch.Tensor:
@@ -66,10 +88,7 @@ def forced_draft(ids: torch.Tensor, unary: torch.Tensor, query: torch.Tensor, an
     greedy walk (``walk_draft``) matches the target its predecessors are the target's, so the leading matches
     of this draft are the walk's accepted length: one batched step instead of D sequential ones.
     """
-    previous = torch.cat([anchor[:, None], target[:, :-1]], dim=1).clamp(min=0)
-    scores = edge_scores(unary, query, codes(predecessor_codebook, previous)[..., None, :],
-                         codes(successor_codebook, ids))[..., 0, :]
-    return ids.gather(-1, scores.argmax(-1, keepdim=True))[..., 0]
+    return choose(ids, unary, query, predecessors(anchor, target), predecessor_codebook, successor_codebook)[0]
 
 
 def walk_draft(ids: torch.Tensor, unary: torch.Tensor, query: torch.Tensor, anchor: torch.Tensor,
@@ -77,13 +96,10 @@ def walk_draft(ids: torch.Tensor, unary: torch.Tensor, query: torch.Tensor, anch
     """The free greedy walk from the anchor, the block a server proposes at temperature 0: [N, D] tokens, at
     each depth the argmax of ``S`` given the walk's own previous token (first maximum over the candidate
     order of ``top_candidates``). Shapes as ``forced_draft``."""
-    successors = codes(successor_codebook, ids)
     token = anchor
     path = []
-    for d in range(ids.shape[1]):
-        scores = edge_scores(unary[:, d], query[:, d], codes(predecessor_codebook, token)[:, None, :],
-                             successors[:, d])[:, 0]
-        token = ids[:, d].gather(-1, scores.argmax(-1, keepdim=True))[:, 0]
+    for d in range(ids.shape[1]):  # sequential over depths, batched over every block
+        token = choose(ids[:, d], unary[:, d], query[:, d], token, predecessor_codebook, successor_codebook)[0]
         path.append(token)
     return torch.stack(path, dim=1) if path else ids[:, :0, 0]
 

@@ -28,11 +28,14 @@ from ..core.training import batch_loss
 
 
 class CachedStatesDataset(Dataset):
-    """Cached samples as dicts of tensors (memory-mapped reads, one sample at a time)."""
+    """Cached samples as dicts of tensors (memory-mapped reads, one sample at a time). ``layer_ids``: the
+    drafter's target layers, when the cache holds more (``StateCache.feature_columns``); None = all of them."""
 
-    def __init__(self, states: str | os.PathLike, sample_ids: Sequence[str] | None = None, min_completion: int = 2):
+    def __init__(self, states: str | os.PathLike, sample_ids: Sequence[str] | None = None, min_completion: int = 2,
+                 layer_ids: Sequence[int] | None = None):
         self.states = str(states)
         cache = StateCache(states)
+        self.columns = None if layer_ids is None else cache.feature_columns(layer_ids)
         ids = list(sample_ids) if sample_ids is not None else [s.id for s in cache.samples]
         # A sample needs at least one anchor with a known next token to train on.
         self.ids = [i for i in ids if cache.entry(i).valid_len - cache.entry(i).prompt_len >= min_completion]
@@ -45,7 +48,8 @@ class CachedStatesDataset(Dataset):
         if self._cache is None:  # opened lazily: a DataLoader worker opens its own
             self._cache = StateCache(self.states)
         s = self._cache.load(self.ids[i])
-        return {"id": s.entry.id, "input_ids": s.input_ids, "hidden": s.hidden,
+        hidden = s.hidden if self.columns is None else s.hidden.index_select(1, self.columns)
+        return {"id": s.entry.id, "input_ids": s.input_ids, "hidden": hidden,
                 "prompt_len": s.entry.prompt_len, "valid_len": s.entry.valid_len}
 
 
@@ -63,12 +67,14 @@ class CachedStatesDataModule(LightningDataModule):
         sample_ids: train on these samples only (default: all).
         shuffle: shuffle the samples every epoch (from the global, seeded RNG).
         num_workers: DataLoader workers.
+        layer_ids: the drafter's target layers, when the cache holds more (None: all of the cache's).
     """
 
     def __init__(self, states: str, batch_size: int = 2, sample_ids: list[str] | None = None, shuffle: bool = True,
-                 num_workers: int = 0) -> None:
+                 num_workers: int = 0, layer_ids: list[int] | None = None) -> None:
         super().__init__()
         self.states = states
+        self.layer_ids = layer_ids
         self.batch_size = batch_size
         self.sample_ids = sample_ids
         self.shuffle = shuffle
@@ -77,7 +83,7 @@ class CachedStatesDataModule(LightningDataModule):
 
     def setup(self, stage: str) -> None:
         if self.dataset is None:
-            self.dataset = CachedStatesDataset(self.states, self.sample_ids)
+            self.dataset = CachedStatesDataset(self.states, self.sample_ids, layer_ids=self.layer_ids)
 
     def train_dataloader(self) -> DataLoader:
         assert self.dataset is not None

@@ -54,6 +54,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
 from ..common import arguments as check
+from ..common import log
 from ..core.metrics import TAU
 from ..core.positions import DEFAULT_POSITION_EDGES
 from ..core.request import DEFAULT_BUDGETS
@@ -186,6 +187,8 @@ class DFlashEvalCallback(Callback):
         if sharding_kind(trainer) == "deepspeed3":
             raise RuntimeError("DFlashEvalCallback: DeepSpeed ZeRO stage 3 shards parameters in a way this callback "
                                "cannot gather; use ZeRO stage 1/2, DDP or FSDP")
+        for problem in stale_checkpoint_cadences(trainer.callbacks, self.config):
+            log.warn(f"{type(self).__name__}: {problem}")
         # The scalars to every logger; the rich record to the trackers among them (W&B, TensorBoard); then the
         # user's own sinks.
         sinks: list[MetricsSink] = [LightningLoggers(trainer), *lightning_sinks(trainer), *self.sinks]
@@ -234,6 +237,36 @@ class DFlashEvalCallback(Callback):
         tau = self.config.prefix + TAU
         if self.prog_bar and trainer.global_rank == 0 and tau in metrics:
             trainer.progress_bar_metrics[tau] = metrics[tau]
+
+
+def stale_checkpoint_cadences(callbacks: Sequence[Any], config: EvalConfig) -> list[str]:
+    """What is wrong with each ``ModelCheckpoint`` that monitors one of the evaluation's keys on a cadence that
+    is not a multiple of the evaluation's: at a step without an evaluation, ``callback_metrics`` still holds the
+    tau of an earlier step, so the file name and the best-checkpoint choice get a stale figure."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    every = config.every_n_train_steps
+    problems = []
+    for cb in callbacks:
+        monitor = getattr(cb, "monitor", None)
+        if not isinstance(cb, ModelCheckpoint) or not isinstance(monitor, str) or not monitor.startswith(config.prefix):
+            continue
+        steps = int(getattr(cb, "_every_n_train_steps", 0) or 0)
+        if steps and every and steps % every == 0:
+            continue
+        if steps:
+            saves = f"saves every {steps} training step(s)"
+        elif getattr(cb, "_train_time_interval", None) is not None:
+            saves = f"saves every {cb._train_time_interval}"
+        else:
+            saves = f"saves at the end of every {getattr(cb, '_every_n_epochs', 1) or 1} epoch(s)"
+        runs = f"the evaluation runs every {every} step(s)" if every else "the evaluation runs at fit start and end only"
+        fix = (f"ModelCheckpoint(monitor={monitor!r}, every_n_train_steps={every or 'N'}) or a multiple of it"
+               + ("" if every else ", with DFlashEvalCallback(every_n_train_steps=N)"))
+        problems.append(f"ModelCheckpoint(monitor={monitor!r}) {saves}, {runs}: a checkpoint saved at a step "
+                        f"without an evaluation carries the tau of an earlier step in its file name and in the best-"
+                        f"checkpoint choice; align them: {fix}")
+    return problems
 
 
 class LightningLoggers(MetricsSink):

@@ -48,29 +48,24 @@ def describe_selection(sel: dict[str, Any]) -> str:
     return f"{sel.get('count')} samples ({how})"
 
 
-def estimator_record(block_size: int, anchor_stride: int, anchor_seed: int) -> dict[str, int]:
-    """What the main keys' statistics depend on besides the samples: the block evaluated and the strided
-    anchor set (stride and offsets' seed). Another one is another estimator: a new series."""
-    return {"block_size": block_size, "anchor_stride": anchor_stride, "anchor_seed": anchor_seed}
-
-
 def new_series_reason(saved_cache: str | None, saved_selection: dict[str, Any] | None, cache: str,
-                      selection: dict[str, Any], cache_path: Any, saved_estimator: dict[str, Any] | None = None,
-                      estimator: dict[str, Any] | None = None) -> str | None:
+                      selection: dict[str, Any], cache_path: Any, saved_series: dict[str, Any] | None = None,
+                      series: dict[str, Any] | None = None) -> str | None:
     """Why a resumed history cannot go on in this run (None: it can): it was measured on another
-    cache, on another sample selection, or with another block or anchor set (``estimator_record``). A
-    state without a record goes on."""
+    cache, on another sample selection, or with another setting that changes a logged figure (``series``:
+    the main keys' ``EvalRequest.series``, i.e. the block, the tail convention, the compute dtype and the
+    anchor set; compared on the names both records hold). A state without a record goes on."""
     if saved_cache is not None and saved_cache != cache:
         return (f"measured on another cache (manifest sha256 {saved_cache[:12]}...) than {cache_path} now holds "
                 f"({cache[:12]}...)")
     if saved_selection is not None and saved_selection.get("ids_sha256") != selection["ids_sha256"]:
         return (f"measured on another sample selection, {describe_selection(saved_selection)}, than this run's "
                 f"{describe_selection(selection)}")
-    if saved_estimator is not None and estimator is not None and saved_estimator != estimator:
-        def show(e: dict[str, Any]) -> str:
-            return ", ".join(f"{k} {e.get(k)}" for k in sorted(estimator))
-
-        return f"measured with another block or anchor set ({show(saved_estimator)}) than this run's ({show(estimator)})"
+    if saved_series is not None and series is not None:
+        changed = [f"{k} {saved_series[k]!r} -> {series[k]!r}" for k in series
+                   if k in saved_series and saved_series[k] != series[k]]
+        if changed:
+            return f"measured with other settings than this run's ({'; '.join(changed)})"
     return None
 
 
@@ -86,7 +81,7 @@ class EvalState:
     failed_evaluations: int = 0
     cache_manifest_sha256: str | None = None  # the cache the history was measured on
     sample_selection: dict[str, Any] | None = None  # selection_record of the samples it scored
-    estimator: dict[str, Any] | None = None  # estimator_record of the main keys' statistics
+    series: dict[str, Any] | None = None  # what identifies the main keys' figures (EvalRequest.series)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -104,6 +99,8 @@ class EvalState:
         if missing:
             raise MalformedStateError(f"{', '.join(missing)} missing")
         fresh = cls()
+        if "series" not in state and "estimator" in state:  # its first name (block and anchor set only)
+            state = {**state, "series": state["estimator"]}
         s = cls(**{f.name: state.get(f.name, getattr(fresh, f.name)) for f in dataclasses.fields(cls)})
         _check(s.last_eval_step, "last_eval_step", is_int(s.last_eval_step) and s.last_eval_step >= -1,
                "an integer >= -1")
@@ -114,11 +111,11 @@ class EvalState:
             _check(getattr(s, name), name, isinstance(getattr(s, name), bool), "true or false")
         sha = s.cache_manifest_sha256
         _check(sha, "cache_manifest_sha256", sha is None or _is_sha256(sha), "a sha256 hex digest or None")
-        est = s.estimator
-        _check(est, "estimator", est is None or (isinstance(est, dict) and set(est) == {"block_size", "anchor_stride",
-                                                                                       "anchor_seed"}
-                                                 and all(is_int(v) for v in est.values())),
-               "None or a dict of block_size, anchor_stride and anchor_seed")
+        ser = s.series
+        _check(ser, "series", ser is None or (isinstance(ser, dict) and all(isinstance(k, str) for k in ser)
+                                              and all(v is None or is_int(v) or isinstance(v, str)
+                                                      for v in ser.values())),
+               "None or a dict of setting names to integers or strings")
         sel = s.sample_selection
         _check(sel, "sample_selection", sel is None or (isinstance(sel, dict) and _is_sha256(sel.get("ids_sha256"))
                                                           and is_int(sel.get("count"))),

@@ -41,12 +41,14 @@ from ..common import arguments as check
 from ..common import log
 from ..common.errors import DFlashCBError
 from ..core.anchor_sets import sparse_stride_warning
+from ..core.baselines import MEASURED
 from ..core.engine import anchors_per_sample
 from ..core.metrics import TAU
+from ..core.results import series_mismatch
 from .config import EvalConfig
 from .distributed import full_parameters_of, world
 from .drafter_source import unwrap
-from .eval_state import EvalState, MalformedStateError, estimator_record, new_series_reason
+from .eval_state import EvalState, MalformedStateError, new_series_reason
 from .measure import FailedMeasurement, Measurer
 from .publish import LastEvaluation, Publisher
 from .schedule import (
@@ -116,6 +118,7 @@ class LiveEvaluator:
         self.state = EvalState()  # what a checkpoint carries (state_dict / load_state_dict)
         self.session: EvalSession | None = None  # the run's, built by setup
         self.fit: DrafterFit | None = None  # the drafter as checked against the session's cache
+        self._series: dict[str, Any] | None = None  # what identifies the main keys' figures, with fit
         self.last: LastEvaluation | None = None  # the last evaluation that succeeded, in this process
         self._measurer: Measurer | None = None  # built with fit
         self._publisher: Publisher | None = None  # built with the session
@@ -168,24 +171,17 @@ class LiveEvaluator:
         records this run's cache and selection."""
         s = self.session
         assert s is not None
-        estimator = self._estimator()
+        series = self._series
         reason = new_series_reason(self.state.cache_manifest_sha256, self.state.sample_selection,
-                                   s.cache.manifest_sha256, s.selection, s.cache.path, self.state.estimator, estimator)
+                                   s.cache.manifest_sha256, s.selection, s.cache.path, self.state.series, series)
         if reason is not None:
             log.warn(f"{self.name}: the checkpoint's evaluations were {reason}. Its {len(self.history)} "
                      "evaluation(s) are dropped and a new series starts here; numbers from different caches or "
                      "sample selections are not comparable.", stacklevel=3)
             self.state = EvalState()  # and the resumed weights are evaluated at once
         self.state.cache_manifest_sha256, self.state.sample_selection = s.cache.manifest_sha256, s.selection
-        if estimator is not None:
-            self.state.estimator = estimator
-
-    def _estimator(self) -> dict[str, int] | None:
-        """The main keys' estimator (``eval_state.estimator_record``), once the drafter's block is known."""
-        if self.fit is None:
-            return None
-        block = self.fit.block_size
-        return estimator_record(block, self.config.light_stride(block), self.config.anchor_seed)
+        if series is not None:
+            self.state.series = series
 
     # -- the loop's calls -----------------------------------------------------------------------
     def setup(self, drafter: nn.Module | None = None, model: Any = None, *, sinks: list[MetricsSink] | None = None,
@@ -203,7 +199,7 @@ class LiveEvaluator:
                            _check_max_steps(max_steps) if max_steps is not None else d.max_steps,
                            full_parameters if full_parameters is not None else d.full_parameters)
         self.session = open_session(self.config, loop)
-        self.fit, self._measurer = None, None
+        self.fit, self._measurer, self._series = None, None, None
         self._publisher = Publisher(self.config, self.session, self.describe, self.name, self.say)
         self._failed_in_a_row = 0
         self._last_seen_step = None
@@ -307,6 +303,12 @@ class LiveEvaluator:
         fit = drafter_fit(s.cache, self.config, unwrap(drafter), model, self.name)
         self.fit = fit
         self._measurer = Measurer(self.config, s, fit, self._gathered, world, self.name)
+        self._series = self._measurer.series(unwrap(drafter))
+        for b in s.baselines:
+            if b.kind == MEASURED:  # a reference measured with another block, tail convention or dtype
+                mismatch = series_mismatch([("this run", self._series), (f"baseline {b.details.get('path')}", b.series)])
+                if mismatch:
+                    log.warn(f"{self.name}: {mismatch}")
         light = self.config.light_stride(fit.block_size)
         sparse = sparse_stride_warning(anchors_per_sample(s.cache, s.eval_ids), light, self.config.anchor_seed,
                                        option="light_anchor_stride")

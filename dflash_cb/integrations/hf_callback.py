@@ -207,20 +207,21 @@ def _check_one_per_prefix(callback: DFlashEvalTrainerCallback, trainer: Any) -> 
 
 class TrainerLog(MetricsSink):
     """The evaluator's scalars into the Trainer's own record: ``state.log_history`` (so they are in every
-    checkpoint's ``trainer_state.json``) and every ``report_to`` integration but W&B (which gets them
-    straight, under the evaluator's names: ``WandbSink``). The console printers are skipped: the evaluator
-    prints one line per evaluation instead of the Trainer's whole dict."""
+    checkpoint's ``trainer_state.json``) and every ``report_to`` integration but the trackers this package has a
+    sink for (W&B, TensorBoard: ``trackers``), which get them straight, under the evaluator's names and step
+    axis, where the Trainer's integrations would rename them (``train/dflash_eval/tau``). The console printers
+    are skipped: the evaluator prints one line per evaluation instead of the Trainer's whole dict."""
 
     def __init__(self, trainer: Any) -> None:
         self.trainer = trainer
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        from transformers.integrations import WandbCallback
+        from transformers.integrations import TensorBoardCallback, WandbCallback
         from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
         t = self.trainer
         t.state.log_history.append({**metrics, "step": int(step)})
-        skip = (PrinterCallback, ProgressCallback, WandbCallback, DFlashEvalTrainerCallback)
+        skip = (PrinterCallback, ProgressCallback, WandbCallback, TensorBoardCallback, DFlashEvalTrainerCallback)
         for cb in t.callback_handler.callbacks:
             if isinstance(cb, skip) or type(cb).on_log is TrainerCallback.on_log:
                 continue

@@ -187,7 +187,8 @@ class Measurer:
         # The light stride's statistics come from the same pass as a full evaluation's own (one estimator
         # per key: the main keys are the light profile's at every evaluation).
         strides = [profile.stride] + ([profile.light_stride] if profile.light_stride != profile.stride else [])
-        templates = {st: EvalCounts(self.fit.block_size, profile.budgets, self.session.categories) for st in strides}
+        templates = {st: EvalCounts(self.fit.block_size, profile.budgets, self.session.categories,
+                                    self.fit.spec.family) for st in strides}
         ranked = evaluate_across_ranks(self.session.eval_ids, lambda ids: self._score(ids, drafter, model, profile,
                                                                                      strides),
                                        templates, lambda: self.gathered(drafter, model))
@@ -214,6 +215,15 @@ class Measurer:
                            block_size=self.fit.block_size, tail_blocks=cfg.tail_blocks, device=device,
                            autocast_dtype=autocast, spec=self.fit.spec, verify=cfg.verify_cache,
                            keep_drafts=keep_drafts, draft_all=self.cost.draft_all_is_cheaper(profile))
+
+    def series(self, drafter: nn.Module) -> dict[str, Any]:
+        """What identifies the main keys' figures (``EvalRequest.series`` of a light evaluation with the
+        drafter where it is now: its device decides what ``autocast_dtype="auto"`` computes in)."""
+        param = next(unwrap(drafter).parameters())
+        autocast = resolve_autocast(self.config.autocast_dtype, param.device, param.dtype)
+        light = self.config.light_stride(self.fit.block_size)
+        profile = Profile(False, self.config.light_budgets, light, self.config.light_budgets, light)
+        return self.request(profile, param.device, autocast, [], 0).series()
 
     def _score(self, ids: list[str], drafter: nn.Module, model: Any, profile: Profile,
                strides: list[int]) -> EvalReport:

@@ -1,8 +1,8 @@
 """The W&B comparison panels, built from code (``tools/wandb_panels.py``).
 
 A saved workspace view (or, with ``--report``, a W&B Report) with the sections *Headline*,
-*Uncertainty*, *Per category*, *Per depth*, *By position*, *Cost* and the samples table, every
-line plot against ``trainer/global_step``. Every key a panel shows is built from the names in
+*Uncertainty*, *Per category*, *Per depth*, *Selector* (a DFlash 2 drafter's: where tau is lost), *By
+position*, *Cost* and the samples table, every line plot against ``trainer/global_step``. Every key a panel shows is built from the names in
 ``dflash_cb.core.metrics`` and the run's dimensions (``PanelLayout``: DDTree budgets, categories,
 block size, position buckets, baselines), so a renamed metric breaks ``tests/test_panels.py``
 instead of leaving an empty panel.
@@ -21,6 +21,7 @@ serialising the view needs no network; only ``save()`` talks to W&B.
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -42,6 +43,10 @@ from ..core.metrics import (
     EVAL_STEP,
     EVAL_TIME,
     FULL_PREFIX,
+    SELECTOR_ACC,
+    SELECTOR_ORACLE_TAU,
+    SELECTOR_RECALL,
+    SELECTOR_UNARY_TAU,
     SERVED_BASELINE,
     SPECFORGE_ACC,
     STEP_KEY,
@@ -55,13 +60,16 @@ from ..core.metrics import (
     ddtree_tau,
     depth_acc,
     depth_acc_cond,
+    position_cycles,
     position_tau,
+    selector_acc,
+    selector_recall,
 )
 from ..core.positions import DEFAULT_CYCLE_BUCKETS, DEFAULT_POSITION_EDGES, cycle_labels, position_labels
 
 SAMPLE_TABLE = "sample_table"
 COST_KEYS = (EVAL_TIME, CYCLES, TOKENS, ANCHORS_DRAFTED, ANCHORS_NEEDED)
-SECTIONS = ("Headline", "Uncertainty", "Per category", "Per depth", "By position", "Cost", "Samples")
+SECTIONS = ("Headline", "Uncertainty", "Per category", "Per depth", "Selector", "By position", "Cost", "Samples")
 
 
 @dataclass
@@ -86,6 +94,9 @@ class PanelLayout:
     # DDTree budgets each reference ("baseline/<name>", "published/<name>") logged; a reference not
     # listed gets no DDTree series (a key nobody logged would be an empty line).
     reference_budgets: Mapping[str, Sequence[int]] = field(default_factory=dict)
+    # A DFlash 2 drafter: the selector's figures (selector/...: the unary and perfect-selector taus, recall and
+    # accuracy given recall, pooled and per depth).
+    selector: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size < 2:
@@ -157,12 +168,26 @@ def panel_plan(layout: PanelLayout) -> dict[str, list[PanelSpec]]:
     per_depth = [line("acceptance per depth (unconditional)", [depth_acc(k) for k in depths]),
                  line("acceptance per depth (given the previous depths matched)", [depth_acc_cond(k) for k in depths])]
 
+    selector = []
+    if layout.selector:
+        selector = [
+            line("DFlash 2: tau, with the selector off (unary argmax) and with a perfect selector",
+                 [TAU, SELECTOR_UNARY_TAU, SELECTOR_ORACLE_TAU]),
+            line("DFlash 2: selector off / perfect selector tau with their 95% intervals",
+                 [m for w in (SELECTOR_UNARY_TAU, SELECTOR_ORACLE_TAU) for m in (w, ci_low(w), ci_high(w))]),
+            line("DFlash 2: target among the unary top-K (recall), the selector's pick given it (pooled)",
+                 [SELECTOR_RECALL, SELECTOR_ACC]),
+            line("DFlash 2: unary top-K recall per depth", [selector_recall(k) for k in depths]),
+            line("DFlash 2: the selector's pick given recall, per depth", [selector_acc(k) for k in depths])]
+
     by_position = [line("tau by anchor position in the completion", [position_tau(b) for b in layout.position_buckets]),
+                   line("cycles by anchor position (what each bucket's tau rests on)",
+                        [position_cycles(b) for b in layout.position_buckets]),
                    line("tau by cycle index after the prompt", [cycle_tau(b) for b in layout.cycle_buckets])]
 
     cost = [line(f"cost: {n}", [n]) for n in layout.cost]
     samples = [PanelSpec("table", "samples: drafts vs target, per cycle", (p + SAMPLE_TABLE,))]
-    return dict(zip(SECTIONS, [headline, uncertainty, per_category, per_depth, by_position, cost, samples],
+    return dict(zip(SECTIONS, [headline, uncertainty, per_category, per_depth, selector, by_position, cost, samples],
                     strict=True))
 
 
@@ -207,6 +232,7 @@ def layout_from_keys(keys: Iterable[str], prefix: str = DEFAULT_PREFIX,
         cost=[n for n in COST_KEYS if n in keys],
         light_ddtree_budgets=light_budgets,
         served=SERVED_BASELINE in {f"baseline/{n}" for n in named},
+        selector=SELECTOR_UNARY_TAU in keys,
         reference_budgets={r: bs for r in refs
                            if (bs := sorted(int(b) for b in grab(re.escape(r) + r"/ddtree/tau_b(\d+)")))},
     )
@@ -281,7 +307,8 @@ def build_parser() -> Any:
     p = argparse.ArgumentParser(
         prog="wandb_panels.py",
         description="Create or update a saved W&B workspace view (or, with --report, a Report) with the "
-                    "dflash-cb panels: Headline, Uncertainty, Per category, Per depth, By position, Cost, Samples.")
+                    "dflash-cb panels: Headline, Uncertainty, Per category, Per depth, Selector (DFlash 2), By position, "
+                    "Cost, Samples.")
     p.add_argument("--entity", default=None, help="W&B entity (not needed with --show on a local run folder)")
     p.add_argument("--project", default=None, help="W&B project (not needed with --show on a local run folder)")
     p.add_argument("--name", default="dflash-cb: drafter evaluation", help="view (or report) name")
@@ -301,6 +328,8 @@ def build_parser() -> Any:
     p.add_argument("--position-edges", default=",".join(map(str, DEFAULT_POSITION_EDGES)))
     p.add_argument("--cycle-buckets", type=int, default=DEFAULT_CYCLE_BUCKETS)
     p.add_argument("--baselines", default="", help="names of the measured baselines (callback baselines=)")
+    p.add_argument("--selector", action="store_true",
+                   help="the drafter is a DFlash 2 drafter: add the Selector section (selector/... keys)")
     p.add_argument("--served", action="store_true",
                    help="the cache holds the server's counters: show baseline/served/tau (no paired delta)")
     p.add_argument("--published", default="",
@@ -326,6 +355,7 @@ def series_table(rows: Iterable[Mapping[str, Any]], prefix: str = DEFAULT_PREFIX
     ddtree = sorted((k for k in keys if re.fullmatch(re.escape(prefix) + r"ddtree/tau_b\d+", k)),
                     key=lambda k: int(k.rsplit("b", 1)[1]))
     columns = [(TAU, prefix + TAU), *[(k[len(prefix):], k) for k in ddtree],
+               *[(k, prefix + k) for k in (SELECTOR_UNARY_TAU, SELECTOR_ORACLE_TAU)],
                (SPECFORGE_ACC, prefix + SPECFORGE_ACC), (ALL_ANCHOR_TAU, prefix + ALL_ANCHOR_TAU),
                (FULL_PREFIX + TAU, prefix + FULL_PREFIX + TAU)]
     columns = [(name, key) for name, key in columns if any(key in r for r in evals.values())]
@@ -401,6 +431,10 @@ def _run_history(run: str, entity: str, project: str) -> tuple[list[dict[str, An
 
         rows, summary = offline_history(run)
         return rows, set(summary)
+    if not (entity and project) or "/" in run or os.sep in run or run.endswith(".wandb"):
+        raise PanelsError(f"--run {run}: no such folder; give a local offline run folder (wandb/offline-run-<date>-"
+                          "<id>, written with WANDB_MODE=offline), or the id of a run on W&B with --entity and "
+                          "--project")
 
     def fetch() -> tuple[list[dict[str, Any]], set[str]]:
         import wandb
@@ -459,7 +493,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  published=[_published_key(x) for x in _csv(args.published)],
                                  light_ddtree_budgets=None if args.light_budgets is None
                                  else list(parse_int_list("--light-budgets", args.light_budgets, 1)),
-                                 served=args.served)
+                                 served=args.served, selector=args.selector)
         except ValueError as e:
             raise PanelsError(f"wandb_panels.py: {e}") from None
     plan = panel_plan(layout)

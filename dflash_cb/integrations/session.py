@@ -101,9 +101,9 @@ def open_session(config: EvalConfig, loop: LoopContext, cache: StateCache | None
     cache.check_files(eval_ids, head=config.needs_cache_head)
     verified = verify_across_ranks(cache, eval_ids, config.needs_cache_head) if config.verify_cache else None
     cache.check_samples(eval_ids)  # manifest fields against the shards (small tensors only)
-    # A file replayed with other tail blocks is warned about (results.tail_blocks_mismatch).
-    baselines = [load_measured(p, cache, name=n, sample_ids=eval_ids, tail_blocks=config.tail_blocks)
-                 for n, p in config.baselines.items()]
+    # A file measured with other settings is warned about once the drafter's block is known (the evaluator's
+    # validate: results.series_mismatch).
+    baselines = [load_measured(p, cache, name=n, sample_ids=eval_ids) for n, p in config.baselines.items()]
     served = load_served(cache, eval_ids)  # the server's own counters, when the cache has them
     if served is not None:
         baselines.append(served)
@@ -141,7 +141,8 @@ def drafter_fit(cache: StateCache, config: EvalConfig, drafter: nn.Module, model
     spelled = dict(names or {})
     block = check_block_size(config.block_size, spec.block_size, spelled.get("block_size", "block_size"))
     for name, budgets in (("ddtree_budgets", config.ddtree_budgets), ("light_ddtree_budgets", config.light_budgets)):
-        check_ddtree_budgets(budgets, block, m.vocab_size, spelled.get(name, name))  # before any evaluation
+        check_ddtree_budgets(budgets, block, m.vocab_size, spelled.get(name, name),  # before any evaluation
+                             spec.selector_top_k)
     problems = []
     n_target = getattr(getattr(drafter, "config", None), "num_target_layers", None)
     if n_target is not None and m.target.get("num_layers") is not None and int(n_target) != int(m.target["num_layers"]):

@@ -231,7 +231,8 @@ def attach(controller: Any, states: str | os.PathLike | EvalConfig, every_n_trai
             it, pass ``checkpoint_manager=CheckpointManager(output_dir, run_id,
             best_metric="dflash_eval/tau")`` to the controller for the same effect.
         resume_from: the checkpoint folder a resumed run started from, when it is not the controller's own
-            ``{output_dir}/{run_id}-step{N}`` (SpecForge's ``training.resume_from``).
+            ``{output_dir}/{run_id}-step{N}`` (SpecForge's ``training.resume_from``); one that does not exist,
+            or the state file in it, is refused (``check_resume_from``).
         sinks: more destinations beside SpecForge's ``logger`` (a W&B run, a TensorBoard ``SummaryWriter``, a
             ``MetricsSink``, a function ``log(metrics, step)``): SpecForge's logger gets the scalars only.
         options: ``EvalConfig``'s other fields (``dflash_cb.integrations.config``). ``target_embed`` and
@@ -251,6 +252,7 @@ def attach(controller: Any, states: str | os.PathLike | EvalConfig, every_n_trai
         raise check.ArgumentError(f"drafter={drafter!r}: expected an attribute path on the trainable module (str) or "
                                   "a function module -> drafter")
     check.flag("keep_best_by_tau", keep_best_by_tau)
+    check_resume_from(resume_from)
     if isinstance(states, EvalConfig):
         evaluator = LiveEvaluator(states, name=SpecForgeEvaluation.__name__, **options)
     else:
@@ -262,6 +264,25 @@ def attach(controller: Any, states: str | os.PathLike | EvalConfig, every_n_trai
     attachment._install()
     attached[evaluator.prefix] = attachment
     return attachment
+
+
+def check_resume_from(resume_from: str | os.PathLike | None) -> None:
+    """A ``resume_from`` is the checkpoint folder the run resumes from: one that does not exist would start a
+    new series (the run's history lost to a typo), and the state file in it is not the folder."""
+    if resume_from is None:
+        return
+    path = Path(resume_from)
+    if path.is_dir():
+        return
+    if path.is_file():
+        if path.name == STATE_FILE:
+            raise check.ArgumentError(f"resume_from={path}: the evaluator's state file; give its folder, "
+                                      f"resume_from={path.parent}")
+        raise check.ArgumentError(f"resume_from={path}: a file; give the checkpoint folder the run resumes from "
+                                  "(SpecForge's training.resume_from)")
+    raise check.ArgumentError(f"resume_from={path}: no such folder; give the checkpoint folder the run resumes from "
+                              "(SpecForge's training.resume_from), or leave resume_from out for the controller's own "
+                              "{output_dir}/{run_id}-step{N}")
 
 
 def evaluation_config(states: str | os.PathLike, every_n_train_steps: int, options: dict[str, Any]) -> EvalConfig:

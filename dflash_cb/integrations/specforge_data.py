@@ -15,29 +15,33 @@ from typing import Any
 
 import torch
 
-from ..cache.states import StateCache, TargetHead
+from ..cache.states import StateCache
 from ..common.fileio import atomic_path
 
 
-def sample_features(cache: StateCache, sample_id: str) -> dict[str, torch.Tensor]:
+def sample_features(cache: StateCache, sample_id: str, layer_ids: Sequence[int] | None = None) -> dict[str, torch.Tensor]:
     """One sample's SpecForge features, unbatched: ``input_ids`` and ``loss_mask`` ``[seq]``, ``hidden_states``
-    ``[seq, layers * hidden]`` (float32)."""
+    ``[seq, layers * hidden]`` (float32). ``layer_ids``: the drafter's target layers, when the cache holds more
+    (None: all of the cache's)."""
     e = cache.entry(sample_id)
     s = cache.load(sample_id)
     loss_mask = torch.zeros(e.total_len, dtype=torch.long)
     loss_mask[e.prompt_len:e.valid_len] = 1
-    return {"input_ids": s.input_ids.long(), "loss_mask": loss_mask, "hidden_states": s.hidden.float()}
+    columns = None if layer_ids is None else cache.feature_columns(layer_ids)
+    hidden = s.hidden if columns is None else s.hidden.index_select(1, columns)
+    return {"input_ids": s.input_ids.long(), "loss_mask": loss_mask, "hidden_states": hidden.float()}
 
 
-def train_batches(states: str | os.PathLike | StateCache, sample_ids: Sequence[str] | None = None) -> list[Any]:
+def train_batches(states: str | os.PathLike | StateCache, sample_ids: Sequence[str] | None = None,
+                  layer_ids: Sequence[int] | None = None) -> list[Any]:
     """One SpecForge ``TrainBatch`` (strategy ``"dflash"``) per sample, for ``TrainerController.fit`` or its
-    ``eval_data_factory``."""
+    ``eval_data_factory`` (``layer_ids``: ``sample_features``)."""
     from specforge.runtime.contracts import TrainBatch
 
     cache = states if isinstance(states, StateCache) else StateCache(states)
     out = []
     for i in sample_ids if sample_ids is not None else [e.id for e in cache.samples]:
-        f = sample_features(cache, i)
+        f = sample_features(cache, i, layer_ids)
         out.append(TrainBatch([i], "dflash", {"input_ids": f["input_ids"][None],
                                               "hidden_states": f["hidden_states"][None],
                                               "loss_mask": f["loss_mask"][None].float()}))
@@ -57,24 +61,3 @@ def write_offline_features(states: str | os.PathLike, folder: str | os.PathLike)
             torch.save(sample_features(cache, e.id), tmp)
         written.append(path)
     return written
-
-
-def dflash_objective(config: dict[str, Any], state: dict[str, torch.Tensor], head: TargetHead, num_anchors: int,
-                     objective: type | None = None) -> Any:
-    """SpecForge 0.2.0's DFlash objective (``OnlineDFlashModel``, or the subclass ``objective``) over its own
-    ``DFlashDraftModel`` holding a drafter's weights (``config``: the drafter's config dict, ``state``: its
-    state dict) and the target's head, sdpa attention, up to ``num_anchors`` anchors per sequence, eval mode."""
-    from specforge.algorithms.common.dflash_family_model import OnlineDFlashModel
-    from specforge.modeling.draft.dflash import DFlashDraftModel
-    from transformers import Qwen3Config
-
-    cfg = Qwen3Config(**config)
-    cfg._attn_implementation = "sdpa"
-    drafter = DFlashDraftModel(cfg).eval()
-    drafter.load_state_dict(state)
-    lm_head = torch.nn.Linear(head.lm_head.shape[1], head.lm_head.shape[0], bias=False)
-    lm_head.weight.data.copy_(head.lm_head)
-    embed = torch.nn.Embedding.from_pretrained(head.embed_tokens.clone())
-    mask = cfg.dflash_config["mask_token_id"]
-    return (objective or OnlineDFlashModel)(drafter, lm_head, embed, mask, block_size=cfg.block_size,
-                                            attention_backend="sdpa", num_anchors=num_anchors).eval()

@@ -3,8 +3,10 @@
 An offline run (``WandbLogger(offline=True)``, ``WANDB_MODE=offline``) keeps its records in
 ``<run folder>/run-<id>.wandb``: a LevelDB-style log of 32 KiB blocks, each record behind a
 7-byte header (crc32, length, kind: full, first, middle or last fragment; 0 is block padding),
-whose payloads are ``wandb_internal_pb2.Record`` messages. Only the history and summary keys
-(and values) are decoded here: enough to check a panel layout against the run.
+whose payloads are ``wandb_internal_pb2.Record`` messages. The crc32 covers the kind byte and the
+fragment (zlib's CRC-32, the one the W&B writer computes), so a flipped bit anywhere in a record is
+caught and named, never read as other values. Only the history and summary keys (and values) are
+decoded here: enough to check a panel layout against the run.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -33,41 +36,66 @@ def run_file(run_dir: str | os.PathLike) -> Path:
     if not found:
         raise OfflineRunError(f"{p}: no run-*.wandb file; give an offline run folder such as "
                               "wandb/offline-run-<date>-<id> (written with WANDB_MODE=offline)")
+    if len(found) > 1:  # one run writes one log: which one is meant is for the user to say
+        raise OfflineRunError(f"{p}: {len(found)} run logs ({', '.join(f.name for f in found)}); give the one to "
+                              f"read, e.g. --run {found[0]}")
     return found[0]
 
 
 def offline_records(run_dir: str | os.PathLike) -> list[Any]:
     """Every complete record of the run's log (a record the writer is still busy with is left out)."""
+    from google.protobuf.message import DecodeError
     from wandb.proto import wandb_internal_pb2 as pb
 
     path = run_file(run_dir)
     data = path.read_bytes()
     if data[:4] != _MAGIC:
         raise OfflineRunError(f"{path}: not a W&B run log (it does not start with {_MAGIC!r})")
-    pos, out, buf = _HEADER, [], b""
+
+    def damaged(at: int, what: str) -> OfflineRunError:
+        return OfflineRunError(f"{path}: damaged at byte {at} ({what}): the file is not as W&B wrote it; copy the "
+                               "run folder again from where the run wrote it")
+
+    pos, out, buf, start = _HEADER, [], b"", _HEADER
     while pos + _HEADER <= len(data):
         left = _BLOCK - pos % _BLOCK
         if left < _HEADER:  # a header never straddles blocks: the rest of the block is padding
             pos += left
             continue
-        _crc, n, kind = struct.unpack("<IHB", data[pos:pos + _HEADER])
+        at = pos
+        crc, n, kind = struct.unpack("<IHB", data[pos:pos + _HEADER])
         pos += _HEADER
         if kind == 0:
             pos += left - _HEADER
             continue
+        if kind > 4 or n > left - _HEADER:
+            raise damaged(at, f"a record header of kind {kind}, {n} bytes, in a block with {left - _HEADER} left")
         if pos + n > len(data):
-            break
+            break  # the record the writer is busy with
         chunk, pos = data[pos:pos + n], pos + n
+        if zlib.crc32(chunk, zlib.crc32(bytes([kind]))) != crc:
+            raise damaged(at, "a record's checksum does not match its bytes")
+        if kind in (1, 2):
+            start = at
         if kind == 1:
-            out.append(chunk)
+            out.append((start, chunk))
         elif kind == 2:
             buf = chunk
         elif kind == 3:
             buf += chunk
         elif kind == 4:
-            out.append(buf + chunk)
+            out.append((start, buf + chunk))
             buf = b""
-    return [pb.Record.FromString(r) for r in out]
+    records = []
+    for at, raw in out:
+        try:
+            records.append(pb.Record.FromString(raw))
+        except DecodeError as e:
+            import wandb
+
+            raise OfflineRunError(f"{path}: the record at byte {at} is not a W&B record wandb {wandb.__version__} "
+                                  f"reads ({e}); read the run with the wandb version that wrote it") from None
+    return records
 
 
 def offline_history(run_dir: str | os.PathLike) -> tuple[list[dict[str, Any]], dict[str, Any]]:

@@ -61,7 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", default=S, help="prompt JSONL (id, category, messages|text|input_ids)")
     p.add_argument("--out", default=S, help="cache folder, e.g. cached_states/qwen36-27b-v1")
     p.add_argument("--layers", default=S, help="target layer ids, e.g. 1,16,31,46,61 (id i = hidden_states[i+1])")
-    p.add_argument("--drafter-config", default=S, help="drafter config.json giving the layer ids")
+    p.add_argument("--drafter-config", default=S,
+                   help="drafter config.json giving the layer ids; several, comma-separated: the union of their layers "
+                        "(one cache for several drafters, each reading its own)")
     p.add_argument("--reference", default=S, choices=COMPLETION_SOURCES, help="completion source (default local)")
     p.add_argument("--sglang-url", default=S, help="SGLang server for --reference sglang")
     p.add_argument("--vllm-url", default=S, help="vLLM server (OpenAI API) for --reference vllm")
@@ -128,6 +130,8 @@ def args_from_cli(argv: Sequence[str] | None = None) -> PrecomputeArgs:
         values["stop_token_ids"] = _int_list(values["stop_token_ids"])
     if "chat_template_kwargs" in values:
         values["chat_template_kwargs"] = _json_dict(values["chat_template_kwargs"] or {})
+    if isinstance(values.get("drafter_config"), list):  # a YAML list of configs
+        values["drafter_config"] = ",".join(str(v) for v in values["drafter_config"])
     for k in ("target", "prompts", "out", "drafter_config", "sglang_url", "vllm_url", "completions", "tokenizer"):
         if values.get(k) is not None:
             values[k] = str(values[k])

@@ -178,6 +178,12 @@ def manifest_fingerprint(m: Manifest) -> dict[str, Any]:
             "export_head": m.target_head is not None}
 
 
+def drafter_config_paths(value: str | list[str]) -> list[str]:
+    """``--drafter-config``'s paths: one, several comma-separated, or a YAML list."""
+    items = value if isinstance(value, list) else str(value).split(",")
+    return [str(p).strip() for p in items if str(p).strip()]
+
+
 def _layers_from_drafter(path: str, num_layers: int) -> list[int]:
     p = Path(path)
     if p.is_dir():
@@ -373,8 +379,13 @@ def _target_and_layers(a: PrecomputeArgs) -> tuple[TargetConfig, list[int], list
         if a.layers is not None:
             layer_ids = check_layer_ids(a.layers, tcfg.num_layers, "--layers")
         elif a.drafter_config:
-            layer_ids = check_layer_ids(_layers_from_drafter(a.drafter_config, tcfg.num_layers),
-                                        tcfg.num_layers, f"--drafter-config {a.drafter_config}")
+            # Several drafters' configs (comma-separated): one cache of the union of their layers, which each of
+            # them reads its own columns of (StateCache.feature_columns).
+            each = [_layers_from_drafter(path, tcfg.num_layers) for path in drafter_config_paths(a.drafter_config)]
+            if not each:
+                raise PrecomputeError(f"--drafter-config {a.drafter_config!r}: no path; give <drafter>/config.json")
+            ids = each[0] if len(each) == 1 else sorted({i for layers in each for i in layers})  # one: its order
+            layer_ids = check_layer_ids(ids, tcfg.num_layers, f"--drafter-config {a.drafter_config}")
         else:
             raise PrecomputeError("give --layers (e.g. 1,16,31,46,61) or --drafter-config <drafter>/config.json")
     except ValueError as e:
@@ -492,7 +503,8 @@ def prepare(args: PrecomputeArgs, probe: DtypeProbe | None = None) -> Plan:
     a = args
     check_args(a)
     check_out_path(output_path(a.out))
-    check_outputs_apart([("--target", a.target), ("--prompts", a.prompts), ("--drafter-config", a.drafter_config),
+    drafters = [("--drafter-config", p) for p in drafter_config_paths(a.drafter_config or "")]
+    check_outputs_apart([("--target", a.target), ("--prompts", a.prompts), *drafters,
                          ("--completions", a.completions), ("--tokenizer", a.tokenizer)], folders=[("--out", a.out)])
     tcfg, layer_ids, stop = _target_and_layers(a)
     prompts = _tokenized_prompts(a, tcfg)

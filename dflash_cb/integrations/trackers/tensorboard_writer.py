@@ -142,8 +142,9 @@ def _from_hf(trainer: Any) -> MetricsSink | None:
     callbacks = getattr(getattr(trainer, "callback_handler", None), "callbacks", [])
     for cb in callbacks:
         if isinstance(cb, TensorBoardCallback):
-            # Its writer exists from its on_train_begin on; the scalars reach it through the Trainer's log.
-            return TensorBoardSink(lambda cb=cb: getattr(cb, "tb_writer", None), scalars=False)
+            # Its writer exists from its on_train_begin on (before ours: the Trainer's integrations come first). The
+            # scalars too, under the evaluator's names (the Trainer's own log would rename them train/...).
+            return TensorBoardSink(lambda cb=cb: getattr(cb, "tb_writer", None))
     return None
 
 
