@@ -184,13 +184,40 @@ def test_plain_loop_entries_equal_the_tools_in_step_order(tiny_cache, plain_run,
     assert sorted(hashed) == sorted({*hashed}) and hashed  # every file once, for the whole sweep
     rec = assert_entries_equal_the_tool(tiny_cache, tmp_path / "sweep", plain_run, tmp_path, drafter_json)
     assert [e["step_from"] for e in rec["entries"]] == ["checkpoint"] * 3  # the loop's "step" entry
-    assert rec["settings"]["cache_manifest_sha256"] and rec["settings"]["block_size"] == 6
+    assert rec["settings"]["cache_manifest_sha256"] and rec["settings"]["series"]["block_size"] == 6
     for e in rec["entries"]:  # one console line per checkpoint: step, tau with its interval, DDTree, best so far
         assert f"step {e['step']}: tau {e['metrics']['tau']:.3f} [" in out
     assert "best: step" in out.splitlines()[0]
     report = (tmp_path / "sweep" / "sweep.md").read_text()
     assert f"**best: step {rec['best']['step']}**" in report and "![tau over the checkpoints](sweep.png)" in report
     assert (tmp_path / "sweep" / "sweep.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_dflash2_checkpoints_equal_the_tools(tiny_cache, tiny_drafter_config, tmp_path):
+    """A plain loop's checkpoints of a DFlash 2 drafter (the live module's state dict, codebooks as embeddings, and
+    its config in the checkpoint): scored by its selector's walk, as eval_drafter scores the extracted folder."""
+    from test_dflash2 import SELECTOR
+
+    from dflash_cb.core.dflash2 import DFlash2Drafter
+
+    cfg = {**tiny_drafter_config, "architectures": ["DFlash2DraftModel"],
+           "dflash_config": {**tiny_drafter_config["dflash_config"], **SELECTOR}}
+    folder = tmp_path / "ckpts"
+    folder.mkdir()
+    torch.manual_seed(0)
+    drafter = DFlash2Drafter.from_config_dict(cfg)
+    saved = {}
+    for step in (10, 20):
+        with torch.no_grad():  # a selector that matters, other weights at each step
+            for p in drafter.codebooks:
+                p.normal_(std=0.7)
+            drafter.candidate_selector.hidden_projection.weight.normal_(std=0.15)
+        saved[step] = folder / f"step_{step}.pt"
+        torch.save({"step": step, "model": drafter.state_dict(), "drafter_config": cfg}, saved[step])
+    assert sweep(tiny_cache, tmp_path / "sweep", folder) == 0
+    rec = assert_entries_equal_the_tool(tiny_cache, tmp_path / "sweep", saved, tmp_path)
+    assert {json.loads((tmp_path / "sweep" / e["results"]).read_text())["meta"]["drafter_family"]
+            for e in rec["entries"]} == {"dflash2"}
 
 
 @pytest.mark.e2e
@@ -349,6 +376,47 @@ def test_a_drafter_that_does_not_fit_the_cache_stops_before_the_cache_is_hashed(
     assert "no drafter config stored in the checkpoint" in err and "--config" in err and err.count("\n") == 1, err
     assert hashed == [] and counted == []
     assert record(tmp_path / "sweep")["entries"] == [] and len(record(tmp_path / "sweep")["failed"]) == 0
+
+
+def test_a_checkpoint_of_another_block_is_reported_and_skipped(tiny_cache, tiny_drafter_config, tmp_path, capsys):
+    """Checkpoints carrying their configs, the last one of a drafter with a shorter block: not one series."""
+    from dflash_cb.core.model import DFlashDrafter
+
+    folder = tmp_path / "ckpts"
+    folder.mkdir()
+    for step, block in ((2, 6), (4, 6), (6, 4)):
+        cfg = {**tiny_drafter_config, "block_size": block}
+        torch.manual_seed(step)
+        torch.save({"step": step, "drafter": DFlashDrafter.from_config_dict(cfg).state_dict(), "drafter_config": cfg},
+                   folder / f"step_{step}.pt")
+    assert sweep(tiny_cache, tmp_path / "sweep", folder) == 0
+    rec = record(tmp_path / "sweep")
+    assert [e["step"] for e in rec["entries"]] == [2, 4] and [Path(f["checkpoint"]).name for f in rec["failed"]] == [
+        "step_6.pt"]
+    assert "drafts blocks of 4, the sweep's entries blocks of 6" in rec["failed"][0]["error"]
+    assert "step_6.pt: not scored: its drafter drafts blocks of 4" in capsys.readouterr().err
+
+
+def test_the_record_keeps_one_series_and_one_entry_per_step():
+    """What two ranks of one wave may bring back (the same step from two files, another block) is refused by the
+    record itself; the first entry sets the series; the best is the largest tau, the earliest of equal ones."""
+    from dflash_cb.core.sweep_record import SweepEntry, SweepRecord
+
+    def entry(path: str, step: int, tau: float, block: int = 6) -> SweepEntry:
+        return SweepEntry(path, "file", step, "name", [], f"results/{step}.json", {"tau": tau},
+                          {"block_size": block, "tail_blocks": "served", "dtype": "float32", "anchor_stride": 1,
+                           "anchor_seed": 0})
+
+    rec = SweepRecord({})
+    for e in (entry("/a", 4, 2.0), entry("/b", 2, 2.5), entry("/c", 6, 2.5)):
+        assert rec.conflict(e) is None
+        rec.add(e)
+    assert [e.step for e in rec.entries] == [2, 4, 6] and rec.best.step == 2 and rec.block_size == 6
+    assert "step 4 is scored already, from /a" in rec.conflict(entry("/d", 4, 3.0))
+    assert "block_size 4 (the sweep's entries: 6)" in rec.conflict(entry("/e", 8, 3.0, block=4))
+    assert rec.conflict(entry("/a", 4, 3.0)) is None  # the same checkpoint written again replaces its entry
+    rec.add(entry("/a", 4, 3.0))
+    assert len(rec.entries) == 3 and rec.best.checkpoint == "/a"
 
 
 def test_a_damaged_cache_gives_no_number(tiny_cache, plain_run, drafter_json, tmp_path, capsys, counted):

@@ -24,6 +24,7 @@ from typing import Any
 from ..common.errors import DFlashCBError
 from ..common.fileio import atomic_write_json
 from .metrics import TAU
+from .request import series_differences
 
 SWEEP_FORMAT = "dflash-cb-sweep"
 SWEEP_VERSION = 1
@@ -68,8 +69,12 @@ class SweepEntry:
     identity: list[list[Any]]
     results: str  # the results.json, relative to the sweep's folder
     metrics: dict[str, float | None]
-    block_size: int  # the block its cycles drafted
+    series: dict[str, Any]  # what identifies its figures (``results.Results.series``: the block drafted, ...)
     rank: int = 0  # the process that scored it (under torchrun)
+
+    @property
+    def block_size(self) -> int | None:
+        return self.series.get("block_size")
 
     @property
     def tau(self) -> float | None:
@@ -79,7 +84,7 @@ class SweepEntry:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SweepEntry:
         return cls(str(d["checkpoint"]), str(d["kind"]), int(d["step"]), str(d["step_from"]), list(d["identity"]),
-                   str(d["results"]), dict(d["metrics"]), int(d["block_size"]), int(d.get("rank", 0)))
+                   str(d["results"]), dict(d["metrics"]), dict(d["series"]), int(d.get("rank", 0)))
 
 
 @dataclass
@@ -106,9 +111,14 @@ class SweepRecord:
     wandb: dict[str, Any] = field(default_factory=dict)  # {"project", "run_id", "logged_steps"}
 
     @property
+    def series(self) -> dict[str, Any] | None:
+        """What identifies every entry's figures (``request.series_fields``), set by the first entry."""
+        return self.settings.get("series")
+
+    @property
     def block_size(self) -> int | None:
         """The block every entry drafted (the first scored drafter's, unless ``--block-size``)."""
-        return self.settings.get("block_size")
+        return (self.series or {}).get("block_size")
 
     @property
     def best(self) -> SweepEntry | None:
@@ -127,23 +137,25 @@ class SweepRecord:
         return next((e for e in self.entries if e.step == step), None)
 
     def conflict(self, entry: SweepEntry) -> str | None:
-        """Why ``entry`` cannot join the series (another checkpoint of its step, another block), or None."""
+        """Why ``entry`` cannot join the series (another checkpoint of its step, other figures: another block
+        drafted, another compute dtype), or None."""
         other = self.at_step(entry.step)
         if other is not None and other.checkpoint != entry.checkpoint:
             return (f"step {entry.step} is scored already, from {other.checkpoint}: two checkpoints of one step would "
                     "be two points at one step of the curve; remove one of them (or sweep them apart)")
-        block = self.block_size
-        if block is not None and entry.block_size != block and any(e.checkpoint != entry.checkpoint
-                                                                   for e in self.entries):
-            return (f"its drafter drafts blocks of {entry.block_size}, the sweep's entries blocks of {block}: one "
-                    f"series is one block (pass --block-size {block}, or sweep it into another --out)")
+        if self.series is not None and any(e.checkpoint != entry.checkpoint for e in self.entries):
+            differ = series_differences(self.series, entry.series)
+            if differ:
+                shown = ", ".join(f"{name} {theirs!r} (the sweep's entries: {ours!r})" for name, ours, theirs in differ)
+                return (f"its figures are not the sweep's series: {shown}; one sweep is one series (for another "
+                        "block, sweep it into another --out, or pass --block-size to both)")
         return None
 
     def add(self, entry: SweepEntry) -> None:
         """Record a scored checkpoint (replacing the entry of an earlier version of it), in step order; the
         first entry sets the sweep's block (``conflict`` says what cannot be added)."""
-        if self.settings.get("block_size") is None:
-            self.settings["block_size"] = entry.block_size
+        if self.settings.get("series") is None:
+            self.settings["series"] = dict(entry.series)
         self.entries = [e for e in self.entries if e.checkpoint != entry.checkpoint] + [entry]
         self.entries.sort(key=lambda e: (e.step, e.checkpoint))
         self.failed = [f for f in self.failed if f.checkpoint != entry.checkpoint]

@@ -79,7 +79,7 @@ def sweep_settings(options: SweepOptions, scorer: CacheScorer) -> dict[str, Any]
     return {
         "cache_path": str(scorer.cache.path.resolve()), "cache_manifest_sha256": scorer.cache.manifest_sha256,
         "ddtree_budgets": list(o.budgets), "anchor_stride": o.anchor_stride, "anchor_seed": o.anchor_seed,
-        "block_size_option": o.block_size, "block_size": None, "tail_blocks": o.tail_blocks, "dtype": o.dtype_name,
+        "block_size_option": o.block_size, "series": None, "tail_blocks": o.tail_blocks, "dtype": o.dtype_name,
         "device_type": o.device.type, "sample_selection": o.selection, "samples_evaluated": len(scorer.ids),
         "position_edges": list(o.position_edges), "head_source": str(Path(o.target).resolve()) if o.target else "cache",
         "drafter_config_sha256": config_digest(options.config), "prefix": options.prefix,
@@ -201,7 +201,7 @@ def entry_of(results: Results, name: str) -> SweepEntry:
     """The sweep entry of a results file the sweep wrote (its ``meta.sweep``)."""
     s = results.meta["sweep"]
     return SweepEntry(s["checkpoint"], s["kind"], int(s["step"]), s["step_from"], s["identity"], name,
-                      results_scalars(results, prefix=""), int(results.block_size or 0), int(s.get("rank", 0)))
+                      results_scalars(results, prefix=""), results.series, int(s.get("rank", 0)))
 
 
 def log_text(e: BaseException) -> str:
