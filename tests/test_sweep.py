@@ -89,36 +89,19 @@ def assert_entries_equal_the_tool(cache: Path, out: Path, checkpoints: dict[int,
 
 # -- real training runs --------------------------------------------------------------------------------
 
-def plain_loop(folder: Path, cache: Path, cfg: dict, steps: int, every: int = 1, keep: tuple[int, ...] = ()) -> dict:
-    """A hand-written training loop saving ``{"step", "drafter", "optimizer"}`` with ``torch.save`` every ``every``
-    steps (``keep``: also these steps' files), as ``step_N.pt``; returns {step: file}."""
-    from torch.utils.data import DataLoader
+def plain_loop(folder: Path, cache: Path, cfg: dict, steps: int, every: int = 1) -> dict:
+    """The hand-written training loop of ``tests/test_loops.py`` (its evaluator switched off: a run trained without
+    the evaluation), its checkpoint ``{"step", "drafter", "optimizer", "evaluator"}`` of every ``every``-th step
+    written with ``torch.save`` as ``step_N.pt``; returns {step: file}."""
+    from test_loops import plain_loop as train
 
-    from dflash_cb.cache.states import StateCache
-    from dflash_cb.core.model import DFlashDrafter
-    from dflash_cb.core.training import batch_loss
-    from dflash_cb.demo.lightning_module import CachedStatesDataset, collate_samples
-
-    torch.manual_seed(0)
-    drafter = DFlashDrafter.from_config_dict(cfg)
-    head = StateCache(cache).load_head(dtype=torch.float32)
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
-    data = DataLoader(CachedStatesDataset(str(cache)), batch_size=2, shuffle=True, collate_fn=collate_samples)
+    _, _, states = train(str(cache), cfg, steps=steps, every=0, eval_on_fit_start=False, eval_on_fit_end=False)
     folder.mkdir(parents=True, exist_ok=True)
-    saved, step = {}, 0
-    while step < steps:
-        for batch in data:
-            loss, _ = batch_loss(drafter, head, batch, anchors_per_sample=8)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            step += 1
-            if step % every == 0 or step in keep:
-                saved[step] = folder / f"step_{step}.pt"
-                torch.save({"step": step, "drafter": drafter.state_dict(), "optimizer": optimizer.state_dict()},
-                           saved[step])
-            if step == steps:
-                break
+    saved = {}
+    for step, state in states.items():
+        if step % every == 0:
+            saved[step] = folder / f"step_{step}.pt"
+            torch.save(state, saved[step])
     return saved
 
 
