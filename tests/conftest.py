@@ -60,6 +60,17 @@ def tiny_drafter_config(tiny_cache: Path) -> dict:
 
 
 @pytest.fixture(scope="session")
+def tiny_dflash2_config(tiny_cache: Path) -> dict:
+    """The tiny drafter as a DFlash 2 one (convolutions, a selector of 4 candidates of rank 8)."""
+    from dflash_cb.cache.states import StateCache
+    from dflash_cb.demo.lightning_module import tiny_drafter_config
+
+    m = StateCache(tiny_cache).manifest
+    return tiny_drafter_config(m.vocab_size, m.hidden_size, int(m.target["num_layers"]), TINY_LAYER_IDS, TINY_MASK,
+                               block_size=6, family="dflash2", selector_top_k=4, selector_rank=8)
+
+
+@pytest.fixture(scope="session")
 def drafter_dir(tiny_drafter_config: dict, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A saved drafter folder (random weights, seed 0) for the tiny cache."""
     import torch

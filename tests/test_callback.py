@@ -41,13 +41,17 @@ BUDGETS = [4, 8]
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.e2e
-def test_logged_tau_equals_eval_drafter_on_saved_weights(tmp_path, tiny_cache, tiny_drafter_config):
-    """CSV-logged metrics at a step == tools/eval_drafter.py on the drafter checkpointed at that step.
+@pytest.mark.parametrize("family", ["dflash", "dflash2"])
+def test_logged_tau_equals_eval_drafter_on_saved_weights(tmp_path, tiny_cache, tiny_drafter_config,
+                                                         tiny_dflash2_config, family):
+    """CSV-logged metrics at a step == tools/eval_drafter.py on the drafter checkpointed at that step, for a
+    DFlash and a DFlash 2 drafter (its selector figures included).
 
     The callback takes the head from the module's attributes; the tool from the cache's export.
     """
     from dflash_cb.core.checkpoints import extract_drafter
 
+    tiny_drafter_config = tiny_dflash2_config if family == "dflash2" else tiny_drafter_config
     cb = DFlashEvalCallback(states=tiny_cache, every_n_train_steps=3, ddtree_budgets=BUDGETS,
                             target_embed="target_embed", target_lm_head="target_lm_head")
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="{step}", every_n_train_steps=3, save_top_k=-1)
@@ -97,6 +101,7 @@ def test_logged_tau_equals_eval_drafter_on_saved_weights(tmp_path, tiny_cache, t
         # The callback's per-sample results agree too (rank zero keeps the last evaluation's).
     res = json.loads((tmp_path / "results_6full.json").read_text())
     assert [s.acceptance_lengths for s in cb.evaluator.last.samples] == [s["acceptance_lengths"] for s in res["samples"]]
+    assert ("selector/unary_tau" in logged[6]) == (family == "dflash2") == (res["meta"]["drafter_family"] == "dflash2")
 
 
 class Probe(Callback):

@@ -75,6 +75,25 @@ def test_tau_rises_and_every_promised_file_exists(demo: tuple[Path, subprocess.C
 
 
 @pytest.mark.e2e
+def test_a_dflash2_drafter_trains_its_tau_rises_and_the_summary_says_where_it_is_lost(tmp_path: Path) -> None:
+    """``--drafter dflash2``: the same pipeline with a DFlash 2 drafter (convolutions, a path selector trained with
+    its own loss); its tau rises, the extracted drafter's results equal the callback's last evaluation, and the
+    summary prints the selector's diagnosis (unary path, perfect selector, recall, pick given recall)."""
+    out = tmp_path / "d2"
+    proc = _run("--quick", "--drafter", "dflash2", "--out", str(out), "--seed", "0")
+    assert proc.returncode == 0, f"demo failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["drafter"] == "dflash2" and summary["tau_last"] > summary["tau_first"], summary["evaluations"]
+    results = json.loads(Path(summary["paths"]["results"]).read_text())
+    assert results["meta"]["drafter_family"] == "dflash2"
+    assert results["metrics"]["tau"] == pytest.approx(summary["tau_last"], abs=1e-12)
+    m = results["metrics"]
+    assert m["selector/oracle_tau"] >= m["tau"] and 0 < m["selector/recall"] <= 1
+    assert "training a DFlash 2 drafter" in proc.stdout and "selector: unary argmax path" in proc.stdout
+    assert json.loads((out / "drafter" / "config.json").read_text())["architectures"] == ["DFlash2DraftModel"]
+
+
+@pytest.mark.e2e
 def test_printed_commands_paste_into_a_shell(demo: tuple[Path, subprocess.CompletedProcess]) -> None:
     """The follow-up commands are quoted: split as a shell splits them, each path is one argument, and
     the comparison command, run as printed, writes the demo's comparison again, byte for byte."""

@@ -181,10 +181,10 @@ class DraftTraining(nn.Module):
 
     def __init__(self, cfg: dict, cache: str) -> None:
         super().__init__()
-        from dflash_cb import DFlashDrafter
         from dflash_cb.cache.states import StateCache
+        from dflash_cb.core.drafters import drafter_from_config
 
-        self.drafter = DFlashDrafter.from_config_dict(cfg)
+        self.drafter = drafter_from_config(cfg)  # DFlash or DFlash 2, as the config says
         head = StateCache(cache).load_head(dtype=torch.float32)
         self.register_buffer("target_embed", head.embed_tokens.clone(), persistent=False)
         self.register_buffer("target_lm_head", head.lm_head.clone(), persistent=False)
@@ -230,19 +230,24 @@ def _evaluations(trainer) -> dict[int, dict[str, float]]:
 
 
 @pytest.mark.e2e
-def test_hf_trainer_logs_the_tools_tau_at_every_evaluated_step(tmp_path, tiny_cache, tiny_drafter_config):
+@pytest.mark.parametrize("family", ["dflash", "dflash2"])
+def test_hf_trainer_logs_the_tools_tau_at_every_evaluated_step(tmp_path, tiny_cache, tiny_drafter_config,
+                                                               tiny_dflash2_config, family):
     """The metrics reach ``trainer.state.log_history`` through ``trainer.log``; each equals the tool on the
-    checkpoint the Trainer saved at that step (extracted with ``tools/extract_drafter.py``'s code)."""
-    from dflash_cb import DFlashDrafter
+    checkpoint the Trainer saved at that step (extracted with ``tools/extract_drafter.py``'s code), for a DFlash
+    and a DFlash 2 drafter (selector figures included)."""
     from dflash_cb.core.checkpoints import extract_drafter
+    from dflash_cb.core.drafters import drafter_from_config
 
+    tiny_drafter_config = tiny_dflash2_config if family == "dflash2" else tiny_drafter_config
     trainer, cb, initial = hf_train(tmp_path, tiny_cache, tiny_drafter_config, max_steps=6, every=3)
     logged = _evaluations(trainer)
     assert sorted(logged) == [0, 3, 6] == [h["step"] for h in cb.evaluator.history]
     assert logged[6][PREFIX + "tau"] != logged[0][PREFIX + "tau"]
-    first = DFlashDrafter.from_config_dict(tiny_drafter_config)
+    first = drafter_from_config(tiny_drafter_config)
     first.load_state_dict(initial)
     first.save_pretrained(tmp_path / "drafter_0")
+    assert (PREFIX + "selector/oracle_tau" in logged[6]) == (family == "dflash2")
     for step in (3, 6):
         extract_drafter(tmp_path / "hf" / f"checkpoint-{step}" / "model.safetensors", tmp_path / f"drafter_{step}",
                         config=tiny_drafter_config)

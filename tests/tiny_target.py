@@ -213,38 +213,11 @@ def train_briefly(drafter, cache, epochs: int = 6, lr: float = 3e-3, seed: int =
 
 
 def selector_loss(drafter, head, sample, anchors, valid_len):
-    """A DFlash 2 drafter's loss for ``train_briefly``: the DFlash loss, plus the cross-entropy of the edge scores
-    over the unary top-K given the target's previous token, at the depths whose target token is a candidate. A
-    test helper (partial acceptance, a selector that matters), not a training recipe."""
-    import torch.nn.functional as F
+    """A DFlash 2 drafter's loss for ``train_briefly``: the package's (``training.dflash_loss``, which adds the
+    selector's cross-entropy over its candidates for a DFlash 2 drafter), uniform over depths."""
+    from dflash_cb.core.training import dflash_loss
 
-    from dflash_cb.core import selector
-    from dflash_cb.core.engine import block_embeddings
-    from dflash_cb.core.model import draft_logits
-
-    spec = drafter.spec
-    n = spec.block_size
-    tokens = sample.input_ids.long()
-    context = drafter.context_kv(sample.hidden[: int(anchors.max().item())])
-    hidden = drafter.forward_blocks(context, block_embeddings(tokens, anchors, n, spec, head.embed_tokens),
-                                    anchors)[:, 1:]
-    logits = draft_logits(hidden, head.lm_head, spec)
-    pos = anchors[:, None] + torch.arange(1, n)[None, :]
-    valid = pos < valid_len
-    target = tokens[pos.clamp(max=tokens.shape[0] - 1)]
-    ce = F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="none").view_as(target)
-    with torch.no_grad():
-        ids = selector.top_candidates(logits, spec.selector_top_k)[0]
-    previous = torch.cat([tokens[anchors][:, None], target[:, :-1]], dim=1)
-    scores = selector.edge_scores(logits.gather(-1, ids), drafter.project(hidden),
-                                  selector.codes(drafter.codebooks[0], previous)[..., None, :],
-                                  selector.codes(drafter.codebooks[1], ids))[..., 0, :]
-    label = ids == target[..., None]
-    scored = label.any(-1) & valid
-    loss = (ce * valid).sum() / valid.sum().clamp(min=1)
-    if scored.any():
-        loss = loss + F.cross_entropy(scores[scored], label[scored].float().argmax(-1))
-    return loss
+    return dflash_loss(drafter, head, sample.hidden, sample.input_ids.long(), anchors, valid_len)[0]
 
 
 TINY_LAYER_IDS = [0, 2]

@@ -5,7 +5,7 @@ In a few minutes on a laptop, the whole system at toy scale:
 1. train a tiny Qwen3 target on a synthetic language (``dflash_cb.demo.synthetic``) and save it;
 2. precompute its hidden states for a training and a held-out evaluation prompt set with the real
    tool (``tools/precompute_states.py --reference local --dtype float32``);
-3. train a DFlash drafter with Lightning (``DFlashDrafterModule``) while ``DFlashEvalCallback``
+3. train a DFlash (or, with ``--drafter dflash2``, a DFlash 2) drafter with Lightning (``DFlashDrafterModule``) while ``DFlashEvalCallback``
    replays the greedy speculative loop on the held-out cache every N steps (W&B offline by default,
    plus a CSVLogger), printing tau per evaluation;
 4. extract the drafter from the final checkpoint (``tools/extract_drafter.py``'s code), score it
@@ -39,6 +39,10 @@ from ..core.metrics import (
     ACCEPT_LENGTH_SERVED,
     ALL_ANCHOR_TAU,
     CHAIN_TAU_ESTIMATE,
+    SELECTOR_ACC,
+    SELECTOR_ORACLE_TAU,
+    SELECTOR_RECALL,
+    SELECTOR_UNARY_TAU,
     SPECFORGE_ACC,
     TAU,
     TAU_REQUEST_MEAN,
@@ -71,6 +75,7 @@ class DemoConfig:
     wandb_mode: str = "offline"
     wandb_project: str = "dflash-cb-demo"
     threads: int = 1
+    drafter: str = "dflash"  # the family trained: "dflash" or "dflash2" (DFlash 2: convolutions and a selector)
     block_size: int = 8
     # Sizes (set from --quick in ``resolve``).
     target_steps: int = 600
@@ -101,6 +106,8 @@ class DemoConfig:
             raise ValueError("--steps and --eval-every must be >= 1")
         if cfg.wandb_mode not in ("offline", "online"):
             raise ValueError(f"--wandb-mode must be offline or online, got {cfg.wandb_mode!r}")
+        if cfg.drafter not in DRAFTERS:
+            raise ValueError(f"--drafter must be one of {', '.join(DRAFTERS)}, got {cfg.drafter!r}")
         return cfg
 
 
@@ -138,6 +145,10 @@ class Paths:
         self.comparison = o / "comparison"  # .md and .png from the compare tool
         self.plots = o / "plots"
         self.summary = o / "summary.json"
+
+
+# The drafter families the demo trains (--drafter), and how the summary names them.
+DRAFTERS = {"dflash": "DFlash", "dflash2": "DFlash 2"}
 
 
 class DemoError(DFlashCBError, RuntimeError):
@@ -268,7 +279,7 @@ def drafter_config(cfg: DemoConfig) -> dict[str, Any]:
     return tiny_drafter_config(vocab_size=S.VOCAB_SIZE, target_hidden=t.hidden_size, target_layers=t.num_layers,
                                layer_ids=list(cfg.layer_ids), mask_token_id=S.MASK_TOKEN_ID,
                                block_size=cfg.block_size, num_layers=cfg.drafter_layers, heads=4, kv_heads=2,
-                               head_dim=16, intermediate_size=3 * t.hidden_size)
+                               head_dim=16, intermediate_size=3 * t.hidden_size, family=cfg.drafter)
 
 
 def _fmt(x: Any, nd: int = 3) -> str:
@@ -329,7 +340,7 @@ def train_drafter(cfg: DemoConfig, paths: Paths) -> dict[str, Any]:
                                  warmup_steps=30, init_seed=cfg.seed)
     data = CachedStatesDataModule(str(paths.cache_train), batch_size=cfg.batch_size, shuffle=True)
     n_params = sum(p.numel() for p in module.drafter.parameters())
-    _say(f"[3/4] training a DFlash drafter ({cfg.drafter_layers} layers, block {cfg.block_size}, "
+    _say(f"[3/4] training a {DRAFTERS[cfg.drafter]} drafter ({cfg.drafter_layers} layers, block {cfg.block_size}, "
          f"{n_params / 1e3:.0f}k parameters) with Lightning for {cfg.steps} steps; DFlashEvalCallback replays the "
          f"greedy loop on the {len(S.FAMILIES)}-category held-out cache every {cfg.eval_every} steps")
 
@@ -382,15 +393,14 @@ def extract_and_score(cfg: DemoConfig, paths: Paths, checkpoint: Path | None = N
     import torch
 
     from ..cache.states import StateCache
-    from ..core.checkpoints import extract_drafter
+    from ..core.checkpoints import extract_drafter, load_drafter
     from ..core.engine import evaluate
-    from ..core.model import DFlashDrafter
     from ..core.results import drafter_provenance, report_to_results, write_results
 
     checkpoint, drafter_dir = checkpoint or paths.checkpoint, drafter_dir or paths.drafter
     info = extract_drafter(checkpoint, drafter_dir)
     cache = StateCache(paths.cache_eval)
-    drafter = DFlashDrafter.from_pretrained(drafter_dir, device="cpu").eval()
+    drafter = load_drafter(drafter_dir, device="cpu").eval()  # the class of its family
     report = evaluate(cache, drafter, budgets=cfg.ddtree_budgets, device=torch.device("cpu"))
     provenance = {**drafter_provenance(checkpoint, info["global_step"]), "extracted_to": str(drafter_dir.resolve())}
     results = report_to_results(report, cache, meta={"drafter": provenance, "dtype": "float32",
@@ -555,7 +565,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         "evaluations": [{"step": int(h["step"]), "tau": h[TAU], "tau_ci": [h.get(ci_low(TAU)), h.get(ci_high(TAU))],
                          **{f"ddtree_b{b}": h.get(ddtree_tau(b)) for b in cfg.ddtree_budgets}} for h in hist],
         "seed": cfg.seed, "quick": cfg.quick, "steps": cfg.steps, "eval_every": cfg.eval_every,
-        "block_size": cfg.block_size, "threads": cfg.threads, "wandb_mode": cfg.wandb_mode, "wandb_url": tr["wandb_url"],
+        "drafter": cfg.drafter, "block_size": cfg.block_size, "threads": cfg.threads, "wandb_mode": cfg.wandb_mode, "wandb_url": tr["wandb_url"],
         "target": target_info, "caches": cache_info, "drafter_params": tr["params"],
         "timings_s": {k: round(v, 1) for k, v in timings.items()},
         "paths": {k: str(v) for k, v in files.items()},
@@ -581,6 +591,10 @@ def _print_summary(s: dict[str, Any], results: Results, cfg: DemoConfig) -> None
     _say(f"  all-anchor mean: {_fmt(results.metric(ALL_ANCHOR_TAU))}   SpecForge DFlash accuracy: "
          f"{_fmt(results.metric(SPECFORGE_ACC))}   independent-depth chain estimate: "
          f"{_fmt(results.metric(CHAIN_TAU_ESTIMATE))}")
+    if results.metric(SELECTOR_UNARY_TAU) is not None:  # a DFlash 2 drafter: where its tau is lost
+        _say(f"  selector: unary argmax path {_fmt(results.metric(SELECTOR_UNARY_TAU))}, perfect selector over the "
+             f"candidates {_fmt(results.metric(SELECTOR_ORACLE_TAU))}, candidate recall "
+             f"{_fmt(results.metric(SELECTOR_RECALL))}, pick given recall {_fmt(results.metric(SELECTOR_ACC))}")
     _say(f"  first vs last checkpoint (paired, same prompts): {s['first_vs_last']['text']}: "
          f"{s['first_vs_last']['verdict']}")
     _say("  [..] = 95% interval over the choice of prompts (cluster bootstrap over the held-out prompts)")
@@ -623,6 +637,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="offline (default; sync later with `wandb sync`) or online (needs `wandb login`)")
     p.add_argument("--wandb-project", default="dflash-cb-demo", help="W&B project (default dflash-cb-demo)")
     p.add_argument("--threads", default=None, help=THREADS_HELP)
+    p.add_argument("--drafter", choices=list(DRAFTERS), default="dflash",
+                   help="the drafter family to train: dflash (default) or dflash2 (DFlash 2: convolutions and a "
+                        "path selector; the summary adds where its tau is lost)")
     return p
 
 
@@ -631,7 +648,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         cfg = DemoConfig.resolve(a.out, a.seed, a.steps, a.eval_every, a.quick, overwrite=a.overwrite,
                                  wandb_mode=a.wandb_mode, wandb_project=a.wandb_project,
-                                 threads=parse_threads(a.threads))
+                                 threads=parse_threads(a.threads), drafter=a.drafter)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

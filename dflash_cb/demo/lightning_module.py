@@ -1,6 +1,6 @@
 """A small, reusable Lightning setup that trains a DFlash drafter on cached target states.
 
-``DFlashDrafterModule`` trains ``self.drafter`` (a ``DFlashDrafter``) with the DFlash objective
+``DFlashDrafterModule`` trains ``self.drafter`` (a ``DFlashDrafter`` or ``DFlash2Drafter``) with the DFlash objective
 (``training.dflash_loss``: random anchors, a block of mask tokens after each, cross-entropy
 against the target's tokens) on the context features stored in a cache. The target's embedding
 and output head are frozen, non-persistent buffers (``target_embed``, ``target_lm_head``), so
@@ -23,7 +23,7 @@ from lightning.pytorch import LightningDataModule, LightningModule
 from torch.utils.data import DataLoader, Dataset
 
 from ..cache.states import StateCache, TargetHead
-from ..core.model import DFlashDrafter
+from ..core.drafters import drafter_from_config
 from ..core.training import batch_loss
 
 
@@ -111,12 +111,13 @@ class DFlashDrafterModule(LightningModule):
                  init_seed: int | None = 0) -> None:
         super().__init__()
         self.save_hyperparameters()
+        # The class the config's family says (DFlash, DFlash 2); its loss adds the selector's for DFlash 2.
         if init_seed is not None:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(init_seed)
-                self.drafter = DFlashDrafter.from_config_dict(drafter_config)
+                self.drafter = drafter_from_config(drafter_config)
         else:
-            self.drafter = DFlashDrafter.from_config_dict(drafter_config)
+            self.drafter = drafter_from_config(drafter_config)
         head = StateCache(states).load_head(dtype=torch.float32)
         # Frozen target matrices: buffers (move with the module, never trained), not saved in checkpoints.
         self.register_buffer("target_embed", head.embed_tokens.clone(), persistent=False)
@@ -144,13 +145,16 @@ class DFlashDrafterModule(LightningModule):
 
 def tiny_drafter_config(vocab_size: int, target_hidden: int, target_layers: int, layer_ids: Sequence[int],
                         mask_token_id: int, block_size: int = 8, num_layers: int = 1, heads: int = 4,
-                        kv_heads: int = 2, head_dim: int = 8, intermediate_size: int | None = None) -> dict[str, Any]:
-    """A small drafter config for a small target (tests, demo).
+                        kv_heads: int = 2, head_dim: int = 8, intermediate_size: int | None = None,
+                        family: str = "dflash", selector_top_k: int = 8, selector_rank: int = 16) -> dict[str, Any]:
+    """A small drafter config for a small target (tests, demo); ``family="dflash2"`` a DFlash 2 one (two-tap
+    convolutions over groups of 8 channels, a selector of ``selector_top_k`` candidates and rank
+    ``selector_rank``).
 
     The hidden size is the target's: block embeddings and logits use the target's own matrices.
     """
     hidden = target_hidden
-    return {
+    config = {
         "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
         "vocab_size": vocab_size, "hidden_size": hidden, "intermediate_size": intermediate_size or 2 * hidden,
         "num_hidden_layers": num_layers, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
@@ -158,3 +162,10 @@ def tiny_drafter_config(vocab_size: int, target_hidden: int, target_layers: int,
         "tie_word_embeddings": False, "num_target_layers": target_layers, "block_size": block_size,
         "dflash_config": {"target_layer_ids": list(layer_ids), "mask_token_id": mask_token_id},
     }
+    if family == "dflash2":
+        config["architectures"] = ["DFlash2DraftModel"]
+        config["dflash_config"].update(conv_group_size=8, conv_kernel_size=2, selector_rank=selector_rank,
+                                       selector_top_k=selector_top_k)
+    elif family != "dflash":
+        raise ValueError(f"family={family!r}: expected 'dflash' or 'dflash2'")
+    return config
