@@ -80,7 +80,7 @@ def test_a_dflash2_drafter_trains_its_tau_rises_and_the_summary_says_where_it_is
     its own loss); its tau rises, the extracted drafter's results equal the callback's last evaluation, and the
     summary prints the selector's diagnosis (unary path, perfect selector, recall, pick given recall)."""
     out = tmp_path / "d2"
-    proc = _run("--quick", "--drafter", "dflash2", "--out", str(out), "--seed", "0")
+    proc = _run("--quick", "--drafter", "dflash2", "--steps", "60", "--eval-every", "30", "--out", str(out), "--seed", "0")
     assert proc.returncode == 0, f"demo failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     summary = json.loads((out / "summary.json").read_text())
     assert summary["drafter"] == "dflash2" and summary["tau_last"] > summary["tau_first"], summary["evaluations"]
