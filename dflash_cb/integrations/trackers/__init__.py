@@ -40,6 +40,18 @@ class Tracker:
     from_object: SinkOf = _none
 
 
+def lightning_logger_sink(logger: Any, logger_class: str, make: Callable[[Callable[[], Any]], MetricsSink]
+                          ) -> MetricsSink | None:
+    """``make(experiment getter)`` when ``logger`` is Lightning's ``logger_class`` (its ``experiment``, read when
+    first used: the run or writer exists from the fit on); the scalars reach it through the logger itself."""
+    try:
+        from lightning.pytorch import loggers
+    except ImportError:  # pragma: no cover
+        return None
+    cls = getattr(loggers, logger_class, None)
+    return make(lambda: logger.experiment) if cls is not None and isinstance(logger, cls) else None
+
+
 def trackers() -> list[Tracker]:
     """Every tracker of this folder, in file-name order."""
     found = []

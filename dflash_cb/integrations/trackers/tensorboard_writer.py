@@ -11,7 +11,7 @@ from typing import Any
 
 from ..sample_table import TABLE_COLUMNS, make_decoder, table_row
 from ..sinks import EvaluationRecord, MetricsSink, RunInfo
-from . import Tracker
+from . import Tracker, lightning_logger_sink
 
 
 def is_summary_writer(obj: Any) -> bool:
@@ -127,13 +127,7 @@ def _per_depth_figure(record: EvaluationRecord) -> Any | None:
 
 
 def _from_lightning(logger: Any) -> MetricsSink | None:
-    try:
-        from lightning.pytorch.loggers import TensorBoardLogger
-    except ImportError:  # pragma: no cover
-        return None
-    if isinstance(logger, TensorBoardLogger):  # the scalars go through the logger; the writer gets the rest
-        return TensorBoardSink(lambda: logger.experiment, scalars=False)
-    return None
+    return lightning_logger_sink(logger, "TensorBoardLogger", lambda experiment: TensorBoardSink(experiment, scalars=False))
 
 
 def _from_hf(trainer: Any) -> MetricsSink | None:

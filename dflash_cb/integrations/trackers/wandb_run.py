@@ -8,7 +8,7 @@ from typing import Any
 
 from ...core.metrics import STEP_KEY
 from ..sinks import EvaluationRecord, MetricsSink, RunInfo
-from . import Tracker
+from . import Tracker, lightning_logger_sink
 
 
 class WandbSink(MetricsSink):
@@ -68,13 +68,7 @@ def is_wandb_run(obj: Any) -> bool:
 
 
 def _from_lightning(logger: Any) -> MetricsSink | None:
-    try:
-        from lightning.pytorch.loggers import WandbLogger
-    except ImportError:  # pragma: no cover
-        return None
-    if isinstance(logger, WandbLogger):  # the scalars go through the logger; the run gets the rest
-        return WandbSink(lambda: logger.experiment, scalars=False)
-    return None
+    return lightning_logger_sink(logger, "WandbLogger", lambda experiment: WandbSink(experiment, scalars=False))
 
 
 def _current_run() -> Any | None:
