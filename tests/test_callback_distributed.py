@@ -210,4 +210,7 @@ def test_each_rank_hashes_only_its_share_and_the_head_once(distributed_run, tiny
 
 
 if __name__ == "__main__":
+    from dflash_cb.integrations.distributed import end_process_group
+
     _worker(sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4].split(","))
+    end_process_group()  # Lightning leaves its process group up: every rank done before either tears it down

@@ -467,3 +467,85 @@ def test_anchor_count_from_the_manifest_equals_the_loaded_bounds(planted) -> Non
     got = engine.anchors_per_sample(cache, [e.id for e in cache.samples])
     assert got == {e.id: len(engine.bounds_for(cache.load(e.id), cache.manifest).anchors) for e in cache.samples}
     assert sorted(set(got.values()))[0] == 0 and max(got.values()) > BLOCK  # prompt-only to long
+
+
+# -- figures independent of batching (docs/metrics.md, "Floats") ------------------------------------------
+
+def test_every_batching_gives_the_same_figures(planted) -> None:
+    """Many rows, round by round, one/three/seven blocks a pass, one head row a call, one sample at a time:
+    every integer figure to the last bit, the temperature-1 estimate within figures.T1_RTOL."""
+    from batch_shapes import figures
+    from figures import assert_same_figures
+
+    found = figures(planted["cache"], planted["drafter"])
+    first = found.pop("round_by_round")
+    assert first["tau"] > 1.5 and first["t1_tau_estimate"] > 1  # figures worth comparing
+    for name, summary in found.items():
+        assert_same_figures(first, summary), name
+
+
+@pytest.mark.parametrize("kernels", [
+    # ATen's scalar kernels, oneDNN and MKL held to AVX2 (on AVX-512/AMX CPUs their own paths otherwise), 1 thread.
+    {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+     "OMP_NUM_THREADS": "1"},
+    # The machine's own kernels on two threads (reductions split across threads where rows are few).
+    {"OMP_NUM_THREADS": "2"},
+], ids=["scalar-avx2", "native-2-threads"])
+def test_every_batching_gives_the_same_figures_under_other_cpu_kernels(planted, tmp_path: Path, kernels) -> None:
+    """The same check in a fresh process whose CPU kernels the environment chose, so that a figure that
+    depends on the batch's shape through one kernel's reduction order fails on any developer's machine."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from figures import assert_same_figures
+
+    planted["drafter"].save_pretrained(tmp_path / "drafter")
+    env = {**os.environ, **kernels, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])}
+    done = subprocess.run([sys.executable, str(Path(__file__).parent / "batch_shapes.py"), str(planted["cache"].path),
+                           str(tmp_path / "drafter")], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["threads"] == int(kernels["OMP_NUM_THREADS"])
+    if kernels.get("ATEN_CPU_CAPABILITY") == "default":
+        assert out["capability"] == "DEFAULT"
+    found = out["figures"]
+    first = found.pop("round_by_round")
+    for name, summary in found.items():
+        assert_same_figures(first, summary), name
+
+
+def test_t1_sums_are_exact_in_any_order_and_grouping() -> None:
+    """The temperature-1 sums (the one float count) are the same bits however anchors are grouped into samples'
+    calls and samples merged (waves, ranks, one at a time); a plain float sum of the same values is not."""
+    from dflash_cb.core.metrics import EvalCounts, anchor_counts_per_sample, quantize_t1
+
+    g = torch.Generator().manual_seed(3)
+    n, d = 600, 5
+    t1 = torch.rand(n, generator=g, dtype=torch.float64) * 7  # full-mantissa values, as the forward gives
+    sample = torch.sort(torch.randint(0, 4, (n,), generator=g)).values
+    zeros = torch.zeros((n, d), dtype=torch.bool)
+    ints = torch.zeros(n, dtype=torch.long)
+
+    def counts(rows: torch.Tensor) -> EvalCounts:
+        c = EvalCounts(d + 1, (), ("x",))
+        c.add_samples(anchors=anchor_counts_per_sample(sample[rows], 4, ints[rows], ints[rows], zeros[rows],
+                                                       zeros[rows], zeros[rows], True, t1[rows], [True] * 4))
+        return c
+
+    whole = counts(torch.arange(n)).data["t1_sum"]
+    for seed in range(20):  # rows split into parts at random, the parts merged in a random order
+        rng = torch.Generator().manual_seed(seed)
+        perm = torch.randperm(n, generator=rng)
+        cut = sorted(torch.randint(1, n, (7,), generator=rng).tolist())
+        parts = [counts(torch.sort(p).values) for p in torch.tensor_split(perm, cut)]
+        order = torch.randperm(len(parts), generator=rng).tolist()
+        merged = parts[order[0]]
+        for i in order[1:]:
+            merged.merge_(parts[i])
+        assert torch.equal(merged.data["t1_sum"], whole), seed
+    assert float(whole) == math.fsum((quantize_t1(t1 + 1)).tolist())
+    # Without the quantum, the order shows in the last bits (the reason for it).
+    plain = [sum((t1[torch.randperm(n, generator=torch.Generator().manual_seed(s))] + 1).tolist()) for s in range(5)]
+    assert len(set(plain)) > 1

@@ -143,6 +143,8 @@ def test_plain_loop_into_a_wandb_run_logs_todays_keys_table_and_chart(tmp_path, 
 def _worker(cache: str, cfg_path: str, out: str) -> None:
     import torch.distributed as dist
 
+    from dflash_cb.integrations.distributed import end_process_group
+
     dist.init_process_group("gloo")
     cfg = json.loads(Path(cfg_path).read_text())
     evaluator, logged, _ = plain_loop(cache, cfg, steps=4, every=2, grad_sync=True)
@@ -150,7 +152,7 @@ def _worker(cache: str, cfg_path: str, out: str) -> None:
     Path(out, f"rank{rank}.json").write_text(json.dumps({
         "logged": logged, "history": evaluator.history,
         "samples": {s.id: s.acceptance_lengths for s in evaluator.last.samples}}))
-    dist.destroy_process_group()
+    end_process_group()
 
 
 @pytest.mark.e2e

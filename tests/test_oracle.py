@@ -186,7 +186,7 @@ def test_overlap_is_sum_of_min_p_q() -> None:
     lp, ids = torch.topk(torch.log(p), 4, dim=-1)
     out = apply_head(hidden, head, spec, k=3, target_topk=(ids, lp))
     want = torch.minimum(p.gather(-1, ids), q.gather(-1, ids)).sum(-1)
-    assert torch.allclose(out.overlap, want, atol=1e-6)
+    assert out.overlap.dtype == torch.float64 and torch.allclose(out.overlap, want.double(), atol=1e-6)
     assert torch.equal(out.argmax, q.argmax(-1))
     assert torch.allclose(out.topk_logprobs, torch.topk(torch.log(q), 3, -1).values, atol=1e-5)
 

@@ -297,18 +297,12 @@ def specforge_train(root: Path, cache_dir: Path, *args: str, torchrun: int = 0) 
             "--keep-best-by-tau"]
     # Each rank's output to its own file (SpecForge's console logger prints on every rank).
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(torchrun),
-                "--master_port", str(_free_port()), "--log-dir", str(root / "ranks"), "--redirects", "3"] \
+                "--standalone", "--log-dir", str(root / "ranks"), "--redirects", "3"] \
         if torchrun else [sys.executable]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     return subprocess.run([*launcher, str(ROOT / "tools" / "specforge_train.py"), *ours, "--",
                            "--config", str(root / "run.yaml"), *args],
                           capture_output=True, text=True, env=env, cwd=root, timeout=600)
-
-
-def _free_port() -> int:
-    from processes import _free_port as free
-
-    return free()
 
 
 def logged_lines(stdout: str) -> list[tuple[int, dict[str, float]]]:

@@ -289,6 +289,19 @@ def stats_anchors(bounds: SampleBounds, stride: int, offset: int = 0) -> range:
     return strided(bounds.anchors, stride, offset)
 
 
+def expected_accepted(alpha: torch.Tensor) -> torch.Tensor:
+    """Expected accepted drafts at temperature 1, ``sum_k prod_{j<=k} alpha_j``, of per-depth acceptance
+    probabilities ``alpha`` [r, D]: in float64, depth after depth, so that a row's value is the same whatever
+    rows it is computed with (a reduction kernel may group a row's terms by the batch's shape or threads)."""
+    alpha = alpha.double()
+    total = torch.zeros(alpha.shape[0], dtype=torch.float64, device=alpha.device)
+    chain = torch.ones_like(total)
+    for k in range(alpha.shape[1]):
+        chain = chain * alpha[:, k]
+        total = total + chain
+    return total
+
+
 def _ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """``cat(arange(s, s + n) for s, n in zip(starts, lengths))`` without a Python loop."""
     total = int(lengths.sum())
@@ -757,8 +770,7 @@ class _Scorer:
                                   match=(match & valid)[rows], specforge_match=(sf_match & valid)[rows], **extra)
         t1 = None
         if drafts.overlap is not None:
-            alpha = torch.where(valid, drafts.overlap, 0.0)[rows]
-            t1 = torch.cumprod(alpha.double(), dim=1).sum(dim=1).cpu()  # expected accepted at temperature 1
+            t1 = expected_accepted(torch.where(valid, drafts.overlap, 0.0)[rows]).cpu()
         return rows, table, t1
 
     def _specforge_argmax(self, wave: _Wave, sample: torch.Tensor, anchors: torch.Tensor, emb: torch.Tensor,
@@ -800,7 +812,7 @@ class _Scorer:
         if out is not None:
             table.put(rows, out)
             if out.overlap is not None:
-                table.overlap = torch.zeros((n, d), device=dev)
+                table.overlap = torch.zeros((n, d), dtype=torch.float64, device=dev)
                 table.overlap[rows] = out.overlap.view(-1, d)
         live = (~in_stats).nonzero()[:, 0]
         k = 0

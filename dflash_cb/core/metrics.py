@@ -36,6 +36,10 @@ SPECFORGE_ACC = "specforge/acc"
 TAU_REQUEST_MEAN = "tau_request_mean"
 ACCEPT_LENGTH_SERVED = "accept_length_served"
 T1_TAU_ESTIMATE = "t1_tau_estimate"
+# The temperature-1 estimate is the one float figure summed over anchors. Each anchor's value is rounded to a
+# multiple of T1_QUANTUM, so every partial sum below 2**53 * T1_QUANTUM (5e8; 3e7 anchors of a 16-block) is
+# exact in float64: the sum is the same in any order and grouping (samples, waves, ranks, merges).
+T1_QUANTUM = 2.0 ** -24
 EVAL_TIME = "eval_time_s"
 # Evaluation cost: distinct anchors the drafter ran at / the replays and the statistics set needed.
 ANCHORS_DRAFTED = "anchors_drafted"
@@ -308,6 +312,12 @@ class AnchorCounts:
         return cls(**out)
 
 
+def quantize_t1(values: torch.Tensor) -> torch.Tensor:
+    """Per-anchor temperature-1 values (float64) rounded to multiples of ``T1_QUANTUM``: sums of them are exact,
+    so their order does not matter (docs/metrics.md, "Floats")."""
+    return torch.round(values.double() / T1_QUANTUM) * T1_QUANTUM
+
+
 def count_anchors(accepted: torch.Tensor, produced: torch.Tensor, valid_depth: torch.Tensor, match: torch.Tensor,
                   specforge_match: torch.Tensor | None = None, specforge: bool = True,
                   t1: torch.Tensor | None = None) -> AnchorCounts:
@@ -337,7 +347,7 @@ def anchor_counts_per_sample(sample: torch.Tensor, n_samples: int, accepted: tor
     specforge_match [A, D] booleans (a match counts only where the depth is valid); ``specforge`` False:
     SpecForge's figure could not be computed (zero weights); t1 [A] float64: expected accepted length at
     temperature 1, counted for the samples whose ``t1_scored`` is True. Integer sums per sample (the same
-    whatever else the rows hold), and ``t1_sum`` exactly rounded (``math.fsum``) in row order. ``extra``: the
+    whatever else the rows hold), and ``t1_sum`` a sum of ``quantize_t1`` values: exact in any order. ``extra``: the
     drafter family's per-depth booleans [A, D] by name (``FamilyCounts.depth_counts``), counted where valid.
     """
     d = valid.shape[1]
@@ -356,16 +366,14 @@ def anchor_counts_per_sample(sample: torch.Tensor, n_samples: int, accepted: tor
     cond_den = per_sample((accepted[:, None] >= depth - 1) & valid)  # depths 1..k-1 all matched
     sf_hit = per_sample(specforge_match.bool() & valid)
     family = {name: per_sample(x.bool() & valid) for name, x in (extra or {}).items()}
-    t1_rows: list[list[float]] = [[] for _ in range(n_samples)]
-    for s, x in zip(sample.tolist(), t1.tolist(), strict=True):
-        t1_rows[s].append(x + 1)
+    t1_sums = torch.zeros(n_samples, dtype=torch.float64).index_add_(0, sample, quantize_t1(t1 + 1)).tolist()
     zeros = (0,) * d
     return [AnchorCounts(
         anchors=anchors[s], anchor_produced=anchor_produced[s], depth_total=tuple(total[s]),
         depth_match=tuple(hit[s]), cond_num=tuple(cond_num[s]), cond_den=tuple(cond_den[s]),
         specforge_total=tuple(total[s]) if specforge else zeros,
         specforge_match=tuple(sf_hit[s]) if specforge else zeros,
-        t1_sum=math.fsum(t1_rows[s]) if t1_scored[s] else 0.0, t1_anchors=anchors[s] if t1_scored[s] else 0,
+        t1_sum=t1_sums[s] if t1_scored[s] else 0.0, t1_anchors=anchors[s] if t1_scored[s] else 0,
         depth_counts={name: tuple(x[s]) for name, x in family.items()})
         for s in range(n_samples)]
 
@@ -428,7 +436,7 @@ class EvalCounts(FamilyFigures):
         sample (empty: that part is not added).
 
         Summed in plain Python in sample order and added once: every count is an integer sum, exact in any
-        order; ``t1_sum``, the one float, is added sample after sample as it always was.
+        order, and so is ``t1_sum``, the one float: a sum of multiples of ``T1_QUANTUM`` (``quantize_t1``).
         """
         d = self.data
         if cycles:

@@ -64,8 +64,12 @@ def logit_chunks(hidden: torch.Tensor, lm_head: torch.Tensor, spec: DrafterSpec,
 def stored_overlap(target_ids: torch.Tensor, target_logprobs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
     """``sum_x min(p(x), q(x))`` over the target's stored top-K ids [N, T] (-1: none) and log-probabilities,
     with the draft's probabilities of those ids ``draft_probs`` [N, T]: [N]."""
-    p = torch.exp(target_logprobs.float())
-    return torch.where(target_ids >= 0, torch.minimum(p, draft_probs), torch.zeros_like(p)).sum(-1)
+    p = torch.exp(target_logprobs.double())
+    terms = torch.where(target_ids >= 0, torch.minimum(p, draft_probs.double()), torch.zeros_like(p))
+    total = torch.zeros(terms.shape[:-1], dtype=torch.float64, device=terms.device)
+    for j in range(terms.shape[-1]):  # one fixed order per row, whatever the batch (docs/metrics.md, "Floats")
+        total = total + terms[..., j]
+    return total
 
 
 def apply_head(hidden: torch.Tensor, lm_head: torch.Tensor, spec: DrafterSpec, k: int,

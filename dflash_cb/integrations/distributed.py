@@ -146,3 +146,16 @@ def full_parameters(trainer: Any) -> Iterator[None]:
                            "use ZeRO stage 1/2, DDP or FSDP")
     with full_parameters_of(getattr(getattr(trainer, "strategy", None), "model", None)):
         yield
+
+
+def end_process_group(group: Any = None, destroy: Any = None) -> None:
+    """Tear a process group down once every rank got here: a rank that tears down while another still talks
+    to it (or exits with it) can abort that rank at exit. ``destroy`` replaces ``dist.destroy_process_group``
+    (SpecForge's own teardown)."""
+    if dist_ready() and dist.get_world_size() > 1:
+        with contextlib.suppress(RuntimeError):  # a peer already gone: nothing left to wait for
+            dist.barrier()
+    if destroy is not None:
+        destroy()
+    elif dist.is_initialized():
+        dist.destroy_process_group(group)

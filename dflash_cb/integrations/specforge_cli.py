@@ -112,11 +112,22 @@ def main(argv: Sequence[str] | None = None) -> int:
                             "evaluation; start the ranks with torchrun instead: torchrun --nproc_per_node N "
                             "tools/specforge_train.py ... -- --config ...")
 
+    import specforge.distributed as specforge_distributed
+
+    from .distributed import end_process_group
+
+    teardown = specforge_distributed.destroy_distributed
+
+    def teardown_together() -> None:  # every rank done before any tears the groups down
+        end_process_group(destroy=teardown)
+
     application.build_application_run, launch_plan.run_commands = build_and_attach, refuse
+    specforge_distributed.destroy_distributed = teardown_together
     try:
         return int(specforge_cli.main(["train", *theirs]) or 0)
     finally:
         application.build_application_run, launch_plan.run_commands = build, run_commands
+        specforge_distributed.destroy_distributed = teardown
 
 
 command = cli.command(main)  # the ``dflash-specforge-train`` console command

@@ -181,9 +181,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     finally:
         if made:
-            import torch.distributed as dist
+            from .distributed import end_process_group
 
-            dist.destroy_process_group()
+            end_process_group()
 
 
 command = cli.command(main)  # the ``dflash-sweep`` console command
