@@ -69,11 +69,18 @@ TAU_KEY = DEFAULT_PREFIX + TAU  # "dflash_eval/tau": the default evaluator's tau
 # The first segments of the metric names below a prefix: a prefix must not end in one (``{prefix}full/tau``
 # of one evaluation would be another's full key).
 KEY_NAMESPACES = ("acceptance", "acceptance_cond", "baseline", "best", "category", "cycle", "ddtree", "full",
-                  "position", "predicted", "produced_frac", "published", "selector", "specforge", "charts")
+                  "position", "predicted", "produced_frac", "published", "selector", "serving", "specforge",
+                  "charts")
 
 # The seconds the evaluation was predicted to take before it ran (``cost.SecondsPredictor``: calibrated by the
 # evaluations measured before it), logged beside its measured ``eval_time_s``.
 PREDICTED_SECONDS = "predicted/seconds"
+
+
+def serving_key(what: str, setting: str | None = None) -> str:
+    """A projected serving figure (``core.serving``): ``serving/speedup_greedy``, ``serving/tokens_per_s_ddtree_b64``,
+    ``serving/breakeven_tau_greedy``, ``serving/best_speedup``. Projections, never measured speeds."""
+    return f"serving/{what}" + (f"_{setting}" if setting else "")
 
 
 def predicted_anchors(kind: str) -> str:

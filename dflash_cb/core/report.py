@@ -116,6 +116,9 @@ def format_results(res: Results) -> str:
             lines.append(f"  {title}:")
             for bucket, row in table.items():
                 lines.append(f"    {bucket:<10} {_f(row.get('tau'))}  ({row.get('cycles')} cycles)")
+    serving = res.breakdown.get("serving")
+    if serving:
+        lines += [""] + format_projection(serving)
     hist = res.histogram
     total = sum(hist.values())
     if total:
@@ -125,6 +128,31 @@ def format_results(res: Results) -> str:
             if c:
                 lines.append(f"    {int(n):>3} {c:>7}  {'#' * max(1, round(40 * c / total))}")
     return "\n".join(lines)
+
+
+def format_projection(serving: dict) -> list[str]:
+    """The serving projection of a results file (``core.serving``), said to be one, with its profile."""
+    from .serving import Projection
+
+    p = Projection.from_dict(serving)
+    best = p.best
+    lines = [f"  PROJECTED serving speed (profile: {p.profile}):",
+             f"    {'setting':<14} {'tau':>6} {'speedup':>26} {'tokens/s':>28} {'break-even tau':>15}"]
+    for s in p.settings:
+        lines.append(f"    {s.setting.label:<14} {_f(s.tau, 3):>6} {_interval(s.speedup, 2, 'x'):>26} "
+                     f"{_interval(s.tokens_per_second, 1, ''):>28} {_f(s.breakeven_tau, 2):>15}"
+                     + ("   <- best" if s is best else ""))
+    second = p.runner_up_difference()
+    if second is not None:
+        diff = second[1]
+        lines.append(f"    best vs {second[0].setting.label}: {diff.value:+.3f}x [{diff.low:+.3f}, {diff.high:+.3f}]"
+                     + ("" if diff.excludes_zero() else "  (no difference detectable)"))
+    lines.append("    a projection from the replay's cycles and the profile's step costs, not a measured speed")
+    return lines
+
+
+def _interval(i: Any, digits: int, unit: str) -> str:
+    return f"{i.value:.{digits}f}{unit} [{i.low:.{digits}f}, {i.high:.{digits}f}]"
 
 
 def evaluation_line(step: int, metrics: dict[str, float], budgets: Sequence[int] = (),

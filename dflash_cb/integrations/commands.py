@@ -1,4 +1,4 @@
-"""``dflash-eval``, ``dflash-sweep``, ``dflash-panels`` and ``dflash-specforge-train`` (``[project.scripts]``): light
+"""``dflash-eval``, ``dflash-sweep``, ``dflash-panels``, ``dflash-specforge-train`` and ``dflash-profile`` (``[project.scripts]``): light
 to import, their tools imported when called (``common.cli.launcher``: Ctrl-C while they start is one line)."""
 
 from ..common.cli import launcher
@@ -7,3 +7,4 @@ eval_drafter = launcher("dflash_cb.integrations.eval_cli", "command")
 sweep = launcher("dflash_cb.integrations.sweep_cli", "command")
 panels = launcher("dflash_cb.integrations.panels", "command")
 specforge_train = launcher("dflash_cb.integrations.specforge_cli", "command")
+profile = launcher("dflash_cb.integrations.profile_cli", "command")

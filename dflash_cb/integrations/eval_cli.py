@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ..common import cli
 from ..common.log import say
+from .profile_cli import add_projection, checked_settings, read_profile, refuse_other_target
 from .scoring import CacheScorer, ScoringOptions, add_scoring_options
 
 USAGE = """Score a saved DFlash drafter on a cache of target states: exact tau, DDTree, per-depth acceptance.
@@ -19,7 +20,7 @@ USAGE = """Score a saved DFlash drafter on a cache of target states: exact tau, 
     python tools/eval_drafter.py --states cached_states/qwen36-27b-v1 --drafter path/to/drafter \\
         --out results.json [--ddtree-budgets 16,32,64] [--device cuda] [--dtype bfloat16]
         [--samples N | --sample-ids a,b,c] [--anchor-stride N [--anchor-seed S]] [--block-size N]
-        [--served-check] [--no-verify] [--threads N]
+        [--served-check] [--profile profile.json] [--no-verify] [--threads N]
 
 Every argument, the cache, the drafter and the head are checked (and the shards to score hashed)
 before the evaluation starts; a problem is one line naming the file and the fix, exit code 2.
@@ -35,6 +36,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="compare with the server's own speculative counters stored in the cache (the drafter "
                         "must be the one the server ran during the precompute); the default --block-size is then "
                         "the server's recorded block")
+    p.add_argument("--profile", default=None,
+                   help="a cost profile (tools/profile_costs.py): also project tokens per second and the speedup "
+                        "over plain decoding of every scored setting (block, DDTree budgets)")
     p.add_argument("--wandb-project", default=None, help="also log the evaluation to this W&B project")
     p.add_argument("--wandb-name", default=None, help="W&B run name")
     return p.parse_args(argv)
@@ -66,9 +70,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.served_check and args.tail_blocks != "served":
         raise DFlashCBError("--served-check with --tail-blocks reference: the server drafts full blocks, so the "
                             "check always replays with --tail-blocks served; drop --tail-blocks reference")
+    profile = read_profile(args.profile) if args.profile else None
     # The live evaluator's configuration and checks (session.py), with this tool's options.
     scorer = CacheScorer(options)
     cache = scorer.cache
+    if profile is not None:
+        refuse_other_target(profile, cache.manifest.target, args.profile)
     if args.served_check and not has_served_counters(cache.samples):
         raise nothing_to_compare(cache.path)  # before any weights are read
     if args.served_check:
@@ -82,7 +89,12 @@ def main(argv: list[str] | None = None) -> int:
         scorer.config = scorer.config.replace(block_size=replay_block_size(
             cache.manifest.served_spec_config, drafter.spec.block_size, options.block_size))
     fit = scorer.check(drafter, "--drafter")
+    settings = None
+    if profile is not None:  # every setting within the profile's rows, before any scoring
+        settings = checked_settings(profile, drafter, fit.block_size, options.budgets, args.profile)
     results, report = scorer.score(drafter, fit, drafter_provenance(args.drafter), progress=True)
+    if profile is not None:
+        add_projection(results, report, cache, profile, settings)
     check = None
     if args.served_check:
         check = compare(cache.samples, {s.id: s.acceptance_lengths for s in report.samples},

@@ -1,0 +1,217 @@
+"""The serving projection (dflash_cb/core/serving.py): a hand computation on known cycles, the identities any
+correct projection satisfies, the best setting on planted profiles, refusals; the profile tool measuring the
+tiny CPU models for real (counted work, never a time) and resuming; eval_drafter --profile end to end."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_cb.common.arguments import ArgumentError
+from dflash_cb.core.serving import (
+    CostProfile,
+    ProfileError,
+    SampleCycles,
+    Setting,
+    block_settings,
+    identity_mismatches,
+    project,
+    sample_seconds,
+)
+
+
+def flat(seconds: float, draft: float, top: int = 64) -> CostProfile:
+    return CostProfile("user", {0: ((1, seconds), (top, seconds))}, {0: draft})
+
+
+SAMPLES = [SampleCycles(10, {"greedy": [3, 1, 2], "ddtree_b4": [4, 2]}),
+           SampleCycles(5, {"greedy": [1, 1, 1, 1, 1, 1, 1], "ddtree_b4": [2, 3, 2]}),  # a hard prompt: a long tail
+           SampleCycles(7, {"greedy": [4, 4, 4, 1], "ddtree_b4": [5, 5, 3]})]
+
+
+def test_a_hand_computed_projection() -> None:
+    """Verify cost linear between rows and in the context; each cycle priced at its own anchor's position."""
+    profile = CostProfile("user", {0: ((1, 1.0), (4, 2.0)), 100: ((1, 2.0), (4, 4.0))}, {0: 0.5, 100: 1.5})
+    greedy = Setting("greedy", 4, 1, "block 4")
+    tokens, spec, plain = sample_seconds(SampleCycles(10, {"greedy": [3, 1, 2]}), greedy, profile)
+    # Cycles anchored at 10, 13, 14: draft 0.5 + c/100, verify(4) 2 + 2c/100; plain: tokens at 10..15, 1 + c/100.
+    want_spec = sum(0.5 + c / 100 + 2 + 2 * c / 100 for c in (10, 13, 14))
+    want_plain = sum(1 + c / 100 for c in range(10, 16))
+    assert tokens == 6 and spec == pytest.approx(want_spec, rel=1e-12) and plain == pytest.approx(want_plain, rel=1e-12)
+    assert profile.verify_seconds(3, 0) == pytest.approx(1 + 2 / 3)  # between rows
+    p = project([SampleCycles(10, {"greedy": [3, 1, 2]})], [greedy], profile)
+    s = p.settings[0]
+    assert s.speedup.value == pytest.approx(want_plain / want_spec) and s.tau == 2.0
+    assert s.tokens_per_second.value == pytest.approx(6 / want_spec)
+    # Break-even at the cycles' mean context (12): (draft + verify(4)) / verify(1).
+    assert s.breakeven_tau == pytest.approx((0.5 + 0.12 + 2 + 0.24) / 1.12)
+
+
+def test_flat_verify_and_free_drafting_project_the_pooled_tau() -> None:
+    """A verify step that costs the same at any token count and free drafting: the speedup is each setting's pooled
+    tau (tokens / cycles); drafting as costly as a verify step halves it."""
+    settings = block_settings(6, (4,))
+    for draft, factor in ((0.0, 1.0), (0.02, 0.5)):
+        p = project(SAMPLES, settings, flat(0.02, draft))
+        for s in p.settings:
+            tokens = sum(sum(x.produced[s.setting.name]) for x in SAMPLES)
+            cycles = sum(len(x.produced[s.setting.name]) for x in SAMPLES)
+            assert s.speedup.value == pytest.approx(factor * tokens / cycles, rel=1e-12)
+            assert s.speedup.low <= s.speedup.value <= s.speedup.high
+            assert s.breakeven_tau == pytest.approx(1 / factor)
+
+
+def test_the_best_setting_follows_the_profile() -> None:
+    """The same cycles: a verify step that costs little more for 5 tokens than for 6 makes the DDTree best (it
+    commits more a cycle); one that grows steeply with the tokens makes the greedy block best."""
+    settings = block_settings(4, (4,))  # greedy verifies 4 tokens, the DDTree 5
+    gentle = CostProfile("user", {0: ((1, 1.0), (4, 1.1), (5, 1.12))}, {0: 0.1})
+    steep = CostProfile("user", {0: ((1, 1.0), (4, 1.1), (5, 3.0))}, {0: 0.1})
+    assert project(SAMPLES, settings, gentle).best.setting.name == "ddtree_b4"
+    assert project(SAMPLES, settings, steep).best.setting.name == "greedy"
+    second, diff = project(SAMPLES, settings, gentle).runner_up_difference()
+    assert second.setting.name == "greedy" and diff.value > 0
+
+
+def test_per_cycle_accounting_is_not_the_mean_tau() -> None:
+    """Where the verify cost grows with the context, a sample's long cycles late in a completion are priced at
+    that context: the projection differs from pricing the mean tau at the mean context."""
+    profile = CostProfile("user", {0: ((1, 1.0), (8, 1.0)), 1000: ((1, 11.0), (8, 11.0))}, {0: 0.0})
+    early = SampleCycles(0, {"greedy": [8] * 5 + [1] * 200})
+    p = project([early], [Setting("greedy", 8, 1, "block 8")], profile).settings[0]
+
+    def cost(c: int) -> float:
+        return 1 + 10 * min(c, 1000) / 1000
+
+    starts = [8 * i for i in range(5)] + [40 + i for i in range(200)]
+    hand = sum(cost(c) for c in range(240)) / sum(cost(c) for c in starts)
+    assert p.speedup.value == pytest.approx(hand, rel=1e-12)
+    assert p.speedup.value < p.tau - 0.05  # the mean tau at one context would say tau (1.17): the long cycles are cheap ones
+
+
+def test_refusals() -> None:
+    with pytest.raises(ProfileError, match="beyond the profile's rows"):
+        project(SAMPLES, block_settings(16), flat(1.0, 0.0, top=8))
+    with pytest.raises(ProfileError, match="increasing order"):
+        CostProfile("user", {0: ((4, 1.0), (2, 1.0))}, {0: 0.0})
+    with pytest.raises(ProfileError, match="kind"):
+        CostProfile("guess", {0: ((1, 1.0),)}, {0: 0.0})  # type: ignore[arg-type]
+    with pytest.raises(ProfileError, match="not a dflash-cb cost profile"):
+        CostProfile.from_dict({"format": "x"})
+    p = CostProfile("measured", {0: ((1, 1.0),)}, {0: 0.0}, target={"hidden_size": 64, "vocab_size": 10},
+                    drafter={"block_size": 16})
+    wrong, other = identity_mismatches(p, {"hidden_size": 32, "vocab_size": 10}, {"block_size": 8})
+    assert wrong == ["hidden_size: profile 64, here 32"] and other == ["block_size: profile 16, here 8"]
+    back = CostProfile.from_dict(json.loads(json.dumps(p.to_dict())))
+    assert back == p
+
+
+# -- the tool, for real ------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def drafter_dir(tiny_cache: Path, tiny_drafter_config: dict, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from dflash_cb.core.model import DFlashDrafter
+
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("serving") / "drafter"
+    DFlashDrafter.from_config_dict(tiny_drafter_config).save_pretrained(out)
+    return out
+
+
+def test_a_profile_measured_on_the_tiny_models_and_resumed(tiny_cache, drafter_dir, tmp_path, monkeypatch) -> None:
+    """Every (context, tokens) point measured once, with the drafter's pass per context; a run stopped after its
+    first context resumes with the second alone; the finished file is never overwritten."""
+    from dflash_cb.integrations import profile_cli
+
+    target = tiny_cache.parent / "target"
+    measured: list[int] = []
+    real = profile_cli.measure_context
+
+    def counted(*a, **k):
+        measured.append(a[3])
+        return real(*a, **k)
+
+    monkeypatch.setattr(profile_cli, "measure_context", counted)
+    out = tmp_path / "p.json"
+    args = ["--target", str(target), "--drafter", str(drafter_dir), "--out", str(out), "--dtype", "float32",
+            "--contexts", "8,20", "--tokens", "1-6", "--repeats", "1"]
+
+    def stop_after_first(*a, **k):  # Ctrl-C as the second context starts
+        if measured:
+            raise KeyboardInterrupt
+        return counted(*a, **k)
+
+    monkeypatch.setattr(profile_cli, "measure_context", stop_after_first)
+    with pytest.raises(KeyboardInterrupt):
+        profile_cli.main(args)
+    partial = json.loads(out.read_text())
+    assert partial["partial"] and list(partial["verify"]) == ["8"]
+    monkeypatch.setattr(profile_cli, "measure_context", counted)
+    assert profile_cli.main(args) == 0
+    assert measured == [8, 20]  # the second run measured only what was missing
+    prof = profile_cli.read_profile(out)
+    assert prof.kind == "measured" and sorted(prof.verify) == [8, 20] and prof.max_verified == 6
+    assert all([n for n, _ in rows] == list(range(1, 7)) and all(s > 0 for _, s in rows) for rows in prof.verify.values())
+    assert all(s > 0 for s in prof.draft.values()) and prof.drafter["block_size"] == 6
+    assert prof.target["hidden_size"] == json.loads((target / "config.json").read_text())["hidden_size"]
+    with pytest.raises(ArgumentError, match="exists"):
+        profile_cli.main(args)
+
+
+def test_eval_drafter_projects_with_a_profile(tiny_cache, drafter_dir, tmp_path) -> None:
+    """--profile: the projection in results.json beside tau, labelled; a flat profile with free drafting
+    projects each setting's pooled tau through the whole tool; a profile of another target or too few rows is
+    refused before any scoring."""
+    from dflash_cb.core.results import load_results
+    from dflash_cb.integrations import eval_cli, profile_cli
+
+    csv = tmp_path / "verify.csv"
+    csv.write_text("verified_tokens,seconds\n1,0.02\n16,0.02\n")
+    prof = tmp_path / "flat.json"
+    assert profile_cli.main(["--from-csv", str(csv), "--draft-seconds", "0", "--states", str(tiny_cache),
+                             "--out", str(prof)]) == 0
+    out = tmp_path / "r.json"
+    assert eval_cli.main(["--states", str(tiny_cache), "--drafter", str(drafter_dir), "--out", str(out),
+                          "--ddtree-budgets", "4,8", "--profile", str(prof), "--device", "cpu"]) == 0
+    res = load_results(out)
+    assert res.metrics["serving/speedup_greedy"] == pytest.approx(res.metrics["tau"], rel=1e-12)
+    assert res.metrics["serving/speedup_ddtree_b8"] == pytest.approx(res.metrics["ddtree/tau_b8"], rel=1e-12)
+    assert res.breakdown["serving"]["profile"].startswith("user's own measurement")
+    assert "projection" in res.notes["serving"]
+    few = tmp_path / "few.csv"
+    few.write_text("verified_tokens,seconds\n1,0.02\n6,0.03\n")
+    short = tmp_path / "short.json"
+    assert profile_cli.main(["--from-csv", str(few), "--draft-seconds", "0", "--out", str(short)]) == 0
+    with pytest.raises(ArgumentError, match="DDTree 8 verifies 9 tokens"):
+        eval_cli.main(["--states", str(tiny_cache), "--drafter", str(drafter_dir), "--out", str(tmp_path / "x.json"),
+                       "--ddtree-budgets", "4,8", "--profile", str(short)])
+    other = json.loads(prof.read_text())
+    other["target"]["hidden_size"] = 4096
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    with pytest.raises(ArgumentError, match="another target"):
+        eval_cli.main(["--states", str(tiny_cache), "--drafter", str(drafter_dir), "--out", str(tmp_path / "y.json"),
+                       "--profile", str(tmp_path / "other.json")])
+    assert not (tmp_path / "x.json").exists() and not (tmp_path / "y.json").exists()
+    assert math.isfinite(res.metrics["serving/breakeven_tau_greedy"])
+
+
+def test_a_roofline_profile_is_labelled_with_the_stated_numbers(tiny_cache, drafter_dir, tmp_path) -> None:
+    """No target run: bytes over the stated bandwidth, FLOPs over the stated peak; memory-bound steps at few
+    tokens cost the same, compute-bound ones grow with them; the label says what was stated."""
+    from dflash_cb.integrations import profile_cli
+
+    out = tmp_path / "roof.json"
+    assert profile_cli.main(["--roofline", "--bandwidth-gbs", "100", "--peak-tflops", "0.8", "--target",
+                             str(tiny_cache.parent / "target"), "--drafter", str(drafter_dir), "--contexts", "16,64",
+                             "--tokens", "1-32", "--out", str(out)]) == 0
+    p = profile_cli.read_profile(out)
+    assert p.kind == "roofline" and "100 GB/s" in p.label() and "0.8 TFLOP/s" in p.label()
+    rows = dict(p.verify[16])
+    assert rows[1] == rows[2] < rows[32]  # bytes bound at one and two tokens, FLOPs bound at 32
+    assert p.verify_seconds(1, 64) >= p.verify_seconds(1, 16) and p.draft[16] > 0
+    with pytest.raises(ArgumentError, match="--bandwidth-gbs"):
+        profile_cli.main(["--roofline", "--target", str(tiny_cache.parent / "target"), "--out", str(tmp_path / "x")])
