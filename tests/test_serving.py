@@ -215,3 +215,44 @@ def test_a_roofline_profile_is_labelled_with_the_stated_numbers(tiny_cache, draf
     assert p.verify_seconds(1, 64) >= p.verify_seconds(1, 16) and p.draft[16] > 0
     with pytest.raises(ArgumentError, match="--bandwidth-gbs"):
         profile_cli.main(["--roofline", "--target", str(tiny_cache.parent / "target"), "--out", str(tmp_path / "x")])
+
+
+def test_serve_plan_across_drafters(tiny_cache, tiny_drafter_config, drafter_dir, tmp_path) -> None:
+    """Two drafters scored with one profile on one cache: each one's settings, the best drafter at its best setting
+    against the other paired, per category, a PNG; a file without a projection, or with another profile, refused."""
+    from tiny_target import train_briefly
+
+    from dflash_cb.cache.states import StateCache
+    from dflash_cb.core.model import DFlashDrafter
+    from dflash_cb.integrations import eval_cli, profile_cli, serve_plan_cli
+
+    torch.manual_seed(0)
+    trained = tmp_path / "trained"
+    train_briefly(DFlashDrafter.from_config_dict(tiny_drafter_config), StateCache(tiny_cache)).save_pretrained(trained)
+    (tmp_path / "v.csv").write_text("verified_tokens,seconds\n1,0.02\n9,0.022\n")
+    prof = tmp_path / "p.json"
+    assert profile_cli.main(["--from-csv", str(tmp_path / "v.csv"), "--draft-seconds", "0.004", "--out", str(prof)]) == 0
+    files = {}
+    for name, d in (("untrained", drafter_dir), ("trained", trained)):
+        files[name] = tmp_path / f"{name}.json"
+        assert eval_cli.main(["--states", str(tiny_cache), "--drafter", str(d), "--out", str(files[name]),
+                              "--ddtree-budgets", "8", "--profile", str(prof)]) == 0
+    out = tmp_path / "plan"
+    assert serve_plan_cli.main([str(files["untrained"]), str(files["trained"]), "--out", str(out)]) == 0
+    md = out.with_suffix(".md").read_text()
+    assert out.with_suffix(".png").stat().st_size > 0
+    assert "| untrained | block 6" in md and "| trained | DDTree 8" in md and "per category" in md
+    assert "**Serve trained at" in md and "trained is faster" in md  # the trained drafter is the faster one
+    assert "not a measured serving speed" in md
+    plain = tmp_path / "plain.json"
+    assert eval_cli.main(["--states", str(tiny_cache), "--drafter", str(trained), "--out", str(plain)]) == 0
+    with pytest.raises(Exception, match="no serving projection"):
+        serve_plan_cli.main([str(files["trained"]), str(plain), "--out", str(tmp_path / "x")])
+    (tmp_path / "w.csv").write_text("verified_tokens,seconds\n1,0.03\n9,0.03\n")
+    other = tmp_path / "q.json"
+    assert profile_cli.main(["--from-csv", str(tmp_path / "w.csv"), "--draft-seconds", "0", "--out", str(other)]) == 0
+    again = tmp_path / "again.json"
+    assert eval_cli.main(["--states", str(tiny_cache), "--drafter", str(trained), "--out", str(again),
+                          "--ddtree-budgets", "8", "--profile", str(other)]) == 0
+    with pytest.raises(Exception, match="different profiles"):
+        serve_plan_cli.main([str(files["trained"]), str(again), "--out", str(tmp_path / "y")])

@@ -187,6 +187,8 @@ class SampleCycles:
 
     prompt_len: int
     produced: Mapping[str, Sequence[int]]
+    id: str = ""
+    category: str = ""
 
 
 def sample_seconds(sample: SampleCycles, setting: Setting, profile: CostProfile) -> tuple[int, float, float]:
@@ -210,10 +212,14 @@ class SettingProjection:
     speedup: Interval
     breakeven_tau: float  # the tau at which this setting is as fast as plain decoding (at its mean context)
     per_sample: tuple[tuple[int, float, float], ...]  # (tokens, speculative seconds, plain seconds)
+    ids: tuple[str, ...] = ()  # the samples of ``per_sample``, in its order
+    categories: tuple[str, ...] = ()
 
-    def sums(self) -> Sums:
-        """The speedup's per-sample sums (plain seconds over speculative seconds)."""
-        return Sums.of([s[2] for s in self.per_sample], [s[1] for s in self.per_sample])
+    def sums(self, category: str | None = None) -> Sums:
+        """The speedup's per-sample sums (plain seconds over speculative seconds), zero outside ``category``."""
+        keep = [category is None or c == category for c in (self.categories or [""] * len(self.per_sample))]
+        return Sums.of([s[2] if k else 0.0 for s, k in zip(self.per_sample, keep, strict=True)],
+                       [s[1] if k else 0.0 for s, k in zip(self.per_sample, keep, strict=True)])
 
 
 @dataclass(frozen=True)
@@ -239,7 +245,8 @@ class Projection:
             {"name": s.setting.name, "label": s.setting.label, "verified_tokens": s.setting.verified,
              "draft_passes": s.setting.draft_passes, "tau": s.tau,
              "tokens_per_second": _interval(s.tokens_per_second), "speedup": _interval(s.speedup),
-             "breakeven_tau": s.breakeven_tau, "per_sample": [list(x) for x in s.per_sample]}
+             "breakeven_tau": s.breakeven_tau, "per_sample": [list(x) for x in s.per_sample],
+             "ids": list(s.ids), "categories": list(s.categories)}
             for s in self.settings]}
 
     @classmethod
@@ -249,7 +256,8 @@ class Projection:
             setting = Setting(str(s["name"]), int(s["verified_tokens"]), int(s["draft_passes"]), str(s["label"]))
             out.append(SettingProjection(setting, float(s["tau"]), Interval(*s["tokens_per_second"]),
                                          Interval(*s["speedup"]), float(s["breakeven_tau"]),
-                                         tuple((int(a), float(b), float(c)) for a, b, c in s["per_sample"])))
+                                         tuple((int(a), float(b), float(c)) for a, b, c in s["per_sample"]),
+                                         tuple(map(str, s.get("ids", ()))), tuple(map(str, s.get("categories", ())))))
         return cls(str(data["profile"]), tuple(out))
 
 
@@ -278,7 +286,8 @@ def project(samples: Sequence[SampleCycles], settings: Sequence[Setting], profil
         context = _mean_context(samples, s.name)
         cost = s.draft_passes * profile.draft_seconds(context) + profile.verify_seconds(s.verified, context)
         out.append(SettingProjection(s, tokens / cycles if cycles else math.nan, found["tps"], found["speedup"],
-                                     cost / profile.verify_seconds(1, context), rows))
+                                     cost / profile.verify_seconds(1, context), rows,
+                                     tuple(x.id for x in samples), tuple(x.category for x in samples)))
     return Projection(profile.label(), tuple(out))
 
 

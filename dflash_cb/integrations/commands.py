@@ -1,4 +1,5 @@
-"""``dflash-eval``, ``dflash-sweep``, ``dflash-panels``, ``dflash-specforge-train`` and ``dflash-profile`` (``[project.scripts]``): light
+"""``dflash-eval``, ``dflash-sweep``, ``dflash-panels``, ``dflash-specforge-train``, ``dflash-profile`` and
+``dflash-serve-plan`` (``[project.scripts]``): light
 to import, their tools imported when called (``common.cli.launcher``: Ctrl-C while they start is one line)."""
 
 from ..common.cli import launcher
@@ -8,3 +9,4 @@ sweep = launcher("dflash_cb.integrations.sweep_cli", "command")
 panels = launcher("dflash_cb.integrations.panels", "command")
 specforge_train = launcher("dflash_cb.integrations.specforge_cli", "command")
 profile = launcher("dflash_cb.integrations.profile_cli", "command")
+serve_plan = launcher("dflash_cb.integrations.serve_plan_cli", "command")

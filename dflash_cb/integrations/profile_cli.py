@@ -127,8 +127,8 @@ def add_projection(results: Any, report: Any, cache: Any, profile: CostProfile, 
     """The projection of a scored evaluation into ``results``: the figures under ``serving/`` beside tau, the
     per-sample accounting and the profile's label in ``breakdown['serving']``."""
     samples = [SampleCycles(cache.entry(s.id).prompt_len, {"greedy": s.acceptance_lengths,
-                                                           **{f"ddtree_b{b}": v for b, v in s.ddtree.items()}})
-               for s in report.samples]
+                                                           **{f"ddtree_b{b}": v for b, v in s.ddtree.items()}},
+                            s.id, s.category) for s in report.samples]
     projection = project(samples, settings, profile)
     results.metrics.update(serving_metrics(projection))
     results.breakdown["serving"] = projection.to_dict()
