@@ -36,7 +36,7 @@ def test_adapter_builds_the_config_from_every_argument(adapter):
              "target_embed": "embed", "target_lm_head": "head", "ddtree_budgets": [8, 4],
              "light_ddtree_budgets": [4], "light_anchor_stride": 3, "anchor_seed": 5, "full_every_n_evals": 2,
              "num_samples": 5, "sample_ids": ["a"], "sample_seed": 9, "prefix": "x/", "baselines": {"b": "b.json"},
-             "published": "p.yaml", "published_entries": ["e"], "fail_on_error": True, "max_failed_evaluations": 1,
+             "published": "p.yaml", "published_entries": ["e"], "cost_profile": "c.json", "fail_on_error": True, "max_failed_evaluations": 1,
              "autocast_dtype": "bfloat16", "table_samples": 2, "table_cycles": 3, "tokenizer": "tok",
              "verify_cache": False, "position_edges": [0, 4], "console": False, "tail_blocks": "reference",
              "block_size": 4}

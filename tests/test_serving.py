@@ -22,6 +22,7 @@ from dflash_cb.core.serving import (
     project,
     sample_seconds,
 )
+from dflash_cb.integrations.projection import read_profile
 
 
 def flat(seconds: float, draft: float, top: int = 64) -> CostProfile:
@@ -153,7 +154,7 @@ def test_a_profile_measured_on_the_tiny_models_and_resumed(tiny_cache, drafter_d
     monkeypatch.setattr(profile_cli, "measure_context", counted)
     assert profile_cli.main(args) == 0
     assert measured == [8, 20]  # the second run measured only what was missing
-    prof = profile_cli.read_profile(out)
+    prof = read_profile(out)
     assert prof.kind == "measured" and sorted(prof.verify) == [8, 20] and prof.max_verified == 6
     assert all([n for n, _ in rows] == list(range(1, 7)) and all(s > 0 for _, s in rows) for rows in prof.verify.values())
     assert all(s > 0 for s in prof.draft.values()) and prof.drafter["block_size"] == 6
@@ -208,7 +209,7 @@ def test_a_roofline_profile_is_labelled_with_the_stated_numbers(tiny_cache, draf
     assert profile_cli.main(["--roofline", "--bandwidth-gbs", "100", "--peak-tflops", "0.8", "--target",
                              str(tiny_cache.parent / "target"), "--drafter", str(drafter_dir), "--contexts", "16,64",
                              "--tokens", "1-32", "--out", str(out)]) == 0
-    p = profile_cli.read_profile(out)
+    p = read_profile(out)
     assert p.kind == "roofline" and "100 GB/s" in p.label() and "0.8 TFLOP/s" in p.label()
     rows = dict(p.verify[16])
     assert rows[1] == rows[2] < rows[32]  # bytes bound at one and two tokens, FLOPs bound at 32
@@ -256,3 +257,33 @@ def test_serve_plan_across_drafters(tiny_cache, tiny_drafter_config, drafter_dir
                           "--ddtree-budgets", "8", "--profile", str(other)]) == 0
     with pytest.raises(Exception, match="different profiles"):
         serve_plan_cli.main([str(files["trained"]), str(again), "--out", str(tmp_path / "y")])
+
+
+def test_the_live_evaluation_logs_the_projection(tiny_cache, tiny_drafter_config, tmp_path) -> None:
+    """cost_profile=: every evaluation of a plain loop logs serving/* beside tau (a flat profile with free drafting:
+    the greedy speedup is the logged tau, the DDTree's its tau); too few rows are refused at setup."""
+    from test_loops import BUDGETS, PREFIX, plain_loop
+
+    from dflash_cb.integrations import profile_cli
+
+    (tmp_path / "v.csv").write_text("verified_tokens,seconds\n1,0.02\n64,0.02\n")
+    prof = tmp_path / "p.json"
+    assert profile_cli.main(["--from-csv", str(tmp_path / "v.csv"), "--draft-seconds", "0", "--out", str(prof)]) == 0
+    _, logged, _ = plain_loop(str(tiny_cache), tiny_drafter_config, steps=2, every=2, cost_profile=str(prof))
+    assert sorted(logged) == [0, 2]
+    b = max(BUDGETS)
+    for metrics in logged.values():
+        assert metrics[PREFIX + "serving/speedup_greedy"] == pytest.approx(metrics[PREFIX + "tau"], rel=1e-12)
+        assert metrics[PREFIX + f"serving/speedup_ddtree_b{b}"] == pytest.approx(
+            metrics[PREFIX + f"ddtree/tau_b{b}"], rel=1e-12)
+        assert metrics[PREFIX + "serving/speedup_greedy_ci_low"] <= metrics[PREFIX + "serving/speedup_greedy"]
+    from dflash_cb.integrations.panels import layout_from_keys, panel_plan
+
+    keys = set(logged[2])  # the W&B view built from a run's keys has the projection's section, every key logged
+    section = panel_plan(layout_from_keys(keys))["Serving (projected)"]
+    assert len(section) == 4 and all(k in keys for spec in section for k in spec.keys)
+    (tmp_path / "few.csv").write_text("verified_tokens,seconds\n1,0.02\n4,0.02\n")
+    few = tmp_path / "few.json"
+    assert profile_cli.main(["--from-csv", str(tmp_path / "few.csv"), "--draft-seconds", "0", "--out", str(few)]) == 0
+    with pytest.raises(ArgumentError, match="verifies 6 tokens"):
+        plain_loop(str(tiny_cache), tiny_drafter_config, steps=2, every=2, cost_profile=str(few))

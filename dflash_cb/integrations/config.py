@@ -76,6 +76,10 @@ class EvalConfig:
             ``{prefix}published/<name>/...``, marked as published, not measured here. Placeholder entries
             are not logged. Default: none.
         published_entries: names of the published entries to log (default: every non-placeholder entry).
+        cost_profile: a cost profile (``tools/profile_costs.py``): every evaluation also logs the projected
+            speedup over plain decoding and tokens per second of each scored setting (``{prefix}serving/...``,
+            docs/serving.md), labelled projections. A profile of another target, or too few verified tokens for
+            a setting, is refused at setup. Default: none.
         fail_on_error: raise when an evaluation fails instead of warning and going on.
         max_failed_evaluations: raise ``DFlashEvalError`` when this many evaluations in a row failed
             (0: never; each failure is still a warning and counts in ``{prefix}failed_evaluations``).
@@ -122,6 +126,7 @@ class EvalConfig:
     baselines: dict[str, str] | Sequence[str] | None = None
     published: str | os.PathLike | None = None
     published_entries: Sequence[str] | None = None
+    cost_profile: str | os.PathLike | None = None
     fail_on_error: bool = False
     max_failed_evaluations: int = 3
     autocast_dtype: AutocastName | None = "auto"
@@ -193,6 +198,7 @@ class EvalConfig:
         put("published", check.path_or_none("published", self.published))
         entries = check.str_list("published_entries", self.published_entries, none="every non-placeholder entry")
         put("published_entries", tuple(entries) if entries is not None else None)
+        put("cost_profile", check.path_or_none("cost_profile", self.cost_profile))
         put("max_failed_evaluations", check.int_at_least("max_failed_evaluations", self.max_failed_evaluations, 0,
                                                          note="0 = never stop"))
         put("table_samples", check.int_at_least("table_samples", self.table_samples, 0, note="0 = no table"))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ..common import cli
 from ..common.log import say
-from .profile_cli import add_projection, checked_settings, read_profile, refuse_other_target
+from .projection import add_projection, checked_settings, read_profile, refuse_other_target
 from .scoring import CacheScorer, ScoringOptions, add_scoring_options
 
 USAGE = """Score a saved DFlash drafter on a cache of target states: exact tau, DDTree, per-depth acceptance.
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     scorer = CacheScorer(options)
     cache = scorer.cache
     if profile is not None:
-        refuse_other_target(profile, cache.manifest.target, args.profile)
+        refuse_other_target(profile, cache.manifest.target, f"--profile {args.profile}")
     if args.served_check and not has_served_counters(cache.samples):
         raise nothing_to_compare(cache.path)  # before any weights are read
     if args.served_check:
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     fit = scorer.check(drafter, "--drafter")
     settings = None
     if profile is not None:  # every setting within the profile's rows, before any scoring
-        settings = checked_settings(profile, drafter, fit.block_size, options.budgets, args.profile)
+        settings = checked_settings(profile, drafter, fit.block_size, options.budgets, f"--profile {args.profile}")
     results, report = scorer.score(drafter, fit, drafter_provenance(args.drafter), progress=True)
     if profile is not None:
         add_projection(results, report, cache, profile, settings)

@@ -50,6 +50,7 @@ from .distributed import full_parameters_of, world
 from .drafter_source import unwrap
 from .eval_state import EvalState, MalformedStateError, new_series_reason
 from .measure import FailedMeasurement, Measurer
+from .projection import checked_settings
 from .publish import LastEvaluation, Publisher
 from .schedule import (
     Reason,
@@ -301,6 +302,10 @@ class LiveEvaluator:
         s = self.session
         assert s is not None, "setup() first"
         fit = drafter_fit(s.cache, self.config, unwrap(drafter), model, self.name)
+        if s.cost_profile is not None:  # every setting a pass scores within the profile's rows
+            checked_settings(s.cost_profile, unwrap(drafter), fit.block_size,
+                             sorted({*self.config.ddtree_budgets, *self.config.light_budgets}),
+                             f"{self.name}: cost_profile={self.config.cost_profile}")
         self.fit = fit
         self._measurer = Measurer(self.config, s, fit, self._gathered, world, self.name)
         self._series = self._measurer.series(unwrap(drafter))

@@ -96,6 +96,7 @@ class DFlashEvalTrainerCallback(TrainerCallback, ExportableState):
         baselines: dict[str, str] | Sequence[str] | None = None,
         published: str | os.PathLike | None = None,
         published_entries: Sequence[str] | None = None,
+        cost_profile: str | os.PathLike | None = None,
         fail_on_error: bool = False,
         max_failed_evaluations: int = 3,
         autocast_dtype: AutocastName | None = "auto",

@@ -64,12 +64,14 @@ from ..core.metrics import (
     position_tau,
     selector_acc,
     selector_recall,
+    serving_key,
 )
 from ..core.positions import DEFAULT_CYCLE_BUCKETS, DEFAULT_POSITION_EDGES, cycle_labels, position_labels
 
 SAMPLE_TABLE = "sample_table"
 COST_KEYS = (EVAL_TIME, CYCLES, TOKENS, ANCHORS_DRAFTED, ANCHORS_NEEDED)
-SECTIONS = ("Headline", "Uncertainty", "Per category", "Per depth", "Selector", "By position", "Cost", "Samples")
+SECTIONS = ("Headline", "Uncertainty", "Per category", "Per depth", "Selector", "Serving (projected)", "By position",
+            "Cost", "Samples")
 
 
 @dataclass
@@ -97,6 +99,8 @@ class PanelLayout:
     # A DFlash 2 drafter: the selector's figures (selector/...: the unary and perfect-selector taus, recall and
     # accuracy given recall, pooled and per depth).
     selector: bool = False
+    # Settings with a serving projection (``serving/speedup_<setting>``: a run with ``cost_profile=``).
+    serving: Sequence[str] = ()
 
     def __post_init__(self) -> None:
         if self.block_size < 2:
@@ -180,6 +184,17 @@ def panel_plan(layout: PanelLayout) -> dict[str, list[PanelSpec]]:
             line("DFlash 2: unary top-K recall per depth", [selector_recall(k) for k in depths]),
             line("DFlash 2: the selector's pick given recall, per depth", [selector_acc(k) for k in depths])]
 
+    serving = []
+    if layout.serving:
+        serving = [
+            line("projected speedup over plain decoding, per setting (a projection: its cost profile)",
+                 [serving_key("speedup", s) for s in layout.serving]),
+            line("projected speedup with its 95% interval", [k for s in layout.serving for k in (
+                serving_key("speedup", s), ci_low(serving_key("speedup", s)), ci_high(serving_key("speedup", s)))]),
+            line("projected tokens per second, per setting", [serving_key("tokens_per_s", s) for s in layout.serving]),
+            line("break-even tau per setting (slower than plain decoding below it)",
+                 [serving_key("breakeven_tau", s) for s in layout.serving])]
+
     by_position = [line("tau by anchor position in the completion", [position_tau(b) for b in layout.position_buckets]),
                    line("cycles by anchor position (what each bucket's tau rests on)",
                         [position_cycles(b) for b in layout.position_buckets]),
@@ -187,8 +202,8 @@ def panel_plan(layout: PanelLayout) -> dict[str, list[PanelSpec]]:
 
     cost = [line(f"cost: {n}", [n]) for n in layout.cost]
     samples = [PanelSpec("table", "samples: drafts vs target, per cycle", (p + SAMPLE_TABLE,))]
-    return dict(zip(SECTIONS, [headline, uncertainty, per_category, per_depth, selector, by_position, cost, samples],
-                    strict=True))
+    return dict(zip(SECTIONS, [headline, uncertainty, per_category, per_depth, selector, serving, by_position, cost,
+                               samples], strict=True))
 
 
 def referenced_keys(plan: dict[str, list[PanelSpec]]) -> dict[str, set[str]]:
@@ -233,6 +248,7 @@ def layout_from_keys(keys: Iterable[str], prefix: str = DEFAULT_PREFIX,
         light_ddtree_budgets=light_budgets,
         served=SERVED_BASELINE in {f"baseline/{n}" for n in named},
         selector=SELECTOR_UNARY_TAU in keys,
+        serving=[n for n in grab(r"serving/speedup_(.+)") if not n.endswith(("_ci_low", "_ci_high"))],
         reference_budgets={r: bs for r in refs
                            if (bs := sorted(int(b) for b in grab(re.escape(r) + r"/ddtree/tau_b(\d+)")))},
     )

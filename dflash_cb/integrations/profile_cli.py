@@ -19,11 +19,9 @@ import csv
 import datetime
 import inspect
 import json
-import os
 import shlex
 import sys
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -32,17 +30,8 @@ from ..common import cli
 from ..common.arguments import ArgumentError, parse_int, parse_int_list
 from ..common.errors import DFlashCBError
 from ..common.log import say
-from ..core.serving import (
-    PROJECTION_NOTE,
-    CostProfile,
-    ProfileError,
-    SampleCycles,
-    Setting,
-    block_settings,
-    identity_mismatches,
-    project,
-    serving_metrics,
-)
+from ..core.serving import CostProfile, ProfileError
+from .projection import drafter_identity
 
 USAGE = """Measure (or state) the step costs the serving projection prices a replay with.
 
@@ -80,61 +69,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def read_profile(path: str | os.PathLike) -> CostProfile:
-    """A profile file, or one line naming it and what is wrong."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise ArgumentError(f"--profile {path}: no such file; write one with tools/profile_costs.py") from None
-    except (OSError, ValueError) as e:
-        raise ArgumentError(f"--profile {path}: cannot be read as JSON ({e}); write it again with "
-                            "tools/profile_costs.py") from None
-    if isinstance(data, dict) and data.get("partial"):
-        raise ArgumentError(f"--profile {path}: an unfinished measurement; run the same tools/profile_costs.py "
-                            "command again to finish it")
-    try:
-        return CostProfile.from_dict(data, f"--profile {path}")
-    except ProfileError as e:
-        raise ArgumentError(str(e)) from None
-
-
-def refuse_other_target(profile: CostProfile, target: dict[str, Any], where: str) -> None:
-    """A profile measured for another target prices nothing here: refused, naming each field."""
-    wrong, _ = identity_mismatches(profile, target, {})
-    if wrong:
-        raise ArgumentError(f"--profile {where}: measured for another target ({'; '.join(wrong)}); measure this "
-                            "cache's target with tools/profile_costs.py --target")
-
-
-def checked_settings(profile: CostProfile, drafter: Any, block_size: int, budgets: Sequence[int],
-                     where: str) -> list[Setting]:
-    """The evaluation's settings, each within the profile's rows (else refused); a profile timed with another
-    drafter is warned about, naming the fields."""
-    _, other = identity_mismatches(profile, {}, drafter_identity(drafter))
-    if other:
-        warnings.warn(f"--profile {where}: its drafter pass was timed for another drafter ({'; '.join(other)}): "
-                      "the projected draft cost is that drafter's", stacklevel=2)
-    settings = block_settings(block_size, budgets)
-    for s in settings:
-        if s.verified > profile.max_verified:
-            raise ArgumentError(f"--profile {where}: {s.label} verifies {s.verified} tokens a cycle, beyond the "
-                                f"profile's rows (up to {profile.max_verified}); measure more (tools/profile_costs.py "
-                                "--tokens or --max-budget) or lower --ddtree-budgets")
-    return settings
-
-
-def add_projection(results: Any, report: Any, cache: Any, profile: CostProfile, settings: list[Setting]) -> None:
-    """The projection of a scored evaluation into ``results``: the figures under ``serving/`` beside tau, the
-    per-sample accounting and the profile's label in ``breakdown['serving']``."""
-    samples = [SampleCycles(cache.entry(s.id).prompt_len, {"greedy": s.acceptance_lengths,
-                                                           **{f"ddtree_b{b}": v for b, v in s.ddtree.items()}},
-                            s.id, s.category) for s in report.samples]
-    projection = project(samples, settings, profile)
-    results.metrics.update(serving_metrics(projection))
-    results.breakdown["serving"] = projection.to_dict()
-    results.notes["serving"] = f"{PROJECTION_NOTE}: {projection.profile}"
-
-
 def _write(path: Path, data: dict[str, Any]) -> None:
     from ..common.fileio import atomic_write_json
 
@@ -157,12 +91,6 @@ def _tokens(args: argparse.Namespace, block: int | None) -> list[int]:
 def target_identity(config: Any) -> dict[str, Any]:
     return {"name": Path(str(config.name_or_path)).name, "hidden_size": config.hidden_size,
             "num_layers": config.num_layers, "vocab_size": config.vocab_size}
-
-
-def drafter_identity(drafter: Any) -> dict[str, Any]:
-    spec = drafter.spec
-    return {"family": spec.family, "hidden_size": int(drafter.config.hidden_size),
-            "num_layers": len(drafter.layers), "block_size": spec.block_size}
 
 
 # -- --from-csv --------------------------------------------------------------------------------------------

@@ -37,6 +37,7 @@ from ..core.metrics import (
 from ..core.report import evaluation_line
 from .config import EvalConfig
 from .measure import Measurement
+from .projection import projected_metrics
 from .schedule import Profile
 from .session import EvalSession
 from .sinks import EvaluationRecord, MetricsSink, RunInfo, TableSample
@@ -165,8 +166,11 @@ class Publisher:
         from the per-sample results."""
         s = self.session
         try:
-            return live_metrics(m.samples, budgets, s.categories, s.baselines, self.config.position_edges,
-                                anchor_stride=stride)
+            out = live_metrics(m.samples, budgets, s.categories, s.baselines, self.config.position_edges,
+                               anchor_stride=stride)
+            if s.cost_profile is not None:
+                out.update(projected_metrics(s.cost_profile, s.cache, m.samples, m.block_size, budgets))
+            return out
         except Exception as e:  # an extra figure must not end the training
             if self.config.fail_on_error:
                 raise

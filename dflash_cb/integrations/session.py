@@ -25,10 +25,12 @@ from ..core.baselines import Baseline, load_measured, load_published, load_serve
 from ..core.ddtree import check_ddtree_budgets
 from ..core.model import DrafterSpec
 from ..core.replay import check_block_size
+from ..core.serving import CostProfile
 from .config import EvalConfig
 from .drafter_source import NotADrafterError, describe_source, target_weight
 from .eval_state import selection_record
 from .live_eval import SetupCheck, verify_across_ranks
+from .projection import read_profile, refuse_other_target
 from .sinks import MetricsSink
 
 
@@ -63,6 +65,7 @@ class EvalSession:
     loop: LoopContext
     verified: SetupCheck | None  # what the setup hashed (None: verify_cache=False)
     setup_seconds: float = 0.0
+    cost_profile: CostProfile | None = None  # checked against the cache's target (EvalConfig.cost_profile)
 
     @property
     def categories(self) -> tuple[str, ...]:
@@ -115,9 +118,14 @@ def open_session(config: EvalConfig, loop: LoopContext, cache: StateCache | None
         baselines += published.baselines
         skipped = published.skipped
     table_ids = stratified_ids(eval_ids, lambda i: cache.entry(i).category, config.table_samples, None)
+    profile = None
+    if config.cost_profile:
+        where = f"cost_profile={config.cost_profile}"
+        profile = read_profile(config.cost_profile, "cost_profile")
+        refuse_other_target(profile, cache.manifest.target, where)
     return EvalSession(cache, eval_ids, selection_record(eval_ids, config.num_samples, config.sample_ids,
                                                          config.sample_seed),
-                       table_ids, baselines, skipped, loop, verified, time.perf_counter() - started)
+                       table_ids, baselines, skipped, loop, verified, time.perf_counter() - started, profile)
 
 
 def drafter_fit(cache: StateCache, config: EvalConfig, drafter: nn.Module, model: Any, owner: str,
