@@ -34,6 +34,7 @@ from ..common.fileio import (
 from ..common.tensorfile import write_safetensors
 from .dflash2 import published_state
 from .drafters import drafter_from_config, layout_keys, load_weights
+from .finite import check_finite_weights
 from .model import DFlashDrafter, DrafterSpec
 
 DRAFTER_FILES = ("config.json", "model.safetensors")
@@ -137,6 +138,7 @@ def load_drafter(path: str | os.PathLike, device: torch.device | str = "cpu") ->
         load_weights(model, state, source=str(folder))
     except ValueError as e:
         raise CheckpointError(str(e)) from None
+    check_finite_weights(state.items(), str(folder))
     return model.to(device=device)
 
 
@@ -363,6 +365,7 @@ def drafter_in_checkpoint(ckpt_path: str | os.PathLike, config: dict[str, Any] |
         load_weights(model, sub, source=f"{ckpt_path} [prefix {prefix!r}]")
     except ValueError as e:
         raise CheckpointError(f"{e}; check --config / --prefix") from None
+    check_finite_weights(sub.items(), f"{ckpt_path} [prefix {prefix!r}]")  # before anything is written or scored
     # What was left behind: the checkpoint's other entries, and tensors beside the drafter's.
     dropped = [k for k in ckpt if k != entry] if entry else [k for k, v in ckpt.items() if not isinstance(v, torch.Tensor)]
     info = {"entry": entry, "prefix": prefix, "tensors": len(sub), "dropped_entries": sorted(dropped),

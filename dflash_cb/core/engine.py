@@ -53,6 +53,7 @@ from .anchor_sets import DEFAULT_ANCHOR_SEED, offsets_for, strided
 from .cost import COST_GROUPS, DEFAULT_LIMITS, MemoryLimits
 from .drafters import adopt_module, proposer_for
 from .families import Family
+from .finite import check_finite_weights
 from .metrics import TAU, AnchorCounts, EvalCounts, anchor_counts_per_sample, summarize
 from .model import (
     BlockRows,
@@ -1027,6 +1028,8 @@ def evaluate(cache: StateCache, drafter: Any, head: TargetHead | None = None, re
     runner = as_runner(drafter, req.spec, limits)
     spec = runner.spec
     cache.check_drafter(spec.as_cache_check())
+    if isinstance(drafter, torch.nn.Module):  # NaN weights would still get a tau (the argmax of NaN is a token)
+        check_finite_weights(drafter.named_parameters(), f"the drafter ({type(drafter).__name__})")
     block = check_block_size(req.block_size, spec.block_size)
     drafting_spec = dataclasses.replace(spec, block_size=block)  # what the cycles draft; the report keeps spec
     specforge, note = specforge_pass(runner, block)

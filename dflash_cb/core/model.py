@@ -37,6 +37,19 @@ def _dflash_value(config: Any, name: str, default: Any = None) -> Any:
     return cfg.get(name, getattr(config, name, default))
 
 
+def layer_id_list(value: Any, field: str) -> list[int]:
+    """A config's list of target layer ids, or a ValueError naming ``field`` and what it holds (an int, a string
+    or an empty list would otherwise fail as ``int()`` over characters or as a weight shape mismatch)."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+        raise ValueError(f"{field} must be a list of layer ids, e.g. [1, 16, 31, 46, 61], not {value!r}")
+    if not value:
+        raise ValueError(f"{field} is empty: name the target layers the drafter reads, e.g. [1, 16, 31, 46, 61]")
+    bad = [v for v in value if isinstance(v, bool) or not isinstance(v, int) or v < 0]
+    if bad:
+        raise ValueError(f"{field} must hold non-negative integers, got {bad[:3]!r} in {list(value)!r}")
+    return [int(v) for v in value]
+
+
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
     """The reference's spread of target layers when a config names none."""
     if num_draft_layers == 1:
@@ -78,6 +91,7 @@ class DrafterSpec:
         ids = _dflash_value(config, "target_layer_ids")
         if ids is None:
             ids = default_target_layer_ids(config.num_target_layers, config.num_hidden_layers)
+        ids = layer_id_list(ids, "dflash_config.target_layer_ids")
         mask = _dflash_value(config, "mask_token_id")
         if mask is None:
             raise ValueError("drafter config has no mask_token_id (expected in dflash_config)")
@@ -91,7 +105,7 @@ class DrafterSpec:
         return cls(
             block_size=int(_dflash_value(config, "block_size", 16)),
             mask_token_id=int(mask),
-            target_layer_ids=tuple(int(i) for i in ids),
+            target_layer_ids=tuple(ids),
             # The context features are target hidden states; the reference assumes equal widths.
             target_hidden_size=int(getattr(config, "target_hidden_size", None) or config.hidden_size),
             vocab_size=int(config.vocab_size),
@@ -779,5 +793,11 @@ def load_state_dict_strict(model: nn.Module, state: dict[str, torch.Tensor], sou
     for k, v in state.items():
         want = model.state_dict()[k].shape
         if tuple(v.shape) != tuple(want):
-            raise ValueError(f"{source}: {k} has shape {tuple(v.shape)}, the config implies {tuple(want)}")
+            hint = ""
+            if k == "fc.weight" and isinstance(model, DFlashDrafter) and v.shape[1] % model.spec.target_hidden_size == 0:
+                layers = v.shape[1] // model.spec.target_hidden_size  # fc reads one hidden state per target layer
+                hint = (f": the weights read {layers} target layer(s), the config's target_layer_ids "
+                        f"{list(model.spec.target_layer_ids)} name {len(model.spec.target_layer_ids)}; set "
+                        "dflash_config.target_layer_ids to the layers the drafter was trained on")
+            raise ValueError(f"{source}: {k} has shape {tuple(v.shape)}, the config implies {tuple(want)}{hint}")
     model.load_state_dict(state, strict=True)

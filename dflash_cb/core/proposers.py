@@ -24,6 +24,7 @@ import torch
 
 from .ddtree import ddtree_accepted
 from .families import Family
+from .finite import check_finite_logits
 from .metrics import FamilyFigures
 from .model import DrafterSpec, draft_logits
 
@@ -57,6 +58,7 @@ def logit_chunks(hidden: torch.Tensor, lm_head: torch.Tensor, spec: DrafterSpec,
     for i in range(0, hidden.shape[0], rows):
         with torch.autocast(hidden.device.type, enabled=False):
             logits = draft_logits(hidden[i:i + rows], lm_head, spec)
+        check_finite_logits(logits, hidden.dtype)  # finite weights (checked first), so an overflow
         yield slice(i, i + rows), logits
         del logits  # one chunk of logits alive at a time
 

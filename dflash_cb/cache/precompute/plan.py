@@ -199,6 +199,10 @@ def _layers_from_drafter(path: str, num_layers: int) -> list[int]:
     ids = (cfg.get("dflash_config") or {}).get("target_layer_ids", cfg.get("target_layer_ids"))
     if ids is None:
         raise PrecomputeError(f"{p}: no dflash_config.target_layer_ids; pass --layers explicitly")
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, list) or not ids or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise PrecomputeError(f"{p}: dflash_config.target_layer_ids must be a non-empty list of layer ids, e.g. "
+                              f"[1, 16, 31, 46, 61], not {ids!r}")
     n = cfg.get("num_target_layers")
     if n is not None and int(n) != num_layers:
         raise PrecomputeError(f"{p}: the drafter was made for a target with num_target_layers={n}, "
@@ -378,6 +382,12 @@ def _target_and_layers(a: PrecomputeArgs) -> tuple[TargetConfig, list[int], list
     try:
         if a.layers is not None:
             layer_ids = check_layer_ids(a.layers, tcfg.num_layers, "--layers")
+            for path in drafter_config_paths(a.drafter_config or ""):  # both given: they must agree
+                theirs = _layers_from_drafter(path, tcfg.num_layers)
+                if set(theirs) != set(layer_ids):
+                    raise PrecomputeError(f"--layers {','.join(map(str, layer_ids))} differ from the target_layer_ids "
+                                          f"{theirs} of --drafter-config {path}: the cache would not hold the "
+                                          "layers that drafter reads; give one of the two")
         elif a.drafter_config:
             # Several drafters' configs (comma-separated): one cache of the union of their layers, which each of
             # them reads its own columns of (StateCache.feature_columns).
