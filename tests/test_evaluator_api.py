@@ -121,7 +121,7 @@ def test_max_steps_is_an_integer_or_unknown(tiny_cache, value, ok):
 
 
 def test_log_must_be_a_sink_a_function_or_a_run(tiny_cache):
-    with pytest.raises(ArgumentError, match="log=int"):
+    with pytest.raises(ArgumentError, match="log=3: expected"):
         LiveEvaluator(str(tiny_cache), log=3)
 
 

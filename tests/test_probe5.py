@@ -150,3 +150,76 @@ def test_layers_beside_a_drafter_config_must_agree(tiny_cache, drafter, tmp_path
                             "local", "--dtype", "float32", "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "--layers 0,1 differ from the target_layer_ids" in err and not (tmp_path / "o").exists()
+
+
+def test_sinks_get_their_own_copies_and_any_log_object_is_one(tiny_cache, drafter) -> None:
+    """A sink that edits the dict or record it is handed changes nothing another sink or the history sees; an
+    object with only log() is a sink (begin and evaluation are optional); a sink whose log and repr both raise
+    is named by its class and the training goes on."""
+    from dflash_cb import LiveEvaluator
+
+    class Editor:
+        def log(self, metrics, step):
+            metrics.clear()
+
+        def evaluation(self, record):
+            record.scalars.clear()
+            record.history.clear()
+            record.per_depth.clear()
+
+    class OnlyLog:
+        def __init__(self):
+            self.seen = []
+
+        def log(self, metrics, step):
+            self.seen.append(dict(metrics))
+
+    class Broken:
+        def log(self, metrics, step):
+            raise RuntimeError("down")
+
+        def __repr__(self):
+            raise RuntimeError("no repr")
+
+        __str__ = __repr__
+
+    class Recorder:
+        def __init__(self):
+            self.records = []
+
+        def log(self, metrics, step):
+            pass
+
+        def evaluation(self, record):
+            self.records.append(record)
+
+    only, rec = OnlyLog(), Recorder()
+    ev = LiveEvaluator(str(tiny_cache), every_n_train_steps=1, ddtree_budgets=[4], console=False,
+                       log=[Editor(), only, Broken(), rec])
+    with pytest.warns(RuntimeWarning, match="to a Broken sink failed: RuntimeError: down"):
+        metrics = ev.start(0, drafter)
+    assert metrics and "dflash_eval/tau" in only.seen[-1]
+    assert ev.history and "tau" in ev.history[-1]
+    r = rec.records[-1]
+    assert "dflash_eval/tau" in r.scalars and r.history and r.per_depth
+
+
+@pytest.mark.parametrize("where", ["log", "sinks"])
+def test_bad_sinks_are_named_as_given(tiny_cache, where) -> None:
+    """A class instead of an instance, and a bad entry of a list, named by the argument (and index) given."""
+    from dflash_cb import DFlashEvalCallback, LiveEvaluator
+    from dflash_cb.common.arguments import ArgumentError
+
+    class MySink:
+        def log(self, metrics, step):
+            pass
+
+    def make(value):
+        if where == "log":
+            return LiveEvaluator(str(tiny_cache), log=value)
+        return DFlashEvalCallback(str(tiny_cache), sinks=value)
+
+    with pytest.raises(ArgumentError, match=rf"^{where}=MySink: a class, not a sink; pass an instance"):
+        make(MySink)
+    with pytest.raises(ArgumentError, match=rf"^{where}\[1\]=42: expected a function"):
+        make([MySink(), 42])

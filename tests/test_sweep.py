@@ -380,6 +380,29 @@ def test_a_checkpoint_of_another_block_is_reported_and_skipped(tiny_cache, tiny_
     assert "step_6.pt: not scored: its drafter drafts blocks of 4" in capsys.readouterr().err
 
 
+@pytest.mark.e2e
+def test_a_checkpoint_of_another_family_is_reported_and_skipped(tiny_cache, tiny_drafter_config, tmp_path, capsys):
+    """A DFlash and a DFlash 2 checkpoint of one block under one folder: one curve is one family's (it drew one)."""
+    from test_dflash2 import SELECTOR
+
+    from dflash_cb.core.dflash2 import DFlash2Drafter
+    from dflash_cb.core.model import DFlashDrafter
+
+    folder = tmp_path / "ckpts"
+    folder.mkdir()
+    two = {**tiny_drafter_config, "architectures": ["DFlash2DraftModel"],
+           "dflash_config": {**tiny_drafter_config["dflash_config"], **SELECTOR}}
+    for step, cls, cfg in ((2, DFlashDrafter, tiny_drafter_config), (4, DFlash2Drafter, two)):
+        torch.manual_seed(step)
+        torch.save({"step": step, "drafter": cls.from_config_dict(cfg).state_dict(), "drafter_config": cfg},
+                   folder / f"step_{step}.pt")
+    assert sweep(tiny_cache, tmp_path / "sweep", folder) == 0
+    rec = record(tmp_path / "sweep")
+    assert [e["step"] for e in rec["entries"]] == [2] and rec["settings"]["series"]["family"] == "dflash"
+    assert "a dflash2 drafter, the sweep's entries dflash drafters" in rec["failed"][0]["error"]
+    assert "step_4.pt: not scored" in capsys.readouterr().err
+
+
 def test_the_record_keeps_one_series_and_one_entry_per_step():
     """What two ranks of one wave may bring back (the same step from two files, another block) is refused by the
     record itself; the first entry sets the series; the best is the largest tau, the earliest of equal ones."""
@@ -388,7 +411,7 @@ def test_the_record_keeps_one_series_and_one_entry_per_step():
     def entry(path: str, step: int, tau: float, block: int = 6) -> SweepEntry:
         return SweepEntry(path, "file", step, "name", [], f"results/{step}.json", {"tau": tau},
                           {"block_size": block, "tail_blocks": "served", "dtype": "float32", "anchor_stride": 1,
-                           "anchor_seed": 0})
+                           "anchor_seed": 0, "family": "dflash"})
 
     rec = SweepRecord({})
     for e in (entry("/a", 4, 2.0), entry("/b", 2, 2.5), entry("/c", 6, 2.5)):
@@ -397,6 +420,9 @@ def test_the_record_keeps_one_series_and_one_entry_per_step():
     assert [e.step for e in rec.entries] == [2, 4, 6] and rec.best.step == 2 and rec.block_size == 6
     assert "step 4 is scored already, from /a" in rec.conflict(entry("/d", 4, 3.0))
     assert "block_size 4 (the sweep's entries: 6)" in rec.conflict(entry("/e", 8, 3.0, block=4))
+    other = entry("/f", 10, 3.0)
+    other.series["family"] = "dflash2"
+    assert "family 'dflash2' (the sweep's entries: 'dflash')" in rec.conflict(other)
     assert rec.conflict(entry("/a", 4, 3.0)) is None  # the same checkpoint written again replaces its entry
     rec.add(entry("/a", 4, 3.0))
     assert len(rec.entries) == 3 and rec.best.checkpoint == "/a"
@@ -707,3 +733,34 @@ def test_bad_arguments_are_one_line_errors_before_any_work(tiny_cache, plain_run
 
 if __name__ == "__main__":
     _rank(sys.argv[1], sys.argv[2:])
+
+
+@pytest.mark.e2e
+def test_steps_a_series_cannot_hold_and_a_second_sweep_into_one_out(tiny_cache, tiny_drafter_config, tmp_path, capsys):
+    """A recorded step of -5, 100.5 or beyond int64 is named as such (not "no training step"), and the sweep still
+    writes its report; another run sweeping other checkpoints into the same --out is refused before any work."""
+    from dflash_cb.core.model import DFlashDrafter
+
+    folder = tmp_path / "ckpts"
+    folder.mkdir()
+    torch.manual_seed(0)
+    state = DFlashDrafter.from_config_dict(tiny_drafter_config).state_dict()
+    for name, step in (("a.pt", 2), ("b.pt", -5), ("c.pt", 100.5), ("d.pt", 2**70)):
+        torch.save({"step": step, "drafter": state, "drafter_config": tiny_drafter_config}, folder / name)
+    torch.save({"drafter": state, "drafter_config": tiny_drafter_config}, folder / f"step_{2**70}.pt")
+    assert sweep(tiny_cache, tmp_path / "sweep", folder) == 0
+    rec = record(tmp_path / "sweep")
+    assert [e["step"] for e in rec["entries"]] == [2]
+    errors = {Path(f["checkpoint"]).name: f["error"] for f in rec["failed"]}
+    assert "recorded step -5 is not a training step" in errors["b.pt"]
+    assert "recorded step 100.5 is not a training step" in errors["c.pt"]
+    assert f"recorded step {2**70} is not a training step" in errors["d.pt"]
+    assert "neither recorded in the checkpoint nor in its name" in errors[f"step_{2**70}.pt"]
+    assert (tmp_path / "sweep" / "sweep.md").is_file() and (tmp_path / "sweep" / "sweep.png").is_file()
+    other = tmp_path / "other"
+    other.mkdir()
+    torch.save({"step": 4, "drafter": state, "drafter_config": tiny_drafter_config}, other / "e.pt")
+    capsys.readouterr()
+    assert sweep(tiny_cache, tmp_path / "sweep", other) == 2
+    assert "two sweeps in one --out would mix their curves" in capsys.readouterr().err
+    assert [e["step"] for e in record(tmp_path / "sweep")["entries"]] == [2]

@@ -64,7 +64,8 @@ def step_from_name(path: str | os.PathLike) -> int | None:
     for rx in _NAME_STEPS:
         found = rx.findall(stem)
         if found:
-            return int(found[-1])
+            step = int(found[-1])
+            return step if step <= 2**63 - 1 else None  # beyond int64: no step a series can plot
     return None
 
 

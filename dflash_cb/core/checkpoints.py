@@ -370,17 +370,33 @@ def drafter_in_checkpoint(ckpt_path: str | os.PathLike, config: dict[str, Any] |
     dropped = [k for k in ckpt if k != entry] if entry else [k for k, v in ckpt.items() if not isinstance(v, torch.Tensor)]
     info = {"entry": entry, "prefix": prefix, "tensors": len(sub), "dropped_entries": sorted(dropped),
             "other_tensors": sorted(k for k in state if not k.startswith(prefix)),
-            "global_step": checkpoint_step(ckpt), "params": sum(v.numel() for v in sub.values())}
+            "global_step": checkpoint_step(ckpt), "step_problem": step_problem(ckpt),
+            "params": sum(v.numel() for v in sub.values())}
     return CheckpointDrafter(model, config, sub, info)
+
+
+# The largest step a series can hold (its plots and tables are int64).
+MAX_STEP = 2**63 - 1
 
 
 def checkpoint_step(ckpt: dict[str, Any]) -> int | None:
     """The training step a checkpoint records: ``global_step`` (Lightning, SpecForge, a Hugging Face folder's
-    ``trainer_state.json``), else a plain loop's ``step`` entry; None when it records none."""
+    ``trainer_state.json``), else a plain loop's ``step`` entry; None when it records none (or no valid one:
+    ``step_problem`` says what it records)."""
     for key in ("global_step", "step"):
         step = ckpt.get(key)
-        if is_int(step) and step >= 0:
+        if is_int(step) and 0 <= step <= MAX_STEP:
             return int(step)
+    return None
+
+
+def step_problem(ckpt: dict[str, Any]) -> str | None:
+    """What is wrong with a recorded step that ``checkpoint_step`` does not take (None: none recorded or fine)."""
+    for key in ("global_step", "step"):
+        step = ckpt.get(key)
+        if step is None or (is_int(step) and 0 <= step <= MAX_STEP):
+            continue
+        return (f"its recorded {key} {step!r} is not a training step (an integer from 0 to 2**63 - 1)")
     return None
 
 

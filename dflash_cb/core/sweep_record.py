@@ -121,6 +121,11 @@ class SweepRecord:
         return (self.series or {}).get("block_size")
 
     @property
+    def family(self) -> str | None:
+        """The drafter family of every entry (the first scored drafter's)."""
+        return (self.series or {}).get("family")
+
+    @property
     def best(self) -> SweepEntry | None:
         """The entry with the largest tau (the earliest of equal ones)."""
         scored = [e for e in self.entries if e.tau is not None]
@@ -145,6 +150,8 @@ class SweepRecord:
                     "be two points at one step of the curve; remove one of them (or sweep them apart)")
         if self.series is not None and any(e.checkpoint != entry.checkpoint for e in self.entries):
             differ = series_differences(self.series, entry.series)
+            if self.family is not None and entry.series.get("family") not in (None, self.family):
+                differ.append(("family", self.family, entry.series.get("family")))
             if differ:
                 shown = ", ".join(f"{name} {theirs!r} (the sweep's entries: {ours!r})" for name, ours, theirs in differ)
                 return (f"its figures are not the sweep's series: {shown}; one sweep is one series (for another "

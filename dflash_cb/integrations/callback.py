@@ -156,7 +156,7 @@ class DFlashEvalCallback(Callback):
         self.evaluator = LiveEvaluator(config, name=type(self).__name__)
         self.drafter_source = drafter  # where the drafter is in the training model (a path or a function)
         self.prog_bar = check.flag("prog_bar", prog_bar)
-        self.sinks = as_sinks(sinks)  # beside the trainer's loggers and the trackers found among them
+        self.sinks = as_sinks(sinks, "sinks")  # beside the trainer's loggers and the trackers found among them
         self._fast_dev_run_noted = False
 
     @property

@@ -117,7 +117,7 @@ class DFlashEvalTrainerCallback(TrainerCallback, ExportableState):
         config = config_from(locals())
         self.trainer = trainer
         self.drafter_source = drafter  # where the drafter is in the training model (a path or a function)
-        self.sinks = as_sinks(sinks)  # beside the Trainer's log and the trackers its report_to names
+        self.sinks = as_sinks(sinks, "sinks")  # beside the Trainer's log and the trackers its report_to names
         self.evaluator = LiveEvaluator(config, name=type(self).__name__)
         if trainer is not None:
             _check_one_per_prefix(self, trainer)

@@ -40,7 +40,7 @@ from .measure import Measurement
 from .projection import projected_metrics
 from .schedule import Profile
 from .session import EvalSession
-from .sinks import EvaluationRecord, MetricsSink, RunInfo, TableSample
+from .sinks import EvaluationRecord, MetricsSink, RunInfo, TableSample, sink_name
 
 
 @dataclass
@@ -101,7 +101,7 @@ class Publisher:
         for kind, c in costs.items():
             scalars[self.prefix + predicted_anchors(kind)] = float(c.anchors)
             scalars[self.prefix + predicted_gflop(kind)] = c.gflop
-        self._to_sinks("the setup's predicted cost", lambda sink: sink.log(scalars, step))
+        self._to_sinks("the setup's predicted cost", lambda sink: sink.log(dict(scalars), step))
 
     # -- one evaluation ------------------------------------------------------------------------------
     def publish(self, m: Measurement, history: list[dict[str, float]], failed_evaluations: int) -> LastEvaluation:
@@ -141,17 +141,17 @@ class Publisher:
         metrics.update(baseline_scalars(self.session.baselines, prefix))
         self._begin()
         what = f"the evaluation at step {m.step}"
-        self._to_sinks(what, lambda sink: sink.log(metrics, m.step))
+        self._to_sinks(what, lambda sink: sink.log(dict(metrics), m.step))  # a sink that edits its dict edits its own
         record = EvaluationRecord(m.step, prefix, metrics, per_depth(summary, m.block_size)["unconditional"],
                                   m.counts[p.light_stride].data["hist"].tolist(), self.session.baselines, history,
                                   lambda: self._table(m.samples))
-        self._to_sinks(what, lambda sink: sink.evaluation(record))
+        self._to_sinks(what, lambda sink: sink.evaluation(record.copy()))
         return LastEvaluation(m.step, dict(metrics), dict(shared), dict(summary), m.samples)
 
     def failure_counter(self, step: int, failed_evaluations: int) -> None:
         """The failure counter alone (rank zero), so a panel (or a W&B alert on it) shows failed evaluations."""
         counter = {self.prefix + FAILED_EVALS: float(failed_evaluations)}
-        self._to_sinks("the failure counter", lambda sink: sink.log(counter, step))
+        self._to_sinks("the failure counter", lambda sink: sink.log(dict(counter), step))
 
     def _first_note(self, m: Measurement) -> str:
         """What a session's first evaluation spent besides scoring: its warm-up, and the setup before it."""
@@ -206,8 +206,15 @@ class Publisher:
             try:
                 call(sink)
             except Exception as e:
-                log.warn(f"{self.name}: logging {what} to {sink} failed: {type(e).__name__}: {e}; the other "
-                         "sinks still get it and the training goes on", stacklevel=3)
+                log.warn(f"{self.name}: logging {what} to {sink_name(sink)} failed: {type(e).__name__}: "
+                         f"{_said(e)}; the other sinks still get it and the training goes on", stacklevel=3)
+
+
+def _said(e: BaseException) -> str:
+    try:
+        return str(e)
+    except Exception:
+        return "(its message cannot be shown)"
 
 
 def _light_only(summary: dict[str, float], profile: Profile) -> dict[str, float]:

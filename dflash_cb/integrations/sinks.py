@@ -18,7 +18,7 @@ user's own is any object with these methods (``MetricsSink`` need not be its bas
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..core.baselines import Baseline
@@ -60,6 +60,12 @@ class EvaluationRecord:
     history: Sequence[dict[str, float]]  # every evaluation so far ({"step": s, metric: value})
     table: Callable[[], list[TableSample]] = field(default=list)  # read on demand: only a table needs tokens
 
+    def copy(self) -> EvaluationRecord:
+        """A copy whose containers are its own: what one sink changes, no other sink and no history sees."""
+        return replace(self, scalars=dict(self.scalars), per_depth=list(self.per_depth),
+                       histogram=list(self.histogram), baselines=tuple(self.baselines),
+                       history=[dict(h) for h in self.history])
+
 
 class MetricsSink:
     """One destination of the evaluator's numbers (subclass it, or pass a function or a W&B run)."""
@@ -88,3 +94,12 @@ class CallableSink(MetricsSink):
 
     def __str__(self) -> str:
         return f"log function {getattr(self.fn, '__qualname__', None) or type(self.fn).__name__}"
+
+
+def sink_name(sink: Any) -> str:
+    """A sink as a warning names it; its class when its own ``str``/``repr`` raises."""
+    try:
+        return str(sink)
+    except Exception:
+        inner = getattr(sink, "obj", sink)
+        return f"a {type(inner).__name__} sink"

@@ -260,7 +260,7 @@ def attach(controller: Any, states: str | os.PathLike | EvalConfig, every_n_trai
         evaluator = LiveEvaluator(config, name=SpecForgeEvaluation.__name__)
     attached = _ATTACHED.setdefault(controller, {})
     one_per_prefix("attach()", evaluator.prefix, attached, "controller")
-    attachment = SpecForgeEvaluation(controller, evaluator, drafter, keep_best_by_tau, resume_from, as_sinks(sinks))
+    attachment = SpecForgeEvaluation(controller, evaluator, drafter, keep_best_by_tau, resume_from, as_sinks(sinks, "sinks"))
     attachment._install()
     attached[evaluator.prefix] = attachment
     return attachment

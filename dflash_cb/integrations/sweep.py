@@ -37,6 +37,7 @@ from ..core.results import Results, drafter_provenance, load_results
 from ..core.sweep_record import (
     RESULTS_FOLDER,
     SweepEntry,
+    SweepError,
     SweepFailure,
     SweepRecord,
     config_digest,
@@ -83,6 +84,8 @@ def sweep_settings(options: SweepOptions, scorer: CacheScorer) -> dict[str, Any]
         "device_type": o.device.type, "sample_selection": o.selection, "samples_evaluated": len(scorer.ids),
         "position_edges": list(o.position_edges), "head_source": str(Path(o.target).resolve()) if o.target else "cache",
         "drafter_config_sha256": config_digest(options.config), "prefix": options.prefix,
+        # What is swept (not in the settings digest: a sweep of older files keeps its entries).
+        "checkpoint_paths": sorted(str(Path(p).resolve()) for p in options.paths),
     }
 
 
@@ -108,6 +111,7 @@ class Plan:
     todo: list[Planned] = field(default_factory=list)
     steps: dict[int, str] = field(default_factory=dict)  # steps already scored: step -> checkpoint
     block_size: int | None = None  # the sweep's block, once an entry set it
+    family: str | None = None  # the sweep's drafter family, likewise: one curve is one family's
     stop: bool = False
     error: str | None = None  # rank zero's reason to stop every rank
 
@@ -167,8 +171,10 @@ class CheckpointScorer:
         if step is None:
             step, step_from = found.name_step, "name"
         if step is None:
-            return failed("no training step, neither recorded in the checkpoint nor in its name; name it with its "
-                          "step (e.g. step-500, checkpoint-500)")
+            recorded = read.info.get("step_problem")
+            what = (f"{recorded}, and none in its name" if recorded else
+                    "no training step, neither recorded in the checkpoint nor in its name")
+            return failed(f"{what}; name it with its step (e.g. step-500, checkpoint-500)")
         other = plan.steps.get(step)
         if other is not None and other != planned.path:
             return failed(f"step {step} is scored already, from {other}: two checkpoints of one step would be two "
@@ -178,6 +184,9 @@ class CheckpointScorer:
             fit = self.scorer.check(drafter, planned.path)
         except (CacheMismatchError, CacheError, ArgumentError) as e:
             return Outcome(fatal=log_text(e)) if first else failed(log_text(e))
+        if plan.family is not None and fit.spec.family != plan.family:
+            return failed(f"its drafter is a {fit.spec.family} drafter, the sweep's entries {plan.family} drafters: one "
+                          "curve is one family's; sweep it into another --out")
         if plan.block_size is not None and fit.block_size != plan.block_size:
             return failed(f"its drafter drafts blocks of {fit.block_size}, the sweep's entries blocks of "
                           f"{plan.block_size}: one series is one block (pass --block-size {plan.block_size}, or "
@@ -200,8 +209,10 @@ class CheckpointScorer:
 def entry_of(results: Results, name: str) -> SweepEntry:
     """The sweep entry of a results file the sweep wrote (its ``meta.sweep``)."""
     s = results.meta["sweep"]
+    # The family beside what identifies the figures: a DFlash and a DFlash 2 checkpoint are two curves.
     return SweepEntry(s["checkpoint"], s["kind"], int(s["step"]), s["step_from"], s["identity"], name,
-                      results_scalars(results, prefix=""), results.series, int(s.get("rank", 0)))
+                      results_scalars(results, prefix=""), {**results.series, "family": results.family},
+                      int(s.get("rank", 0)))
 
 
 def log_text(e: BaseException) -> str:
@@ -239,6 +250,12 @@ class Sweep:
         settings = sweep_settings(options, scorer)
         if record is not None:
             record.check_settings(settings, options.out)  # before any work: one series per sweep
+            before = record.settings.get("checkpoint_paths")
+            if before is not None and before != settings["checkpoint_paths"]:
+                raise SweepError(f"--out {options.out}: its sweep is of {', '.join(before)}; this run sweeps "
+                                 f"{', '.join(settings['checkpoint_paths'])}: two sweeps in one --out would mix "
+                                 "their curves; give this run another --out (or the same paths to add to it)")
+            record.settings["checkpoint_paths"] = settings["checkpoint_paths"]
         self.record = record if record is not None else SweepRecord(settings)
         self.digest = settings_digest(self.record.settings)
         self.worker = CheckpointScorer(options, scorer, self.digest)
@@ -292,7 +309,8 @@ class Sweep:
             todo.append(Planned(path, c.kind.value, identity))
         if o.max_checkpoints is not None:
             todo = todo[: max(0, o.max_checkpoints - len(record.entries))]
-        return Plan(todo, {e.step: e.checkpoint for e in record.entries}, record.block_size, self._done())
+        return Plan(todo, {e.step: e.checkpoint for e in record.entries}, record.block_size, record.family,
+                    self._done())
 
     def _done(self) -> bool:
         o, entries = self.options, self.record.entries
@@ -424,6 +442,7 @@ class Sweep:
             if o is not None and o.entry is not None:
                 plan.steps.setdefault(o.entry.step, o.entry.checkpoint)
                 plan.block_size = plan.block_size or o.entry.block_size
+                plan.family = plan.family or o.entry.series.get("family")
         if self.rank == 0:
             self.record_wave(wave, outcomes)
         self._stop_if_fatal([("fatal", o.fatal) for o in outcomes if o is not None and o.fatal], error)

@@ -100,12 +100,17 @@ def object_sink(obj: Any) -> MetricsSink | None:
     return None
 
 
-def as_sinks(log: Any) -> list[MetricsSink]:
-    """Sinks from what a user passes as ``log=`` or ``sinks=``: None, a sink (any object with ``log``), a
-    tracker's own object (a W&B run, a TensorBoard ``SummaryWriter``: ``trackers``), a function, or a list of
-    these."""
+def as_sinks(log: Any, option: str = "log") -> list[MetricsSink]:
+    """Sinks from what a user passes as ``log=`` or ``sinks=`` (``option`` names it in errors): None, a sink (any
+    object with a ``log`` method; ``begin`` and ``evaluation`` are optional), a tracker's own object (a W&B run, a
+    TensorBoard ``SummaryWriter``: ``trackers``), a function, or a list of these."""
+    from ...common.arguments import ArgumentError
+
     if log is None:
         return []
+    if isinstance(log, type):  # a class is callable too: it would be constructed at every evaluation
+        raise ArgumentError(f"{option}={log.__name__}: a class, not a sink; pass an instance, e.g. "
+                            f"{option}={log.__name__}(...)")
     if isinstance(log, MetricsSink):
         return [log]
     tracked = object_sink(log)
@@ -116,11 +121,14 @@ def as_sinks(log: Any) -> list[MetricsSink]:
     if callable(log):
         return [CallableSink(log)]
     if isinstance(log, Sequence) and not isinstance(log, (str, bytes)):
-        return [s for item in log for s in as_sinks(item)]
-    from ...common.arguments import ArgumentError
+        return [s for i, item in enumerate(log) for s in as_sinks(item, f"{option}[{i}]")]
+    raise ArgumentError(f"{option}={_shown(log)}: expected a function log(metrics, step), a W&B run, a "
+                        "TensorBoard SummaryWriter, a MetricsSink (or any object with a log(metrics, step) method) or "
+                        "a list of them")
 
-    raise ArgumentError(f"log={type(log).__name__}: expected a function log(metrics, step), a W&B run, a "
-                        "TensorBoard SummaryWriter, a MetricsSink (or any object with its methods) or a list of them")
+
+def _shown(obj: Any) -> str:
+    return type(obj).__name__ if not isinstance(obj, (int, float, str)) else repr(obj)
 
 
 class _OwnSink(MetricsSink):
@@ -145,5 +153,5 @@ class _OwnSink(MetricsSink):
 
 
 def _has_sink_interface(obj: Any) -> bool:
-    """An object of the user's own with the sink's methods (``log`` and the optional ``begin``/``evaluation``)."""
-    return callable(getattr(obj, "log", None)) and any(callable(getattr(obj, m, None)) for m in ("begin", "evaluation"))
+    """An object of the user's own with the sink's ``log`` method (``begin``/``evaluation`` are optional)."""
+    return callable(getattr(obj, "log", None))
