@@ -258,3 +258,60 @@ def test_a_server_without_speculation(world, tmp_path, capsys) -> None:
     assert _eval(tmp_path / "c", world["drafter"], tmp_path / "r.json") == 2
     err = capsys.readouterr().err
     assert "nothing to compare" in err and "--reference vllm --max-in-flight 1" in err
+
+
+@pytest.mark.parametrize("mode", ["summary", "detailed"])
+def test_per_request_metrics_at_any_concurrency_with_other_traffic(world, tmp_path, capsys, mode) -> None:
+    """A vLLM started with --per-request-spec-decode-metrics: each answer's own counters are kept at
+    --max-in-flight 3 with another client's requests in between, no /metrics read per request (no settle wait);
+    the served check compares every sample, and with ``detailed`` every verify step."""
+    from dflash_cb.cache.states import StateCache
+    from dflash_cb.cache.vllm_client import VLLMClient
+
+    fake = _fake(world, per_request=mode)
+    prompts = [json.loads(line)["input_ids"] for line in world["prompts"].read_text().splitlines()]
+    with serve(fake) as url:
+        other = VLLMClient(url)
+        fake.on_arrival[tuple(prompts[1])] = lambda: other.generate([5, 6, 7], 8, [2], concurrency=2)
+        assert precompute(*_vllm_args(world, url, tmp_path / "c", "--max-in-flight", "3")) == 0
+        reads = fake.metrics_calls
+    assert reads <= 2  # the setup's look at the server's counters, none per request
+    own = {tuple(o["prompt"]): o for o in fake.ledger}
+    for e, prompt in zip(StateCache(tmp_path / "c").samples, prompts, strict=True):
+        spec, mine = e.served_spec, own[tuple(prompt)]
+        assert spec[V.ATTRIBUTABLE] is True and spec[V.PER_REQUEST] is True
+        assert (spec[V.DRAFTS], spec[V.ACCEPTED], spec[V.PER_POSITION]) == (mine["drafts"], mine["accepted"],
+                                                                             mine["per_pos"])
+        assert (V.PER_STEP_ACCEPTED in spec) == (mode == "detailed")
+    capsys.readouterr()
+    assert _eval(tmp_path / "c", world["drafter"], tmp_path / "r.json") == 0
+    s = load_results(tmp_path / "r.json").breakdown["served_check"]["summary"]
+    assert s["samples_compared"] == s["samples_equal_rounds"] == s["samples_equal_per_position"] == N_PROMPTS
+    assert s["samples_with_per_step"] == s["samples_equal_per_step"] == (N_PROMPTS if mode == "detailed" else 0)
+    if mode == "detailed":
+        assert f"every verify step equal {N_PROMPTS}/{N_PROMPTS}" in capsys.readouterr().out
+
+
+def test_per_request_steps_that_differ_are_named(world, served) -> None:
+    """A per_step_accepted that is not the replay's: the first differing step named, the sample not equal."""
+    from dflash_cb.cache.states import StateCache
+    from dflash_cb.core.served_check import DIFFERS, per_step_status
+
+    assert per_step_status([2, 0, 3], False, [2, 1, 3]) == (DIFFERS, 1)
+    assert per_step_status([2, 0, 3], True, [2, 0, 5])[0] == "equal_censored"
+    assert per_step_status([2, 0], False, [2, 0, 1]) == (DIFFERS, 2)
+    assert StateCache(served["out"]).samples  # the fixture's cache stays readable
+
+
+def test_a_vllm_without_metrics_still_gives_completions(world, tmp_path, capsys) -> None:
+    """No /metrics at all: the precompute goes on (one warning naming the server flag), the completions are
+    the server's; with per-request metrics the counters are kept all the same."""
+    from dflash_cb.cache.states import StateCache
+
+    with serve(_fake(world, serves_metrics=False)) as url:
+        assert precompute(*_vllm_args(world, url, tmp_path / "a")) == 0
+    assert all(not e.served_spec for e in StateCache(tmp_path / "a").samples)
+    assert "--per-request-spec-decode-metrics" in capsys.readouterr().err
+    with serve(_fake(world, serves_metrics=False, per_request="summary")) as url:
+        assert precompute(*_vllm_args(world, url, tmp_path / "b")) == 0
+    assert all(e.served_spec[V.PER_REQUEST] for e in StateCache(tmp_path / "b").samples)

@@ -221,9 +221,9 @@ def test_faults_that_do_not_pass(server, model) -> None:
     fake.bos_first = False
     with pytest.raises(VLLMError, match="HTTP 400.*maximum context length"):  # not retried
         client(url).generate(PROMPTS[0], 600, [2])
-    fake.metrics_garbage_first = 100
-    with pytest.raises(VLLMError, match="/metrics is not Prometheus text"):
-        client(url, max_retries=1).generate(PROMPTS[0], 8, [2])
+    fake.metrics_garbage_first = 100  # /metrics never readable: the completion all the same, no counters, said once
+    got = client(url, max_retries=1).generate(PROMPTS[0], 8, [2])
+    assert got.output_ids == hf_greedy(model, PROMPTS[0], 8, [2]) and got.meta_info == {}
 
 
 def test_late_statistics(server) -> None:

@@ -66,6 +66,9 @@ class FakeVLLM:
     method: str = "dflash"
     drafter: str | None = None
     stats: bool = True  # False: --disable-log-stats (no vllm: metrics)
+    # --per-request-spec-decode-metrics: "summary" or "detailed" (with per_step_accepted); None: off (the default)
+    per_request: str | None = None
+    serves_metrics: bool = True  # False: no /metrics endpoint at all (404)
     # fault and traffic knobs
     fail_first: int = 0  # this many /v1/completions answered 503 without running
     drop_first: int = 0  # this many run, then the connection is closed without an answer
@@ -216,6 +219,21 @@ class FakeVLLM:
                   "model": self.served_name, "choices": [choice],
                   "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(out),
                             "total_tokens": len(prompt) + len(out)}}
+        k = self.num_spec_tokens
+        if self.per_request and k is not None:
+            # vLLM's per-request speculative metrics (PR #48915): counted before the output is cut, as the counters.
+            verified = run.verified if run.verified is not None else [k] * len(run.accepted)
+            hist = [0] * (k + 1)
+            for a in run.accepted:
+                hist[a] += 1
+            steps, accepted = len(run.accepted), sum(run.accepted)
+            spec = {"num_spec_steps": steps, "num_draft_tokens": sum(verified), "num_accepted_draft_tokens": accepted,
+                    "num_spec_tokens": k, "acceptance_histogram": hist,
+                    "mean_acceptance_length": 1 + accepted / steps if steps else 0.0,
+                    "draft_acceptance_rate": accepted / sum(verified) if sum(verified) else 0.0}
+            if self.per_request == "detailed":
+                spec["per_step_accepted"] = list(run.accepted)
+            answer["metrics"] = {"speculative_decoding": spec}
         return 200, answer, lambda: self._count(engine, prompt, run, reason)
 
 
@@ -232,7 +250,7 @@ def serve(state: FakeVLLM) -> Iterator[str]:
                 self.send_json(state.models())
             elif url.path == "/server_info" and state.dev_mode:
                 self.send_json(state.server_info())
-            elif url.path == "/metrics":
+            elif url.path == "/metrics" and state.serves_metrics:
                 with state.lock:
                     state.metrics_calls += 1
                     garbage = state.metrics_calls <= state.metrics_garbage_first

@@ -5,9 +5,12 @@ comes back as ids (the choice's ``token_ids``) and the prompt the server used be
 (``prompt_token_ids``, checked against ours). ``ignore_eos`` with the stop ids given explicitly makes the
 stop set exactly ``--stop-token-ids`` (vLLM would otherwise stop at its tokenizer's EOS as well).
 
-Per request, vLLM reports nothing about speculation; its counters are server-wide. At one request in
-flight the client reads ``/metrics`` before and after each attempt and keeps the change across it
-(``vllm_counters.request_counters``: the request's own only when it ran alone). Retries, the
+A vLLM started with ``--per-request-spec-decode-metrics summary|detailed`` reports speculation in each answer
+(``metrics.speculative_decoding``): the client keeps those (``vllm_counters.answer_counters``), at any number
+of requests in flight and with other clients on the server, and reads no ``/metrics``. Older servers report
+only server-wide counters: at one request in flight the client reads ``/metrics`` before and after each attempt
+and keeps the change across it (``vllm_counters.request_counters``: the request's own only when it ran alone),
+waiting up to ``SETTLE_S`` for the server to count the request. Retries, the
 whole-answer deadline and the whole-completion checks are shared with the SGLang client
 (``completion_client``).
 """
@@ -55,6 +58,8 @@ class VLLMClient(CompletionClient):
         self._model: dict[str, Any] | None = None
         self._warned_no_counters = False
         self._speculates: bool | None = None
+        self._per_request = False  # the answers carry their own speculative metrics
+        self._no_metrics: str | None = None  # why /metrics cannot be read, once found
 
     def health(self) -> None:
         """Raise VLLMError unless ``GET /health`` answers 2xx (one attempt, short timeout)."""
@@ -112,8 +117,8 @@ class VLLMClient(CompletionClient):
             return {}
 
     def speculative_config(self) -> dict[str, Any] | None:
-        snap = self.metrics()
-        if not snap.exports_counters:
+        snap = self._metrics_if_served(None)
+        if snap is not None and not snap.exports_counters:
             logger.warning(f"warning: the vLLM server at {self.url} exports no {V.REQUEST_SUCCESS} on /metrics "
                            "(started with --disable-log-stats?): no speculative counters will be recorded")
         return V.speculative_config(self.server_info(), snap)
@@ -171,16 +176,29 @@ class VLLMClient(CompletionClient):
             done = usage.get("completion_tokens") if isinstance(usage, dict) else None
             if isinstance(done, int) and done != len(ids):
                 raise RetryableAnswer(f"/v1/completions usage says {done} completion tokens, token_ids hold {len(ids)}")
-            return Completion(output_ids=ids, finish_reason=reason)
+            try:
+                own = V.answer_counters(body)  # the request's own, when the server reports per request
+            except ValueError as e:
+                raise RetryableAnswer(f"/v1/completions answer: {e}") from None
+            return Completion(output_ids=ids, finish_reason=reason, meta_info=own or {})
 
-        if concurrency > 1:
+        if concurrency > 1 or self._per_request:
+            # Per-request metrics need no quiet server and no /metrics: any --max-in-flight, other traffic.
             completion = self._request("POST", "/v1/completions", parse, payload=payload, cancel=cancel)
-            completion.meta_info = V.concurrent_counters(concurrency) if self._speculating() else {}
+            if completion.meta_info:
+                self._per_request = True
+            elif concurrency > 1:
+                completion.meta_info = V.concurrent_counters(concurrency) if self._speculating() else {}
             return completion
 
         def attempt(responses: list[requests.Response]) -> Completion:
-            before = self.metrics(cancel)
+            before = self._metrics_if_served(cancel)
             completion = self._once("POST", "/v1/completions", parse, payload, responses)
+            if completion.meta_info:  # per-request metrics: the counters are the answer's, nothing to settle
+                self._per_request = True
+                return completion
+            if before is None:
+                return completion
             after = self._settled(before, cancel)
             counters = V.request_counters(before, after, len(completion.output_ids))
             if counters is None and not after.exports_counters and not self._warned_no_counters:
@@ -191,6 +209,20 @@ class VLLMClient(CompletionClient):
             return completion
 
         return self._retrying(attempt, endpoint, cancel)
+
+    def _metrics_if_served(self, cancel: threading.Event | None) -> V.Snapshot | None:
+        """``/metrics`` before a request, or None (said once) when the server serves none: then the completions
+        carry counters only if the server reports them per request."""
+        if self._no_metrics is not None:
+            return None
+        try:
+            return self.metrics(cancel)
+        except VLLMError as e:
+            self._no_metrics = str(e)
+            logger.warning(f"warning: {self.url}/metrics cannot be read ({e}): the completions carry no speculative "
+                           "counters unless the server reports them per request (vllm serve "
+                           "--per-request-spec-decode-metrics summary); the precompute goes on")
+            return None
 
     def _speculating(self) -> bool:
         """Whether the server exports speculative counters (read once)."""

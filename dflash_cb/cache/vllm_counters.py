@@ -39,6 +39,11 @@ PREFIX = "vllm:"
 # Ours, beside vLLM's names in a sample's served_spec.
 ATTRIBUTABLE = "attributable"
 UNATTRIBUTABLE_REASON = "unattributable_reason"
+# Counters from the answer's own ``metrics.speculative_decoding`` (a vLLM started with
+# ``--per-request-spec-decode-metrics summary|detailed``), not from /metrics deltas; with ``detailed``, the
+# drafts accepted at each verify step, in order.
+PER_REQUEST = "per_request"
+PER_STEP_ACCEPTED = "per_step_accepted"
 
 _COUNTERS = (DRAFTS, DRAFT_TOKENS, ACCEPTED, REQUEST_SUCCESS, GENERATION_TOKENS, PREEMPTIONS)
 _GAUGES = (RUNNING, WAITING)
@@ -170,6 +175,49 @@ def request_counters(before: Snapshot, after: Snapshot, completion_tokens: int) 
     return {k: out[k] for k in sorted(out)}
 
 
+def answer_counters(body: Any) -> dict[str, Any] | None:
+    """A request's own served counters from vLLM's per-request metrics (``metrics.speculative_decoding`` of the
+    answer), under the names of the /metrics counters: verify steps as ``num_drafts``, drafted and accepted
+    tokens, the accepted count per position from ``acceptance_histogram`` (index j: steps that accepted exactly
+    j drafts), and ``per_step_accepted`` when the server reports it (``detailed``). None when the answer carries
+    none; a ValueError naming the field when it is malformed."""
+    spec = (body.get("metrics") or {}).get("speculative_decoding") if isinstance(body, dict) and isinstance(
+        body.get("metrics"), dict) else None
+    if spec is None:
+        return None
+    if not isinstance(spec, dict):
+        raise ValueError(f"metrics.speculative_decoding is {clip(spec)}, expected an object")
+    out: dict[str, Any] = {}
+    for field_name, key in (("num_spec_steps", DRAFTS), ("num_draft_tokens", DRAFT_TOKENS),
+                            ("num_accepted_draft_tokens", ACCEPTED)):
+        v = whole_count(spec.get(field_name))
+        if v is None:
+            raise ValueError(f"metrics.speculative_decoding.{field_name} is {clip(spec.get(field_name))}, expected a "
+                             "whole number >= 0")
+        out[key] = v
+    hist = spec.get("acceptance_histogram")
+    if hist is not None:
+        counts = [whole_count(v) for v in hist] if isinstance(hist, list) else [None]
+        if any(c is None for c in counts):
+            raise ValueError(f"metrics.speculative_decoding.acceptance_histogram is {clip(hist)}, expected counts")
+        out[PER_POSITION] = [sum(counts[j + 1:]) for j in range(len(counts) - 1)]
+    steps = spec.get("per_step_accepted")
+    if steps is not None:
+        counts = [whole_count(v) for v in steps] if isinstance(steps, list) else [None]
+        if any(c is None for c in counts) or len(counts) != out[DRAFTS]:
+            raise ValueError(f"metrics.speculative_decoding.per_step_accepted is {clip(steps)}, expected one count "
+                             f"per verify step ({out[DRAFTS]})")
+        out[PER_STEP_ACCEPTED] = counts
+    out[ATTRIBUTABLE] = True
+    out[PER_REQUEST] = True
+    return {k: out[k] for k in sorted(out)}
+
+
+def per_step_accepted(counters: Mapping[str, Any]) -> list[int] | None:
+    steps = counters.get(PER_STEP_ACCEPTED)
+    return [int(v) for v in steps] if isinstance(steps, list) and all(whole_count(v) is not None for v in steps) else None
+
+
 def concurrent_counters(concurrency: int) -> dict[str, Any]:
     """The served_spec of a request sent while others were in flight: nothing of the counters is its own."""
     return {ATTRIBUTABLE: False,
@@ -180,7 +228,7 @@ def concurrent_counters(concurrency: int) -> dict[str, Any]:
 def kept_fields(counters: Mapping[str, Any]) -> dict[str, Any]:
     """The vLLM fields of a served_spec that the manifest keeps (JSON-safe values)."""
     return {k: v for k, v in counters.items() if isinstance(k, str) and json_safe(v)
-            and (k.startswith(PREFIX) or k in (ATTRIBUTABLE, UNATTRIBUTABLE_REASON))}
+            and (k.startswith(PREFIX) or k in (ATTRIBUTABLE, UNATTRIBUTABLE_REASON, PER_REQUEST, PER_STEP_ACCEPTED))}
 
 
 # -- the server's configuration ----------------------------------------------------------------------

@@ -65,6 +65,11 @@ class SampleCheck:
     # vLLM's mean acceptance length, 1 + correct drafts / rounds (vllm_counters.mean_acceptance_length)
     offline_vllm_accept_length: float | None = None
     served_vllm_accept_length: float | None = None
+    # vLLM's per_step_accepted (--per-request-spec-decode-metrics detailed): drafts accepted at each verify step,
+    # against the replay's per-cycle correct drafts; EQUAL, CENSORED (the last step's), DIFFERS, or None
+    served_per_step: list[int] | None = None
+    per_step: str | None = None
+    first_step_difference: int | None = None
 
     @property
     def equal(self) -> bool:
@@ -99,6 +104,19 @@ def per_position_status(correct: Sequence[int], censored: bool, served: Sequence
         if extra and set(steps) == {1} and extra == list(range(correct[-1], correct[-1] + len(extra))):
             return CENSORED
     return DIFFERS
+
+
+def per_step_status(correct: Sequence[int], censored: bool, served: Sequence[int]) -> tuple[str, int | None]:
+    """The replay's per-cycle correct drafts against the server's drafts accepted at each verify step, in order:
+    (status, the first step that differs or None). ``censored``: the last step may have accepted more."""
+    served = [int(v) for v in served]
+    if list(correct) == served:
+        return EQUAL, None
+    if censored and len(correct) == len(served) and list(correct[:-1]) == served[:-1] and served[-1] > correct[-1]:
+        return CENSORED, None
+    first = next((j for j, (a, b) in enumerate(zip(correct, served, strict=False)) if a != b),
+                 min(len(correct), len(served)))
+    return DIFFERS, first
 
 
 def _pooled(vectors: Sequence[Sequence[int] | None]) -> list[int] | None:
@@ -152,6 +170,8 @@ class ServedCheck:
             "samples_with_per_position": len(pos),
             "samples_equal_per_position": sum(x.per_position in (EQUAL, CENSORED) for x in pos),
             "samples_per_position_censored": sum(x.per_position == CENSORED for x in pos),
+            "samples_with_per_step": sum(x.per_step is not None for x in s),
+            "samples_equal_per_step": sum(x.per_step in (EQUAL, CENSORED) for x in s),
             # vLLM's layout pooled over those samples: entry j = rounds whose first j + 1 drafts were accepted
             "offline_per_position": _pooled([x.offline_per_position for x in pos]),
             "served_per_position": _pooled([x.served_per_position for x in pos]),
@@ -309,6 +329,10 @@ def compare(entries: Sequence[Any], offline: Mapping[str, Sequence[int]], server
             if isinstance(hist, list):
                 check.served_histogram = [int(v) for v in hist]
                 check.histogram = histogram_status(correct, censored, check.served_histogram)
+            steps = V.per_step_accepted(counters) if V.is_vllm(counters) else None
+            if steps is not None:
+                check.served_per_step = steps
+                check.per_step, check.first_step_difference = per_step_status(correct, censored, steps)
             if served_pp is not None:
                 check.served_per_position = served_pp
                 check.offline_per_position = V.accepted_per_position(correct, len(served_pp))
@@ -367,7 +391,9 @@ def format_check(check: ServedCheck, max_rows: int = 40) -> str:
         return "n/a" if x is None else f"{x:.3f}"
 
     vllm = check.convention == V.CONVENTION
-    source = (f"vLLM {V.DRAFTS} across each request" if vllm else "SGLang spec_verify_ct")
+    per_request = any(x.served_per_step is not None for x in check.samples)
+    source = ("vLLM's per-request metrics" if per_request else f"vLLM {V.DRAFTS} across each request") if vllm \
+        else "SGLang spec_verify_ct"
     lines = [f"served check: offline replay vs the server's own counters ({source})",
              f"  convention: {check.convention}"]
     if check.server:
@@ -390,6 +416,9 @@ def format_check(check: ServedCheck, max_rows: int = 40) -> str:
                      f" ({s['samples_per_position_censored']} with a censored last round); accepted drafts offline "
                      f"{s['offline_correct_drafts']}, served {s['served_correct_drafts']}; per position offline "
                      f"{s['offline_per_position']}, served {s['served_per_position']}")
+    if s["samples_with_per_step"]:
+        lines.append(f"  every verify step equal {s['samples_equal_per_step']}/{s['samples_with_per_step']} (the "
+                     "server's per_step_accepted against the replay's cycles, in order)")
     if s["vllm_mean_acceptance_length"] is not None:
         m = s["vllm_mean_acceptance_length"]
         lines.append(f"  mean acceptance length, vLLM's convention (1 + accepted / drafts): offline {f(m['offline'])}, "
@@ -403,7 +432,7 @@ def format_check(check: ServedCheck, max_rows: int = 40) -> str:
     for w in check.warnings:
         lines.append(f"  warning: {w}")
     def same(x: SampleCheck) -> bool:
-        return x.equal and DIFFERS not in (x.histogram, x.per_position)
+        return x.equal and DIFFERS not in (x.histogram, x.per_position, x.per_step)
 
     rows = sorted(check.samples, key=lambda x: (same(x), x.id))
     if rows:
@@ -415,6 +444,8 @@ def format_check(check: ServedCheck, max_rows: int = 40) -> str:
             mark += f" (histogram offline {x.offline_histogram}, served {x.served_histogram})"
         if x.per_position == DIFFERS:
             mark += f" (per position offline {x.offline_per_position}, served {x.served_per_position})"
+        if x.per_step == DIFFERS:
+            mark += f" (verify step {x.first_step_difference} first differs)"
         lines.append(f"  {x.id:<16} {x.offline_rounds:>10} {x.served_rounds:>7} {f(x.offline_tau):>8} "
                      f"{f(x.served_tau):>7}  {f(x.served_accept_length)}{mark}")
     if len(rows) > max_rows:
