@@ -222,3 +222,14 @@ def test_bad_sinks_are_named_as_given(tiny_cache, where) -> None:
         make(MySink)
     with pytest.raises(ArgumentError, match=rf"^{where}\[1\]=42: expected a function"):
         make([MySink(), 42])
+
+
+@pytest.mark.parametrize("prefix,suggested", [("/", "dflash_eval/"), ("//", "dflash_eval/"), ("my eval", "my_eval/"),
+                                              ("/runs", "runs/")])
+def test_a_bad_prefix_is_answered_with_a_usable_one(prefix, suggested) -> None:
+    from dflash_cb.common.arguments import ArgumentError
+    from dflash_cb.integrations.config import check_prefix
+
+    with pytest.raises(ArgumentError, match=f"e.g. prefix='{suggested}'"):
+        check_prefix(prefix)
+    assert check_prefix(suggested) == suggested

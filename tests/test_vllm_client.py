@@ -445,3 +445,45 @@ def test_per_position_status() -> None:
     assert per_position_status([2, 0, 1], False, [2, 2, 0, 0]) == DIFFERS  # not at the end: a difference
     assert per_position_status([2, 0, 1], True, [2, 1, 1, 0]) == DIFFERS  # the first round differs
     assert per_position_status([2, 0, 1], True, [1, 0, 0, 0]) == DIFFERS  # fewer is never censoring
+
+
+def test_the_wrong_reference_kind_and_urls_as_typed(server, tiny_sglang) -> None:
+    """--reference sglang pointed at vLLM, and the reverse, are named as such; a URL without http:// or ending in
+    /v1 reaches the server."""
+    from dflash_cb.cache.sglang_client import SGLangClient, SGLangError
+
+    url, _ = server
+    with pytest.raises(SGLangError, match=r"a vLLM server\? use --reference vllm --vllm-url"):
+        SGLangClient(url, max_retries=0).model_info()
+    with pytest.raises(VLLMError, match="is an SGLang server .* use --reference sglang --sglang-url"):
+        client(tiny_sglang).model_info()
+    bare = url.removeprefix("http://")
+    for typed in (bare, url + "/v1", url + "/v1/", url + "/"):
+        c = client(typed)
+        assert c.url == url and c.model_info()["served_model_name"] == "Qwen/Qwen3-Tiny-Test"
+
+
+@pytest.fixture()
+def tiny_sglang(model):
+    from local_http import serve as serve_http
+    from test_sglang_client import FakeSGLang, make_handler
+
+    with serve_http(make_handler(FakeSGLang(model))) as url:
+        yield url
+
+
+def test_a_server_restart_is_said_to_be_one(server) -> None:
+    """Counters that went backwards across a request (a restart): the sample is skipped for that reason by the
+    served check, not flagged as malformed counts."""
+    from dflash_cb.cache.served import comparability
+
+    before = V.snapshot("vllm:request_success_total 60\nvllm:spec_decode_num_drafts_total 60\n")
+    after = V.snapshot("vllm:request_success_total 1\nvllm:spec_decode_num_drafts_total 9\n")
+    counters = V.request_counters(before, after, 12)
+    assert counters[V.DRAFTS] == -51 and counters[V.ATTRIBUTABLE] is False
+
+    class E:
+        id, served_spec = "p", counters
+
+    kind, why = comparability(E())
+    assert kind == "skipped" and "went backwards" in why and "restarted" in why

@@ -43,6 +43,25 @@ class Completion:
     meta_info: dict[str, Any] = field(default_factory=dict)
 
 
+def server_root(url: str) -> str:
+    """The server's base URL from what a user types: ``http://`` added when no scheme is given, a trailing
+    ``/`` and an OpenAI-style ``/v1`` left out (the clients add the paths themselves)."""
+    url = url.strip()
+    if "://" not in url:
+        url = "http://" + url
+    url = url.rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+def answers(session: Any, url: str, timeout: float = 5.0) -> Any:
+    """The JSON a ``GET url`` answers with 200, else None (one attempt: a probe of what a server is)."""
+    try:
+        r = session.get(url, timeout=timeout)
+        return r.json() if r.status_code == 200 else None
+    except (requests.RequestException, ValueError):
+        return None
+
+
 class CompletionClient:
     """Blocking client for one server; safe to share between threads. Subclasses give ``name`` (in
     messages), ``url_option`` (the option that points at the server), ``error`` (their error type)
@@ -64,7 +83,7 @@ class CompletionClient:
     ) -> None:
         if max_retries < 0:
             raise ValueError("max_retries must be >= 0")
-        self.url = url.rstrip("/")
+        self.url = server_root(url)
         self.timeout = timeout
         self.max_retries = max_retries
         self.backoff = backoff

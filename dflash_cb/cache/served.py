@@ -340,10 +340,14 @@ def comparability(entry: Any, block_size: int | None = None) -> tuple[str, str] 
     if problem is not None:
         return FLAGGED, problem
     counters = spec or {}
+    vllm = V.is_vllm(counters)
+    # Marked not the request's own at the precompute (a server restart's negative deltas, NaN from a server that
+    # lost a series): that reason, not "malformed", is what happened.
+    if vllm and counters.get(V.ATTRIBUTABLE) is False and (why := V.unattributed(counters)) is not None:
+        return SKIPPED, why
     bad = malformed_counters(counters)
     if bad is not None:
         return FLAGGED, bad
-    vllm = V.is_vllm(counters)
     if vllm and (why := V.unattributed(counters)) is not None:
         return SKIPPED, why
     if verify_rounds(counters) is None:

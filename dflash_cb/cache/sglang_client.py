@@ -11,7 +11,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from .completion_client import Completion, CompletionClient, RetryableAnswer, ServerError
+from .completion_client import Completion, CompletionClient, RetryableAnswer, ServerError, answers
 from .completion_client import served_model_mismatch as _mismatch
 from .served import server_spec_config
 
@@ -45,7 +45,15 @@ class SGLangClient(CompletionClient):
                 raise RetryableAnswer(f"/get_model_info answered {type(body).__name__}, expected an object")
             return body
 
-        return self._request("GET", "/get_model_info", parse)
+        try:
+            return self._request("GET", "/get_model_info", parse)
+        except SGLangError:
+            cards = answers(self.session, f"{self.url}/v1/models")
+            if isinstance(cards, dict) and isinstance(cards.get("data"), list) and answers(
+                    self.session, f"{self.url}/get_server_info") is None:
+                raise SGLangError(f"{self.url} answers /v1/models but not SGLang's /get_model_info: a vLLM server? "
+                                  f"use --reference vllm --vllm-url {self.url}") from None
+            raise
 
     def server_info(self) -> dict[str, Any]:
         """``GET /get_server_info`` (the server's arguments, e.g. ``speculative_algorithm``); ``{}`` if absent.

@@ -26,7 +26,7 @@ from typing import Any
 import requests
 
 from . import vllm_counters as V
-from .completion_client import Completion, CompletionClient, RetryableAnswer, ServerError
+from .completion_client import Completion, CompletionClient, RetryableAnswer, ServerError, answers
 from .completion_client import served_model_mismatch as _mismatch
 
 logger = logging.getLogger(__name__)
@@ -82,6 +82,10 @@ class VLLMClient(CompletionClient):
         the journal key use: ``served_model_name`` (its ``id``), ``model_path`` (its ``root``),
         ``max_model_len``. The cards' timestamps are left out: the manifest must not change between runs."""
         if self._model is None:
+            sglang = answers(self.session, f"{self.url}/get_model_info")
+            if isinstance(sglang, dict) and "model_path" in sglang:  # vLLM serves no such endpoint
+                raise VLLMError(f"{self.url} is an SGLang server (it answers /get_model_info): use --reference "
+                                f"sglang --sglang-url {self.url}")
             cards = self.models()
             card = next((m for m in cards if not m.get("parent")), cards[0])
             info: dict[str, Any] = {"served_model_name": card["id"]}

@@ -18,6 +18,7 @@ them, beside SGLang's.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -123,6 +124,8 @@ def attribution_problem(before: Snapshot, after: Snapshot, completion_tokens: in
         return f"the server's exported counters changed across the request ({names[0]}; the server restarted?)"
     for name in _COUNTERS:
         b, a = before.values.get(name), after.values.get(name)
+        if b is not None and a is not None and not (math.isfinite(a) and math.isfinite(b)):
+            return f"{name} is not a number on the server ({b:g} -> {a:g}): the counters cannot be read as counts"
         if b is not None and a is not None and a < b:
             return f"{name} went backwards across the request ({b:g} -> {a:g}; the server restarted?)"
     if set(before.per_position or {}) != set(after.per_position or {}):

@@ -275,7 +275,7 @@ def check_prefix(prefix: Any) -> str:
         raise check.ArgumentError(f"prefix={prefix!r}: expected a string, e.g. {DEFAULT_PREFIX!r}")
     last = prefix.rstrip("/").rsplit("/", 1)[-1]
     if not prefix.endswith("/") or not prefix.strip("/") or any(c.isspace() for c in prefix):
-        fixed = (prefix.strip().replace(" ", "_") or DEFAULT_PREFIX.rstrip("/")).rstrip("/") + "/"
+        fixed = (prefix.strip().strip("/").replace(" ", "_") or DEFAULT_PREFIX.rstrip("/")) + "/"
         raise check.ArgumentError(f"prefix={prefix!r}: a metric prefix is a name ending in '/' (keys are "
                                   f"prefix + 'tau'), without spaces; e.g. prefix={fixed!r}")
     if last in KEY_NAMESPACES:
