@@ -618,6 +618,13 @@ def test_the_wandb_run_has_the_live_keys_and_step_axis_and_the_panels(tiny_cache
                  extra=("--config", str(drafter_json), "--wandb-run-id", "trainrun1", "--wandb-project", "p")) == 0
     into = record(tmp_path / "into")["wandb"]
     assert into["run_id"] == "trainrun1" and Path(into["dir"]).parent.name.endswith("-trainrun1")
+    # The finished sweep run again into another run: nothing to score, every entry logged there all the same.
+    assert sweep(tiny_cache, tmp_path / "sweep", folder,
+                 extra=("--config", str(drafter_json), "--wandb-run-id", "again2", "--wandb-project", "p2")) == 0
+    again = record(tmp_path / "sweep")["wandb"]
+    assert again["run_id"] == "again2" and again["logged_steps"] == [2, 4, 6]
+    rows = [h for h in history_and_summary(Path(again["dir"]).parent)[0] if "dflash_eval/tau" in h]
+    assert [h["trainer/global_step"] for h in rows] == [2, 4, 6]
 
 
 # -- several ranks --------------------------------------------------------------------------------------------

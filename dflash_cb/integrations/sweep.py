@@ -277,6 +277,9 @@ class Sweep:
         self.record.save(o.out)
         if o.wandb_project or o.wandb_run_id:
             self.tracker = SweepWandb(o, self.record, self.scorer)
+            # Entries scored by an earlier run that this run has not received (another project or run id, a run
+            # W&B failed): logged now, not only when something new is scored.
+            self._to_wandb("logging to", lambda t: t.log(self.record, o.out))
             self.record.save(o.out)
         return Plan()
 
