@@ -567,11 +567,11 @@ def test_served_check_replays_at_the_servers_smaller_block(world, small_served, 
     s = check["summary"]
     assert s["comparable"] and not check["not_comparable"]
     assert s["samples_compared"] == s["samples_equal_rounds"] == s["samples_equal_histogram"] == N_PROMPTS
-    assert check["blocks"] == {"replay": SMALL, "server": SMALL, "drafter": BLOCK}
+    assert check["blocks"] == {"replay": SMALL, "server": SMALL, "drafter": BLOCK, "server_from": "configuration"}
     assert res.meta["block_size"] == SMALL and res.meta["drafter_block_size"] == BLOCK
     assert max(n for x in res.samples for n in x.acceptance_lengths) <= SMALL
     text = capsys.readouterr().out
-    assert f"blocks: replay {SMALL}, server {SMALL}, drafter {BLOCK}" in text and "differs" not in text
+    assert f"blocks: replay {SMALL}, server {SMALL} (its recorded configuration: /get_server_info or /server_info), drafter {BLOCK}" in text and "differs" not in text
     assert f"block    {SMALL} (the drafter's is {BLOCK})" in text
     assert _eval(world, small_served["out"], world["drafter"], tmp_path / "b.json", "--block-size", "5") == 2
     err = capsys.readouterr().err.strip()
@@ -589,7 +589,7 @@ def test_served_block_not_recorded(world, small_served, tmp_path, capsys) -> Non
     capsys.readouterr()
     assert _eval(world, cache, world["drafter"], tmp_path / "r.json") == 0
     check = load_results(tmp_path / "r.json").breakdown["served_check"]
-    assert check["blocks"] == {"replay": BLOCK, "server": None, "drafter": BLOCK}
+    assert check["blocks"] == {"replay": BLOCK, "server": None, "drafter": BLOCK, "server_from": None}
     assert check["summary"]["samples_equal_histogram"] < N_PROMPTS
     assert any(f"rerun with --block-size {SMALL}" in w for w in check["warnings"])
     assert _eval(world, cache, world["drafter"], tmp_path / "s.json", "--block-size", str(SMALL)) == 0

@@ -107,7 +107,8 @@ def test_served_check_same_drafter(world, served, tmp_path, capsys) -> None:
     offline = {x.id: x.acceptance_lengths for x in res.samples}
     assert any(n > 1 for v in offline.values() for n in v) and any(n < BLOCK for v in offline.values() for n in v)
     assert s["comparable"] and not check["skipped"] and not check["flagged"]
-    assert check["blocks"] == {"replay": BLOCK, "server": BLOCK, "drafter": BLOCK}
+    assert check["blocks"] == {"replay": BLOCK, "server": BLOCK, "drafter": BLOCK,
+                               "server_from": "configuration"}
     assert s["samples_compared"] == s["samples_equal_rounds"] == N_PROMPTS
     assert s["samples_with_per_position"] == s["samples_equal_per_position"] == N_PROMPTS
     assert s["samples_with_histogram"] == 0  # vLLM has no histogram: its per-position counts stand for it
@@ -153,7 +154,8 @@ def test_served_block_smaller_than_the_drafters(world, small, tmp_path, capsys) 
     assert _eval(small["out"], world["drafter"], tmp_path / "r.json") == 0
     check = load_results(tmp_path / "r.json").breakdown["served_check"]
     s = check["summary"]
-    assert check["blocks"] == {"replay": SMALL, "server": SMALL, "drafter": BLOCK} and s["comparable"]
+    assert check["blocks"] == {"replay": SMALL, "server": SMALL, "drafter": BLOCK,
+                               "server_from": "positions"} and s["comparable"]
     assert s["samples_equal_rounds"] == s["samples_equal_per_position"] == N_PROMPTS
 
     def forget(m: dict) -> None:

@@ -136,7 +136,7 @@ class ServedCheck:
     flagged: dict[str, str] = field(default_factory=dict)  # sample id -> why its counters cannot be
     not_comparable: list[str] = field(default_factory=list)  # server settings that change the drafts
     # The block sizes: "replay" (what the replay drafted), "server" (recorded; None: unknown), "drafter".
-    blocks: dict[str, int | None] = field(default_factory=dict)
+    blocks: dict[str, int | str | None] = field(default_factory=dict)
 
     @property
     def comparable(self) -> bool:
@@ -266,6 +266,14 @@ def nothing_selected(cache_path: str | os.PathLike, selected: Sequence[Any]) -> 
         f"({listed}{more}{flagged}); select samples that do (--sample-ids / --samples), or drop --served-check")
 
 
+def _block_source(server: Mapping[str, Any] | None, server_block: int | None, counted_block: int | None) -> str | None:
+    """Which record decided the server's block: its configuration, vLLM's counter positions, or the counters."""
+    if server_block is not None:
+        said, _ = V.drafts_per_round(server) if (server or {}).get("server") == "vllm" else (server_block, None)
+        return "configuration" if said else "positions"
+    return "counters" if counted_block is not None else None
+
+
 def compare(entries: Sequence[Any], offline: Mapping[str, Sequence[int]], server: Mapping[str, Any] | None = None,
             drafter_block_size: int | None = None, drafter_path: str | None = None,
             correct_drafts: Mapping[str, Sequence[int]] | None = None,
@@ -380,7 +388,9 @@ def compare(entries: Sequence[Any], offline: Mapping[str, Sequence[int]], server
     warnings += [f"not comparable: {w}" for w in settings]
     return ServedCheck(checks, skipped, dict(server) if server else None, warnings, flagged=flagged,
                        not_comparable=settings, convention=V.CONVENTION if vllm else CONVENTION,
-                       blocks={"replay": block, "server": server_block or counted_block, "drafter": drafter_block_size})
+                       blocks={"replay": block, "server": server_block or counted_block, "drafter": drafter_block_size,
+                               # which source decided the server's block: its recorded configuration wins
+                               "server_from": _block_source(server, server_block, counted_block)})
 
 
 def format_check(check: ServedCheck, max_rows: int = 40) -> str:
@@ -400,8 +410,11 @@ def format_check(check: ServedCheck, max_rows: int = 40) -> str:
         lines.append("  server: " + ", ".join(f"{k}={v}" for k, v in check.server.items()))
     if check.blocks:
         b = check.blocks
-        lines.append(f"  blocks: replay {b.get('replay')}, server {b.get('server') or 'not recorded'}, "
-                     f"drafter {b.get('drafter')}")
+        source = {"configuration": " (its recorded configuration: /get_server_info or /server_info)",
+                  "positions": " (the positions of its per-position counter on /metrics; no /server_info)",
+                  "counters": " (its requests' counters: drafts per round + 1; no configuration recorded)"}
+        lines.append(f"  blocks: replay {b.get('replay')}, server {b.get('server') or 'not recorded'}"
+                     f"{source.get(b.get('server_from'), '')}, drafter {b.get('drafter')}")
     if not check.comparable:
         lines.append("  NOT COMPARABLE: a recorded server setting changes the server's drafts (below); "
                      "differences are expected, not mismatches")
