@@ -79,7 +79,10 @@ class Baseline:
     @property
     def label(self) -> str:
         if self.kind == SERVED:
-            return f"{self.name} (served, measured online)"
+            subset = self.details.get("of")
+            over = f", over {self.details['samples']} of {subset} samples" if subset and subset != self.details.get(
+                "samples") else ""
+            return f"{self.name} (served, measured online{over})"
         if self.kind == PUBLISHED:
             return f"{self.name} (published, not measured here; {self.details.get('convention', 'pooled')})"
         return f"{self.name} (reference)"
@@ -182,9 +185,13 @@ def load_served(cache: StateCache, sample_ids: Sequence[str] | None = None) -> B
     name = Path(str(path).rstrip("/")).name if path else "served"
     counted = ("vLLM's /metrics deltas per request (spec_decode_num_drafts)" if config.get("server") == "vllm"
                else "SGLang spec_verify_ct")
+    evaluated = len(sample_ids) if sample_ids is not None else len(cache.samples)
+    details: dict[str, Any] = {"samples": n, "rounds": rounds, "server": config, "of": evaluated}
+    if n < evaluated:  # beside a tau over every evaluated sample: say it is another set
+        details["subset"] = (f"{n} of {evaluated} samples: those whose served counters count (tools/eval_drafter.py "
+                             "--served-check lists why the others do not)")
     return Baseline(name, SERVED, {TAU: tau}, None,
-                    source=f"{counted} stored in {cache.path} by the precompute",
-                    details={"samples": n, "rounds": rounds, "server": config})
+                    source=f"{counted} stored in {cache.path} by the precompute", details=details)
 
 
 # -- published ----------------------------------------------------------------------------
