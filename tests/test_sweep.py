@@ -771,3 +771,23 @@ def test_steps_a_series_cannot_hold_and_a_second_sweep_into_one_out(tiny_cache, 
     assert sweep(tiny_cache, tmp_path / "sweep", other) == 2
     assert "two sweeps in one --out would mix their curves" in capsys.readouterr().err
     assert [e["step"] for e in record(tmp_path / "sweep")["entries"]] == [2]
+
+
+def test_ctrl_c_between_scoring_and_saving_counts_what_the_file_holds(tiny_cache, plain_run, drafter_json, tmp_path,
+                                                                    monkeypatch, capsys):
+    """Ctrl-C after a checkpoint is scored but before sweep.json holds it: the summary counts the file's entries."""
+    from dflash_cb.core.sweep_record import SweepRecord
+
+    real, calls = SweepRecord.save, []
+
+    def save(self, folder):
+        calls.append(len(self.entries))
+        if len(self.entries) == 2 and calls.count(2) == 1:
+            raise KeyboardInterrupt  # the second entry is in memory, not on disk
+        return real(self, folder)
+
+    monkeypatch.setattr(SweepRecord, "save", save)
+    folder = next(iter(plain_run.values())).parent
+    assert sweep(tiny_cache, tmp_path / "sweep", folder, extra=("--config", str(drafter_json))) == 130
+    on_disk = len(record(tmp_path / "sweep")["entries"])
+    assert on_disk == 1 and f"stopped: {on_disk} checkpoint(s) in" in capsys.readouterr().out

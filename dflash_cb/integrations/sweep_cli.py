@@ -161,14 +161,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             with terminated_as_interrupt():
                 sweep.run()
         except KeyboardInterrupt:
-            say(f"stopped: {len(sweep.record.entries)} checkpoint(s) in {options.out / 'sweep.json'}")
+            saved = load_sweep(options.out)  # what the file holds: an entry scored as Ctrl-C came may not be in it
+            say(f"stopped: {len(saved.entries) if saved is not None else 0} checkpoint(s) in "
+                f"{options.out / 'sweep.json'}")
             return 0 if options.watch else 130
         record = sweep.record
         best = record.best
         say(f"scored {sweep.scored_now} checkpoint(s) now, {len(record.entries)} in all; "
             + (f"best: step {best.step} ({best.checkpoint}), tau {best.tau:.3f}; " if best is not None else "")
             + (f"{len(record.failed)} not scored (listed in sweep.json); " if record.failed else "")
-            + f"wrote {options.out / 'sweep.json'}, {options.out / 'sweep.md'}")
+            + f"wrote {options.out / 'sweep.json'}, {options.out / 'sweep.md'}"
+            + (f", {options.out / 'sweep.png'}" if (options.out / "sweep.png").is_file() else ""))
         if (options.wandb_project or options.wandb_run_id) and record.wandb.get("dir"):
             run_dir = Path(record.wandb["dir"]).parent
             if run_dir.name.startswith("offline-run"):
