@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -233,3 +234,29 @@ def test_a_bad_prefix_is_answered_with_a_usable_one(prefix, suggested) -> None:
     with pytest.raises(ArgumentError, match=f"e.g. prefix='{suggested}'"):
         check_prefix(prefix)
     assert check_prefix(suggested) == suggested
+
+
+def test_a_resumed_offline_wandb_run_shows_its_whole_curve(tmp_path, monkeypatch, capsys) -> None:
+    """An offline run resumed with its id writes a second folder holding only the new steps: --show on it draws
+    every step of the run."""
+    import wandb
+
+    from dflash_cb.integrations import panels
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.chdir(tmp_path)
+    dirs = []
+    for steps in ((0, 1, 2), (3, 4)):
+        run = wandb.init(project="p", id="resumed1", resume="allow", reinit="create_new")
+        run.define_metric("trainer/global_step")
+        run.define_metric("dflash_eval/*", step_metric="trainer/global_step")
+        for s in steps:
+            run.log({"dflash_eval/tau": 1.0 + s / 10, "trainer/global_step": s})
+        dirs.append(Path(run.dir).parent)
+        run.finish()
+    assert dirs[0] != dirs[1]
+    capsys.readouterr()
+    assert panels.main(["--run", str(dirs[1]), "--show"]) == 0
+    shown = [line.split()[:2] for line in capsys.readouterr().out.splitlines() if line.split()[:1] and
+             line.split()[0].isdigit()]
+    assert [s for s, _ in shown] == ["0", "1", "2", "3", "4"]

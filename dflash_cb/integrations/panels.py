@@ -443,9 +443,9 @@ def _run_history(run: str, entity: str, project: str) -> tuple[list[dict[str, An
     from pathlib import Path
 
     if Path(run).exists():
-        from .wandb_offline import offline_history
+        from .wandb_offline import offline_run_history
 
-        rows, summary = offline_history(run)
+        rows, summary = offline_run_history(run)  # a resumed offline run: every part's steps
         return rows, set(summary)
     if not (entity and project) or "/" in run or os.sep in run or run.endswith(".wandb"):
         raise PanelsError(f"--run {run}: no such folder; give a local offline run folder (wandb/offline-run-<date>-"

@@ -122,3 +122,26 @@ def offline_config(run_dir: str | os.PathLike) -> dict[str, Any]:
             if key != "_wandb":
                 config[key] = json.loads(i.value_json)
     return config
+
+
+def run_parts(run_dir: str | os.PathLike) -> list[Path]:
+    """The folders of one offline run in the order they were written: a run resumed offline (the same id) writes
+    a new ``offline-run-<date>-<id>`` folder beside the first, holding only its new steps."""
+    run_dir = Path(run_dir)
+    name = run_dir.name
+    if not name.startswith("offline-run-") or "-" not in name[len("offline-run-"):]:
+        return [run_dir]
+    run_id = name.rsplit("-", 1)[1]
+    parts = sorted(p for p in run_dir.parent.glob(f"offline-run-*-{run_id}") if p.is_dir() and p.name <= name)
+    return parts or [run_dir]
+
+
+def offline_run_history(run_dir: str | os.PathLike) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """``offline_history`` of every part of a resumed offline run up to ``run_dir``: its whole curve."""
+    rows: list[dict[str, Any]] = []
+    summary: dict[str, Any] = {}
+    for part in run_parts(run_dir):
+        r, s = offline_history(part)
+        rows += r
+        summary.update(s)
+    return rows, summary
