@@ -713,3 +713,22 @@ def test_full_disk_during_a_shard_write_is_one_line(target_dir, prompts_file, tm
     assert not (out / MANIFEST_NAME).exists() and not (out / shard_name(0)).exists()
     assert not list(out.glob(".*.tmp"))
     assert run(target_dir, prompts_file, out, "--samples-per-shard", "5", "--no-export-head") == 0
+
+
+def test_a_resume_after_the_servers_model_changed_says_so(sglang, target_dir, prompts_file, tmp_path, capsys):
+    """Same command, another model behind the URL: named as the server's change (not "other arguments")."""
+    url, server = sglang
+    prompts = [json.loads(line)["input_ids"] for line in prompts_file.read_text().splitlines()]
+    server.abort.add(tuple(prompts[3]))
+    out = tmp_path / "changed"
+    args = ("--reference", "sglang", "--sglang-url", url, "--max-in-flight", "1")
+    assert run(target_dir, prompts_file, out, *args) == 2
+    server.abort.clear()
+    server.reported_model = "/models/Another-Model"
+    capsys.readouterr()
+    try:
+        assert run(target_dir, prompts_file, out, *args) == 2
+    finally:
+        server.reported_model = str(target_dir)
+    err = capsys.readouterr().err
+    assert "the server now serves another model" in err and "Another-Model" in err and "different arguments" not in err

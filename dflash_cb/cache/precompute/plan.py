@@ -502,6 +502,14 @@ def _refuse_other_arguments(out: Path, old: dict[str, Any] | None, source: str, 
     """An existing cache or resume record in ``out`` made with other arguments is not mixed with this run."""
     if old is not None and old != fingerprint:
         diffs = diff(old, fingerprint)
+        changed = [k for k in set(_flatten(old)) | set(_flatten(fingerprint))
+                   if _flatten(old).get(k, "<absent>") != _flatten(fingerprint).get(k, "<absent>")]
+        if changed and all(".served_model." in f".{k}." or k.endswith(".served_model") for k in changed):
+            # Same arguments, another model behind the URL: the server changed, not the command.
+            raise PrecomputeError(
+                f"--out {out}: the server now serves another model than the one that made its {source} "
+                "(same arguments):\n  - " + "\n  - ".join(diffs[:10]) + "\nResume against a server of the "
+                "original model, or pass --overwrite to start again with this one")
         raise PrecomputeError(
             f"--out {out}: its {source} was made with different arguments:\n  - " + "\n  - ".join(diffs[:20])
             + "\nUse another --out, rerun with the original arguments to resume, or pass --overwrite to "
