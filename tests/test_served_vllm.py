@@ -222,7 +222,9 @@ def test_traffic_of_another_client(world, tmp_path, capsys) -> None:
     s = check["summary"]
     assert s["samples_compared"] == s["samples_equal_rounds"] == s["samples_equal_per_position"] == N_PROMPTS - 1
     assert f"skipped {entries[2].id}: unattributable" in capsys.readouterr().out
-    from dflash_cb.core.baselines import load_served  # the served tau beside a live tau says it is over fewer samples
+    from dflash_cb.core.baselines import (
+        load_served,  # the served tau beside a live tau says it is over fewer samples
+    )
 
     b = load_served(StateCache(tmp_path / "c"))
     assert b.label.endswith(f"over {N_PROMPTS - 1} of {N_PROMPTS} samples)") and "served counters count" in b.details["subset"]

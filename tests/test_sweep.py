@@ -791,3 +791,36 @@ def test_ctrl_c_between_scoring_and_saving_counts_what_the_file_holds(tiny_cache
     assert sweep(tiny_cache, tmp_path / "sweep", folder, extra=("--config", str(drafter_json))) == 130
     on_disk = len(record(tmp_path / "sweep")["entries"])
     assert on_disk == 1 and f"stopped: {on_disk} checkpoint(s) in" in capsys.readouterr().out
+
+
+def test_watch_does_not_call_a_checkpoint_being_written_damaged(tiny_cache, plain_run, drafter_json, tmp_path,
+                                                                 monkeypatch, capsys):
+    """A checkpoint whose files change while it is read (a writer still at it) is waited for, said once, and
+    scored when it settles: never reported as damaged, never recorded as failed."""
+    import shutil
+
+    from dflash_cb.core.checkpoints import CheckpointError
+    from dflash_cb.integrations import sweep as sweep_module
+
+    src = next(iter(plain_run.values()))
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    ckpt = run_dir / src.name
+    shutil.copy(src, ckpt)
+    os.utime(ckpt, (time.time() - 60, time.time() - 60))  # settled before the first look
+    real, reads = sweep_module.drafter_in_checkpoint, []
+
+    def being_written(path, *a, **k):
+        reads.append(path)
+        if len(reads) <= 3:  # the writer touches it while it is read, three polls in a row
+            os.utime(ckpt, (time.time() - 60 + len(reads), time.time() - 60 + len(reads)))
+            raise CheckpointError(f"{path}: not a readable checkpoint, truncated or damaged")
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(sweep_module, "drafter_in_checkpoint", being_written)
+    assert sweep(tiny_cache, tmp_path / "sweep", run_dir, extra=("--config", str(drafter_json), "--watch",
+                                                                "--poll-seconds", "0.05", "--max-checkpoints", "1")) == 0
+    rec = record(tmp_path / "sweep")
+    assert len(rec["entries"]) == 1 and rec["failed"] == [] and len(reads) == 4
+    out = capsys.readouterr()
+    assert (out.out + out.err).count("being written") == 1 and "damaged" not in out.out + out.err

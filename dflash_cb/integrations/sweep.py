@@ -263,6 +263,7 @@ class Sweep:
         self._previous: dict[str, list[list[Any]]] = {}  # identities at the last look (watch: settled?)
         self._tried: set[str] = set()  # failures of this run, by checkpoint and identity: not retried unchanged
         self._waiting: dict[str, str] = {}  # checkpoints being written, and why (said once)
+        self._read_while_written: set[str] = set()  # checkpoints whose files changed while being read (said once)
         self.scored_now = 0
         self._bar: Any = None
 
@@ -315,6 +316,13 @@ class Sweep:
         return Plan(todo, {e.step: e.checkpoint for e in record.entries}, record.block_size, record.family,
                     self._done())
 
+    @staticmethod
+    def _changed_since_planned(p: Planned) -> bool:
+        try:
+            return p.found.identity() != p.identity
+        except OSError:  # a file gone or renamed under it: a writer at work
+            return True
+
     def _done(self) -> bool:
         o, entries = self.options, self.record.entries
         if o.max_checkpoints is not None and len(entries) >= o.max_checkpoints:
@@ -328,6 +336,12 @@ class Sweep:
             if outcome is None:
                 continue
             if outcome.failure is not None:
+                if self.options.watch and self._changed_since_planned(p):
+                    # Its files changed while it was read: still being written, not damaged; looked at again.
+                    if p.path not in self._read_while_written:  # said once, however many polls it takes
+                        log.say(f"waiting for {p.path}: being written")
+                    self._read_while_written.add(p.path)
+                    continue
                 self.record.fail(outcome.failure)
                 self._tried.add(json.dumps([p.path, p.identity]))
                 logger.warning(f"warning: {p.path}: not scored: {outcome.failure.error}")
