@@ -732,3 +732,28 @@ def test_a_resume_after_the_servers_model_changed_says_so(sglang, target_dir, pr
         server.reported_model = str(target_dir)
     err = capsys.readouterr().err
     assert "the server now serves another model" in err and "Another-Model" in err and "different arguments" not in err
+
+
+def test_ctrl_c_says_how_many_samples_were_written(target_dir, prompts_file, tmp_path, monkeypatch, capsys):
+    """Ctrl-C in the middle of a shard: the line counts the samples written (whole shards), not those computed;
+    a rerun resumes from them."""
+    from dflash_cb.cache.precompute import run as precompute_run
+    from dflash_cb.common.cli import run as run_tool
+
+    real, calls = precompute_run.compute_sample, []
+
+    def interrupted(*a, **k):
+        calls.append(1)
+        if len(calls) == 4:  # the second sample of the second shard of two
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(precompute_run, "compute_sample", interrupted)
+    out = tmp_path / "c"
+    args = ["--target", str(target_dir), "--prompts", str(prompts_file), "--out", str(out), "--layers", LAYERS,
+            "--max-new-tokens", "12", "--dtype", "float32", "--no-progress", "--samples-per-shard", "2"]
+    assert run_tool(main, args) == 130
+    err = capsys.readouterr().err
+    assert "interrupted: 2 sample(s) written in 1 shard(s)" in err and "run the same command to resume" in err
+    monkeypatch.setattr(precompute_run, "compute_sample", real)
+    assert run_tool(main, args) == 0

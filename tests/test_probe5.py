@@ -260,3 +260,17 @@ def test_a_resumed_offline_wandb_run_shows_its_whole_curve(tmp_path, monkeypatch
     shown = [line.split()[:2] for line in capsys.readouterr().out.splitlines() if line.split()[:1] and
              line.split()[0].isdigit()]
     assert [s for s, _ in shown] == ["0", "1", "2", "3", "4"]
+
+
+@pytest.mark.parametrize("field,value", [("block_size", "16"), ("mask_token_id", None), ("mask_token_id", "x")])
+def test_integer_fields_that_are_not_integers_are_named(drafter, tmp_path, field, value) -> None:
+    from dflash_cb.core.checkpoints import CheckpointError, load_drafter
+
+    folder = tmp_path / "d"
+    drafter.save_pretrained(folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["dflash_config"][field] = value
+    cfg.pop(field, None)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=f"{field}"):
+        load_drafter(folder)

@@ -37,6 +37,13 @@ def _dflash_value(config: Any, name: str, default: Any = None) -> Any:
     return cfg.get(name, getattr(config, name, default))
 
 
+def _int_field(value: Any, field: str) -> int:
+    """An integer field of a drafter config, or a ValueError naming it (``int()`` alone names nothing)."""
+    if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, float) and value.is_integer())):
+        raise ValueError(f"{field} must be an integer, got {value!r}")
+    return int(value)
+
+
 def layer_id_list(value: Any, field: str) -> list[int]:
     """A config's list of target layer ids, or a ValueError naming ``field`` and what it holds (an int, a string
     or an empty list would otherwise fail as ``int()`` over characters or as a weight shape mismatch)."""
@@ -103,17 +110,17 @@ class DrafterSpec:
             if top_k is None:
                 raise ValueError("a DFlash 2 drafter config has no selector_top_k (expected in dflash_config)")
         return cls(
-            block_size=int(_dflash_value(config, "block_size", 16)),
-            mask_token_id=int(mask),
+            block_size=_int_field(_dflash_value(config, "block_size", 16), "block_size"),
+            mask_token_id=_int_field(mask, "mask_token_id"),
             target_layer_ids=tuple(ids),
             # The context features are target hidden states; the reference assumes equal widths.
             target_hidden_size=int(getattr(config, "target_hidden_size", None) or config.hidden_size),
-            vocab_size=int(config.vocab_size),
+            vocab_size=_int_field(config.vocab_size, "vocab_size"),
             input_embedding_scale=float(_dflash_value(config, "input_embedding_scale", 1.0) or 1.0),
             output_multiplier=float(_dflash_value(config, "output_multiplier", 1.0) or 1.0),
             final_logit_softcapping=float(softcap) if softcap else None,
             family=family,
-            selector_top_k=int(top_k) if top_k is not None else None,
+            selector_top_k=_int_field(top_k, "selector_top_k") if top_k is not None else None,
         )
 
     def differences(self, other: DrafterSpec) -> list[tuple[str, Any, Any]]:

@@ -319,10 +319,24 @@ def _completion_of(plan: Plan, target: Target, r: PromptRecord, completions: Com
 def _compute_shards(plan: Plan, state: _State, target: Target, groups: list[int], completions: Completions,
                     tally: _Tally) -> None:
     """Prefill every sample of ``groups`` and write each group as one shard, recorded as it lands."""
+    progress = _Progress(plan, [r for g in groups for r in plan.groups[g]], completions, tally)
+    try:
+        _compute_groups(plan, state, target, groups, completions, tally, progress)
+    except KeyboardInterrupt:
+        # The bar counts samples computed; a shard's samples are kept only once the shard is written.
+        progress.close()
+        written = sum(len(sh.samples) for sh in state.shards.values())
+        logger.warning(f"interrupted: {written} sample(s) written in {len(state.shards)} shard(s) of {plan.out} "
+                       "(samples computed since the last written shard are not kept); run the same command to resume")
+        raise
+    progress.close()
+
+
+def _compute_groups(plan: Plan, state: _State, target: Target, groups: list[int], completions: Completions,
+                    tally: _Tally, progress: _Progress) -> None:
     from ..target import DTYPES
 
     store_dtype = DTYPES[plan.args.dtype]
-    progress = _Progress(plan, [r for g in groups for r in plan.groups[g]], completions, tally)
     for g in groups:
         name = shard_name(g)
         tensors: dict[str, torch.Tensor] = {}
@@ -346,7 +360,6 @@ def _compute_shards(plan: Plan, state: _State, target: Target, groups: list[int]
         state.shards[name] = shard
         state.samples.update({e.id: e for e in entries})
         append_progress(plan.out / PROGRESS_NAME, shard_record(shard, entries))
-    progress.close()
 
 
 def _export_head(plan: Plan, state: _State, target: Target, tally: _Tally) -> None:
