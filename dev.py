@@ -12,8 +12,8 @@ strict and only a few of their modules are imported by the tests). A stamp keyed
 the oracle pins and the interpreter makes a second run skip pip entirely.
 
 Which torch: ``torch==2.13.0``; on Linux without an NVIDIA GPU from the CPU index
-(``https://download.pytorch.org/whl/cpu``: pip's default index serves the multi-GB CUDA build there),
-otherwise from pip's configured index; ``DFLASH_CB_TORCH_INDEX`` names another index and overrides
+(``https://download.pytorch.org/whl/cpu``: pip's default index serves the multi-GB CUDA build there) when it
+answers within a few seconds, otherwise (and with a GPU) from pip's configured index, said in one line; ``DFLASH_CB_TORCH_INDEX`` names another index and overrides
 both. An installed torch (say, a CUDA build on a GPU node) is always kept.
 """
 
@@ -25,7 +25,7 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
@@ -75,12 +75,28 @@ def nvidia_gpu(root: Path = Path("/")) -> bool:
     return (root / "dev" / "nvidia0").exists()
 
 
-def torch_index(environ: Mapping[str, str], platform: str, gpu: bool) -> str | None:
+def torch_index(environ: Mapping[str, str], platform: str, gpu: bool,
+                reachable: Callable[[str], bool] = lambda url: True) -> str | None:
     """The index torch is installed from: ``DFLASH_CB_TORCH_INDEX`` if set; the CPU build's on Linux without a
-    GPU (the default index's Linux wheel is the CUDA build); else pip's configured index (None)."""
+    GPU (the default index's Linux wheel is the CUDA build) when ``reachable`` says it answers; else pip's
+    configured index (None), which on a machine without that index is the one that serves it (a mirror)."""
     if environ.get(TORCH_INDEX_ENV):
         return environ[TORCH_INDEX_ENV]
-    return CPU_TORCH_INDEX if platform.startswith("linux") and not gpu else None
+    if platform.startswith("linux") and not gpu:
+        return CPU_TORCH_INDEX if reachable(CPU_TORCH_INDEX) else None
+    return None
+
+
+def answers(url: str, timeout: float = 3.0) -> bool:
+    """Whether ``url`` answers at all, one try with a short timeout (pip would retry an unreachable index for
+    minutes before falling back)."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url + "/torch/", timeout=timeout):
+            return True
+    except Exception:
+        return False
 
 
 def pip_commands(torch_installed: bool, oracles_missing: list[str], stamp_ok: bool,
@@ -106,8 +122,13 @@ def _read_stamp() -> dict:
 def setup() -> None:
     key = setup_key((ROOT / "pyproject.toml").read_bytes())
     stamp_ok = _read_stamp().get(sys.executable) == key and _installed("dflash-cb") is not None
-    cmds = pip_commands(_installed("torch") is not None, _oracle_missing(ORACLE_PINS), stamp_ok,
-                        torch_index(os.environ, sys.platform, nvidia_gpu()))
+    has_torch = _installed("torch") is not None
+    index = None if has_torch else torch_index(os.environ, sys.platform, nvidia_gpu(), answers)
+    if not has_torch:
+        print("dev.py: torch from " + (index or "pip's configured index") + ("" if index or os.environ.get(
+            TORCH_INDEX_ENV) or nvidia_gpu() or not sys.platform.startswith("linux") else
+            f" ({CPU_TORCH_INDEX} did not answer)"), flush=True)
+    cmds = pip_commands(has_torch, _oracle_missing(ORACLE_PINS), stamp_ok, index)
     for args in cmds:
         print("dev.py: pip " + " ".join(args), flush=True)
         subprocess.run([sys.executable, "-m", "pip", "-q", *args], check=True,

@@ -88,3 +88,19 @@ def test_a_machine_without_a_gpu_takes_the_cpu_build_of_torch(tmp_path) -> None:
     assert not dev.nvidia_gpu(tmp_path)  # a machine with no driver
     (tmp_path / "proc" / "driver" / "nvidia" / "gpus" / "0000:01:00.0").mkdir(parents=True)
     assert dev.nvidia_gpu(tmp_path)
+
+
+def test_an_unreachable_cpu_index_is_tried_once_and_pips_own_index_used() -> None:
+    """Where the CPU index does not answer (a machine behind a mirror), pip's configured source is used at once
+    instead of pip retrying the index for minutes; the probe is asked only where the CPU index would be used."""
+    asked = []
+
+    def down(url: str) -> bool:
+        asked.append(url)
+        return False
+
+    assert dev.torch_index({}, "linux", gpu=False, reachable=down) is None and asked == [dev.CPU_TORCH_INDEX]
+    assert dev.torch_index({}, "linux", gpu=True, reachable=down) is None and len(asked) == 1
+    assert dev.torch_index({dev.TORCH_INDEX_ENV: "https://m/whl"}, "linux", False, down) == "https://m/whl"
+    assert len(asked) == 1
+    assert not dev.answers("http://127.0.0.1:9", timeout=0.5)  # nothing listens: False at once, no retries

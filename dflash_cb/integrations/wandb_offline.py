@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 import zlib
 from pathlib import Path
@@ -126,14 +127,27 @@ def offline_config(run_dir: str | os.PathLike) -> dict[str, Any]:
 
 def run_parts(run_dir: str | os.PathLike) -> list[Path]:
     """The folders of one offline run in the order they were written: a run resumed offline (the same id) writes
-    a new ``offline-run-<date>-<id>`` folder beside the first, holding only its new steps."""
+    a new ``offline-run-<date>_<time>-<id>`` folder beside the first (``...-<id>-1`` when in the same second),
+    holding only its new steps."""
     run_dir = Path(run_dir)
-    name = run_dir.name
-    if not name.startswith("offline-run-") or "-" not in name[len("offline-run-"):]:
+    m = _PART.fullmatch(run_dir.name)
+    if m is None:
         return [run_dir]
-    run_id = name.rsplit("-", 1)[1]
-    parts = sorted(p for p in run_dir.parent.glob(f"offline-run-*-{run_id}") if p.is_dir() and p.name <= name)
-    return parts or [run_dir]
+    base = m.group("id")
+
+    def key(p: Path) -> tuple[str, int] | None:
+        k = _PART.fullmatch(p.name)
+        if k is None or not p.is_dir() or k.group("id") != base:
+            return None
+        return k.group("time"), int(k.group("n") or 0)
+
+    parts = sorted((k, p) for p in run_dir.parent.glob("offline-run-*") if (k := key(p)) is not None)
+    mine = key(run_dir)
+    return [p for k, p in parts if mine is None or k <= mine] or [run_dir]
+
+
+# ``offline-run-<date>_<time>-<id>``, and ``-<n>`` after it for a second folder created in the same second.
+_PART = re.compile(r"offline-run-(?P<time>\d{8}_\d{6})-(?P<id>.+?)(?:-(?P<n>\d+))?")
 
 
 def offline_run_history(run_dir: str | os.PathLike) -> tuple[list[dict[str, Any]], dict[str, Any]]:
