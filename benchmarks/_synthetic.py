@@ -13,8 +13,8 @@ from transformers import Qwen3Config
 from dflash_cb.cache.manifest import HEAD_NAME, Manifest, SampleEntry, ShardEntry, shard_name
 from dflash_cb.cache.states import StateCache, TargetHead
 from dflash_cb.common.fileio import atomic_write_bytes
-from dflash_cb.core.engine import FastRunner, apply_head, block_embeddings
-from dflash_cb.core.model import DFlashDrafter
+from dflash_cb.core.drafters.dflash.model import DFlashDrafter
+from dflash_cb.core.replay.engine import FastRunner, apply_head, block_embeddings
 
 PRESETS = {
     # The Qwen3.6-27B drafter's shape: 5 layers, hidden 5120, 32/8 heads of 128, vocab 248,320.

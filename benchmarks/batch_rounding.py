@@ -35,10 +35,10 @@ from tiny_target import (  # noqa: E402
 
 from dflash_cb.cache.precompute import PrecomputeArgs, run_precompute  # noqa: E402
 from dflash_cb.cache.states import StateCache  # noqa: E402
-from dflash_cb.core import engine  # noqa: E402
-from dflash_cb.core.cost import MemoryLimits  # noqa: E402
-from dflash_cb.core.metrics import T1_TAU_ESTIMATE  # noqa: E402
-from dflash_cb.core.model import DFlashDrafter  # noqa: E402
+from dflash_cb.core.costs.evaluation import MemoryLimits  # noqa: E402
+from dflash_cb.core.drafters.dflash.model import DFlashDrafter  # noqa: E402
+from dflash_cb.core.figures.metrics import T1_TAU_ESTIMATE  # noqa: E402
+from dflash_cb.core.replay import engine  # noqa: E402
 from dflash_cb.demo.lightning_module import tiny_drafter_config  # noqa: E402
 
 WAYS = {"round by round": dict(draft_all=False), "one block a pass": dict(limits=MemoryLimits(max_blocks=1)),

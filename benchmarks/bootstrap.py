@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_cb.core.bootstrap import metric_sums, paired_difference
-from dflash_cb.core.results import SampleRecord, derived_metrics
+from dflash_cb.core.figures.bootstrap import metric_sums, paired_difference
+from dflash_cb.core.results.results_file import SampleRecord, derived_metrics
 
 
 def main() -> None:

@@ -39,12 +39,12 @@ from _docs import report_to_docs  # noqa: E402
 from _synthetic import PRESETS, drafter_config, make_drafter, make_head, write_cache  # noqa: E402
 
 from dflash_cb.common.timing import PhaseTimer  # noqa: E402
-from dflash_cb.core import selector  # noqa: E402
-from dflash_cb.core.cost import DEFAULT_LIMITS, DrafterShape, block_gflop, memory_bound  # noqa: E402
-from dflash_cb.core.dflash2 import PICK_ROWS, DFlash2Drafter  # noqa: E402
-from dflash_cb.core.engine import PHASES, FastRunner, block_embeddings, evaluate  # noqa: E402
-from dflash_cb.core.metrics import SELECTOR_ORACLE_TAU, SELECTOR_UNARY_TAU, TAU  # noqa: E402
-from dflash_cb.core.proposers import predecessors  # noqa: E402
+from dflash_cb.core.costs.evaluation import DEFAULT_LIMITS, DrafterShape, block_gflop, memory_bound  # noqa: E402
+from dflash_cb.core.drafters.dflash2 import selector  # noqa: E402
+from dflash_cb.core.drafters.dflash2.model import PICK_ROWS, DFlash2Drafter  # noqa: E402
+from dflash_cb.core.drafters.proposers import predecessors  # noqa: E402
+from dflash_cb.core.figures.metrics import SELECTOR_ORACLE_TAU, SELECTOR_UNARY_TAU, TAU  # noqa: E402
+from dflash_cb.core.replay.engine import PHASES, FastRunner, block_embeddings, evaluate  # noqa: E402
 
 GB = 1e9
 
@@ -168,7 +168,7 @@ def walk_timing(two: DFlash2Drafter, head, cache, args) -> None:
                 out[name] = fn()
                 times.append(time.perf_counter() - t)
             seconds[name] = min(times)
-    from dflash_cb.core.replay import leading_matches
+    from dflash_cb.core.loop.cycles import leading_matches
 
     walks = list(out.values())
     assert torch.equal(walks[0], walks[1])

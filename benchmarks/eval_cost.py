@@ -36,10 +36,10 @@ from tiny_target import TINY_LAYER_IDS, TINY_MASK, build_tiny_cache, train_brief
 
 from dflash_cb.cache.states import StateCache  # noqa: E402
 from dflash_cb.common.timing import PhaseTimer  # noqa: E402
-from dflash_cb.core.cost import DrafterShape, SecondsPredictor, draft_all_is_cheaper  # noqa: E402
-from dflash_cb.core.engine import evaluate, group_seconds  # noqa: E402
-from dflash_cb.core.metrics import ddtree_tau  # noqa: E402
-from dflash_cb.core.model import DFlashDrafter  # noqa: E402
+from dflash_cb.core.costs.evaluation import DrafterShape, SecondsPredictor, draft_all_is_cheaper  # noqa: E402
+from dflash_cb.core.drafters.dflash.model import DFlashDrafter  # noqa: E402
+from dflash_cb.core.figures.metrics import ddtree_tau  # noqa: E402
+from dflash_cb.core.replay.engine import evaluate, group_seconds  # noqa: E402
 from dflash_cb.demo.lightning_module import tiny_drafter_config  # noqa: E402
 
 

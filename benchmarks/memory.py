@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Memory at the real width: peak RSS of setup, a greedy evaluation and a DDTree evaluation against
-the engine's memory model (``dflash_cb.core.cost.memory_bound``, stated in ``engine.evaluate``).
+the engine's memory model (``dflash_cb.core.costs.evaluation.memory_bound``, stated in ``engine.evaluate``).
 
     python benchmarks/memory.py                     # CPU defaults: 1 sample of 8 + 8 tokens, bf16
     python benchmarks/memory.py --samples 16 --prompt 128 --completion 128 --device cuda   # a GPU box
@@ -109,9 +109,9 @@ def run_case(case: str, folder: Path, p: dict, device: str) -> dict:
     from _synthetic import drafter_config
 
     from dflash_cb.cache.states import StateCache
-    from dflash_cb.core.cost import DrafterShape, memory_bound
-    from dflash_cb.core.engine import evaluate
-    from dflash_cb.core.model import DFlashDrafter
+    from dflash_cb.core.costs.evaluation import DrafterShape, memory_bound
+    from dflash_cb.core.drafters.dflash.model import DFlashDrafter
+    from dflash_cb.core.replay.engine import evaluate
 
     torch.set_num_threads(2)
     base, anon_base = _status("VmRSS"), _status("RssAnon")

@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash_cb.cache.states import StateCache  # noqa: E402
-from dflash_cb.core.metrics import DEFAULT_PREFIX, TAU  # noqa: E402
+from dflash_cb.core.figures.metrics import DEFAULT_PREFIX, TAU  # noqa: E402
 from dflash_cb.integrations.specforge import attach  # noqa: E402
 from dflash_cb.integrations.specforge_data import sample_features  # noqa: E402
 

@@ -32,11 +32,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from dflash_cb.cache.states import StateCache  # noqa: E402
-from dflash_cb.core.anchor_sets import offsets_for  # noqa: E402
-from dflash_cb.core.bootstrap import interval_metrics  # noqa: E402
-from dflash_cb.core.checkpoints import load_drafter  # noqa: E402
-from dflash_cb.core.engine import EvalReport, evaluate  # noqa: E402
-from dflash_cb.core.metrics import (  # noqa: E402
+from dflash_cb.core.checkpoints.load import load_drafter  # noqa: E402
+from dflash_cb.core.figures.bootstrap import interval_metrics  # noqa: E402
+from dflash_cb.core.figures.metrics import (  # noqa: E402
     ALL_ANCHOR_TAU,
     SPECFORGE_ACC,
     EvalCounts,
@@ -45,6 +43,8 @@ from dflash_cb.core.metrics import (  # noqa: E402
     depth_acc,
     summarize,
 )
+from dflash_cb.core.loop.anchor_sets import offsets_for  # noqa: E402
+from dflash_cb.core.replay.engine import EvalReport, evaluate  # noqa: E402
 
 FIGURES = [SPECFORGE_ACC, depth_acc(1), depth_acc(2), depth_acc(3), ALL_ANCHOR_TAU]
 HEADER = ["specforge/acc", "depth 1", "depth 2", "depth 3", "all_anchor_tau"]

@@ -97,7 +97,7 @@ class Ours:
 
     def __init__(self, cache: Any, drafter: Any, device: Any, budgets: tuple[int, ...], light_stride: int,
                  out: Path):
-        from dflash_cb.core import engine
+        from dflash_cb.core.replay import engine
 
         self.cache, self.drafter, self.device, self.out = cache, drafter, device, out
         self.budgets, self.light_stride = budgets, light_stride
@@ -106,8 +106,8 @@ class Ours:
         self.timed, self.extra = "timer" in params, "extra_anchor_strides" in params
         self.light_kw: dict[str, Any] = {}
         if "draft_all" in params:  # decided as the live evaluator does, from the taus it last measured
-            from dflash_cb.core.cost import DrafterShape, draft_all_is_cheaper
-            from dflash_cb.core.metrics import ddtree_tau
+            from dflash_cb.core.costs.evaluation import DrafterShape, draft_all_is_cheaper
+            from dflash_cb.core.figures.metrics import ddtree_tau
 
             spec = drafter.spec
             shape = DrafterShape.of(drafter.config, spec.block_size, len(spec.target_layer_ids) * spec.target_hidden_size)
@@ -136,7 +136,7 @@ class Ours:
         return timer.phase(name) if timer is not None else contextlib.nullcontext()
 
     def greedy(self) -> tuple[Any, Any]:
-        from dflash_cb.core.results import report_to_results, write_results
+        from dflash_cb.core.results.results_file import report_to_results, write_results
 
         timer = self._timer()
         report = self._evaluate(timer, budgets=(), anchor_stride=1)
@@ -147,7 +147,7 @@ class Ours:
         return report, timer
 
     def light(self) -> tuple[Any, Any]:
-        from dflash_cb.core.compare import live_metrics
+        from dflash_cb.core.results.compare import live_metrics
 
         timer = self._timer()
         budgets = self.budgets[-1:]
@@ -157,8 +157,8 @@ class Ours:
         return report, timer
 
     def full(self) -> tuple[Any, Any]:
-        from dflash_cb.core.compare import live_metrics
-        from dflash_cb.core.metrics import summarize
+        from dflash_cb.core.figures.metrics import summarize
+        from dflash_cb.core.results.compare import live_metrics
 
         timer = self._timer()
         kw = {"extra_anchor_strides": [self.light_stride]} if self.extra else {}
@@ -200,7 +200,7 @@ def report(args: argparse.Namespace) -> int:
 
     import dflash_cb
     from dflash_cb.cache.states import StateCache
-    from dflash_cb.core.checkpoints import load_drafter
+    from dflash_cb.core.checkpoints.load import load_drafter
 
     torch.set_num_threads(args.threads)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -34,20 +34,20 @@ _EXPORTS = {
     "EvalConfig": ("dflash_cb.integrations.config", "EvalConfig"),
     "MetricsSink": ("dflash_cb.integrations.sinks", "MetricsSink"),
     "StateCache": ("dflash_cb.cache.states", "StateCache"),
-    "evaluate": ("dflash_cb.core.engine", "evaluate"),
-    "EvalRequest": ("dflash_cb.core.request", "EvalRequest"),
-    "load_drafter": ("dflash_cb.core.checkpoints", "load_drafter"),
-    "DFlashDrafter": ("dflash_cb.core.model", "DFlashDrafter"),
-    "DFlash2Drafter": ("dflash_cb.core.dflash2", "DFlash2Drafter"),
-    "DrafterSpec": ("dflash_cb.core.model", "DrafterSpec"),
-    "DEFAULT_PREFIX": ("dflash_cb.core.metrics", "DEFAULT_PREFIX"),
-    "TAU": ("dflash_cb.core.metrics", "TAU"),
-    "TAU_REQUEST_MEAN": ("dflash_cb.core.metrics", "TAU_REQUEST_MEAN"),
-    "SPECFORGE_ACC": ("dflash_cb.core.metrics", "SPECFORGE_ACC"),
-    "STEP_KEY": ("dflash_cb.core.metrics", "STEP_KEY"),
-    "TAU_KEY": ("dflash_cb.core.metrics", "TAU_KEY"),
-    "ddtree_tau": ("dflash_cb.core.metrics", "ddtree_tau"),
-    "metric_key": ("dflash_cb.core.metrics", "metric_key"),
+    "evaluate": ("dflash_cb.core.replay.engine", "evaluate"),
+    "EvalRequest": ("dflash_cb.core.replay.request", "EvalRequest"),
+    "load_drafter": ("dflash_cb.core.checkpoints.load", "load_drafter"),
+    "DFlashDrafter": ("dflash_cb.core.drafters.dflash.model", "DFlashDrafter"),
+    "DFlash2Drafter": ("dflash_cb.core.drafters.dflash2.model", "DFlash2Drafter"),
+    "DrafterSpec": ("dflash_cb.core.drafters.dflash.model", "DrafterSpec"),
+    "DEFAULT_PREFIX": ("dflash_cb.core.figures.metrics", "DEFAULT_PREFIX"),
+    "TAU": ("dflash_cb.core.figures.metrics", "TAU"),
+    "TAU_REQUEST_MEAN": ("dflash_cb.core.figures.metrics", "TAU_REQUEST_MEAN"),
+    "SPECFORGE_ACC": ("dflash_cb.core.figures.metrics", "SPECFORGE_ACC"),
+    "STEP_KEY": ("dflash_cb.core.figures.metrics", "STEP_KEY"),
+    "TAU_KEY": ("dflash_cb.core.figures.metrics", "TAU_KEY"),
+    "ddtree_tau": ("dflash_cb.core.figures.metrics", "ddtree_tau"),
+    "metric_key": ("dflash_cb.core.figures.metrics", "metric_key"),
 }
 
 __all__ = [
@@ -59,10 +59,10 @@ __all__ = [
 
 if TYPE_CHECKING:  # what editors and type checkers see; at run time each name is imported on first use
     from .cache.states import StateCache
-    from .core.checkpoints import load_drafter
-    from .core.dflash2 import DFlash2Drafter
-    from .core.engine import evaluate
-    from .core.metrics import (
+    from .core.checkpoints.load import load_drafter
+    from .core.drafters.dflash.model import DFlashDrafter, DrafterSpec
+    from .core.drafters.dflash2.model import DFlash2Drafter
+    from .core.figures.metrics import (
         DEFAULT_PREFIX,
         SPECFORGE_ACC,
         STEP_KEY,
@@ -72,8 +72,8 @@ if TYPE_CHECKING:  # what editors and type checkers see; at run time each name i
         ddtree_tau,
         metric_key,
     )
-    from .core.model import DFlashDrafter, DrafterSpec
-    from .core.request import EvalRequest
+    from .core.replay.engine import evaluate
+    from .core.replay.request import EvalRequest
     from .integrations.callback import DFlashEvalCallback
     from .integrations.config import EvalConfig
     from .integrations.evaluator import LiveEvaluator

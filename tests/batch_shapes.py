@@ -16,9 +16,9 @@ from typing import Any
 import torch
 
 from dflash_cb.cache.states import StateCache
-from dflash_cb.core import engine
-from dflash_cb.core.cost import MemoryLimits
-from dflash_cb.core.metrics import summarize
+from dflash_cb.core.costs.evaluation import MemoryLimits
+from dflash_cb.core.figures.metrics import summarize
+from dflash_cb.core.replay import engine
 
 BUDGETS = (3, 8)
 STRIDE = 2
@@ -52,7 +52,7 @@ def figures(cache: StateCache, drafter: Any) -> dict[str, dict[str, float]]:
 
 
 if __name__ == "__main__":
-    from dflash_cb.core.checkpoints import load_drafter
+    from dflash_cb.core.checkpoints.load import load_drafter
 
     with torch.no_grad():
         found = figures(StateCache(sys.argv[1]), load_drafter(sys.argv[2]).eval())

@@ -75,7 +75,7 @@ def drafter_dir(tiny_drafter_config: dict, tmp_path_factory: pytest.TempPathFact
     """A saved drafter folder (random weights, seed 0) for the tiny cache."""
     import torch
 
-    from dflash_cb.core.model import DFlashDrafter
+    from dflash_cb.core.drafters.dflash.model import DFlashDrafter
 
     torch.manual_seed(0)
     out = tmp_path_factory.mktemp("drafter") / "drafter"

@@ -1,5 +1,5 @@
 """The test oracle for DDTree: the tree built with ``heapq`` exactly as docs/method.md describes it, then
-walked along the target's tokens; plain Python, independent of ``dflash_cb.core.ddtree``."""
+walked along the target's tokens; plain Python, independent of ``dflash_cb.core.loop.ddtree``."""
 
 from __future__ import annotations
 

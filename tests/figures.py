@@ -15,7 +15,7 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from dflash_cb.core.metrics import T1_TAU_ESTIMATE
+from dflash_cb.core.figures.metrics import T1_TAU_ESTIMATE
 
 # The forward's batch-shape rounding (~1e-9 per anchor) averaged over a sample's anchors, with room to spare.
 T1_RTOL = 1e-6

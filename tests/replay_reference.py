@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from dflash_cb.core.replay import SampleBounds
+from dflash_cb.core.loop.cycles import SampleBounds
 
 
 class Walk:

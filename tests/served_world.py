@@ -40,7 +40,7 @@ def build_world(root: Path) -> dict[str, Any]:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from dflash_cb.cache.states import StateCache
-    from dflash_cb.core.model import DFlashDrafter
+    from dflash_cb.core.drafters.dflash.model import DFlashDrafter
 
     dm = oracles.require("dflash.model")
     target_dir = save_tiny_qwen3(root / "target", seed=3)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_cb.core.anchor_sets import anchor_offset, offsets_for, sparse_stride_warning, strided
+from dflash_cb.core.loop.anchor_sets import anchor_offset, offsets_for, sparse_stride_warning, strided
 
 IDS = [f"prompt-{i:05d}" for i in range(4000)]
 # Chi-square critical values at p = 0.001 for stride - 1 degrees of freedom.
@@ -63,9 +63,9 @@ def test_strided_figure_estimates_the_stride_1_figure_where_the_first_anchor_bia
     from tiny_target import train_briefly
 
     from dflash_cb.cache.states import StateCache
-    from dflash_cb.core.engine import evaluate
-    from dflash_cb.core.metrics import ALL_ANCHOR_TAU
-    from dflash_cb.core.model import DFlashDrafter
+    from dflash_cb.core.drafters.dflash.model import DFlashDrafter
+    from dflash_cb.core.figures.metrics import ALL_ANCHOR_TAU
+    from dflash_cb.core.replay.engine import evaluate
 
     stride = 4
     cache = StateCache(tiny_cache)

@@ -9,15 +9,15 @@ import numpy as np
 import pytest
 from replay_reference import replay_walk
 
-from dflash_cb.core.bootstrap import Sums, intervals, metric_sums, paired_difference
-from dflash_cb.core.positions import (
+from dflash_cb.core.figures.bootstrap import Sums, intervals, metric_sums, paired_difference
+from dflash_cb.core.figures.positions import (
     anchor_positions,
     cycle_table,
     position_labels,
     position_table,
 )
-from dflash_cb.core.replay import SampleBounds
-from dflash_cb.core.results import SampleRecord
+from dflash_cb.core.loop.cycles import SampleBounds
+from dflash_cb.core.results.results_file import SampleRecord
 
 
 def synthetic_sums(rng: np.random.Generator, n_samples: int, block: int = 8) -> Sums:
@@ -133,9 +133,14 @@ def test_results_schema_round_trip_partition_and_refusals(tmp_path, tiny_cache, 
     import torch
 
     from dflash_cb.cache.states import StateCache
-    from dflash_cb.core.engine import evaluate
-    from dflash_cb.core.model import DFlashDrafter
-    from dflash_cb.core.results import ResultsError, load_results, report_to_results, write_results
+    from dflash_cb.core.drafters.dflash.model import DFlashDrafter
+    from dflash_cb.core.replay.engine import evaluate
+    from dflash_cb.core.results.results_file import (
+        ResultsError,
+        load_results,
+        report_to_results,
+        write_results,
+    )
 
     torch.manual_seed(0)
     cache = StateCache(tiny_cache)
@@ -199,15 +204,22 @@ def test_results_schema_round_trip_partition_and_refusals(tmp_path, tiny_cache, 
 def test_anchor_statistics_get_intervals_from_per_sample_counts():
     """specforge/acc, acceptance/depth_KK and all_anchor_tau of a stride are ratios of per-sample sums: the
     value is the pooled ratio and the interval comes from resampling samples (offsets included)."""
-    from dflash_cb.core.bootstrap import (
+    from dflash_cb.core.figures.bootstrap import (
         DEFAULT_LEVEL,
         DEFAULT_RESAMPLES,
         DEFAULT_SEED,
         anchor_sums,
         interval_keys,
     )
-    from dflash_cb.core.compare import live_metrics
-    from dflash_cb.core.metrics import ALL_ANCHOR_TAU, SPECFORGE_ACC, AnchorCounts, ci_high, ci_low, depth_acc
+    from dflash_cb.core.figures.metrics import (
+        ALL_ANCHOR_TAU,
+        SPECFORGE_ACC,
+        AnchorCounts,
+        ci_high,
+        ci_low,
+        depth_acc,
+    )
+    from dflash_cb.core.results.compare import live_metrics
 
     rng = np.random.default_rng(3)
     samples = []
@@ -243,12 +255,12 @@ def test_the_default_position_buckets_fit_short_completions(tiny_cache, tiny_dra
     import torch
 
     from dflash_cb.cache.states import StateCache
-    from dflash_cb.core.compare import live_metrics
-    from dflash_cb.core.engine import evaluate
-    from dflash_cb.core.metrics import position_cycles
-    from dflash_cb.core.model import DFlashDrafter
-    from dflash_cb.core.positions import DEFAULT_POSITION_EDGES, completion_extent, fitted_edges
-    from dflash_cb.core.results import report_to_results
+    from dflash_cb.core.drafters.dflash.model import DFlashDrafter
+    from dflash_cb.core.figures.metrics import position_cycles
+    from dflash_cb.core.figures.positions import DEFAULT_POSITION_EDGES, completion_extent, fitted_edges
+    from dflash_cb.core.replay.engine import evaluate
+    from dflash_cb.core.results.compare import live_metrics
+    from dflash_cb.core.results.results_file import report_to_results
 
     cache = StateCache(tiny_cache)
     torch.manual_seed(0)

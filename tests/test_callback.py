@@ -19,7 +19,7 @@ from tool_runs import same
 from dflash_cb import DFlashEvalCallback
 from dflash_cb.cache.selection import stratified_ids
 from dflash_cb.cache.states import CacheMismatchError, StateCache
-from dflash_cb.core.metrics import EVAL_TIME
+from dflash_cb.core.figures.metrics import EVAL_TIME
 from dflash_cb.demo.lightning_module import CachedStatesDataModule, DFlashDrafterModule
 from dflash_cb.integrations.evaluator import DFlashEvalError
 from dflash_cb.integrations.sample_table import format_blocks, make_decoder
@@ -49,7 +49,7 @@ def test_logged_tau_equals_eval_drafter_on_saved_weights(tmp_path, tiny_cache, t
 
     The callback takes the head from the module's attributes; the tool from the cache's export.
     """
-    from dflash_cb.core.checkpoints import extract_drafter
+    from dflash_cb.core.checkpoints.load import extract_drafter
 
     tiny_drafter_config = tiny_dflash2_config if family == "dflash2" else tiny_drafter_config
     cb = DFlashEvalCallback(states=tiny_cache, every_n_train_steps=3, ddtree_budgets=BUDGETS,

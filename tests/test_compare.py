@@ -16,8 +16,14 @@ import pytest
 import torch
 
 from dflash_cb.common.cli import run
-from dflash_cb.core.compare import compare, delta_metrics, main, render_markdown
-from dflash_cb.core.results import Results, SampleRecord, load_results, report_to_results, write_results
+from dflash_cb.core.results.compare import compare, delta_metrics, main, render_markdown
+from dflash_cb.core.results.results_file import (
+    Results,
+    SampleRecord,
+    load_results,
+    report_to_results,
+    write_results,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 TOOL = ROOT / "tools" / "compare_results.py"
@@ -39,8 +45,8 @@ def _run_here(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str, str]
 @pytest.fixture(scope="module")
 def two_results(tiny_cache, tiny_drafter_config, tmp_path_factory) -> tuple[Path, Path]:
     from dflash_cb.cache.states import StateCache
-    from dflash_cb.core.engine import evaluate
-    from dflash_cb.core.model import DFlashDrafter
+    from dflash_cb.core.drafters.dflash.model import DFlashDrafter
+    from dflash_cb.core.replay.engine import evaluate
 
     cache = StateCache(tiny_cache)
     out = tmp_path_factory.mktemp("cmp")
@@ -72,7 +78,7 @@ def test_published_figures_sit_beside_their_own_convention(two_results, tmp_path
     """A published figure is listed only beside the live figure of its declared convention."""
     import yaml
 
-    from dflash_cb.core.metrics import ACCEPT_LENGTH_SERVED, TAU_REQUEST_MEAN, ci_high, ci_low
+    from dflash_cb.core.figures.metrics import ACCEPT_LENGTH_SERVED, TAU_REQUEST_MEAN, ci_high, ci_low
 
     a, b = two_results
     pub = tmp_path / "pub.yaml"
@@ -154,7 +160,7 @@ def test_verdicts_better_worse_and_undetectable():
 
 def test_delta_tau_of_the_live_drafter_against_a_baseline(two_results, tiny_cache):
     from dflash_cb.cache.states import StateCache
-    from dflash_cb.core.baselines import load_measured
+    from dflash_cb.core.results.baselines import load_measured
 
     a, b = two_results
     cache = StateCache(tiny_cache)
@@ -261,8 +267,8 @@ def test_labels_out_hashes_and_categories_are_checked(two_results, tmp_path, cap
 def test_position_buckets_stop_where_the_completions_stop(two_results, tmp_path, capsys):
     """Buckets past the longest completion printed rows of ``n/a (0 cycles)``. The tiny cache's completions
     are 24 tokens: the default edges, fitted to them, are 0, 8, 16, 32, 64 (``positions.fitted_edges``)."""
-    from dflash_cb.core.compare import live_metrics
-    from dflash_cb.core.report import format_results
+    from dflash_cb.core.results.compare import live_metrics
+    from dflash_cb.core.results.report import format_results
 
     a, b = two_results
     res = load_results(a)
@@ -318,7 +324,7 @@ def test_a_full_disk_replaces_neither_the_markdown_nor_the_plot(two_results, tmp
 
 
 def test_a_failed_second_rename_puts_the_first_file_back(two_results, tmp_path):
-    from dflash_cb.core.compare import write_comparison
+    from dflash_cb.core.results.compare import write_comparison
 
     a, b = two_results
     c = compare(["A", "B"], [load_results(a), load_results(b)], n_resamples=20)
@@ -365,7 +371,7 @@ def test_other_tail_blocks_are_warned_about_and_shown(two_results, tmp_path, cap
 
 def test_a_baseline_with_other_tail_blocks_is_warned_about(two_results, tiny_cache, tmp_path):
     from dflash_cb.cache.states import StateCache
-    from dflash_cb.core.baselines import load_measured
+    from dflash_cb.core.results.baselines import load_measured
 
     a, _ = two_results
     cache = StateCache(tiny_cache)
@@ -387,7 +393,7 @@ def test_a_baseline_or_comparison_at_another_block_or_dtype_says_so(two_results,
     compared wherever two evaluations meet: a baseline of the live run and compare_results. A block-6 drafter
     beside one scored at --block-size 3 is not 'better' without a word; the Evaluations list shows the block."""
     from dflash_cb.cache.states import StateCache
-    from dflash_cb.core.baselines import load_measured
+    from dflash_cb.core.results.baselines import load_measured
 
     a, b = two_results
     cache = StateCache(tiny_cache)
@@ -411,8 +417,8 @@ def test_a_baseline_or_comparison_at_another_block_or_dtype_says_so(two_results,
 def test_malformed_meta_and_metrics_are_one_line_naming_file_and_field(two_results, tiny_cache, tmp_path, capsys):
     """Budgets, block size, figures and histogram as readers use them: never coerced, never dropped."""
     from dflash_cb.cache.states import StateCache
-    from dflash_cb.core.baselines import load_measured
-    from dflash_cb.core.results import ResultsError
+    from dflash_cb.core.results.baselines import load_measured
+    from dflash_cb.core.results.results_file import ResultsError
 
     a, b = two_results
 
@@ -472,7 +478,7 @@ def test_a_tool_run_inside_another_program_leaves_its_thread_count(two_results, 
     """``--threads`` sets torch's threads for the tool; run in-process (the demo runs the precompute so),
     the caller's count is back afterwards."""
     from dflash_cb.common.cli import run
-    from dflash_cb.core import compare as tool
+    from dflash_cb.core.results import compare as tool
 
     a, b = two_results
     torch.set_num_threads(1)
@@ -503,8 +509,8 @@ def test_category_verdicts_are_many_small_comparisons():
     chance (the trap); its row gives no verdict, since the overall tau has none. With a real gain the overall
     tau has a verdict, and each category's is taken from an interval corrected for ten comparisons (Bonferroni:
     99.5% each), the level shown in its row."""
-    from dflash_cb.core.bootstrap import metric_sums, paired_difference
-    from dflash_cb.core.metrics import category_tau
+    from dflash_cb.core.figures.bootstrap import metric_sums, paired_difference
+    from dflash_cb.core.figures.metrics import category_tau
 
     cats = [f"c{i}" for i in range(10)]
     a, b = _null_categories(np.random.default_rng(2))
@@ -562,7 +568,7 @@ def test_published_figures_per_category_stand_beside_that_category_or_the_overal
     the prompts have it, and beside their request mean over all prompts (said so) where they do not."""
     import yaml
 
-    from dflash_cb.core.metrics import TAU_REQUEST_MEAN
+    from dflash_cb.core.figures.metrics import TAU_REQUEST_MEAN
 
     a, b = two_results
     pub = tmp_path / "pub.yaml"

@@ -15,8 +15,7 @@ import pytest
 import torch
 import yaml
 
-from dflash_cb.core.baselines import load_published
-from dflash_cb.core.metrics import (
+from dflash_cb.core.figures.metrics import (
     ACCEPT_LENGTH_SERVED,
     SPECFORGE_ACC,
     TAU,
@@ -26,7 +25,8 @@ from dflash_cb.core.metrics import (
     ci_low,
     summarize,
 )
-from dflash_cb.core.results import report_to_results
+from dflash_cb.core.results.baselines import load_published
+from dflash_cb.core.results.results_file import report_to_results
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +34,8 @@ def scored(tiny_cache, tiny_drafter_config):
     from tiny_target import train_briefly
 
     from dflash_cb.cache.states import StateCache
-    from dflash_cb.core.engine import evaluate
-    from dflash_cb.core.model import DFlashDrafter
+    from dflash_cb.core.drafters.dflash.model import DFlashDrafter
+    from dflash_cb.core.replay.engine import evaluate
 
     cache = StateCache(tiny_cache)
     torch.manual_seed(3)
@@ -88,8 +88,8 @@ def test_specforge_acc_is_a_ratio_of_integer_counts_that_sums_over_ranks():
 
 
 def test_samples_without_a_cycle_stay_out_of_the_request_means():
-    from dflash_cb.core.bootstrap import request_means
-    from dflash_cb.core.results import SampleRecord
+    from dflash_cb.core.figures.bootstrap import request_means
+    from dflash_cb.core.results.results_file import SampleRecord
 
     with_empty = [SampleRecord("a", "c", [2, 1]), SampleRecord("b", "c", []), SampleRecord("c", "c", [4])]
     got = request_means(with_empty)
@@ -123,7 +123,7 @@ def test_published_figures_live_under_their_conventions_metric(tmp_path):
 def test_published_figures_are_checked_naming_file_entry_and_field(tmp_path):
     """Every entry, placeholders included: a value that is not a number, one no convention allows, an
     unknown field or metric name, a non-boolean placeholder, two names under one metric key."""
-    from dflash_cb.core.baselines import PublishedError
+    from dflash_cb.core.results.baselines import PublishedError
 
     base = {"source": "TEST", "convention": "pooled"}
     cases = [
@@ -161,7 +161,7 @@ def test_published_figures_are_checked_naming_file_entry_and_field(tmp_path):
 
 
 def test_published_yaml_errors_name_the_file_and_line(tmp_path):
-    from dflash_cb.core.baselines import PublishedError
+    from dflash_cb.core.results.baselines import PublishedError
 
     path = tmp_path / "pub.yaml"
     path.write_text("entries:\n  - name: a\n    source: TEST\n    metrics: {tau: 6.5\n")
@@ -176,7 +176,7 @@ def test_published_yaml_errors_name_the_file_and_line(tmp_path):
 
 
 def test_requested_entries_must_have_numbers_and_budgets_a_live_counterpart(tmp_path):
-    from dflash_cb.core.baselines import PublishedError
+    from dflash_cb.core.results.baselines import PublishedError
 
     path = _published(tmp_path, [
         {"name": "real", "source": "TEST", "convention": "pooled", "metrics": {"tau": 5.0, "ddtree/tau_b32": 6.0}},
@@ -236,7 +236,7 @@ def test_category_request_means_follow_dflash_benchmark(scored):
     acceptance length) over the requests of one category, beside which a per-benchmark published figure stands."""
     import numpy as np
 
-    from dflash_cb.core.compare import live_metrics
+    from dflash_cb.core.results.compare import live_metrics
 
     cache, _, report = scored
     res = report_to_results(report, cache)
@@ -250,7 +250,7 @@ def test_category_request_means_follow_dflash_benchmark(scored):
 
 
 def test_published_category_figures_follow_the_convention(tmp_path):
-    from dflash_cb.core.baselines import PublishedError
+    from dflash_cb.core.results.baselines import PublishedError
 
     pf = load_published(_published(tmp_path, [
         {"name": "p", "source": "TEST", "convention": "pooled", "metrics": {"category/code/tau": 5.0}},

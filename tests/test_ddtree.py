@@ -6,7 +6,7 @@ import pytest
 import torch
 from ddtree_reference import reference_tree_accept
 
-from dflash_cb.core.ddtree import ddtree_accepted
+from dflash_cb.core.loop.ddtree import ddtree_accepted
 
 
 @pytest.mark.parametrize("seed,quantize", [(0, False), (1, True), (2, True)])

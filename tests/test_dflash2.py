@@ -13,9 +13,9 @@ from safetensors.torch import load_file, save_file
 from selector_reference import enumerated_tree_accept, heap_tree_accept
 from transformers import Qwen3Config
 
-from dflash_cb.core import selector
-from dflash_cb.core.dflash2 import DFlash2Drafter
-from dflash_cb.core.model import DFlashDrafter, DrafterSpec, draft_logits
+from dflash_cb.core.drafters.dflash.model import DFlashDrafter, DrafterSpec, draft_logits
+from dflash_cb.core.drafters.dflash2 import selector
+from dflash_cb.core.drafters.dflash2.model import DFlash2Drafter
 
 dm = oracles.require("dflash.model")
 
@@ -138,7 +138,7 @@ def test_walk_equals_reference_propose_and_forced_matches_equal_its_accepted_len
         target = torch.where(torch.arange(d)[None] < follow[:, None], walk, (walk + 1) % 64)
         target[torch.rand(n, d, generator=g) < 0.05] = -1  # unknown tokens never match
         forced = selector.forced_draft(ids, unary, query, anchor, target, *ours.codebooks)
-    from dflash_cb.core.replay import leading_matches
+    from dflash_cb.core.loop.cycles import leading_matches
 
     assert torch.equal(leading_matches(forced, target), leading_matches(want, target))
     assert len(set(leading_matches(want, target).tolist())) == d + 1  # every accepted length occurs
@@ -239,13 +239,13 @@ def test_teacher_forced_replay_equals_dflash_generate(tiny_cache: Path, tiny_dra
     from transformers import Qwen3ForCausalLM
 
     from dflash_cb.cache.states import StateCache
-    from dflash_cb.core.engine import block_embeddings
-    from dflash_cb.core.replay import (
+    from dflash_cb.core.loop.cycles import (
         cut_produced,
         leading_matches,
         next_stop_positions,
         sample_bounds,
     )
+    from dflash_cb.core.replay.engine import block_embeddings
 
     cfg = {**tiny_drafter_config, "architectures": ["DFlash2DraftModel"], "num_hidden_layers": 2,
            "layer_types": ["full_attention", "sliding_attention"], "sliding_window": 4, "use_sliding_window": True,
@@ -311,7 +311,7 @@ def test_teacher_forced_replay_equals_dflash_generate(tiny_cache: Path, tiny_dra
 # -- loading and saving ----------------------------------------------------------------------------
 
 def test_published_folder_loads_in_both_and_round_trips(tmp_path: Path) -> None:
-    from dflash_cb.core.checkpoints import load_drafter
+    from dflash_cb.core.checkpoints.load import load_drafter
 
     ref, ours = _pair(_config(True), seed=5)
     ours.save_pretrained(tmp_path / "ours")
@@ -354,7 +354,7 @@ def _folder(tmp_path: Path, name: str, config: dict, state: dict) -> Path:
 
 
 def test_a_layout_of_neither_family_names_the_closest_ones_keys(tmp_path: Path) -> None:
-    from dflash_cb.core.checkpoints import CheckpointError, load_drafter
+    from dflash_cb.core.checkpoints.load import CheckpointError, load_drafter
 
     _, ours = _pair(_config(), seed=6)
     config = ours.config.to_dict()
@@ -392,7 +392,7 @@ def test_a_layout_of_neither_family_names_the_closest_ones_keys(tmp_path: Path) 
 
 
 def test_adopting_live_modules_shares_their_weights() -> None:
-    from dflash_cb.core.drafters import adopt_module
+    from dflash_cb.core.drafters.layouts import adopt_module
 
     ref, _ = _pair(_config(True), seed=7)
     adopted = adopt_module(ref)
@@ -435,7 +435,7 @@ class _Training(torch.nn.Module):
 
 
 def _assert_extracted(folder: Path, module: torch.nn.Module) -> None:
-    from dflash_cb.core.checkpoints import load_drafter
+    from dflash_cb.core.checkpoints.load import load_drafter
 
     got = load_drafter(folder)
     assert type(got) is DFlash2Drafter
@@ -454,7 +454,7 @@ def test_extract_from_lightning_hf_plain_and_specforge_checkpoints(tmp_path: Pat
     from transformers import Trainer as HFTrainer
     from transformers import TrainingArguments
 
-    from dflash_cb.core.checkpoints import extract_drafter
+    from dflash_cb.core.checkpoints.load import extract_drafter
 
     cfg = _config(True)
     config = cfg.to_dict()
@@ -521,8 +521,8 @@ def test_memory_bound_adds_the_parts_of_a_real_dflash2_drafter() -> None:
     tensor the lattice of a full pass allocates; nothing else changes."""
     from allocations import Allocations
 
-    from dflash_cb.core.cost import DrafterShape, MemoryLimits, memory_bound
-    from dflash_cb.core.dflash2 import is_dflash2_key
+    from dflash_cb.core.costs.evaluation import DrafterShape, MemoryLimits, memory_bound
+    from dflash_cb.core.drafters.dflash2.model import is_dflash2_key
 
     _, ours = _pair(_config(), seed=8)
     one = DFlashDrafter(_config(family="dflash"))

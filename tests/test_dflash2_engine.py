@@ -26,7 +26,7 @@ from figures import T1_RTOL, assert_same_figures, is_float_figure
 from selector_reference import heap_tree_accept
 from transformers import Qwen3Config
 
-from dflash_cb.core.metrics import (
+from dflash_cb.core.figures.metrics import (
     SELECTOR_ACC,
     SELECTOR_ORACLE_TAU,
     SELECTOR_RECALL,
@@ -107,7 +107,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict:
     from transformers import Qwen3ForCausalLM
 
     from dflash_cb.cache.states import StateCache
-    from dflash_cb.core.dflash2 import DFlash2Drafter
+    from dflash_cb.core.drafters.dflash2.model import DFlash2Drafter
 
     root = tmp_path_factory.mktemp("dflash2_oracle")
     target_dir = save_tiny_qwen3(root / "target", seed=3)
@@ -147,7 +147,7 @@ def test_engine_equals_dflash_generate_cycle_for_cycle(world, block: int) -> Non
     """Every sample's acceptance lengths are dflash_generate's at that block (its shortened tail blocks), from one
     batched pass: the teacher-forced selector drafts accept what the selector's walk accepts. The selector matters
     (the unary argmax path gives another tau), the completions stop at the stop token or reach max_new_tokens."""
-    from dflash_cb.core.engine import evaluate
+    from dflash_cb.core.replay.engine import evaluate
 
     cache = world["cache"]
     oracle, _ = world["runs"][block]
@@ -164,8 +164,8 @@ def test_engine_equals_dflash_generate_cycle_for_cycle(world, block: int) -> Non
 
 
 def test_generic_runner_reads_the_selector_from_the_module(world) -> None:
-    from dflash_cb.core.engine import PerAnchorRunner, evaluate
-    from dflash_cb.core.model import DrafterSpec
+    from dflash_cb.core.drafters.dflash.model import DrafterSpec
+    from dflash_cb.core.replay.engine import PerAnchorRunner, evaluate
 
     cache, ref = world["cache"], world["ref"]
     runner = PerAnchorRunner(ref, DrafterSpec.from_config(ref.config))
@@ -181,7 +181,7 @@ def test_served_tail_blocks_equal_a_full_block_loop_of_selector_walks(world, blo
     """``tail_blocks="served"`` reproduces a loop that drafts a full block every cycle, the block being the
     reference's selector walk: the cycles, every cycle's block (the walk, not the teacher-forced draft), and the
     correct-draft counts wherever the cache knows the target's tokens."""
-    from dflash_cb.core.engine import evaluate
+    from dflash_cb.core.replay.engine import evaluate
 
     rep = evaluate(world["cache"], world["ours"], budgets=(4,), keep_drafts=MAX_NEW, block_size=block)
     _, loop = world["runs"][block]
@@ -202,7 +202,7 @@ def test_served_tail_blocks_equal_a_full_block_loop_of_selector_walks(world, blo
 def test_scaled_and_capped_logits(world) -> None:
     """``output_multiplier`` and ``final_logit_softcapping`` set: the unary scores the selector adds to its pair
     scores are the scaled, capped logits, as in the reference; the same weights without them draft otherwise."""
-    from dflash_cb.core.engine import evaluate
+    from dflash_cb.core.replay.engine import evaluate
 
     cache = world["cache"]
     scaled = evaluate(cache, world["scaled"], budgets=(), tail_blocks="reference", keep_drafts=MAX_NEW)
@@ -291,7 +291,7 @@ def test_selector_diagnostics_and_lattice_tree_equal_a_plain_replay(world) -> No
     """At every anchor: the unary top-K recall, the selector's pick given the target's predecessors, the
     temperature-1 estimate of its candidate softmax, and the cycles of the selector's loop, of the unary argmax's
     (the selector off), of a perfect selector's and of DDTree over the lattice at two budgets."""
-    from dflash_cb.core.engine import evaluate
+    from dflash_cb.core.replay.engine import evaluate
 
     want = _plain_replay(world, TREE_BUDGETS)
     rep = evaluate(world["cache"], world["ours"], budgets=TREE_BUDGETS, tail_blocks="reference")
@@ -317,8 +317,8 @@ def test_selector_diagnostics_and_lattice_tree_equal_a_plain_replay(world) -> No
 def test_drafting_choices_change_no_figure(world) -> None:
     """What is drafted (every anchor at once or round by round, the statistics stride, passes cut small, one
     sample at a time) changes no replay, and at one stride no statistic: every walk, the selector's included."""
-    from dflash_cb.core.cost import MemoryLimits
-    from dflash_cb.core.engine import evaluate
+    from dflash_cb.core.costs.evaluation import MemoryLimits
+    from dflash_cb.core.replay.engine import evaluate
 
     cache, ours = world["cache"], world["ours"]
     runs = {(stride, draft_all): evaluate(cache, ours, budgets=(4,), anchor_stride=stride, draft_all=draft_all)
@@ -351,8 +351,8 @@ def test_drafting_choices_change_no_figure(world) -> None:
 def test_counts_are_one_flat_vector_of_a_fixed_shape(world) -> None:
     """A DFlash 2 evaluation's counts travel as one float64 vector (the single all_reduce): its shape follows from
     (block, budgets, categories, family) alone, and loading it back gives the same figures."""
-    from dflash_cb.core.engine import evaluate
-    from dflash_cb.core.metrics import EvalCounts, summarize
+    from dflash_cb.core.figures.metrics import EvalCounts, summarize
+    from dflash_cb.core.replay.engine import evaluate
 
     cache = world["cache"]
     rep = evaluate(cache, world["ours"], budgets=(4, 8), anchor_stride=8)
@@ -372,7 +372,7 @@ def test_a_budget_past_the_lattice_is_refused_naming_it(world, tmp_path: Path, c
     """The tree of a DFlash 2 drafter is over its selector's candidates: at block 3 and K 4 it has 4 + 16 nodes,
     so budget 21 is refused (the tool, the live evaluator's check) where a DFlash drafter's tree could use it."""
     from dflash_cb.common.cli import run
-    from dflash_cb.core.ddtree import DDTreeBudgetError, check_ddtree_budgets, max_ddtree_budget
+    from dflash_cb.core.loop.ddtree import DDTreeBudgetError, check_ddtree_budgets, max_ddtree_budget
     from dflash_cb.integrations import eval_cli
     from dflash_cb.integrations.config import EvalConfig
     from dflash_cb.integrations.session import drafter_fit
@@ -402,10 +402,10 @@ def test_eval_tool_writes_the_selector_figures_and_compares_with_dflash(world, t
     from tiny_target import train_briefly
 
     from dflash_cb.common.cli import run
-    from dflash_cb.core.compare import compare, render_markdown
-    from dflash_cb.core.engine import evaluate
-    from dflash_cb.core.model import DFlashDrafter
-    from dflash_cb.core.results import load_results, report_to_results, write_results
+    from dflash_cb.core.drafters.dflash.model import DFlashDrafter
+    from dflash_cb.core.replay.engine import evaluate
+    from dflash_cb.core.results.compare import compare, render_markdown
+    from dflash_cb.core.results.results_file import load_results, report_to_results, write_results
     from dflash_cb.integrations import eval_cli
 
     cache = world["cache"]
@@ -447,8 +447,8 @@ def test_plain_loop_logs_the_tools_selector_figures(world, tmp_path: Path) -> No
     from torch.utils.data import DataLoader
 
     from dflash_cb import LiveEvaluator
-    from dflash_cb.core.dflash2 import DFlash2Drafter
-    from dflash_cb.core.training import batch_loss
+    from dflash_cb.core.drafters.dflash2.model import DFlash2Drafter
+    from dflash_cb.core.drafters.training import batch_loss
     from dflash_cb.demo.lightning_module import CachedStatesDataset, collate_samples
     from dflash_cb.integrations.panels import layout_from_keys, panel_plan
 

@@ -28,9 +28,9 @@ def tool_help(main, capsys, *argv: str) -> str:
 
 def test_help_texts_print_percent_signs_once(capsys):
     from dflash_cb.cache.precompute import cli as precompute_cli
-    from dflash_cb.core import compare, extract_cli
+    from dflash_cb.core.results import compare
     from dflash_cb.demo import demo
-    from dflash_cb.integrations import eval_cli, panels, specforge_cli, sweep_cli
+    from dflash_cb.integrations import eval_cli, extract_cli, panels, specforge_cli, sweep_cli
 
     assert "tau with 95% intervals" in tool_help(compare.main, capsys)
     for main in (demo.main, eval_cli.main, extract_cli.main, panels.main, sweep_cli.main, precompute_cli._precompute,

@@ -30,12 +30,13 @@ from dflash_cb.cache.manifest import HEAD_NAME, Manifest, SampleEntry, ShardEntr
 from dflash_cb.cache.states import StateCache, TargetHead
 from dflash_cb.common.errors import DFlashCBError
 from dflash_cb.common.fileio import atomic_write_bytes
-from dflash_cb.core import engine, proposers
-from dflash_cb.core.anchor_sets import anchor_offset
-from dflash_cb.core.cost import MemoryLimits
-from dflash_cb.core.engine import PerAnchorRunner, apply_head, block_embeddings, evaluate
-from dflash_cb.core.metrics import SPECFORGE_ACC
-from dflash_cb.core.model import DFlashDrafter, DrafterSpec
+from dflash_cb.core.costs.evaluation import MemoryLimits
+from dflash_cb.core.drafters.dflash.model import DFlashDrafter, DrafterSpec
+from dflash_cb.core.drafters import proposers
+from dflash_cb.core.figures.metrics import SPECFORGE_ACC
+from dflash_cb.core.loop.anchor_sets import anchor_offset
+from dflash_cb.core.replay import engine
+from dflash_cb.core.replay.engine import PerAnchorRunner, apply_head, block_embeddings, evaluate
 
 dm = oracles.require("dflash.model")
 
@@ -519,7 +520,7 @@ def test_every_batching_gives_the_same_figures_under_other_cpu_kernels(planted, 
 def test_t1_sums_are_exact_in_any_order_and_grouping() -> None:
     """The temperature-1 sums (the one float count) are the same bits however anchors are grouped into samples'
     calls and samples merged (waves, ranks, one at a time); a plain float sum of the same values is not."""
-    from dflash_cb.core.metrics import EvalCounts, anchor_counts_per_sample, quantize_t1
+    from dflash_cb.core.figures.metrics import EvalCounts, anchor_counts_per_sample, quantize_t1
 
     g = torch.Generator().manual_seed(3)
     n, d = 600, 5

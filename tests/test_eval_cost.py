@@ -20,16 +20,16 @@ from dflash_cb import DFlashEvalCallback
 from dflash_cb.cache import integrity
 from dflash_cb.cache.selection import select_sample_ids
 from dflash_cb.cache.states import StateCache
-from dflash_cb.core.cost import (
+from dflash_cb.core.costs.evaluation import (
     COST_GROUPS,
     DrafterShape,
     SecondsPredictor,
     draft_all_is_cheaper,
     evaluation_cost,
 )
-from dflash_cb.core.engine import evaluate
-from dflash_cb.core.metrics import ddtree_tau
-from dflash_cb.core.model import DFlashDrafter
+from dflash_cb.core.drafters.dflash.model import DFlashDrafter
+from dflash_cb.core.figures.metrics import ddtree_tau
+from dflash_cb.core.replay.engine import evaluate
 
 
 def count_hashes(monkeypatch) -> list[str]:
@@ -177,7 +177,7 @@ def test_predicted_seconds_are_logged_beside_the_measured_ones(tiny_cache, train
     """From the second evaluation on, predicted/seconds (what the evaluations before it predicted) is logged
     and printed beside eval_time_s; the first evaluation's line says what its warm-up and the setup cost."""
     from dflash_cb import LiveEvaluator
-    from dflash_cb.core.metrics import EVAL_TIME, PREDICTED_SECONDS
+    from dflash_cb.core.figures.metrics import EVAL_TIME, PREDICTED_SECONDS
 
     logged, lines = [], []
     ev = LiveEvaluator(str(tiny_cache), every_n_train_steps=1, ddtree_budgets=[4, 8], full_every_n_evals=3,

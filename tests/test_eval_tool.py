@@ -200,7 +200,7 @@ def test_user_mistakes_are_one_line_errors(tiny_cache, drafter_dir, tmp_path, ca
 
 def test_baseline_from_another_cache_suggests_a_runnable_command(tiny_cache, drafter_dir, tmp_path, capsys):
     """The suggested eval_drafter.py command is complete (it carries the required --drafter)."""
-    from dflash_cb.core.results import load_results
+    from dflash_cb.core.results.results_file import load_results
 
     baseline = tmp_path / "baseline.json"
     assert evaluate_tool(capsys, tiny_cache, drafter_dir, baseline)[0] == 0
@@ -223,7 +223,7 @@ def test_bf16_evaluation_holds_no_float32_head(tiny_cache, drafter_dir, tmp_path
     per-call autocast cast); the summary says the head ran in bfloat16."""
     from allocations import Allocations
 
-    from dflash_cb.core import engine
+    from dflash_cb.core.replay import engine
 
     m = StateCache(tiny_cache).manifest
     assert m.target_head["dtype"] == "float32"
@@ -274,9 +274,9 @@ def test_strided_statistics_equal_evaluate_and_record_their_offsets(tiny_cache, 
     """--anchor-stride / --anchor-seed give what ``evaluate`` gives with the same arguments (as the callback
     calls it); results.json holds the seed and each sample's offset; the summary prints the seed and the
     anchor statistics with their intervals. A stride past most completions warns once, naming it."""
-    from dflash_cb.core.engine import evaluate
-    from dflash_cb.core.metrics import ALL_ANCHOR_TAU, SPECFORGE_ACC, ci_high, ci_low, depth_acc
-    from dflash_cb.core.model import DFlashDrafter
+    from dflash_cb.core.drafters.dflash.model import DFlashDrafter
+    from dflash_cb.core.figures.metrics import ALL_ANCHOR_TAU, SPECFORGE_ACC, ci_high, ci_low, depth_acc
+    from dflash_cb.core.replay.engine import evaluate
 
     out = tmp_path / "r.json"
     code, so, se = evaluate_tool(capsys, tiny_cache, drafter_dir, out, "--anchor-stride", "3", "--anchor-seed", "11")

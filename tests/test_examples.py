@@ -42,8 +42,8 @@ def test_the_lightning_cli_example_trains_and_keeps_the_checkpoint_of_the_best_t
     from lightning_runs import read_csv_metrics
 
     from dflash_cb.cache.states import StateCache
-    from dflash_cb.core.checkpoints import extract_drafter, load_drafter
-    from dflash_cb.core.engine import evaluate
+    from dflash_cb.core.checkpoints.load import extract_drafter, load_drafter
+    from dflash_cb.core.replay.engine import evaluate
 
     overrides = [f"--model.drafter_config={json.dumps(tiny_drafter_config)}", f"--model.states={tiny_cache}",
                  f"--data.states={tiny_cache}", f"--trainer.callbacks.init_args.states={tiny_cache}",

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dflash_cb.common.cli import run
-from dflash_cb.core import extract_cli as extract_drafter  # the code behind tools/extract_drafter.py
+from dflash_cb.integrations import extract_cli as extract_drafter  # the code behind tools/extract_drafter.py
 
 
 def extract(*argv: str) -> int:
@@ -38,8 +38,8 @@ def lightning_ckpt(tiny_cache: Path, tiny_drafter_config: dict, tmp_path_factory
 def test_extract_loads_in_both_and_scores_identically(lightning_ckpt: Path, tiny_cache: Path, tmp_path: Path) -> None:
     DFlashDraftModel = oracles.require("dflash.model").DFlashDraftModel
     from dflash_cb.cache.states import StateCache
-    from dflash_cb.core.engine import evaluate
-    from dflash_cb.core.model import DFlashDrafter
+    from dflash_cb.core.drafters.dflash.model import DFlashDrafter
+    from dflash_cb.core.replay.engine import evaluate
 
     out = tmp_path / "drafter"
     assert extract_drafter.main(["--ckpt", str(lightning_ckpt), "--out", str(out)]) == 0
@@ -60,7 +60,7 @@ def test_extract_loads_in_both_and_scores_identically(lightning_ckpt: Path, tiny
 @pytest.mark.e2e
 def test_extract_reports_the_checkpoints_global_step(lightning_ckpt: Path, tmp_path: Path) -> None:
     """The demo's results.json provenance takes the step from here (the checkpoint is read once)."""
-    from dflash_cb.core.checkpoints import extract_drafter as extract_folder
+    from dflash_cb.core.checkpoints.load import extract_drafter as extract_folder
 
     info = extract_folder(lightning_ckpt, tmp_path / "drafter")
     assert info["global_step"] == 4  # the fixture trains max_steps=4 and keeps the last checkpoint
@@ -197,7 +197,7 @@ def test_a_sharded_folder_with_a_shard_missing_names_it_and_its_index(tiny_draft
     from huggingface_hub import save_torch_state_dict
     from safetensors.torch import load_file
 
-    from dflash_cb.core.model import DFlashDrafter
+    from dflash_cb.core.drafters.dflash.model import DFlashDrafter
 
     torch.manual_seed(0)
     drafter = DFlashDrafter.from_config_dict(tiny_drafter_config)

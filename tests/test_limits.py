@@ -12,11 +12,16 @@ from lightning.pytorch import seed_everything
 
 from dflash_cb.cache.prompts import PromptFileError, load_prompts, parse_id_list
 from dflash_cb.common.cli import run
-from dflash_cb.core.ddtree import DDTREE_MAX_BUDGET, DDTreeBudgetError, ddtree_accepted, max_ddtree_budget
+from dflash_cb.core.loop.ddtree import (
+    DDTREE_MAX_BUDGET,
+    DDTreeBudgetError,
+    ddtree_accepted,
+    max_ddtree_budget,
+)
 
 
 def save_drafter(cfg: dict, folder: Path) -> Path:
-    from dflash_cb.core.model import DFlashDrafter
+    from dflash_cb.core.drafters.dflash.model import DFlashDrafter
 
     torch.manual_seed(0)
     DFlashDrafter.from_config_dict(cfg).save_pretrained(folder)

@@ -43,7 +43,7 @@ def plain_loop(cache: str, cfg: dict, steps: int, every: int, out: Path | None =
 
     from dflash_cb import DFlashDrafter, LiveEvaluator
     from dflash_cb.cache.states import StateCache
-    from dflash_cb.core.training import batch_loss
+    from dflash_cb.core.drafters.training import batch_loss
     from dflash_cb.demo.lightning_module import CachedStatesDataset, collate_samples
 
     torch.manual_seed(0)
@@ -184,7 +184,7 @@ class DraftTraining(nn.Module):
     def __init__(self, cfg: dict, cache: str) -> None:
         super().__init__()
         from dflash_cb.cache.states import StateCache
-        from dflash_cb.core.drafters import drafter_from_config
+        from dflash_cb.core.drafters.layouts import drafter_from_config
 
         self.drafter = drafter_from_config(cfg)  # DFlash or DFlash 2, as the config says
         head = StateCache(cache).load_head(dtype=torch.float32)
@@ -193,7 +193,7 @@ class DraftTraining(nn.Module):
 
     def forward(self, samples: list[dict]) -> dict[str, torch.Tensor]:
         from dflash_cb.cache.states import TargetHead
-        from dflash_cb.core.training import batch_loss
+        from dflash_cb.core.drafters.training import batch_loss
 
         loss, _ = batch_loss(self.drafter, TargetHead(self.target_embed, self.target_lm_head, tied=False), samples, 8)
         return {"loss": loss}
@@ -238,8 +238,8 @@ def test_hf_trainer_logs_the_tools_tau_at_every_evaluated_step(tmp_path, tiny_ca
     """The metrics reach ``trainer.state.log_history`` through ``trainer.log``; each equals the tool on the
     checkpoint the Trainer saved at that step (extracted with ``tools/extract_drafter.py``'s code), for a DFlash
     and a DFlash 2 drafter (selector figures included)."""
-    from dflash_cb.core.checkpoints import extract_drafter
-    from dflash_cb.core.drafters import drafter_from_config
+    from dflash_cb.core.checkpoints.load import extract_drafter
+    from dflash_cb.core.drafters.layouts import drafter_from_config
 
     tiny_drafter_config = tiny_dflash2_config if family == "dflash2" else tiny_drafter_config
     trainer, cb, initial = hf_train(tmp_path, tiny_cache, tiny_drafter_config, max_steps=6, every=3)
@@ -461,7 +461,7 @@ def run_doc_snippet(title: str, tmp_path: Path, cache: Path, cfg: dict, monkeypa
 def test_documented_plain_loop_snippet_runs(tmp_path, tiny_cache, tiny_drafter_config, monkeypatch, capsys):
     from dflash_cb import DFlashDrafter
     from dflash_cb.common.cli import run
-    from dflash_cb.core import extract_cli
+    from dflash_cb.integrations import extract_cli
 
     ns = run_doc_snippet("## A plain PyTorch loop", tmp_path, tiny_cache, tiny_drafter_config, monkeypatch)
     assert [h["step"] for h in ns["evaluator"].history] == [0, 2, 4]
@@ -485,7 +485,7 @@ def test_extract_from_a_hugging_face_checkpoint_folder(tmp_path, tiny_cache, tin
 
     from dflash_cb import DFlashDrafter
     from dflash_cb.common.cli import run
-    from dflash_cb.core import extract_cli
+    from dflash_cb.integrations import extract_cli
 
     trainer, _, _ = hf_train(tmp_path, tiny_cache, tiny_drafter_config, max_steps=3, every=3)
     (tmp_path / "cfg.json").write_text(_json.dumps(tiny_drafter_config))
@@ -507,8 +507,8 @@ def test_documented_lightning_module_snippet_runs_and_extracts_without_config(tm
                                                                           monkeypatch):
     """The documented LightningModule trains with the callback, and its checkpoint
     carries the drafter config, so extract_drafter needs no --config."""
-    from dflash_cb.core.checkpoints import extract_drafter
-    from dflash_cb.core.model import DFlashDrafter
+    from dflash_cb.core.checkpoints.load import extract_drafter
+    from dflash_cb.core.drafters.dflash.model import DFlashDrafter
 
     ns = run_doc_snippet("### Your own LightningModule", tmp_path, tiny_cache, tiny_drafter_config,
                             monkeypatch)

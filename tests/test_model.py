@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import Qwen3Config
 
-from dflash_cb.core.model import DFlashDrafter
+from dflash_cb.core.drafters.dflash.model import DFlashDrafter
 
 dm = oracles.require("dflash.model")
 
@@ -124,7 +124,7 @@ def test_specforge_masks_differ_only_for_a_window_shorter_than_the_block_or_is_c
     """SpecForge 0.2.0 windows a sliding layer over the context only and ignores is_causal."""
     from transformers import Qwen3Config
 
-    from dflash_cb.core.model import specforge_mask_difference
+    from dflash_cb.core.drafters.dflash.model import specforge_mask_difference
 
     def config(**kw):
         base = dict(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"], sliding_window=7,

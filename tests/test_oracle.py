@@ -75,7 +75,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from dflash_cb.cache.states import StateCache
-    from dflash_cb.core.model import DFlashDrafter
+    from dflash_cb.core.drafters.dflash.model import DFlashDrafter
 
     root = tmp_path_factory.mktemp("oracle")
     target_dir = save_tiny_qwen3(root / "target", seed=3)
@@ -95,7 +95,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory):
 
 
 def test_engine_matches_dflash_generate(setup) -> None:
-    from dflash_cb.core.engine import evaluate
+    from dflash_cb.core.replay.engine import evaluate
 
     rep = evaluate(setup["cache"], setup["ours"], budgets=(4, 16), tail_blocks="reference")
     got = {s.id: s.acceptance_lengths for s in rep.samples}
@@ -110,7 +110,7 @@ def test_engine_matches_dflash_generate(setup) -> None:
 
 
 def test_eval_tool_matches_oracle(setup, tmp_path: Path) -> None:
-    from dflash_cb.core.results import load_results
+    from dflash_cb.core.results.results_file import load_results
     from dflash_cb.integrations import eval_cli as eval_drafter  # the code behind tools/eval_drafter.py
 
     setup["ours"].save_pretrained(tmp_path / "drafter")
@@ -133,8 +133,8 @@ def test_eval_tool_matches_oracle(setup, tmp_path: Path) -> None:
 
 
 def test_generic_runner_matches(setup) -> None:
-    from dflash_cb.core.engine import PerAnchorRunner, evaluate
-    from dflash_cb.core.model import DrafterSpec
+    from dflash_cb.core.drafters.dflash.model import DrafterSpec
+    from dflash_cb.core.replay.engine import PerAnchorRunner, evaluate
 
     runner = PerAnchorRunner(setup["ref"], DrafterSpec.from_config(setup["ref"].config))
     sub = [e.id for e in setup["cache"].samples[:3]]
@@ -146,7 +146,7 @@ def test_wrong_layer_offset_is_caught(setup) -> None:
     """A cache that read hidden_states[i] instead of hidden_states[i + 1] must not reproduce the loop."""
     from dflash_cb.cache.manifest import MANIFEST_NAME
     from dflash_cb.cache.states import StateCache
-    from dflash_cb.core.engine import evaluate
+    from dflash_cb.core.replay.engine import evaluate
 
     out = _precompute(setup["target_dir"], setup["prompts"], setup["root"] / "cache_offset",
                       [i - 1 for i in LAYERS])
@@ -161,8 +161,8 @@ def test_temperature_one_estimate_with_stored_topk(setup) -> None:
     """--topk-logprobs adds the (labelled) temperature-1 estimate; the greedy replay is unchanged."""
     from dflash_cb.cache.precompute import main
     from dflash_cb.cache.states import StateCache
-    from dflash_cb.core.engine import evaluate
-    from dflash_cb.core.metrics import T1_TAU_ESTIMATE
+    from dflash_cb.core.figures.metrics import T1_TAU_ESTIMATE
+    from dflash_cb.core.replay.engine import evaluate
 
     out = setup["root"] / "cache_topk"
     assert main(["--target", str(setup["target_dir"]), "--prompts", str(setup["prompts"]), "--out", str(out),
@@ -175,8 +175,8 @@ def test_temperature_one_estimate_with_stored_topk(setup) -> None:
 
 
 def test_overlap_is_sum_of_min_p_q() -> None:
-    from dflash_cb.core.engine import apply_head
-    from dflash_cb.core.model import DrafterSpec
+    from dflash_cb.core.drafters.dflash.model import DrafterSpec
+    from dflash_cb.core.replay.engine import apply_head
 
     torch.manual_seed(0)
     hidden, head = torch.randn(5, 8), torch.randn(11, 8)
@@ -203,7 +203,7 @@ def test_disagreement_truncates_scoring(setup, tmp_path: Path, tail_blocks: str)
     from dflash_cb.cache.integrity import sha256_file
     from dflash_cb.cache.manifest import MANIFEST_NAME
     from dflash_cb.cache.states import StateCache
-    from dflash_cb.core.engine import evaluate
+    from dflash_cb.core.replay.engine import evaluate
 
     src = setup["cache"].path
     dst = tmp_path / "cut"
@@ -244,7 +244,7 @@ def test_served_tail_blocks_match_a_full_block_loop(setup) -> None:
     and cuts after verification, cycle for cycle, with the sliding-window layer in the drafter; the
     correct-draft counts agree wherever the cache knows the target's tokens (the loop's last cycle
     may match past the end of the completion, which the cache cannot see)."""
-    from dflash_cb.core.engine import evaluate
+    from dflash_cb.core.replay.engine import evaluate
 
     rep = evaluate(setup["cache"], setup["ours"], budgets=(4,), keep_drafts=MAX_NEW)
     assert rep.tail_blocks == "served"
@@ -265,8 +265,8 @@ def test_served_tail_blocks_match_a_full_block_loop(setup) -> None:
 
 def test_tail_blocks_do_not_matter_for_causal_layers(setup) -> None:
     """With every drafter layer causal (sliding window), a shorter block cannot change earlier drafts."""
-    from dflash_cb.core.engine import evaluate
-    from dflash_cb.core.model import DFlashDrafter
+    from dflash_cb.core.drafters.dflash.model import DFlashDrafter
+    from dflash_cb.core.replay.engine import evaluate
 
     cfg = dict(setup["cfg"], layer_types=["sliding_attention", "sliding_attention"], sliding_window=64)
     causal = DFlashDrafter.from_config_dict(cfg).eval()
@@ -296,7 +296,7 @@ def test_smaller_block_matches_both_loops_at_that_block(setup, small_block) -> N
     of a sample in one packed pass) gives the reference ``DFlashDraftModel``'s drafts at that length at
     every anchor; at some anchors those are not the first depths of its BLOCK-long drafts (the
     bidirectional layer sees fewer mask positions), so the comparisons are not blind to the length."""
-    from dflash_cb.core.engine import apply_head, block_embeddings, evaluate
+    from dflash_cb.core.replay.engine import apply_head, block_embeddings, evaluate
 
     cache, ours, ref = setup["cache"], setup["ours"], setup["ref"]
     reference = evaluate(cache, ours, budgets=(4,), tail_blocks="reference", block_size=SMALL)
@@ -337,7 +337,7 @@ def test_eval_tool_block_size(setup, small_block, tmp_path: Path, capsys) -> Non
     """``--block-size N`` evaluates at that block (recorded in results.json and printed); a block the
     drafter cannot draft is one line, exit 2, before anything is written."""
     from dflash_cb.common.cli import run
-    from dflash_cb.core.results import load_results
+    from dflash_cb.core.results.results_file import load_results
     from dflash_cb.integrations import eval_cli as eval_drafter
 
     setup["ours"].save_pretrained(tmp_path / "drafter")

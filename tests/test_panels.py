@@ -16,7 +16,7 @@ from lightning.pytorch import seed_everything
 
 from dflash_cb import DFlashEvalCallback
 from dflash_cb.cache.states import StateCache
-from dflash_cb.core.positions import cycle_labels, position_labels
+from dflash_cb.core.figures.positions import cycle_labels, position_labels
 from dflash_cb.demo.lightning_module import CachedStatesDataModule
 from dflash_cb.integrations.panels import (
     PanelLayout,
@@ -38,9 +38,9 @@ def offline_run(tiny_cache, tiny_drafter_config, tmp_path_factory) -> dict:
     from lightning_runs import make_module, make_trainer
     from wandb_runs import history_and_summary, write_published
 
-    from dflash_cb.core.engine import evaluate
-    from dflash_cb.core.model import DFlashDrafter
-    from dflash_cb.core.results import report_to_results, write_results
+    from dflash_cb.core.drafters.dflash.model import DFlashDrafter
+    from dflash_cb.core.replay.engine import evaluate
+    from dflash_cb.core.results.results_file import report_to_results, write_results
 
     tmp = tmp_path_factory.mktemp("panels")
     torch.manual_seed(7)
@@ -129,7 +129,7 @@ def test_the_run_holds_intervals_deltas_best_tau_and_positions(offline_run):
 
 @pytest.mark.e2e
 def test_console_line_per_evaluation(offline_run):
-    from dflash_cb.core.report import evaluation_line
+    from dflash_cb.core.results.report import evaluation_line
 
     cb = offline_run["cb"]
     h = cb.history[-1]
@@ -353,7 +353,7 @@ def test_a_run_folder_with_two_logs_names_both(small_run, tmp_path, capsys):
 
 def test_the_by_position_section_shows_what_each_bucket_rests_on():
     """A bucket's tau beside its cycle count: a bucket of a few cycles says little, and the panel shows it."""
-    from dflash_cb.core.metrics import position_cycles, position_tau
+    from dflash_cb.core.figures.metrics import position_cycles, position_tau
 
     buckets = position_labels(EDGES)
     plan = panel_plan(PanelLayout(budgets=BUDGETS, position_buckets=buckets))
@@ -363,9 +363,14 @@ def test_the_by_position_section_shows_what_each_bucket_rests_on():
 
 
 def test_the_selector_section_is_built_from_the_metric_names():
-    """A DFlash 2 run gets the Selector panels (its keys from dflash_cb.core.metrics); a DFlash run none, and the
+    """A DFlash 2 run gets the Selector panels (its keys from dflash_cb.core.figures.metrics); a DFlash run none, and the
     layout read back from a run's keys says which it was."""
-    from dflash_cb.core.metrics import SELECTOR_ORACLE_TAU, SELECTOR_UNARY_TAU, selector_acc, selector_recall
+    from dflash_cb.core.figures.metrics import (
+        SELECTOR_ORACLE_TAU,
+        SELECTOR_UNARY_TAU,
+        selector_acc,
+        selector_recall,
+    )
 
     assert panel_plan(PanelLayout(block_size=8))["Selector"] == []
     section = panel_plan(PanelLayout(block_size=8, selector=True))["Selector"]

@@ -18,11 +18,16 @@ import torch
 
 from dflash_cb.cache.states import StateCache
 from dflash_cb.common.timing import PhaseTimer
-from dflash_cb.core import proposers
-from dflash_cb.core.cost import DrafterShape, draft_all_is_cheaper, evaluation_cost, predicted_seconds
-from dflash_cb.core.engine import PHASES, evaluate
-from dflash_cb.core.metrics import ddtree_tau
-from dflash_cb.core.model import DFlashDrafter
+from dflash_cb.core.costs.evaluation import (
+    DrafterShape,
+    draft_all_is_cheaper,
+    evaluation_cost,
+    predicted_seconds,
+)
+from dflash_cb.core.drafters.dflash.model import DFlashDrafter
+from dflash_cb.core.drafters import proposers
+from dflash_cb.core.figures.metrics import ddtree_tau
+from dflash_cb.core.replay.engine import PHASES, evaluate
 
 BUDGETS = (4, 8)
 

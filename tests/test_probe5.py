@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from dflash_cb.common.cli import run
-from dflash_cb.core.finite import NonFiniteError
+from dflash_cb.core.loop.finite import NonFiniteError
 
 
 @pytest.fixture(scope="module")
 def drafter(tiny_drafter_config: dict):
-    from dflash_cb.core.model import DFlashDrafter
+    from dflash_cb.core.drafters.dflash.model import DFlashDrafter
 
     torch.manual_seed(0)
     return DFlashDrafter.from_config_dict(tiny_drafter_config).eval()
@@ -36,7 +36,7 @@ def _poisoned(drafter, value: float = float("nan")):
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
 def test_a_folder_with_non_finite_weights_gets_no_tau(drafter, tiny_cache, tmp_path, capsys, dtype, value) -> None:
     """The folder loader (every tool's) and eval_drafter refuse, naming the tensor and how many entries."""
-    from dflash_cb.core.checkpoints import load_drafter
+    from dflash_cb.core.checkpoints.load import load_drafter
     from dflash_cb.integrations import eval_cli
 
     folder = tmp_path / "d"
@@ -52,7 +52,7 @@ def test_a_folder_with_non_finite_weights_gets_no_tau(drafter, tiny_cache, tmp_p
 
 def test_a_checkpoint_with_non_finite_weights_is_not_extracted(drafter, tiny_drafter_config, tmp_path, capsys) -> None:
     """extract_drafter (and the sweep, which reads checkpoints through the same function) refuse; nothing written."""
-    from dflash_cb.core import extract_cli
+    from dflash_cb.integrations import extract_cli
 
     torch.save({"state_dict": {"drafter." + k: v for k, v in _poisoned(drafter).state_dict().items()},
                 "hyper_parameters": {"drafter_config": tiny_drafter_config}, "global_step": 3}, tmp_path / "c.ckpt")
@@ -90,7 +90,7 @@ def test_non_finite_logits_from_finite_weights_are_an_overflow(drafter, tiny_cac
     import copy
 
     from dflash_cb.cache.states import StateCache
-    from dflash_cb.core.engine import evaluate
+    from dflash_cb.core.replay.engine import evaluate
 
     big = copy.deepcopy(drafter)
     with torch.no_grad():
@@ -109,7 +109,7 @@ def test_target_layer_ids_that_are_not_a_list_of_ids(drafter, tmp_path, ids, sai
     """An int, a string, an empty list or strings in the list: one message naming the field, in the drafter
     loader (every tool) and in the precompute's --drafter-config."""
     from dflash_cb.cache.precompute import main as precompute
-    from dflash_cb.core.checkpoints import CheckpointError, load_drafter
+    from dflash_cb.core.checkpoints.load import CheckpointError, load_drafter
 
     folder = tmp_path / "d"
     drafter.save_pretrained(folder)
@@ -124,7 +124,7 @@ def test_target_layer_ids_that_are_not_a_list_of_ids(drafter, tmp_path, ids, sai
 
 def test_missing_layer_ids_are_not_a_shape_mismatch(drafter, tmp_path) -> None:
     """A config without target_layer_ids (the reference default then names another count) says so."""
-    from dflash_cb.core.checkpoints import CheckpointError, load_drafter
+    from dflash_cb.core.checkpoints.load import CheckpointError, load_drafter
 
     folder = tmp_path / "d"
     drafter.save_pretrained(folder)
@@ -264,7 +264,7 @@ def test_a_resumed_offline_wandb_run_shows_its_whole_curve(tmp_path, monkeypatch
 
 @pytest.mark.parametrize("field,value", [("block_size", "16"), ("mask_token_id", None), ("mask_token_id", "x")])
 def test_integer_fields_that_are_not_integers_are_named(drafter, tmp_path, field, value) -> None:
-    from dflash_cb.core.checkpoints import CheckpointError, load_drafter
+    from dflash_cb.core.checkpoints.load import CheckpointError, load_drafter
 
     folder = tmp_path / "d"
     drafter.save_pretrained(folder)

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from dflash_cb.core.engine import SampleResult
-from dflash_cb.core.metrics import AnchorCounts, EvalCounts, summarize
+from dflash_cb.core.figures.metrics import AnchorCounts, EvalCounts, summarize
+from dflash_cb.core.replay.engine import SampleResult
 from dflash_cb.integrations.config import EvalConfig
 from dflash_cb.integrations.measure import Measurement
 from dflash_cb.integrations.publish import Publisher
@@ -131,7 +131,7 @@ def test_console_off_and_the_setup_line_once(session):
         quiet.publish(measurement(session, full=False), [], 0)
     assert lines == []
     loud = publisher(session, lines)
-    from dflash_cb.core.cost import EvalCost
+    from dflash_cb.core.costs.evaluation import EvalCost
 
     cost = EvalCost(anchors=12, gflop=0.5)
     with pytest.warns(RuntimeWarning, match="broken tracker"):

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 from replay_reference import replay_walk
 
-from dflash_cb.core.replay import (
+from dflash_cb.core.loop.cycles import (
     SampleBounds,
     cut_produced,
     leading_matches,

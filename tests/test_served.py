@@ -34,7 +34,7 @@ from processes import sigkill_when
 from served_world import BLOCK, LAYERS, MAX_NEW, N_PROMPTS, build_world, drafter_config, precompute
 from served_world import edited_cache as _edited
 
-from dflash_cb.core.results import load_results
+from dflash_cb.core.results.results_file import load_results
 
 ROOT = Path(__file__).resolve().parents[1]
 _drafter_config, _precompute = drafter_config, precompute
@@ -326,7 +326,7 @@ def test_old_manifest_loads_and_served_baseline(served_cache) -> None:
     from dflash_cb.cache.manifest import MANIFEST_NAME, Manifest
     from dflash_cb.cache.served import served_tau
     from dflash_cb.cache.states import StateCache
-    from dflash_cb.core.baselines import baseline_scalars, load_served
+    from dflash_cb.core.results.baselines import baseline_scalars, load_served
 
     data = json.loads((served_cache["out"] / MANIFEST_NAME).read_text())
     data.pop("served_spec_config")
@@ -350,7 +350,7 @@ def test_only_fully_agreeing_samples_with_counters_are_compared(served_cache) ->
     import dataclasses
 
     from dflash_cb.cache.states import StateCache
-    from dflash_cb.core.served_check import compare
+    from dflash_cb.core.results.served_check import compare
 
     entries = StateCache(served_cache["out"]).samples
     cut = dataclasses.replace(entries[0], valid_len=entries[0].prompt_len + 3)  # CPU and server part ways
@@ -423,7 +423,7 @@ def test_retracted_impossible_and_bare_samples(world, server, tmp_path, capsys) 
     difference), and a --sample-ids selection with no counters stops before the evaluation; the
     callback's served baseline counts exactly the samples the check compares."""
     from dflash_cb.cache.states import StateCache
-    from dflash_cb.core.baselines import load_served
+    from dflash_cb.core.results.baselines import load_served
 
     url, state = server
     keys = _prompt_keys(world)
@@ -478,7 +478,7 @@ def test_served_definitions_pure(tmp_path) -> None:
         impossible_counters,
         incomparable_settings,
     )
-    from dflash_cb.core.served_check import CENSORED, DIFFERS, EQUAL, histogram_status
+    from dflash_cb.core.results.served_check import CENSORED, DIFFERS, EQUAL, histogram_status
 
     assert histogram_of([0, 2, 2, 1]) == [1, 1, 2] and histogram_of([]) == []
     assert histogram_status([0, 2, 2, 1], False, [1, 1, 2, 0]) == EQUAL  # trailing zeros do not matter
@@ -512,7 +512,7 @@ def test_one_definition_of_comparable_samples(served_cache) -> None:
 
     from dflash_cb.cache.served import served_tau
     from dflash_cb.cache.states import StateCache
-    from dflash_cb.core.served_check import compare
+    from dflash_cb.core.results.served_check import compare
 
     entries = StateCache(served_cache["out"]).samples
     cut = dataclasses.replace(entries[0], valid_len=entries[0].prompt_len + 3)
@@ -670,7 +670,7 @@ def test_malformed_and_missing_counters_per_sample(world, served_cache, tmp_path
     missing (not 'does not fit') and its rounds are still compared. The callback's served baseline
     counts exactly the compared samples."""
     from dflash_cb.cache.states import StateCache
-    from dflash_cb.core.baselines import load_served
+    from dflash_cb.core.results.baselines import load_served
 
     def damage(m: dict) -> None:
         s = m["samples"]

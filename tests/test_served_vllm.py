@@ -21,7 +21,7 @@ from served_world import edited_cache as _edited
 from vllm_server import FakeVLLM, Loop, Run, serve
 
 from dflash_cb.cache import vllm_counters as V
-from dflash_cb.core.results import load_results
+from dflash_cb.core.results.results_file import load_results
 
 SMALL = 4  # a served block shorter than the drafter's BLOCK
 
@@ -222,7 +222,7 @@ def test_traffic_of_another_client(world, tmp_path, capsys) -> None:
     s = check["summary"]
     assert s["samples_compared"] == s["samples_equal_rounds"] == s["samples_equal_per_position"] == N_PROMPTS - 1
     assert f"skipped {entries[2].id}: unattributable" in capsys.readouterr().out
-    from dflash_cb.core.baselines import (
+    from dflash_cb.core.results.baselines import (
         load_served,  # the served tau beside a live tau says it is over fewer samples
     )
 
@@ -244,7 +244,7 @@ def test_served_baseline_from_vllm(world, served) -> None:
     """baseline/served/tau for a cache made through vLLM: the replay's convention, (completion_tokens - 1)
     over the rounds, pooled over the samples whose counters count."""
     from dflash_cb.cache.states import StateCache
-    from dflash_cb.core.baselines import baseline_scalars, load_served
+    from dflash_cb.core.results.baselines import baseline_scalars, load_served
 
     cache = StateCache(served["out"])
     b = load_served(cache)
@@ -303,7 +303,7 @@ def test_per_request_metrics_at_any_concurrency_with_other_traffic(world, tmp_pa
 def test_per_request_steps_that_differ_are_named(world, served) -> None:
     """A per_step_accepted that is not the replay's: the first differing step named, the sample not equal."""
     from dflash_cb.cache.states import StateCache
-    from dflash_cb.core.served_check import DIFFERS, per_step_status
+    from dflash_cb.core.results.served_check import DIFFERS, per_step_status
 
     assert per_step_status([2, 0, 3], False, [2, 1, 3]) == (DIFFERS, 1)
     assert per_step_status([2, 0, 3], True, [2, 0, 5])[0] == "equal_censored"

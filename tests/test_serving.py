@@ -1,4 +1,4 @@
-"""The serving projection (dflash_cb/core/serving.py): a hand computation on known cycles, the identities any
+"""The serving projection (dflash_cb/core/costs/serving.py): a hand computation on known cycles, the identities any
 correct projection satisfies, the best setting on planted profiles, refusals; the profile tool measuring the
 tiny CPU models for real (counted work, never a time) and resuming; eval_drafter --profile end to end."""
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dflash_cb.common.arguments import ArgumentError
-from dflash_cb.core.serving import (
+from dflash_cb.core.costs.serving import (
     CostProfile,
     ProfileError,
     SampleCycles,
@@ -115,7 +115,7 @@ def test_refusals() -> None:
 
 @pytest.fixture(scope="module")
 def drafter_dir(tiny_cache: Path, tiny_drafter_config: dict, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from dflash_cb.core.model import DFlashDrafter
+    from dflash_cb.core.drafters.dflash.model import DFlashDrafter
 
     torch.manual_seed(0)
     out = tmp_path_factory.mktemp("serving") / "drafter"
@@ -167,7 +167,7 @@ def test_eval_drafter_projects_with_a_profile(tiny_cache, drafter_dir, tmp_path)
     """--profile: the projection in results.json beside tau, labelled; a flat profile with free drafting
     projects each setting's pooled tau through the whole tool; a profile of another target or too few rows is
     refused before any scoring."""
-    from dflash_cb.core.results import load_results
+    from dflash_cb.core.results.results_file import load_results
     from dflash_cb.integrations import eval_cli, profile_cli
 
     csv = tmp_path / "verify.csv"
@@ -224,7 +224,7 @@ def test_serve_plan_across_drafters(tiny_cache, tiny_drafter_config, drafter_dir
     from tiny_target import train_briefly
 
     from dflash_cb.cache.states import StateCache
-    from dflash_cb.core.model import DFlashDrafter
+    from dflash_cb.core.drafters.dflash.model import DFlashDrafter
     from dflash_cb.integrations import eval_cli, profile_cli, serve_plan_cli
 
     torch.manual_seed(0)

@@ -45,7 +45,7 @@ from specforge.eval.evaluator import Evaluator  # noqa: E402
 from specforge.training.strategies.base import DFlashTrainStrategy  # noqa: E402
 from specforge_objective import dflash_objective  # noqa: E402
 
-from dflash_cb.core.metrics import SPECFORGE_ACC, depth_acc  # noqa: E402
+from dflash_cb.core.figures.metrics import SPECFORGE_ACC, depth_acc  # noqa: E402
 from dflash_cb.integrations.specforge_data import train_batches  # noqa: E402
 
 BLOCK = 6
@@ -92,7 +92,7 @@ def _specforge(cache, drafter, cfg: dict, ids: list[str]) -> tuple[dict, torch.T
 def _check_parity(cache, drafter, cfg: dict, ids: list[str], tail_blocks: str = "served") -> dict:
     """Our ``specforge/acc`` and its per-position counts equal SpecForge's; the per-depth acceptance equals
     them too exactly when the served masks and blocks are SpecForge's."""
-    from dflash_cb.core.engine import evaluate
+    from dflash_cb.core.replay.engine import evaluate
 
     block = cfg["block_size"]
     report = evaluate(cache, drafter, sample_ids=ids, budgets=[], anchor_stride=1, tail_blocks=tail_blocks)
@@ -120,7 +120,7 @@ def _check_parity(cache, drafter, cfg: dict, ids: list[str], tail_blocks: str = 
 def _trained(cfg: dict, cache):
     from tiny_target import train_briefly
 
-    from dflash_cb.core.model import DFlashDrafter
+    from dflash_cb.core.drafters.dflash.model import DFlashDrafter
 
     torch.manual_seed(0)
     return train_briefly(DFlashDrafter.from_config_dict(cfg), cache)

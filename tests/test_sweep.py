@@ -29,8 +29,7 @@ from processes import run_ranks, sigkill_when
 from tiny_target import TINY_LAYER_IDS
 
 from dflash_cb.common.cli import run
-from dflash_cb.core import extract_cli
-from dflash_cb.integrations import eval_cli, sweep_cli
+from dflash_cb.integrations import eval_cli, extract_cli, sweep_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 OPTIONS = ["--ddtree-budgets", "4,8", "--device", "cpu", "--dtype", "float32"]
@@ -181,7 +180,7 @@ def test_dflash2_checkpoints_equal_the_tools(tiny_cache, tiny_drafter_config, tm
     its config in the checkpoint): scored by its selector's walk, as eval_drafter scores the extracted folder."""
     from test_dflash2 import SELECTOR
 
-    from dflash_cb.core.dflash2 import DFlash2Drafter
+    from dflash_cb.core.drafters.dflash2.model import DFlash2Drafter
 
     cfg = {**tiny_drafter_config, "architectures": ["DFlash2DraftModel"],
            "dflash_config": {**tiny_drafter_config["dflash_config"], **SELECTOR}}
@@ -261,7 +260,7 @@ def test_specforge_checkpoints_equal_the_tool_on_specforges_own_export(tiny_cach
 @pytest.fixture
 def counted(monkeypatch) -> list[int]:
     """The engine's evaluations, counted (one per checkpoint scored)."""
-    from dflash_cb.core import engine
+    from dflash_cb.core.replay import engine
 
     calls: list[int] = []
     real = engine.evaluate
@@ -338,7 +337,7 @@ def test_a_drafter_that_does_not_fit_the_cache_stops_before_the_cache_is_hashed(
     """Checkpoints of a drafter for other target layers, and checkpoints without a config and no --config: the
     first one read says so (exit 2), nothing is hashed or scored, the others are not read."""
     from dflash_cb.cache import integrity
-    from dflash_cb.core.model import DFlashDrafter
+    from dflash_cb.core.drafters.dflash.model import DFlashDrafter
 
     hashed: list[str] = []
     real = integrity.sha256_file
@@ -363,7 +362,7 @@ def test_a_drafter_that_does_not_fit_the_cache_stops_before_the_cache_is_hashed(
 
 def test_a_checkpoint_of_another_block_is_reported_and_skipped(tiny_cache, tiny_drafter_config, tmp_path, capsys):
     """Checkpoints carrying their configs, the last one of a drafter with a shorter block: not one series."""
-    from dflash_cb.core.model import DFlashDrafter
+    from dflash_cb.core.drafters.dflash.model import DFlashDrafter
 
     folder = tmp_path / "ckpts"
     folder.mkdir()
@@ -385,8 +384,8 @@ def test_a_checkpoint_of_another_family_is_reported_and_skipped(tiny_cache, tiny
     """A DFlash and a DFlash 2 checkpoint of one block under one folder: one curve is one family's (it drew one)."""
     from test_dflash2 import SELECTOR
 
-    from dflash_cb.core.dflash2 import DFlash2Drafter
-    from dflash_cb.core.model import DFlashDrafter
+    from dflash_cb.core.drafters.dflash.model import DFlashDrafter
+    from dflash_cb.core.drafters.dflash2.model import DFlash2Drafter
 
     folder = tmp_path / "ckpts"
     folder.mkdir()
@@ -406,7 +405,7 @@ def test_a_checkpoint_of_another_family_is_reported_and_skipped(tiny_cache, tiny
 def test_the_record_keeps_one_series_and_one_entry_per_step():
     """What two ranks of one wave may bring back (the same step from two files, another block) is refused by the
     record itself; the first entry sets the series; the best is the largest tau, the earliest of equal ones."""
-    from dflash_cb.core.sweep_record import SweepEntry, SweepRecord
+    from dflash_cb.core.results.sweep_record import SweepEntry, SweepRecord
 
     def entry(path: str, step: int, tau: float, block: int = 6) -> SweepEntry:
         return SweepEntry(path, "file", step, "name", [], f"results/{step}.json", {"tau": tau},
@@ -447,7 +446,7 @@ def test_the_report_compares_the_best_with_the_last(tiny_cache, tiny_drafter_con
                                                      tmp_path):
     """A run whose last checkpoint is worse (its weights reset): the report's paired best-minus-last is
     ``tools/compare_results.py``'s on the two results files."""
-    from dflash_cb.core.model import DFlashDrafter
+    from dflash_cb.core.drafters.dflash.model import DFlashDrafter
 
     folder = tmp_path / "ckpts"
     shutil.copytree(next(iter(plain_run.values())).parent, folder)
@@ -458,7 +457,7 @@ def test_the_report_compares_the_best_with_the_last(tiny_cache, tiny_drafter_con
     rec = record(tmp_path / "sweep")
     best, last = rec["best"], rec["entries"][-1]
     assert best["step"] != last["step"] == 8
-    from dflash_cb.core import compare
+    from dflash_cb.core.results import compare
 
     assert run(compare.main, [str(tmp_path / "sweep" / last["results"]), str(tmp_path / "sweep" / best["results"]),
                               "--labels", f"last (step 8),best (step {best['step']})",
@@ -536,7 +535,7 @@ def test_watch_scores_checkpoints_as_another_process_writes_them(tiny_cache, pla
     assert watcher.returncode == 0, stderr[-3000:]
     rec = record(tmp_path / "sweep")
     assert [e["step"] for e in rec["entries"]] == [2, 4, 6] and rec["failed"] == []
-    from dflash_cb.core.checkpoint_files import CheckpointKind, FoundCheckpoint
+    from dflash_cb.core.checkpoints.files import CheckpointKind, FoundCheckpoint
 
     for e in rec["entries"]:
         assert e["identity"] == FoundCheckpoint(Path(e["checkpoint"]), CheckpointKind.FILE).identity()
@@ -669,7 +668,7 @@ def test_two_ranks_share_the_checkpoints_and_give_one_process_numbers(tiny_cache
 
 def test_what_a_folder_holds_and_the_steps_names_carry(tmp_path):
     """Discovery by names and layout alone (no file is read): every kind once, in step order."""
-    from dflash_cb.core.checkpoint_files import find_checkpoints, step_from_name
+    from dflash_cb.core.checkpoints.files import find_checkpoints, step_from_name
 
     assert [step_from_name(n) for n in ("checkpoint-500", "epoch=0-step=500.ckpt", "step=500.ckpt", "run-step500",
                                         "step_500.pt", "global_step500", "500.pt", "final", "drafter_v2")] == \
@@ -746,7 +745,7 @@ if __name__ == "__main__":
 def test_steps_a_series_cannot_hold_and_a_second_sweep_into_one_out(tiny_cache, tiny_drafter_config, tmp_path, capsys):
     """A recorded step of -5, 100.5 or beyond int64 is named as such (not "no training step"), and the sweep still
     writes its report; another run sweeping other checkpoints into the same --out is refused before any work."""
-    from dflash_cb.core.model import DFlashDrafter
+    from dflash_cb.core.drafters.dflash.model import DFlashDrafter
 
     folder = tmp_path / "ckpts"
     folder.mkdir()
@@ -776,7 +775,7 @@ def test_steps_a_series_cannot_hold_and_a_second_sweep_into_one_out(tiny_cache, 
 def test_ctrl_c_between_scoring_and_saving_counts_what_the_file_holds(tiny_cache, plain_run, drafter_json, tmp_path,
                                                                     monkeypatch, capsys):
     """Ctrl-C after a checkpoint is scored but before sweep.json holds it: the summary counts the file's entries."""
-    from dflash_cb.core.sweep_record import SweepRecord
+    from dflash_cb.core.results.sweep_record import SweepRecord
 
     real, calls = SweepRecord.save, []
 
@@ -799,7 +798,7 @@ def test_watch_does_not_call_a_checkpoint_being_written_damaged(tiny_cache, plai
     scored when it settles: never reported as damaged, never recorded as failed."""
     import shutil
 
-    from dflash_cb.core.checkpoints import CheckpointError
+    from dflash_cb.core.checkpoints.load import CheckpointError
     from dflash_cb.integrations import sweep as sweep_module
 
     src = next(iter(plain_run.values()))

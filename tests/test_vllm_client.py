@@ -437,7 +437,7 @@ def test_per_position_status() -> None:
     """vLLM's per-position layout against the replay's correct drafts per cycle [2, 0, 1] (entry j: rounds
     whose first j + 1 drafts were accepted: [2, 1, 0, 0]); when the last cycle's matches reached the end of
     the known completion the server may have accepted more there, one more at each position from 1 on."""
-    from dflash_cb.core.served_check import CENSORED, DIFFERS, EQUAL, per_position_status
+    from dflash_cb.core.results.served_check import CENSORED, DIFFERS, EQUAL, per_position_status
 
     assert per_position_status([2, 0, 1], False, [2, 1, 0, 0]) == EQUAL
     assert per_position_status([2, 0, 1], True, [2, 2, 1, 0]) == CENSORED  # the server accepted 3 there

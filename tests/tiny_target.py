@@ -191,7 +191,7 @@ def train_briefly(drafter, cache, epochs: int = 6, lr: float = 3e-3, seed: int =
     """A few epochs of DFlash training on ``cache``: partial acceptance, the regime where exactness
     checks (rounds, accepted lengths) carry information. ``loss(drafter, head, sample, anchors, valid_len)``
     replaces the DFlash loss (``selector_loss``). Returns the drafter in eval mode."""
-    from dflash_cb.core.training import dflash_loss, sample_anchors
+    from dflash_cb.core.drafters.training import dflash_loss, sample_anchors
 
     head = cache.load_head()
     opt = torch.optim.AdamW(drafter.parameters(), lr=lr)
@@ -215,7 +215,7 @@ def train_briefly(drafter, cache, epochs: int = 6, lr: float = 3e-3, seed: int =
 def selector_loss(drafter, head, sample, anchors, valid_len):
     """A DFlash 2 drafter's loss for ``train_briefly``: the package's (``training.dflash_loss``, which adds the
     selector's cross-entropy over its candidates for a DFlash 2 drafter), uniform over depths."""
-    from dflash_cb.core.training import dflash_loss
+    from dflash_cb.core.drafters.training import dflash_loss
 
     return dflash_loss(drafter, head, sample.hidden, sample.input_ids.long(), anchors, valid_len)[0]
 

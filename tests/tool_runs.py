@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from figures import T1_RTOL, is_float_figure
 
-from dflash_cb.core.metrics import CI_HIGH_SUFFIX, CI_LOW_SUFFIX
+from dflash_cb.core.figures.metrics import CI_HIGH_SUFFIX, CI_LOW_SUFFIX
 
 BUDGETS = [4, 8]
 PREFIX = "dflash_eval/"
@@ -43,7 +43,7 @@ def tool_metrics(cache: Path, drafter_dir: Path, out: Path, light: bool, block_s
 
 def assert_logged_equals_tool(logged: dict[str, float], expected: dict[str, Any], where: Any, prefix: str = PREFIX,
                               skip: tuple[str, ...] = (), approx: tuple[str, ...] = ()) -> None:
-    from dflash_cb.core.metrics import EVAL_TIME
+    from dflash_cb.core.figures.metrics import EVAL_TIME
 
     assert logged[prefix + "tau"] == expected["tau"], where
     for k, v in expected.items():

@@ -35,7 +35,7 @@ from ..common import cli
 from ..common.errors import DFlashCBError
 from ..common.fileio import atomic_path, atomic_write_json, atomic_write_text, naming_failures, output_path
 from ..common.threads import THREADS_HELP, parse_threads, set_threads
-from ..core.metrics import (
+from ..core.figures.metrics import (
     ACCEPT_LENGTH_SERVED,
     ALL_ANCHOR_TAU,
     CHAIN_TAU_ESTIMATE,
@@ -56,7 +56,7 @@ from ..core.metrics import (
 )
 
 if TYPE_CHECKING:
-    from ..core.results import Results
+    from ..core.results.results_file import Results
 
 MARKER = ".dflash_demo"  # written first into the output folder: --overwrite only ever deletes a demo's folder
 TAU_GOAL = 2.0
@@ -393,9 +393,9 @@ def extract_and_score(cfg: DemoConfig, paths: Paths, checkpoint: Path | None = N
     import torch
 
     from ..cache.states import StateCache
-    from ..core.checkpoints import extract_drafter, load_drafter
-    from ..core.engine import evaluate
-    from ..core.results import drafter_provenance, report_to_results, write_results
+    from ..core.checkpoints.load import extract_drafter, load_drafter
+    from ..core.replay.engine import evaluate
+    from ..core.results.results_file import drafter_provenance, report_to_results, write_results
 
     checkpoint, drafter_dir = checkpoint or paths.checkpoint, drafter_dir or paths.drafter
     info = extract_drafter(checkpoint, drafter_dir)
@@ -412,7 +412,7 @@ def extract_and_score(cfg: DemoConfig, paths: Paths, checkpoint: Path | None = N
 
 def compare_first_last(paths: Paths, first: Results, last: Results) -> dict[str, Any]:
     """tools/compare_results.py on the first and the last checkpoint: Markdown, PNG, and the verdict."""
-    from ..core.compare import compare, write_comparison
+    from ..core.results.compare import compare, write_comparison
 
     def label(r: Results) -> str:
         return f"step {r.drafter_step}"

@@ -23,8 +23,8 @@ from lightning.pytorch import LightningDataModule, LightningModule
 from torch.utils.data import DataLoader, Dataset
 
 from ..cache.states import StateCache, TargetHead
-from ..core.drafters import drafter_from_config
-from ..core.training import batch_loss
+from ..core.drafters.layouts import drafter_from_config
+from ..core.drafters.training import batch_loss
 
 
 class CachedStatesDataset(Dataset):

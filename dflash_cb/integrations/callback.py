@@ -7,7 +7,7 @@ Add it to a ``Trainer`` (or three lines of LightningCLI YAML, ``configs/callback
 
 Every ``every_n_train_steps`` optimizer steps (and, by default, before the first and after the
 last step) it replays the greedy speculative loop on the cached target states with the drafter's
-current weights (``dflash_cb.core.engine.evaluate``) and logs ``dflash_eval/tau``, DDTree tau per
+current weights (``dflash_cb.core.replay.engine.evaluate``) and logs ``dflash_eval/tau``, DDTree tau per
 budget, per-depth acceptance, per-category tau, ... to every logger at ``trainer.global_step``.
 
 Guarantees, modelled on ``ModelCheckpoint``/``EarlyStopping``:
@@ -55,9 +55,9 @@ from torch import nn
 
 from ..common import arguments as check
 from ..common import log
-from ..core.metrics import TAU
-from ..core.positions import DEFAULT_POSITION_EDGES
-from ..core.request import DEFAULT_BUDGETS
+from ..core.figures.metrics import TAU
+from ..core.figures.positions import DEFAULT_POSITION_EDGES
+from ..core.replay.request import DEFAULT_BUDGETS
 from .config import DEFAULT_PREFIX, AutocastName, EvalConfig, TailBlocks, config_from
 from .distributed import full_parameters, sharding_kind
 from .drafter_source import find_drafter

@@ -20,11 +20,11 @@ import torch
 from torch import nn
 
 from ..common import arguments as check
-from ..core.engine import AUTOCAST_NAMES
-from ..core.metrics import DEFAULT_PREFIX, KEY_NAMESPACES
-from ..core.positions import DEFAULT_POSITION_EDGES
-from ..core.replay import TAIL_BLOCKS
-from ..core.request import DEFAULT_BUDGETS
+from ..core.figures.metrics import DEFAULT_PREFIX, KEY_NAMESPACES
+from ..core.figures.positions import DEFAULT_POSITION_EDGES
+from ..core.loop.cycles import TAIL_BLOCKS
+from ..core.replay.engine import AUTOCAST_NAMES
+from ..core.replay.request import DEFAULT_BUDGETS
 
 # The target's embedding or head: an attribute path on the training model, a module, or the matrix itself.
 WeightSource = str | nn.Module | torch.Tensor
@@ -105,7 +105,7 @@ class EvalConfig:
             ``light_anchor_stride``, still accepted (not both names of one option).
 
     Intervals: ``{prefix}<metric>_ci_low``/``_ci_high`` are 95% cluster-bootstrap intervals over the
-    evaluated samples (``dflash_cb.core.bootstrap``): the uncertainty from the choice of prompts.
+    evaluated samples (``dflash_cb.core.figures.bootstrap``): the uncertainty from the choice of prompts.
     """
 
     states: str | os.PathLike

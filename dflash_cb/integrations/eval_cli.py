@@ -1,5 +1,5 @@
 """The command line of ``tools/eval_drafter.py``: the edge only (arguments, the checks that must pass
-before any work, the files it writes); the evaluation itself is ``dflash_cb.core.engine.evaluate``."""
+before any work, the files it writes); the evaluation itself is ``dflash_cb.core.replay.engine.evaluate``."""
 
 
 from __future__ import annotations
@@ -49,10 +49,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from ..common.errors import DFlashCBError
     from ..common.fileio import check_outputs_apart
-    from ..core.checkpoints import load_drafter
-    from ..core.report import format_results
-    from ..core.results import check_results_path, drafter_provenance, write_results
-    from ..core.served_check import (
+    from ..core.checkpoints.load import load_drafter
+    from ..core.results.report import format_results
+    from ..core.results.results_file import check_results_path, drafter_provenance, write_results
+    from ..core.results.served_check import (
         compare,
         format_check,
         has_served_counters,

@@ -40,11 +40,11 @@ from torch import nn
 from ..common import arguments as check
 from ..common import log
 from ..common.errors import DFlashCBError
-from ..core.anchor_sets import sparse_stride_warning
-from ..core.baselines import MEASURED
-from ..core.engine import anchors_per_sample
-from ..core.metrics import TAU
-from ..core.results import series_mismatch
+from ..core.figures.metrics import TAU
+from ..core.loop.anchor_sets import sparse_stride_warning
+from ..core.replay.engine import anchors_per_sample
+from ..core.results.baselines import MEASURED
+from ..core.results.results_file import series_mismatch
 from .config import EvalConfig
 from .distributed import full_parameters_of, world
 from .drafter_source import unwrap

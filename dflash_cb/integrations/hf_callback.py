@@ -39,8 +39,8 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
 from ..common import arguments as check
-from ..core.positions import DEFAULT_POSITION_EDGES
-from ..core.request import DEFAULT_BUDGETS
+from ..core.figures.positions import DEFAULT_POSITION_EDGES
+from ..core.replay.request import DEFAULT_BUDGETS
 from .config import (
     DEFAULT_PREFIX,
     AutocastName,

@@ -24,9 +24,9 @@ from torch import nn
 from ..cache.manifest import CacheError
 from ..cache.states import StateCache, TargetHead
 from ..common.timing import PhaseTimer
-from ..core.engine import EvalReport, SampleResult, evaluate
-from ..core.metrics import EvalCounts
-from ..core.request import EvalRequest
+from ..core.figures.metrics import EvalCounts
+from ..core.replay.engine import EvalReport, SampleResult, evaluate
+from ..core.replay.request import EvalRequest
 from .distributed import all_gather, all_reduce_sum, gather_to_zero, world
 
 

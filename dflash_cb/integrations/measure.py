@@ -23,11 +23,18 @@ from torch import nn
 from ..cache.states import StateCache, TargetHead
 from ..common.errors import DFlashCBError
 from ..common.timing import PhaseTimer
-from ..core.cost import DrafterShape, EvalCost, SecondsPredictor, draft_all_is_cheaper, eval_overhead, predict
-from ..core.engine import EvalReport, SampleResult, anchors_per_sample, group_seconds, resolve_autocast
-from ..core.metrics import ANCHORS_DRAFTED, TAU, EvalCounts, ddtree_tau, summarize
-from ..core.model import DrafterSpec
-from ..core.request import EvalRequest
+from ..core.costs.evaluation import (
+    DrafterShape,
+    EvalCost,
+    SecondsPredictor,
+    draft_all_is_cheaper,
+    eval_overhead,
+    predict,
+)
+from ..core.drafters.dflash.model import DrafterSpec
+from ..core.figures.metrics import ANCHORS_DRAFTED, TAU, EvalCounts, ddtree_tau, summarize
+from ..core.replay.engine import EvalReport, SampleResult, anchors_per_sample, group_seconds, resolve_autocast
+from ..core.replay.request import EvalRequest
 from .config import EvalConfig
 from .drafter_source import target_weight, unwrap
 from .live_eval import evaluate_across_ranks, rank_share, score_untouched

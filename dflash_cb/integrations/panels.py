@@ -3,7 +3,7 @@
 A saved workspace view (or, with ``--report``, a W&B Report) with the sections *Headline*,
 *Uncertainty*, *Per category*, *Per depth*, *Selector* (a DFlash 2 drafter's: where tau is lost), *By
 position*, *Cost* and the samples table, every line plot against ``trainer/global_step``. Every key a panel shows is built from the names in
-``dflash_cb.core.metrics`` and the run's dimensions (``PanelLayout``: DDTree budgets, categories,
+``dflash_cb.core.figures.metrics`` and the run's dimensions (``PanelLayout``: DDTree budgets, categories,
 block size, position buckets, baselines), so a renamed metric breaks ``tests/test_panels.py``
 instead of leaving an empty panel.
 
@@ -29,8 +29,7 @@ from typing import Any
 
 from ..common import cli
 from ..common.errors import DFlashCBError
-from ..core.baselines import CONVENTIONS
-from ..core.metrics import (
+from ..core.figures.metrics import (
     ACCEPT_LENGTH_SERVED,
     ALL_ANCHOR_TAU,
     ANCHORS_DRAFTED,
@@ -66,7 +65,13 @@ from ..core.metrics import (
     selector_recall,
     serving_key,
 )
-from ..core.positions import DEFAULT_CYCLE_BUCKETS, DEFAULT_POSITION_EDGES, cycle_labels, position_labels
+from ..core.figures.positions import (
+    DEFAULT_CYCLE_BUCKETS,
+    DEFAULT_POSITION_EDGES,
+    cycle_labels,
+    position_labels,
+)
+from ..core.results.baselines import CONVENTIONS
 
 SAMPLE_TABLE = "sample_table"
 COST_KEYS = (EVAL_TIME, CYCLES, TOKENS, ANCHORS_DRAFTED, ANCHORS_NEEDED)

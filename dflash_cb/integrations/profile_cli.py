@@ -30,7 +30,7 @@ from ..common import cli
 from ..common.arguments import ArgumentError, parse_int, parse_int_list
 from ..common.errors import DFlashCBError
 from ..common.log import say
-from ..core.serving import CostProfile, ProfileError
+from ..core.costs.serving import CostProfile, ProfileError
 from .projection import drafter_identity
 
 USAGE = """Measure (or state) the step costs the serving projection prices a replay with.
@@ -236,7 +236,7 @@ def _drafter_pass(drafter: Any, head: Any, ctx: int, device: Any) -> Any:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    from ..core.results import check_results_path
+    from ..core.results.results_file import check_results_path
 
     out = check_results_path(args.out, "--out", "profile.json")
     modes = sum(bool(x) for x in (args.roofline, args.from_csv))
@@ -260,7 +260,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         m = StateCache(args.states).manifest.target
         target = {k: m.get(k) for k in ("hidden_size", "num_layers", "vocab_size")}
     if args.drafter:
-        from ..core.checkpoints import load_drafter
+        from ..core.checkpoints.load import load_drafter
 
         drafter = load_drafter(args.drafter, device="cpu")
     drafter_id = drafter_identity(drafter) if drafter is not None else {}

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..common.arguments import ArgumentError
-from ..core.serving import (
+from ..core.costs.serving import (
     PROJECTION_NOTE,
     CostProfile,
     ProfileError,

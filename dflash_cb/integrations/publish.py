@@ -16,11 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..common import log
-from ..core.baselines import baseline_scalars
-from ..core.compare import live_metrics
-from ..core.cost import EvalCost, setup_line
-from ..core.engine import SampleResult
-from ..core.metrics import (
+from ..core.costs.evaluation import EvalCost, setup_line
+from ..core.figures.metrics import (
     ANCHOR_STRIDE,
     EVAL_OVERHEAD,
     EVAL_STEP,
@@ -34,7 +31,10 @@ from ..core.metrics import (
     predicted_anchors,
     predicted_gflop,
 )
-from ..core.report import evaluation_line
+from ..core.replay.engine import SampleResult
+from ..core.results.baselines import baseline_scalars
+from ..core.results.compare import live_metrics
+from ..core.results.report import evaluation_line
 from .config import EvalConfig
 from .measure import Measurement
 from .projection import projected_metrics

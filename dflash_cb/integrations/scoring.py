@@ -21,9 +21,9 @@ from torch import nn
 from ..cache.states import StateCache, TargetHead
 from ..common.log import get_logger
 from ..common.threads import THREADS_HELP
-from ..core.engine import EvalReport
-from ..core.positions import DEFAULT_POSITION_EDGES
-from ..core.results import Results
+from ..core.figures.positions import DEFAULT_POSITION_EDGES
+from ..core.replay.engine import EvalReport
+from ..core.results.results_file import Results
 from .config import EvalConfig
 from .session import DrafterFit
 
@@ -120,7 +120,7 @@ class ScoringOptions:
         from ..cache.prompts import parse_id_list
         from ..common.arguments import parse_int, parse_position_edges
         from ..common.threads import parse_threads, set_threads
-        from ..core.ddtree import check_ddtree_budgets
+        from ..core.loop.ddtree import check_ddtree_budgets
 
         budgets = parse_budgets(args.ddtree_budgets)
         check_ddtree_budgets(budgets, None, None, "--ddtree-budgets")  # the block and vocabulary bound: later
@@ -167,8 +167,8 @@ class CacheScorer:
     """
 
     def __init__(self, options: ScoringOptions, table_samples: int = 0) -> None:
-        from ..core.anchor_sets import sparse_stride_warning
-        from ..core.engine import anchors_per_sample
+        from ..core.loop.anchor_sets import sparse_stride_warning
+        from ..core.replay.engine import anchors_per_sample
         from .session import chosen_samples
 
         self.options = options
@@ -197,7 +197,7 @@ class CacheScorer:
     def _dtypes(self, weights: torch.dtype) -> tuple[torch.dtype | None, torch.dtype]:
         """(autocast dtype, the head's dtype) for drafter parameters of dtype ``weights``: the head is held in the
         dtype it computes in (bf16 for a bf16 evaluation, float32 only when asked)."""
-        from ..core.engine import resolve_autocast
+        from ..core.replay.engine import resolve_autocast
 
         autocast = resolve_autocast(self.options.dtype_name, self.options.device, weights)
         return autocast, autocast or weights
@@ -234,9 +234,9 @@ class CacheScorer:
         """``drafter`` (checked: ``check``) scored on the chosen samples: a ``results.json``'s content whose meta
         names the drafter (``provenance``, ``results.drafter_provenance``), the settings, and ``meta``; and the
         engine's report it was made from."""
-        from ..core.engine import evaluate
-        from ..core.request import EvalRequest
-        from ..core.results import report_to_results
+        from ..core.replay.engine import evaluate
+        from ..core.replay.request import EvalRequest
+        from ..core.results.results_file import report_to_results
 
         weights = next(drafter.parameters()).dtype
         self.open(weights)

@@ -30,8 +30,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from ..common.arguments import ArgumentError
     from ..common.fileio import check_outputs_apart
-    from ..core.results import check_results_path, load_results
-    from ..core.serve_plan import plan, write_plan
+    from ..core.results.results_file import check_results_path, load_results
+    from ..core.results.serve_plan import plan, write_plan
 
     labels = args.labels.split(",") if args.labels else [Path(r).stem for r in args.results]
     if len(labels) != len(args.results) or len(set(labels)) != len(labels):

@@ -21,11 +21,11 @@ from torch import nn
 from ..cache.selection import select_sample_ids, stratified_ids
 from ..cache.states import CacheMismatchError, StateCache
 from ..common import log
-from ..core.baselines import Baseline, load_measured, load_published, load_served
-from ..core.ddtree import check_ddtree_budgets
-from ..core.model import DrafterSpec
-from ..core.replay import check_block_size
-from ..core.serving import CostProfile
+from ..core.costs.serving import CostProfile
+from ..core.drafters.dflash.model import DrafterSpec
+from ..core.loop.cycles import check_block_size
+from ..core.loop.ddtree import check_ddtree_budgets
+from ..core.results.baselines import Baseline, load_measured, load_published, load_served
 from .config import EvalConfig
 from .drafter_source import NotADrafterError, describe_source, target_weight
 from .eval_state import selection_record

@@ -4,7 +4,7 @@ A sink gets three calls, each optional but ``log``:
 
 - ``begin(run)`` once per run, before the first evaluation is logged: the settings and the references
   (``RunInfo``);
-- ``log(metrics, step)`` for every set of scalars (prefixed names, ``dflash_cb.core.metrics``) at the
+- ``log(metrics, step)`` for every set of scalars (prefixed names, ``dflash_cb.core.figures.metrics``) at the
   training step they measure;
 - ``evaluation(record)`` after each evaluation's scalars: what a richer tracker can show beyond scalars
   (the histogram of produced tokens, acceptance per depth, sample blocks: ``EvaluationRecord``).
@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..core.baselines import Baseline
+from ..core.results.baselines import Baseline
 
 
 @dataclass

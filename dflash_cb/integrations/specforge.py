@@ -48,7 +48,7 @@ from torch import nn
 
 from ..common import arguments as check
 from ..common.fileio import atomic_write_json
-from ..core.metrics import TAU
+from ..core.figures.metrics import TAU
 from .config import EvalConfig, config_fields, one_per_prefix
 from .distributed import world
 from .drafter_source import DrafterSource, find_drafter

@@ -29,12 +29,12 @@ from ..cache.states import CacheMismatchError, StateCache
 from ..common import log
 from ..common.arguments import ArgumentError
 from ..common.errors import DFlashCBError
-from ..core.checkpoint_files import CheckpointKind, FoundCheckpoint, find_checkpoints
-from ..core.checkpoints import CheckpointError, NoDrafterConfigError, drafter_in_checkpoint
-from ..core.metrics import ANCHOR_STRIDE, DEFAULT_PREFIX, EVAL_STEP, TAU
-from ..core.report import evaluation_line
-from ..core.results import Results, drafter_provenance, load_results
-from ..core.sweep_record import (
+from ..core.checkpoints.files import CheckpointKind, FoundCheckpoint, find_checkpoints
+from ..core.checkpoints.load import CheckpointError, NoDrafterConfigError, drafter_in_checkpoint
+from ..core.figures.metrics import ANCHOR_STRIDE, DEFAULT_PREFIX, EVAL_STEP, TAU
+from ..core.results.report import evaluation_line
+from ..core.results.results_file import Results, drafter_provenance, load_results
+from ..core.results.sweep_record import (
     RESULTS_FOLDER,
     SweepEntry,
     SweepError,
@@ -200,7 +200,7 @@ class CheckpointScorer:
         results, _ = self.scorer.score(p.drafter, p.fit, drafter_provenance(planned.path, p.step), meta={"sweep": {
             "checkpoint": planned.path, "kind": planned.kind, "identity": planned.identity, "step": p.step,
             "step_from": p.step_from, "settings": self.digest, "rank": self.rank}})
-        from ..core.results import write_results
+        from ..core.results.results_file import write_results
 
         write_results(results, self.options.out / name)
         return Outcome(entry=entry_of(results, name))
@@ -378,7 +378,7 @@ class Sweep:
 
     def report(self) -> None:
         """Rank zero: ``sweep.md`` and ``sweep.png``."""
-        from ..core.sweep_report import write_report
+        from ..core.results.sweep_report import write_report
 
         if self.record.entries or self.record.failed:
             write_report(self.record, self.options.out)
@@ -518,7 +518,7 @@ def _state_of(prepared: Prepared | Outcome | None) -> tuple[str, str] | None:
 def check_found(found: Sequence[FoundCheckpoint], out: Path, first: bool) -> None:
     """Refused before any work: ``--out`` inside a checkpoint folder (writing there would change the checkpoint),
     and, at the first look, two checkpoints whose names carry one step (two points at one step), naming both."""
-    from ..core.checkpoint_files import CheckpointPathError, output_inside_checkpoint, same_name_steps
+    from ..core.checkpoints.files import CheckpointPathError, output_inside_checkpoint, same_name_steps
 
     inside = output_inside_checkpoint(out, found)
     if inside is not None:

@@ -65,9 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _out_folder(out: Path, states: str) -> None:
     """``--out``: a folder that is new, empty, or a sweep's; never inside the cache."""
     from ..common.errors import DFlashCBError
-    from ..core.results import check_results_path
-    from ..core.sweep_record import RESULTS_FOLDER, SWEEP_FILE
-    from ..core.sweep_report import REPORT_MD, REPORT_PNG
+    from ..core.results.results_file import check_results_path
+    from ..core.results.sweep_record import RESULTS_FOLDER, SWEEP_FILE
+    from ..core.results.sweep_report import REPORT_MD, REPORT_PNG
 
     if out.exists() and not out.is_dir():
         raise DFlashCBError(f"--out {out}: is a file; give a folder for the sweep (sweep.json, results/, sweep.md)")
@@ -88,8 +88,8 @@ def parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, object]:
     from ..common.arguments import parse_int
     from ..common.errors import DFlashCBError
     from ..common.fileio import check_outputs_apart
-    from ..core.checkpoint_files import find_checkpoints
-    from ..core.checkpoints import read_drafter_config
+    from ..core.checkpoints.files import find_checkpoints
+    from ..core.checkpoints.load import read_drafter_config
     from .scoring import ScoringOptions
     from .sweep import SweepOptions, check_found
 
@@ -144,7 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import torch
 
-    from ..core.sweep_record import load_sweep
+    from ..core.results.sweep_record import load_sweep
     from .scoring import CacheScorer
     from .sweep import Sweep, terminated_as_interrupt
 

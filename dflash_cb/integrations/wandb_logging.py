@@ -7,7 +7,7 @@ what only W&B can show. Nothing here runs unless a ``WandbLogger`` is attached (
 Metric layout (``prefix`` defaults to ``dflash_eval/``):
 
 - ``{prefix}tau``, ``{prefix}ddtree/tau_b<B>``, ... : the live drafter, one point per evaluation
-  (names from ``dflash_cb.core.metrics``), plotted against ``trainer/global_step``.
+  (names from ``dflash_cb.core.figures.metrics``), plotted against ``trainer/global_step``.
 - ``{prefix}baseline/<name>/<metric>``: a reference drafter measured on the same cache (constant
   series, logged at every evaluation so it spans the same steps, and in the run summary).
 - ``{prefix}published/<name>/<metric>``: a figure reported by a paper, not measured here.
@@ -22,9 +22,9 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from ..core.baselines import Baseline, baseline_scalars
-from ..core.metrics import BEST_STEP, BEST_TAU, DEFAULT_PREFIX, EVAL_TIME, STEP_KEY, TAU
-from ..core.results import Results
+from ..core.figures.metrics import BEST_STEP, BEST_TAU, DEFAULT_PREFIX, EVAL_TIME, STEP_KEY, TAU
+from ..core.results.baselines import Baseline, baseline_scalars
+from ..core.results.results_file import Results
 from .sample_table import TABLE_COLUMNS, clip
 
 
@@ -156,7 +156,7 @@ def log_standalone_results(results: Results, project: str, name: str | None = No
         baselines: list[Baseline] = []
         skipped: list[str] = []
         if published:
-            from ..core.baselines import load_published
+            from ..core.results.baselines import load_published
 
             pf = load_published(published)
             baselines, skipped = pf.baselines, pf.skipped

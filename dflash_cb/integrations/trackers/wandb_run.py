@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ...core.metrics import STEP_KEY
+from ...core.figures.metrics import STEP_KEY
 from ..sinks import EvaluationRecord, MetricsSink, RunInfo
 from . import Tracker, lightning_logger_sink
 

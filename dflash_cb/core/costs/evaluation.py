@@ -1,0 +1,455 @@
+"""What an evaluation costs, predicted from the drafter's shape: work (anchors, GFLOP) and memory.
+
+Pure arithmetic, no torch state, no I/O: the callback prints the predicted cost at setup, the
+benchmarks compare measured peaks against ``memory_bound``, and the README's worked example uses
+the same functions (docs/method.md describes what an evaluation drafts).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ...common.arguments import int_at_least
+from ..drafters.names import config_family
+
+
+@dataclass(frozen=True)
+class DrafterShape:
+    """The sizes that set an evaluation's cost."""
+
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    block_size: int
+    vocab: int
+    features: int  # context width: target layers x target hidden size
+    # DFlash 2 (docs/method.md, "DFlash 2"); all 0 for a DFlash drafter.
+    conv_taps: int = 0  # taps of each grouped causal convolution (two per layer)
+    conv_groups: int = 0  # channel groups of each: hidden / conv_group_size
+    selector_rank: int = 0
+    selector_top_k: int = 0
+
+    @classmethod
+    def of(cls, config: Any, block_size: int, features: int) -> DrafterShape:
+        """From a Qwen3-style drafter config (``num_hidden_layers``, ``hidden_size`` ...; a DFlash 2 one's
+        ``dflash_config`` adds the convolutions and the selector)."""
+        heads = int(config.num_attention_heads)
+        head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+        dflash2 = {}
+        if config_family(config) == "dflash2":
+            field = (getattr(config, "dflash_config", None) or {}).get
+            dflash2 = dict(conv_taps=int(field("conv_kernel_size")),
+                           conv_groups=int(config.hidden_size) // int(field("conv_group_size")),
+                           selector_rank=int(field("selector_rank")), selector_top_k=int(field("selector_top_k")))
+        return cls(int(config.num_hidden_layers), int(config.hidden_size), int(config.intermediate_size), heads,
+                   int(getattr(config, "num_key_value_heads", None) or heads), head_dim, int(block_size),
+                   int(config.vocab_size), int(features), **dflash2)
+
+    @property
+    def layer_params(self) -> int:
+        """Matmul weights of one layer: q, k, v, o projections and the gated MLP."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return self.hidden * (2 * q + 2 * kv) + 3 * self.hidden * self.intermediate
+
+    @property
+    def weight_params(self) -> int:
+        """Matmul weights of the drafter: its layers and the context projection (fc); for DFlash 2 also the
+        convolutions and the selector's hidden projection (its codebooks: ``codebook_params``)."""
+        return self.layers * self.layer_params + self.features * self.hidden + self.conv_params + self.hidden * \
+            self.selector_rank
+
+    @property
+    def conv_params(self) -> int:
+        """The DFlash 2 convolutions, two per layer: ``base_kernel`` [2, taps, hidden] and ``kernel_projection``
+        [2 x taps x groups, hidden] each."""
+        return self.layers * 2 * (2 * self.conv_taps * self.hidden + 2 * self.conv_taps * self.conv_groups * self.hidden)
+
+    @property
+    def codebook_params(self) -> int:
+        """The DFlash 2 selector's predecessor and successor codebooks, [vocab, rank] each."""
+        return 2 * self.vocab * self.selector_rank
+
+    def kv_bytes_per_position(self, itemsize: int) -> int:
+        """Context K/V one position holds: every layer's keys and values."""
+        return self.layers * 2 * self.kv_heads * self.head_dim * itemsize
+
+
+def block_gflop(shape: DrafterShape, context: int, positions: float, lattice: bool = False) -> float:
+    """GFLOP of one drafted block at an anchor ``context`` tokens in, of which ``positions`` depths are
+    read: every layer's token-wise matmuls over the block (the last layer's output projection and MLP
+    only at the positions read: they are token-wise, docs/method.md), attention over context + block,
+    and the output head at the positions read.
+
+    A DFlash 2 drafter (``shape.selector_rank``) also pays: its last layer at every position (its convolutions
+    mix neighbouring positions, so nothing of it is deferred), each layer's two convolutions at every position
+    (their kernel projections and the two stages of taps), and at every position read the selector (the hidden
+    projection and the K candidates' pair scores given one predecessor); with ``lattice`` (DDTree budgets) the
+    pair scores of every candidate given each of the K candidates one depth up (``selector.transition_logprobs``).
+    """
+    b = shape.block_size
+    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    qkv = shape.hidden * (q + 2 * kv)
+    tail = shape.layer_params - qkv  # o_proj and the MLP
+    head = 2 * positions * shape.hidden * shape.vocab
+    if not shape.selector_rank:
+        tokenwise = 2 * b * (shape.layers - 1) * shape.layer_params + 2 * b * qkv + 2 * positions * tail
+        return (tokenwise + head) / 1e9 + attention_gflop(shape, context)
+    h, r, k, taps = shape.hidden, shape.selector_rank, shape.selector_top_k, shape.conv_taps
+    # Per position and layer, two convolutions: a kernel projection (h -> 2 x taps x groups) and two stages of
+    # taps multiply-adds with the per-group offset added to the base kernel.
+    conv = shape.layers * 2 * (2 * h * 2 * taps * shape.conv_groups + 2 * 3 * taps * h)
+    tokenwise = 2 * b * shape.layers * shape.layer_params + b * conv
+    pick = 2 * h * r + r + 2 * k * r  # H(h), A[previous] * H(h), its product with the K successor codes
+    tree = (k * r + 2 * k * k * r) if lattice else 0
+    return (tokenwise + head + positions * (pick + tree)) / 1e9 + attention_gflop(shape, context)
+
+
+def attention_gflop(shape: DrafterShape, context: int) -> float:
+    """GFLOP of one block's attention (scores and weighted values) over ``context`` + block positions."""
+    b = shape.block_size
+    return 4 * b * shape.heads * shape.head_dim * (context + b) * shape.layers / 1e9
+
+
+def context_gflop(shape: DrafterShape, tokens: int) -> float:
+    """GFLOP of a sample's context K/V (the fc projection, then each layer's k and v), once per evaluation."""
+    kv = shape.kv_heads * shape.head_dim
+    return 2 * tokens * (shape.features * shape.hidden + shape.layers * 2 * shape.hidden * kv) / 1e9
+
+
+# What an evaluation's seconds are made of, in three groups that are timed apart (``engine.PHASE_GROUPS``)
+# and calibrated apart: the drafter (context K/V, the blocks, the head), the DDTree heaps, and the rest
+# (reading the cache, the walks and their tables, the statistics).
+COST_GROUPS = ("drafter", "ddtree", "other")
+
+# Seconds per unit of work on one CPU core (fitted on the toy and demo caches: benchmarks/vs_specforge.py,
+# docs/performance.md): what a prediction means before any evaluation has been measured. Calibration
+# (``Calibration.of``) replaces each group's scale by the measured one, so only the ratios within a group matter.
+REFERENCE_SECONDS = {
+    "drafter": {"gflop": 0.035, "passes": 1.8e-3, "topk_values": 6e-8},
+    "ddtree": {"tree_slots": 4.9e-10, "tree_pops": 1.3e-7, "tree_steps": 1.6e-5},
+    "other": {"waves": 5.2e-3, "samples": 1.75e-4, "passes": 7.4e-4, "anchors": 4e-6},
+}
+
+
+@dataclass(frozen=True)
+class EvalCost:
+    anchors: int  # drafted blocks expected
+    gflop: float
+    attention_gflop: float = 0.0  # the part of ``gflop`` spent in attention
+    samples: int = 0
+    waves: int = 0  # groups of samples evaluated together (``MemoryLimits.context_bytes``)
+    passes: float = 0.0  # drafter passes: a wave's rounds (at most ``max_blocks`` blocks a pass), summed
+    topk_values: float = 0.0  # the head's top-K: tree positions x min(largest budget, vocab); DFlash 2: read x K
+    tree_pops: float = 0.0  # DDTree heap pops: drafted anchors x the largest budget
+    tree_slots: float = 0.0  # candidate slots those pops scan: drafted anchors x the largest budget squared
+    tree_steps: float = 0.0  # pops made for every anchor of a pass at once: passes x the largest budget
+
+    def seconds(self, tflops: float) -> float:
+        """Wall time at an achieved ``tflops`` (e.g. 40% of a GPU's bf16 peak), the drafter's arithmetic only."""
+        return self.gflop / (tflops * 1e3)
+
+    def reference(self, group: str) -> float:
+        """Seconds of ``group`` (``COST_GROUPS``) at ``REFERENCE_SECONDS``."""
+        return sum(rate * getattr(self, unit) for unit, rate in REFERENCE_SECONDS[group].items())
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Measured seconds per reference second, per cost group: what turns a predicted ``EvalCost`` into seconds
+    on this machine (``predicted_seconds``)."""
+
+    rates: dict[str, float]
+
+    @classmethod
+    def of(cls, cost: EvalCost, seconds: dict[str, float]) -> Calibration:
+        """From one measured evaluation: its predicted ``cost`` (at its measured tau) and its seconds per group.
+
+        A group that had next to no work in it (DDTree off, a tiny share) says little about its own rate: it
+        takes the evaluation's overall rate instead."""
+        total_ref = sum(cost.reference(g) for g in COST_GROUPS)
+        total = sum(seconds.get(g, 0.0) for g in COST_GROUPS)
+        overall = total / total_ref if total_ref > 0 else 1.0
+        rates = {}
+        for g in COST_GROUPS:
+            ref = cost.reference(g)
+            rates[g] = seconds.get(g, 0.0) / ref if ref > 0.05 * total_ref else overall
+        return cls(rates)
+
+
+def predicted_seconds(cost: EvalCost, calibration: Calibration | None = None) -> float:
+    """The seconds ``cost`` takes: at ``REFERENCE_SECONDS`` (one CPU core), or as ``calibration`` measured."""
+    return sum(cost.reference(g) * (calibration.rates[g] if calibration is not None else 1.0) for g in COST_GROUPS)
+
+
+# How often a DDTree walk's anchors are ones the greedy walk or the statistics set did not draft anyway: the
+# walks start together and succeed on the same easy tokens (fitted on the toy and demo caches).
+TREE_WALK_OVERLAP = 0.7
+
+
+def missed_share(tau: float, tree_taus: Sequence[float], anchor_stride: int) -> float:
+    """The share of a sample's anchors that neither the statistics set nor any walk drafts: a walk of
+    acceptance length tau visits one anchor in tau, the statistics set one in ``anchor_stride``."""
+    share = (1 - 1 / anchor_stride) * (1 - 1 / max(1.0, tau))
+    for t in tree_taus:
+        share *= 1 - TREE_WALK_OVERLAP / max(1.0, t)
+    return share
+
+
+def drafting_passes(completions: Sequence[int], taus: Sequence[float], anchor_stride: int, draft_all: bool,
+                    drafted: float, max_blocks: int) -> float:
+    """Drafter passes of one wave: its rounds, each cut into passes of at most ``max_blocks`` blocks.
+
+    At stride 1 (or with ``draft_all``: ``engine.evaluate(draft_all=True)``) every anchor is drafted in the
+    first round. Otherwise each round moves every live walk by at least one cycle, and by more where its next
+    anchor was drafted already (a statistics anchor, one in ``anchor_stride``): about ``longest / tau x
+    (1 - 1 / stride)`` rounds for the walk with the smallest tau (``taus``: every walk's).
+    """
+    longest = max(completions, default=0)
+    if longest <= 0:
+        return 0.0
+    if anchor_stride == 1 or draft_all:
+        rounds = 1.0
+    else:
+        rounds = 1 + longest / max(1.0, min(taus)) * (1 - 1 / anchor_stride)
+    return rounds + max(0.0, drafted / max_blocks - 1)
+
+
+@dataclass(frozen=True)
+class MemoryLimits:
+    """What one evaluation may hold at once besides the weights (``engine.evaluate``; ``memory_bound``).
+
+    ``context_bytes``: context K/V of the samples evaluated together (one *wave*); ``max_blocks``: blocks
+    per drafter pass (the token-wise activations); ``attn_bytes``: the temporaries of one attention call
+    and of one batch of context features being projected; ``head_bytes``: every vocabulary-sized tensor
+    (the head's logits).
+    """
+
+    attn_bytes: int = 512 << 20
+    head_bytes: int = 512 << 20
+    context_bytes: int = 4 << 30
+    max_blocks: int = 1024
+
+    def __post_init__(self) -> None:
+        for name in ("attn_bytes", "head_bytes", "context_bytes", "max_blocks"):
+            int_at_least(f"MemoryLimits.{name}", getattr(self, name), 1)
+
+
+DEFAULT_LIMITS = MemoryLimits()
+
+
+def evaluation_cost(shape: DrafterShape, samples: Sequence[tuple[int, int]], tau: float, budgets: Sequence[int],
+                    anchor_stride: int, *, tree_taus: Mapping[int, float] | None = None, draft_all: bool = False,
+                    limits: MemoryLimits = DEFAULT_LIMITS, state_itemsize: int = 4,
+                    counted: tuple[int, int] | None = None) -> EvalCost:
+    """Predicted work of one evaluation of ``samples`` ((prompt tokens, scored completion tokens) each).
+
+    A walk of ``C`` completion tokens at acceptance length ``tau`` visits about ``C / tau`` anchors (a DDTree
+    walk: at its budget's tau, ``tree_taus``, else ``tau``); the walks and the anchor-statistics set (``C /
+    anchor_stride`` anchors) share anchors (``missed_share``), and an untrained drafter, tau 1, drafts every
+    anchor. A statistics anchor reads every depth; a greedy walk anchor reads about
+    ``tau`` depths, and with DDTree budgets every drafted anchor reads every depth (its top-K tree).
+    With budgets, every drafted anchor also runs the heap to the largest budget ``B`` (docs/method.md,
+    "DDTree"): ``B`` pops, which scan ``B**2`` candidate slots in all, the pops of a pass made together
+    (``tree_steps``: one per pass and pop). Samples are evaluated in waves whose context K/V fits
+    ``limits.context_bytes`` (at ``state_itemsize`` bytes a value); each wave makes its own passes
+    (``drafting_passes``; ``draft_all``: every anchor in the first round). ``counted``: (anchors drafted,
+    passes) as an evaluation counted them (``EvalReport``), in place of the predicted ones: the work of an
+    evaluation that ran, to calibrate by.
+    """
+    tau = max(1.0, float(tau))
+    taus = [float((tree_taus or {}).get(b, tau)) for b in budgets]
+    scale = 1.0
+    if counted is not None:  # the drafted anchors as counted, spread over the samples as predicted
+        predicted = evaluation_cost(shape, samples, tau, budgets, anchor_stride, tree_taus=tree_taus, draft_all=draft_all,
+                                    limits=limits, state_itemsize=state_itemsize)
+        scale = counted[0] / predicted.anchors if predicted.anchors else 1.0
+    d = shape.block_size - 1
+    top = max(budgets, default=0)
+    anchors, gflop, attention, passes, waves, read = 0, 0.0, 0.0, 0.0, 1, 0.0
+    wave: list[int] = []
+    wave_bytes, wave_drafted = 0, 0.0
+    for prompt, scored in samples:
+        completion = scored - 1  # anchors: the last scored position starts no cycle
+        need = (prompt + max(scored, 0)) * shape.kv_bytes_per_position(state_itemsize)
+        if wave and wave_bytes + need > limits.context_bytes:
+            passes += drafting_passes(wave, [tau, *taus], anchor_stride, draft_all, wave_drafted, limits.max_blocks)
+            wave, wave_bytes, wave_drafted, waves = [], 0, 0.0, waves + 1
+        wave_bytes += need
+        gflop += context_gflop(shape, prompt + max(scored, 0))
+        if completion <= 0:
+            continue
+        stats = math.ceil(completion / anchor_stride)
+        drafted = float(completion) if draft_all else max(float(stats),
+                                                      completion * (1 - missed_share(tau, taus, anchor_stride)))
+        drafted = min(float(completion), drafted * scale)
+        if budgets:
+            positions = drafted * d
+        else:
+            positions = stats * d + max(0.0, drafted - stats) * min(d, tau)
+        mid = prompt + completion // 2  # the average anchor's context
+        gflop += drafted * block_gflop(shape, mid, positions / drafted, lattice=bool(budgets))
+        read += positions
+        attention += drafted * attention_gflop(shape, mid)
+        anchors += math.ceil(drafted)
+        wave.append(completion)
+        wave_drafted += drafted
+    passes += drafting_passes(wave, [tau, *taus], anchor_stride, draft_all, wave_drafted, limits.max_blocks)
+    if counted is not None:
+        anchors, passes = counted
+    # The head's top-K: for the trees at every depth of every drafted anchor; a DFlash 2 drafter takes its
+    # selector's K candidates at every position read, with or without trees.
+    topk = read * shape.selector_top_k if shape.selector_rank else anchors * d * min(top, shape.vocab)
+    return EvalCost(anchors, gflop, attention, len(samples), waves, passes, topk, anchors * top, anchors * top * top,
+                    passes * top)
+
+
+def memory_bound(shape: DrafterShape, context_tokens: int, *, weight_itemsize: int, head_itemsize: int,
+                 state_itemsize: int, tied: bool = False, limits: MemoryLimits = DEFAULT_LIMITS) -> dict[str, int]:
+    """Bytes an evaluation holds at most, by part (the engine's memory model, ``engine.evaluate``):
+
+    - ``weights``: the drafter's matmul weights;
+    - ``head``: the target's embedding and output head, [vocab, hidden] each (one when tied), in the
+      dtype the head computes in;
+    - ``context``: context K/V of the samples evaluated together (``context_tokens`` positions,
+      bounded by ``limits.context_bytes``);
+    - ``activations``: the token-wise pass of ``limits.max_blocks`` blocks (MLP input, gate and up);
+    - ``head_logits`` and ``attention``: the chunked temporaries, ``limits.head_bytes`` and
+      ``limits.attn_bytes``;
+    - DFlash 2 only: ``codebooks``, the selector's two [vocab, rank] codebooks in the weights' dtype, and
+      ``selector``, the temporaries of its lattice (DDTree budgets; ``selector.transition_logprobs``), built
+      ``LATTICE_BLOCKS`` blocks at a time: four float32 [blocks, depths, K, rank] tensors (the candidates'
+      successor codes, a transposed copy the matmul makes, their predecessor codes, and those times ``H(h)``)
+      and three 8-byte [blocks, depths, K, K] ones (the edge scores, in float32 and float64, and their
+      log-softmax), plus the lattice's log-probabilities of the pass (float64 [max_blocks, depths, K, K]) that
+      the tree reads. The selector's pick makes its candidates' codes a few hundred rows at a time
+      (``dflash2.PICK_ROWS``): megabytes, not counted.
+    """
+    b = limits.max_blocks * shape.block_size
+    parts = {
+        "weights": shape.weight_params * weight_itemsize,
+        "head": (1 if tied else 2) * shape.vocab * shape.hidden * head_itemsize,
+        "context": context_tokens * shape.kv_bytes_per_position(state_itemsize),
+        "activations": b * (3 * shape.intermediate + 4 * shape.hidden) * state_itemsize,
+        "head_logits": limits.head_bytes,
+        "attention": limits.attn_bytes,
+    }
+    if shape.selector_rank:
+        k, d = shape.selector_top_k, shape.block_size - 1
+        chunk = min(limits.max_blocks, LATTICE_BLOCKS) * d * k
+        parts["codebooks"] = shape.codebook_params * weight_itemsize
+        parts["selector"] = chunk * (4 * shape.selector_rank * 4 + 3 * k * 8) + limits.max_blocks * d * k * k * 8
+    return parts
+
+
+# Blocks whose DFlash 2 selector lattice is built at once (``dflash2.SelectorProposer.tree``): its code
+# temporaries, [blocks, depths, K, rank] float32 each, stay tens of MB at the real width.
+LATTICE_BLOCKS = 64
+
+
+# ``drafting_passes`` tends to count more rounds than there are (walks meet drafted anchors more often than
+# independent walks would), so drafting at once is chosen only when it saves a quarter of the rounds' cost.
+ROUNDS_MARGIN = 0.8
+
+
+def draft_all_is_cheaper(shape: DrafterShape, samples: Sequence[tuple[int, int]], tau: float, budgets: Sequence[int],
+                         anchor_stride: int, tree_taus: Mapping[int, float] | None = None, **kwargs: Any) -> bool:
+    """Whether drafting every anchor in one round (``engine.evaluate(draft_all=True)``) costs less than
+    drafting only where the walks and the statistics set look, round after round, at ``REFERENCE_SECONDS``.
+
+    Each round costs a pass whatever it drafts, so the rounds win only when they spare more blocks than their
+    passes cost: with a useful drafter on enough samples. A weak drafter (the walks visit nearly every anchor)
+    and a small evaluation (few blocks per pass) draft every anchor at once. From the samples and the taus
+    alone (no measured time), so every rank of a distributed evaluation decides alike.
+    """
+    if anchor_stride == 1:
+        return False
+    rounds = evaluation_cost(shape, samples, tau, budgets, anchor_stride, tree_taus=tree_taus, **kwargs)
+    at_once = evaluation_cost(shape, samples, tau, budgets, anchor_stride, tree_taus=tree_taus, draft_all=True,
+                              **kwargs)
+    return predicted_seconds(at_once) <= ROUNDS_MARGIN * predicted_seconds(rounds)
+
+
+class SecondsPredictor:
+    """The seconds of a run's next evaluation, predicted from the ones measured before it.
+
+    A profile measured before (a name: "light", "full") is predicted by its own last measurement: the rate of
+    its measured seconds to the work the model predicts for it (``Calibration``), so the model's errors for
+    that profile cancel and the prediction follows the change of tau. A profile not measured yet takes the
+    rates of the last measured one, taken against the work that evaluation counted (its anchors and passes),
+    and the model's work for itself. Pure: the caller measures (``engine.group_seconds``) and passes what
+    it knows.
+    """
+
+    def __init__(self, shape: DrafterShape, samples: Sequence[tuple[int, int]], limits: MemoryLimits = DEFAULT_LIMITS,
+                 state_itemsize: int = 4):
+        self.shape, self.samples, self.limits, self.state_itemsize = shape, list(samples), limits, state_itemsize
+        self.calibrations: dict[str, Calibration] = {}  # per profile: against its predicted work
+        self.counted: Calibration | None = None  # the last measured profile's, against its counted work
+
+    def cost(self, budgets: Sequence[int], stride: int, tau: float, tree_taus: Mapping[int, float] | None = None,
+             draft_all: bool = False, counted: tuple[int, int] | None = None) -> EvalCost:
+        return evaluation_cost(self.shape, self.samples, tau, budgets, stride, tree_taus=tree_taus, draft_all=draft_all,
+                               limits=self.limits, state_itemsize=self.state_itemsize, counted=counted)
+
+    def predict(self, profile: str, budgets: Sequence[int], stride: int, tau: float,
+                tree_taus: Mapping[int, float] | None = None, draft_all: bool = False) -> float | None:
+        """Seconds of the next ``profile`` evaluation at ``tau``; None before any evaluation was measured."""
+        calibration = self.calibrations.get(profile, self.counted)
+        if calibration is None:
+            return None
+        return predicted_seconds(self.cost(budgets, stride, tau, tree_taus, draft_all), calibration)
+
+    def measured(self, profile: str, seconds: dict[str, float], budgets: Sequence[int], stride: int, tau: float,
+                 tree_taus: Mapping[int, float] | None = None, draft_all: bool = False,
+                 counted: tuple[int, int] | None = None) -> None:
+        """Calibrate by an evaluation of ``profile``: its ``seconds`` per cost group, the tau it measured, and the
+        anchors and passes it ``counted`` (``EvalReport``; None: as predicted)."""
+        self.calibrations[profile] = Calibration.of(self.cost(budgets, stride, tau, tree_taus, draft_all), seconds)
+        self.counted = Calibration.of(self.cost(budgets, stride, tau, tree_taus, draft_all, counted), seconds)
+
+
+def format_cost(name: str, cost: EvalCost) -> str:
+    gflop = f"{cost.gflop:,.0f}" if cost.gflop >= 100 else f"{cost.gflop:.3g}"
+    return f"{name}: ~{cost.anchors:,} anchors, ~{gflop} GFLOP"
+
+
+def eval_overhead(eval_seconds: float, wall_seconds: float) -> float:
+    """The evaluation's share of the wall time since the previous evaluation ended (this one included);
+    NaN when no training ran in between (``wall_seconds`` not larger than the evaluation)."""
+    if not wall_seconds > eval_seconds > 0:
+        return math.nan
+    return eval_seconds / wall_seconds
+
+
+def predicted_costs(shape: DrafterShape, samples: Sequence[tuple[int, int]], tau: float,
+                    profiles: dict[str, tuple[Sequence[int], int]], **kwargs: Any) -> dict[str, EvalCost]:
+    """``evaluation_cost`` per named profile (name -> (DDTree budgets, anchor stride)); ``kwargs`` go to it."""
+    return {name: evaluation_cost(shape, samples, tau, budgets, stride, **kwargs)
+            for name, (budgets, stride) in profiles.items()}
+
+
+def setup_line(samples: int, files: int, nbytes: int, hash_s: float, setup_s: float, tau: float,
+               costs: dict[str, EvalCost]) -> str:
+    """The callback's first console line: what setup checked and what the evaluations will cost."""
+    parts = [f"setup {setup_s:.2f} s ({samples} samples; sha256 of {files} file(s), {nbytes / 1e9:.2f} GB, "
+             f"{hash_s:.2f} s)"]
+    if costs:
+        parts.append(f"predicted at tau {tau:.2f}: " + "; ".join(format_cost(k, c) for k, c in costs.items()))
+    return "  ".join(parts)
+
+
+def predict(drafter: Any, block_size: int, features: int, samples: Sequence[tuple[int, int]], tau: float,
+            profiles: dict[str, tuple[Sequence[int], int]], **kwargs: Any) -> dict[str, EvalCost]:
+    """``predicted_costs`` for a drafter with a Qwen3-style ``.config``; empty when its shape is unknown;
+    ``kwargs`` go to ``evaluation_cost``."""
+    try:
+        shape = DrafterShape.of(drafter.config, block_size, features)
+    except (AttributeError, TypeError, ValueError):
+        return {}
+    return predicted_costs(shape, samples, tau, profiles, **kwargs)

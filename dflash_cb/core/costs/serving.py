@@ -1,0 +1,314 @@
+"""The serving projection: tokens per second and speedup over plain decoding, from the exact replay's cycles
+and a cost profile (docs/serving.md).
+
+A speculative cycle commits ``produced`` tokens and costs ``draft_passes * C_draft + C_verify(n; context)``,
+``n`` the tokens the target verifies (the block; a DDTree's nodes and its root; a chain's K drafts and its
+anchor). Plain decoding pays ``C_verify(1; position)`` per token. Every cycle of every sample is priced at its
+own context (the anchor's position), so a long-tailed acceptance distribution and long completions are
+projected as they are, not through the mean tau. Per sample: tokens, speculative seconds, plain seconds;
+tokens per second and speedup are ratios of their sums, with intervals from the same cluster bootstrap as
+tau (``bootstrap``).
+
+Pure: no I/O, no torch. The profile file's reading and the measuring live in ``integrations.profile_cli``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+from ..figures.bootstrap import DEFAULT_RESAMPLES, DEFAULT_SEED, Interval, Sums, intervals, paired_difference
+
+PROFILE_FORMAT = "dflash-cb-cost-profile"
+PROFILE_VERSION = 1
+ProfileKind = Literal["measured", "roofline", "user"]
+PROFILE_KINDS: tuple[ProfileKind, ...] = ("measured", "roofline", "user")
+# What a projection is, said beside every projected figure.
+PROJECTION_NOTE = ("projection: the exact replay's cycles priced with the cost profile named here (measured step "
+                   "times, a roofline estimate or the user's own numbers), not a measured serving speed")
+# The identity fields a profile records; a target field that differs from the cache's refuses the profile.
+TARGET_FIELDS = ("hidden_size", "num_layers", "vocab_size")
+DRAFTER_FIELDS = ("family", "hidden_size", "num_layers", "block_size")
+
+
+class ProfileError(ValueError):
+    """A cost profile that cannot be used: unreadable, or measured for something else."""
+
+
+@dataclass(frozen=True)
+class CostProfile:
+    """Measured (or stated) step costs for one target, drafter and device, at batch ``batch_size``.
+
+    ``verify``: per context length (0: the same at every context), the target's verify step as sorted
+    (verified tokens, seconds) rows; between rows interpolated, beyond them refused. ``draft``: per context
+    length (0: every context), the seconds of one drafter pass (a block drafter) or one step (a chain drafter).
+    ``target`` / ``drafter``: what it was measured for (``TARGET_FIELDS`` / ``DRAFTER_FIELDS``, any subset).
+    ``source``: the command that measured it, the roofline's stated numbers, or the user's file."""
+
+    kind: ProfileKind
+    verify: dict[int, tuple[tuple[int, float], ...]]
+    draft: dict[int, float]
+    target: dict[str, Any] = field(default_factory=dict)
+    drafter: dict[str, Any] = field(default_factory=dict)
+    device: str = ""
+    dtype: str = ""
+    batch_size: int = 1
+    date: str = ""
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in PROFILE_KINDS:
+            raise ProfileError(f"profile kind {self.kind!r} is not one of {', '.join(PROFILE_KINDS)}")
+        if not self.verify:
+            raise ProfileError("the profile has no verify rows: measure some (tools/profile_costs.py) or give "
+                               "--from-csv rows 'verified_tokens,seconds'")
+        for ctx, rows in self.verify.items():
+            ns = [n for n, _ in rows]
+            if ctx < 0 or not rows or ns != sorted(set(ns)) or ns[0] < 1:
+                raise ProfileError(f"verify rows at context {ctx}: verified token counts must be distinct integers "
+                                   f">= 1 in increasing order, got {ns}")
+            if any(not (math.isfinite(s) and s > 0) for _, s in rows):
+                raise ProfileError(f"verify rows at context {ctx}: every time must be a positive number of seconds")
+        if not self.draft or any(c < 0 or not (math.isfinite(s) and s >= 0) for c, s in self.draft.items()):
+            raise ProfileError("the profile's draft seconds must be non-negative numbers per context (0: any)")
+
+    @property
+    def max_verified(self) -> int:
+        """The most verified tokens every context's rows reach (beyond it a projection is refused)."""
+        return min(rows[-1][0] for rows in self.verify.values())
+
+    def label(self) -> str:
+        """What the projected figures rest on, in one line."""
+        what = {"measured": "measured", "roofline": "roofline estimate", "user": "user's own measurement"}[self.kind]
+        parts = [p for p in (self.device, self.dtype, f"batch {self.batch_size}", self.date) if p]
+        # A measured profile's command stays in the file; a roofline's numbers and the user's file are the figure.
+        said = f": {self.source}" if self.source and self.kind != "measured" else ""
+        return f"{what} ({', '.join(parts)}){said}"
+
+    def verify_seconds(self, n: int, context: int) -> float:
+        """The target's verify step at ``n`` tokens after ``context`` committed ones."""
+        return _across_contexts(self.verify, context, lambda rows: _between_rows(rows, n))
+
+    def draft_seconds(self, context: int) -> float:
+        return _across_contexts(self.draft, context, lambda s: s)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["verify"] = {str(c): [list(r) for r in rows] for c, rows in sorted(self.verify.items())}
+        d["draft"] = {str(c): s for c, s in sorted(self.draft.items())}
+        return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, **d}
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "profile") -> CostProfile:
+        if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT:
+            raise ProfileError(f"{where}: not a dflash-cb cost profile (format "
+                               f"{data.get('format') if isinstance(data, dict) else None!r}); write one with "
+                               "tools/profile_costs.py")
+        if data.get("version") != PROFILE_VERSION:
+            raise ProfileError(f"{where}: profile version {data.get('version')!r}; this dflash-cb reads version "
+                               f"{PROFILE_VERSION}: measure it again with tools/profile_costs.py")
+        try:
+            verify = {int(c): tuple((int(n), float(s)) for n, s in rows) for c, rows in data["verify"].items()}
+            draft = {int(c): float(s) for c, s in data["draft"].items()}
+            return cls(str(data["kind"]), verify, draft, dict(data.get("target") or {}),  # type: ignore[arg-type]
+                       dict(data.get("drafter") or {}), str(data.get("device", "")), str(data.get("dtype", "")),
+                       int(data.get("batch_size", 1)), str(data.get("date", "")), str(data.get("source", "")))
+        except ProfileError as e:
+            raise ProfileError(f"{where}: {e}") from e
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            what = f"missing field {e}" if isinstance(e, KeyError) else str(e)
+            raise ProfileError(f"{where}: damaged cost profile ({what}); write it again with "
+                               "tools/profile_costs.py") from e
+
+
+def _between_rows(rows: Sequence[tuple[int, float]], n: int) -> float:
+    if n < rows[0][0] or n > rows[-1][0]:
+        raise ProfileError(f"{n} verified tokens is outside the profile's rows ({rows[0][0]} to {rows[-1][0]}): "
+                           "measure that many (tools/profile_costs.py --tokens) or score a smaller setting")
+    i = bisect.bisect_left([r[0] for r in rows], n)
+    if rows[i][0] == n:
+        return rows[i][1]
+    (n0, s0), (n1, s1) = rows[i - 1], rows[i]
+    return s0 + (s1 - s0) * (n - n0) / (n1 - n0)
+
+
+def _across_contexts(table: Mapping[int, Any], context: int, at: Any) -> float:
+    """Linear in the context between measured context lengths; the nearest one outside them (a step's cost
+    grows slowly with the context: the profile's range is stated with every projection)."""
+    ctxs = sorted(table)
+    if len(ctxs) == 1 or context <= ctxs[0]:
+        return float(at(table[ctxs[0]]))
+    if context >= ctxs[-1]:
+        return float(at(table[ctxs[-1]]))
+    i = bisect.bisect_left(ctxs, context)
+    c0, c1 = ctxs[i - 1], ctxs[i]
+    v0, v1 = at(table[c0]), at(table[c1])
+    return float(v0 + (v1 - v0) * (context - c0) / (c1 - c0))
+
+
+def identity_mismatches(profile: CostProfile, target: Mapping[str, Any],
+                        drafter: Mapping[str, Any]) -> tuple[list[str], list[str]]:
+    """(target fields that differ: the profile is for another target, refused; drafter fields that differ:
+    its draft cost is another drafter's, warned), each as 'field profile X, here Y'."""
+    def differ(fields: Sequence[str], have: Mapping[str, Any], want: Mapping[str, Any]) -> list[str]:
+        return [f"{f}: profile {have[f]!r}, here {want[f]!r}" for f in fields
+                if f in have and f in want and have[f] is not None and want[f] is not None and have[f] != want[f]]
+    return differ(TARGET_FIELDS, profile.target, target), differ(DRAFTER_FIELDS, profile.drafter, drafter)
+
+
+# -- settings and the projection ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Setting:
+    """One way to serve a drafter: ``name`` (the replay's key: ``greedy``, ``ddtree_b64``), the tokens the
+    target verifies per cycle, and drafter passes (block drafters) or steps (chain drafters) per cycle."""
+
+    name: str
+    verified: int
+    draft_passes: int
+    label: str
+
+
+def block_settings(block_size: int, budgets: Sequence[int] = ()) -> list[Setting]:
+    """A block drafter's settings from one evaluation: the greedy block (its ``block_size`` tokens verified:
+    the anchor and the drafts) and a DDTree per budget (its nodes and the root), one drafter pass each."""
+    out = [Setting("greedy", block_size, 1, f"block {block_size}")]
+    out += [Setting(f"ddtree_b{b}", b + 1, 1, f"DDTree {b}") for b in budgets]
+    return out
+
+
+@dataclass(frozen=True)
+class SampleCycles:
+    """One sample as the projection needs it: where its first cycle starts (the prompt's length: the anchor of
+    the first cycle is the prefill's token) and each setting's cycles' ``produced``."""
+
+    prompt_len: int
+    produced: Mapping[str, Sequence[int]]
+    id: str = ""
+    category: str = ""
+
+
+def sample_seconds(sample: SampleCycles, setting: Setting, profile: CostProfile) -> tuple[int, float, float]:
+    """(tokens committed, seconds speculating, seconds plain decoding would take for those tokens)."""
+    tokens, spec, plain = 0, 0.0, 0.0
+    p = sample.prompt_len
+    for produced in sample.produced.get(setting.name, ()):
+        spec += setting.draft_passes * profile.draft_seconds(p) + profile.verify_seconds(setting.verified, p)
+        for j in range(produced):
+            plain += profile.verify_seconds(1, p + j)
+        tokens += produced
+        p += produced
+    return tokens, spec, plain
+
+
+@dataclass(frozen=True)
+class SettingProjection:
+    setting: Setting
+    tau: float
+    tokens_per_second: Interval
+    speedup: Interval
+    breakeven_tau: float  # the tau at which this setting is as fast as plain decoding (at its mean context)
+    per_sample: tuple[tuple[int, float, float], ...]  # (tokens, speculative seconds, plain seconds)
+    ids: tuple[str, ...] = ()  # the samples of ``per_sample``, in its order
+    categories: tuple[str, ...] = ()
+
+    def sums(self, category: str | None = None) -> Sums:
+        """The speedup's per-sample sums (plain seconds over speculative seconds), zero outside ``category``."""
+        keep = [category is None or c == category for c in (self.categories or [""] * len(self.per_sample))]
+        return Sums.of([s[2] if k else 0.0 for s, k in zip(self.per_sample, keep, strict=True)],
+                       [s[1] if k else 0.0 for s, k in zip(self.per_sample, keep, strict=True)])
+
+
+@dataclass(frozen=True)
+class Projection:
+    profile: str  # CostProfile.label()
+    settings: tuple[SettingProjection, ...]
+
+    @property
+    def best(self) -> SettingProjection:
+        """The setting with the largest projected speedup (the first of equal ones)."""
+        return max(self.settings, key=lambda s: (s.speedup.value, -self.settings.index(s)))
+
+    def runner_up_difference(self, n_resamples: int = DEFAULT_RESAMPLES, seed: int = DEFAULT_SEED
+                             ) -> tuple[SettingProjection, Interval] | None:
+        """The second-best setting and best - second speedup, paired over the same resampled prompts."""
+        if len(self.settings) < 2:
+            return None
+        ranked = sorted(self.settings, key=lambda s: -s.speedup.value)
+        return ranked[1], paired_difference(ranked[1].sums(), ranked[0].sums(), n_resamples, seed)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"profile": self.profile, "note": PROJECTION_NOTE, "best": self.best.setting.name, "settings": [
+            {"name": s.setting.name, "label": s.setting.label, "verified_tokens": s.setting.verified,
+             "draft_passes": s.setting.draft_passes, "tau": s.tau,
+             "tokens_per_second": _interval(s.tokens_per_second), "speedup": _interval(s.speedup),
+             "breakeven_tau": s.breakeven_tau, "per_sample": [list(x) for x in s.per_sample],
+             "ids": list(s.ids), "categories": list(s.categories)}
+            for s in self.settings]}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Projection:
+        out = []
+        for s in data["settings"]:
+            setting = Setting(str(s["name"]), int(s["verified_tokens"]), int(s["draft_passes"]), str(s["label"]))
+            out.append(SettingProjection(setting, float(s["tau"]), Interval(*s["tokens_per_second"]),
+                                         Interval(*s["speedup"]), float(s["breakeven_tau"]),
+                                         tuple((int(a), float(b), float(c)) for a, b, c in s["per_sample"]),
+                                         tuple(map(str, s.get("ids", ()))), tuple(map(str, s.get("categories", ())))))
+        return cls(str(data["profile"]), tuple(out))
+
+
+def _interval(i: Interval) -> list[float]:
+    return [i.value, i.low, i.high]
+
+
+def project(samples: Sequence[SampleCycles], settings: Sequence[Setting], profile: CostProfile,
+            n_resamples: int = DEFAULT_RESAMPLES, seed: int = DEFAULT_SEED) -> Projection:
+    """Every setting's projected tokens per second and speedup over plain decoding, per-cycle priced, with
+    intervals over the samples; refuses a setting the profile's verify rows do not reach, before pricing."""
+    if not samples:
+        raise ProfileError("nothing to project: no scored sample")
+    for s in settings:
+        if s.verified > profile.max_verified:
+            raise ProfileError(f"{s.label} verifies {s.verified} tokens a cycle, beyond the profile's rows (up to "
+                               f"{profile.max_verified}): measure more (tools/profile_costs.py --tokens) or leave "
+                               "that setting out")
+    out = []
+    for s in settings:
+        rows = tuple(sample_seconds(x, s, profile) for x in samples)
+        cycles = sum(len(x.produced.get(s.name, ())) for x in samples)
+        tokens = sum(r[0] for r in rows)
+        found = intervals({"tps": Sums.of([r[0] for r in rows], [r[1] for r in rows]),
+                           "speedup": Sums.of([r[2] for r in rows], [r[1] for r in rows])}, n_resamples, seed)
+        context = _mean_context(samples, s.name)
+        cost = s.draft_passes * profile.draft_seconds(context) + profile.verify_seconds(s.verified, context)
+        out.append(SettingProjection(s, tokens / cycles if cycles else math.nan, found["tps"], found["speedup"],
+                                     cost / profile.verify_seconds(1, context), rows,
+                                     tuple(x.id for x in samples), tuple(x.category for x in samples)))
+    return Projection(profile.label(), tuple(out))
+
+
+def _mean_context(samples: Sequence[SampleCycles], name: str) -> int:
+    total, n = 0, 0
+    for x in samples:
+        p = x.prompt_len
+        for produced in x.produced.get(name, ()):
+            total, n, p = total + p, n + 1, p + produced
+    return round(total / n) if n else 0
+
+
+def serving_metrics(projection: Projection) -> dict[str, float]:
+    """The projected figures under their metric names (``metrics.serving_key``), with interval bounds."""
+    from ..figures.metrics import CI_HIGH_SUFFIX, CI_LOW_SUFFIX, serving_key
+
+    out: dict[str, float] = {}
+    for s in projection.settings:
+        for what, i in (("speedup", s.speedup), ("tokens_per_s", s.tokens_per_second)):
+            key = serving_key(what, s.setting.name)
+            out[key], out[key + CI_LOW_SUFFIX], out[key + CI_HIGH_SUFFIX] = i.value, i.low, i.high
+        out[serving_key("breakeven_tau", s.setting.name)] = s.breakeven_tau
+    out[serving_key("best_speedup")] = projection.best.speedup.value
+    return out

@@ -1,0 +1,810 @@
+"""A DFlash block-diffusion drafter that loads the public checkpoint format as it is.
+
+Weight names, config fields and numerics follow the reference ``dflash.model.DFlashDraftModel``
+(a Qwen3 config plus ``num_target_layers``, ``block_size`` and a ``dflash_config`` dict), so a
+folder saved here loads there and vice versa. Besides the reference ``forward`` (used for
+training), the drafter exposes the two halves the evaluation engine batches separately:
+``context_kv`` / ``stream_context`` (depends only on the cached target features: computed once per
+sample, for many samples together) and ``block_rows`` (many anchors' blocks of many samples in one
+pass, each block seeing its own sample's context prefix; ``forward_samples`` finishes every row). The
+block, its attention and the sliding-window rule: docs/method.md. DFlash 2 drafters (``dflash2.DFlash2Drafter``)
+are a subclass; which family a config is: ``families``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
+
+from ..names import DFLASH2_FIELDS, FAMILY_ARCHITECTURE, FAMILY_LABEL, Family, config_family
+
+
+def _dflash_value(config: Any, name: str, default: Any = None) -> Any:
+    # dflash_config wins over a top-level attribute, as in the reference.
+    cfg = getattr(config, "dflash_config", None) or {}
+    return cfg.get(name, getattr(config, name, default))
+
+
+def _int_field(value: Any, field: str) -> int:
+    """An integer field of a drafter config, or a ValueError naming it (``int()`` alone names nothing)."""
+    if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, float) and value.is_integer())):
+        raise ValueError(f"{field} must be an integer, got {value!r}")
+    return int(value)
+
+
+def layer_id_list(value: Any, field: str) -> list[int]:
+    """A config's list of target layer ids, or a ValueError naming ``field`` and what it holds (an int, a string
+    or an empty list would otherwise fail as ``int()`` over characters or as a weight shape mismatch)."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+        raise ValueError(f"{field} must be a list of layer ids, e.g. [1, 16, 31, 46, 61], not {value!r}")
+    if not value:
+        raise ValueError(f"{field} is empty: name the target layers the drafter reads, e.g. [1, 16, 31, 46, 61]")
+    bad = [v for v in value if isinstance(v, bool) or not isinstance(v, int) or v < 0]
+    if bad:
+        raise ValueError(f"{field} must hold non-negative integers, got {bad[:3]!r} in {list(value)!r}")
+    return [int(v) for v in value]
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """The reference's spread of target layers when a config names none."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    return [round(start + i * (end - start) / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
+@dataclass(frozen=True)
+class DrafterSpec:
+    """What the engine and the cache checks need to know of any drafter, whatever its class."""
+
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    target_hidden_size: int
+    vocab_size: int
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+    family: Family = "dflash"
+    # DFlash 2: the candidates the selector scores at each block position (None for DFlash).
+    selector_top_k: int | None = None
+
+    @classmethod
+    def of(cls, drafter: Any) -> DrafterSpec:
+        """The spec of any drafter: its ``.spec`` if it has one, else derived from its DFlash ``.config``."""
+        spec = getattr(drafter, "spec", None)
+        if isinstance(spec, DrafterSpec):
+            return spec
+        config = getattr(drafter, "config", None)
+        if config is None:
+            raise TypeError(f"{type(drafter).__name__} has neither .spec nor a DFlash .config, so its block size, "
+                            "mask token and target layer ids are unknown: pass spec=DrafterSpec(...)")
+        return cls.from_config(config)
+
+    @classmethod
+    def from_config(cls, config: Any) -> DrafterSpec:
+        ids = _dflash_value(config, "target_layer_ids")
+        if ids is None:
+            ids = default_target_layer_ids(config.num_target_layers, config.num_hidden_layers)
+        ids = layer_id_list(ids, "dflash_config.target_layer_ids")
+        mask = _dflash_value(config, "mask_token_id")
+        if mask is None:
+            raise ValueError("drafter config has no mask_token_id (expected in dflash_config)")
+        softcap = _dflash_value(config, "final_logit_softcapping")
+        family = config_family(config) or "dflash"
+        top_k = None
+        if family == "dflash2":
+            top_k = _dflash_value(config, "selector_top_k")
+            if top_k is None:
+                raise ValueError("a DFlash 2 drafter config has no selector_top_k (expected in dflash_config)")
+        return cls(
+            block_size=_int_field(_dflash_value(config, "block_size", 16), "block_size"),
+            mask_token_id=_int_field(mask, "mask_token_id"),
+            target_layer_ids=tuple(ids),
+            # The context features are target hidden states; the reference assumes equal widths.
+            target_hidden_size=int(getattr(config, "target_hidden_size", None) or config.hidden_size),
+            vocab_size=_int_field(config.vocab_size, "vocab_size"),
+            input_embedding_scale=float(_dflash_value(config, "input_embedding_scale", 1.0) or 1.0),
+            output_multiplier=float(_dflash_value(config, "output_multiplier", 1.0) or 1.0),
+            final_logit_softcapping=float(softcap) if softcap else None,
+            family=family,
+            selector_top_k=_int_field(top_k, "selector_top_k") if top_k is not None else None,
+        )
+
+    def differences(self, other: DrafterSpec) -> list[tuple[str, Any, Any]]:
+        """``(field, this value, other value)`` for every field that differs."""
+        return [(f.name, getattr(self, f.name), getattr(other, f.name)) for f in dataclasses.fields(self)
+                if getattr(self, f.name) != getattr(other, f.name)]
+
+    def as_cache_check(self) -> dict[str, Any]:
+        return {
+            "target_layer_ids": list(self.target_layer_ids),
+            "target_hidden_size": self.target_hidden_size,
+            "vocab_size": self.vocab_size,
+            "block_size": self.block_size,
+            "mask_token_id": self.mask_token_id,
+        }
+
+
+def draft_logits(hidden: torch.Tensor, lm_head: torch.Tensor, spec: DrafterSpec) -> torch.Tensor:
+    """Float32 logits of drafter hidden states: the target's output head, times ``output_multiplier``,
+    soft-capped when the config says so (the reference's ``compute_logits``)."""
+    logits = (hidden @ lm_head.T.to(hidden.dtype)).float()
+    if spec.output_multiplier != 1.0:
+        logits = logits * spec.output_multiplier
+    if spec.final_logit_softcapping:
+        cap = spec.final_logit_softcapping
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + rotate_half(x) * sin
+
+
+def attention_reach(config: Any, layer_idx: int) -> tuple[int | None, int | None]:
+    """How far back and ahead (in positions) a query of layer ``layer_idx`` may look; None = no limit.
+
+    A layer that the config's ``layer_types`` lists as ``sliding_attention`` sees ``sliding_window``
+    positions counting its own (no limit when the config carries no window), and only backwards
+    unless the config sets ``is_causal`` false (then the window is symmetric). Any other layer sees
+    everything, backwards only if ``is_causal`` is set.
+    The rule of the public checkpoints, the ``dflash`` reference model and SGLang's DFlash model: the
+    served masks. SpecForge 0.2.0 trains under other ones (``specforge_reach``); the two agree only when
+    every window is at least the block and the config leaves ``is_causal`` unset (docs/method.md).
+    """
+    kinds = getattr(config, "layer_types", None) or ()
+    sliding = layer_idx < len(kinds) and kinds[layer_idx] == "sliding_attention"
+    size = getattr(config, "sliding_window", None) if sliding else None  # Qwen3Config drops it unless enabled
+    window = int(size) - 1 if size is not None else None
+    causal_flag = getattr(config, "is_causal", None)
+    causal = sliding if causal_flag is None else bool(causal_flag)
+    return window, (0 if causal else window)
+
+
+# The masks a drafter's attention runs under: "served" (as SGLang serves it, as dflash's reference model
+# runs it, and as the replay reproduces it: ``attention_reach``) or "specforge" (SpecForge 0.2.0's DFlash
+# training masks: ``specforge_reach``). docs/method.md, "Attention reach".
+MASKS = ("served", "specforge")
+
+
+def specforge_reach(config: Any, layer_idx: int) -> tuple[int | None, int | None]:
+    """SpecForge 0.2.0's training mask for layer ``layer_idx``: how far back a query sees *context* keys
+    and how far ahead it sees the block's keys; None = no limit.
+
+    Its DFlash mask (``create_dflash_sdpa_mask``, ``create_dflash_block_mask``) gives a
+    ``sliding_attention`` layer the window over the context keys only (``sliding_window`` positions
+    counting the query's own), and makes the block causal but not windowed; every other layer sees its
+    whole context prefix and its whole block. It does not read ``is_causal``.
+    """
+    kinds = getattr(config, "layer_types", None) or ()
+    sliding = layer_idx < len(kinds) and kinds[layer_idx] == "sliding_attention"
+    size = getattr(config, "sliding_window", None) if sliding else None
+    if size is None:  # SpecForge then builds the full mask for every layer
+        return None, None
+    return int(size) - 1, 0
+
+
+def visible(base: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, back: int | None, ahead: int | None,
+            context_keys: int | None = None) -> torch.Tensor:
+    """``base`` [A, 1, L, K] (True = visible) narrowed to keys at most ``back`` positions before the query and
+    ``ahead`` after it (None = no limit). With ``context_keys`` the ``back`` limit applies to the first
+    ``context_keys`` keys only (SpecForge's rule: its window does not reach into the block)."""
+    offset = k_pos[:, None, None, :] - q_pos[:, None, :, None]  # key position minus query position
+    ok = base
+    if back is not None:
+        near = offset >= -back
+        if context_keys is not None:
+            near = near | (torch.arange(k_pos.shape[-1], device=k_pos.device) >= context_keys)
+        ok = ok & near
+    if ahead is not None:
+        ok = ok & (offset <= ahead)
+    return ok
+
+
+def specforge_mask_difference(config: Any, block_size: int) -> str | None:
+    """Why SpecForge 0.2.0's training masks differ from the served ones for this drafter, or None when a
+    block sees the same keys under both (then ``specforge/acc`` needs no pass of its own).
+
+    They differ when a sliding window is shorter than the block (served, the window also limits the
+    block's own keys) or when ``is_causal`` is set (SpecForge ignores it). Decided by comparing the two
+    masks of one block with enough context in front, layer by layer.
+    """
+    n = block_size
+    layers = []
+    for i in range(int(config.num_hidden_layers)):
+        back, ahead = attention_reach(config, i)
+        sf_back, sf_ahead = specforge_reach(config, i)
+        p = n + max(back or 0, sf_back or 0) + 1  # every offset a block query can reach appears
+        q_pos = (p + torch.arange(n))[None]
+        k_pos = torch.arange(p + n)[None]
+        base = torch.ones(1, 1, n, p + n, dtype=torch.bool)
+        if not torch.equal(visible(base, q_pos, k_pos, back, ahead), visible(base, q_pos, k_pos, sf_back, sf_ahead, p)):
+            kinds = getattr(config, "layer_types", None) or ()
+            kind = kinds[i] if i < len(kinds) else "full_attention"
+            what = [kind, f"sliding_window {getattr(config, 'sliding_window', None)}"] if kind == "sliding_attention" \
+                else [kind]
+            if getattr(config, "is_causal", None) is not None:
+                what.append(f"is_causal {config.is_causal}")
+            layers.append(f"layer {i} ({', '.join(what)})")
+    if not layers:
+        return None
+    return (f"SpecForge 0.2.0 trains {', '.join(layers)} of this block-{n} drafter under other masks than it is "
+            "served with (its sliding window covers the context only, its block is causal in sliding layers and "
+            "bidirectional in the others, is_causal ignored)")
+
+
+class DFlashAttention(nn.Module):
+    def __init__(self, config: Qwen3Config, layer_idx: int):
+        super().__init__()
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.scaling = self.head_dim**-0.5
+        bias = bool(getattr(config, "attention_bias", False))
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.reach_back, self.reach_ahead = attention_reach(config, layer_idx)
+        self.specforge_back, self.specforge_ahead = specforge_reach(config, layer_idx)
+
+    def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [..., L, hidden] -> k, v [..., kv_heads, L, head_dim] (k normed and rotated)."""
+        shape = (*x.shape[:-1], self.num_kv_heads, self.head_dim)
+        k = self.k_norm(self.k_proj(x).view(shape)).transpose(-2, -3)
+        v = self.v_proj(x).view(shape).transpose(-2, -3)
+        return _rope(k, cos.unsqueeze(-3), sin.unsqueeze(-3)), v
+
+    def project_q(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [A, L, hidden] -> q [A, heads, L, head_dim] (normed and rotated)."""
+        a, n, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(a, n, self.num_heads, self.head_dim)).transpose(1, 2)
+        return _rope(q, cos.unsqueeze(1), sin.unsqueeze(1))
+
+    def attend(self, q: torch.Tensor, bk: torch.Tensor, bv: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor,
+               mask: torch.Tensor | None, group: int = 1) -> torch.Tensor:
+        """Block queries q [A, H, L, d] over context keys [kv, C, d] (shared) or [A / group, kv, C, d], then
+        the blocks' own keys bk / bv [A, kv, L, d]; returns [A, L, H * d] (before ``o_proj``).
+
+        ``group`` > 1 packs that many consecutive blocks into one attention row set sharing a single
+        copy of the context keys (A must be a multiple of it): far fewer key copies, at the price of
+        each query also scoring the group's other blocks, which ``mask`` hides. ``mask`` (bool
+        [A / group, 1, group * L, C + group * L], True = visible, or None = all visible) carries each
+        block's context prefix, its own block and the layer's position rule.
+        """
+        a, h, n, d = q.shape
+        kv = self.num_kv_heads
+        b = a // group
+        if group > 1:
+            q = q.view(b, group, h, n, d).transpose(1, 2).reshape(b, h, group * n, d)
+            bk = bk.view(b, group, kv, n, d).transpose(1, 2).reshape(b, kv, group * n, d)
+            bv = bv.view(b, group, kv, n, d).transpose(1, 2).reshape(b, kv, group * n, d)
+        if ctx_k.dim() == 3:
+            ctx_k = ctx_k.expand(b, *ctx_k.shape)
+            ctx_v = ctx_v.expand(b, *ctx_v.shape)
+        k = torch.cat([ctx_k, bk], dim=2)
+        v = torch.cat([ctx_v, bv], dim=2)
+        # The fused kernel (sdpa) with grouped K/V heads.
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=h != kv)
+        if group > 1:
+            out = out.view(b, h, group, n, d).transpose(1, 2).reshape(a, h, n, d)
+        return out.transpose(1, 2).reshape(a, n, h * d)
+
+    @property
+    def unrestricted(self) -> bool:
+        """True when this layer sees its whole context prefix and whole block (no position rule)."""
+        return self.unrestricted_under("served")
+
+    def unrestricted_under(self, masks: str) -> bool:
+        return self.reach(masks) == (None, None)
+
+    def reach(self, masks: str) -> tuple[int | None, int | None]:
+        """(back, ahead) of this layer under ``masks`` (``MASKS``)."""
+        return (self.reach_back, self.reach_ahead) if masks == "served" else (self.specforge_back, self.specforge_ahead)
+
+    def visibility(self, base: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, masks: str = "served",
+                   context_keys: int = 0) -> torch.Tensor:
+        """``base`` [A, 1, L, K] (prefix visibility) narrowed to the keys within this layer's reach under
+        ``masks``; the first ``context_keys`` keys are context (SpecForge's window covers only those)."""
+        back, ahead = self.reach(masks)
+        return visible(base, q_pos, k_pos, back, ahead, context_keys if masks == "specforge" else None)
+
+
+@dataclass
+class _AttentionPart:
+    """Rows of a pass (possibly of several samples) that attend in one kernel call (see ``_attention_parts``)."""
+
+    rows: slice | torch.Tensor  # the part's rows; with ``group`` > 1 each sample's run is padded to a multiple
+    keep: torch.Tensor | None  # real rows among the packed outputs (None: all of them, in order)
+    context: int  # context keys kept: the part's largest anchor
+    group: int
+    # The context keys: ``(start, None)`` one sample's rows [start, start + context), shared by every row set;
+    # ``(None, index)`` [row sets, context] flat context rows of each row set's own sample.
+    context_start: int | None
+    context_index: torch.Tensor | None
+    masks: list[torch.Tensor | None]
+
+
+class BlockRows(Protocol):
+    """Drafter hidden states of a batch of blocks, read by (block, position) pairs (what the engine reads)."""
+
+    def rows(self, block: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """[..., hidden] at ``(block, position)`` (index tensors broadcast together)."""
+        ...
+
+
+class HiddenBlocks:
+    """``BlockRows`` over finished hidden states [blocks, L, hidden]."""
+
+    def __init__(self, hidden: torch.Tensor):
+        self.hidden = hidden
+
+    def rows(self, block: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        return self.hidden[block, position]
+
+
+class DeferredBlocks:
+    """``BlockRows`` of blocks whose last layer stopped after attention (``DFlashDrafter.block_rows``).
+
+    The rest of that layer and the final norm are token-wise, so ``rows`` computes the output hidden
+    states of any chosen (block, position) pairs alone, the same values a full pass gives them.
+    """
+
+    def __init__(self, drafter: DFlashDrafter, residual: torch.Tensor, attended: torch.Tensor):
+        self.drafter = drafter
+        self.residual = residual  # [A, L, hidden]: the last layer's input
+        self.attended = attended  # [A, L, heads * head_dim]: its attention output before o_proj
+
+    def rows(self, block: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        return self.drafter.norm(self.drafter.layers[-1].finish(self.residual[block, position],
+                                                                self.attended[block, position]))
+
+
+@dataclass
+class ContextKV:
+    """Every drafter layer's context keys and values for one or more samples, end to end: sample ``s``
+    holds flat rows ``starts[s] .. starts[s] + rows[s] - 1`` (its positions ``0 .. rows[s] - 1``)."""
+
+    layers: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: k, v [kv_heads, total rows, head_dim]
+    starts: list[int]
+    rows: list[int]
+
+
+class DFlashDecoderLayer(nn.Module):
+    def __init__(self, config: Qwen3Config, layer_idx: int):
+        super().__init__()
+        self.self_attn = DFlashAttention(config, layer_idx)
+        self.mlp = Qwen3MLP(config)
+        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, h: torch.Tensor, ctx_kv: tuple[torch.Tensor, torch.Tensor], cos: torch.Tensor,
+                sin: torch.Tensor, mask: torch.Tensor | None, group: int = 1) -> torch.Tensor:
+        attn = self.self_attn
+        x, carry = self.attention_input(h)
+        bk, bv = attn.project_kv(x, cos, sin)
+        return self.finish(h, attn.attend(attn.project_q(x, cos, sin), bk, bv, *ctx_kv, mask, group), carry)
+
+    def attention_input(self, h: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """(what the block's queries, keys and values are projected from, what ``finish`` needs of it):
+        the normed layer input, and nothing (a DFlash 2 layer convolves it and carries a kernel)."""
+        return self.input_layernorm(h), None
+
+    def finish(self, h: torch.Tensor, attended: torch.Tensor, carry: Any = None) -> torch.Tensor:
+        """The layer after its attention, given the layer input ``h`` and the attention output before
+        ``o_proj``: token-wise, so it may run on any subset of positions (``DeferredBlocks``)."""
+        h = h + self.self_attn.o_proj(attended)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DFlashDrafter(nn.Module):
+    """DFlash drafter: ``layers.N.*``, ``fc``, ``hidden_norm``, ``norm``; no vocabulary matrices."""
+
+    family: Family = "dflash"
+
+    def __init__(self, config: Qwen3Config):
+        said = config_family(config)
+        if said not in (None, self.family):
+            raise ValueError(f"the config is a {FAMILY_LABEL[said]} drafter's, not a {FAMILY_LABEL[self.family]} "
+                             "one: build it with the class of its family (drafters.drafter_from_config, "
+                             "checkpoints.load_drafter)")
+        super().__init__()
+        self.config = config
+        self.spec = DrafterSpec.from_config(config)
+        self.layers = nn.ModuleList(self._layer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(config)
+        n_ctx = len(self.spec.target_layer_ids) * self.spec.target_hidden_size
+        self.fc = nn.Linear(n_ctx, config.hidden_size, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.reset_parameters()
+
+    def _layer(self, config: Qwen3Config, layer_idx: int) -> DFlashDecoderLayer:
+        return DFlashDecoderLayer(config, layer_idx)
+
+    @property
+    def block_size(self) -> int:
+        return self.spec.block_size
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.spec.mask_token_id
+
+    @property
+    def target_layer_ids(self) -> list[int]:
+        return list(self.spec.target_layer_ids)
+
+    def reset_parameters(self) -> None:
+        std = float(getattr(self.config, "initializer_range", 0.02))
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=std)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+            elif isinstance(m, Qwen3RMSNorm):
+                nn.init.ones_(m.weight)
+
+    # -- reference interface (training, foreign callers) ----------------------
+    def forward(self, position_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                noise_embedding: torch.Tensor | None = None, target_hidden: torch.Tensor | None = None,
+                past_key_values: Any = None, use_cache: bool = False, **kwargs: Any) -> torch.Tensor:
+        """Reference signature: blocks [B, L, hidden] after ``target_hidden`` [B, C, F] -> hidden [B, L, hidden].
+
+        ``position_ids`` [B, C + L] run over context then block. ``attention_mask`` (bool [B, 1, L, C + L],
+        True = visible) is optional, as in the reference; without it context and block are fully visible
+        (narrowed by each layer's position rule). No branch depends on tensor values, so this traces into
+        one graph (``torch.compile(fullgraph=True)``).
+        """
+        if past_key_values is not None:
+            raise NotImplementedError("DFlashDrafter does not keep a KV cache; the engine batches anchors instead")
+        c = target_hidden.shape[1]
+        cos, sin = self.rotary_emb(noise_embedding, position_ids)
+        ctx = self.hidden_norm(self.fc(target_hidden))
+        base = None if attention_mask is None else attention_mask.bool()
+        masks = self._layer_masks(base, position_ids[:, c:], position_ids, context_keys=c)
+        h = noise_embedding
+        for layer, mask in zip(self.layers, masks, strict=True):
+            kv = layer.self_attn.project_kv(ctx, cos[:, :c], sin[:, :c])
+            h = layer(h, kv, cos[:, c:], sin[:, c:], mask)
+        return self.norm(h)
+
+    def _layer_masks(self, base: torch.Tensor | None, q_pos: torch.Tensor, k_pos: torch.Tensor,
+                     masks: str = "served", context_keys: int = 0) -> list[torch.Tensor | None]:
+        """Per layer: ``base`` [B, 1, L, K] (None = all visible) narrowed by the layer's reach under ``masks``.
+
+        Layers with the same reach share one mask. Decided from the config alone (never from mask
+        values), so it compiles without graph breaks; an unrestricted layer keeps ``base`` as it is.
+        """
+        by_reach: dict[tuple[int | None, int | None], torch.Tensor | None] = {}
+        out = []
+        for layer in self.layers:
+            attn = layer.self_attn
+            key = attn.reach(masks)
+            if key not in by_reach:
+                if attn.unrestricted_under(masks):
+                    by_reach[key] = base
+                else:
+                    full = base if base is not None else torch.ones(
+                        q_pos.shape[0], 1, q_pos.shape[1], k_pos.shape[1], dtype=torch.bool, device=q_pos.device)
+                    by_reach[key] = attn.visibility(full, q_pos, k_pos, masks, context_keys)
+            out.append(by_reach[key])
+        return out
+
+    def specforge_difference(self, block_size: int | None = None) -> str | None:
+        """``specforge_mask_difference`` of this drafter at ``block_size`` (None: its own): None when SpecForge
+        trains it under its served masks."""
+        return specforge_mask_difference(self.config, block_size or self.spec.block_size)
+
+    # -- engine interface -----------------------------------------------------
+    def context_kv(self, target_hidden: torch.Tensor | Sequence[torch.Tensor]) -> ContextKV:
+        """Context K/V of one sample's features [T, F] (positions 0..T-1), or of a sequence of samples'."""
+        feats = [target_hidden] if isinstance(target_hidden, torch.Tensor) else list(target_hidden)
+        return self.stream_context(feats, [f.shape[0] for f in feats])
+
+    def stream_context(self, features: Iterable[torch.Tensor], rows: Sequence[int],
+                       batch_bytes: int | None = None) -> ContextKV:
+        """Context K/V of samples whose features ([rows[s], F] each) arrive one at a time.
+
+        The projection (``fc``, ``hidden_norm``, each layer's k and v) is token-wise, so the samples are
+        projected together, in batches whose features stay under ``batch_bytes`` (None: all at once),
+        straight into the flat K/V: one small matmul per layer per batch instead of per sample.
+        """
+        starts = [0]
+        for r in rows[:-1]:
+            starts.append(starts[-1] + r)
+        total = sum(rows)
+        layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        pending: list[torch.Tensor] = []
+        done = 0  # flat rows written
+        held = 0  # bytes of features pending
+
+        def project() -> None:
+            nonlocal done, held
+            x = torch.cat(pending) if len(pending) > 1 else pending[0]
+            pos = torch.cat([torch.arange(f.shape[0], device=x.device) for f in pending])
+            ctx = self.hidden_norm(self.fc(x))
+            cos, sin = self.rotary_emb(ctx, pos)
+            for li, layer in enumerate(self.layers):
+                k, v = layer.self_attn.project_kv(ctx, cos, sin)
+                if len(layers) <= li:
+                    layers.append((k.new_empty(k.shape[0], total, k.shape[2]),
+                                   v.new_empty(v.shape[0], total, v.shape[2])))
+                layers[li][0][:, done:done + k.shape[1]] = k
+                layers[li][1][:, done:done + v.shape[1]] = v
+            done += x.shape[0]
+            pending.clear()
+            held = 0
+
+        for f in features:
+            if f.shape[0] == 0:
+                continue
+            pending.append(f)
+            held += f.numel() * f.element_size()
+            if batch_bytes is not None and held >= batch_bytes:
+                project()
+        if pending:
+            project()
+        if not layers:  # no sample has a context row
+            attn = self.layers[0].self_attn
+            w = self.fc.weight
+            layers = [(w.new_empty(attn.num_kv_heads, 0, attn.head_dim), w.new_empty(attn.num_kv_heads, 0, attn.head_dim))
+                      for _ in self.layers]
+        return ContextKV(layers, starts, list(rows))
+
+    def context_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """Bytes of context K/V one cached position costs (all layers, keys and values)."""
+        attn = self.layers[0].self_attn
+        elem = dtype.itemsize
+        return len(self.layers) * 2 * attn.num_kv_heads * attn.head_dim * elem
+
+    def forward_blocks(self, context: ContextKV, noise_embedding: torch.Tensor, anchors: torch.Tensor,
+                       lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """Blocks [A, L, hidden] anchored at ``anchors`` [A] of one sample; block a sees context rows
+        [0, anchors[a]). ``lengths`` [A] (<= L) makes block a behave as a block of that length (the loop's
+        shorter tail block): its padding positions are hidden from every query; their outputs are meaningless.
+        """
+        samples = torch.zeros_like(anchors)
+        return self.forward_samples(context, noise_embedding, anchors, samples, lengths)
+
+    def forward_samples(self, context: ContextKV, noise_embedding: torch.Tensor, anchors: torch.Tensor,
+                        samples: torch.Tensor, lengths: torch.Tensor | None = None, attn_mem_bytes: int | None = None,
+                        masks: str = "served") -> torch.Tensor:
+        """Hidden states [N, L, hidden] of blocks of several samples in one pass (``block_rows``, every row)."""
+        h, attended, carry = self._through_last_attention(context, noise_embedding, anchors, samples, lengths,
+                                                          attn_mem_bytes, masks)
+        return self.norm(self.layers[-1].finish(h, attended, carry))
+
+    def block_rows(self, context: ContextKV, noise_embedding: torch.Tensor, anchors: torch.Tensor,
+                   samples: torch.Tensor, lengths: torch.Tensor | None = None, attn_mem_bytes: int | None = None,
+                   masks: str = "served") -> DeferredBlocks:
+        """Blocks of several samples in one pass, up to the last layer's attention: block ``i`` is anchored at
+        ``anchors[i]`` and sees the context of sample ``samples[i]`` (an index into ``context``; each sample's
+        blocks next to each other). What follows (``o_proj``, MLP, norms) is token-wise, so ``DeferredBlocks``
+        runs it only on the positions a caller reads.
+
+        Token-wise work (projections, norms, MLP) runs on all rows together; attention runs on parts of rows,
+        several samples per kernel call, each block over its own sample's context prefix, with temporaries
+        under ``attn_mem_bytes`` (None: no limit). ``masks`` (``MASKS``): "specforge" runs the blocks under
+        SpecForge's training masks instead.
+        """
+        h, attended, _ = self._through_last_attention(context, noise_embedding, anchors, samples, lengths,
+                                                      attn_mem_bytes, masks)
+        return DeferredBlocks(self, h, attended)
+
+    def _through_last_attention(self, context: ContextKV, noise_embedding: torch.Tensor, anchors: torch.Tensor,
+                                samples: torch.Tensor, lengths: torch.Tensor | None, attn_mem_bytes: int | None,
+                                masks: str) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """(the last layer's input, its attention output before ``o_proj``, what its ``finish`` needs
+        besides) of every block."""
+        n = noise_embedding.shape[1]
+        parts = self._attention_parts(context, anchors, samples, lengths, n, attn_mem_bytes,
+                                      noise_embedding.element_size(), masks)
+        q_pos = anchors[:, None] + torch.arange(n, device=anchors.device)[None, :]
+        cos, sin = self.rotary_emb(noise_embedding, q_pos)
+        h = noise_embedding
+        last = len(self.layers) - 1
+        for li, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            x, carry = layer.attention_input(h)
+            q = attn.project_q(x, cos, sin)
+            bk, bv = attn.project_kv(x, cos, sin)
+            ck_all, cv_all = context.layers[li]
+            outs = []
+            for part in parts:
+                if part.context_index is None:
+                    s = part.context_start
+                    ck, cv = ck_all[:, s:s + part.context], cv_all[:, s:s + part.context]
+                else:
+                    idx = part.context_index
+                    b = idx.shape[0]
+                    ck = ck_all.index_select(1, idx.reshape(-1)).view(ck_all.shape[0], b, part.context, -1).transpose(0, 1)
+                    cv = cv_all.index_select(1, idx.reshape(-1)).view(cv_all.shape[0], b, part.context, -1).transpose(0, 1)
+                o = attn.attend(q[part.rows], bk[part.rows], bv[part.rows], ck, cv, part.masks[li], part.group)
+                outs.append(o if part.keep is None else o[part.keep])
+            a_out = torch.cat(outs) if len(outs) > 1 else outs[0]
+            if li == last:
+                return h, a_out, carry
+            h = layer.finish(h, a_out, carry)
+        raise AssertionError("a drafter has at least one layer")
+
+    def _attention_parts(self, context: ContextKV, anchors: torch.Tensor, samples: torch.Tensor,
+                         lengths: torch.Tensor | None, n: int, mem_bytes: int | None, elem: int,
+                         masks: str) -> list[_AttentionPart]:
+        """The rows cut into consecutive parts whose attention temporaries stay under ``mem_bytes``: per block,
+        its share of the copied context keys and values, its mask and the kernel's score rows."""
+        total = anchors.shape[0]
+        if total == 0:
+            return []
+        attn = self.layers[0].self_attn
+        per_key = 2 * attn.num_kv_heads * attn.head_dim * elem + n + attn.num_heads * n * 4
+        anchor_list, sample_list = anchors.tolist(), samples.tolist()  # one host sync: plans need the values
+        parts, i = [], 0
+        while i < total:
+            if mem_bytes is None:
+                j = total
+            else:  # the longest run from i whose blocks fit at the run's widest context (cost grows with j)
+                widest, j = anchor_list[i], i + 1
+                while j < total and (j - i + 1) * (max(widest, anchor_list[j]) + n) * per_key <= mem_bytes:
+                    widest = max(widest, anchor_list[j])
+                    j += 1
+            parts.append(self._attention_part(context, anchors, lengths, anchor_list, sample_list, i, j, n, masks))
+            i = j
+        return parts
+
+    def _attention_part(self, context: ContextKV, anchors: torch.Tensor, lengths: torch.Tensor | None,
+                        anchor_list: list[int], sample_list: list[int], i: int, j: int, n: int,
+                        masks: str) -> _AttentionPart:
+        """Rows [i, j): packed ``group`` blocks of one sample per attention row set, with per-layer masks."""
+        dev = anchors.device
+        c = max(anchor_list[i:j])  # no block sees past its anchor: trim the keys
+        runs: list[tuple[int, int]] = []  # (first row, rows) of each sample's run
+        for r in range(i, j):
+            if runs and sample_list[r] == sample_list[runs[-1][0]]:
+                runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+            else:
+                runs.append((r, 1))
+        count = j - i
+        # Pack ~C / (4 L) blocks of a sample per attention row set (at most its typical run): their extra block
+        # keys cost at most a quarter of the context's, and the context keys are copied once per group.
+        group = max(1, min(c // (4 * n), count // len(runs)))
+        one = len(runs) == 1
+        start = context.starts[sample_list[i]]
+        if count == 1 and lengths is None:
+            # One whole block over its own prefix: everything is visible but for the layers' reach.
+            if all(layer.self_attn.unrestricted_under(masks) for layer in self.layers):
+                layer_masks: list[torch.Tensor | None] = [None] * len(self.layers)  # no positions to build
+            else:
+                q_pos = anchors[i:j, None] + torch.arange(n, device=dev)[None, :]
+                k_pos = torch.cat([torch.arange(c, device=dev)[None, :], q_pos], dim=1)
+                layer_masks = self._layer_masks(None, q_pos, k_pos, masks, c)
+            return _AttentionPart(slice(i, j), None, c, 1, start, None, layer_masks)
+        rows: slice | torch.Tensor = slice(i, j)
+        keep = None
+        set_samples = [sample_list[r] for r, m in runs for _ in range(0, m, group)]
+        if group > 1 and any(m % group for _, m in runs):  # pad each run by repeating its last block
+            packed, kept = [], []
+            for r, m in runs:
+                kept.extend(range(len(packed), len(packed) + m))
+                packed.extend(range(r, r + m))
+                packed.extend([r + m - 1] * ((-m) % group))
+            rows = torch.tensor(packed, device=dev)
+            keep = torch.tensor(kept, device=dev)
+        anc = anchors[rows]
+        lens = torch.full_like(anc, n) if lengths is None else lengths[rows]
+        b, m = anc.shape[0] // group, group * n
+        packed_pos = (anc[:, None] + torch.arange(n, device=dev)[None, :]).reshape(b, m)
+        q_anchor = anc.view(b, group, 1).expand(b, group, n).reshape(b, m)
+        member = torch.arange(group, device=dev).repeat_interleave(n)  # block of each packed row
+        in_block = (torch.arange(n, device=dev)[None, :] < lens[:, None]).reshape(b, m)
+        see_ctx = torch.arange(c, device=dev)[None, None, :] < q_anchor[:, :, None]  # [b, m, C]
+        see_blk = (member[:, None] == member[None, :])[None] & in_block[:, None, :]  # [b, m, m]
+        base = torch.cat([see_ctx, see_blk], dim=2)[:, None]
+        k_pos = torch.cat([torch.arange(c, device=dev).expand(b, c), packed_pos], dim=1)
+        index = None
+        if not one:  # each row set's own sample's rows; keys past a sample's rows are masked (see_ctx)
+            first = torch.tensor([context.starts[s] for s in set_samples], device=dev)
+            last = max(sum(context.rows) - 1, 0)
+            index = (first[:, None] + torch.arange(c, device=dev)[None, :]).clamp(max=last)
+        return _AttentionPart(rows, keep, c, group, start if one else None, index,
+                              self._layer_masks(base, packed_pos, k_pos, masks, c))
+
+    # -- checkpoint format ----------------------------------------------------
+    @classmethod
+    def from_config_dict(cls, data: dict[str, Any]) -> DFlashDrafter:
+        return cls(Qwen3Config.from_dict(dict(data)))
+
+    @staticmethod
+    def canonical_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``state`` under this class's key names (DFlash: as it is; DFlash 2 renames its codebooks)."""
+        return state
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, device: torch.device | str = "cpu",
+                        dtype: torch.dtype | None = None) -> DFlashDrafter:
+        """Load a drafter folder (``config.json`` + safetensors) into this class; missing or unexpected keys
+        are errors (``drafters.load_pretrained`` picks the class from the folder)."""
+        path = Path(path)
+        cfg_path = path / "config.json"
+        if not cfg_path.is_file():
+            raise FileNotFoundError(f"{cfg_path}: no drafter config; a drafter folder holds config.json and "
+                                    "model.safetensors (tools/extract_drafter.py makes one from a checkpoint)")
+        model = cls.from_config_dict(json.loads(cfg_path.read_text()))
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"{path}: no *.safetensors weights next to config.json")
+        state: dict[str, torch.Tensor] = {}
+        for f in files:
+            state.update(load_file(str(f)))
+        load_state_dict_strict(model, state, source=str(path))
+        return model.to(device=device, dtype=dtype)
+
+    def save_pretrained(self, path: str | os.PathLike) -> None:
+        """The published format: ``model.safetensors`` under this class's key names and ``config.json``."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+        (path / "config.json").write_text(self._published_config().to_json_string(use_diff=False))
+
+    def _published_config(self) -> Qwen3Config:
+        """The config ``save_pretrained`` writes."""
+        return self.config
+
+
+def _listed(keys: list[str]) -> str:
+    return f"{keys[:8]}{' ...' if len(keys) > 8 else ''}"
+
+
+def load_state_dict_strict(model: nn.Module, state: dict[str, torch.Tensor], source: str,
+                           layouts: dict[Family, set[str]] | None = None) -> None:
+    """Load ``state`` into ``model`` when its keys and shapes are exactly the model's; else a ValueError naming
+    the missing and unexpected keys of the closest layout: the model's own, or one of ``layouts`` (the key
+    names of the other families for the same config, ``drafters.layouts``), whichever differs least."""
+    if isinstance(model, DFlashDrafter):
+        state = model.canonical_state(state)
+    own: Family = model.spec.family if isinstance(model, DFlashDrafter) else "dflash"
+    expected = set(model.state_dict())
+    missing = sorted(expected - set(state))
+    unexpected = sorted(set(state) - expected)
+    if missing or unexpected:
+        best, best_missing, best_unexpected = own, missing, unexpected
+        for family, keys in (layouts or {}).items():
+            m, u = sorted(keys - set(state)), sorted(set(state) - keys)
+            if family != own and len(m) + len(u) < len(best_missing) + len(best_unexpected):
+                best, best_missing, best_unexpected = family, m, u
+        if best == own:
+            raise ValueError(f"{source}: drafter weights do not match the {FAMILY_LABEL[own]} layout: "
+                             f"missing {_listed(missing)}, unexpected {_listed(unexpected)}")
+        said = f"the config says {FAMILY_LABEL[own]}"
+        if not best_missing and not best_unexpected:
+            raise ValueError(f"{source}: the weights are a {FAMILY_LABEL[best]} drafter's, but {said}: set "
+                             f"architectures [{FAMILY_ARCHITECTURE[best]!r}] in its config.json"
+                             + (f" and dflash_config's {', '.join(DFLASH2_FIELDS)}" if best == "dflash2" else ""))
+        raise ValueError(f"{source}: drafter weights fit neither layout; the closest is {FAMILY_LABEL[best]} "
+                         f"({said}): missing {_listed(best_missing)}, unexpected {_listed(best_unexpected)}")
+    for k, v in state.items():
+        want = model.state_dict()[k].shape
+        if tuple(v.shape) != tuple(want):
+            hint = ""
+            if k == "fc.weight" and isinstance(model, DFlashDrafter) and v.shape[1] % model.spec.target_hidden_size == 0:
+                layers = v.shape[1] // model.spec.target_hidden_size  # fc reads one hidden state per target layer
+                hint = (f": the weights read {layers} target layer(s), the config's target_layer_ids "
+                        f"{list(model.spec.target_layer_ids)} name {len(model.spec.target_layer_ids)}; set "
+                        "dflash_config.target_layer_ids to the layers the drafter was trained on")
+            raise ValueError(f"{source}: {k} has shape {tuple(v.shape)}, the config implies {tuple(want)}{hint}")
+    model.load_state_dict(state, strict=True)

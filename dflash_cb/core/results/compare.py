@@ -1,0 +1,534 @@
+"""Compare evaluations of drafters on the same cache: paired differences with intervals, and a verdict.
+
+Two evaluations on the same cache scored the same prompts, so they are compared *paired*: the
+bootstrap resamples the prompts once and takes the difference on each resample
+(``bootstrap.paired_difference``). The verdict says "B is better" only when the whole 95%
+interval of ``B - A`` lies above zero; otherwise the prompts cannot tell the two apart.
+
+The per-category rows are many small comparisons at once: at 95% each, one of ten categories
+misses zero by chance about every other time (more on few prompts). So a category gets a verdict
+only where the overall tau has one (the categories partition its prompts), and then from an
+interval corrected for the number of categories (Bonferroni: each at ``1 - 0.05 / m``). The
+position and cycle tables are descriptive: tau with its cycle count, no verdict.
+
+Used by ``tools/compare_results.py`` (files) and by the callback (``delta_metrics``: live drafter
+minus each measured baseline, on the evaluated samples).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from itertools import combinations
+from pathlib import Path
+from typing import Any
+
+from ...common import cli
+from ...common.errors import DFlashCBError
+from ...common.fileio import atomic_paths, check_outputs_apart, naming_failures
+from ...common.threads import THREADS_HELP
+from ..figures.bootstrap import (
+    DEFAULT_LEVEL,
+    DEFAULT_RESAMPLES,
+    DEFAULT_SEED,
+    Interval,
+    intervals,
+    metric_sums,
+    paired_difference,
+)
+from ..figures.metrics import (
+    ACCEPT_LENGTH_SERVED,
+    DELTA_TAU,
+    FAMILY_COUNTS,
+    SELECTOR_ACC,
+    SELECTOR_ORACLE_TAU,
+    SELECTOR_RECALL,
+    SELECTOR_UNARY_TAU,
+    TAU,
+    TAU_REQUEST_MEAN,
+    category_tau,
+    ci_high,
+    ci_low,
+    ddtree_tau,
+)
+from ..figures.positions import DEFAULT_POSITION_EDGES, check_edges, cycle_table, position_table
+from .report import metric_with_interval, with_interval
+from .results_file import Results, check_results_path, derived_metrics, load_results, series_mismatch
+
+
+class CompareError(DFlashCBError, ValueError):
+    """Evaluations that cannot be compared (other caches, no shared samples)."""
+
+
+# -- paired differences ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Difference:
+    """``b - a`` for one metric over ``n`` shared samples."""
+
+    a: str
+    b: str
+    metric: str
+    interval: Interval
+    n: int
+    level: float = DEFAULT_LEVEL  # of ``interval``
+    family: int = 1  # comparisons made together with this one (the categories: ``paired``)
+    gated: bool = False  # one of a family whose overall comparison has no verdict: none here either
+
+    @property
+    def text(self) -> str:
+        iv = self.interval
+        return f"{self.b} - {self.a} = {iv.value:+.3f} [{iv.low:+.3f}, {iv.high:+.3f}]"
+
+    @property
+    def verdict(self) -> str:
+        iv = self.interval
+        if self.gated:
+            return f"no verdict: the overall tau has none ({self.family} categories are {self.family} comparisons)"
+        if not (math.isfinite(iv.low) and math.isfinite(iv.high)):
+            return "no interval (too few cycles)"
+        if iv.low > 0:
+            said = f"{self.b} is better"
+        elif iv.high < 0:
+            said = f"{self.a} is better"
+        else:
+            said = f"no difference detectable with {self.n} prompts"
+        if self.family > 1:
+            said += f" (Bonferroni over {self.family} categories: {self.level:.1%} interval)"
+        return said
+
+
+def shared(a: Sequence[Any], b: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+    """The samples scored in both, in ``a``'s order, as two aligned lists."""
+    by_id = {s.id: s for s in b}
+    ids = [s.id for s in a if s.id in by_id]
+    first = {s.id: s for s in a}
+    return [first[i] for i in ids], [by_id[i] for i in ids]
+
+
+def paired(a_samples: Sequence[Any], b_samples: Sequence[Any], la: str, lb: str, budgets: Sequence[int] = (),
+           categories: Sequence[str] = (), n_resamples: int = DEFAULT_RESAMPLES,
+           seed: int = DEFAULT_SEED) -> dict[str, Difference]:
+    """``b - a`` for tau, each DDTree tau, each category tau and the drafter family walks' taus both have, on the
+    samples both scored.
+
+    With several categories, each category's interval is Bonferroni-corrected for their number, and it has no
+    verdict unless the overall tau has one (the module's docstring says why)."""
+    sa, sb = shared(a_samples, b_samples)
+    if not sa:
+        raise CompareError(f"{la} and {lb} share no scored sample: nothing to compare")
+    ma, mb = metric_sums(sa, budgets, categories), metric_sums(sb, budgets, categories)
+    # A figure only one side has (a DFlash 2 drafter's selector walks beside a DFlash one) has no difference.
+    out = {k: Difference(la, lb, k, paired_difference(ma[k], mb[k], n_resamples, seed), len(sa))
+           for k in ma if k in mb and k not in {category_tau(c) for c in categories}}
+    m = len(categories)
+    level = 1 - (1 - DEFAULT_LEVEL) / m if m > 1 else DEFAULT_LEVEL
+    headline = out[TAU].verdict.endswith(" is better")
+    for c in categories:
+        k = category_tau(c)
+        out[k] = Difference(la, lb, k, paired_difference(ma[k], mb[k], n_resamples, seed, level), len(sa), level, m,
+                            gated=m > 1 and not headline)
+    return out
+
+
+def delta_metrics(live: Sequence[Any], baselines: Sequence[Any], n_resamples: int = DEFAULT_RESAMPLES,
+                  seed: int = DEFAULT_SEED) -> dict[str, float]:
+    """``<baseline key>/delta_tau`` (live minus baseline) and its interval, for measured baselines.
+
+    Paired on the samples both scored (the baseline is restricted to the live evaluation's
+    samples when it is loaded). Published figures have no samples and get none.
+    """
+    out: dict[str, float] = {}
+    for b in baselines:
+        if not b.samples or not live:
+            continue
+        d = paired(b.samples, live, b.name, "live", n_resamples=n_resamples, seed=seed)[TAU].interval
+        name = f"{b.key}/{DELTA_TAU}"
+        out[name] = d.value
+        if math.isfinite(d.low) and math.isfinite(d.high):
+            out[ci_low(name)], out[ci_high(name)] = d.low, d.high
+    return out
+
+
+def live_metrics(samples: Sequence[Any], budgets: Sequence[int], categories: Sequence[str],
+                 baselines: Sequence[Any] = (), position_edges: Sequence[int] = DEFAULT_POSITION_EDGES,
+                 n_resamples: int = DEFAULT_RESAMPLES, seed: int = DEFAULT_SEED,
+                 anchor_stride: int | None = None) -> dict[str, float]:
+    """What the callback adds to an evaluation's counts, from the per-sample lengths gathered on rank zero:
+    intervals, position / cycle-index taus, and ``delta_tau`` against each measured baseline, and the
+    intervals of the anchor statistics (``specforge/acc``, ``acceptance/depth_KK``, ``all_anchor_tau``) at
+    ``anchor_stride``; None: the one stride the samples have statistics at (none when they have several)."""
+    if not samples:
+        return {}
+    if anchor_stride is None:
+        strides = {k for s in samples for k in getattr(s, "anchor_counts", {})}
+        anchor_stride = strides.pop() if len(strides) == 1 else None
+    scalars, _ = derived_metrics(list(samples), tuple(budgets), tuple(categories), tuple(position_edges),
+                                 n_resamples=n_resamples, seed=seed, anchor_stride=anchor_stride)
+    scalars.update(delta_metrics(samples, baselines, n_resamples, seed))
+    return scalars
+
+
+# -- a comparison of files ------------------------------------------------------------------
+
+@dataclass
+class Comparison:
+    labels: list[str]
+    results: list[Results]
+    samples: list[list[Any]]  # per evaluation, the samples every evaluation scored, aligned
+    budgets: list[int]  # DDTree budgets every evaluation has
+    categories: list[str]
+    intervals: list[dict[str, Interval]]  # per evaluation, on the shared samples
+    differences: dict[tuple[int, int], dict[str, Difference]]  # (i, j) -> j - i
+    position_edges: tuple[int, ...]
+    warnings: list[str] = field(default_factory=list)  # why the figures may not be like for like
+
+    @property
+    def n(self) -> int:
+        return len(self.samples[0])
+
+
+def check_same_cache(labels: Sequence[str], results: Sequence[Results]) -> None:
+    unknown = [label for label, r in zip(labels, results, strict=True) if not r.manifest_sha256]
+    if unknown:  # nothing shows that the files scored the same prompts
+        raise CompareError(
+            f"{', '.join(unknown)}: no cache manifest hash (meta.cache_manifest_sha256), so nothing shows these "
+            "evaluations scored the same prompts. Score the drafters again with tools/eval_drafter.py "
+            "--states <cache>, which records the hash")
+    first = results[0].manifest_sha256
+    for label, r in zip(labels[1:], results[1:], strict=True):
+        if r.manifest_sha256 != first:
+            raise CompareError(
+                f"{labels[0]} was measured on cache {results[0].meta.get('cache_path')!r} (manifest sha256 "
+                f"{str(first)[:12]}...), {label} on {r.meta.get('cache_path')!r} (manifest sha256 "
+                f"{str(r.manifest_sha256)[:12]}...): tau on different prompts is not comparable. Score both "
+                "drafters on one cache with tools/eval_drafter.py --states <cache>")
+
+
+def check_same_categories(labels: Sequence[str], aligned: Sequence[Sequence[Any]]) -> None:
+    """The same sample id must be the same prompt: a different category means the files disagree on it."""
+    for label, samples in zip(labels[1:], aligned[1:], strict=True):
+        bad = [(a.id, a.category, b.category) for a, b in zip(aligned[0], samples, strict=True)
+               if a.category != b.category]
+        if bad:
+            i, ca, cb = bad[0]
+            raise CompareError(
+                f"{label} and {labels[0]} give {len(bad)} shared sample id(s) different categories (e.g. {i!r}: "
+                f"{cb!r} in {label}, {ca!r} in {labels[0]}): they do not describe the same prompts. Score both "
+                "drafters on one cache with tools/eval_drafter.py --states <cache>")
+
+
+def shared_budgets(results: Sequence[Results]) -> list[int]:
+    """The DDTree budgets every evaluation has."""
+    return sorted(set.intersection(*(set(r.budgets) for r in results)))
+
+
+def compare(labels: Sequence[str], results: Sequence[Results], n_resamples: int = DEFAULT_RESAMPLES,
+            seed: int = DEFAULT_SEED, position_edges: Sequence[int] = DEFAULT_POSITION_EDGES) -> Comparison:
+    if len(results) < 2:
+        raise CompareError("compare needs at least two evaluations")
+    check_same_cache(labels, results)
+    ids = [s.id for s in results[0].samples]
+    for r in results[1:]:
+        have = {s.id for s in r.samples}
+        ids = [i for i in ids if i in have]
+    if not ids:
+        raise CompareError(f"{', '.join(labels)} share no scored sample: nothing to compare")
+    aligned = []
+    for r in results:
+        by_id = {s.id: s for s in r.samples}
+        aligned.append([by_id[i] for i in ids])
+    check_same_categories(labels, aligned)
+    budgets = shared_budgets(results)
+    categories = sorted({s.category for s in aligned[0]})
+    ivs = [intervals(metric_sums(s, budgets, categories), n_resamples, seed) for s in aligned]
+    diffs = {}
+    for i, j in combinations(range(len(results)), 2):
+        diffs[(i, j)] = paired(aligned[i], aligned[j], labels[i], labels[j], budgets, categories, n_resamples, seed)
+    notes = [m for m in [series_mismatch(list(zip(labels, (r.series for r in results), strict=True)))] if m]
+    return Comparison(list(labels), list(results), aligned, budgets, categories, ivs, diffs,
+                      check_edges(position_edges), notes)
+
+
+# Every family walk's tau key, in a fixed order (``metrics.FAMILY_COUNTS``).
+FAMILY_WALKS = tuple(dict.fromkeys(w for f in FAMILY_COUNTS.values() for w in f.walks))
+# The selector's anchor figures, shown per evaluation from its own file (each file's own statistics set).
+SELECTOR_ROWS = (SELECTOR_RECALL, SELECTOR_ACC)
+
+_LABELS = {
+    TAU: "tau (pooled over cycles)",
+    TAU_REQUEST_MEAN: "tau, mean over requests (dflash.benchmark)",
+    ACCEPT_LENGTH_SERVED: "served accept length, mean over requests (SGLang)",
+    SELECTOR_UNARY_TAU: "DFlash 2: tau with the selector off (unary argmax)",
+    SELECTOR_ORACLE_TAU: "DFlash 2: tau with a perfect selector over the candidates",
+    SELECTOR_RECALL: "DFlash 2: target among the unary top-K (pooled)",
+    SELECTOR_ACC: "DFlash 2: selector's pick given recall (pooled)",
+}
+
+
+def _metric_label(metric: str) -> str:
+    if metric in _LABELS:
+        return _LABELS[metric]
+    if metric.startswith("ddtree/tau_b"):
+        return f"DDTree tau, budget {metric.rsplit('_b', 1)[1]}"
+    if metric.startswith("category/"):
+        _, category, name = metric.split("/", 2)
+        return f"tau, {category}" + (", mean over requests (dflash.benchmark)" if name == TAU_REQUEST_MEAN else "")
+    return metric
+
+
+def _fmt_iv(iv: Interval) -> str:
+    def finite(x: float) -> float | None:
+        return x if math.isfinite(x) else None
+
+    return with_interval(finite(iv.value), finite(iv.low), finite(iv.high))
+
+
+def _metrics_order(c: Comparison) -> list[str]:
+    """The rows of the tables: every evaluation's figures, then the walks of a drafter family some evaluations
+    have (DFlash 2's selector walks: "n/a" for the others)."""
+    walks = [w for w in FAMILY_WALKS if any(w in iv for iv in c.intervals)]
+    return [TAU, TAU_REQUEST_MEAN, ACCEPT_LENGTH_SERVED, *(ddtree_tau(b) for b in c.budgets),
+            *(category_tau(x) for x in c.categories), *walks]
+
+
+def published_rows(c: Comparison, published: Sequence[Any]) -> list[str]:
+    """Markdown rows: each published figure beside every evaluation's figure of the same convention (a figure of
+    a category the evaluations do not have: beside their figure over all prompts, marked ``(all prompts)``).
+
+    ``published``: ``baselines.Baseline`` entries of kind published (their metric names already carry the
+    convention, ``baselines.published_metric``). A figure no evaluation has is listed as such.
+    """
+    rows = []
+    for b in published:
+        for m, v in sorted(b.metrics.items()):
+            cells = []
+            for iv in c.intervals:
+                # A benchmark these prompts do not have: beside the same convention over all prompts, said so.
+                overall = m.rsplit("/", 1)[1] if m.startswith("category/") and m not in iv else None
+                if m in iv:
+                    cells.append(_fmt_iv(iv[m]))
+                elif overall in iv:
+                    cells.append(f"{_fmt_iv(iv[overall])} (all prompts)")
+                else:
+                    cells.append("n/a")
+            rows.append(f"| {b.name} | {_metric_label(m)} | {v:.3f} | {' | '.join(cells)} |")
+    return rows
+
+
+def render_markdown(c: Comparison, plot_path: str | None = None, published: Sequence[Any] = ()) -> str:
+    r0 = c.results[0]
+    lines = ["## Drafter comparison", ""]
+    lines.append(f"Cache `{r0.meta.get('cache_path')}` (manifest `{str(r0.manifest_sha256)[:12]}`), "
+                 f"{c.n} prompts scored by every evaluation. Intervals: 95%, cluster bootstrap over prompts "
+                 "(uncertainty from the choice of prompts); differences are paired on the same prompts.")
+    lines.append("")
+    for w in c.warnings:
+        lines += [f"**Warning:** {w}", ""]
+    for d in c.differences.values():
+        lines.append(f"- **{d[TAU].text}**: {d[TAU].verdict}")
+    lines += ["", "| metric | " + " | ".join(c.labels) + " |", "|---" * (len(c.labels) + 1) + "|"]
+    for m in _metrics_order(c):
+        lines.append(f"| {_metric_label(m)} | " + " | ".join(_fmt_iv(iv[m]) if m in iv else "n/a"
+                                                               for iv in c.intervals) + " |")
+    for m in SELECTOR_ROWS:
+        if any(r.metric(m) is not None for r in c.results):  # the whole file's figure, with its own interval
+            lines.append(f"| {_metric_label(m)} | " + " | ".join(metric_with_interval(r, m) for r in c.results)
+                         + " |")
+    if published:
+        lines += ["", "### Published figures (other prompts and hardware: context, not measured here)", "",
+                  "Each figure stands beside the figure of its own convention on these prompts.", "",
+                  "| published | convention / metric | published value | " + " | ".join(c.labels) + " |",
+                  "|---" * (len(c.labels) + 3) + "|", *published_rows(c, published)]
+    lines += ["", "### Paired differences", "", "| pair | metric | difference [95% interval] | verdict |",
+              "|---|---|---|---|"]
+    for (i, j), d in c.differences.items():
+        for m in _metrics_order(c):
+            if m not in d:
+                continue
+            x = d[m]
+            level = f" [{x.level:.1%}]" if x.level != DEFAULT_LEVEL else ""
+            lines.append(f"| {c.labels[j]} - {c.labels[i]} | {_metric_label(m)} | {x.interval.value:+.3f} "
+                         f"[{x.interval.low:+.3f}, {x.interval.high:+.3f}]{level} | {x.verdict} |")
+    if len(c.categories) > 1:
+        m = len(c.categories)
+        lines += ["", f"The {m} category rows are {m} comparisons at once: a category has a verdict only where the "
+                  f"overall tau has one, from an interval Bonferroni-corrected for {m} comparisons "
+                  f"({1 - (1 - DEFAULT_LEVEL) / m:.1%} each). The tables by position and cycle below are "
+                  "descriptive: tau and its cycle count per bucket, no verdict."]
+    for title, tables in (("By position in the completion (tau, cycles)",
+                           [position_table(s, c.position_edges) for s in c.samples]),
+                          ("By cycle index after the prompt (tau, cycles)", [cycle_table(s) for s in c.samples])):
+        lines += ["", f"### {title}", "", "| bucket | " + " | ".join(c.labels) + " |", "|---" * (len(c.labels) + 1) + "|"]
+        for bucket in tables[0]:
+            cells = [("n/a" if t[bucket]["tau"] is None else f"{t[bucket]['tau']:.3f}") + f" ({t[bucket]['cycles']})"
+                     for t in tables]
+            lines.append(f"| {bucket} | " + " | ".join(cells) + " |")
+    lines += ["", "### Evaluations", ""]
+    for label, r in zip(c.labels, c.results, strict=True):
+        step = r.drafter_step
+        lines.append(f"- {label}: drafter `{r.drafter_path}`" + (f" (global step {step})" if step is not None else "")
+                     + f", {len(r.samples)} samples, block {r.block_size or 'not recorded'}, dtype "
+                     + f"{r.meta.get('dtype')}, tail blocks " + (r.tail_blocks or "not recorded"))
+    if plot_path:
+        lines += ["", f"![comparison]({plot_path})"]
+    return "\n".join(lines) + "\n"
+
+
+def plot_comparison(c: Comparison, path: str | Path) -> Path:
+    """One PNG: per-depth acceptance overlaid, per-category tau bars with intervals, tau by position.
+
+    Written to ``path`` as it is (``write_comparison`` gives it a temporary path and renames it)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    ax = axes[0]
+    for label, r in zip(c.labels, c.results, strict=True):
+        ys = [math.nan if v is None else v for v in r.per_depth.get("unconditional") or []]
+        ax.plot(range(1, len(ys) + 1), ys, "o-", label=label)
+    ax.set(xlabel="depth in the block", ylabel="acceptance (unconditional)", title="acceptance per depth",
+           ylim=(0, 1.02))
+    ax.legend(fontsize=8)
+    ax = axes[1]
+    names = [TAU] + [category_tau(x) for x in c.categories]
+    width = 0.8 / len(c.labels)
+    x = np.arange(len(names))
+    for k, (label, iv) in enumerate(zip(c.labels, c.intervals, strict=True)):
+        vals = np.array([iv[m].value for m in names])
+        err = np.array([[iv[m].value - iv[m].low for m in names], [iv[m].high - iv[m].value for m in names]])
+        # A few resamples can leave the value outside its percentile interval: no negative error bars.
+        err = np.clip(np.nan_to_num(err), 0.0, None)
+        ax.bar(x + k * width - 0.4 + width / 2, np.nan_to_num(vals), width, yerr=err, capsize=3, label=label)
+    ax.set_xticks(x, ["all"] + list(c.categories), rotation=20)
+    ax.set(ylabel="tau (95% interval)", title="tau per category")
+    ax.legend(fontsize=8)
+    ax = axes[2]
+    for label, s in zip(c.labels, c.samples, strict=True):
+        t = position_table(s, c.position_edges)
+        ys = [math.nan if v["tau"] is None else v["tau"] for v in t.values()]
+        ax.plot(list(t), ys, "o-", label=label)
+        for k, (v, y) in enumerate(zip(t.values(), ys, strict=True)):  # what each point rests on
+            if math.isfinite(y):
+                ax.annotate(f"{v['cycles']}", (k, y), textcoords="offset points", xytext=(0, 4), fontsize=7,
+                            ha="center")
+    ax.set(xlabel="anchor position in the completion", ylabel="tau (cycles at each point)", title="tau by position")
+    ax.tick_params(axis="x", rotation=20)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    try:
+        with naming_failures(path):
+            fig.savefig(path, format="png", dpi=110)
+    finally:
+        plt.close(fig)
+    return path
+
+
+def write_comparison(c: Comparison, md_path: str | Path, png_path: str | Path,
+                     published: Sequence[Any] = ()) -> str:
+    """Write ``comparison.md`` and the ``.png`` it embeds: both, or (on a failure) neither is replaced,
+    so a report never shows another comparison's plot. Returns the Markdown."""
+    md_path, png_path = Path(md_path), Path(png_path)
+    md = render_markdown(c, png_path.name, published)
+    md_path.parent.mkdir(parents=True, exist_ok=True)
+    png_path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_paths(md_path, png_path) as (md_tmp, png_tmp):
+        with naming_failures(md_path), open(md_tmp, "w") as f:
+            f.write(md)
+        with naming_failures(png_path):
+            plot_comparison(c, png_tmp)
+    return md
+
+
+# -- command line (tools/compare_results.py) ------------------------------------------------
+
+def _labels(paths: Sequence[str], given: str | None) -> list[str]:
+    if given is not None:
+        labels = [x.strip() for x in given.split(",")]
+        if len(labels) != len(paths):
+            raise CompareError(f"--labels has {len(labels)} names for {len(paths)} files; give one per file")
+        if not all(labels):
+            raise CompareError(f"--labels {given!r}: name {labels.index('') + 1} is blank; give a name per file")
+        dup = sorted({x for x in labels if labels.count(x) > 1})
+        if dup:
+            raise CompareError(f"--labels {given!r}: {dup} given more than once; the labels name the columns and "
+                               "the differences, so give each file its own name")
+        return labels
+    resolved = [Path(p).resolve() for p in paths]
+    for k, r in enumerate(resolved):
+        if r in resolved[:k]:
+            raise CompareError(f"{paths[k]} is given twice (as {paths[resolved.index(r)]} too): a file compared "
+                               "with itself differs by nothing; give two different results files")
+    # The shortest tail of each path as given (folders and stem) that tells the files apart.
+    tails = [tuple(x for x in Path(p).with_suffix("").parts if x != Path(p).anchor) for p in paths]
+    for n in range(1, max(map(len, tails)) + 1):
+        labels = ["/".join(t[-n:]) for t in tails]
+        if len(set(labels)) == len(labels):
+            return labels
+    return [str(p) for p in paths]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="compare_results.py",
+        description="Compare results.json files of drafters scored on one cache: tau, DDTree and per-category tau "
+                    "with 95% intervals, paired differences with a verdict, Markdown and a PNG.")
+    p.add_argument("results", nargs="+", help="two or more results.json (tools/eval_drafter.py --out)")
+    p.add_argument("--labels", default=None, help="comma-separated names, one per file (default: file stems)")
+    p.add_argument("--out", default="comparison", help="writes OUT.md and OUT.png (default: ./comparison)")
+    p.add_argument("--resamples", type=int, default=DEFAULT_RESAMPLES, help="bootstrap resamples (default 1000)")
+    p.add_argument("--seed", type=int, default=DEFAULT_SEED, help="bootstrap seed (default 0)")
+    p.add_argument("--published", default=None,
+                   help="published-figures YAML (configs/baselines/published.yaml format): each figure is listed "
+                        "beside the evaluations' figure of its declared convention")
+    p.add_argument("--position-edges", default=",".join(map(str, DEFAULT_POSITION_EDGES)),
+                   help="completion-position bucket edges (default 0,256,512,1024,2048)")
+    p.add_argument("--threads", default=None, help=THREADS_HELP)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from ...common.arguments import parse_position_edges
+    from ...common.threads import parse_threads, set_threads
+
+    args = build_parser().parse_args(argv)
+    if len(args.results) < 2:
+        raise CompareError("give at least two results.json files to compare")
+    edges = parse_position_edges("--position-edges", args.position_edges)  # the callback's rule
+    if args.resamples < 1:
+        raise CompareError(f"--resamples must be >= 1, got {args.resamples}")
+    if args.seed < 0:
+        raise CompareError(f"--seed {args.seed}: expected an integer >= 0 (the bootstrap's seed, default "
+                           f"{DEFAULT_SEED})")
+    threads = set_threads(parse_threads(args.threads))
+    out = Path(args.out)
+    check_outputs_apart([("results file", p) for p in args.results],
+                        files=[("--out", out.with_suffix(".md")), ("--out", out.with_suffix(".png"))])
+    labels = _labels(args.results, args.labels)
+    md_path, png_path = (check_results_path(out.with_suffix(x), "--out", f"comparison{x}") for x in (".md", ".png"))
+    results = [load_results(p) for p in args.results]  # ResultsError names the file and the fix
+    published = []
+    if args.published:
+        from .baselines import load_published
+
+        try:  # a DDTree figure must stand beside a budget every evaluation has
+            published = load_published(args.published, budgets=shared_budgets(results)).baselines
+        except (OSError, ValueError) as e:
+            raise CompareError(f"--published: {e}") from None
+    c = compare(labels, results, args.resamples, args.seed, edges)
+    for w in c.warnings:
+        print(f"warning: {w}", file=sys.stderr)
+    md = write_comparison(c, md_path, png_path, published)
+    print(md)
+    print(f"wrote {md_path} and {png_path} ({threads} threads)")
+    return 0
+
+
+command = cli.command(main)  # the ``dflash-compare`` console command
