@@ -41,9 +41,10 @@ from _synthetic import PRESETS, drafter_config, make_drafter, make_head, write_c
 from dflash_cb.common.timing import PhaseTimer  # noqa: E402
 from dflash_cb.core.costs.evaluation import DEFAULT_LIMITS, DrafterShape, block_gflop, memory_bound  # noqa: E402
 from dflash_cb.core.drafters.dflash2 import selector  # noqa: E402
+from dflash_cb.core.drafters.dflash2.figures import SELECTOR_ORACLE_TAU, SELECTOR_UNARY_TAU  # noqa: E402
 from dflash_cb.core.drafters.dflash2.model import PICK_ROWS, DFlash2Drafter  # noqa: E402
 from dflash_cb.core.drafters.proposers import predecessors  # noqa: E402
-from dflash_cb.core.figures.metrics import SELECTOR_ORACLE_TAU, SELECTOR_UNARY_TAU, TAU  # noqa: E402
+from dflash_cb.core.figures.metrics import TAU  # noqa: E402
 from dflash_cb.core.replay.engine import PHASES, FastRunner, block_embeddings, evaluate  # noqa: E402
 
 GB = 1e9

@@ -39,7 +39,7 @@ _EXPORTS = {
     "load_drafter": ("dflash_cb.core.checkpoints.load", "load_drafter"),
     "DFlashDrafter": ("dflash_cb.core.drafters.dflash.model", "DFlashDrafter"),
     "DFlash2Drafter": ("dflash_cb.core.drafters.dflash2.model", "DFlash2Drafter"),
-    "DrafterSpec": ("dflash_cb.core.drafters.dflash.model", "DrafterSpec"),
+    "DrafterSpec": ("dflash_cb.core.drafters.spec", "DrafterSpec"),
     "DEFAULT_PREFIX": ("dflash_cb.core.figures.metrics", "DEFAULT_PREFIX"),
     "TAU": ("dflash_cb.core.figures.metrics", "TAU"),
     "TAU_REQUEST_MEAN": ("dflash_cb.core.figures.metrics", "TAU_REQUEST_MEAN"),
@@ -60,8 +60,9 @@ __all__ = [
 if TYPE_CHECKING:  # what editors and type checkers see; at run time each name is imported on first use
     from .cache.states import StateCache
     from .core.checkpoints.load import load_drafter
-    from .core.drafters.dflash.model import DFlashDrafter, DrafterSpec
+    from .core.drafters.dflash.model import DFlashDrafter
     from .core.drafters.dflash2.model import DFlash2Drafter
+    from .core.drafters.spec import DrafterSpec
     from .core.figures.metrics import (
         DEFAULT_PREFIX,
         SPECFORGE_ACC,

@@ -13,9 +13,11 @@ from safetensors.torch import load_file, save_file
 from selector_reference import enumerated_tree_accept, heap_tree_accept
 from transformers import Qwen3Config
 
-from dflash_cb.core.drafters.dflash.model import DFlashDrafter, DrafterSpec, draft_logits
+from dflash_cb.core.drafters.dflash.model import DFlashDrafter
 from dflash_cb.core.drafters.dflash2 import selector
 from dflash_cb.core.drafters.dflash2.model import DFlash2Drafter
+from dflash_cb.core.drafters.registry import spec_of
+from dflash_cb.core.drafters.spec import draft_logits
 
 dm = oracles.require("dflash.model")
 
@@ -239,13 +241,13 @@ def test_teacher_forced_replay_equals_dflash_generate(tiny_cache: Path, tiny_dra
     from transformers import Qwen3ForCausalLM
 
     from dflash_cb.cache.states import StateCache
+    from dflash_cb.core.drafters.runners import block_embeddings
     from dflash_cb.core.loop.cycles import (
         cut_produced,
         leading_matches,
         next_stop_positions,
         sample_bounds,
     )
-    from dflash_cb.core.replay.engine import block_embeddings
 
     cfg = {**tiny_drafter_config, "architectures": ["DFlash2DraftModel"], "num_hidden_layers": 2,
            "layer_types": ["full_attention", "sliding_attention"], "sliding_window": 4, "use_sliding_window": True,
@@ -342,7 +344,7 @@ def test_published_folder_loads_in_both_and_round_trips(tmp_path: Path) -> None:
     del data["architectures"]
     (tmp_path / "ours" / "config.json").write_text(json.dumps(data))
     assert type(load_drafter(tmp_path / "ours")) is DFlash2Drafter
-    assert DrafterSpec.of(ref).family == "dflash2" and DrafterSpec.of(ref).selector_top_k == 5
+    assert spec_of(ref).family == "dflash2" and spec_of(ref).option("selector_top_k") == 5
 
 
 def _folder(tmp_path: Path, name: str, config: dict, state: dict) -> Path:
@@ -371,7 +373,7 @@ def test_a_layout_of_neither_family_names_the_closest_ones_keys(tmp_path: Path) 
                                               r"set architectures \['DFlash2DraftModel'\]"):
         load_drafter(_folder(tmp_path, "said_dflash", dflash, state))
     # ... and closest to DFlash 2 when a DFlash 2 key is missing too.
-    with pytest.raises(CheckpointError, match=r"fit neither layout; the closest is DFlash 2 \(the config says "
+    with pytest.raises(CheckpointError, match=r"fit no family's layout; the closest is DFlash 2 \(the config says "
                                               r"DFlash\): missing \['layers.1.mlp_conv.base_kernel'\]"):
         load_drafter(_folder(tmp_path, "said_dflash_broken", dflash, {k: v for k, v in broken.items()
                                                                        if not k.endswith("extra")}))

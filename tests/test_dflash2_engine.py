@@ -26,18 +26,17 @@ from figures import T1_RTOL, assert_same_figures, is_float_figure
 from selector_reference import heap_tree_accept
 from transformers import Qwen3Config
 
-from dflash_cb.core.figures.metrics import (
+from dflash_cb.core.drafters.dflash2.figures import (
     SELECTOR_ACC,
     SELECTOR_ORACLE_TAU,
     SELECTOR_RECALL,
     SELECTOR_RECALL_COUNT,
     SELECTOR_UNARY_TAU,
-    T1_TAU_ESTIMATE,
-    TAU,
-    ddtree_tau,
     selector_acc,
     selector_recall,
 )
+from dflash_cb.core.drafters.registry import spec_from_config
+from dflash_cb.core.figures.metrics import T1_TAU_ESTIMATE, TAU, ddtree_tau
 
 dm = oracles.require("dflash.model")
 
@@ -164,11 +163,11 @@ def test_engine_equals_dflash_generate_cycle_for_cycle(world, block: int) -> Non
 
 
 def test_generic_runner_reads_the_selector_from_the_module(world) -> None:
-    from dflash_cb.core.drafters.dflash.model import DrafterSpec
-    from dflash_cb.core.replay.engine import PerAnchorRunner, evaluate
+    from dflash_cb.core.drafters.dflash.runner import PerAnchorRunner
+    from dflash_cb.core.replay.engine import evaluate
 
     cache, ref = world["cache"], world["ref"]
-    runner = PerAnchorRunner(ref, DrafterSpec.from_config(ref.config))
+    runner = PerAnchorRunner(ref, spec_from_config(ref.config))
     sub = [e.id for e in cache.samples[:2]]
     rep = evaluate(cache, runner, budgets=(), sample_ids=sub, tail_blocks="reference", device="cpu")
     assert _lists(rep) == {k: world["runs"][BLOCK][0][k] for k in sub}
@@ -495,8 +494,8 @@ def test_plain_loop_logs_the_tools_selector_figures(world, tmp_path: Path) -> No
     assert PREFIX + "full/" + SELECTOR_ORACLE_TAU in logged[4]
     keys = set().union(*logged.values())
     layout = layout_from_keys(keys)
-    section = panel_plan(layout)["Selector"]
-    assert layout.selector and section
+    section = panel_plan(layout)["Drafter family"]
+    assert layout.family == "dflash2" and section
     # A figure without a value (NaN: a depth no candidate reached) is not logged, but was computed under its name.
     nan = {PREFIX + k for row in evaluator.history for k, v in row.items() if v != v}
     assert {k for spec in section for k in spec.keys} <= keys | nan

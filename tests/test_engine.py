@@ -31,12 +31,15 @@ from dflash_cb.cache.states import StateCache, TargetHead
 from dflash_cb.common.errors import DFlashCBError
 from dflash_cb.common.fileio import atomic_write_bytes
 from dflash_cb.core.costs.evaluation import MemoryLimits
-from dflash_cb.core.drafters.dflash.model import DFlashDrafter, DrafterSpec
 from dflash_cb.core.drafters import proposers
+from dflash_cb.core.drafters.dflash.model import DFlashDrafter
+from dflash_cb.core.drafters.dflash.runner import PerAnchorRunner
+from dflash_cb.core.drafters.registry import spec_from_config
+from dflash_cb.core.drafters.runners import block_embeddings
 from dflash_cb.core.figures.metrics import SPECFORGE_ACC
 from dflash_cb.core.loop.anchor_sets import anchor_offset
 from dflash_cb.core.replay import engine
-from dflash_cb.core.replay.engine import PerAnchorRunner, apply_head, block_embeddings, evaluate
+from dflash_cb.core.replay.engine import apply_head, evaluate
 
 dm = oracles.require("dflash.model")
 
@@ -297,7 +300,7 @@ def test_generic_runner_and_drafts(planted) -> None:
     """The one-call-per-anchor runner (any callable) gives the same numbers; drafts shown are the cycles'."""
     cache, drafter = planted["cache"], planted["drafter"]
     fast = evaluate(cache, drafter, budgets=(), anchor_stride=4, keep_drafts=3)
-    generic = evaluate(cache, PerAnchorRunner(planted["ref"], DrafterSpec.from_config(planted["ref"].config)),
+    generic = evaluate(cache, PerAnchorRunner(planted["ref"], spec_from_config(planted["ref"].config)),
                        budgets=(), anchor_stride=4, device="cpu")
     assert [s.acceptance_lengths for s in generic.samples] == [s.acceptance_lengths for s in fast.samples]
     for k, v in fast.counts.data.items():

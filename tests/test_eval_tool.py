@@ -302,7 +302,7 @@ def test_a_drafter_folder_as_the_cache_says_which_is_which(tiny_cache, drafter_d
     """``--states <a drafter folder>`` advised creating a cache in the drafter's folder; it says the folder holds
     a drafter and where each goes (a Lightning checkpoint file as the cache likewise)."""
     code, out, err = evaluate_tool(capsys, drafter_dir, drafter_dir, tmp_path / "r.json")
-    assert_one_line(code, out, err, f"{drafter_dir}: a DFlash drafter folder", "--drafter", "precompute_states.py")
+    assert_one_line(code, out, err, f"{drafter_dir}: a drafter folder", "--drafter", "precompute_states.py")
     assert "Create the cache" not in err
     ckpt = tmp_path / "last.ckpt"
     ckpt.write_bytes(b"PK")

@@ -78,7 +78,7 @@ def test_a_module_that_is_no_drafter_says_where_to_point(tiny_cache):
             super().__init__()
             self.inner = nn.Linear(2, 2)
 
-    with pytest.raises(DFlashCBError, match=r"point drafter= at the DFlash module") as err:
+    with pytest.raises(DFlashCBError, match=r"point drafter= at the drafter module") as err:
         evaluator(tiny_cache).start(0, Wrapper())
     assert "spec=DrafterSpec" not in str(err.value)
 

@@ -19,6 +19,8 @@ import oracles
 import pytest
 import torch
 
+from dflash_cb.core.drafters.registry import spec_from_config
+
 dm = oracles.require("dflash.model")
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -133,10 +135,10 @@ def test_eval_tool_matches_oracle(setup, tmp_path: Path) -> None:
 
 
 def test_generic_runner_matches(setup) -> None:
-    from dflash_cb.core.drafters.dflash.model import DrafterSpec
-    from dflash_cb.core.replay.engine import PerAnchorRunner, evaluate
+    from dflash_cb.core.drafters.dflash.runner import PerAnchorRunner
+    from dflash_cb.core.replay.engine import evaluate
 
-    runner = PerAnchorRunner(setup["ref"], DrafterSpec.from_config(setup["ref"].config))
+    runner = PerAnchorRunner(setup["ref"], spec_from_config(setup["ref"].config))
     sub = [e.id for e in setup["cache"].samples[:3]]
     rep = evaluate(setup["cache"], runner, budgets=(), sample_ids=sub, device="cpu", tail_blocks="reference")
     assert {s.id: s.acceptance_lengths for s in rep.samples} == {k: setup["oracle"][k] for k in sub}
@@ -175,7 +177,7 @@ def test_temperature_one_estimate_with_stored_topk(setup) -> None:
 
 
 def test_overlap_is_sum_of_min_p_q() -> None:
-    from dflash_cb.core.drafters.dflash.model import DrafterSpec
+    from dflash_cb.core.drafters.spec import DrafterSpec
     from dflash_cb.core.replay.engine import apply_head
 
     torch.manual_seed(0)
@@ -296,7 +298,8 @@ def test_smaller_block_matches_both_loops_at_that_block(setup, small_block) -> N
     of a sample in one packed pass) gives the reference ``DFlashDraftModel``'s drafts at that length at
     every anchor; at some anchors those are not the first depths of its BLOCK-long drafts (the
     bidirectional layer sees fewer mask positions), so the comparisons are not blind to the length."""
-    from dflash_cb.core.replay.engine import apply_head, block_embeddings, evaluate
+    from dflash_cb.core.drafters.runners import block_embeddings
+    from dflash_cb.core.replay.engine import apply_head, evaluate
 
     cache, ours, ref = setup["cache"], setup["ours"], setup["ref"]
     reference = evaluate(cache, ours, budgets=(4,), tail_blocks="reference", block_size=SMALL)

@@ -363,19 +363,19 @@ def test_the_by_position_section_shows_what_each_bucket_rests_on():
 
 
 def test_the_selector_section_is_built_from_the_metric_names():
-    """A DFlash 2 run gets the Selector panels (its keys from dflash_cb.core.figures.metrics); a DFlash run none, and the
+    """A DFlash 2 run gets the Drafter family panels (its keys from its family's figures); a DFlash run none, and the
     layout read back from a run's keys says which it was."""
-    from dflash_cb.core.figures.metrics import (
+    from dflash_cb.core.drafters.dflash2.figures import (
         SELECTOR_ORACLE_TAU,
         SELECTOR_UNARY_TAU,
         selector_acc,
         selector_recall,
     )
 
-    assert panel_plan(PanelLayout(block_size=8))["Selector"] == []
-    section = panel_plan(PanelLayout(block_size=8, selector=True))["Selector"]
+    assert panel_plan(PanelLayout(block_size=8))["Drafter family"] == []
+    section = panel_plan(PanelLayout(block_size=8, family="dflash2"))["Drafter family"]
     keys = {k for spec in section for k in spec.keys}
     assert {"dflash_eval/" + k for k in (SELECTOR_UNARY_TAU, SELECTOR_ORACLE_TAU, selector_recall(7), selector_acc(1))} \
         <= keys and not any(k.endswith("_08") for k in keys)
     logged = ["dflash_eval/tau", "dflash_eval/acceptance/depth_07", "dflash_eval/" + SELECTOR_UNARY_TAU]
-    assert layout_from_keys(logged).selector and not layout_from_keys(logged[:2]).selector
+    assert layout_from_keys(logged).family == "dflash2" and layout_from_keys(logged[:2]).family is None

@@ -24,8 +24,8 @@ from dflash_cb.core.costs.evaluation import (
     evaluation_cost,
     predicted_seconds,
 )
-from dflash_cb.core.drafters.dflash.model import DFlashDrafter
 from dflash_cb.core.drafters import proposers
+from dflash_cb.core.drafters.dflash.model import DFlashDrafter
 from dflash_cb.core.figures.metrics import ddtree_tau
 from dflash_cb.core.replay.engine import PHASES, evaluate
 

@@ -351,7 +351,7 @@ def test_a_drafter_that_does_not_fit_the_cache_stops_before_the_cache_is_hashed(
                     "drafter_config": other}, folder / f"step_{step}.pt")
     assert sweep(tiny_cache, tmp_path / "sweep", folder) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"error: cache {tiny_cache} does not fit the drafter: - target_layer_ids") and \
+    assert err.startswith(f"error: cache {tiny_cache} does not fit the drafter (DFlash): - target_layer_ids") and \
         err.count("\n") == 1, err
     assert sweep(tiny_cache, tmp_path / "sweep2", next(iter(plain_run.values())).parent) == 2
     err = capsys.readouterr().err

@@ -32,6 +32,7 @@ from .manifest import (
     first_disagreement,
     interrupted_merge,
 )
+from .needs import CacheNeeds, fit_problems, is_drafter_config
 
 
 class CacheMismatchError(DFlashCBError, ValueError):
@@ -90,8 +91,8 @@ def _what_else(path: Path) -> str | None:
         config = json.loads((path / "config.json").read_text())
     except (OSError, ValueError):
         return None
-    if isinstance(config, dict) and "dflash_config" in config:
-        return "a DFlash drafter folder (its config.json has dflash_config; pass it as --drafter)"
+    if is_drafter_config(config):
+        return "a drafter folder (its config.json is a drafter's; pass it as --drafter)"
     return "a Hugging Face model folder (config.json)" if isinstance(config, dict) else None
 
 
@@ -394,34 +395,13 @@ class StateCache:
                                      f"({m.target.get('name_or_path')!r}).")
 
     # -- compatibility -------------------------------------------------------
-    def check_drafter(self, spec: dict[str, Any]) -> None:
-        """Raise CacheMismatchError listing every field where the drafter and the cache disagree.
-
-        ``spec`` keys: target_layer_ids, target_hidden_size (hidden of the target = context width / len(ids)),
-        vocab_size, block_size, mask_token_id (each optional).
-        """
-        m = self.manifest
-        problems = []
-        ids = spec.get("target_layer_ids")
-        missing = [] if ids is None else [i for i in ids if i not in m.layer_ids]
-        if missing:  # a cache may hold more layers than a drafter reads (one cache for several drafters)
-            problems.append(f"target_layer_ids: the drafter reads layers {list(ids)}; the cache holds {m.layer_ids}, "
-                            f"without {missing}")
-        hs = spec.get("target_hidden_size")
-        if hs is not None and int(hs) != m.hidden_size:
-            problems.append(f"target hidden size: drafter expects {hs}, cache has {m.hidden_size}")
-        vocab = spec.get("vocab_size")
-        if vocab is not None and int(vocab) != m.vocab_size:
-            problems.append(f"vocab_size: drafter {vocab}, cache target {m.vocab_size}")
-        bs = spec.get("block_size")
-        if bs is not None and int(bs) < 2:
-            problems.append(f"block_size: drafter {bs}, must be at least 2")
-        mask = spec.get("mask_token_id")
-        if mask is not None and not 0 <= int(mask) < m.vocab_size:
-            problems.append(f"mask_token_id: drafter {mask} is outside the cache target's vocab [0, {m.vocab_size})")
+    def check_fit(self, needs: CacheNeeds) -> None:
+        """Raise CacheMismatchError listing every field where a drafter's ``needs`` and the cache disagree
+        (``needs.fit_problems``: the one check, whatever the drafter's family)."""
+        problems = fit_problems(self.manifest, needs)
         if problems:
             raise CacheMismatchError(
-                f"cache {self.path} does not fit the drafter:\n  - " + "\n  - ".join(problems)
+                f"cache {self.path} does not fit the drafter ({needs.family}):\n  - " + "\n  - ".join(problems)
                 + "\nUse a cache precomputed with the drafter's target and layer ids "
                 "(tools/precompute_states.py --drafter-config <drafter>/config.json; several drafters' configs, "
                 "comma-separated, give a cache of the union of their layers)."

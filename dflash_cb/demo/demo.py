@@ -35,14 +35,11 @@ from ..common import cli
 from ..common.errors import DFlashCBError
 from ..common.fileio import atomic_path, atomic_write_json, atomic_write_text, naming_failures, output_path
 from ..common.threads import THREADS_HELP, parse_threads, set_threads
+from ..core.drafters.registry import families, family_named
 from ..core.figures.metrics import (
     ACCEPT_LENGTH_SERVED,
     ALL_ANCHOR_TAU,
     CHAIN_TAU_ESTIMATE,
-    SELECTOR_ACC,
-    SELECTOR_ORACLE_TAU,
-    SELECTOR_RECALL,
-    SELECTOR_UNARY_TAU,
     SPECFORGE_ACC,
     TAU,
     TAU_REQUEST_MEAN,
@@ -147,8 +144,8 @@ class Paths:
         self.summary = o / "summary.json"
 
 
-# The drafter families the demo trains (--drafter), and how the summary names them.
-DRAFTERS = {"dflash": "DFlash", "dflash2": "DFlash 2"}
+# The drafter families the demo trains (--drafter: every block family), and how the summary names them.
+DRAFTERS = {f.name: f.label for f in families() if f.kind == "block"}
 
 
 class DemoError(DFlashCBError, RuntimeError):
@@ -591,10 +588,10 @@ def _print_summary(s: dict[str, Any], results: Results, cfg: DemoConfig) -> None
     _say(f"  all-anchor mean: {_fmt(results.metric(ALL_ANCHOR_TAU))}   SpecForge DFlash accuracy: "
          f"{_fmt(results.metric(SPECFORGE_ACC))}   independent-depth chain estimate: "
          f"{_fmt(results.metric(CHAIN_TAU_ESTIMATE))}")
-    if results.metric(SELECTOR_UNARY_TAU) is not None:  # a DFlash 2 drafter: where its tau is lost
-        _say(f"  selector: unary argmax path {_fmt(results.metric(SELECTOR_UNARY_TAU))}, perfect selector over the "
-             f"candidates {_fmt(results.metric(SELECTOR_ORACLE_TAU))}, candidate recall "
-             f"{_fmt(results.metric(SELECTOR_RECALL))}, pick given recall {_fmt(results.metric(SELECTOR_ACC))}")
+    figures = family_named(results.family).figures
+    own = [f for f in (*figures.walks, *figures.pooled) if results.metric(f.key) is not None]
+    if own:  # the family's own figures (DFlash 2: where its tau is lost)
+        _say("  " + ", ".join(f"{f.label} {_fmt(results.metric(f.key))}" for f in own))
     _say(f"  first vs last checkpoint (paired, same prompts): {s['first_vs_last']['text']}: "
          f"{s['first_vs_last']['verdict']}")
     _say("  [..] = 95% interval over the choice of prompts (cluster bootstrap over the held-out prompts)")

@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from ..cache.states import StateCache, TargetHead
 from ..core.drafters.layouts import drafter_from_config
+from ..core.drafters.registry import family_named
 from ..core.drafters.training import batch_loss
 
 
@@ -111,7 +112,7 @@ class DFlashDrafterModule(LightningModule):
                  init_seed: int | None = 0) -> None:
         super().__init__()
         self.save_hyperparameters()
-        # The class the config's family says (DFlash, DFlash 2); its loss adds the selector's for DFlash 2.
+        # The class the config's family says (registry.family_of); its loss adds the family's own term.
         if init_seed is not None:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(init_seed)
@@ -146,26 +147,27 @@ class DFlashDrafterModule(LightningModule):
 def tiny_drafter_config(vocab_size: int, target_hidden: int, target_layers: int, layer_ids: Sequence[int],
                         mask_token_id: int, block_size: int = 8, num_layers: int = 1, heads: int = 4,
                         kv_heads: int = 2, head_dim: int = 8, intermediate_size: int | None = None,
-                        family: str = "dflash", selector_top_k: int = 8, selector_rank: int = 16) -> dict[str, Any]:
-    """A small drafter config for a small target (tests, demo); ``family="dflash2"`` a DFlash 2 one (two-tap
-    convolutions over groups of 8 channels, a selector of ``selector_top_k`` candidates and rank
-    ``selector_rank``).
+                        family: str = "dflash", **family_fields: Any) -> dict[str, Any]:
+    """A small drafter config for a small target (tests, demo) of a registered block ``family``, with the small
+    settings of its own fields (``DrafterFamily.tiny_fields``; DFlash 2: two-tap convolutions over groups of 8
+    channels, a selector of 8 candidates and rank 16), overridden by ``family_fields``.
 
     The hidden size is the target's: block embeddings and logits use the target's own matrices.
     """
+    fam = family_named(family)
+    if fam.kind != "block":
+        raise ValueError(f"family={family!r}: a tiny config is built for block families only")
     hidden = target_hidden
     config = {
-        "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+        "architectures": [fam.architecture], "model_type": "qwen3",
         "vocab_size": vocab_size, "hidden_size": hidden, "intermediate_size": intermediate_size or 2 * hidden,
         "num_hidden_layers": num_layers, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
         "head_dim": head_dim, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
         "tie_word_embeddings": False, "num_target_layers": target_layers, "block_size": block_size,
         "dflash_config": {"target_layer_ids": list(layer_ids), "mask_token_id": mask_token_id},
     }
-    if family == "dflash2":
-        config["architectures"] = ["DFlash2DraftModel"]
-        config["dflash_config"].update(conv_group_size=8, conv_kernel_size=2, selector_rank=selector_rank,
-                                       selector_top_k=selector_top_k)
-    elif family != "dflash":
-        raise ValueError(f"family={family!r}: expected 'dflash' or 'dflash2'")
+    unknown = set(family_fields) - set(fam.config_fields)
+    if unknown:
+        raise ValueError(f"{sorted(unknown)}: not fields of a {fam.label} config ({', '.join(fam.config_fields) or 'none'})")
+    config["dflash_config"].update({**fam.tiny_fields(hidden), **family_fields})
     return config

@@ -50,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     from ..common.errors import DFlashCBError
     from ..common.fileio import check_outputs_apart
     from ..core.checkpoints.load import load_drafter
+    from ..core.drafters.layouts import cache_needs
     from ..core.results.report import format_results
     from ..core.results.results_file import check_results_path, drafter_provenance, write_results
     from ..core.results.served_check import (
@@ -85,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
             raise why  # the selection holds no sample with comparable counters: before any weights are read
     drafter = load_drafter(args.drafter, device=options.device)
     if args.served_check:  # the server's block when it is recorded (docs/method.md, "Check against the server")
-        cache.check_drafter(drafter.spec.as_cache_check())  # before its block is compared with the server's
+        cache.check_fit(cache_needs(drafter))  # before its block is compared with the server's
         scorer.config = scorer.config.replace(block_size=replay_block_size(
             cache.manifest.served_spec_config, drafter.spec.block_size, options.block_size))
     fit = scorer.check(drafter, "--drafter")

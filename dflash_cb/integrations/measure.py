@@ -31,7 +31,8 @@ from ..core.costs.evaluation import (
     eval_overhead,
     predict,
 )
-from ..core.drafters.dflash.model import DrafterSpec
+from ..core.drafters.registry import spec_of
+from ..core.drafters.spec import DrafterSpec
 from ..core.figures.metrics import ANCHORS_DRAFTED, TAU, EvalCounts, ddtree_tau, summarize
 from ..core.replay.engine import EvalReport, SampleResult, anchors_per_sample, group_seconds, resolve_autocast
 from ..core.replay.request import EvalRequest
@@ -273,7 +274,7 @@ class Measurer:
 
     def check_same_drafter(self, drafter: nn.Module) -> DrafterSpec:
         """The drafter of this evaluation has the spec checked at setup (cheap: its config only)."""
-        was, now = self.fit.spec, DrafterSpec.of(drafter)
+        was, now = self.fit.spec, spec_of(drafter)
         changed = [f"{name} {a!r} -> {b!r}" for name, a, b in was.differences(now)]
         if changed:
             raise DrafterChangedError(f"the drafter changed since setup ({'; '.join(changed)}); a drafter of "

@@ -29,6 +29,7 @@ from typing import Any
 
 from ..common import cli
 from ..common.errors import DFlashCBError
+from ..core.drafters.registry import families, family_named, family_names
 from ..core.figures.metrics import (
     ACCEPT_LENGTH_SERVED,
     ALL_ANCHOR_TAU,
@@ -42,10 +43,6 @@ from ..core.figures.metrics import (
     EVAL_STEP,
     EVAL_TIME,
     FULL_PREFIX,
-    SELECTOR_ACC,
-    SELECTOR_ORACLE_TAU,
-    SELECTOR_RECALL,
-    SELECTOR_UNARY_TAU,
     SERVED_BASELINE,
     SPECFORGE_ACC,
     STEP_KEY,
@@ -61,8 +58,6 @@ from ..core.figures.metrics import (
     depth_acc_cond,
     position_cycles,
     position_tau,
-    selector_acc,
-    selector_recall,
     serving_key,
 )
 from ..core.figures.positions import (
@@ -72,10 +67,11 @@ from ..core.figures.positions import (
     position_labels,
 )
 from ..core.results.baselines import CONVENTIONS
+from ..core.results.compare import family_walks
 
 SAMPLE_TABLE = "sample_table"
 COST_KEYS = (EVAL_TIME, CYCLES, TOKENS, ANCHORS_DRAFTED, ANCHORS_NEEDED)
-SECTIONS = ("Headline", "Uncertainty", "Per category", "Per depth", "Selector", "Serving (projected)", "By position",
+SECTIONS = ("Headline", "Uncertainty", "Per category", "Per depth", "Drafter family", "Serving (projected)", "By position",
             "Cost", "Samples")
 
 
@@ -101,9 +97,9 @@ class PanelLayout:
     # DDTree budgets each reference ("baseline/<name>", "published/<name>") logged; a reference not
     # listed gets no DDTree series (a key nobody logged would be an empty line).
     reference_budgets: Mapping[str, Sequence[int]] = field(default_factory=dict)
-    # A DFlash 2 drafter: the selector's figures (selector/...: the unary and perfect-selector taus, recall and
-    # accuracy given recall, pooled and per depth).
-    selector: bool = False
+    # The drafter family whose own figures get the *Drafter family* section (``FamilyFigures``: DFlash 2's
+    # selector/... keys); None: a family without figures of its own.
+    family: str | None = None
     # Settings with a serving projection (``serving/speedup_<setting>``: a run with ``cost_profile=``).
     serving: Sequence[str] = ()
 
@@ -177,17 +173,7 @@ def panel_plan(layout: PanelLayout) -> dict[str, list[PanelSpec]]:
     per_depth = [line("acceptance per depth (unconditional)", [depth_acc(k) for k in depths]),
                  line("acceptance per depth (given the previous depths matched)", [depth_acc_cond(k) for k in depths])]
 
-    selector = []
-    if layout.selector:
-        selector = [
-            line("DFlash 2: tau, with the selector off (unary argmax) and with a perfect selector",
-                 [TAU, SELECTOR_UNARY_TAU, SELECTOR_ORACLE_TAU]),
-            line("DFlash 2: selector off / perfect selector tau with their 95% intervals",
-                 [m for w in (SELECTOR_UNARY_TAU, SELECTOR_ORACLE_TAU) for m in (w, ci_low(w), ci_high(w))]),
-            line("DFlash 2: target among the unary top-K (recall), the selector's pick given it (pooled)",
-                 [SELECTOR_RECALL, SELECTOR_ACC]),
-            line("DFlash 2: unary top-K recall per depth", [selector_recall(k) for k in depths]),
-            line("DFlash 2: the selector's pick given recall, per depth", [selector_acc(k) for k in depths])]
+    selector = family_panels(layout.family, depths, line) if layout.family else []
 
     serving = []
     if layout.serving:
@@ -252,11 +238,29 @@ def layout_from_keys(keys: Iterable[str], prefix: str = DEFAULT_PREFIX,
         cost=[n for n in COST_KEYS if n in keys],
         light_ddtree_budgets=light_budgets,
         served=SERVED_BASELINE in {f"baseline/{n}" for n in named},
-        selector=SELECTOR_UNARY_TAU in keys,
+        family=next((f.name for f in families() if f.figures.walks
+                     and any(w.key in keys for w in f.figures.walks)), None),
         serving=[n for n in grab(r"serving/speedup_(.+)") if not n.endswith(("_ci_low", "_ci_high"))],
         reference_budgets={r: bs for r in refs
                            if (bs := sorted(int(b) for b in grab(re.escape(r) + r"/ddtree/tau_b(\d+)")))},
     )
+
+
+def family_panels(family: str, depths: range, line: Any) -> list[Any]:
+    """The *Drafter family* section of ``family``'s own figures (``FamilyFigures``): its walks' taus beside tau,
+    with their intervals; its pooled figures; each per-depth figure."""
+    fam = family_named(family)
+    figures, say = fam.figures, fam.label
+    walks = [w.key for w in figures.walks]
+    out = []
+    if walks:
+        out += [line(f"{say}: tau, " + ", ".join(w.label.removeprefix("tau ") for w in figures.walks), [TAU, *walks]),
+                line(f"{say}: " + " / ".join(w.label for w in figures.walks) + ", with their 95% intervals",
+                     [m for w in walks for m in (w, ci_low(w), ci_high(w))])]
+    if figures.pooled:
+        out.append(line(f"{say}: " + ", ".join(p.label for p in figures.pooled), [p.key for p in figures.pooled]))
+    out += [line(f"{say}: {d.label}", [d.key(k) for k in depths]) for d in figures.per_depth]
+    return out
 
 
 def light_budgets(rows: Iterable[Mapping[str, Any]], prefix: str = DEFAULT_PREFIX) -> list[int] | None:
@@ -349,8 +353,8 @@ def build_parser() -> Any:
     p.add_argument("--position-edges", default=",".join(map(str, DEFAULT_POSITION_EDGES)))
     p.add_argument("--cycle-buckets", type=int, default=DEFAULT_CYCLE_BUCKETS)
     p.add_argument("--baselines", default="", help="names of the measured baselines (callback baselines=)")
-    p.add_argument("--selector", action="store_true",
-                   help="the drafter is a DFlash 2 drafter: add the Selector section (selector/... keys)")
+    p.add_argument("--family", choices=family_names(), default=None,
+                   help="the drafter's family: add its own figures' section (dflash2: the selector/... keys)")
     p.add_argument("--served", action="store_true",
                    help="the cache holds the server's counters: show baseline/served/tau (no paired delta)")
     p.add_argument("--published", default="",
@@ -376,7 +380,7 @@ def series_table(rows: Iterable[Mapping[str, Any]], prefix: str = DEFAULT_PREFIX
     ddtree = sorted((k for k in keys if re.fullmatch(re.escape(prefix) + r"ddtree/tau_b\d+", k)),
                     key=lambda k: int(k.rsplit("b", 1)[1]))
     columns = [(TAU, prefix + TAU), *[(k[len(prefix):], k) for k in ddtree],
-               *[(k, prefix + k) for k in (SELECTOR_UNARY_TAU, SELECTOR_ORACLE_TAU)],
+               *[(k, prefix + k) for k in family_walks()],
                (SPECFORGE_ACC, prefix + SPECFORGE_ACC), (ALL_ANCHOR_TAU, prefix + ALL_ANCHOR_TAU),
                (FULL_PREFIX + TAU, prefix + FULL_PREFIX + TAU)]
     columns = [(name, key) for name, key in columns if any(key in r for r in evals.values())]
@@ -514,7 +518,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  published=[_published_key(x) for x in _csv(args.published)],
                                  light_ddtree_budgets=None if args.light_budgets is None
                                  else list(parse_int_list("--light-budgets", args.light_budgets, 1)),
-                                 served=args.served, selector=args.selector)
+                                 served=args.served, family=args.family)
         except ValueError as e:
             raise PanelsError(f"wandb_panels.py: {e}") from None
     plan = panel_plan(layout)

@@ -22,7 +22,9 @@ from ..cache.selection import select_sample_ids, stratified_ids
 from ..cache.states import CacheMismatchError, StateCache
 from ..common import log
 from ..core.costs.serving import CostProfile
-from ..core.drafters.dflash.model import DrafterSpec
+from ..core.drafters.layouts import cache_needs
+from ..core.drafters.registry import family_named, spec_of
+from ..core.drafters.spec import DrafterSpec
 from ..core.loop.cycles import check_block_size
 from ..core.loop.ddtree import check_ddtree_budgets
 from ..core.results.baselines import Baseline, load_measured, load_published, load_served
@@ -138,24 +140,20 @@ def drafter_fit(cache: StateCache, config: EvalConfig, drafter: nn.Module, model
     so a caller runs it before hashing or loading anything large. The one check of the live evaluator and of
     ``eval_drafter.py``."""
     try:
-        spec = DrafterSpec.of(drafter)
+        spec = spec_of(drafter)
     except TypeError:
         raise NotADrafterError(
-            f"{owner}: the drafter is a {type(drafter).__name__} with neither a .spec nor a DFlash .config "
-            "(block size, mask token, target layers); point drafter= at the DFlash module inside it (an "
+            f"{owner}: the drafter is a {type(drafter).__name__} with neither a .spec nor a drafter .config "
+            "(block size, target layers); point drafter= at the drafter module inside it (an "
             "attribute path or a function model -> drafter)") from None
     m = cache.manifest
-    cache.check_drafter(spec.as_cache_check())
+    cache.check_fit(cache_needs(drafter, spec))  # the family's needs: layers, widths, target layers, filler token
     spelled = dict(names or {})
     block = check_block_size(config.block_size, spec.block_size, spelled.get("block_size", "block_size"))
     for name, budgets in (("ddtree_budgets", config.ddtree_budgets), ("light_ddtree_budgets", config.light_budgets)):
         check_ddtree_budgets(budgets, block, m.vocab_size, spelled.get(name, name),  # before any evaluation
-                             spec.selector_top_k)
+                             family_named(spec.family).tree_candidates(spec))
     problems = []
-    n_target = getattr(getattr(drafter, "config", None), "num_target_layers", None)
-    if n_target is not None and m.target.get("num_layers") is not None and int(n_target) != int(m.target["num_layers"]):
-        problems.append(f"num_target_layers: drafter was made for a {n_target}-layer target, "
-                        f"the cache's target has {m.target['num_layers']}")
     if head_given:
         pass
     elif not config.needs_cache_head:

@@ -21,6 +21,7 @@ from ...common.fileio import check_outputs_apart, output_path
 from ..completion_client import CompletionClient
 from ..integrity import sha256_file
 from ..manifest import HEAD_NAME, MANIFEST_NAME, CacheError, Manifest
+from ..needs import config_layer_ids
 from ..prompts import PromptRecord
 from ..served import served_counters
 from ..target import TargetConfig
@@ -196,7 +197,7 @@ def _layers_from_drafter(path: str, num_layers: int) -> list[int]:
         raise PrecomputeError(f"--drafter-config {p}: unreadable ({e}); give the drafter's config.json") from e
     if not isinstance(cfg, dict):
         raise PrecomputeError(f"--drafter-config {p}: not a JSON object; give the drafter's config.json")
-    ids = (cfg.get("dflash_config") or {}).get("target_layer_ids", cfg.get("target_layer_ids"))
+    ids = config_layer_ids(cfg)
     if ids is None:
         raise PrecomputeError(f"{p}: no dflash_config.target_layer_ids; pass --layers explicitly")
     if isinstance(ids, (str, bytes)) or not isinstance(ids, list) or not ids or not all(

@@ -19,7 +19,9 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file
+from torch import nn
 
+from ...cache.needs import is_drafter_config
 from ...common.arguments import is_int
 from ...common.cli import describe_os_error
 from ...common.errors import DFlashCBError
@@ -32,9 +34,8 @@ from ...common.fileio import (
     output_path,
 )
 from ...common.tensorfile import write_safetensors
-from ..drafters.dflash.model import DFlashDrafter, DrafterSpec
-from ..drafters.dflash2.model import published_state
-from ..drafters.layouts import drafter_from_config, layout_keys, load_weights
+from ..drafters.layouts import drafter_from_config, layout_keys, load_weights, published_spelling
+from ..drafters.registry import spec_from_config
 from ..loop.finite import check_finite_weights
 
 DRAFTER_FILES = ("config.json", "model.safetensors")
@@ -113,8 +114,8 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
                               "copy it again or re-create it") from None
 
 
-def load_drafter(path: str | os.PathLike, device: torch.device | str = "cpu") -> DFlashDrafter:
-    """A drafter folder loaded into the class of its family (``drafters.drafter_family``: DFlash or DFlash 2,
+def load_drafter(path: str | os.PathLike, device: torch.device | str = "cpu") -> nn.Module:
+    """A drafter folder loaded into the class of its family (``layouts.drafter_family``,
     from ``architectures``, else from the weights' keys), every problem of the folder reported as a
     ``CheckpointError`` naming the file: a missing or invalid ``config.json``, truncated weights, missing or
     unexpected keys (of the closest family's layout)."""
@@ -142,11 +143,11 @@ def load_drafter(path: str | os.PathLike, device: torch.device | str = "cpu") ->
     return model.to(device=device)
 
 
-def _drafter_for(config: dict[str, Any], state: dict[str, torch.Tensor], where: str) -> DFlashDrafter:
+def _drafter_for(config: dict[str, Any], state: dict[str, torch.Tensor], where: str) -> nn.Module:
     """A fresh drafter of the family of ``config`` (and of ``state``'s keys when the config does not say)."""
     try:
         model = drafter_from_config(config, state)
-        DrafterSpec.from_config(model.config)  # block size, mask token, layer ids
+        spec_from_config(model.config)  # block size, mask token, layer ids
     except Exception as e:  # transformers' config class or the drafter constructor
         raise CheckpointError(f"{where}: not a valid DFlash drafter config ({type(e).__name__}: "
                               f"{_first_line(e)}); compare it with the reference drafter's config.json") from None
@@ -164,7 +165,7 @@ def read_drafter_config(path: str | os.PathLike) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise CheckpointError(f"{path}: expected a JSON object, got {type(config).__name__}")
     missing = [k for k in ("hidden_size", "vocab_size", "num_hidden_layers") if k not in config]
-    if not isinstance(config.get("dflash_config"), dict):
+    if not is_drafter_config(config):
         missing.append("dflash_config")
     if missing:
         raise CheckpointError(f"{path}: not a DFlash drafter config (missing {', '.join(missing)}); "
@@ -251,7 +252,7 @@ def stored_config(ckpt: dict[str, Any]) -> dict[str, Any] | None:
     hp = ckpt.get("hyper_parameters")
     found = [hp.get("drafter_config")] if isinstance(hp, dict) else []
     found += [ckpt.get(k) for k in _CONFIG_KEYS]
-    return next((c for c in found if isinstance(c, dict) and isinstance(c.get("dflash_config"), dict)), None)
+    return next((c for c in found if is_drafter_config(c)), None)
 
 
 def weight_sources(ckpt: dict[str, Any]) -> list[tuple[str, dict[str, torch.Tensor]]]:
@@ -266,10 +267,10 @@ def weight_sources(ckpt: dict[str, Any]) -> list[tuple[str, dict[str, torch.Tens
     top = {k: v for k, v in ckpt.items() if isinstance(v, torch.Tensor)}
     if top:
         out.append(("", top))
-    # A live DFlash 2 module's codebooks are embeddings (``...codebook.weight``): the published names, as
-    # every layout is compared in them.
+    # Every family's keys in their published spelling (a live DFlash 2 module's codebooks are embeddings), as
+    # every layout is compared in it.
     try:
-        return [(key, published_state(tensors)) for key, tensors in out]
+        return [(key, published_spelling(tensors)) for key, tensors in out]
     except ValueError as e:
         raise CheckpointError(f"checkpoint entry holds {e}") from None
 
@@ -329,7 +330,7 @@ def find_prefix(keys: set[str], expected: set[str]) -> str:
 class CheckpointDrafter:
     """The drafter a checkpoint holds (``drafter_in_checkpoint``): loaded, checked, and where it was found."""
 
-    model: DFlashDrafter  # the drafter of its family with the checkpoint's weights, on the CPU
+    model: nn.Module  # the drafter of its family with the checkpoint's weights, on the CPU
     config: dict[str, Any]  # its config.json, as ``extract_drafter`` writes it
     weights: dict[str, torch.Tensor]  # the checkpoint's tensors under the prefix, without it (not copied)
     info: dict[str, Any]  # entry, prefix, tensors, dropped entries, other tensors, global_step, params

@@ -12,8 +12,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ...common.arguments import int_at_least
-from ..drafters.names import config_family
+from ..drafters.dflash2.model import LATTICE_BLOCKS
+from ..drafters.registry import family_of
+from ..loop.limits import COST_GROUPS, DEFAULT_LIMITS, MemoryLimits
 
 
 @dataclass(frozen=True)
@@ -37,19 +38,14 @@ class DrafterShape:
 
     @classmethod
     def of(cls, config: Any, block_size: int, features: int) -> DrafterShape:
-        """From a Qwen3-style drafter config (``num_hidden_layers``, ``hidden_size`` ...; a DFlash 2 one's
-        ``dflash_config`` adds the convolutions and the selector)."""
+        """From a Qwen3-style drafter config (``num_hidden_layers``, ``hidden_size`` ...; its family adds its own
+        fields, ``DrafterFamily.cost_fields``: a DFlash 2 one's convolutions and selector)."""
         heads = int(config.num_attention_heads)
         head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
-        dflash2 = {}
-        if config_family(config) == "dflash2":
-            field = (getattr(config, "dflash_config", None) or {}).get
-            dflash2 = dict(conv_taps=int(field("conv_kernel_size")),
-                           conv_groups=int(config.hidden_size) // int(field("conv_group_size")),
-                           selector_rank=int(field("selector_rank")), selector_top_k=int(field("selector_top_k")))
+        extra = family_of(config).cost_fields(config)  # what the drafter's family adds (DFlash 2's)
         return cls(int(config.num_hidden_layers), int(config.hidden_size), int(config.intermediate_size), heads,
                    int(getattr(config, "num_key_value_heads", None) or heads), head_dim, int(block_size),
-                   int(config.vocab_size), int(features), **dflash2)
+                   int(config.vocab_size), int(features), **extra)
 
     @property
     def layer_params(self) -> int:
@@ -122,10 +118,6 @@ def context_gflop(shape: DrafterShape, tokens: int) -> float:
     return 2 * tokens * (shape.features * shape.hidden + shape.layers * 2 * shape.hidden * kv) / 1e9
 
 
-# What an evaluation's seconds are made of, in three groups that are timed apart (``engine.PHASE_GROUPS``)
-# and calibrated apart: the drafter (context K/V, the blocks, the head), the DDTree heaps, and the rest
-# (reading the cache, the walks and their tables, the statistics).
-COST_GROUPS = ("drafter", "ddtree", "other")
 
 # Seconds per unit of work on one CPU core (fitted on the toy and demo caches: benchmarks/vs_specforge.py,
 # docs/performance.md): what a prediction means before any evaluation has been measured. Calibration
@@ -220,27 +212,6 @@ def drafting_passes(completions: Sequence[int], taus: Sequence[float], anchor_st
     return rounds + max(0.0, drafted / max_blocks - 1)
 
 
-@dataclass(frozen=True)
-class MemoryLimits:
-    """What one evaluation may hold at once besides the weights (``engine.evaluate``; ``memory_bound``).
-
-    ``context_bytes``: context K/V of the samples evaluated together (one *wave*); ``max_blocks``: blocks
-    per drafter pass (the token-wise activations); ``attn_bytes``: the temporaries of one attention call
-    and of one batch of context features being projected; ``head_bytes``: every vocabulary-sized tensor
-    (the head's logits).
-    """
-
-    attn_bytes: int = 512 << 20
-    head_bytes: int = 512 << 20
-    context_bytes: int = 4 << 30
-    max_blocks: int = 1024
-
-    def __post_init__(self) -> None:
-        for name in ("attn_bytes", "head_bytes", "context_bytes", "max_blocks"):
-            int_at_least(f"MemoryLimits.{name}", getattr(self, name), 1)
-
-
-DEFAULT_LIMITS = MemoryLimits()
 
 
 def evaluation_cost(shape: DrafterShape, samples: Sequence[tuple[int, int]], tau: float, budgets: Sequence[int],
@@ -347,9 +318,6 @@ def memory_bound(shape: DrafterShape, context_tokens: int, *, weight_itemsize: i
     return parts
 
 
-# Blocks whose DFlash 2 selector lattice is built at once (``dflash2.SelectorProposer.tree``): its code
-# temporaries, [blocks, depths, K, rank] float32 each, stay tens of MB at the real width.
-LATTICE_BLOCKS = 64
 
 
 # ``drafting_passes`` tends to count more rounds than there are (walks meet drafted anchors more often than

@@ -1,118 +1,148 @@
-"""The drafter families in one table: which class a config (or, when it does not say, the keys of its
-weights) is, how to build one, check a layout against every family, adopt a live training module, and
-which proposer scores it (``proposers``: how the engine turns its hidden states into drafts).
-
-``checkpoints.load_drafter`` / ``extract_drafter`` load through here, and the engine drives any module it
-is given through ``adopt_module`` when the module has one of these layouts. A new family is a class, a
-proposer and a row in each of ``CLASSES`` and ``PROPOSERS`` (and ``metrics.FAMILY_COUNTS`` when it adds figures).
+"""Drafter weights across families: which family a config (or, when it does not say, the keys of its weights)
+is, a fresh module of it, its weights checked against every registered family's layout (a checkpoint of another
+family is named as such), a training loop's module adopted, and the proposer that scores it. Everything here asks
+the registry (``registry``); no family is named.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
-from .dflash.model import DFlashDrafter, DrafterSpec, load_state_dict_strict
-from .dflash2.model import DFlash2Drafter, SelectorProposer, SelectorWeights, is_dflash2_key, published_state
-from .names import DFLASH2_FIELDS, FAMILIES, FAMILY_ARCHITECTURE, Family, config_family
-from .proposers import ArgmaxProposer, Proposer
-
-CLASSES: dict[Family, type[DFlashDrafter]] = {"dflash": DFlashDrafter, "dflash2": DFlash2Drafter}
-
-
-def _argmax_proposer(spec: DrafterSpec, module: Any, lm_head: torch.Tensor, mem_bytes: int) -> Proposer:
-    return ArgmaxProposer(spec, lm_head, mem_bytes)
-
-
-def _selector_proposer(spec: DrafterSpec, module: Any, lm_head: torch.Tensor, mem_bytes: int) -> Proposer:
-    return SelectorProposer(spec, lm_head, mem_bytes, SelectorWeights.of(module))
+from ...cache.needs import CacheNeeds
+from .proposers import Proposer
+from .registry import (
+    default_family,
+    families,
+    family_named,
+    family_of,
+    family_said,
+    key_family,
+    spec_of,
+)
+from .spec import DrafterSpec
 
 
-# Per family: ``(spec, drafter module or None, the target's head [V, H], head memory bytes) -> Proposer``.
-PROPOSERS: dict[Family, Callable[[DrafterSpec, Any, torch.Tensor, int], Proposer]] = {
-    "dflash": _argmax_proposer, "dflash2": _selector_proposer}
-
-
-def proposer_for(spec: DrafterSpec, module: Any, lm_head: torch.Tensor, mem_bytes: int) -> Proposer:
-    """The proposer of ``spec.family`` for a drafter (``module``: its weights beyond the blocks, e.g. DFlash 2's
-    selector; None for a plain callable) with the target's head ``lm_head``, its logits under ``mem_bytes``."""
-    return PROPOSERS[spec.family](spec, module, lm_head, mem_bytes)
-
-
-def drafter_family(config: Any, keys: Iterable[str] | None = None) -> Family:
-    """What a drafter is: what its config says (``model.config_family``), else DFlash 2 when a weight name
-    belongs to a DFlash 2 part (``keys``), else DFlash."""
-    said = config_family(config)
-    if said is not None:
-        return said
-    return "dflash2" if keys is not None and any(is_dflash2_key(k) for k in keys) else "dflash"
+def drafter_family(config: Any, keys: Iterable[str] | None = None) -> str:
+    """The name of the family a drafter is (``registry.family_of``)."""
+    return family_of(config, keys).name
 
 
 def config_dict(config: Any) -> dict[str, Any]:
     return dict(config) if isinstance(config, dict) else config.to_dict()
 
 
-def drafter_from_config(config: dict[str, Any], keys: Iterable[str] | None = None) -> DFlashDrafter:
-    """A freshly initialised drafter of the family ``drafter_family(config, keys)`` says. Weights of a DFlash 2
-    drafter with a config that lacks the DFlash 2 fields: a ValueError saying which to add."""
+def drafter_from_config(config: dict[str, Any], keys: Iterable[str] | None = None) -> nn.Module:
+    """A freshly initialised drafter of the family ``family_of(config, keys)`` says. Weights of a family whose
+    config does not say so: a ValueError saying what to add."""
     keys = None if keys is None else list(keys)
-    family = drafter_family(config, keys)
-    if family == "dflash2" and config_family(config) is None:
-        example = next(k for k in keys or () if is_dflash2_key(k))
-        raise ValueError(f"the weights are a DFlash 2 drafter's ({example}), but the config does not say so: set "
-                         f"architectures [{FAMILY_ARCHITECTURE['dflash2']!r}] and dflash_config's "
-                         f"{', '.join(DFLASH2_FIELDS)}")
-    return CLASSES[family].from_config_dict(config)
+    if family_said(config) is None:
+        owner = key_family(keys)
+        if owner is not None:
+            raise ValueError(f"the weights are a {owner.label} drafter's ({owner.own_key(keys)}), but the config "
+                             f"does not say so: set {owner.how_to_say()}")
+    return family_of(config, keys).build(config)
 
 
-def as_family(config: dict[str, Any], family: Family) -> dict[str, Any]:
-    """``config`` saying ``family``; a DFlash config gets placeholder DFlash 2 fields (key names only)."""
-    out = {**config, "architectures": [FAMILY_ARCHITECTURE[family]]}
-    if family == "dflash2":
-        placeholders = dict(zip(DFLASH2_FIELDS, (int(config["hidden_size"]), 2, 1, 1), strict=True))
-        out["dflash_config"] = {**placeholders, **(config.get("dflash_config") or {})}
+def layout_keys(config: Any, family: str | None = None) -> set[str]:
+    """The weight names of a ``family`` drafter (default: the config's) with ``config``'s layers and widths."""
+    data = config_dict(config)
+    fam = family_named(family) if family else family_of(data)
+    with torch.device("meta"):
+        return set(fam.build(fam.relabel(data)).state_dict())
+
+
+def layouts(config: Any) -> dict[str, set[str]]:
+    """``layout_keys`` of every family whose layout ``config``'s format gives: what a strict load compares a
+    checkpoint's keys with."""
+    out = {}
+    for f in families():
+        try:
+            out[f.name] = layout_keys(config, f.name)
+        except (ValueError, KeyError, TypeError):  # a family of another config format
+            continue
     return out
 
 
-def layout_keys(config: Any, family: Family | None = None) -> set[str]:
-    """The weight names of a ``family`` drafter (default: the config's) with ``config``'s layers and widths."""
-    data = config_dict(config)
-    family = family or drafter_family(data)
-    with torch.device("meta"):
-        return set(CLASSES[family].from_config_dict(as_family(data, family)).state_dict())
+def published_spelling(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` with every family's keys as the published checkpoints spell them (``published_state``; DFlash 2:
+    a live module's codebook embeddings), so every layout is compared in one spelling."""
+    for f in families():
+        state = f.published_state(state)
+    return state
 
 
-def layouts(config: Any) -> dict[Family, set[str]]:
-    """``layout_keys`` of every family: what a strict load compares a checkpoint's keys with."""
-    return {f: layout_keys(config, f) for f in FAMILIES}
-
-
-def load_weights(model: DFlashDrafter, state: dict[str, torch.Tensor], source: str) -> None:
+def load_weights(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
     """``load_state_dict_strict`` naming the missing and unexpected keys of the closest family's layout."""
     load_state_dict_strict(model, state, source, layouts(model.config))
 
 
-def adopt_module(module: nn.Module) -> DFlashDrafter | None:
-    """Our fast drafter sharing (not copying) the weights of a module in a DFlash or DFlash 2 layout, if it is
-    one: the reference ``DFlashDraftModel`` / ``DFlash2DraftModel``, or any module with the same parameter
-    names and a DFlash ``.config`` (a training loop's own). None for anything else."""
-    config = getattr(module, "config", None)
-    if config is None:
-        return None
-    try:
-        state = published_state(module.state_dict())
-        family = drafter_family(config, state)
-        with torch.device("meta"):
-            ours = CLASSES[family](config)
-    except Exception:
-        return None
-    if set(ours.state_dict()) != set(state):
-        return None
-    ours.load_state_dict(state, assign=True, strict=True)
-    param = next(iter(state.values()))
-    # Non-persistent buffers (rotary inv_freq) are not in a state dict: rebuild them for real.
-    ours.rotary_emb = type(ours.rotary_emb)(config).to(param.device)
-    return ours
+def adopt_module(module: nn.Module) -> nn.Module | None:
+    """Our fast drafter sharing (not copying) the weights of a module in a registered family's layout (the
+    reference classes, a training loop's own), or None."""
+    for f in families():
+        adopted = f.adopt(module)
+        if adopted is not None:
+            return adopted
+    return None
+
+
+def cache_needs(drafter: Any, spec: DrafterSpec | None = None) -> CacheNeeds:
+    """What ``drafter`` (of ``spec``, default its own) reads from a cache, as its family declares it: what
+    ``StateCache.check_fit`` checks, the one fit check of every tool and loop."""
+    spec = spec or spec_of(drafter)
+    return family_named(spec.family).cache_needs(spec, getattr(drafter, "config", None))
+
+
+def proposer_for(spec: DrafterSpec, module: Any, lm_head: torch.Tensor, mem_bytes: int) -> Proposer:
+    """The proposer of ``spec.family`` for a drafter (``module``: its weights beyond the blocks; None for a plain
+    callable) with the target's head ``lm_head``, its logits under ``mem_bytes``."""
+    return family_named(spec.family).proposer(spec, module, lm_head, mem_bytes)
+
+
+def _listed(keys: list[str]) -> str:
+    return f"{keys[:8]}{' ...' if len(keys) > 8 else ''}"
+
+
+def load_state_dict_strict(model: nn.Module, state: dict[str, torch.Tensor], source: str,
+                           layouts: dict[str, set[str]] | None = None) -> None:
+    """Load ``state`` into ``model`` when its keys and shapes are exactly the model's; else a ValueError naming
+    the missing and unexpected keys of the closest layout: the model's own, or one of ``layouts`` (the key
+    names of the other families for the same config, ``layouts``), whichever differs least."""
+    canonical = getattr(model, "canonical_state", None)
+    if canonical is not None:
+        state = canonical(state)
+    spec = getattr(model, "spec", None)
+    own = family_named(spec.family if spec is not None else default_family().name)
+    expected = set(model.state_dict())
+    missing = sorted(expected - set(state))
+    unexpected = sorted(set(state) - expected)
+    if missing or unexpected:
+        best, best_missing, best_unexpected = own, missing, unexpected
+        for name, keys in (layouts or {}).items():
+            m, u = sorted(keys - set(state)), sorted(set(state) - keys)
+            if name != own.name and len(m) + len(u) < len(best_missing) + len(best_unexpected):
+                best, best_missing, best_unexpected = family_named(name), m, u
+        if best is own:
+            raise ValueError(f"{source}: drafter weights do not match the {own.label} layout: "
+                             f"missing {_listed(missing)}, unexpected {_listed(unexpected)}")
+        said = f"the config says {own.label}"
+        if not best_missing and not best_unexpected:
+            raise ValueError(f"{source}: the weights are a {best.label} drafter's, but {said}: set "
+                             f"{best.how_to_say()} in its config.json")
+        raise ValueError(f"{source}: drafter weights fit no family's layout; the closest is {best.label} "
+                         f"({said}): missing {_listed(best_missing)}, unexpected {_listed(best_unexpected)}")
+    for k, v in state.items():
+        want = model.state_dict()[k].shape
+        if tuple(v.shape) != tuple(want):
+            hint = ""
+            if k == "fc.weight" and spec is not None and v.shape[1] % spec.target_hidden_size == 0:
+                layers = v.shape[1] // spec.target_hidden_size  # fc reads one hidden state per target layer
+                hint = (f": the weights read {layers} target layer(s), the config's target_layer_ids "
+                        f"{list(spec.target_layer_ids)} name {len(spec.target_layer_ids)}; set "
+                        "dflash_config.target_layer_ids to the layers the drafter was trained on")
+            raise ValueError(f"{source}: {k} has shape {tuple(v.shape)}, the config implies {tuple(want)}{hint}")
+    model.load_state_dict(state, strict=True)

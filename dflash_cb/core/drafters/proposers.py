@@ -18,15 +18,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
-from ..figures.metrics import FamilyFigures
 from ..loop.ddtree import ddtree_accepted
 from ..loop.finite import check_finite_logits
-from .dflash.model import DrafterSpec, draft_logits
-from .names import Family
+from .base import FamilyFigures
+from .spec import DrafterSpec, draft_logits
 
 # ---------------------------------------------------------------------------
 # Output head, reduced on the fly
@@ -121,14 +120,24 @@ def predecessors(anchor: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return torch.cat([anchor[:, None], target[:, :-1]], dim=1)
 
 
-class Proposer(FamilyFigures):
-    """How one drafter family drafts, for the engine (module docstring). Subclasses set ``family`` and
-    implement ``rows``; ``walks`` and ``depth_counts`` (``metrics.FamilyFigures``) name what they add."""
+class Proposer:
+    """How one drafter family drafts, for the replay (module docstring). Subclasses implement ``rows``;
+    ``walks`` and ``depth_counts`` are what their family's figures add (``FamilyFigures``), in that order."""
 
-    family: ClassVar[Family]
-
-    def __init__(self, spec: DrafterSpec, lm_head: torch.Tensor, mem_bytes: int):
+    def __init__(self, spec: DrafterSpec, lm_head: torch.Tensor, mem_bytes: int,
+                 figures: FamilyFigures | None = None):
         self.spec, self.lm_head, self.mem_bytes = spec, lm_head, mem_bytes
+        self.figures = figures or FamilyFigures()
+
+    @property
+    def walks(self) -> tuple[str, ...]:
+        """The family's replay walks besides the greedy one and the DDTree budgets (their tau keys)."""
+        return self.figures.walk_keys
+
+    @property
+    def depth_counts(self) -> tuple[str, ...]:
+        """The family's per-depth anchor counts besides the served match and SpecForge's."""
+        return self.figures.depth_counts
 
     def rows(self, hidden: torch.Tensor, previous: torch.Tensor, target: torch.Tensor, *, tree_k: int = 0,
              parts: bool = False, target_topk: tuple[torch.Tensor, torch.Tensor] | None = None) -> RowDrafts:
@@ -151,10 +160,9 @@ class Proposer(FamilyFigures):
 
 
 class ArgmaxProposer(Proposer):
-    """DFlash: the draft at a depth is the target head's argmax of the drafter's hidden state there (no
-    predecessor), DDTree over the head's top-K per depth (``ddtree.ddtree_accepted``)."""
-
-    family = "dflash"
+    """The draft at a depth is the target head's argmax of the drafter's hidden state there (no predecessor),
+    DDTree over the head's top-K per depth (``ddtree.ddtree_accepted``): DFlash's, and any block family's that
+    drafts the argmax."""
 
     def rows(self, hidden: torch.Tensor, previous: torch.Tensor, target: torch.Tensor, *, tree_k: int = 0,
              parts: bool = False, target_topk: tuple[torch.Tensor, torch.Tensor] | None = None) -> RowDrafts:

@@ -16,8 +16,10 @@ import torch
 import torch.nn.functional as F
 
 from ...cache.states import TargetHead
-from ..replay.engine import block_embeddings
-from .dflash.model import DFlashDrafter, draft_logits
+from .dflash.model import DFlashDrafter
+from .registry import family_named
+from .runners import block_embeddings
+from .spec import draft_logits
 
 
 def sample_anchors(prompt_len: int, valid_len: int, count: int, generator: torch.Generator | None = None,
@@ -35,8 +37,8 @@ def dflash_loss(drafter: DFlashDrafter, head: TargetHead, features: torch.Tensor
     """Cross-entropy of the drafts at every block depth against the target's tokens.
 
     ``decay`` > 0 down-weights deep positions by ``exp(-decay * (k - 1))`` (as DFlash training
-    recipes do: early positions matter most for acceptance). A DFlash 2 drafter adds its selector's loss
-    (``selector_loss``). Returns (loss, per-depth accuracy of the unary argmax).
+    recipes do: early positions matter most for acceptance). A family adds its own term
+    (``DrafterFamily.extra_loss``; DFlash 2: its selector's loss). Returns (loss, per-depth accuracy of the unary argmax).
     """
     spec = drafter.spec
     n = spec.block_size
@@ -52,8 +54,9 @@ def dflash_loss(drafter: DFlashDrafter, head: TargetHead, features: torch.Tensor
         weight = weight * torch.exp(-decay * torch.arange(n - 1, device=anchors.device, dtype=torch.float32))[None]
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none")
     loss = (ce * weight.reshape(-1)).sum() / weight.sum().clamp(min=1.0)
-    if spec.family == "dflash2":
-        loss = loss + selector_loss(drafter, hidden, logits, tokens[anchors], target, valid)
+    extra = family_named(spec.family).extra_loss(drafter, hidden, logits, tokens[anchors], target, valid)
+    if extra is not None:  # what the family adds to the block objective (DFlash 2: its selector's loss)
+        loss = loss + extra
     with torch.no_grad():
         hit = (logits.argmax(-1) == target) & valid
         acc = hit.sum(0).float() / valid.sum(0).clamp(min=1).float()
@@ -79,25 +82,3 @@ def batch_loss(drafter: DFlashDrafter, head: TargetHead, batch: Sequence[dict[st
         zero = sum(p.sum() for p in drafter.parameters()) * 0.0
         return zero, torch.zeros((), device=device)
     return torch.stack(losses).mean(), torch.stack(accs).mean()
-
-
-def selector_loss(drafter: Any, hidden: torch.Tensor, logits: torch.Tensor, anchor_tokens: torch.Tensor,
-                  target: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """A DFlash 2 selector's loss: the cross-entropy of its edge scores over the unary top-K (the candidates the
-    walk chooses among, docs/method.md "DFlash 2"), given the target's own previous token (the anchor's at
-    depth 1), at the depths whose target token is a candidate; 0 where none is. ``hidden`` [A, D, H] and
-    ``logits`` [A, D, V] of the blocks' drafted depths, ``target`` [A, D], ``valid`` [A, D]."""
-    from .dflash2 import selector
-
-    with torch.no_grad():
-        ids = selector.top_candidates(logits, drafter.spec.selector_top_k)[0]
-    previous = torch.cat([anchor_tokens[:, None], target[:, :-1]], dim=1)
-    predecessor, successor = drafter.codebooks
-    scores = selector.edge_scores(logits.gather(-1, ids), drafter.project(hidden),
-                                  selector.codes(predecessor, previous)[..., None, :],
-                                  selector.codes(successor, ids))[..., 0, :]
-    label = ids == target[..., None]
-    scored = label.any(-1) & valid
-    if not bool(scored.any()):
-        return scores.sum() * 0.0
-    return F.cross_entropy(scores[scored], label[scored].float().argmax(-1))

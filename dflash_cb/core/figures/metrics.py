@@ -15,7 +15,8 @@ import torch
 
 from ...cache.served import spec_accept_length
 from ...common.arguments import SERVED_BASELINE_NAME
-from ..drafters.names import Family
+from ..drafters.base import FamilyFigures
+from ..drafters.registry import families, family_named
 
 # The live evaluation's default name prefix (``{prefix}tau``); every default in the package is this one.
 DEFAULT_PREFIX = "dflash_eval/"
@@ -117,74 +118,42 @@ def hist_frac(n: int) -> str:
     return f"produced_frac/{n:02d}"
 
 
-# -- DFlash 2: where tau is lost (docs/metrics.md, "DFlash 2 drafters") ---------------------------------
-# The replay with the selector switched off (each depth drafts the head's argmax) and with a perfect selector
-# over the K candidates (a depth is accepted while the target's token is among them): the backbone's ceiling.
-SELECTOR_UNARY_TAU = "selector/unary_tau"
-SELECTOR_ORACLE_TAU = "selector/oracle_tau"
-# Pooled over the statistics set's (anchor, depth): the target's token among the K candidates (recall), and
-# the selector's pick given the target's own predecessors equal to it, among the depths where it is a candidate.
-SELECTOR_RECALL = "selector/recall"
-SELECTOR_ACC = "selector/acc"
-# The per-depth anchor count behind them (``EvalCounts`` / ``AnchorCounts``): depths whose target is a candidate.
-SELECTOR_RECALL_COUNT = "selector_recall"
+# -- what a drafter family adds (its folder's ``FamilyFigures``: core/drafters/<family>/) ---------------------
+
+def family_figures(family: str) -> FamilyFigures:
+    """The figures ``family`` adds to every drafter's (``DrafterFamily.figures``)."""
+    return family_named(family).figures
 
 
-def selector_recall(k: int) -> str:
-    return f"selector/recall_depth_{k:02d}"
+def extra_anchor_counts() -> tuple[str, ...]:
+    """Every per-depth count any family adds (the names a results.json may hold beside ``ANCHOR_COUNT_KEYS``)."""
+    return tuple(dict.fromkeys(n for f in families() for n in f.figures.depth_counts))
 
 
-def selector_acc(k: int) -> str:
-    return f"selector/acc_depth_{k:02d}"
+def family_ratios(counts: Mapping[str, Sequence[float]]) -> dict[str, tuple[float, float]]:
+    """(numerator, denominator) of each figure a family's per-depth counts give, from ``depth_total``,
+    ``depth_match`` and the family's columns (one sample's or a sum's), for the family whose columns ``counts``
+    holds: the one definition the summary and the bootstrap (``bootstrap.anchor_sums``) share; {} for none."""
+    for f in families():
+        if f.figures.depth_counts and all(n in counts for n in f.figures.depth_counts):
+            return f.figures.ratios_of(counts)
+    return {}
 
 
-@dataclass(frozen=True)
-class FamilyCounts:
-    """What a drafter family adds to an evaluation's counts: replay walks besides the greedy one and the DDTree
-    budgets (named by their tau key), and per-depth anchor counts besides the served and SpecForge matches.
-    The engine's proposers (``proposers.Proposer``) produce them in this order."""
+class HasFamilyFigures:
+    """What its drafter ``family`` adds, for anything that has one (the counts)."""
 
-    walks: tuple[str, ...] = ()
-    depth_counts: tuple[str, ...] = ()
-
-
-FAMILY_COUNTS: dict[Family, FamilyCounts] = {
-    "dflash": FamilyCounts(),
-    "dflash2": FamilyCounts((SELECTOR_UNARY_TAU, SELECTOR_ORACLE_TAU), (SELECTOR_RECALL_COUNT,)),
-}
-class FamilyFigures:
-    """What its drafter ``family`` adds (``FAMILY_COUNTS``), for anything that has one: the counts, a proposer."""
-
-    family: Family
+    family: str
 
     @property
     def walks(self) -> tuple[str, ...]:
         """The family's replay walks besides the greedy one and the DDTree budgets (their tau keys)."""
-        return FAMILY_COUNTS[self.family].walks
+        return family_figures(self.family).walk_keys
 
     @property
     def depth_counts(self) -> tuple[str, ...]:
         """The family's per-depth anchor counts besides the served match and SpecForge's."""
-        return FAMILY_COUNTS[self.family].depth_counts
-
-
-# Every per-depth count any family adds (the names a results.json may hold beside ``ANCHOR_COUNT_KEYS``).
-EXTRA_ANCHOR_COUNTS = tuple(dict.fromkeys(n for f in FAMILY_COUNTS.values() for n in f.depth_counts))
-
-
-def family_ratios(counts: Mapping[str, Sequence[float]]) -> dict[str, tuple[float, float]]:
-    """(numerator, denominator) of each figure a family's per-depth counts give, pooled and per depth, from
-    ``depth_total``, ``depth_match`` and the family's columns (one sample's or a sum's): the one definition
-    ``summarize`` and the bootstrap (``bootstrap.anchor_sums``) share. {} for a family without such counts."""
-    if SELECTOR_RECALL_COUNT not in counts:
-        return {}
-    total, match, recall = (list(counts[k]) for k in ("depth_total", "depth_match", SELECTOR_RECALL_COUNT))
-    # The served match of a DFlash 2 drafter is the selector's (teacher-forced) pick: a candidate, so a recall.
-    out = {SELECTOR_RECALL: (sum(recall), sum(total)), SELECTOR_ACC: (sum(match), sum(recall))}
-    for k, (t, m, r) in enumerate(zip(total, match, recall, strict=True), start=1):
-        out[selector_recall(k)] = (r, t)
-        out[selector_acc(k)] = (m, r)
-    return out
+        return family_figures(self.family).depth_counts
 
 
 # -- uncertainty, comparisons and breakdowns (dflash_cb.core.figures.bootstrap, dflash_cb.core.figures.positions, dflash_cb.core.results.compare) --
@@ -267,7 +236,7 @@ class AnchorCounts:
     ``specforge_total`` / ``specforge_match``: the same weights and matches as SpecForge 0.2.0 counts
     them (full blocks under its training masks; zero weights when they could not be computed).
     ``t1_sum``: expected accepted + 1 at temperature 1, summed over the ``t1_anchors`` scored ones.
-    ``depth_counts``: the drafter family's own per-depth counts (``FamilyCounts.depth_counts``; DFlash 2:
+    ``depth_counts``: the drafter family's own per-depth counts (``FamilyFigures.depth_counts``; DFlash 2:
     ``selector_recall``), empty for DFlash.
     """
 
@@ -291,13 +260,13 @@ class AnchorCounts:
     @classmethod
     def from_dict(cls, data: dict[str, Any], depths: int | None = None) -> AnchorCounts:
         """From ``to_dict``'s form; every field must be there, integers where integers are due and, with
-        ``depths``, per-depth lists of that length; a family's counts (``EXTRA_ANCHOR_COUNTS``) may be."""
+        ``depths``, per-depth lists of that length; a family's counts (``extra_anchor_counts()``) may be."""
         if not isinstance(data, dict) or not set(ANCHOR_COUNT_KEYS) <= set(data) <= {*ANCHOR_COUNT_KEYS,
-                                                                                      *EXTRA_ANCHOR_COUNTS}:
+                                                                                      *extra_anchor_counts()}:
             raise ValueError(f"anchor counts must hold exactly {', '.join(ANCHOR_COUNT_KEYS)} (and any of "
-                             f"{', '.join(EXTRA_ANCHOR_COUNTS)}); got {str(data)[:80]}")
+                             f"{', '.join(extra_anchor_counts())}); got {str(data)[:80]}")
         out: dict[str, Any] = {"depth_counts": {}}
-        for k in (*ANCHOR_COUNT_KEYS, *(n for n in EXTRA_ANCHOR_COUNTS if n in data)):
+        for k in (*ANCHOR_COUNT_KEYS, *(n for n in extra_anchor_counts() if n in data)):
             v = data[k]
             if k == "t1_sum":
                 if isinstance(v, bool) or not isinstance(v, (int, float)):
@@ -308,7 +277,7 @@ class AnchorCounts:
                         depths is not None and len(v) != depths):
                     raise ValueError(f"anchor counts: {k} must be {depths or 'a list of'} non-negative integers, "
                                      f"got {str(v)[:60]}")
-                if k in EXTRA_ANCHOR_COUNTS:
+                if k in extra_anchor_counts():
                     out["depth_counts"][k] = tuple(v)
                 else:
                     out[k] = tuple(v)
@@ -355,7 +324,7 @@ def anchor_counts_per_sample(sample: torch.Tensor, n_samples: int, accepted: tor
     SpecForge's figure could not be computed (zero weights); t1 [A] float64: expected accepted length at
     temperature 1, counted for the samples whose ``t1_scored`` is True. Integer sums per sample (the same
     whatever else the rows hold), and ``t1_sum`` a sum of ``quantize_t1`` values: exact in any order. ``extra``: the
-    drafter family's per-depth booleans [A, D] by name (``FamilyCounts.depth_counts``), counted where valid.
+    drafter family's per-depth booleans [A, D] by name (``FamilyFigures.depth_counts``), counted where valid.
     """
     d = valid.shape[1]
     depth = torch.arange(1, d + 1)[None, :]
@@ -386,17 +355,17 @@ def anchor_counts_per_sample(sample: torch.Tensor, n_samples: int, accepted: tor
 
 
 @dataclass
-class EvalCounts(FamilyFigures):
+class EvalCounts(HasFamilyFigures):
     """Integer-valued sums (kept in float64: exact up to 2**53) over scored samples.
 
     The parts and their sizes follow from (block size, budgets, categories, family): the drafter family adds
     its walks' cycles and produced tokens (``walk_cycles``, ``walk_produced``) and its per-depth counts
-    (``FAMILY_COUNTS``); a DFlash evaluation has none of them."""
+    (``FamilyFigures``); a DFlash evaluation has none of them."""
 
     block_size: int
     budgets: tuple[int, ...]
     categories: tuple[str, ...]
-    family: Family = "dflash"
+    family: str = "dflash"
     data: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -523,8 +492,8 @@ def summarize(counts: EvalCounts) -> dict[str, float]:
         out[ddtree_tau(b)] = _ratio(d["dd_produced"][i].item(), d["dd_cycles"][i].item())
     for i, name in enumerate(counts.walks):
         out[name] = _ratio(d["walk_produced"][i].item(), d["walk_cycles"][i].item())
-    for name, (num, den) in family_ratios({k: d[k].tolist() for k in ("depth_total", "depth_match",
-                                                                      *counts.depth_counts)}).items():
+    for name, (num, den) in family_figures(counts.family).ratios_of({k: d[k].tolist() for k in ("depth_total", "depth_match",
+                                                                          *counts.depth_counts)}).items():
         out[name] = _ratio(num, den)
     uncond = [_ratio(m, t) for m, t in zip(d["depth_match"].tolist(), d["depth_total"].tolist(), strict=True)]
     cond = [_ratio(n, m) for n, m in zip(d["cond_num"].tolist(), d["cond_den"].tolist(), strict=True)]
@@ -552,14 +521,14 @@ def summarize(counts: EvalCounts) -> dict[str, float]:
     return out
 
 
-def per_depth(summary: dict[str, float], block_size: int) -> dict[str, list[float]]:
-    """The per-depth figures as lists over depths 1 .. block_size - 1 (a DFlash 2 evaluation's also give the
-    selector's recall and accuracy given recall)."""
+def per_depth(summary: dict[str, float], block_size: int, family: str = "dflash") -> dict[str, list[float]]:
+    """The per-depth figures as lists over depths 1 .. block_size - 1, with the drafter ``family``'s own
+    (``FamilyFigures.per_depth``) where the summary has them."""
     out = {
         "unconditional": [summary[depth_acc(k)] for k in range(1, block_size)],
         "conditional": [summary[depth_acc_cond(k)] for k in range(1, block_size)],
     }
-    if SELECTOR_RECALL in summary:
-        out["selector_recall"] = [summary[selector_recall(k)] for k in range(1, block_size)]
-        out["selector_acc"] = [summary[selector_acc(k)] for k in range(1, block_size)]
+    for figure in family_figures(family).per_depth:
+        if figure.key(1) in summary:
+            out[figure.name] = [summary[figure.key(k)] for k in range(1, block_size)]
     return out

@@ -37,31 +37,22 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
 
 from ...cache.manifest import Manifest, SampleEntry
 from ...cache.states import CachedSample, StateCache, TargetHead
 from ...cache.target import DTYPES
 from ...common.errors import DFlashCBError
 from ...common.timing import NO_TIMER, PhaseTimer
-from ..costs.evaluation import COST_GROUPS, DEFAULT_LIMITS, MemoryLimits
-from ..drafters.dflash.model import (
-    BlockRows,
-    ContextKV,
-    DeferredBlocks,
-    DFlashDrafter,
-    DrafterSpec,
-    HiddenBlocks,
-    specforge_mask_difference,
-)
-from ..drafters.layouts import adopt_module, proposer_for
-from ..drafters.names import Family
+from ..drafters.layouts import proposer_for
 from ..drafters.proposers import Proposer, RowDrafts, apply_head, predecessors
+from ..drafters.registry import family_named
+from ..drafters.runners import BlockRows, DraftRunner, as_runner
+from ..drafters.spec import DrafterSpec
 from ..figures.metrics import TAU, AnchorCounts, EvalCounts, anchor_counts_per_sample, summarize
 from ..loop.anchor_sets import DEFAULT_ANCHOR_SEED, offsets_for, strided
 from ..loop.cycles import (
@@ -75,6 +66,7 @@ from ..loop.cycles import (
     sample_bounds,
 )
 from ..loop.finite import check_finite_weights
+from ..loop.limits import COST_GROUPS
 from .request import EvalRequest, SpecForgePass
 
 # Rows per greedy head call: below about this many, a call costs what reading the head matrix costs.
@@ -99,152 +91,6 @@ def group_seconds(phases: Mapping[str, float], total: float) -> dict[str, float]
         out[PHASE_GROUPS.get(name, "other")] += seconds
     out["other"] += max(0.0, total - sum(phases.values()))
     return out
-
-
-# ---------------------------------------------------------------------------
-# Drafter runners: the only place that knows how a drafter is called
-# ---------------------------------------------------------------------------
-
-class DraftRunner:
-    """How the engine drives a drafter: a wave's drafter state from its samples' context features
-    (``context``), then blocks of many samples per call (``block_rows``, read through ``BlockRows``)."""
-
-    spec: DrafterSpec
-    # Whether ``specforge_rows`` can run SpecForge's masks where they differ from the served ones.
-    has_specforge_masks = False
-    # The drafter's module, for what a family's proposer reads besides the blocks (DFlash 2's selector); None
-    # for a plain callable.
-    module: Any = None
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return torch.float32
-
-    def context(self, features: Iterable[torch.Tensor], rows: Sequence[int]) -> Any:
-        """The drafter state of a wave: sample ``s``'s context features [rows[s], F] (its positions
-        0 .. rows[s] - 1) arrive one at a time, in wave order."""
-        raise NotImplementedError
-
-    def state_bytes(self, tokens: int, dtype: torch.dtype) -> int:
-        """Memory one sample's share of a wave's state of ``tokens`` positions holds (for evaluation waves)."""
-        return 0
-
-    def block_rows(self, context: Any, noise_embedding: torch.Tensor, anchors: torch.Tensor, samples: torch.Tensor,
-                   lengths: torch.Tensor | None = None) -> BlockRows:
-        """Blocks [N, L]: block ``i`` anchored at ``anchors[i]`` over the context of wave sample ``samples[i]``
-        (each sample's blocks next to each other); ``lengths`` [N] marks blocks shorter than L."""
-        raise NotImplementedError
-
-    def specforge_difference(self, block_size: int) -> str | None:
-        """Why SpecForge 0.2.0 trains this drafter under other masks than it is served with at ``block_size``
-        (None: the same masks, or nothing known of them; ``model.specforge_mask_difference``)."""
-        return None
-
-    def specforge_rows(self, context: Any, noise_embedding: torch.Tensor, anchors: torch.Tensor,
-                       samples: torch.Tensor) -> BlockRows:
-        """Full blocks under SpecForge's training masks (what its DFlash accuracy scores). A runner that cannot
-        change its masks runs its own: the engine asks it only when they are SpecForge's (``has_specforge_masks``)."""
-        return self.block_rows(context, noise_embedding, anchors, samples)
-
-
-class FastRunner(DraftRunner):
-    """Our ``DFlashDrafter``: a wave's context K/V in a few batched projections, blocks of many samples per pass."""
-
-    has_specforge_masks = True
-
-    def __init__(self, drafter: DFlashDrafter, limits: MemoryLimits = DEFAULT_LIMITS):
-        self.drafter = self.module = drafter
-        self.spec = drafter.spec
-        self.limits = limits
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.drafter.fc.weight.dtype
-
-    def context(self, features: Iterable[torch.Tensor], rows: Sequence[int]) -> ContextKV:
-        # Features are projected in batches no larger than an attention call's temporaries.
-        return self.drafter.stream_context(features, rows, batch_bytes=self.limits.attn_bytes)
-
-    def state_bytes(self, tokens: int, dtype: torch.dtype) -> int:
-        return tokens * self.drafter.context_bytes_per_token(dtype)
-
-    def block_rows(self, context: ContextKV, noise_embedding: torch.Tensor, anchors: torch.Tensor,
-                   samples: torch.Tensor, lengths: torch.Tensor | None = None) -> DeferredBlocks:
-        # The last layer's o_proj, MLP and norms run later, on the positions read.
-        return self.drafter.block_rows(context, noise_embedding, anchors, samples, lengths, self.limits.attn_bytes)
-
-    def specforge_difference(self, block_size: int) -> str | None:
-        return self.drafter.specforge_difference(block_size)
-
-    def specforge_rows(self, context: ContextKV, noise_embedding: torch.Tensor, anchors: torch.Tensor,
-                       samples: torch.Tensor) -> DeferredBlocks:
-        return self.drafter.block_rows(context, noise_embedding, anchors, samples, None, self.limits.attn_bytes,
-                                       masks="specforge")
-
-
-class PerAnchorRunner(DraftRunner):
-    """Any module or function with the forward signature of dflash's own drafter (``DFlashDraftModel``)
-    ``f(target_hidden=[1, p, F], noise_embedding=[1, L, H], position_ids=[1, p + L]) -> [1, L, H]``.
-
-    One call per anchor, as dflash's ``dflash_generate`` makes them: exact for any implementation, not fast.
-    Its wave state is the samples' context features themselves.
-    """
-
-    def __init__(self, fn: Callable[..., torch.Tensor], spec: DrafterSpec, dtype: torch.dtype | None = None):
-        self.fn = self.module = fn
-        self.spec = spec
-        self._dtype = dtype or torch.float32
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self._dtype
-
-    def context(self, features: Iterable[torch.Tensor], rows: Sequence[int]) -> list[torch.Tensor]:
-        return list(features)
-
-    def specforge_difference(self, block_size: int) -> str | None:
-        config = _drafter_config(self.fn)
-        return None if config is None else specforge_mask_difference(config, block_size)
-
-    def state_bytes(self, tokens: int, dtype: torch.dtype) -> int:
-        # The state is the context features themselves, stored in the runner's dtype (not ``dtype``).
-        features = len(self.spec.target_layer_ids) * self.spec.target_hidden_size
-        return tokens * features * self.dtype.itemsize
-
-    def block_rows(self, context: list[torch.Tensor], noise_embedding: torch.Tensor, anchors: torch.Tensor,
-                   samples: torch.Tensor, lengths: torch.Tensor | None = None) -> HiddenBlocks:
-        n = noise_embedding.shape[1]
-        out = noise_embedding.new_zeros(noise_embedding.shape)
-        for i, (s, p) in enumerate(zip(samples.tolist(), anchors.tolist(), strict=True)):
-            m = n if lengths is None else int(lengths[i])
-            pos = torch.arange(p + m, device=noise_embedding.device)[None]
-            h = self.fn(target_hidden=context[s][None, :p], noise_embedding=noise_embedding[i:i + 1, :m],
-                        position_ids=pos)
-            out[i, :m] = h[0, -m:]
-        return HiddenBlocks(out)
-
-
-def _drafter_config(module: Any) -> Any:
-    return getattr(module, "config", None)
-
-
-def as_runner(drafter: Any, spec: DrafterSpec | None = None, limits: MemoryLimits = DEFAULT_LIMITS) -> DraftRunner:
-    """Pick the fastest exact way to drive ``drafter``: our class (DFlash or DFlash 2), a module in either
-    layout (``drafters.adopt_module``: the reference classes, a training loop's own), or a callable."""
-    if isinstance(drafter, DraftRunner):
-        return drafter
-    if isinstance(drafter, DFlashDrafter):
-        return FastRunner(drafter, limits)
-    if isinstance(drafter, nn.Module):
-        adopted = adopt_module(drafter)
-        if adopted is not None:
-            return FastRunner(adopted, limits)
-    spec = spec or DrafterSpec.of(drafter)
-    dtype = None
-    if isinstance(drafter, nn.Module):
-        p = next(drafter.parameters(), None)
-        dtype = p.dtype if p is not None else None
-    return PerAnchorRunner(drafter, spec, dtype)
 
 
 # ---------------------------------------------------------------------------
@@ -273,15 +119,6 @@ class SampleResult:
     # The drafter family's own walks (``metrics.FAMILY_COUNTS``; DFlash 2: the unary path, a perfect selector):
     # their cycles' produced, by the walk's tau key.
     walks: dict[str, list[int]] = field(default_factory=dict)
-
-
-def block_embeddings(tokens: torch.Tensor, anchors: torch.Tensor, length: int, spec: DrafterSpec,
-                     embed: torch.Tensor) -> torch.Tensor:
-    """Input embeddings of blocks at ``anchors``: the verified token, then mask tokens."""
-    ids = torch.full((anchors.numel(), length), spec.mask_token_id, dtype=torch.long, device=tokens.device)
-    ids[:, 0] = tokens[anchors]
-    emb = torch.nn.functional.embedding(ids, embed)
-    return emb * spec.input_embedding_scale if spec.input_embedding_scale != 1.0 else emb
 
 
 def stats_anchors(bounds: SampleBounds, stride: int, offset: int = 0) -> range:
@@ -695,7 +532,7 @@ class _Scorer:
         base = tables.token_start[sample]
         lengths = block_lengths(tables.loop_end[sample], anchors, n, self.tail_blocks)
         with timer.phase(FORWARD):
-            emb = block_embeddings(tables.tokens, base + anchors, n, spec, head.embed_tokens).to(self.runner.dtype)
+            emb = self.runner.block_inputs(tables.tokens, base + anchors, n, head.embed_tokens).to(self.runner.dtype)
             short = lengths if bool((lengths < n).any()) else None
             blocks = self.runner.block_rows(wave.context, emb, anchors, sample, short)
         depth = torch.arange(1, d + 1, device=dev)[None, :]
@@ -894,7 +731,7 @@ SPECFORGE_LEFT_OUT = "specforge/acc is left out: this drafter's runner cannot ru
 
 
 def summed_counts(samples: Sequence[SampleResult], block_size: int, budgets: Sequence[int],
-                  categories: Sequence[str], stride: int, family: Family = "dflash") -> EvalCounts:
+                  categories: Sequence[str], stride: int, family: str = "dflash") -> EvalCounts:
     """``EvalCounts`` of scored samples, summed in their order from per-sample integers, with the anchor
     statistics of ``stride``: the same whichever samples were evaluated together (or on which rank)."""
     counts = EvalCounts(block_size, tuple(budgets), tuple(categories), family)
@@ -979,7 +816,7 @@ def evaluate(cache: StateCache, drafter: Any, head: TargetHead | None = None, re
     (others keep theirs). ``extra_anchor_strides``: more statistics sets from the same pass (each with its
     own drawn offsets; what is drafted is the union); ``EvalReport.counts_at(stride)`` gives their counts.
     The replays are exact whatever the strides. ``specforge/acc`` is SpecForge 0.2.0's accuracy: when
-    its training masks differ from the served ones (``model.specforge_mask_difference``), the statistics
+    its training masks differ from the served ones (``DrafterFamily.specforge_difference``), the statistics
     anchors are drafted once more under its masks (``EvalReport.specforge_note``). ``head`` defaults to
     the cache's exported target head. ``autocast_dtype`` (e.g. bfloat16 on GPU) trades exactness for
     speed; exactness tests use float32. ``keep_drafts`` > 0 keeps, per sample, the draft blocks of that
@@ -1027,7 +864,7 @@ def evaluate(cache: StateCache, drafter: Any, head: TargetHead | None = None, re
     limits, budgets = req.limits, req.budgets
     runner = as_runner(drafter, req.spec, limits)
     spec = runner.spec
-    cache.check_drafter(spec.as_cache_check())
+    cache.check_fit(family_named(spec.family).cache_needs(spec, getattr(drafter, "config", None)))
     if isinstance(drafter, torch.nn.Module):  # NaN weights would still get a tau (the argmax of NaN is a token)
         check_finite_weights(drafter.named_parameters(), f"the drafter ({type(drafter).__name__})")
     block = check_block_size(req.block_size, spec.block_size)
@@ -1035,8 +872,7 @@ def evaluate(cache: StateCache, drafter: Any, head: TargetHead | None = None, re
     specforge, note = specforge_pass(runner, block)
     device = req.device
     if device is None:
-        p = getattr(getattr(runner, "drafter", None), "fc", None)
-        device = p.weight.device if p is not None else torch.device("cpu")
+        device = runner.device
     with timer.phase(LOAD):
         if head is None:
             head = cache.load_head(device=device, dtype=req.autocast_dtype or runner.dtype)

@@ -17,10 +17,10 @@ from typing import Any
 import torch
 
 from ...common import arguments as check
-from ..costs.evaluation import DEFAULT_LIMITS, MemoryLimits
-from ..drafters.dflash.model import DrafterSpec
+from ..drafters.spec import DrafterSpec
 from ..loop.anchor_sets import DEFAULT_ANCHOR_SEED, check_anchor_offsets
 from ..loop.cycles import TailBlocks, check_tail_blocks
+from ..loop.limits import DEFAULT_LIMITS, MemoryLimits
 
 DEFAULT_BUDGETS = (16, 32, 64)
 
@@ -86,7 +86,7 @@ class EvalRequest:
         put("extra_anchor_strides", tuple(sorted(set(extra) - {self.anchor_stride})))
         put("anchor_offsets", check_anchor_offsets("anchor_offsets", self.anchor_offsets, self.anchor_stride))
         if not isinstance(self.limits, MemoryLimits):
-            raise check.ArgumentError(f"limits={self.limits!r}: expected a dflash_cb.core.costs.evaluation.MemoryLimits")
+            raise check.ArgumentError(f"limits={self.limits!r}: expected a dflash_cb.core.loop.limits.MemoryLimits")
         budgets = tuple(sorted({int(b) for b in self.budgets}))
         if any(b < 1 for b in budgets):
             raise ValueError(f"DDTree budgets must be positive, got {budgets}")

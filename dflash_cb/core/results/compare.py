@@ -30,6 +30,7 @@ from ...common import cli
 from ...common.errors import DFlashCBError
 from ...common.fileio import atomic_paths, check_outputs_apart, naming_failures
 from ...common.threads import THREADS_HELP
+from ..drafters.registry import families
 from ..figures.bootstrap import (
     DEFAULT_LEVEL,
     DEFAULT_RESAMPLES,
@@ -42,11 +43,6 @@ from ..figures.bootstrap import (
 from ..figures.metrics import (
     ACCEPT_LENGTH_SERVED,
     DELTA_TAU,
-    FAMILY_COUNTS,
-    SELECTOR_ACC,
-    SELECTOR_ORACLE_TAU,
-    SELECTOR_RECALL,
-    SELECTOR_UNARY_TAU,
     TAU,
     TAU_REQUEST_MEAN,
     category_tau,
@@ -253,25 +249,32 @@ def compare(labels: Sequence[str], results: Sequence[Results], n_resamples: int 
                       check_edges(position_edges), notes)
 
 
-# Every family walk's tau key, in a fixed order (``metrics.FAMILY_COUNTS``).
-FAMILY_WALKS = tuple(dict.fromkeys(w for f in FAMILY_COUNTS.values() for w in f.walks))
-# The selector's anchor figures, shown per evaluation from its own file (each file's own statistics set).
-SELECTOR_ROWS = (SELECTOR_RECALL, SELECTOR_ACC)
+def family_walks() -> tuple[str, ...]:
+    """Every family walk's tau key, in a fixed order (``FamilyFigures.walks`` of each registered family)."""
+    return tuple(dict.fromkeys(w.key for f in families() for w in f.figures.walks))
+
+
+def family_pooled() -> tuple[str, ...]:
+    """Every family's pooled anchor figures, shown per evaluation from its own file (each file's own statistics
+    set)."""
+    return tuple(dict.fromkeys(p.key for f in families() for p in f.figures.pooled))
+
 
 _LABELS = {
     TAU: "tau (pooled over cycles)",
     TAU_REQUEST_MEAN: "tau, mean over requests (dflash.benchmark)",
     ACCEPT_LENGTH_SERVED: "served accept length, mean over requests (SGLang)",
-    SELECTOR_UNARY_TAU: "DFlash 2: tau with the selector off (unary argmax)",
-    SELECTOR_ORACLE_TAU: "DFlash 2: tau with a perfect selector over the candidates",
-    SELECTOR_RECALL: "DFlash 2: target among the unary top-K (pooled)",
-    SELECTOR_ACC: "DFlash 2: selector's pick given recall (pooled)",
 }
 
 
+def _family_labels() -> dict[str, str]:
+    return {k: v for f in families() for k, v in f.figures.labels(f.label).items()}
+
+
 def _metric_label(metric: str) -> str:
-    if metric in _LABELS:
-        return _LABELS[metric]
+    labels = {**_LABELS, **_family_labels()}
+    if metric in labels:
+        return labels[metric]
     if metric.startswith("ddtree/tau_b"):
         return f"DDTree tau, budget {metric.rsplit('_b', 1)[1]}"
     if metric.startswith("category/"):
@@ -290,7 +293,7 @@ def _fmt_iv(iv: Interval) -> str:
 def _metrics_order(c: Comparison) -> list[str]:
     """The rows of the tables: every evaluation's figures, then the walks of a drafter family some evaluations
     have (DFlash 2's selector walks: "n/a" for the others)."""
-    walks = [w for w in FAMILY_WALKS if any(w in iv for iv in c.intervals)]
+    walks = [w for w in family_walks() if any(w in iv for iv in c.intervals)]
     return [TAU, TAU_REQUEST_MEAN, ACCEPT_LENGTH_SERVED, *(ddtree_tau(b) for b in c.budgets),
             *(category_tau(x) for x in c.categories), *walks]
 
@@ -334,7 +337,7 @@ def render_markdown(c: Comparison, plot_path: str | None = None, published: Sequ
     for m in _metrics_order(c):
         lines.append(f"| {_metric_label(m)} | " + " | ".join(_fmt_iv(iv[m]) if m in iv else "n/a"
                                                                for iv in c.intervals) + " |")
-    for m in SELECTOR_ROWS:
+    for m in family_pooled():
         if any(r.metric(m) is not None for r in c.results):  # the whole file's figure, with its own interval
             lines.append(f"| {_metric_label(m)} | " + " | ".join(metric_with_interval(r, m) for r in c.results)
                          + " |")

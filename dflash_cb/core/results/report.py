@@ -6,6 +6,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from ..drafters.registry import family_named
 from ..figures.metrics import (
     ACCEPT_LENGTH_SERVED,
     ALL_ANCHOR_TAU,
@@ -14,10 +15,6 @@ from ..figures.metrics import (
     EVAL_OVERHEAD,
     EVAL_TIME,
     PREDICTED_SECONDS,
-    SELECTOR_ACC,
-    SELECTOR_ORACLE_TAU,
-    SELECTOR_RECALL,
-    SELECTOR_UNARY_TAU,
     SPECFORGE_ACC,
     T1_TAU_ESTIMATE,
     TAU,
@@ -48,6 +45,8 @@ def metric_with_interval(res: Results, name: str) -> str:
 
 
 def format_results(res: Results) -> str:
+    family = family_named(res.family)
+    figures = family.figures
     lines = []
     meta = res.meta
     lines.append(f"cache    {meta.get('cache_path')}  (manifest {str(meta.get('cache_manifest_sha256'))[:12]})")
@@ -77,7 +76,7 @@ def format_results(res: Results) -> str:
         lines.append(f"  DDTree tau, budget {b:>4}     {metric_with_interval(res, ddtree_tau(b))}")
     lines.append(f"  all-anchor mean accepted     {metric_with_interval(res, ALL_ANCHOR_TAU)}")
     lines.append(f"  SpecForge DFlash accuracy    {metric_with_interval(res, SPECFORGE_ACC)}  "
-                 "(its train/acc, eval/avg_acc" + ("; the unary argmax, selector off)" if res.family == "dflash2"
+                 "(its train/acc, eval/avg_acc" + (f"; {figures.specforge_scores})" if figures.specforge_scores
                                                    else ")"))
     masks = meta.get("specforge_masks")
     if masks and masks != "served":
@@ -86,13 +85,10 @@ def format_results(res: Results) -> str:
     if res.metric(T1_TAU_ESTIMATE) is not None:
         lines.append(f"  tau at temperature 1         {_f(res.metric(T1_TAU_ESTIMATE))}  "
                      "(ESTIMATE from top-K target log-probs)")
-    if res.metric(SELECTOR_UNARY_TAU) is not None:  # a DFlash 2 drafter: where tau is lost
-        lines.append("  DFlash 2 selector (docs/metrics.md): the served drafts are the selector's walk")
-        lines.append(f"    tau, selector off (unary)  {metric_with_interval(res, SELECTOR_UNARY_TAU)}")
-        lines.append(f"    tau, perfect selector      {metric_with_interval(res, SELECTOR_ORACLE_TAU)}  "
-                     "(the backbone's ceiling over its top-K)")
-        lines.append(f"    target among the top-K     {metric_with_interval(res, SELECTOR_RECALL)}")
-        lines.append(f"    selector's pick | recall   {metric_with_interval(res, SELECTOR_ACC)}")
+    shown = [f for f in (*figures.walks, *figures.pooled) if res.metric(f.key) is not None]
+    if shown:  # the drafter family's own figures (DFlash 2: where tau is lost)
+        lines.append(f"  {family.label} {figures.section}")
+        lines += [f"    {f.label:<48} {metric_with_interval(res, f.key)}" for f in shown]
     lines.append("  [..] = 95% interval over the choice of prompts (cluster bootstrap)")
     pd = res.per_depth
     if pd.get("unconditional"):

@@ -38,7 +38,7 @@ from ...common.arguments import is_int
 from ...common.cli import describe_os_error
 from ...common.errors import DFlashCBError
 from ...common.fileio import atomic_write_text, output_path
-from ..drafters.names import FAMILIES
+from ..drafters.registry import family_named, family_names
 from ..figures.bootstrap import (
     DEFAULT_LEVEL,
     DEFAULT_RESAMPLES,
@@ -72,10 +72,6 @@ RESULTS_FORMAT = "dflash-cb-results"
 RESULTS_VERSION = 5
 T1_NOTE = ("estimate: expected accepted length at temperature 1 from per-depth overlap sum_x min(p, q) "
            "with the target's stored top-K log-probs, along the greedy path; not an exact replay")
-SELECTOR_NOTE = ("DFlash 2: tau, the DDTree taus and acceptance/depth_KK score the selector's drafts (teacher "
-                 "forced: the target's own tokens as predecessors; DDTree over the selector's lattice); "
-                 "specforge/acc scores the unary argmax (the selector off), as SpecForge's inherited DFlash accuracy "
-                 "does; selector/* says where tau is lost (docs/metrics.md, \"DFlash 2 drafters\")")
 INTERVAL_NOTE = ("95% cluster-bootstrap percentile intervals over samples (whole samples resampled with their "
                  "cycles): uncertainty from the choice of prompts, for this cache's prompt distribution")
 
@@ -185,7 +181,7 @@ class Results:
 
     @property
     def family(self) -> str:
-        """The scored drafter's family (``families.FAMILIES``); files before version 5 scored DFlash drafters."""
+        """The scored drafter's family (``registry.family_names``); files before version 5 scored DFlash drafters."""
         return str(self.meta.get("drafter_family") or "dflash")
 
     @property
@@ -314,8 +310,8 @@ def _check_meta(meta: Any, where: str) -> None:
     if block is not None and not (is_int(block) and block >= 1):
         raise ResultsError(f"{where}: meta.block_size is {block!r}, expected a positive integer; {_RERUN}")
     family = meta.get("drafter_family")
-    if family is not None and family not in FAMILIES:
-        raise ResultsError(f"{where}: meta.drafter_family is {family!r}, expected one of {', '.join(FAMILIES)}; "
+    if family is not None and family not in family_names():
+        raise ResultsError(f"{where}: meta.drafter_family is {family!r}, expected one of {', '.join(family_names())}; "
                            f"{_RERUN}")
     tail = meta.get("tail_blocks")
     if tail is not None and tail not in TAIL_BLOCKS:
@@ -421,20 +417,21 @@ def report_to_results(report: EvalReport, cache: StateCache, meta: dict[str, Any
     notes = {"intervals": INTERVAL_NOTE}
     if T1_TAU_ESTIMATE in summary:
         notes[T1_TAU_ESTIMATE] = T1_NOTE
-    if counts.walks:
-        notes["selector"] = SELECTOR_NOTE
+    figures = family_named(report.spec.family).figures
+    if figures.note:  # what the family's own figures are (DFlash 2: where tau is lost)
+        notes[figures.note_key] = figures.note
     samples = [SampleRecord.of(s) for s in report.samples]
     return Results(
         metrics={k: _clean(v) for k, v in metrics.items()},
         samples=samples,
-        per_depth={k: [_clean(v) for v in vals] for k, vals in per_depth(summary, report.block_size).items()},
+        per_depth={k: [_clean(v) for v in vals] for k, vals in per_depth(summary, report.block_size, report.spec.family).items()},
         histogram={str(n): int(hist[n]) for n in range(1, report.block_size + 1)},
         meta={
             "cache_path": str(cache.path),
             "cache_manifest_sha256": cache.manifest_sha256,
             "block_size": report.block_size,  # the block every cycle drafted (evaluate(block_size=...))
             "drafter_block_size": report.spec.block_size,  # the drafter's trained block (>= block_size)
-            "drafter_family": report.spec.family,  # families.FAMILIES: what the figures score
+            "drafter_family": report.spec.family,  # registry.family_names: what the figures score
             "ddtree_budgets": list(report.budgets),
             "categories": list(counts.categories),
             "dflash_cb_version": __version__,

@@ -7,19 +7,18 @@ training), the drafter exposes the two halves the evaluation engine batches sepa
 ``context_kv`` / ``stream_context`` (depends only on the cached target features: computed once per
 sample, for many samples together) and ``block_rows`` (many anchors' blocks of many samples in one
 pass, each block seeing its own sample's context prefix; ``forward_samples`` finishes every row). The
-block, its attention and the sliding-window rule: docs/method.md. DFlash 2 drafters (``dflash2.DFlash2Drafter``)
-are a subclass; which family a config is: ``families``.
+block, its attention and the sliding-window rule: docs/method.md. DFlash 2 drafters (``dflash2.model.DFlash2Drafter``)
+are a subclass; which family a config is: ``registry.family_of``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -28,126 +27,8 @@ from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
-from ..names import DFLASH2_FIELDS, FAMILY_ARCHITECTURE, FAMILY_LABEL, Family, config_family
-
-
-def _dflash_value(config: Any, name: str, default: Any = None) -> Any:
-    # dflash_config wins over a top-level attribute, as in the reference.
-    cfg = getattr(config, "dflash_config", None) or {}
-    return cfg.get(name, getattr(config, name, default))
-
-
-def _int_field(value: Any, field: str) -> int:
-    """An integer field of a drafter config, or a ValueError naming it (``int()`` alone names nothing)."""
-    if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, float) and value.is_integer())):
-        raise ValueError(f"{field} must be an integer, got {value!r}")
-    return int(value)
-
-
-def layer_id_list(value: Any, field: str) -> list[int]:
-    """A config's list of target layer ids, or a ValueError naming ``field`` and what it holds (an int, a string
-    or an empty list would otherwise fail as ``int()`` over characters or as a weight shape mismatch)."""
-    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
-        raise ValueError(f"{field} must be a list of layer ids, e.g. [1, 16, 31, 46, 61], not {value!r}")
-    if not value:
-        raise ValueError(f"{field} is empty: name the target layers the drafter reads, e.g. [1, 16, 31, 46, 61]")
-    bad = [v for v in value if isinstance(v, bool) or not isinstance(v, int) or v < 0]
-    if bad:
-        raise ValueError(f"{field} must hold non-negative integers, got {bad[:3]!r} in {list(value)!r}")
-    return [int(v) for v in value]
-
-
-def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """The reference's spread of target layers when a config names none."""
-    if num_draft_layers == 1:
-        return [num_target_layers // 2]
-    start, end = 1, num_target_layers - 3
-    return [round(start + i * (end - start) / (num_draft_layers - 1)) for i in range(num_draft_layers)]
-
-
-@dataclass(frozen=True)
-class DrafterSpec:
-    """What the engine and the cache checks need to know of any drafter, whatever its class."""
-
-    block_size: int
-    mask_token_id: int
-    target_layer_ids: tuple[int, ...]
-    target_hidden_size: int
-    vocab_size: int
-    input_embedding_scale: float = 1.0
-    output_multiplier: float = 1.0
-    final_logit_softcapping: float | None = None
-    family: Family = "dflash"
-    # DFlash 2: the candidates the selector scores at each block position (None for DFlash).
-    selector_top_k: int | None = None
-
-    @classmethod
-    def of(cls, drafter: Any) -> DrafterSpec:
-        """The spec of any drafter: its ``.spec`` if it has one, else derived from its DFlash ``.config``."""
-        spec = getattr(drafter, "spec", None)
-        if isinstance(spec, DrafterSpec):
-            return spec
-        config = getattr(drafter, "config", None)
-        if config is None:
-            raise TypeError(f"{type(drafter).__name__} has neither .spec nor a DFlash .config, so its block size, "
-                            "mask token and target layer ids are unknown: pass spec=DrafterSpec(...)")
-        return cls.from_config(config)
-
-    @classmethod
-    def from_config(cls, config: Any) -> DrafterSpec:
-        ids = _dflash_value(config, "target_layer_ids")
-        if ids is None:
-            ids = default_target_layer_ids(config.num_target_layers, config.num_hidden_layers)
-        ids = layer_id_list(ids, "dflash_config.target_layer_ids")
-        mask = _dflash_value(config, "mask_token_id")
-        if mask is None:
-            raise ValueError("drafter config has no mask_token_id (expected in dflash_config)")
-        softcap = _dflash_value(config, "final_logit_softcapping")
-        family = config_family(config) or "dflash"
-        top_k = None
-        if family == "dflash2":
-            top_k = _dflash_value(config, "selector_top_k")
-            if top_k is None:
-                raise ValueError("a DFlash 2 drafter config has no selector_top_k (expected in dflash_config)")
-        return cls(
-            block_size=_int_field(_dflash_value(config, "block_size", 16), "block_size"),
-            mask_token_id=_int_field(mask, "mask_token_id"),
-            target_layer_ids=tuple(ids),
-            # The context features are target hidden states; the reference assumes equal widths.
-            target_hidden_size=int(getattr(config, "target_hidden_size", None) or config.hidden_size),
-            vocab_size=_int_field(config.vocab_size, "vocab_size"),
-            input_embedding_scale=float(_dflash_value(config, "input_embedding_scale", 1.0) or 1.0),
-            output_multiplier=float(_dflash_value(config, "output_multiplier", 1.0) or 1.0),
-            final_logit_softcapping=float(softcap) if softcap else None,
-            family=family,
-            selector_top_k=_int_field(top_k, "selector_top_k") if top_k is not None else None,
-        )
-
-    def differences(self, other: DrafterSpec) -> list[tuple[str, Any, Any]]:
-        """``(field, this value, other value)`` for every field that differs."""
-        return [(f.name, getattr(self, f.name), getattr(other, f.name)) for f in dataclasses.fields(self)
-                if getattr(self, f.name) != getattr(other, f.name)]
-
-    def as_cache_check(self) -> dict[str, Any]:
-        return {
-            "target_layer_ids": list(self.target_layer_ids),
-            "target_hidden_size": self.target_hidden_size,
-            "vocab_size": self.vocab_size,
-            "block_size": self.block_size,
-            "mask_token_id": self.mask_token_id,
-        }
-
-
-def draft_logits(hidden: torch.Tensor, lm_head: torch.Tensor, spec: DrafterSpec) -> torch.Tensor:
-    """Float32 logits of drafter hidden states: the target's output head, times ``output_multiplier``,
-    soft-capped when the config says so (the reference's ``compute_logits``)."""
-    logits = (hidden @ lm_head.T.to(hidden.dtype)).float()
-    if spec.output_multiplier != 1.0:
-        logits = logits * spec.output_multiplier
-    if spec.final_logit_softcapping:
-        cap = spec.final_logit_softcapping
-        logits = torch.tanh(logits / cap) * cap
-    return logits
+from ..layouts import load_state_dict_strict
+from ..registry import family_named, family_said
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -340,24 +221,6 @@ class _AttentionPart:
     masks: list[torch.Tensor | None]
 
 
-class BlockRows(Protocol):
-    """Drafter hidden states of a batch of blocks, read by (block, position) pairs (what the engine reads)."""
-
-    def rows(self, block: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        """[..., hidden] at ``(block, position)`` (index tensors broadcast together)."""
-        ...
-
-
-class HiddenBlocks:
-    """``BlockRows`` over finished hidden states [blocks, L, hidden]."""
-
-    def __init__(self, hidden: torch.Tensor):
-        self.hidden = hidden
-
-    def rows(self, block: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        return self.hidden[block, position]
-
-
 class DeferredBlocks:
     """``BlockRows`` of blocks whose last layer stopped after attention (``DFlashDrafter.block_rows``).
 
@@ -415,17 +278,17 @@ class DFlashDecoderLayer(nn.Module):
 class DFlashDrafter(nn.Module):
     """DFlash drafter: ``layers.N.*``, ``fc``, ``hidden_norm``, ``norm``; no vocabulary matrices."""
 
-    family: Family = "dflash"
+    family: ClassVar[str] = "dflash"
 
     def __init__(self, config: Qwen3Config):
-        said = config_family(config)
-        if said not in (None, self.family):
-            raise ValueError(f"the config is a {FAMILY_LABEL[said]} drafter's, not a {FAMILY_LABEL[self.family]} "
-                             "one: build it with the class of its family (drafters.drafter_from_config, "
+        said = family_said(config)
+        if said is not None and said.name != self.family:
+            raise ValueError(f"the config is a {said.label} drafter's, not a {family_named(self.family).label} "
+                             "one: build it with the class of its family (layouts.drafter_from_config, "
                              "checkpoints.load_drafter)")
         super().__init__()
         self.config = config
-        self.spec = DrafterSpec.from_config(config)
+        self.spec = family_named(self.family).spec(config)
         self.layers = nn.ModuleList(self._layer(config, i) for i in range(config.num_hidden_layers))
         self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
@@ -766,45 +629,3 @@ class DFlashDrafter(nn.Module):
         return self.config
 
 
-def _listed(keys: list[str]) -> str:
-    return f"{keys[:8]}{' ...' if len(keys) > 8 else ''}"
-
-
-def load_state_dict_strict(model: nn.Module, state: dict[str, torch.Tensor], source: str,
-                           layouts: dict[Family, set[str]] | None = None) -> None:
-    """Load ``state`` into ``model`` when its keys and shapes are exactly the model's; else a ValueError naming
-    the missing and unexpected keys of the closest layout: the model's own, or one of ``layouts`` (the key
-    names of the other families for the same config, ``drafters.layouts``), whichever differs least."""
-    if isinstance(model, DFlashDrafter):
-        state = model.canonical_state(state)
-    own: Family = model.spec.family if isinstance(model, DFlashDrafter) else "dflash"
-    expected = set(model.state_dict())
-    missing = sorted(expected - set(state))
-    unexpected = sorted(set(state) - expected)
-    if missing or unexpected:
-        best, best_missing, best_unexpected = own, missing, unexpected
-        for family, keys in (layouts or {}).items():
-            m, u = sorted(keys - set(state)), sorted(set(state) - keys)
-            if family != own and len(m) + len(u) < len(best_missing) + len(best_unexpected):
-                best, best_missing, best_unexpected = family, m, u
-        if best == own:
-            raise ValueError(f"{source}: drafter weights do not match the {FAMILY_LABEL[own]} layout: "
-                             f"missing {_listed(missing)}, unexpected {_listed(unexpected)}")
-        said = f"the config says {FAMILY_LABEL[own]}"
-        if not best_missing and not best_unexpected:
-            raise ValueError(f"{source}: the weights are a {FAMILY_LABEL[best]} drafter's, but {said}: set "
-                             f"architectures [{FAMILY_ARCHITECTURE[best]!r}] in its config.json"
-                             + (f" and dflash_config's {', '.join(DFLASH2_FIELDS)}" if best == "dflash2" else ""))
-        raise ValueError(f"{source}: drafter weights fit neither layout; the closest is {FAMILY_LABEL[best]} "
-                         f"({said}): missing {_listed(best_missing)}, unexpected {_listed(best_unexpected)}")
-    for k, v in state.items():
-        want = model.state_dict()[k].shape
-        if tuple(v.shape) != tuple(want):
-            hint = ""
-            if k == "fc.weight" and isinstance(model, DFlashDrafter) and v.shape[1] % model.spec.target_hidden_size == 0:
-                layers = v.shape[1] // model.spec.target_hidden_size  # fc reads one hidden state per target layer
-                hint = (f": the weights read {layers} target layer(s), the config's target_layer_ids "
-                        f"{list(model.spec.target_layer_ids)} name {len(model.spec.target_layer_ids)}; set "
-                        "dflash_config.target_layer_ids to the layers the drafter was trained on")
-            raise ValueError(f"{source}: {k} has shape {tuple(v.shape)}, the config implies {tuple(want)}{hint}")
-    model.load_state_dict(state, strict=True)

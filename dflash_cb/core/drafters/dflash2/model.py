@@ -18,25 +18,25 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import Qwen3Config
 
-from ...costs.evaluation import LATTICE_BLOCKS
-from ..dflash.model import (
-    ContextKV,
-    DFlashDecoderLayer,
-    DFlashDrafter,
-    DrafterSpec,
-    HiddenBlocks,
-    _dflash_value,
-    draft_logits,
-)
-from ..names import DFLASH2_FIELDS, FAMILY_ARCHITECTURE
+from ..dflash.model import ContextKV, DFlashDecoderLayer, DFlashDrafter
 from ..proposers import Proposer, RowDrafts, logit_chunks, stored_overlap
+from ..runners import HiddenBlocks
+from ..spec import DrafterSpec, config_value, draft_logits
 from . import selector
 
+# The ``architectures`` entry of a published DFlash 2 config, and the ``dflash_config`` fields it needs besides
+# DFlash's (docs/method.md, "DFlash 2").
+ARCHITECTURE = "DFlash2DraftModel"
+DFLASH2_FIELDS = ("conv_group_size", "conv_kernel_size", "selector_rank", "selector_top_k")
 # The submodules only a DFlash 2 drafter has: a key naming one of them is a DFlash 2 key.
 DFLASH2_MODULES = ("attention_conv", "mlp_conv", "candidate_selector")
 # The codebooks: plain parameters here and in the published files, ``nn.Embedding`` weights in the reference
 # module (and so ``<name>.weight`` in its state dict and its training checkpoints).
 CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
+
+# Blocks whose DFlash 2 selector lattice is built at once (``SelectorProposer.tree``): its code
+# temporaries, [blocks, depths, K, rank] float32 each, stay tens of MB at the real width.
+LATTICE_BLOCKS = 64
 
 
 def is_dflash2_key(key: str) -> bool:
@@ -72,7 +72,7 @@ class DFlash2Settings:
     def of(cls, config: Any) -> DFlash2Settings:
         values = {}
         for name in DFLASH2_FIELDS:
-            v = _dflash_value(config, name)
+            v = config_value(config, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"DFlash 2 drafter config: dflash_config.{name} is {v!r}; it must be a positive "
                                  "integer (the published drafters: conv_group_size 16, conv_kernel_size 2, "
@@ -218,7 +218,7 @@ class DFlash2Drafter(DFlashDrafter):
 
     def _published_config(self) -> Qwen3Config:
         config = copy.deepcopy(self.config)
-        config.architectures = [FAMILY_ARCHITECTURE["dflash2"]]
+        config.architectures = [ARCHITECTURE]
         return config
 
     # -- engine interface -----------------------------------------------------
@@ -303,18 +303,18 @@ class SelectorProposer(Proposer):
     candidates given the predecessor (``selector.choose``); DDTree over the selector's lattice
     (``selector.lattice_tree_accepted``); the block shown is the selector's greedy walk.
 
-    Its extra walks (``metrics.FAMILY_COUNTS``): the unary argmax path (the selector off: a depth is accepted
+    Its extra walks (``figures.FIGURES``): the unary argmax path (the selector off: a depth is accepted
     when the head's argmax is the target's token) and a perfect selector over the K candidates (accepted while
     the target's token is among them); its per-depth count: that recall. SpecForge's accuracy scores the unary
     argmax, as SpecForge's inherited DFlash accuracy does."""
 
-    family = "dflash2"
-
     def __init__(self, spec: DrafterSpec, lm_head: torch.Tensor, mem_bytes: int, weights: SelectorWeights):
-        super().__init__(spec, lm_head, mem_bytes)
-        if spec.selector_top_k is None:
-            raise ValueError("a DFlash 2 drafter spec needs selector_top_k")
-        self.weights, self.k = weights, int(spec.selector_top_k)
+        from .figures import FIGURES
+
+        super().__init__(spec, lm_head, mem_bytes, FIGURES)
+        if spec.option("selector_top_k") is None:
+            raise ValueError("a DFlash 2 drafter spec needs selector_top_k (DrafterSpec.options)")
+        self.weights, self.k = weights, int(spec.option("selector_top_k"))
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
         """``H(h)`` [..., R] float32, in the projection's own dtype (no autocast: as the reference module runs)."""

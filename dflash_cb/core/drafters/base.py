@@ -1,0 +1,241 @@
+"""What a drafter family is: the one interface a family folder implements (``core/drafters/<family>/``).
+
+A family folder's ``family.py`` defines ``FAMILY``, an instance of a subclass of ``DrafterFamily``; the
+registry (``registry.py``) finds it, as the trackers are found. The family
+
+- recognises a config (``config_says``, ``config_hints``) or, when the config says nothing, weights
+  (``own_key``); builds its spec (``spec``), its module (``build``) and its published config (``relabel``);
+- adopts a training loop's module (``adopt``) and normalises checkpoint key spellings (``published_state``);
+- declares what it needs from the cache (``cache_needs``) and its evaluation cost's extra fields
+  (``cost_fields``);
+- gives the replay its drafting objects: a runner that drives the module (``runner``) and a proposer that
+  turns hidden states into drafts and trees (``proposer``); SpecForge's training masks are a capability
+  (``specforge_difference``);
+- carries its own figures (``figures``: names, labels, notes), so no generic module names a family.
+
+``BlockFamily`` is the base of drafters that propose a whole block in one pass (DFlash, DFlash 2); the replay
+drives every block family the same way (docs/method.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from ...cache.needs import CacheNeeds
+from ..loop.limits import MemoryLimits
+from .spec import DrafterSpec, config_value, default_target_layer_ids, int_field, layer_id_list
+
+# What ``DrafterFamily.runner`` and ``proposer`` return: a ``runners.DraftRunner`` and a ``proposers.Proposer``
+# (those modules build on this one).
+DraftRunner = Proposer = Any
+
+# (numerator, denominator) of each figure a family computes from its per-depth counts.
+Ratios = Callable[[Mapping[str, Sequence[float]]], dict[str, tuple[float, float]]]
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One figure a family adds: its metric key and what it is, in words (tables and charts prefix the family's
+    label)."""
+
+    key: str
+    label: str
+
+
+@dataclass(frozen=True)
+class DepthFigure:
+    """A per-depth figure a family adds: its list's name in ``results.json``'s ``per_depth``, its words, and the
+    metric key at depth ``k``."""
+
+    name: str
+    label: str
+    key: Callable[[int], str]
+
+
+@dataclass(frozen=True)
+class FamilyFigures:
+    """What a family measures besides every drafter's figures (docs/metrics.md).
+
+    ``walks``: replay walks besides the greedy one and the DDTree budgets, by their tau key (the proposer
+    answers a hit per walk and depth, in this order); ``depth_counts``: per-depth anchor counts besides the
+    served and SpecForge matches (the proposer answers them in this order); ``ratios``: the pooled and
+    per-depth figures those counts give, as (numerator, denominator) from ``depth_total``, ``depth_match`` and
+    the family's columns; ``pooled`` / ``per_depth``: which of them tables and charts show; ``section``: the
+    heading of the family's figures; ``note`` (under ``note_key``): what ``results.json`` says of them;
+    ``specforge_scores``: what ``specforge/acc`` scores when it is not the served drafts."""
+
+    walks: tuple[Figure, ...] = ()
+    depth_counts: tuple[str, ...] = ()
+    ratios: Ratios | None = None
+    pooled: tuple[Figure, ...] = ()
+    per_depth: tuple[DepthFigure, ...] = ()
+    section: str = ""
+    note_key: str = ""
+    note: str = ""
+    specforge_scores: str = ""
+
+    @property
+    def walk_keys(self) -> tuple[str, ...]:
+        return tuple(w.key for w in self.walks)
+
+    def ratios_of(self, counts: Mapping[str, Sequence[float]]) -> dict[str, tuple[float, float]]:
+        """``ratios`` of one sample's or a sum's counts; {} for a family without per-depth counts."""
+        if self.ratios is None or not all(n in counts for n in self.depth_counts):
+            return {}
+        return self.ratios(counts)
+
+    def labels(self, family_label: str) -> dict[str, str]:
+        """Every figure's key -> its words, prefixed with the family's label."""
+        return {f.key: f"{family_label}: {f.label}" for f in (*self.walks, *self.pooled)}
+
+
+class DrafterFamily:
+    """One drafter family (module docstring). Subclasses set the class attributes and implement what their
+    drafters need; the defaults are what a family without that capability answers."""
+
+    name: ClassVar[str]  # as results.json and DrafterSpec.family spell it
+    label: ClassVar[str]  # in messages and tables
+    architecture: ClassVar[str]  # the ``architectures`` entry of its published config
+    kind: ClassVar[str]  # "block": one pass per block; "chain": one step per draft token
+    # The family a config of the published block format that names none is (DFlash's; one family says so).
+    default: ClassVar[bool] = False
+    figures: ClassVar[FamilyFigures] = FamilyFigures()
+    # Config fields only this family's configs carry (``config_hints``), and what to add to a config that lacks
+    # them (messages).
+    config_fields: ClassVar[tuple[str, ...]] = ()
+
+    # -- recognising ---------------------------------------------------------
+    def config_says(self, config: Any) -> bool:
+        """Whether ``config`` names this family in its ``architectures``."""
+        return self.architecture in (_get(config, "architectures") or ())
+
+    def config_hints(self, config: Any) -> bool:
+        """Whether a config that names no family carries a field only this family has."""
+        cfg = _get(config, "dflash_config") or {}
+        return any(f in cfg or _get(config, f) is not None for f in self.config_fields)
+
+    def own_key(self, keys: Iterable[str]) -> str | None:
+        """A weight name among ``keys`` that belongs to a part only this family has (how weights whose config
+        says nothing are recognised), or None."""
+        return None
+
+    def how_to_say(self) -> str:
+        """What a config must hold to say it is this family (messages)."""
+        said = f"architectures [{self.architecture!r}]"
+        return said + (f" and dflash_config's {', '.join(self.config_fields)}" if self.config_fields else "")
+
+    # -- building ------------------------------------------------------------
+    def spec(self, config: Any) -> DrafterSpec:
+        raise NotImplementedError
+
+    def module_class(self) -> type[nn.Module]:
+        raise NotImplementedError
+
+    def build(self, config: dict[str, Any]) -> nn.Module:
+        """A freshly initialised drafter of this family from a ``config.json`` dict."""
+        return self.module_class().from_config_dict(config)
+
+    def relabel(self, config: dict[str, Any]) -> dict[str, Any]:
+        """``config`` saying this family (placeholders for fields it lacks: key names and shapes only)."""
+        return {**config, "architectures": [self.architecture]}
+
+    def published_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """A state dict with this family's keys as the published checkpoints spell them."""
+        return state
+
+    def adopt(self, module: nn.Module) -> nn.Module | None:
+        """Our fast module sharing (not copying) the weights of a training loop's module of this family, or
+        None when ``module`` is not one."""
+        return None
+
+    def tiny_fields(self, hidden_size: int) -> dict[str, Any]:
+        """Small settings of the family's own config fields (``config_fields``), for demo and test drafters."""
+        return {}
+
+    # -- the cache, the cost -------------------------------------------------
+    def cache_needs(self, spec: DrafterSpec, config: Any = None) -> CacheNeeds:
+        """What a drafter of this family with ``spec`` (and its ``config``, when known) reads from a cache."""
+        n_target = _get(config, "num_target_layers") if config is not None else None
+        return CacheNeeds(self.label, tuple(spec.target_layer_ids), spec.target_hidden_size, spec.vocab_size,
+                          int(n_target) if n_target is not None else None, spec.block_size, spec.mask_token_id)
+
+    def tree_candidates(self, spec: DrafterSpec) -> int | None:
+        """How many children a DDTree node may have per position when fewer than the vocabulary (a family whose
+        tree is over its own candidates), else None."""
+        return None
+
+    def cost_fields(self, config: Any) -> dict[str, int]:
+        """The evaluation cost model's fields this family adds (``costs.evaluation.DrafterShape``)."""
+        return {}
+
+    # -- the replay ----------------------------------------------------------
+    def runner(self, drafter: Any, limits: MemoryLimits) -> DraftRunner | None:
+        """The fastest exact runner for ``drafter`` if it is one of this family's modules, else None."""
+        return None
+
+    def callable_runner(self, fn: Any, spec: DrafterSpec, dtype: torch.dtype | None) -> DraftRunner | None:
+        """A runner for a plain callable drafting for this family (``spec``), or None when the family's drafters
+        must be modules."""
+        return None
+
+    def proposer(self, spec: DrafterSpec, module: Any, lm_head: torch.Tensor, mem_bytes: int) -> Proposer:
+        """What this family's hidden states draft (``module``: the drafter, for weights beyond its blocks; None
+        for a plain callable), with the target's head, its logits under ``mem_bytes``."""
+        raise NotImplementedError
+
+    def specforge_difference(self, config: Any, block_size: int) -> str | None:
+        """Why SpecForge 0.2.0 trains a drafter of this config under other masks than it is served with."""
+        return None
+
+    # -- training ------------------------------------------------------------
+    def extra_loss(self, drafter: Any, hidden: torch.Tensor, logits: torch.Tensor, anchor_tokens: torch.Tensor,
+                   target: torch.Tensor, valid: torch.Tensor) -> torch.Tensor | None:
+        """What this family adds to the block objective (``training.dflash_loss``), or None."""
+        return None
+
+    def __repr__(self) -> str:
+        return f"<drafter family {self.name}>"
+
+
+class BlockFamily(DrafterFamily):
+    """Drafters that propose a block in one pass over the cached context, from the verified token and a filler
+    token at every other position (DFlash and the families on its backbone): the published ``dflash_config``
+    format."""
+
+    kind = "block"
+
+    def spec(self, config: Any) -> DrafterSpec:
+        ids = config_value(config, "target_layer_ids")
+        if ids is None:
+            ids = default_target_layer_ids(_get(config, "num_target_layers"), _get(config, "num_hidden_layers"))
+        ids = layer_id_list(ids, "dflash_config.target_layer_ids")
+        mask = config_value(config, "mask_token_id")
+        if mask is None:
+            raise ValueError(f"a {self.label} drafter config has no mask_token_id (expected in dflash_config)")
+        softcap = config_value(config, "final_logit_softcapping")
+        return DrafterSpec(
+            block_size=int_field(config_value(config, "block_size", 16), "block_size"),
+            target_layer_ids=tuple(ids),
+            # The context features are target hidden states; the published format assumes equal widths.
+            target_hidden_size=int(_get(config, "target_hidden_size") or _get(config, "hidden_size")),
+            vocab_size=int_field(_get(config, "vocab_size"), "vocab_size"),
+            mask_token_id=int_field(mask, "mask_token_id"),
+            input_embedding_scale=float(config_value(config, "input_embedding_scale", 1.0) or 1.0),
+            output_multiplier=float(config_value(config, "output_multiplier", 1.0) or 1.0),
+            final_logit_softcapping=float(softcap) if softcap else None,
+            family=self.name,
+            options=self.spec_options(config),
+        )
+
+    def spec_options(self, config: Any) -> tuple[tuple[str, Any], ...]:
+        """The family's own spec settings (``DrafterSpec.options``)."""
+        return ()
+
+
+def _get(config: Any, name: str) -> Any:
+    return config.get(name) if isinstance(config, dict) else getattr(config, name, None)

@@ -1,0 +1,79 @@
+"""DFlash (docs/method.md): a block drafter over the target's layer outputs, drafting the head's argmax."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...loop.limits import MemoryLimits
+from ..base import BlockFamily
+from ..proposers import ArgmaxProposer, Proposer
+from ..registry import family_of
+from ..runners import DraftRunner
+from ..spec import DrafterSpec
+
+
+class DFlashFamily(BlockFamily):
+    """DFlash's published format (``DFlashDraftModel``), and the base of the families on its backbone: its
+    runner drives any ``DFlashDrafter`` subclass, its ``adopt`` any module whose weights are its class's."""
+
+    name = "dflash"
+    label = "DFlash"
+    architecture = "DFlashDraftModel"
+    default = True
+
+    def module_class(self) -> type[nn.Module]:
+        from .model import DFlashDrafter
+
+        return DFlashDrafter
+
+    def runner(self, drafter: Any, limits: MemoryLimits) -> DraftRunner | None:
+        from .model import DFlashDrafter
+        from .runner import FastRunner
+
+        if isinstance(drafter, DFlashDrafter):
+            return FastRunner(drafter, limits) if drafter.family == self.name else None
+        if isinstance(drafter, nn.Module):
+            adopted = self.adopt(drafter)
+            if adopted is not None:
+                return FastRunner(adopted, limits)
+        return None
+
+    def callable_runner(self, fn: Any, spec: DrafterSpec, dtype: torch.dtype | None) -> DraftRunner | None:
+        """A plain callable with the published drafter's forward signature, one call per anchor."""
+        from .runner import PerAnchorRunner
+
+        return PerAnchorRunner(fn, spec, dtype)
+
+    def adopt(self, module: nn.Module) -> nn.Module | None:
+        config = getattr(module, "config", None)
+        if config is None:
+            return None
+        try:
+            state = self.published_state(module.state_dict())
+            if family_of(config, state) is not self:
+                return None
+            with torch.device("meta"):
+                ours = self.module_class()(config)
+        except Exception:
+            return None
+        if set(ours.state_dict()) != set(state):
+            return None
+        ours.load_state_dict(state, assign=True, strict=True)
+        param = next(iter(state.values()))
+        # Non-persistent buffers (rotary inv_freq) are not in a state dict: rebuild them for real.
+        ours.rotary_emb = type(ours.rotary_emb)(config).to(param.device)
+        return ours
+
+    def proposer(self, spec: DrafterSpec, module: Any, lm_head: torch.Tensor, mem_bytes: int) -> Proposer:
+        return ArgmaxProposer(spec, lm_head, mem_bytes, self.figures)
+
+    def specforge_difference(self, config: Any, block_size: int) -> str | None:
+        from .model import specforge_mask_difference
+
+        return specforge_mask_difference(config, block_size)
+
+
+FAMILY = DFlashFamily()
