@@ -23,7 +23,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from .common.version import __version__
 
 # name -> (module, attribute): what ``from dflash_cb import name`` gives.
 _EXPORTS = {

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from dflash_cb.common.cli import run
-from dflash_cb.core.results.compare import compare, delta_metrics, main, render_markdown
+from dflash_cb.core.results.compare import compare, delta_metrics, render_markdown
 from dflash_cb.core.results.results_file import (
     Results,
     SampleRecord,
@@ -24,6 +24,7 @@ from dflash_cb.core.results.results_file import (
     report_to_results,
     write_results,
 )
+from dflash_cb.integrations.compare_cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 TOOL = ROOT / "tools" / "compare_results.py"
@@ -478,7 +479,7 @@ def test_a_tool_run_inside_another_program_leaves_its_thread_count(two_results, 
     """``--threads`` sets torch's threads for the tool; run in-process (the demo runs the precompute so),
     the caller's count is back afterwards."""
     from dflash_cb.common.cli import run
-    from dflash_cb.core.results import compare as tool
+    from dflash_cb.integrations import compare_cli as tool
 
     a, b = two_results
     torch.set_num_threads(1)

@@ -28,8 +28,8 @@ def tool_help(main, capsys, *argv: str) -> str:
 
 def test_help_texts_print_percent_signs_once(capsys):
     from dflash_cb.cache.precompute import cli as precompute_cli
-    from dflash_cb.core.results import compare
     from dflash_cb.demo import demo
+    from dflash_cb.integrations import compare_cli as compare
     from dflash_cb.integrations import eval_cli, extract_cli, panels, specforge_cli, sweep_cli
 
     assert "tau with 95% intervals" in tool_help(compare.main, capsys)

@@ -58,6 +58,74 @@ def test_no_module_imports_from_a_layer_above_its_own():
     assert not climbing, "\n".join(climbing)
 
 
+# The core's own layers, lowest first: the loop's pure arithmetic; the drafter families (models, runners,
+# proposers); the figures (names, counts, intervals); the replay; then checkpoints, costs and results.
+CORE_LAYERS = ("loop", "drafters", "figures", "replay", "checkpoints", "costs", "results")
+
+
+def _core_layer(name: str) -> str | None:
+    parts = name.split(".")
+    return parts[2] if len(parts) > 2 and parts[1] == "core" and parts[2] in CORE_LAYERS else None
+
+
+def test_core_is_its_layers_and_none_imports_a_layer_above_its_own():
+    core = PACKAGE / "core"
+    top = sorted(p.name for p in core.iterdir() if not p.name.startswith("__"))
+    assert top == sorted(CORE_LAYERS), top  # no module loose in core/: each lives in its layer
+    climbing = []
+    for path in sorted(core.rglob("*.py")):
+        own = _core_layer(".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts))
+        if own is None:
+            continue
+        for name in sorted(_imports(path)):
+            theirs = _core_layer(name)
+            if theirs is not None and CORE_LAYERS.index(theirs) > CORE_LAYERS.index(own):
+                climbing.append(f"{path.relative_to(PACKAGE.parent)} imports {name} ({own} < {theirs})")
+    assert not climbing, "\n".join(climbing)
+
+
+def test_no_module_climbs_to_the_package_root():
+    """The root only re-exports the public names: a module reading one of them from it (``__version__``) would
+    import every layer's exports."""
+    climbing = [str(p.relative_to(PACKAGE.parent)) for p in sorted(PACKAGE.rglob("*.py"))
+                if p != PACKAGE / "__init__.py" and "dflash_cb" in _imports(p)]
+    assert not climbing, climbing
+
+
+def test_no_command_line_main_lives_in_core():
+    """Command-line tools are integrations: core holds what they call."""
+    mains = [str(p.relative_to(PACKAGE.parent)) for p in sorted((PACKAGE / "core").rglob("*.py"))
+             if "argparse" in p.read_text() or "def main(" in p.read_text()]
+    assert not mains, mains
+
+
+def test_no_generic_module_names_a_drafter_family():
+    """A family lives in its folder (core/drafters/<family>/): outside it no module compares a family's name
+    or imports a family's folder, except the public re-exports of the drafter classes and the demo's tiny
+    configs' tests."""
+    families = sorted(p.name for p in (PACKAGE / "core" / "drafters").iterdir()
+                      if p.is_dir() and (p / "family.py").exists())
+    assert {"dflash", "dflash2"} <= set(families)
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE)
+        if rel.parts[:2] == ("core", "drafters") and len(rel.parts) > 3 and rel.parts[2] in families:
+            continue  # the family's own folder
+        if rel.parts == ("__init__.py",):
+            continue  # the public names: DFlashDrafter, DFlash2Drafter
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Compare):
+                for c in [node.left, *node.comparators]:
+                    if isinstance(c, ast.Constant) and c.value in families:
+                        found.append(f"{rel}:{node.lineno} compares with {c.value!r}")
+        for name in _imports(path):
+            parts = name.split(".")
+            if parts[1:3] == ["core", "drafters"] and len(parts) > 3 and parts[3] in families:
+                found.append(f"{rel} imports {name}")
+    assert not found, "\n".join(found)
+
+
 def test_the_public_names_still_import_from_the_package():
     import dflash_cb
 

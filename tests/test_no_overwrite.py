@@ -45,7 +45,7 @@ def test_eval_drafter_out_onto_any_input_file_is_refused_and_the_file_untouched(
 def test_compare_extract_merge_precompute_refuse_outputs_over_inputs(tiny_cache, tmp_path, capsys):
     from dflash_cb.cache.precompute import main as precompute_main
     from dflash_cb.cache.precompute import merge_main
-    from dflash_cb.core.results import compare
+    from dflash_cb.integrations import compare_cli as compare
     from dflash_cb.integrations import extract_cli
 
     # compare_results: --out X writes X.md and X.png; an input named X.md would be overwritten

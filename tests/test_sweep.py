@@ -457,7 +457,7 @@ def test_the_report_compares_the_best_with_the_last(tiny_cache, tiny_drafter_con
     rec = record(tmp_path / "sweep")
     best, last = rec["best"], rec["entries"][-1]
     assert best["step"] != last["step"] == 8
-    from dflash_cb.core.results import compare
+    from dflash_cb.integrations import compare_cli as compare
 
     assert run(compare.main, [str(tmp_path / "sweep" / last["results"]), str(tmp_path / "sweep" / best["results"]),
                               "--labels", f"last (step 8),best (step {best['step']})",

@@ -12,7 +12,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..drafters.dflash2.model import LATTICE_BLOCKS
 from ..drafters.registry import family_of
 from ..loop.limits import COST_GROUPS, DEFAULT_LIMITS, MemoryLimits
 
@@ -35,6 +34,7 @@ class DrafterShape:
     conv_groups: int = 0  # channel groups of each: hidden / conv_group_size
     selector_rank: int = 0
     selector_top_k: int = 0
+    lattice_blocks: int = 0  # blocks whose selector lattice is built at once (its temporaries' bound)
 
     @classmethod
     def of(cls, config: Any, block_size: int, features: int) -> DrafterShape:
@@ -294,7 +294,7 @@ def memory_bound(shape: DrafterShape, context_tokens: int, *, weight_itemsize: i
       ``limits.attn_bytes``;
     - DFlash 2 only: ``codebooks``, the selector's two [vocab, rank] codebooks in the weights' dtype, and
       ``selector``, the temporaries of its lattice (DDTree budgets; ``selector.transition_logprobs``), built
-      ``LATTICE_BLOCKS`` blocks at a time: four float32 [blocks, depths, K, rank] tensors (the candidates'
+      ``shape.lattice_blocks`` blocks at a time: four float32 [blocks, depths, K, rank] tensors (the candidates'
       successor codes, a transposed copy the matmul makes, their predecessor codes, and those times ``H(h)``)
       and three 8-byte [blocks, depths, K, K] ones (the edge scores, in float32 and float64, and their
       log-softmax), plus the lattice's log-probabilities of the pass (float64 [max_blocks, depths, K, K]) that
@@ -312,7 +312,7 @@ def memory_bound(shape: DrafterShape, context_tokens: int, *, weight_itemsize: i
     }
     if shape.selector_rank:
         k, d = shape.selector_top_k, shape.block_size - 1
-        chunk = min(limits.max_blocks, LATTICE_BLOCKS) * d * k
+        chunk = min(limits.max_blocks, shape.lattice_blocks) * d * k
         parts["codebooks"] = shape.codebook_params * weight_itemsize
         parts["selector"] = chunk * (4 * shape.selector_rank * 4 + 3 * k * 8) + limits.max_blocks * d * k * k * 8
     return parts

@@ -3,7 +3,7 @@
 A training example is a block anchored at a random position ``p`` of a sample: the block holds the
 verified token at ``p`` and mask tokens after it; the drafter, conditioned on the target features
 of positions ``< p``, must predict the target's tokens at ``p + 1 .. p + block_size - 1``. Anchors
-are batched exactly as in evaluation (``DFlashDrafter.forward_blocks``), so training sees the same
+are batched exactly as in evaluation (a block drafter's ``forward_blocks``), so training sees the same
 computation the engine scores.
 """
 
@@ -16,7 +16,6 @@ import torch
 import torch.nn.functional as F
 
 from ...cache.states import TargetHead
-from .dflash.model import DFlashDrafter
 from .registry import family_named
 from .runners import block_embeddings
 from .spec import draft_logits
@@ -32,7 +31,7 @@ def sample_anchors(prompt_len: int, valid_len: int, count: int, generator: torch
     return torch.sort(a).values.to(device)
 
 
-def dflash_loss(drafter: DFlashDrafter, head: TargetHead, features: torch.Tensor, tokens: torch.Tensor,
+def dflash_loss(drafter: Any, head: TargetHead, features: torch.Tensor, tokens: torch.Tensor,
                 anchors: torch.Tensor, valid_len: int, decay: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Cross-entropy of the drafts at every block depth against the target's tokens.
 
@@ -63,7 +62,7 @@ def dflash_loss(drafter: DFlashDrafter, head: TargetHead, features: torch.Tensor
     return loss, acc
 
 
-def batch_loss(drafter: DFlashDrafter, head: TargetHead, batch: Sequence[dict[str, Any]], anchors_per_sample: int,
+def batch_loss(drafter: Any, head: TargetHead, batch: Sequence[dict[str, Any]], anchors_per_sample: int,
                decay: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """The DFlash loss of a batch of cached samples (``lightning_module.CachedStatesDataset`` items):
     ``anchors_per_sample`` random anchors each, from the global RNG. Returns (mean loss, mean depth-1

@@ -32,12 +32,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ... import __version__
 from ...cache.states import StateCache
 from ...common.arguments import is_int
 from ...common.cli import describe_os_error
 from ...common.errors import DFlashCBError
 from ...common.fileio import atomic_write_text, output_path
+from ...common.version import __version__
 from ..drafters.registry import family_named, family_names
 from ..figures.bootstrap import (
     DEFAULT_LEVEL,

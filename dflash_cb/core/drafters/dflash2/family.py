@@ -12,7 +12,7 @@ from ..dflash.family import DFlashFamily
 from ..proposers import Proposer
 from ..spec import DrafterSpec, config_value, int_field
 from .figures import FIGURES
-from .model import ARCHITECTURE, DFLASH2_FIELDS
+from .model import ARCHITECTURE, DFLASH2_FIELDS, LATTICE_BLOCKS
 
 
 class DFlash2Family(DFlashFamily):
@@ -64,7 +64,8 @@ class DFlash2Family(DFlashFamily):
         field = (config.get("dflash_config") if isinstance(config, dict) else getattr(config, "dflash_config", None)) or {}
         hidden = int(config["hidden_size"] if isinstance(config, dict) else config.hidden_size)
         return dict(conv_taps=int(field["conv_kernel_size"]), conv_groups=hidden // int(field["conv_group_size"]),
-                    selector_rank=int(field["selector_rank"]), selector_top_k=int(field["selector_top_k"]))
+                    selector_rank=int(field["selector_rank"]), selector_top_k=int(field["selector_top_k"]),
+                    lattice_blocks=LATTICE_BLOCKS)
 
     def extra_loss(self, drafter: Any, hidden: torch.Tensor, logits: torch.Tensor, anchor_tokens: torch.Tensor,
                    target: torch.Tensor, valid: torch.Tensor) -> torch.Tensor | None:

@@ -1,0 +1,199 @@
+"""One conformance suite over every registered drafter family (``core/drafters/<family>/``): the replay equals the
+family's own reference generate loop, a checkpoint round-trips, the cache fit is checked by the family's needs,
+the family's figures reach results.json, the report and the tables, and a live evaluation in a plain loop logs
+what the tool computes. A family is added here by registering its kit (``kits.KITS``), not by copying a test.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from kits import KITS, LAYERS
+
+from dflash_cb.core.drafters.registry import family_named, family_names
+
+MAX_NEW = 40
+BLOCK, SMALL = 8, 5
+FAMILIES = sorted(KITS)
+
+
+def test_every_registered_family_has_a_kit():
+    assert sorted(family_names()) == FAMILIES
+
+
+def _precompute(target: Path, prompts: Path, out: Path, *extra: str) -> Path:
+    from dflash_cb.cache.precompute import main
+
+    assert main(["--target", str(target), "--prompts", str(prompts), "--out", str(out), "--layers",
+                 ",".join(map(str, LAYERS)), "--reference", "local", "--dtype", "float32", "--max-new-tokens",
+                 str(MAX_NEW), "--no-progress", *extra]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """One cache of a tiny target (a stop token two completions meet, top-K log-probs), its target."""
+    from tiny_target import random_prompts, save_tiny_qwen3, write_prompts
+    from transformers import Qwen3ForCausalLM
+
+    from dflash_cb.cache.states import StateCache
+
+    root = tmp_path_factory.mktemp("families")
+    target_dir = save_tiny_qwen3(root / "target", seed=3)
+    prompts = write_prompts(root / "prompts.jsonl", random_prompts(6, (4, 12), seed=5, vocab=120),
+                            categories=["math", "code", "chat"])
+    first = StateCache(_precompute(target_dir, prompts, root / "plain"))
+    seen = [set(first.load(e.id).input_ids[e.prompt_len + 6:].tolist()) for e in first.samples]
+    stop = next(t for t, n in Counter(t for s in seen for t in s).most_common() if n == 2)
+    cache = StateCache(_precompute(target_dir, prompts, root / "cache", "--stop-token-ids", str(stop),
+                                   "--topk-logprobs", "8"))
+    target = Qwen3ForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    return dict(root=root, cache=cache, target=target, stop=stop, drafters={})
+
+
+def _drafter(world: dict, family: str) -> tuple:
+    """(our module trained briefly, its config, the family's reference module with the same weights)."""
+    if family not in world["drafters"]:
+        from tiny_target import train_briefly
+
+        from dflash_cb.core.drafters.layouts import drafter_from_config
+
+        kit, m = KITS[family], world["cache"].manifest
+        cfg = kit.config(m.vocab_size, m.hidden_size, BLOCK)
+        torch.manual_seed(0)
+        ours = train_briefly(drafter_from_config(cfg), world["cache"], epochs=kit.train_epochs, loss=kit.loss)
+        world["drafters"][family] = (ours, cfg, kit.reference(ours, cfg))
+    return world["drafters"][family]
+
+
+@pytest.mark.parametrize("block", [BLOCK, SMALL])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_replay_equals_the_familys_own_generate_loop(world, family: str, block: int) -> None:
+    """Every sample's acceptance lengths are the family's reference loop's, cycle for cycle, at the drafter's
+    block and a smaller one; some cycles accept drafts and some do not; samples stop at the stop token or at
+    max_new_tokens. The reference module itself (adopted, zero-copy) gives the same lengths."""
+    from dflash_cb.core.replay.engine import evaluate
+
+    cache, target = world["cache"], world["target"]
+    ours, _, ref = _drafter(world, family)
+    stops = cache.manifest.stop_token_ids
+    want = {e.id: KITS[family].loop(ref, target, cache.load(e.id).input_ids[: e.prompt_len][None], MAX_NEW, stops,
+                                    block) for e in cache.samples}
+    rep = evaluate(cache, ours, budgets=(4,), tail_blocks="reference", block_size=block)
+    got = {s.id: s.acceptance_lengths for s in rep.samples}
+    assert got == want
+    cycles = [n for v in want.values() for n in v]
+    assert any(n > 1 for n in cycles) and any(n == 1 for n in cycles)
+    ends = [cache.load(e.id).input_ids[-1].item() == world["stop"] for e in cache.samples]
+    assert any(ends) and not all(ends)
+    adopted = evaluate(cache, ref, budgets=(), tail_blocks="reference", block_size=block)
+    assert {s.id: s.acceptance_lengths for s in adopted.samples} == want
+    for walk in family_named(family).figures.walks:  # the family's own walks are replayed too
+        assert 1.0 <= rep.summary[walk.key] <= block
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_checkpoint_round_trips_in_every_form(world, family: str, tmp_path: Path) -> None:
+    """The published folder and a plain loop's checkpoint load into the family's class with the same weights; a
+    folder missing one weight names the family's layout and the key."""
+    from dflash_cb.core.checkpoints.load import CheckpointError, extract_drafter, load_drafter
+
+    fam = family_named(family)
+    ours, cfg, _ = _drafter(world, family)
+    ours.save_pretrained(tmp_path / "folder")
+    torch.save({"drafter": ours.state_dict(), "config": cfg}, tmp_path / "loop.pt")
+    extract_drafter(tmp_path / "loop.pt", tmp_path / "extracted")
+    for folder in ("folder", "extracted"):
+        back = load_drafter(tmp_path / folder)
+        assert type(back) is fam.module_class() and back.spec == ours.spec, folder
+        assert back.state_dict().keys() == ours.state_dict().keys()
+        assert all(torch.equal(v, ours.state_dict()[k]) for k, v in back.state_dict().items()), folder
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(tmp_path / "folder" / "model.safetensors"))
+    dropped = sorted(state)[-1]
+    del state[dropped]
+    save_file(state, str(tmp_path / "folder" / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=rf"the {fam.label} layout: missing \['{dropped}'\]"):
+        load_drafter(tmp_path / "folder")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_cache_fit_is_the_familys_needs(world, family: str) -> None:
+    """The family declares what it reads (layers, widths, filler token, target layers); one check compares it
+    with the manifest and names the family and every field that differs."""
+    from dflash_cb.cache.states import CacheMismatchError
+    from dflash_cb.core.drafters.layouts import cache_needs, drafter_from_config
+
+    fam = family_named(family)
+    cache, m = world["cache"], world["cache"].manifest
+    ours, cfg, _ = _drafter(world, family)
+    needs = cache_needs(ours)
+    assert needs.family == fam.label and list(needs.layer_ids) == LAYERS
+    cache.check_fit(needs)
+    other = {**cfg, "num_target_layers": 6, "dflash_config": {**cfg["dflash_config"], "target_layer_ids": [1, 2]}}
+    with pytest.raises(CacheMismatchError) as err:
+        cache.check_fit(cache_needs(drafter_from_config(other)))
+    said = str(err.value)
+    assert f"does not fit the drafter ({fam.label})" in said and "without [2]" in said
+    assert "num_target_layers: the drafter was made for a 6-layer target" in said and str(m.layer_ids) in said
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_familys_figures_reach_every_output(world, family: str, tmp_path: Path) -> None:
+    """results.json holds every figure the family declares (with intervals), its per-depth lists and its note;
+    the printed report and the comparison table show them under the family's label."""
+    from dflash_cb.core.replay.engine import evaluate
+    from dflash_cb.core.results.compare import compare, render_markdown
+    from dflash_cb.core.results.report import format_results
+    from dflash_cb.core.results.results_file import load_results, report_to_results, write_results
+
+    fam = family_named(family)
+    figures = fam.figures
+    ours, _, _ = _drafter(world, family)
+    cache = world["cache"]
+    write_results(report_to_results(evaluate(cache, ours, budgets=(4,)), cache), tmp_path / "r.json")
+    res = load_results(tmp_path / "r.json", cache)
+    assert res.family == family and json.loads((tmp_path / "r.json").read_text())["meta"]["drafter_family"] == family
+    for f in (*figures.walks, *figures.pooled):
+        assert res.metric(f.key) is not None, f.key
+        assert res.metric(f.key + "_ci_low") <= res.metric(f.key) <= res.metric(f.key + "_ci_high"), f.key
+    for d in figures.per_depth:
+        assert len(res.per_depth[d.name]) == BLOCK - 1, d.name
+    assert (figures.note_key in res.notes) == bool(figures.note)
+    text = format_results(res)
+    table = render_markdown(compare(["a", "b"], [res, res], 50, 0), None)
+    for f in (*figures.walks, *figures.pooled):
+        assert f.label in text and f"{fam.label}: {f.label}" in table, f.key
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_live_evaluation_in_a_plain_loop_logs_what_the_tool_computes(world, family: str, tmp_path: Path) -> None:
+    """The live evaluator driven by a plain loop (start, finish) on the family's module: every logged figure,
+    the family's own among them, is the tool's on the same weights."""
+    from tool_runs import BUDGETS, PREFIX, assert_step_equals_tool
+
+    from dflash_cb import LiveEvaluator
+    from dflash_cb.core.figures.metrics import T1_TAU_ESTIMATE, TAU
+
+    ours, _, _ = _drafter(world, family)
+    logged: dict[int, dict[str, float]] = {}
+
+    def collect(metrics: dict[str, float], step: int) -> None:
+        if PREFIX + TAU in metrics:
+            logged[step] = metrics
+
+    evaluator = LiveEvaluator(str(world["cache"].path), every_n_train_steps=1, max_steps=1, ddtree_budgets=BUDGETS,
+                              log=collect, console=False)
+    assert evaluator.start(0, ours) is not None
+    assert evaluator.finish(1, ours) is not None
+    ours.save_pretrained(tmp_path / "drafter")
+    assert sorted(logged) == [0, 1]
+    for w in family_named(family).figures.walks:
+        assert PREFIX + w.key in logged[1]
+    assert_step_equals_tool(world["cache"].path, tmp_path / "drafter", tmp_path / "r.json", logged[1], True, BLOCK, 1,
+                            approx=(T1_TAU_ESTIMATE,))
