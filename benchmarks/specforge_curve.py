@@ -7,7 +7,7 @@
 Trains the demo's drafter configuration from scratch with SpecForge 0.2.0's own loop (``TrainerController.fit``
 over ``TrainerCore``, ``DFlashTrainStrategy``, ``OnlineDFlashModel``, ``DFlashDraftModel``, its
 ``FSDPTrainingBackend`` unwrapped on one CPU process and its ``BF16Optimizer``) on the demo's training cache,
-with ``dflash_cb.integrations.specforge.attach``. Every ``--every`` optimizer steps SpecForge evaluates on
+with ``dflash_cb.integrations.loops.specforge.attach``. Every ``--every`` optimizer steps SpecForge evaluates on
 the demo's eval cache (``eval/simulated_acc_len``: for DFlash, its pooled per-position accuracy) and the
 evaluator measures the exact greedy tau on the same eval cache, at the same weights. Prints both series and the
 checkpoint each would keep (SpecForge's ``CheckpointManager`` keeps a checkpoint when its metric strictly beats
@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash_cb.cache.states import StateCache  # noqa: E402
 from dflash_cb.core.figures.metrics import DEFAULT_PREFIX, TAU  # noqa: E402
-from dflash_cb.integrations.specforge import attach  # noqa: E402
-from dflash_cb.integrations.specforge_data import sample_features  # noqa: E402
+from dflash_cb.integrations.loops.specforge import attach  # noqa: E402
+from dflash_cb.integrations.loops.specforge_data import sample_features  # noqa: E402
 
 SPECFORGE_METRIC = "eval/simulated_acc_len"  # CheckpointManager's default best_metric
 

@@ -81,7 +81,7 @@ def specforge_pass(cache: Any, drafter: Any, device: Any) -> Callable[[], dict[s
     from specforge.training.strategies.base import DFlashTrainStrategy
     from specforge_objective import dflash_objective
 
-    from dflash_cb.integrations.specforge_data import train_batches
+    from dflash_cb.integrations.loops.specforge_data import train_batches
 
     longest = max(e.total_len for e in cache.samples)
     model = dflash_objective(drafter.config.to_dict(), drafter.state_dict(), cache.load_head(), longest).to(device)

@@ -27,12 +27,12 @@ from .common.version import __version__
 
 # name -> (module, attribute): what ``from dflash_cb import name`` gives.
 _EXPORTS = {
-    "DFlashEvalCallback": ("dflash_cb.integrations.callback", "DFlashEvalCallback"),
-    "DFlashEvalTrainerCallback": ("dflash_cb.integrations.hf_callback", "DFlashEvalTrainerCallback"),
-    "attach_specforge": ("dflash_cb.integrations.specforge", "attach"),
-    "LiveEvaluator": ("dflash_cb.integrations.evaluator", "LiveEvaluator"),
-    "EvalConfig": ("dflash_cb.integrations.config", "EvalConfig"),
-    "MetricsSink": ("dflash_cb.integrations.sinks", "MetricsSink"),
+    "DFlashEvalCallback": ("dflash_cb.integrations.loops.lightning", "DFlashEvalCallback"),
+    "DFlashEvalTrainerCallback": ("dflash_cb.integrations.loops.hf", "DFlashEvalTrainerCallback"),
+    "attach_specforge": ("dflash_cb.integrations.loops.specforge", "attach"),
+    "LiveEvaluator": ("dflash_cb.integrations.evaluator.live", "LiveEvaluator"),
+    "EvalConfig": ("dflash_cb.integrations.evaluator.config", "EvalConfig"),
+    "MetricsSink": ("dflash_cb.integrations.tracking.sinks", "MetricsSink"),
     "StateCache": ("dflash_cb.cache.states", "StateCache"),
     "evaluate": ("dflash_cb.core.replay.engine", "evaluate"),
     "EvalRequest": ("dflash_cb.core.replay.request", "EvalRequest"),
@@ -75,12 +75,12 @@ if TYPE_CHECKING:  # what editors and type checkers see; at run time each name i
     )
     from .core.replay.engine import evaluate
     from .core.replay.request import EvalRequest
-    from .integrations.callback import DFlashEvalCallback
-    from .integrations.config import EvalConfig
-    from .integrations.evaluator import LiveEvaluator
-    from .integrations.hf_callback import DFlashEvalTrainerCallback
-    from .integrations.sinks import MetricsSink
-    from .integrations.specforge import attach as attach_specforge
+    from .integrations.evaluator.config import EvalConfig
+    from .integrations.evaluator.live import LiveEvaluator
+    from .integrations.loops.hf import DFlashEvalTrainerCallback
+    from .integrations.loops.lightning import DFlashEvalCallback
+    from .integrations.loops.specforge import attach as attach_specforge
+    from .integrations.tracking.sinks import MetricsSink
 
 
 def __getattr__(name: str) -> Any:

@@ -21,9 +21,8 @@ from dflash_cb.cache.selection import stratified_ids
 from dflash_cb.cache.states import CacheMismatchError, StateCache
 from dflash_cb.core.figures.metrics import EVAL_TIME
 from dflash_cb.demo.lightning_module import CachedStatesDataModule, DFlashDrafterModule
-from dflash_cb.integrations.evaluator import DFlashEvalError
-from dflash_cb.integrations.sample_table import format_blocks, make_decoder
-from dflash_cb.integrations.schedule import (
+from dflash_cb.integrations.evaluator.live import DFlashEvalError
+from dflash_cb.integrations.evaluator.schedule import (
     Profile,
     Reason,
     Trigger,
@@ -33,6 +32,7 @@ from dflash_cb.integrations.schedule import (
     is_full_evaluation,
     periodic_eval_reason,
 )
+from dflash_cb.integrations.tracking.sample_table import format_blocks, make_decoder
 
 ROOT = Path(__file__).resolve().parents[1]
 BUDGETS = [4, 8]
@@ -73,7 +73,7 @@ def test_logged_tau_equals_eval_drafter_on_saved_weights(tmp_path, tiny_cache, t
     # anchor at once, cost.draft_all_is_cheaper: what it needed still tells the two apart.)
     assert logged[3]["anchors_needed"] < logged[6]["anchors_needed"] == logged[6]["full/anchors_needed"]
     assert logged[3]["anchors_drafted"] <= logged[6]["anchors_drafted"] == logged[6]["full/anchors_drafted"]
-    from dflash_cb.integrations import eval_cli as tool  # the code behind tools/eval_drafter.py
+    from dflash_cb.integrations.cli import eval_drafter as tool
 
     light = ["--anchor-stride", str(block), "--ddtree-budgets", str(max(BUDGETS))]
     full = ["--ddtree-budgets", ",".join(map(str, BUDGETS))]
@@ -453,7 +453,7 @@ def test_the_shipped_yaml_lists_every_argument_with_its_default():
 
     import yaml
 
-    from dflash_cb.integrations.config import OLD_NAMES
+    from dflash_cb.integrations.evaluator.config import OLD_NAMES
 
     text = (ROOT / "configs" / "callback" / "dflash_eval.yaml").read_text()
     listed = yaml.safe_load(text)["trainer"]["callbacks+"][0]["init_args"]

@@ -37,7 +37,7 @@ def _worker(cache: str, cfg_path: str, out: str, strategies: list[str]) -> None:
     from dflash_cb import DFlashEvalCallback
     from dflash_cb.cache import integrity
     from dflash_cb.demo.lightning_module import CachedStatesDataModule, DFlashDrafterModule
-    from dflash_cb.integrations.distributed import full_parameters, sharding_kind
+    from dflash_cb.integrations.evaluator.distributed import full_parameters, sharding_kind
 
     cfg = json.loads(Path(cfg_path).read_text())
     hashed: list[str] = []  # the files sha256 reads in this process, per fit
@@ -210,7 +210,7 @@ def test_each_rank_hashes_only_its_share_and_the_head_once(distributed_run, tiny
 
 
 if __name__ == "__main__":
-    from dflash_cb.integrations.distributed import end_process_group
+    from dflash_cb.integrations.evaluator.distributed import end_process_group
 
     _worker(sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4].split(","))
     end_process_group()  # Lightning leaves its process group up: every rank done before either tears it down

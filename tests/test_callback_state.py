@@ -18,8 +18,8 @@ from tiny_target import build_tiny_cache
 
 from dflash_cb import DFlashEvalCallback
 from dflash_cb.cache.states import StateCache
-from dflash_cb.integrations.eval_state import EvalState, MalformedStateError
-from dflash_cb.integrations.evaluator import DFlashEvalError
+from dflash_cb.integrations.evaluator.eval_state import EvalState, MalformedStateError
+from dflash_cb.integrations.evaluator.live import DFlashEvalError
 
 RESUME_NOISE = ("ignore:.*ckpt_path.*:UserWarning", "ignore:.*resuming from a checkpoint.*:UserWarning")
 

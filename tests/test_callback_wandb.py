@@ -122,7 +122,7 @@ def test_shipped_published_yaml_logs_nothing_unverified():
 
 @pytest.mark.e2e
 def test_log_standalone_results_uses_the_callback_names(tmp_path, reference_results):
-    from dflash_cb.integrations.wandb_logging import log_standalone_results
+    from dflash_cb.integrations.tracking.wandb_logging import log_standalone_results
 
     results = load_results(reference_results)
     files_dir = log_standalone_results(results, project="dflash-cb-test", name="standalone", mode="offline",

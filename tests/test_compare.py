@@ -24,7 +24,7 @@ from dflash_cb.core.results.results_file import (
     report_to_results,
     write_results,
 )
-from dflash_cb.integrations.compare_cli import main
+from dflash_cb.integrations.cli.compare import main
 
 ROOT = Path(__file__).resolve().parents[1]
 TOOL = ROOT / "tools" / "compare_results.py"
@@ -479,7 +479,7 @@ def test_a_tool_run_inside_another_program_leaves_its_thread_count(two_results, 
     """``--threads`` sets torch's threads for the tool; run in-process (the demo runs the precompute so),
     the caller's count is back afterwards."""
     from dflash_cb.common.cli import run
-    from dflash_cb.integrations import compare_cli as tool
+    from dflash_cb.integrations.cli import compare as tool
 
     a, b = two_results
     torch.set_num_threads(1)

@@ -8,10 +8,10 @@ import inspect
 import pytest
 
 from dflash_cb.common.arguments import ArgumentError
-from dflash_cb.integrations.callback import DFlashEvalCallback
-from dflash_cb.integrations.config import OLD_NAMES, EvalConfig, config_fields
-from dflash_cb.integrations.evaluator import LiveEvaluator
-from dflash_cb.integrations.hf_callback import DFlashEvalTrainerCallback
+from dflash_cb.integrations.evaluator.config import OLD_NAMES, EvalConfig, config_fields
+from dflash_cb.integrations.evaluator.live import LiveEvaluator
+from dflash_cb.integrations.loops.hf import DFlashEvalTrainerCallback
+from dflash_cb.integrations.loops.lightning import DFlashEvalCallback
 
 OWN = {DFlashEvalCallback: ("drafter", "prog_bar", "sinks"), DFlashEvalTrainerCallback: ("trainer", "drafter", "sinks")}
 

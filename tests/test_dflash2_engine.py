@@ -351,9 +351,9 @@ def test_a_budget_past_the_lattice_is_refused_naming_it(world, tmp_path: Path, c
     so budget 21 is refused (the tool, the live evaluator's check) where a DFlash drafter's tree could use it."""
     from dflash_cb.common.cli import run
     from dflash_cb.core.loop.ddtree import DDTreeBudgetError, check_ddtree_budgets, max_ddtree_budget
-    from dflash_cb.integrations import eval_cli
-    from dflash_cb.integrations.config import EvalConfig
-    from dflash_cb.integrations.session import drafter_fit
+    from dflash_cb.integrations.cli import eval_drafter as eval_cli
+    from dflash_cb.integrations.evaluator.config import EvalConfig
+    from dflash_cb.integrations.evaluator.session import drafter_fit
 
     assert max_ddtree_budget(3, 128, K) == 20 and max_ddtree_budget(3, 128) == 1024
     check_ddtree_budgets([21], 3, 128, "budgets")  # a DFlash drafter's tree could hold it
@@ -384,7 +384,7 @@ def test_eval_tool_writes_the_selector_figures_and_compares_with_dflash(world, t
     from dflash_cb.core.replay.engine import evaluate
     from dflash_cb.core.results.compare import compare, render_markdown
     from dflash_cb.core.results.results_file import load_results, report_to_results, write_results
-    from dflash_cb.integrations import eval_cli
+    from dflash_cb.integrations.cli import eval_drafter as eval_cli
 
     cache = world["cache"]
     world["ours"].save_pretrained(tmp_path / "drafter")
@@ -428,7 +428,7 @@ def test_plain_loop_logs_the_tools_selector_figures(world, tmp_path: Path) -> No
     from dflash_cb.core.drafters.dflash2.model import DFlash2Drafter
     from dflash_cb.core.drafters.training import batch_loss
     from dflash_cb.demo.lightning_module import CachedStatesDataset, collate_samples
-    from dflash_cb.integrations.panels import layout_from_keys, panel_plan
+    from dflash_cb.integrations.tracking.panels import layout_from_keys, panel_plan
 
     cache = str(world["cache"].path)
     torch.manual_seed(0)

@@ -29,8 +29,12 @@ def tool_help(main, capsys, *argv: str) -> str:
 def test_help_texts_print_percent_signs_once(capsys):
     from dflash_cb.cache.precompute import cli as precompute_cli
     from dflash_cb.demo import demo
-    from dflash_cb.integrations import compare_cli as compare
-    from dflash_cb.integrations import eval_cli, extract_cli, panels, specforge_cli, sweep_cli
+    from dflash_cb.integrations.cli import compare as compare
+    from dflash_cb.integrations.cli import eval_drafter as eval_cli
+    from dflash_cb.integrations.cli import extract as extract_cli
+    from dflash_cb.integrations.cli import specforge_train as specforge_cli
+    from dflash_cb.integrations.cli import sweep_cli
+    from dflash_cb.integrations.tracking import panels
 
     assert "tau with 95% intervals" in tool_help(compare.main, capsys)
     for main in (demo.main, eval_cli.main, extract_cli.main, panels.main, sweep_cli.main, precompute_cli._precompute,

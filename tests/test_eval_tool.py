@@ -19,7 +19,7 @@ from dflash_cb.common.cli import run
 ROOT = Path(__file__).resolve().parents[1]
 
 
-from dflash_cb.integrations import eval_cli as TOOL  # noqa: E402  (the code behind tools/eval_drafter.py)
+from dflash_cb.integrations.cli import eval_drafter as TOOL  # noqa: E402  (the code behind tools/eval_drafter.py)
 
 
 def evaluate_tool(capsys: pytest.CaptureFixture, cache: Path, drafter: Path, out: Path, *extra: str,
@@ -248,8 +248,8 @@ def test_wandb_run_records_the_drafter_cache_and_settings_and_can_be_shown(tiny_
                                                                              capsys, monkeypatch):
     """``--wandb-project`` (offline): the run's config names the drafter, the cache's hash and the settings,
     and the printed command shows the run's series without network."""
-    from dflash_cb.integrations import panels
-    from dflash_cb.integrations.wandb_offline import offline_config
+    from dflash_cb.integrations.tracking import panels
+    from dflash_cb.integrations.tracking.wandb_offline import offline_config
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.chdir(tmp_path)

@@ -20,7 +20,7 @@ from torch import nn
 from dflash_cb import DFlashDrafter, LiveEvaluator
 from dflash_cb.common.arguments import ArgumentError
 from dflash_cb.common.errors import DFlashCBError
-from dflash_cb.integrations.evaluator import DFlashEvalError
+from dflash_cb.integrations.evaluator.live import DFlashEvalError
 
 ROOT = Path(__file__).resolve().parents[1]
 PREFIX = "dflash_eval/"
@@ -199,7 +199,7 @@ def test_the_block_the_server_drafts_with_equals_the_tool_at_that_block(tiny_cac
     a block above the drafter's is refused at setup, naming the argument."""
     import json
 
-    from dflash_cb.integrations import eval_cli
+    from dflash_cb.integrations.cli import eval_drafter as eval_cli
 
     d = drafter(tiny_drafter_config)
     d.save_pretrained(tmp_path / "d")
@@ -279,7 +279,7 @@ def test_every_option_that_changes_a_logged_figure_identifies_the_series(tiny_ca
     """The series identity is complete: an option whose change alters a main-key figure of the same weights
     (compared on the keys both evaluations log, prefix stripped, times aside) changes what a resume compares (the
     saved series, the sample selection or the cache); an option that leaves every figure alone may stay out."""
-    from dflash_cb.integrations.config import OLD_NAMES, config_fields
+    from dflash_cb.integrations.evaluator.config import OLD_NAMES, config_fields
 
     timed = ("eval_time_s", "eval_overhead", "predicted/", "setup_time_s", "step", "failed_evaluations",
              "anchors_drafted", "anchors_needed")  # the cost of the pass that ran, not figures of the drafter

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dflash_cb.common.cli import run
-from dflash_cb.integrations import extract_cli as extract_drafter  # the code behind tools/extract_drafter.py
+from dflash_cb.integrations.cli import extract as extract_drafter
 
 
 def extract(*argv: str) -> int:

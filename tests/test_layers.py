@@ -58,6 +58,30 @@ def test_no_module_imports_from_a_layer_above_its_own():
     assert not climbing, "\n".join(climbing)
 
 
+# The integrations' own layers, lowest first: the trackers and their sinks (W&B charts and panels among them);
+# the live evaluator; the training loops' adapters; the command-line tools.
+INTEGRATION_LAYERS = ("tracking", "evaluator", "loops", "cli")
+
+
+def test_integrations_are_their_layers_and_none_imports_a_layer_above_its_own():
+    folder = PACKAGE / "integrations"
+    top = sorted(p.name for p in folder.iterdir() if not p.name.startswith("__"))
+    assert top == sorted(INTEGRATION_LAYERS), top
+
+    def layer(name: str) -> str | None:
+        parts = name.split(".")
+        return parts[2] if len(parts) > 2 and parts[1] == "integrations" and parts[2] in INTEGRATION_LAYERS else None
+
+    climbing = []
+    for path in sorted(folder.rglob("*.py")):
+        own = layer(".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts))
+        for name in sorted(_imports(path)):
+            theirs = layer(name)
+            if own and theirs and INTEGRATION_LAYERS.index(theirs) > INTEGRATION_LAYERS.index(own):
+                climbing.append(f"{path.relative_to(PACKAGE.parent)} imports {name} ({own} < {theirs})")
+    assert not climbing, "\n".join(climbing)
+
+
 # The core's own layers, lowest first: the loop's pure arithmetic; the drafter families (models, runners,
 # proposers); the figures (names, counts, intervals); the replay; then checkpoints, costs and results.
 CORE_LAYERS = ("loop", "drafters", "figures", "replay", "checkpoints", "costs", "results")
@@ -181,8 +205,8 @@ def test_the_public_api_is_what_a_user_imports():
 
     import dflash_cb
     from dflash_cb import TAU_KEY, metric_key
-    from dflash_cb.integrations.callback import DFlashEvalCallback
-    from dflash_cb.integrations.specforge import attach
+    from dflash_cb.integrations.loops.lightning import DFlashEvalCallback
+    from dflash_cb.integrations.loops.specforge import attach
 
     assert sorted(dflash_cb.__all__) == sorted([*dflash_cb._EXPORTS, "__version__"])
     for name in dflash_cb.__all__:

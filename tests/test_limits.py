@@ -29,7 +29,7 @@ def save_drafter(cfg: dict, folder: Path) -> Path:
 
 
 def eval_tool(capsys, cache: Path, drafter: Path, out: Path, *extra: str) -> tuple[int, str, str]:
-    from dflash_cb.integrations import eval_cli
+    from dflash_cb.integrations.cli import eval_drafter as eval_cli
 
     code = run(eval_cli.main, ["--states", str(cache), "--drafter", str(drafter), "--out", str(out),
                                "--device", "cpu", *extra])

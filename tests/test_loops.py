@@ -143,7 +143,7 @@ def test_plain_loop_into_a_wandb_run_logs_todays_keys_table_and_chart(tmp_path, 
 def _worker(cache: str, cfg_path: str, out: str) -> None:
     import torch.distributed as dist
 
-    from dflash_cb.integrations.distributed import end_process_group
+    from dflash_cb.integrations.evaluator.distributed import end_process_group
 
     dist.init_process_group("gloo")
     cfg = json.loads(Path(cfg_path).read_text())
@@ -308,7 +308,7 @@ def test_hf_run_reporting_to_wandb_gets_working_panels_and_one_console_line(tmp_
     gets one line per evaluation; ``--show`` prints the series."""
     import wandb
 
-    from dflash_cb.integrations import panels
+    from dflash_cb.integrations.tracking import panels
 
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.setenv("WANDB_PROJECT", "dflash-cb-test")
@@ -461,7 +461,7 @@ def run_doc_snippet(title: str, tmp_path: Path, cache: Path, cfg: dict, monkeypa
 def test_documented_plain_loop_snippet_runs(tmp_path, tiny_cache, tiny_drafter_config, monkeypatch, capsys):
     from dflash_cb import DFlashDrafter
     from dflash_cb.common.cli import run
-    from dflash_cb.integrations import extract_cli
+    from dflash_cb.integrations.cli import extract as extract_cli
 
     ns = run_doc_snippet("## A plain PyTorch loop", tmp_path, tiny_cache, tiny_drafter_config, monkeypatch)
     assert [h["step"] for h in ns["evaluator"].history] == [0, 2, 4]
@@ -485,7 +485,7 @@ def test_extract_from_a_hugging_face_checkpoint_folder(tmp_path, tiny_cache, tin
 
     from dflash_cb import DFlashDrafter
     from dflash_cb.common.cli import run
-    from dflash_cb.integrations import extract_cli
+    from dflash_cb.integrations.cli import extract as extract_cli
 
     trainer, _, _ = hf_train(tmp_path, tiny_cache, tiny_drafter_config, max_steps=3, every=3)
     (tmp_path / "cfg.json").write_text(_json.dumps(tiny_drafter_config))

@@ -20,7 +20,7 @@ def one_line_error(code: int, err: str, *needles: str) -> None:
 
 def test_eval_drafter_out_onto_any_input_file_is_refused_and_the_file_untouched(tiny_cache, drafter_dir, tmp_path,
                                                                                 capsys):
-    from dflash_cb.integrations import eval_cli
+    from dflash_cb.integrations.cli import eval_drafter as eval_cli
 
     cache = tmp_path / "cache"
     shutil.copytree(tiny_cache, cache)
@@ -45,8 +45,8 @@ def test_eval_drafter_out_onto_any_input_file_is_refused_and_the_file_untouched(
 def test_compare_extract_merge_precompute_refuse_outputs_over_inputs(tiny_cache, tmp_path, capsys):
     from dflash_cb.cache.precompute import main as precompute_main
     from dflash_cb.cache.precompute import merge_main
-    from dflash_cb.integrations import compare_cli as compare
-    from dflash_cb.integrations import extract_cli
+    from dflash_cb.integrations.cli import compare as compare
+    from dflash_cb.integrations.cli import extract as extract_cli
 
     # compare_results: --out X writes X.md and X.png; an input named X.md would be overwritten
     a, b = tmp_path / "a.md", tmp_path / "b.json"

@@ -98,7 +98,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory):
 
 def test_eval_tool_matches_oracle(setup, tmp_path: Path) -> None:
     from dflash_cb.core.results.results_file import load_results
-    from dflash_cb.integrations import eval_cli as eval_drafter  # the code behind tools/eval_drafter.py
+    from dflash_cb.integrations.cli import eval_drafter as eval_drafter
 
     setup["ours"].save_pretrained(tmp_path / "drafter")
     out = tmp_path / "results.json"
@@ -326,7 +326,7 @@ def test_eval_tool_block_size(setup, small_block, tmp_path: Path, capsys) -> Non
     drafter cannot draft is one line, exit 2, before anything is written."""
     from dflash_cb.common.cli import run
     from dflash_cb.core.results.results_file import load_results
-    from dflash_cb.integrations import eval_cli as eval_drafter
+    from dflash_cb.integrations.cli import eval_drafter as eval_drafter
 
     setup["ours"].save_pretrained(tmp_path / "drafter")
     base = ["--states", str(setup["cache"].path), "--drafter", str(tmp_path / "drafter"), "--ddtree-budgets", "4",

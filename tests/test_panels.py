@@ -18,7 +18,7 @@ from dflash_cb import DFlashEvalCallback
 from dflash_cb.cache.states import StateCache
 from dflash_cb.core.figures.positions import cycle_labels, position_labels
 from dflash_cb.demo.lightning_module import CachedStatesDataModule
-from dflash_cb.integrations.panels import (
+from dflash_cb.integrations.tracking.panels import (
     PanelLayout,
     build_report,
     build_workspace,
@@ -141,7 +141,7 @@ def test_console_line_per_evaluation(offline_run):
 
 def test_panels_tool_dry_run_builds_the_view_without_network(capsys):
     from dflash_cb.common.cli import run
-    from dflash_cb.integrations.panels import main
+    from dflash_cb.integrations.tracking.panels import main
 
     assert run(main, ["--entity", "e", "--project", "p", "--budgets", "4,8", "--categories", "chat,code",
                       "--baselines", "z-lab drafter", "--block-size", "6", "--dry-run"]) == 0
@@ -203,7 +203,7 @@ def test_panels_show_what_the_light_and_full_profiles_log(offline_run, tiny_draf
 def test_panels_tool_warns_about_panels_the_run_never_logged(offline_run, capsys):
     """--run (here a local offline run folder: no network) checks the layout against its keys."""
     from dflash_cb.common.cli import run
-    from dflash_cb.integrations.panels import main
+    from dflash_cb.integrations.tracking.panels import main
 
     args = ["--entity", "e", "--project", "p", "--run", str(offline_run["run_dir"]), "--dry-run"]
     assert run(main, args) == 0
@@ -238,7 +238,7 @@ def _closed_port() -> int:
 def test_panels_tool_without_login_network_or_a_valid_url_is_one_line(tmp_path, monkeypatch, capsys):
     """No W&B login, no network, a malformed --url: one line, exit 2 (only 127.0.0.1 is dialled)."""
     from dflash_cb.common.cli import run
-    from dflash_cb.integrations.panels import main
+    from dflash_cb.integrations.tracking.panels import main
 
     monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc: no login
     monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
@@ -284,7 +284,7 @@ def small_run(tmp_path_factory) -> Path:
 
 def _show(capsys, run_dir) -> tuple[int, str, str]:
     from dflash_cb.common.cli import run
-    from dflash_cb.integrations.panels import main
+    from dflash_cb.integrations.tracking.panels import main
 
     code = run(main, ["--run", str(run_dir), "--show"])
     out = capsys.readouterr()

@@ -137,7 +137,7 @@ def test_threads_default_to_the_usable_cores_and_are_recorded(tiny_cache, tiny_d
     is checked (one line, exit 2) before any work, printed in the summary and recorded in results.json."""
     from dflash_cb.common.cli import run
     from dflash_cb.common.threads import default_threads, physical_cores, usable_cpus
-    from dflash_cb.integrations import eval_cli
+    from dflash_cb.integrations.cli import eval_drafter as eval_cli
 
     cpus = usable_cpus()
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)

@@ -37,7 +37,7 @@ def _poisoned(drafter, value: float = float("nan")):
 def test_a_folder_with_non_finite_weights_gets_no_tau(drafter, tiny_cache, tmp_path, capsys, dtype, value) -> None:
     """The folder loader (every tool's) and eval_drafter refuse, naming the tensor and how many entries."""
     from dflash_cb.core.checkpoints.load import load_drafter
-    from dflash_cb.integrations import eval_cli
+    from dflash_cb.integrations.cli import eval_drafter as eval_cli
 
     folder = tmp_path / "d"
     _poisoned(drafter, value).to(dtype).save_pretrained(folder)
@@ -52,7 +52,7 @@ def test_a_folder_with_non_finite_weights_gets_no_tau(drafter, tiny_cache, tmp_p
 
 def test_a_checkpoint_with_non_finite_weights_is_not_extracted(drafter, tiny_drafter_config, tmp_path, capsys) -> None:
     """extract_drafter (and the sweep, which reads checkpoints through the same function) refuse; nothing written."""
-    from dflash_cb.integrations import extract_cli
+    from dflash_cb.integrations.cli import extract as extract_cli
 
     torch.save({"state_dict": {"drafter." + k: v for k, v in _poisoned(drafter).state_dict().items()},
                 "hyper_parameters": {"drafter_config": tiny_drafter_config}, "global_step": 3}, tmp_path / "c.ckpt")
@@ -229,7 +229,7 @@ def test_bad_sinks_are_named_as_given(tiny_cache, where) -> None:
                                               ("/runs", "runs/")])
 def test_a_bad_prefix_is_answered_with_a_usable_one(prefix, suggested) -> None:
     from dflash_cb.common.arguments import ArgumentError
-    from dflash_cb.integrations.config import check_prefix
+    from dflash_cb.integrations.evaluator.config import check_prefix
 
     with pytest.raises(ArgumentError, match=f"e.g. prefix='{suggested}'"):
         check_prefix(prefix)
@@ -241,7 +241,7 @@ def test_a_resumed_offline_wandb_run_shows_its_whole_curve(tmp_path, monkeypatch
     every step of the run."""
     import wandb
 
-    from dflash_cb.integrations import panels
+    from dflash_cb.integrations.tracking import panels
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.chdir(tmp_path)

@@ -8,12 +8,12 @@ import pytest
 
 from dflash_cb.core.figures.metrics import AnchorCounts, EvalCounts, summarize
 from dflash_cb.core.replay.engine import SampleResult
-from dflash_cb.integrations.config import EvalConfig
-from dflash_cb.integrations.measure import Measurement
-from dflash_cb.integrations.publish import Publisher
-from dflash_cb.integrations.schedule import Profile, Reason, Trigger
-from dflash_cb.integrations.session import LoopContext, open_session
-from dflash_cb.integrations.sinks import EvaluationRecord, MetricsSink, RunInfo
+from dflash_cb.integrations.evaluator.config import EvalConfig
+from dflash_cb.integrations.evaluator.measure import Measurement
+from dflash_cb.integrations.evaluator.publish import Publisher
+from dflash_cb.integrations.evaluator.schedule import Profile, Reason, Trigger
+from dflash_cb.integrations.evaluator.session import LoopContext, open_session
+from dflash_cb.integrations.tracking.sinks import EvaluationRecord, MetricsSink, RunInfo
 
 PREFIX = "dflash_eval/"
 BLOCK = 4

@@ -65,7 +65,7 @@ def test_eval_drafter_names_the_results_file_it_could_not_write_and_keeps_the_ol
 
 @pytest.mark.e2e
 def test_extract_on_a_full_disk_names_the_weights_and_keeps_the_previous_drafter(drafter_dir, tmp_path):
-    from dflash_cb.integrations import extract_cli
+    from dflash_cb.integrations.cli import extract as extract_cli
 
     out = tmp_path / "drafter"
     assert run(extract_cli.main, ["--ckpt", str(drafter_dir / "model.safetensors"), "--config",
@@ -108,7 +108,8 @@ def test_out_through_a_symbolic_link_writes_the_target_and_keeps_the_link(tiny_c
     """``latest.json -> runs/a.json``: the link stays and points at the new results; a dangling link's
     target is created. The same for a drafter folder."""
     from dflash_cb.core.results.results_file import load_results
-    from dflash_cb.integrations import eval_cli, extract_cli
+    from dflash_cb.integrations.cli import eval_drafter as eval_cli
+    from dflash_cb.integrations.cli import extract as extract_cli
 
     runs = tmp_path / "runs"
     runs.mkdir()

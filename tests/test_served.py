@@ -143,7 +143,7 @@ def _sglang_args(world: dict[str, Any], url: str, out: Path) -> list[str]:
 
 def _eval(world: dict[str, Any], cache: Path, drafter: Path, out: Path, *extra: str) -> int:
     from dflash_cb.common.cli import run
-    from dflash_cb.integrations import eval_cli as eval_drafter  # the code behind tools/eval_drafter.py
+    from dflash_cb.integrations.cli import eval_drafter as eval_drafter
 
     return run(eval_drafter.main, ["--states", str(cache), "--drafter", str(drafter), "--out", str(out),
                                    "--ddtree-budgets", "", "--served-check", *extra])
@@ -629,7 +629,7 @@ def test_served_spec_of_the_wrong_shape(world, served_cache, tmp_path, capsys, v
     evaluator's setup) refuses it in one line naming the manifest and the sample."""
     from dflash_cb.cache.manifest import MANIFEST_NAME, CacheError
     from dflash_cb.cache.states import StateCache
-    from dflash_cb.integrations.evaluator import LiveEvaluator
+    from dflash_cb.integrations.evaluator.live import LiveEvaluator
 
     def damage(m: dict) -> None:
         m["samples"][1]["served_spec"] = value

@@ -52,7 +52,7 @@ def _vllm_args(world: dict[str, Any], url: str, out: Path, *extra: str) -> list[
 
 def _eval(cache: Path, drafter: Path, out: Path, *extra: str) -> int:
     from dflash_cb.common.cli import run
-    from dflash_cb.integrations import eval_cli as eval_drafter  # the code behind tools/eval_drafter.py
+    from dflash_cb.integrations.cli import eval_drafter as eval_drafter
 
     return run(eval_drafter.main, ["--states", str(cache), "--drafter", str(drafter), "--out", str(out),
                                    "--ddtree-budgets", "", "--served-check", *extra])

@@ -22,7 +22,7 @@ from dflash_cb.core.costs.serving import (
     project,
     sample_seconds,
 )
-from dflash_cb.integrations.projection import read_profile
+from dflash_cb.integrations.evaluator.projection import read_profile
 
 
 def flat(seconds: float, draft: float, top: int = 64) -> CostProfile:
@@ -126,7 +126,7 @@ def drafter_dir(tiny_cache: Path, tiny_drafter_config: dict, tmp_path_factory: p
 def test_a_profile_measured_on_the_tiny_models_and_resumed(tiny_cache, drafter_dir, tmp_path, monkeypatch) -> None:
     """Every (context, tokens) point measured once, with the drafter's pass per context; a run stopped after its
     first context resumes with the second alone; the finished file is never overwritten."""
-    from dflash_cb.integrations import profile_cli
+    from dflash_cb.integrations.cli import profile_costs as profile_cli
 
     target = tiny_cache.parent / "target"
     measured: list[int] = []
@@ -168,7 +168,8 @@ def test_eval_drafter_projects_with_a_profile(tiny_cache, drafter_dir, tmp_path)
     projects each setting's pooled tau through the whole tool; a profile of another target or too few rows is
     refused before any scoring."""
     from dflash_cb.core.results.results_file import load_results
-    from dflash_cb.integrations import eval_cli, profile_cli
+    from dflash_cb.integrations.cli import eval_drafter as eval_cli
+    from dflash_cb.integrations.cli import profile_costs as profile_cli
 
     csv = tmp_path / "verify.csv"
     csv.write_text("verified_tokens,seconds\n1,0.02\n16,0.02\n")
@@ -203,7 +204,7 @@ def test_eval_drafter_projects_with_a_profile(tiny_cache, drafter_dir, tmp_path)
 def test_a_roofline_profile_is_labelled_with_the_stated_numbers(tiny_cache, drafter_dir, tmp_path) -> None:
     """No target run: bytes over the stated bandwidth, FLOPs over the stated peak; memory-bound steps at few
     tokens cost the same, compute-bound ones grow with them; the label says what was stated."""
-    from dflash_cb.integrations import profile_cli
+    from dflash_cb.integrations.cli import profile_costs as profile_cli
 
     out = tmp_path / "roof.json"
     assert profile_cli.main(["--roofline", "--bandwidth-gbs", "100", "--peak-tflops", "0.8", "--target",
@@ -225,7 +226,9 @@ def test_serve_plan_across_drafters(tiny_cache, tiny_drafter_config, drafter_dir
 
     from dflash_cb.cache.states import StateCache
     from dflash_cb.core.drafters.dflash.model import DFlashDrafter
-    from dflash_cb.integrations import eval_cli, profile_cli, serve_plan_cli
+    from dflash_cb.integrations.cli import eval_drafter as eval_cli
+    from dflash_cb.integrations.cli import profile_costs as profile_cli
+    from dflash_cb.integrations.cli import serve_plan as serve_plan_cli
 
     torch.manual_seed(0)
     trained = tmp_path / "trained"
@@ -264,7 +267,7 @@ def test_the_live_evaluation_logs_the_projection(tiny_cache, tiny_drafter_config
     the greedy speedup is the logged tau, the DDTree's its tau); too few rows are refused at setup."""
     from test_loops import BUDGETS, PREFIX, plain_loop
 
-    from dflash_cb.integrations import profile_cli
+    from dflash_cb.integrations.cli import profile_costs as profile_cli
 
     (tmp_path / "v.csv").write_text("verified_tokens,seconds\n1,0.02\n64,0.02\n")
     prof = tmp_path / "p.json"
@@ -277,7 +280,7 @@ def test_the_live_evaluation_logs_the_projection(tiny_cache, tiny_drafter_config
         assert metrics[PREFIX + f"serving/speedup_ddtree_b{b}"] == pytest.approx(
             metrics[PREFIX + f"ddtree/tau_b{b}"], rel=1e-12)
         assert metrics[PREFIX + "serving/speedup_greedy_ci_low"] <= metrics[PREFIX + "serving/speedup_greedy"]
-    from dflash_cb.integrations.panels import layout_from_keys, panel_plan
+    from dflash_cb.integrations.tracking.panels import layout_from_keys, panel_plan
 
     keys = set(logged[2])  # the W&B view built from a run's keys has the projection's section, every key logged
     section = panel_plan(layout_from_keys(keys))["Serving (projected)"]

@@ -87,7 +87,7 @@ def test_a_drafter_reading_a_layer_the_cache_lacks_is_refused_naming_it(world):
 
 def test_eval_drafter_on_the_union_cache(world, tmp_path, capsys):
     """The tool reads the drafter's own columns too: its results equal the ones on the drafter's own cache."""
-    from dflash_cb.integrations import eval_cli
+    from dflash_cb.integrations.cli import eval_drafter as eval_cli
 
     folder = tmp_path / "b"
     drafter(world["configs"]["b"], 2).save_pretrained(folder)

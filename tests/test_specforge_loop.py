@@ -1,4 +1,4 @@
-"""SpecForge 0.2.0's own training loop with the live evaluation attached (``dflash_cb.integrations.specforge``).
+"""SpecForge 0.2.0's own training loop with the live evaluation attached (``dflash_cb.integrations.loops.specforge``).
 
 In process: SpecForge's ``TrainerController.fit`` over its ``TrainerCore``, ``DFlashTrainStrategy``,
 ``OnlineDFlashModel`` and ``DFlashDraftModel``, its own ``FSDPTrainingBackend`` (unwrapped: one CPU process) and
@@ -43,8 +43,8 @@ from specforge.training.checkpoint import CheckpointManager  # noqa: E402
 from specforge.training.controller import TrainerController, TrainerCore  # noqa: E402
 from specforge.training.strategies.base import DFlashTrainStrategy  # noqa: E402
 
-from dflash_cb.integrations.specforge import STATE_FILE, attach  # noqa: E402
-from dflash_cb.integrations.specforge_data import train_batches, write_offline_features  # noqa: E402
+from dflash_cb.integrations.loops.specforge import STATE_FILE, attach  # noqa: E402
+from dflash_cb.integrations.loops.specforge_data import train_batches, write_offline_features  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TAU = PREFIX + "tau"
@@ -252,7 +252,7 @@ def test_bad_arguments_are_refused_at_attach(tmp_path, tiny_cache, tiny_drafter_
 def test_a_resume_from_that_is_no_checkpoint_folder_is_refused_at_attach(tmp_path, tiny_cache, tiny_drafter_config):
     """A folder that does not exist started a new series with a warning (a typo lost the run's history); the
     state file instead of its folder failed at the first fit with the path doubled (NotADirectoryError)."""
-    from dflash_cb.integrations.specforge import STATE_FILE
+    from dflash_cb.integrations.loops.specforge import STATE_FILE
 
     controller, _ = specforge_controller(tiny_cache, tiny_drafter_config, tmp_path / "out", max_steps=2)
     missing = tmp_path / "out" / f"{RUN}-step4"
@@ -373,7 +373,7 @@ def test_specforge_command_line_on_two_torchrun_ranks(tmp_path, tiny_cache, tiny
 def test_specforge_command_line_refuses_what_it_cannot_do_in_one_line(tmp_path, tiny_cache, tiny_drafter_config,
                                                                       capsys):
     from dflash_cb.common.cli import run
-    from dflash_cb.integrations.specforge_cli import main
+    from dflash_cb.integrations.cli.specforge_train import main
 
     assert run(main, ["--states", str(tiny_cache)]) == 2
     assert "put SpecForge's train arguments after --" in capsys.readouterr().err

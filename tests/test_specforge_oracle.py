@@ -46,7 +46,7 @@ from specforge.training.strategies.base import DFlashTrainStrategy  # noqa: E402
 from specforge_objective import dflash_objective  # noqa: E402
 
 from dflash_cb.core.figures.metrics import SPECFORGE_ACC, depth_acc  # noqa: E402
-from dflash_cb.integrations.specforge_data import train_batches  # noqa: E402
+from dflash_cb.integrations.loops.specforge_data import train_batches  # noqa: E402
 
 BLOCK = 6
 LAYERS = [0, 2]

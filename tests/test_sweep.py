@@ -29,7 +29,9 @@ from processes import run_ranks, sigkill_when
 from tiny_target import TINY_LAYER_IDS
 
 from dflash_cb.common.cli import run
-from dflash_cb.integrations import eval_cli, extract_cli, sweep_cli
+from dflash_cb.integrations.cli import eval_drafter as eval_cli
+from dflash_cb.integrations.cli import extract as extract_cli
+from dflash_cb.integrations.cli import sweep_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 OPTIONS = ["--ddtree-budgets", "4,8", "--device", "cpu", "--dtype", "float32"]
@@ -232,7 +234,7 @@ def test_specforge_checkpoints_equal_the_tool_on_specforges_own_export(tiny_cach
     from specforge.export.to_hf import export_to_hf
     from test_specforge_loop import RUN, specforge_controller
 
-    from dflash_cb.integrations.specforge_data import train_batches
+    from dflash_cb.integrations.loops.specforge_data import train_batches
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -457,7 +459,7 @@ def test_the_report_compares_the_best_with_the_last(tiny_cache, tiny_drafter_con
     rec = record(tmp_path / "sweep")
     best, last = rec["best"], rec["entries"][-1]
     assert best["step"] != last["step"] == 8
-    from dflash_cb.integrations import compare_cli as compare
+    from dflash_cb.integrations.cli import compare as compare
 
     assert run(compare.main, [str(tmp_path / "sweep" / last["results"]), str(tmp_path / "sweep" / best["results"]),
                               "--labels", f"last (step 8),best (step {best['step']})",
@@ -584,7 +586,7 @@ def test_the_wandb_run_has_the_live_keys_and_step_axis_and_the_panels(tiny_cache
     from test_loops import plain_loop as live_loop
     from wandb_runs import history_and_summary
 
-    from dflash_cb.integrations import panels
+    from dflash_cb.integrations.tracking import panels
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.chdir(tmp_path)
@@ -799,7 +801,7 @@ def test_watch_does_not_call_a_checkpoint_being_written_damaged(tiny_cache, plai
     import shutil
 
     from dflash_cb.core.checkpoints.load import CheckpointError
-    from dflash_cb.integrations import sweep as sweep_module
+    from dflash_cb.integrations.cli import sweep as sweep_module
 
     src = next(iter(plain_run.values()))
     run_dir = tmp_path / "run"

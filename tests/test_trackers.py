@@ -15,7 +15,7 @@ import torch
 from lightning_runs import fit
 
 from dflash_cb import DFlashDrafter, DFlashEvalCallback, LiveEvaluator
-from dflash_cb.integrations import trackers
+from dflash_cb.integrations.tracking import trackers
 
 PREFIX = "dflash_eval/"
 
@@ -44,8 +44,8 @@ def test_the_registry_finds_every_tracker_file_and_a_new_tracker_is_one_file(tmp
     extra = tmp_path / "extra_trackers"
     extra.mkdir()
     (extra / "ledger.py").write_text(
-        "from dflash_cb.integrations.sinks import MetricsSink\n"
-        "from dflash_cb.integrations.trackers import Tracker\n\n"
+        "from dflash_cb.integrations.tracking.sinks import MetricsSink\n"
+        "from dflash_cb.integrations.tracking.trackers import Tracker\n\n"
         "class Ledger:\n    lines = None\n\n"
         "class LedgerSink(MetricsSink):\n"
         "    def __init__(self, ledger):\n        self.ledger = ledger\n"
@@ -54,7 +54,7 @@ def test_the_registry_finds_every_tracker_file_and_a_new_tracker_is_one_file(tmp
     monkeypatch.setattr(trackers, "__path__", [*trackers.__path__, str(extra)])
     monkeypatch.syspath_prepend(str(tmp_path))
     assert "ledger" in [t.name for t in trackers.trackers()]
-    module = sys.modules["dflash_cb.integrations.trackers.ledger"]
+    module = sys.modules["dflash_cb.integrations.tracking.trackers.ledger"]
     ledger = module.Ledger()
     ledger.lines = []
     (sink,) = trackers.as_sinks(ledger)

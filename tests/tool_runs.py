@@ -32,7 +32,7 @@ def folder_digest(folder: Path) -> dict[str, str]:
 
 def tool_metrics(cache: Path, drafter_dir: Path, out: Path, light: bool, block_size: int) -> dict[str, Any]:
     """``tools/eval_drafter.py`` on a saved drafter, with the profile of the live evaluation."""
-    from dflash_cb.integrations import eval_cli
+    from dflash_cb.integrations.cli import eval_drafter as eval_cli
 
     profile = (["--anchor-stride", str(block_size), "--ddtree-budgets", str(max(BUDGETS))] if light
                else ["--ddtree-budgets", ",".join(map(str, BUDGETS))])

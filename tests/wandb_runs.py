@@ -1,4 +1,4 @@
-"""Test helpers: what an offline W&B run holds (read with ``dflash_cb.integrations.wandb_offline``), and a
+"""Test helpers: what an offline W&B run holds (read with ``dflash_cb.integrations.tracking.wandb_offline``), and a
 published-figures file of test data."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import yaml
 
 
 def wandb_records(run_dir: Path) -> list:
-    """Records of an offline run's ``.wandb`` file (``dflash_cb.integrations.wandb_offline``, also used by the panels tool)."""
-    from dflash_cb.integrations.wandb_offline import offline_records
+    """Records of an offline run's ``.wandb`` file (``dflash_cb.integrations.tracking.wandb_offline``, also used by the panels tool)."""
+    from dflash_cb.integrations.tracking.wandb_offline import offline_records
 
     return offline_records(run_dir)
 
@@ -27,7 +27,7 @@ def finished_records(run_dir: Path, timeout: float = 30.0) -> list:
 
 
 def history_and_summary(run_dir: Path) -> tuple[list[dict], dict, list]:
-    from dflash_cb.integrations.wandb_offline import offline_history
+    from dflash_cb.integrations.tracking.wandb_offline import offline_history
 
     records = finished_records(run_dir)  # waits for the exit record: the log is complete
     history, summary = offline_history(run_dir)

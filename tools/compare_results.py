@@ -13,4 +13,4 @@ import sys
 from _command import run_command
 
 if __name__ == "__main__":
-    sys.exit(run_command("dflash_cb.integrations.compare_cli"))
+    sys.exit(run_command("dflash_cb.integrations.cli.compare"))

@@ -4,7 +4,7 @@
     python tools/extract_drafter.py --ckpt lightning_logs/.../step=1000.ckpt --out drafters/step1000 \
         [--config drafter_config.json] [--prefix drafter.]
 
-See ``--help``; the code is ``dflash_cb.integrations.extract_cli`` and ``dflash_cb.core.checkpoints.load.extract_drafter``.
+See ``--help``; the code is ``dflash_cb.integrations.cli.extract`` and ``dflash_cb.core.checkpoints.load.extract_drafter``.
 
 Installed (``pip install -e .``), the same tool is the ``dflash-extract`` command.
 """
@@ -14,4 +14,4 @@ import sys
 from _command import run_command
 
 if __name__ == "__main__":
-    sys.exit(run_command("dflash_cb.integrations.extract_cli"))
+    sys.exit(run_command("dflash_cb.integrations.cli.extract"))

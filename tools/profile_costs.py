@@ -13,4 +13,4 @@ import sys
 from _command import run_command
 
 if __name__ == "__main__":
-    sys.exit(run_command("dflash_cb.integrations.profile_cli"))
+    sys.exit(run_command("dflash_cb.integrations.cli.profile_costs"))

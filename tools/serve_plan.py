@@ -12,4 +12,4 @@ import sys
 from _command import run_command
 
 if __name__ == "__main__":
-    sys.exit(run_command("dflash_cb.integrations.serve_plan_cli"))
+    sys.exit(run_command("dflash_cb.integrations.cli.serve_plan"))

@@ -326,7 +326,7 @@ def train_drafter(cfg: DemoConfig, paths: Paths) -> dict[str, Any]:
     import lightning.pytorch as pl
     from lightning.pytorch.loggers import CSVLogger, WandbLogger
 
-    from ..integrations.callback import DFlashEvalCallback
+    from ..integrations.loops.lightning import DFlashEvalCallback
     from . import synthetic as S
     from .lightning_module import CachedStatesDataModule, DFlashDrafterModule
 

@@ -1,0 +1,141 @@
+"""The command line of ``tools/eval_drafter.py``: the edge only (arguments, the checks that must pass
+before any work, the files it writes); the evaluation itself is ``dflash_cb.core.replay.engine.evaluate``."""
+
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+from pathlib import Path
+
+from ...common import cli
+from ...common.log import say
+from ..evaluator.projection import add_projection, checked_settings, read_profile, refuse_other_target
+from ..evaluator.scoring import CacheScorer, ScoringOptions, add_scoring_options
+
+USAGE = """Score a saved DFlash drafter on a cache of target states: exact tau, DDTree, per-depth acceptance.
+
+    python tools/eval_drafter.py --states cached_states/qwen36-27b-v1 --drafter path/to/drafter \\
+        --out results.json [--ddtree-budgets 16,32,64] [--device cuda] [--dtype bfloat16]
+        [--samples N | --sample-ids a,b,c] [--anchor-stride N [--anchor-seed S]] [--block-size N]
+        [--served-check] [--profile profile.json] [--no-verify] [--threads N]
+
+Every argument, the cache, the drafter and the head are checked (and the shards to score hashed)
+before the evaluation starts; a problem is one line naming the file and the fix, exit code 2.
+"""
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=USAGE, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_scoring_options(p)  # --states, budgets, stride, block, tail blocks, dtype, device, samples, threads, ...
+    p.add_argument("--drafter", required=True, help="drafter folder (config.json + *.safetensors)")
+    p.add_argument("--out", required=True, help="results.json to write (checked before any work)")
+    p.add_argument("--served-check", action="store_true",
+                   help="compare with the server's own speculative counters stored in the cache (the drafter "
+                        "must be the one the server ran during the precompute); the default --block-size is then "
+                        "the server's recorded block")
+    p.add_argument("--profile", default=None,
+                   help="a cost profile (tools/profile_costs.py): also project tokens per second and the speedup "
+                        "over plain decoding of every scored setting (block, DDTree budgets)")
+    p.add_argument("--wandb-project", default=None, help="also log the evaluation to this W&B project")
+    p.add_argument("--wandb-name", default=None, help="W&B run name")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+
+    from ...common.errors import DFlashCBError
+    from ...common.fileio import check_outputs_apart
+    from ...core.checkpoints.load import load_drafter
+    from ...core.drafters.layouts import cache_needs
+    from ...core.results.report import format_results
+    from ...core.results.results_file import check_results_path, drafter_provenance, write_results
+    from ...core.results.served_check import (
+        compare,
+        format_check,
+        has_served_counters,
+        nothing_selected,
+        nothing_to_compare,
+        replay_block_size,
+    )
+
+    # Cheap checks first, then the files, so nothing is computed for a run that cannot finish.
+    check_outputs_apart([("--states", args.states), ("--drafter", args.drafter), ("--target", args.target)],
+                        files=[("--out", args.out)])
+    out = check_results_path(args.out)
+    # One rule with the callback's arguments (dflash_cb.common.arguments): a bad value is one line naming the option.
+    options = ScoringOptions.from_args(args)
+    if args.served_check and args.tail_blocks != "served":
+        raise DFlashCBError("--served-check with --tail-blocks reference: the server drafts full blocks, so the "
+                            "check always replays with --tail-blocks served; drop --tail-blocks reference")
+    profile = read_profile(args.profile) if args.profile else None
+    # The live evaluator's configuration and checks (session.py), with this tool's options.
+    scorer = CacheScorer(options)
+    cache = scorer.cache
+    if profile is not None:
+        refuse_other_target(profile, cache.manifest.target, f"--profile {args.profile}")
+    if args.served_check and not has_served_counters(cache.samples):
+        raise nothing_to_compare(cache.path)  # before any weights are read
+    if args.served_check:
+        chosen = set(scorer.ids)
+        why = nothing_selected(cache.path, [e for e in cache.samples if e.id in chosen])
+        if why is not None:
+            raise why  # the selection holds no sample with comparable counters: before any weights are read
+    drafter = load_drafter(args.drafter, device=options.device)
+    if args.served_check:  # the server's block when it is recorded (docs/method.md, "Check against the server")
+        cache.check_fit(cache_needs(drafter))  # before its block is compared with the server's
+        scorer.config = scorer.config.replace(block_size=replay_block_size(
+            cache.manifest.served_spec_config, drafter.spec.block_size, options.block_size))
+    fit = scorer.check(drafter, "--drafter")
+    settings = None
+    if profile is not None:  # every setting within the profile's rows, before any scoring
+        settings = checked_settings(profile, drafter, fit.block_size, options.budgets, f"--profile {args.profile}")
+    results, report = scorer.score(drafter, fit, drafter_provenance(args.drafter), progress=True)
+    if profile is not None:
+        add_projection(results, report, cache, profile, settings)
+    check = None
+    if args.served_check:
+        check = compare(cache.samples, {s.id: s.acceptance_lengths for s in report.samples},
+                        cache.manifest.served_spec_config, drafter.spec.block_size, args.drafter,
+                        correct_drafts={s.id: s.correct_drafts for s in report.samples},
+                        drafter_input_embedding_scale=drafter.spec.input_embedding_scale, block_size=fit.block_size)
+        results.breakdown["served_check"] = check.to_dict()
+    lines = [format_results(results)] + (["\n" + format_check(check)] if check is not None else [])
+    # Written before the summary is printed, so a closed pipe (``eval_drafter ... | head``) cannot lose the
+    # results; a write that fails (a full disk) still shows the numbers, then names the file.
+    try:
+        write_results(results, out)
+    except OSError:
+        for line in lines:
+            say(line)
+        raise
+    try:
+        for line in [*lines, f"\nwrote {out}"]:
+            say(line)
+    except BrokenPipeError:
+        _stdout_closed(out)
+        return 0
+    if args.wandb_project:
+        from ..tracking.wandb_logging import log_standalone_results
+
+        run_dir = Path(log_standalone_results(results, project=args.wandb_project, name=args.wandb_name)).parent
+        how = (f"; see it with python tools/wandb_panels.py --run {shlex.quote(str(run_dir))} --show"
+               if run_dir.name.startswith("offline-run") else "")
+        say(f"logged to W&B project {args.wandb_project}: {run_dir}{how}")
+    return 0
+
+
+def _stdout_closed(out: Path) -> None:
+    """The reader of stdout went away (``| head``): the results are written; say so where it can be read."""
+    try:
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - the interpreter's final flush must not fail again
+        print(f"eval_drafter: stdout was closed before the summary was printed; the results are in {out}",
+              file=sys.stderr)
+    except OSError:
+        pass
+
+
+command = cli.command(main)  # the ``dflash-eval`` console command

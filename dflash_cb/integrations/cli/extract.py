@@ -1,0 +1,52 @@
+"""The command line of ``tools/extract_drafter.py`` (the work is ``checkpoints.extract_drafter``)."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+from ...common import cli
+
+USAGE = """Strip a training checkpoint down to a drafter folder (config.json + model.safetensors).
+
+    python tools/extract_drafter.py --ckpt lightning_logs/.../step=1000.ckpt --out drafters/step1000 \\
+        [--config drafter_config.json] [--prefix drafter.]
+
+Loads with torch.load(weights_only=True), drops optimizer/scheduler/loop state, finds the drafter's
+key prefix, and refuses a result with missing or unexpected keys. The folder loads both in
+dflash_cb (DFlashDrafter.from_pretrained) and in the reference dflash.model.DFlashDraftModel.
+"""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=USAGE, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ckpt", required=True,
+                   help="Lightning .ckpt, a Hugging Face checkpoint-N folder, a SpecForge <run>-stepN folder, a plain "
+                        "loop's torch.save'd checkpoint (the drafter's state dict in any entry) or a .safetensors file")
+    p.add_argument("--out", required=True,
+                   help="drafter folder to write: new, empty, or an earlier drafter folder (replaced atomically)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="write config.json and model.safetensors into a non-empty folder that is not a drafter "
+                        "folder (its other files are kept; the folder holding --ckpt is always refused)")
+    p.add_argument("--config", default=None,
+                   help="drafter config.json (default: hyper_parameters.drafter_config in the checkpoint)")
+    p.add_argument("--prefix", default=None, help="key prefix of the drafter in the checkpoint (default: found)")
+    args = p.parse_args(argv)
+    from ...common.fileio import check_outputs_apart
+    from ...core.checkpoints.load import (
+        describe_dropped,
+        describe_source,
+        extract_drafter,
+        read_drafter_config,
+    )
+
+    check_outputs_apart([("--ckpt", args.ckpt), ("--config", args.config)], folders=[("--out", args.out)])
+
+    config = read_drafter_config(args.config) if args.config else None
+    info = extract_drafter(args.ckpt, args.out, config=config, prefix=args.prefix, overwrite=args.overwrite)
+    print(f"wrote {args.out}: {info['tensors']} tensors, {info['params'] / 1e6:.2f}M parameters "
+          f"(from {describe_source(info['entry'], info['prefix'])}; {describe_dropped(info)})")
+    return 0
+
+
+command = cli.command(main)  # the ``dflash-extract`` console command

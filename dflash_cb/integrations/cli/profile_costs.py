@@ -1,0 +1,358 @@
+"""The command line of ``tools/profile_costs.py``: a cost profile for the serving projection (``core.serving``).
+
+Three ways to one versioned JSON file:
+
+- measured: the real target and drafter timed on whatever device this runs on (CUDA events on a GPU, the
+  monotonic clock on a CPU): the target's forward of n tokens after a context of L committed ones (its K/V
+  cache filled by a prefill, copied before every timed step), one drafter pass (blocks and head); written
+  after every context, so an interrupted run resumes where it stopped.
+- ``--roofline``: no target run; weight and K/V bytes over the memory bandwidth, FLOPs over the peak, both
+  stated by the user; a labelled estimate.
+- ``--from-csv``: the user's own serving measurements (``verified_tokens,seconds``) and ``--draft-seconds``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import csv
+import datetime
+import inspect
+import json
+import shlex
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from ...common import cli
+from ...common.arguments import ArgumentError, parse_int, parse_int_list
+from ...common.errors import DFlashCBError
+from ...common.log import say
+from ...core.costs.serving import CostProfile, ProfileError
+from ..evaluator.projection import drafter_identity
+
+USAGE = """Measure (or state) the step costs the serving projection prices a replay with.
+
+    python tools/profile_costs.py --target TARGET_DIR --drafter DRAFTER_DIR --out profile.json \\
+        [--device cuda] [--dtype bfloat16] [--contexts 512,2048,8192] [--tokens 1-16] [--repeats 5]
+    python tools/profile_costs.py --roofline --bandwidth-gbs 4800 --peak-tflops 989 \\
+        --target TARGET_DIR [--drafter DRAFTER_DIR] --out profile.json
+    python tools/profile_costs.py --from-csv verify.csv --draft-seconds 0.004 [--states CACHE] --out profile.json
+
+Then: python tools/eval_drafter.py ... --profile profile.json (projected tokens per second and speedup).
+"""
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=USAGE, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="the profile to write (JSON; an unfinished one is resumed)")
+    p.add_argument("--target", default=None, help="the target's folder (config.json + safetensors)")
+    p.add_argument("--drafter", default=None, help="the drafter's folder: its pass is timed (measured, roofline)")
+    p.add_argument("--states", default=None, help="a cache: the target's identity for --from-csv without --target")
+    p.add_argument("--device", default="cpu", help="where to measure (cpu, cuda, cuda:1)")
+    p.add_argument("--dtype", default="bfloat16", help="the weights' dtype when measuring (bfloat16, float32)")
+    p.add_argument("--contexts", default="512,2048", help="context lengths to measure at")
+    p.add_argument("--tokens", default=None,
+                   help="verified token counts: a list (1,2,4,8,16) or a range (1-16); default 1 to the drafter's "
+                        "block (and --max-budget + 1)")
+    p.add_argument("--max-budget", type=int, default=0, help="also measure up to this DDTree budget + 1 tokens")
+    p.add_argument("--repeats", default="5", help="timed runs per point (the median is kept), after one warm-up")
+    p.add_argument("--roofline", action="store_true", help="estimate from bytes and FLOPs (no target run)")
+    p.add_argument("--bandwidth-gbs", type=float, default=None, help="--roofline: memory bandwidth, GB/s")
+    p.add_argument("--peak-tflops", type=float, default=None, help="--roofline: peak matrix throughput, TFLOP/s")
+    p.add_argument("--from-csv", default=None, help="your own verify-step times: columns verified_tokens,seconds")
+    p.add_argument("--draft-seconds", type=float, default=None,
+                   help="--from-csv: one drafter pass (block drafters) or one step (chain drafters), seconds")
+    p.add_argument("--batch-size", type=int, default=1, help="the batch the times are for (measured: 1)")
+    return p.parse_args(argv)
+
+
+def _write(path: Path, data: dict[str, Any]) -> None:
+    from ...common.fileio import atomic_write_json
+
+    atomic_write_json(path, data)
+
+
+def _tokens(args: argparse.Namespace, block: int | None) -> list[int]:
+    if args.tokens:
+        text = args.tokens.strip()
+        if "-" in text and "," not in text:
+            lo, hi = (parse_int("--tokens", x, 1) for x in text.split("-", 1))
+            if hi < lo:
+                raise ArgumentError(f"--tokens {text}: the range's end is below its start")
+            return list(range(lo, hi + 1))
+        return sorted(set(parse_int_list("--tokens", text, 1)))
+    top = max(block or 1, args.max_budget + 1)
+    return list(range(1, top + 1))
+
+
+def target_identity(config: Any) -> dict[str, Any]:
+    return {"name": Path(str(config.name_or_path)).name, "hidden_size": config.hidden_size,
+            "num_layers": config.num_layers, "vocab_size": config.vocab_size}
+
+
+# -- --from-csv --------------------------------------------------------------------------------------------
+
+def from_csv(path: str, draft_seconds: float | None) -> tuple[dict[int, tuple[tuple[int, float], ...]], dict[int, float]]:
+    if draft_seconds is None or not draft_seconds >= 0:
+        raise ArgumentError("--from-csv needs --draft-seconds S: one drafter pass (block drafters) or one step "
+                            "(chain drafters) on your serving stack, in seconds (>= 0)")
+    rows: dict[int, float] = {}
+    try:
+        with open(path, newline="") as f:
+            reader = csv.DictReader(f)
+            if not reader.fieldnames or not {"verified_tokens", "seconds"} <= set(reader.fieldnames):
+                raise ArgumentError(f"--from-csv {path}: the header must name verified_tokens,seconds "
+                                    f"(got {reader.fieldnames})")
+            for i, row in enumerate(reader, start=2):
+                try:
+                    n, s = int(row["verified_tokens"]), float(row["seconds"])
+                except (TypeError, ValueError):
+                    raise ArgumentError(f"--from-csv {path}, line {i}: verified_tokens must be an integer and "
+                                        f"seconds a number, got {row}") from None
+                if n in rows:
+                    raise ArgumentError(f"--from-csv {path}, line {i}: verified_tokens {n} given twice")
+                rows[n] = s
+    except FileNotFoundError:
+        raise ArgumentError(f"--from-csv {path}: no such file") from None
+    if 1 not in rows:
+        raise ArgumentError(f"--from-csv {path}: needs a row for verified_tokens 1 (plain decoding's step, the "
+                            "speedup's baseline)")
+    return {0: tuple(sorted(rows.items()))}, {0: float(draft_seconds)}
+
+
+# -- --roofline --------------------------------------------------------------------------------------------
+
+def roofline(target_dir: str, drafter: Any, contexts: list[int], tokens: list[int], dtype_bytes: int,
+             bandwidth_gbs: float, peak_tflops: float) -> tuple[dict[int, tuple[tuple[int, float], ...]],
+                                                                dict[int, float], str]:
+    """A step's time as the larger of bytes read over the bandwidth and FLOPs over the peak: the target's
+    weights and the K/V of its full-attention layers over the context; 2 FLOPs a parameter a token and the
+    attention's 4 * n * context * (heads * head_dim) per full-attention layer."""
+    from ...cache.target import count_text_parameters, read_target_config
+
+    cfg = read_target_config(target_dir)
+    params = count_text_parameters(target_dir, cfg)
+    raw = json.loads((Path(target_dir) / "config.json").read_text())
+    text = raw.get("text_config") or raw
+    heads = int(text.get("num_attention_heads") or 1)
+    kv = int(text.get("num_key_value_heads") or heads)
+    head_dim = int(text.get("head_dim") or cfg.hidden_size // heads)
+    types = text.get("layer_types") or ["full_attention"] * cfg.num_layers
+    full = sum(1 for t in types if t == "full_attention")
+    bw, peak = bandwidth_gbs * 1e9, peak_tflops * 1e12
+
+    def step(n: int, ctx: int, p: int, layers: int, kv_heads: int, hd: int, q_heads: int) -> float:
+        bytes_read = p * dtype_bytes + layers * 2 * kv_heads * hd * ctx * dtype_bytes
+        flops = 2 * p * n + 4 * n * (ctx + n) * q_heads * hd * layers
+        return max(bytes_read / bw, flops / peak)
+
+    verify = {c: tuple((n, step(n, c, params, full, kv, head_dim, heads)) for n in tokens) for c in contexts}
+    draft = {c: 0.0 for c in contexts}
+    if drafter is not None:
+        dp = sum(p.numel() for p in drafter.parameters()) + drafter.config.vocab_size * cfg.hidden_size  # + head
+        attn = drafter.layers[0].self_attn
+        block = drafter.spec.block_size
+        draft = {c: step(block, c, dp, len(drafter.layers), attn.num_kv_heads, attn.head_dim, attn.num_heads)
+                 for c in contexts}
+    stated = f"roofline: {bandwidth_gbs:g} GB/s, {peak_tflops:g} TFLOP/s stated, {dtype_bytes}-byte weights"
+    return verify, draft, stated
+
+
+# -- measured ----------------------------------------------------------------------------------------------
+
+class StepClock:
+    """Seconds of a callable: CUDA events on a GPU (the device's own clock), the monotonic clock on a CPU."""
+
+    def __init__(self, device: Any) -> None:
+        import torch
+
+        self.cuda = torch.device(device).type == "cuda"
+        self.torch = torch
+
+    def seconds(self, fn: Callable[[], Any], prepare: Callable[[], Any] = lambda: None, repeats: int = 5) -> float:
+        times = []
+        for i in range(repeats + 1):  # the first run warms up
+            arg = prepare()
+            if self.cuda:
+                start, end = self.torch.cuda.Event(enable_timing=True), self.torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn(arg)
+                end.record()
+                end.synchronize()
+                t = start.elapsed_time(end) / 1000
+            else:
+                t0 = time.monotonic()
+                fn(arg)
+                t = time.monotonic() - t0
+            if i:
+                times.append(t)
+        times.sort()
+        return times[len(times) // 2]
+
+
+def measure_context(model: Any, drafter: Any, head: Any, ctx: int, tokens: list[int], clock: StepClock,
+                    repeats: int, device: Any, vocab: int) -> tuple[list[tuple[int, float]], float]:
+    """(verify rows, drafter pass seconds) at one context length."""
+    import torch
+
+    g = torch.Generator().manual_seed(ctx)
+    ids = torch.randint(0, vocab, (1, ctx + max(tokens)), generator=g).to(device)
+    # transformers 5 names the K/V cache argument ``cache`` (``past_key_values`` before, deprecated since).
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    with torch.no_grad():
+        first = model(input_ids=ids[:, :ctx], use_cache=True)
+        past = first.cache if "cache" in first else first.past_key_values
+        rows = []
+        for n in tokens:
+            step = ids[:, ctx:ctx + n]
+            pos = torch.arange(ctx, ctx + n, device=device)[None]
+            secs = clock.seconds(lambda cache, step=step, pos=pos: model(input_ids=step, position_ids=pos,
+                                                                          use_cache=True, **{name: cache}),
+                                 lambda: copy.deepcopy(past), repeats)
+            rows.append((n, secs))
+        draft = 0.0
+        if drafter is not None:
+            draft = clock.seconds(lambda _: _drafter_pass(drafter, head, ctx, device), repeats=repeats)
+    return rows, draft
+
+
+def _drafter_pass(drafter: Any, head: Any, ctx: int, device: Any) -> Any:
+    """One block at position ``ctx``: the drafter's layers over its context and the head on its drafts."""
+    import torch
+
+    spec = drafter.spec
+    g = torch.Generator().manual_seed(0)
+    dtype = next(drafter.parameters()).dtype
+    feats = torch.randn(ctx, len(spec.target_layer_ids) * spec.target_hidden_size, generator=g).to(device, dtype)
+    context = drafter.context_kv([feats])  # built once per committed token when serving: not a pass's cost
+    emb = torch.randn(1, spec.block_size, drafter.config.hidden_size, generator=g).to(device, dtype)
+    hidden = drafter.forward_blocks(context, emb, torch.tensor([ctx], device=device))
+    return hidden[0, 1:] @ head.T
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    from ...core.results.results_file import check_results_path
+
+    out = check_results_path(args.out, "--out", "profile.json")
+    modes = sum(bool(x) for x in (args.roofline, args.from_csv))
+    if modes > 1:
+        raise ArgumentError("--roofline and --from-csv are two ways to one profile: give one")
+    if args.batch_size < 1:
+        raise ArgumentError(f"--batch-size {args.batch_size}: must be >= 1")
+    contexts = sorted(set(parse_int_list("--contexts", args.contexts, 1)))
+    repeats = parse_int("--repeats", args.repeats, 1)
+    command = "python tools/profile_costs.py " + " ".join(shlex.quote(a) for a in argv)
+    today = datetime.date.today().isoformat()
+    target: dict[str, Any] = {}
+    drafter = None
+    if args.target:
+        from ...cache.target import read_target_config
+
+        target = target_identity(read_target_config(args.target))
+    elif args.states:
+        from ...cache.states import StateCache
+
+        m = StateCache(args.states).manifest.target
+        target = {k: m.get(k) for k in ("hidden_size", "num_layers", "vocab_size")}
+    if args.drafter:
+        from ...core.checkpoints.load import load_drafter
+
+        drafter = load_drafter(args.drafter, device="cpu")
+    drafter_id = drafter_identity(drafter) if drafter is not None else {}
+    if args.from_csv:
+        verify, draft = from_csv(args.from_csv, args.draft_seconds)
+        profile = CostProfile("user", verify, draft, target, drafter_id, "", "", args.batch_size, today,
+                              f"your own measurement: {args.from_csv}")
+        return _finish(out, profile)
+    if not args.target:
+        raise ArgumentError("--target TARGET_DIR is needed to measure (or --roofline); --from-csv needs none")
+    if out.exists() and not _partial(out):
+        raise ArgumentError(f"--out {out} exists: give another path (a finished profile is never overwritten)")
+    tokens = _tokens(args, drafter.spec.block_size if drafter is not None else None)
+    if args.roofline:
+        if not (args.bandwidth_gbs and args.bandwidth_gbs > 0 and args.peak_tflops and args.peak_tflops > 0):
+            raise ArgumentError("--roofline needs the device's --bandwidth-gbs and --peak-tflops (your numbers: "
+                                "the estimate is labelled with them)")
+        from ...cache.target import DTYPES
+
+        verify, draft, stated = roofline(args.target, drafter, contexts, tokens, DTYPES[args.dtype].itemsize,
+                                         args.bandwidth_gbs, args.peak_tflops)
+        profile = CostProfile("roofline", verify, draft, target, drafter_id, "", args.dtype, args.batch_size, today,
+                              stated)
+        return _finish(out, profile)
+    return _measure(args, out, target, drafter, drafter_id, contexts, tokens, repeats, command, today)
+
+
+def _measure(args: argparse.Namespace, out: Path, target: dict[str, Any], drafter: Any, drafter_id: dict[str, Any],
+             contexts: list[int], tokens: list[int], repeats: int, command: str, today: str) -> int:
+    import torch
+
+    from ...cache.target import DTYPES, load_target
+
+    if args.dtype not in DTYPES:
+        raise ArgumentError(f"--dtype {args.dtype}: one of {', '.join(DTYPES)}")
+    device = torch.device(args.device)
+    settings = {"tokens": tokens, "dtype": args.dtype, "device": str(device), "target": target,
+                "drafter": drafter_id, "repeats": repeats}
+    state: dict[str, Any] = {"partial": True, "settings": settings, "verify": {}, "draft": {}}
+    if out.exists():
+        try:
+            old = json.loads(out.read_text())
+        except (OSError, ValueError):
+            old = None
+        if isinstance(old, dict) and old.get("partial"):
+            if old.get("settings") != settings:
+                raise ArgumentError(f"--out {out}: an unfinished profile measured with other settings; give another "
+                                    "--out or the same options to resume it")
+            state = old
+            say(f"resuming {out}: contexts {sorted(int(c) for c in state['verify'])} already measured")
+        elif old is not None:
+            raise ArgumentError(f"--out {out} exists: give another path (a finished profile is never overwritten)")
+    model = load_target(args.target, args.dtype).model.to(device)
+    head = None
+    if drafter is not None:
+        drafter = drafter.to(device=device, dtype=DTYPES[args.dtype]).eval()
+        head = model.get_output_embeddings().weight
+    clock = StepClock(device)
+    vocab = int(target.get("vocab_size") or model.config.vocab_size)
+    for i, ctx in enumerate(contexts):
+        if str(ctx) in state["verify"]:
+            continue
+        rows, draft = measure_context(model, drafter, head, ctx, tokens, clock, repeats, device, vocab)
+        state["verify"][str(ctx)] = rows
+        state["draft"][str(ctx)] = draft
+        _write(out, state)  # after every context: an interrupted run resumes here
+        say(f"context {ctx} [{i + 1}/{len(contexts)}]: verify {rows[0][1] * 1e3:.2f} ms at {rows[0][0]} token(s), "
+            f"{rows[-1][1] * 1e3:.2f} ms at {rows[-1][0]}; drafter pass {draft * 1e3:.2f} ms")
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
+    profile = CostProfile("measured", {int(c): tuple((int(n), float(s)) for n, s in r) for c, r in state["verify"].items()},
+                          {int(c): float(s) for c, s in state["draft"].items()}, target, drafter_id, name, args.dtype,
+                          1, today, command)
+    return _finish(out, profile, replace=True)
+
+
+def _partial(path: Path) -> bool:
+    try:
+        return bool(json.loads(path.read_text()).get("partial"))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _finish(out: Path, profile: CostProfile, replace: bool = False) -> int:
+    if out.exists() and not replace:
+        raise ArgumentError(f"--out {out} exists: give another path (a profile is never overwritten)")
+    try:
+        _write(out, profile.to_dict())
+    except ProfileError as e:
+        raise DFlashCBError(str(e)) from None
+    say(f"wrote {out}: {profile.label()}; verified tokens {min(r[0][0] for r in profile.verify.values())} to "
+        f"{profile.max_verified}, contexts {sorted(profile.verify)}")
+    return 0
+
+
+command = cli.command(main)  # the ``dflash-profile`` console command

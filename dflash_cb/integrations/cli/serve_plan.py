@@ -1,0 +1,52 @@
+"""The command line of ``tools/serve_plan.py``: the files, the checks, the outputs; the plan itself is
+``core.serve_plan``."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from pathlib import Path
+
+from ...common import cli
+from ...common.log import say
+
+USAGE = """Which drafter to serve, at which setting: projected speedups of several drafters on one cache.
+
+    python tools/serve_plan.py dflash.json dflash2.json --labels dflash,dflash2 --out plan
+        (writes plan.md and plan.png)
+
+Each results file comes from tools/eval_drafter.py --profile PROFILE, every one with the same profile and cache.
+"""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=USAGE, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("results", nargs="+", help="results.json files written with --profile")
+    p.add_argument("--labels", default=None, help="comma-separated names (default: the files' stems)")
+    p.add_argument("--out", default="serve_plan", help="output path without suffix: .md and .png are written")
+    p.add_argument("--resamples", type=int, default=1000, help="bootstrap resamples")
+    p.add_argument("--seed", type=int, default=0, help="bootstrap seed")
+    args = p.parse_args(argv)
+
+    from ...common.arguments import ArgumentError
+    from ...common.fileio import check_outputs_apart
+    from ...core.results.results_file import check_results_path, load_results
+    from ...core.results.serve_plan import plan, write_plan
+
+    labels = args.labels.split(",") if args.labels else [Path(r).stem for r in args.results]
+    if len(labels) != len(args.results) or len(set(labels)) != len(labels):
+        raise ArgumentError(f"--labels {args.labels}: one distinct name per results file ({len(args.results)})")
+    if args.resamples < 1 or args.seed < 0:
+        raise ArgumentError("--resamples must be >= 1 and --seed >= 0")
+    out = Path(args.out)
+    check_outputs_apart([("results file", r) for r in args.results],
+                        files=[("--out", out.with_suffix(".md")), ("--out", out.with_suffix(".png"))])
+    md_path, png_path = (check_results_path(out.with_suffix(x), "--out", f"plan{x}") for x in (".md", ".png"))
+    results = [load_results(r) for r in args.results]
+    md = write_plan(plan(labels, results, args.resamples, args.seed), md_path, png_path)
+    say(md)
+    say(f"wrote {md_path} and {png_path}")
+    return 0
+
+
+command = cli.command(main)  # the ``dflash-serve-plan`` console command

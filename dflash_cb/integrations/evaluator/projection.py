@@ -1,0 +1,94 @@
+"""The serving projection at the edges: a cost profile read and checked against a cache and a drafter, and a
+scored evaluation projected into its results or its live metrics (``core.serving`` does the arithmetic)."""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ...common.arguments import ArgumentError
+from ...core.costs.serving import (
+    PROJECTION_NOTE,
+    CostProfile,
+    ProfileError,
+    SampleCycles,
+    Setting,
+    block_settings,
+    identity_mismatches,
+    project,
+    serving_metrics,
+)
+
+
+def drafter_identity(drafter: Any) -> dict[str, Any]:
+    spec = drafter.spec
+    return {"family": spec.family, "hidden_size": int(drafter.config.hidden_size),
+            "num_layers": len(drafter.layers), "block_size": spec.block_size}
+
+
+def read_profile(path: str | os.PathLike, option: str = "--profile") -> CostProfile:
+    """A profile file, or one line naming it (as ``option``) and what is wrong."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ArgumentError(f"{option} {path}: no such file; write one with tools/profile_costs.py") from None
+    except (OSError, ValueError) as e:
+        raise ArgumentError(f"{option} {path}: cannot be read as JSON ({e}); write it again with "
+                            "tools/profile_costs.py") from None
+    if isinstance(data, dict) and data.get("partial"):
+        raise ArgumentError(f"{option} {path}: an unfinished measurement; run the same tools/profile_costs.py "
+                            "command again to finish it")
+    try:
+        return CostProfile.from_dict(data, f"{option} {path}")
+    except ProfileError as e:
+        raise ArgumentError(str(e)) from None
+
+
+def refuse_other_target(profile: CostProfile, target: dict[str, Any], where: str) -> None:
+    """A profile measured for another target prices nothing here: refused, naming each field."""
+    wrong, _ = identity_mismatches(profile, target, {})
+    if wrong:
+        raise ArgumentError(f"{where}: measured for another target ({'; '.join(wrong)}); measure this "
+                            "cache's target with tools/profile_costs.py --target")
+
+
+def checked_settings(profile: CostProfile, drafter: Any, block_size: int, budgets: Sequence[int],
+                     where: str) -> list[Setting]:
+    """The evaluation's settings, each within the profile's rows (else refused); a profile timed with another
+    drafter is warned about, naming the fields."""
+    _, other = identity_mismatches(profile, {}, drafter_identity(drafter))
+    if other:
+        warnings.warn(f"{where}: its drafter pass was timed for another drafter ({'; '.join(other)}): "
+                      "the projected draft cost is that drafter's", stacklevel=2)
+    settings = block_settings(block_size, budgets)
+    for s in settings:
+        if s.verified > profile.max_verified:
+            raise ArgumentError(f"{where}: {s.label} verifies {s.verified} tokens a cycle, beyond the "
+                                f"profile's rows (up to {profile.max_verified}); measure more (tools/profile_costs.py "
+                                "--tokens or --max-budget) or lower --ddtree-budgets")
+    return settings
+
+
+def add_projection(results: Any, report: Any, cache: Any, profile: CostProfile, settings: list[Setting]) -> None:
+    """The projection of a scored evaluation into ``results``: the figures under ``serving/`` beside tau, the
+    per-sample accounting and the profile's label in ``breakdown['serving']``."""
+    projection = project(_cycles(cache, report.samples), settings, profile)
+    results.metrics.update(serving_metrics(projection))
+    results.breakdown["serving"] = projection.to_dict()
+    results.notes["serving"] = f"{PROJECTION_NOTE}: {projection.profile}"
+
+
+def projected_metrics(profile: CostProfile, cache: Any, samples: Sequence[Any], block_size: int,
+                      budgets: Sequence[int]) -> dict[str, float]:
+    """A live evaluation's projected figures (``serving/*``) from its scored samples."""
+    return serving_metrics(project(_cycles(cache, samples), block_settings(block_size, budgets), profile))
+
+
+def _cycles(cache: Any, samples: Sequence[Any]) -> list[SampleCycles]:
+    return [SampleCycles(cache.entry(s.id).prompt_len, {"greedy": s.acceptance_lengths,
+                                                        **{f"ddtree_b{b}": v for b, v in s.ddtree.items()}},
+                         s.id, s.category) for s in samples]

@@ -1,0 +1,63 @@
+"""A dflash-cb cache as SpecForge 0.2.0's DFlash training data: in memory or as its offline feature files.
+
+SpecForge's DFlash strategy trains on ``input_ids``, ``hidden_states`` (the target's layer features,
+concatenated in ``target_layer_ids`` order: the cache's ``hidden``) and ``loss_mask``. The mask supervises the
+completion on the target's own greedy path, ``prompt_len .. valid_len``: the positions the evaluation scores
+(``tests/test_specforge_oracle.py`` checks SpecForge's accuracy on these batches against ours).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ...cache.states import StateCache
+from ...common.fileio import atomic_path
+
+
+def sample_features(cache: StateCache, sample_id: str, layer_ids: Sequence[int] | None = None) -> dict[str, torch.Tensor]:
+    """One sample's SpecForge features, unbatched: ``input_ids`` and ``loss_mask`` ``[seq]``, ``hidden_states``
+    ``[seq, layers * hidden]`` (float32). ``layer_ids``: the drafter's target layers, when the cache holds more
+    (None: all of the cache's)."""
+    e = cache.entry(sample_id)
+    s = cache.load(sample_id)
+    loss_mask = torch.zeros(e.total_len, dtype=torch.long)
+    loss_mask[e.prompt_len:e.valid_len] = 1
+    columns = None if layer_ids is None else cache.feature_columns(layer_ids)
+    hidden = s.hidden if columns is None else s.hidden.index_select(1, columns)
+    return {"input_ids": s.input_ids.long(), "loss_mask": loss_mask, "hidden_states": hidden.float()}
+
+
+def train_batches(states: str | os.PathLike | StateCache, sample_ids: Sequence[str] | None = None,
+                  layer_ids: Sequence[int] | None = None) -> list[Any]:
+    """One SpecForge ``TrainBatch`` (strategy ``"dflash"``) per sample, for ``TrainerController.fit`` or its
+    ``eval_data_factory`` (``layer_ids``: ``sample_features``)."""
+    from specforge.runtime.contracts import TrainBatch
+
+    cache = states if isinstance(states, StateCache) else StateCache(states)
+    out = []
+    for i in sample_ids if sample_ids is not None else [e.id for e in cache.samples]:
+        f = sample_features(cache, i, layer_ids)
+        out.append(TrainBatch([i], "dflash", {"input_ids": f["input_ids"][None],
+                                              "hidden_states": f["hidden_states"][None],
+                                              "loss_mask": f["loss_mask"][None].float()}))
+    return out
+
+
+def write_offline_features(states: str | os.PathLike, folder: str | os.PathLike) -> list[Path]:
+    """The cache as SpecForge's offline feature files (one ``.ckpt`` per sample, in cache order), for its
+    command line's ``data.hidden_states_path`` / ``data.eval_hidden_states_path``."""
+    cache = StateCache(states)
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    for n, e in enumerate(cache.samples):
+        path = folder / f"{n:08d}.ckpt"
+        with atomic_path(path) as tmp:
+            torch.save(sample_features(cache, e.id), tmp)
+        written.append(path)
+    return written
