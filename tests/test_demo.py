@@ -89,7 +89,7 @@ def test_a_dflash2_drafter_trains_its_tau_rises_and_the_summary_says_where_it_is
     assert results["metrics"]["tau"] == pytest.approx(summary["tau_last"], abs=1e-12)
     m = results["metrics"]
     assert m["selector/oracle_tau"] >= m["tau"] and 0 < m["selector/recall"] <= 1
-    assert "training a DFlash 2 drafter" in proc.stdout and "selector: unary argmax path" in proc.stdout
+    assert "training a DFlash 2 drafter" in proc.stdout and "DFlash 2: tau with the selector off (unary argmax)" in proc.stdout
     assert json.loads((out / "drafter" / "config.json").read_text())["architectures"] == ["DFlash2DraftModel"]
 
 

@@ -168,7 +168,7 @@ def test_user_mistakes_are_one_line_errors(tiny_cache, drafter_dir, tmp_path, ca
     assert_one_line(code, so, se, str(bad_cfg / "config.json"), "not valid JSON")
     (bad_cfg / "config.json").write_text('{"model_type": "llama"}')
     code, so, se = evaluate_tool(capsys, tiny_cache, bad_cfg, out)
-    assert_one_line(code, so, se, str(bad_cfg / "config.json"), "not a DFlash drafter config")
+    assert_one_line(code, so, se, str(bad_cfg / "config.json"), "not a drafter config")
 
     truncated = tmp_path / "truncated"
     shutil.copytree(drafter_dir, truncated)

@@ -76,7 +76,7 @@ def test_extract_refuses_incomplete_or_unsafe(lightning_ckpt: Path, tiny_drafter
     broken = tmp_path / "broken.ckpt"
     torch.save(ckpt, broken)
     assert extract("--ckpt", str(broken), "--out", str(tmp_path / "x")) == 2
-    assert "no key prefix holds a complete DFlash drafter" in capsys.readouterr().err
+    assert "no key prefix holds a complete drafter" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
     # With the prefix forced, the missing key is named.
     assert extract("--ckpt", str(broken), "--out", str(tmp_path / "x"), "--prefix", "drafter.") == 2

@@ -51,12 +51,12 @@ def fit_problems(manifest: Manifest, needs: CacheNeeds) -> list[str]:
         problems.append(f"vocab_size: {who} {needs.vocab_size}, cache target {m.vocab_size}")
     n_target = m.target.get("num_layers")
     if needs.num_target_layers is not None and n_target is not None and int(needs.num_target_layers) != int(n_target):
-        problems.append(f"num_target_layers: {who} was made for a {needs.num_target_layers}-layer target, "
+        problems.append(f"num_target_layers: drafter was made for a {needs.num_target_layers}-layer target, "
                         f"the cache's target has {n_target}")
     if needs.block_size is not None and int(needs.block_size) < 2:
         problems.append(f"block_size: {who} {needs.block_size}, must be at least 2")
     if needs.mask_token_id is not None and not 0 <= int(needs.mask_token_id) < m.vocab_size:
-        problems.append(f"mask_token_id: {who} {needs.mask_token_id} is outside the cache target's vocab "
+        problems.append(f"mask_token_id: drafter {needs.mask_token_id} is outside the cache target's vocab "
                         f"[0, {m.vocab_size})")
     exported = set((m.target_head or {}).get("extra_weights") or ())
     for prefix in needs.target_weights:

@@ -588,10 +588,10 @@ def _print_summary(s: dict[str, Any], results: Results, cfg: DemoConfig) -> None
     _say(f"  all-anchor mean: {_fmt(results.metric(ALL_ANCHOR_TAU))}   SpecForge DFlash accuracy: "
          f"{_fmt(results.metric(SPECFORGE_ACC))}   independent-depth chain estimate: "
          f"{_fmt(results.metric(CHAIN_TAU_ESTIMATE))}")
-    figures = family_named(results.family).figures
-    own = [f for f in (*figures.walks, *figures.pooled) if results.metric(f.key) is not None]
+    family = family_named(results.family)
+    own = [f for f in (*family.figures.walks, *family.figures.pooled) if results.metric(f.key) is not None]
     if own:  # the family's own figures (DFlash 2: where its tau is lost)
-        _say("  " + ", ".join(f"{f.label} {_fmt(results.metric(f.key))}" for f in own))
+        _say(f"  {family.label}: " + ", ".join(f"{f.label} {_fmt(results.metric(f.key))}" for f in own))
     _say(f"  first vs last checkpoint (paired, same prompts): {s['first_vs_last']['text']}: "
          f"{s['first_vs_last']['verdict']}")
     _say("  [..] = 95% interval over the choice of prompts (cluster bootstrap over the held-out prompts)")

@@ -140,7 +140,7 @@ def test_the_cache_fit_is_the_familys_needs(world, family: str) -> None:
         cache.check_fit(cache_needs(drafter_from_config(other)))
     said = str(err.value)
     assert f"does not fit the drafter ({fam.label})" in said and "without [2]" in said
-    assert "num_target_layers: the drafter was made for a 6-layer target" in said and str(m.layer_ids) in said
+    assert "num_target_layers: drafter was made for a 6-layer target" in said and str(m.layer_ids) in said
 
 
 @pytest.mark.parametrize("family", FAMILIES)

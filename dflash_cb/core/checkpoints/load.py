@@ -149,13 +149,13 @@ def _drafter_for(config: dict[str, Any], state: dict[str, torch.Tensor], where: 
         model = drafter_from_config(config, state)
         spec_from_config(model.config)  # block size, mask token, layer ids
     except Exception as e:  # transformers' config class or the drafter constructor
-        raise CheckpointError(f"{where}: not a valid DFlash drafter config ({type(e).__name__}: "
+        raise CheckpointError(f"{where}: not a valid drafter config ({type(e).__name__}: "
                               f"{_first_line(e)}); compare it with the reference drafter's config.json") from None
     return model
 
 
 def read_drafter_config(path: str | os.PathLike) -> dict[str, Any]:
-    """A drafter ``config.json`` as a dict, checked for the DFlash fields the evaluation needs."""
+    """A drafter ``config.json`` as a dict, checked for the fields the evaluation needs."""
     path = Path(path)
     try:
         config = json.loads(path.read_text())
@@ -168,8 +168,8 @@ def read_drafter_config(path: str | os.PathLike) -> dict[str, Any]:
     if not is_drafter_config(config):
         missing.append("dflash_config")
     if missing:
-        raise CheckpointError(f"{path}: not a DFlash drafter config (missing {', '.join(missing)}); "
-                              "a drafter config is the config.json of a DFlash drafter folder")
+        raise CheckpointError(f"{path}: not a drafter config (missing {', '.join(missing)}); "
+                              "a drafter config is the config.json of a drafter folder")
     return config
 
 
@@ -308,21 +308,21 @@ def locate_drafter(ckpt: dict[str, Any], expected: set[str], prefix: str | None,
 
 
 def expected_keys(config: dict[str, Any]) -> set[str]:
-    """The weight names of the drafter ``config`` describes (its family's, DFlash when it does not say)."""
+    """The weight names of the drafter ``config`` describes (its family's: ``registry.family_of``)."""
     return layout_keys(config)
 
 
 def find_prefix(keys: set[str], expected: set[str]) -> str:
     """The prefix under which every expected drafter key appears (e.g. ``drafter.`` or ``model.draft.``)."""
-    anchor = "fc.weight"
+    anchor = min(expected)  # any one of the drafter's own weight names marks where it sits
     candidates = sorted({k[: -len(anchor)] for k in keys if k.endswith(anchor)})
     found = [p for p in candidates if all(p + e in keys for e in expected)]
     if len(found) == 1:
         return found[0]
     if not found:
         near = ", ".join(repr(p) for p in candidates) or "none"
-        raise CheckpointError(f"no key prefix holds a complete DFlash drafter for this config (prefixes ending in "
-                         f"fc.weight: {near}); check --config or pass --prefix")
+        raise CheckpointError(f"no key prefix holds a complete drafter for this config (prefixes ending in "
+                         f"{anchor}: {near}); check --config or pass --prefix")
     raise CheckpointError(f"several key prefixes hold a complete drafter: {found}; choose one with --prefix")
 
 
@@ -356,7 +356,7 @@ def drafter_in_checkpoint(ckpt_path: str | os.PathLike, config: dict[str, Any] |
         config = json.loads(json.dumps(config))  # what a written config.json reads back as
         expected = expected_keys(config)
     except Exception as e:
-        raise CheckpointError(f"the drafter config is not a valid DFlash config ({type(e).__name__}: "
+        raise CheckpointError(f"the drafter config is not a valid drafter config ({type(e).__name__}: "
                               f"{_first_line(e)}); check --config") from None
     entry, prefix, state = locate_drafter(ckpt, expected, prefix, str(ckpt_path))
     sub = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}

@@ -24,7 +24,7 @@ class DrafterNotFoundError(DFlashCBError, AttributeError):
 
 
 class NotADrafterError(DFlashCBError, TypeError):
-    """The module found is no DFlash drafter (no ``.spec``, no DFlash ``.config``)."""
+    """The module found is no drafter (no ``.spec``, no drafter ``.config``)."""
 
 
 def unwrap(module: nn.Module) -> nn.Module:
