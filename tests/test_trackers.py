@@ -109,31 +109,65 @@ def test_lightning_tensorboard_logger_gets_the_rich_record_beside_its_scalars(tm
     assert [e.step for e in seen["text"][PREFIX + "sample_table"]] == steps
 
 
+class OpensItsRunInBegin:
+    """A user's sink (not a ``MetricsSink`` subclass) that opens its run in ``begin``, as an MLflow or a database
+    sink would: a ``log`` or ``evaluation`` before ``begin`` raises, as it would with no run open."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, int | str]] = []
+        self.run_open = False
+
+    def begin(self, run):
+        self.run_open = True
+        self.calls.append(("begin", run.prefix))
+
+    def log(self, metrics, step):
+        if not self.run_open:
+            raise RuntimeError("log() before begin(): no run is open")
+        self.calls.append(("log", step))
+
+    def evaluation(self, record):
+        if not self.run_open:
+            raise RuntimeError("evaluation() before begin(): no run is open")
+        self.calls.append(("evaluation", record.step))
+
+
+def no_sink_failed(rec) -> bool:
+    return not [w for w in rec if "failed" in str(w.message)]
+
+
 @pytest.mark.e2e
 def test_a_users_own_sink_beside_the_loggers(tmp_path, tiny_cache, tiny_drafter_config):
     """``sinks=[...]`` takes any object with the sink's methods (no base class needed): it gets the run's
-    configuration once, every evaluation's scalars and its rich record, beside the trainer's loggers."""
-
-    class Mine:  # not a MetricsSink subclass
-        def __init__(self):
-            self.begun, self.logged, self.records = [], [], []
-
-        def begin(self, run):
-            self.begun.append(run.prefix)
-
-        def log(self, metrics, step):
-            self.logged.append(step)
-
-        def evaluation(self, record):
-            self.records.append((record.step, len(record.per_depth)))
-
-    mine, partial = Mine(), type("Partial", (), {"log": lambda self, m, s: None, "begin": lambda self, r: None})()
+    configuration once, before anything is logged (the setup's predicted cost included), then every
+    evaluation's scalars and its rich record, beside the trainer's loggers."""
+    mine, partial = OpensItsRunInBegin(), type("Partial", (), {"log": lambda self, m, s: None,
+                                                               "begin": lambda self, r: None})()
     cb = DFlashEvalCallback(states=tiny_cache, every_n_train_steps=2, ddtree_budgets=[4], console=False,
                             sinks=[mine, partial])
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
         fit(tmp_path, tiny_drafter_config, tiny_cache, [cb], max_steps=4)
-    assert not [w for w in rec if "failed" in str(w.message)]  # the partial one lacks evaluation(): not an error
+    assert no_sink_failed(rec)  # nothing before begin(); the partial one lacks evaluation(): not an error
     steps = [h["step"] for h in cb.history]
-    assert mine.begun == [PREFIX] and mine.logged == [0, *steps]  # the setup's predicted cost, then each evaluation
-    assert [s for s, _ in mine.records] == steps and all(n == 5 for _, n in mine.records)
+    assert mine.calls[0] == ("begin", PREFIX) and [c for c in mine.calls if c[0] == "begin"] == [mine.calls[0]]
+    assert [s for k, s in mine.calls if k == "log"] == [0, *steps]  # the setup's predicted cost, then each evaluation
+    assert [s for k, s in mine.calls if k == "evaluation"] == steps
+
+
+def test_the_plain_evaluator_begins_before_its_first_log_even_when_the_first_evaluation_is_later(
+        tiny_cache, tiny_drafter_config):
+    """Without an evaluation at the start, the setup's predicted cost is logged at ``start`` (step 0), two steps
+    before the first evaluation: ``begin`` still comes first, once."""
+    mine = OpensItsRunInBegin()
+    torch.manual_seed(0)
+    drafter = DFlashDrafter.from_config_dict(tiny_drafter_config)
+    ev = LiveEvaluator(str(tiny_cache), every_n_train_steps=2, ddtree_budgets=[4], eval_on_fit_start=False,
+                       eval_on_fit_end=False, console=False, log=[mine])
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        ev.start(0, drafter)
+        for step in (1, 2):
+            ev.step(step, drafter)
+    assert no_sink_failed(rec)
+    assert mine.calls == [("begin", PREFIX), ("log", 0), ("log", 2), ("evaluation", 2)]
