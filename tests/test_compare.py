@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from markdown_tables import difference_rows
 
 from dflash_cb.common.cli import run
 from dflash_cb.core.compare import compare, delta_metrics, main, render_markdown
@@ -578,3 +579,39 @@ def test_published_figures_per_category_stand_beside_that_category_or_the_overal
     gsm = next(r for r in rows if "gsm8k" in r)
     assert "| tau, gsm8k, mean over requests (dflash.benchmark) | 6.550 |" in gsm
     assert all(f"{r.metric(TAU_REQUEST_MEAN):.3f} [" in gsm for r in (ra, rb)) and gsm.count("(all prompts)") == 2
+
+
+def test_the_sweep_and_compare_results_judge_one_pair_by_one_rule(tmp_path, capsys):
+    """The issue's case: ten categories, no difference anywhere, and two categories' means over requests miss
+    zero by chance at 95% while the overall tau has no verdict. The sweep's best-vs-last table once gave those
+    rows "best is better"; now neither tool gives a category a verdict the headline lacks, and on the same two
+    files both show the same rows with the same intervals and verdicts."""
+    from dflash_cb.core import sweep_report
+    from dflash_cb.core.bootstrap import metric_sums, paired_difference
+    from dflash_cb.core.metrics import category_tau_request_mean
+    from dflash_cb.core.sweep_record import SweepEntry, SweepRecord
+
+    cats = [f"c{i}" for i in range(10)]
+    last, best = _null_categories(np.random.default_rng(2))
+    sa, sb = metric_sums(last.samples, (), cats), metric_sums(best.samples, (), cats)
+    trap = [x for x in cats if paired_difference(sa[category_tau_request_mean(x)],
+                                                 sb[category_tau_request_mean(x)]).excludes_zero()]
+    assert trap and not paired_difference(sa["tau"], sb["tau"]).excludes_zero()  # the issue's case is there
+    write_results(last, tmp_path / "last.json")
+    write_results(best, tmp_path / "best.json")
+    entries = [SweepEntry(str(tmp_path / f"step_{s}.pt"), "plain", s, "name", [], name, {"tau": tau}, {})
+               for s, name, tau in ((4, "best.json", 2.0), (8, "last.json", 1.0))]
+    record = SweepRecord({}, entries)
+    comparison = sweep_report.best_vs_last(record, tmp_path)
+    d = comparison.differences[(0, 1)]
+    assert all(x.verdict.startswith("no verdict: the overall tau has none") for k, x in d.items()
+               if k.startswith("category/"))  # the request means too
+    sweep_md = sweep_report.render_markdown(record, comparison, plot=None)
+    assert run(main, [str(tmp_path / "last.json"), str(tmp_path / "best.json"), "--labels",
+                      "last (step 8),best (step 4)", "--out", str(tmp_path / "cmp")]) == 0
+    capsys.readouterr()
+    compare_md = (tmp_path / "cmp.md").read_text()
+    rows = difference_rows(sweep_md, "### Best minus last")
+    assert rows == difference_rows(compare_md, "### Paired differences") and len(rows) == 1 + 2 + 10
+    assert "is better" not in sweep_md and "is better" not in compare_md
+    assert "Bonferroni-corrected for 10 comparisons" in sweep_md
