@@ -25,6 +25,7 @@ from itertools import combinations
 from pathlib import Path
 from typing import Any
 
+from ..cache.identity import cache_difference
 from ..common import cli
 from ..common.errors import DFlashCBError
 from ..common.fileio import atomic_paths, check_outputs_apart, naming_failures
@@ -153,14 +154,14 @@ def check_same_cache(labels: Sequence[str], results: Sequence[Results]) -> None:
             f"{', '.join(unknown)}: no cache manifest hash (meta.cache_manifest_sha256), so nothing shows these "
             "evaluations scored the same prompts. Score the drafters again with tools/eval_drafter.py "
             "--states <cache>, which records the hash")
-    first = results[0].manifest_sha256
     for label, r in zip(labels[1:], results[1:], strict=True):
-        if r.manifest_sha256 != first:
+        # By content (``cache.identity``): the same cache built in another folder or on another host compares.
+        why = cache_difference(results[0].meta, r.meta)
+        if why is not None:
             raise CompareError(
-                f"{labels[0]} was measured on cache {results[0].meta.get('cache_path')!r} (manifest sha256 "
-                f"{str(first)[:12]}...), {label} on {r.meta.get('cache_path')!r} (manifest sha256 "
-                f"{str(r.manifest_sha256)[:12]}...): tau on different prompts is not comparable. Score both "
-                "drafters on one cache with tools/eval_drafter.py --states <cache>")
+                f"{labels[0]} was measured on cache {results[0].meta.get('cache_path')!r}, {label} on "
+                f"{r.meta.get('cache_path')!r}: {why}; figures from different caches are not comparable. Score "
+                "both drafters on one cache with tools/eval_drafter.py --states <cache>")
 
 
 def check_same_categories(labels: Sequence[str], aligned: Sequence[Sequence[Any]]) -> None:
