@@ -9,7 +9,8 @@ What a user imports is here (the rest of the package is its implementation)::
 - the training-loop adapters: ``DFlashEvalCallback`` (Lightning), ``DFlashEvalTrainerCallback`` (Hugging Face),
   ``attach_specforge`` (SpecForge's ``TrainerController``), and the loop-neutral ``LiveEvaluator`` with its
   ``EvalConfig``;
-- ``MetricsSink``, the interface of a destination of your own (``sinks=[...]`` on every adapter);
+- ``MetricsSink``, the interface of a destination of your own (``sinks=[...]`` on every adapter), with what its
+  methods receive: ``RunInfo`` (``begin``) and ``EvaluationRecord`` (``evaluation``);
 - the offline side: ``StateCache``, ``evaluate`` with its ``EvalRequest``, ``load_drafter``, ``DFlashDrafter``,
   ``DFlash2Drafter``, ``DrafterSpec``;
 - the metric names: ``DEFAULT_PREFIX``, ``TAU``, ``TAU_REQUEST_MEAN``, ``SPECFORGE_ACC``, ``ddtree_tau(budget)``,
@@ -33,6 +34,8 @@ _EXPORTS = {
     "LiveEvaluator": ("dflash_cb.integrations.evaluator.live", "LiveEvaluator"),
     "EvalConfig": ("dflash_cb.integrations.evaluator.config", "EvalConfig"),
     "MetricsSink": ("dflash_cb.integrations.tracking.sinks", "MetricsSink"),
+    "RunInfo": ("dflash_cb.integrations.tracking.sinks", "RunInfo"),
+    "EvaluationRecord": ("dflash_cb.integrations.tracking.sinks", "EvaluationRecord"),
     "StateCache": ("dflash_cb.cache.states", "StateCache"),
     "evaluate": ("dflash_cb.core.replay.engine", "evaluate"),
     "EvalRequest": ("dflash_cb.core.replay.request", "EvalRequest"),
@@ -53,7 +56,7 @@ _EXPORTS = {
 __all__ = [
     "DEFAULT_PREFIX", "SPECFORGE_ACC", "STEP_KEY", "TAU", "TAU_KEY", "TAU_REQUEST_MEAN", "DFlash2Drafter",
     "DFlashDrafter", "DFlashEvalCallback", "DFlashEvalTrainerCallback", "DrafterSpec", "EvalConfig", "EvalRequest",
-    "LiveEvaluator", "MetricsSink", "StateCache", "__version__", "attach_specforge", "ddtree_tau", "evaluate",
+    "EvaluationRecord", "LiveEvaluator", "MetricsSink", "RunInfo", "StateCache", "__version__", "attach_specforge", "ddtree_tau", "evaluate",
     "load_drafter", "metric_key",
 ]
 
@@ -80,7 +83,7 @@ if TYPE_CHECKING:  # what editors and type checkers see; at run time each name i
     from .integrations.loops.hf import DFlashEvalTrainerCallback
     from .integrations.loops.lightning import DFlashEvalCallback
     from .integrations.loops.specforge import attach as attach_specforge
-    from .integrations.tracking.sinks import MetricsSink
+    from .integrations.tracking.sinks import EvaluationRecord, MetricsSink, RunInfo
 
 
 def __getattr__(name: str) -> Any:

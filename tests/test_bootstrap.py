@@ -194,7 +194,8 @@ def test_results_schema_round_trip_partition_and_refusals(tmp_path, tiny_cache, 
     (tmp_path / "v9.json").write_text(json.dumps({**raw, "version": 9}))
     with pytest.raises(ResultsError, match="version 9 is not known"):
         load_results(tmp_path / "v9.json")
-    (tmp_path / "other.json").write_text(json.dumps({**raw, "meta": {**raw["meta"], "cache_manifest_sha256": "f" * 64}}))
+    (tmp_path / "other.json").write_text(json.dumps({**raw, "meta": {**raw["meta"], "cache_manifest_sha256": "f" * 64,
+                                                                       "cache_content_sha256": "f" * 64}}))
     with pytest.raises(ResultsError, match=r"ffffffffffff.*not comparable: rerun python tools/eval_drafter.py .* --drafter "):
         load_results(tmp_path / "other.json", cache)
     with pytest.raises(ResultsError, match="no such results file"):

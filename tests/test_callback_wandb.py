@@ -101,7 +101,7 @@ def test_baseline_from_another_cache_is_refused_before_training(tmp_path, tiny_c
     from lightning_runs import make_module, make_trainer
 
     other = json.loads(reference_results.read_text())
-    other["meta"]["cache_manifest_sha256"] = "0" * 64
+    other["meta"]["cache_manifest_sha256"] = other["meta"]["cache_content_sha256"] = "0" * 64
     bad = tmp_path / "other_cache.json"
     bad.write_text(json.dumps(other))
     cb = DFlashEvalCallback(states=tiny_cache, baselines=[str(bad)])

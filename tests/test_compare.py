@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from markdown_tables import difference_rows
 
 from dflash_cb.common.cli import run
 from dflash_cb.core.results.compare import compare, delta_metrics, render_markdown
@@ -115,16 +116,21 @@ def test_a_drafter_against_itself_differs_by_exactly_zero(two_results, tmp_path,
     assert f"again - first = +0.000 [+0.000, +0.000]**: no difference detectable with {n} prompts" in out
 
 
-def test_files_from_different_caches_are_refused_naming_both_hashes(two_results, tmp_path, capsys):
+def test_files_from_different_caches_are_refused_naming_the_field_or_both_hashes(two_results, tmp_path, capsys):
     a, b = two_results
     data = json.loads(b.read_text())
-    data["meta"]["cache_manifest_sha256"] = "ab" * 32
+    data["meta"]["cache_manifest_sha256"] = data["meta"]["cache_content_sha256"] = "ab" * 32
+    data["meta"]["cache_identity"]["dtype"] = "bfloat16"
     (tmp_path / "other.json").write_text(json.dumps(data))
     code, _, err = _run_here(capsys, str(a), str(tmp_path / "other.json"), "--out", str(tmp_path / "x"))
     assert code == 2
-    mine = load_results(a).manifest_sha256[:12]
-    assert err.startswith("error: ") and mine in err and "abababababab" in err
+    assert err.startswith("error: ") and "the caches differ in dtype;" in err
     assert "not comparable" in err and not (tmp_path / "x.md").exists()
+    del data["meta"]["cache_identity"]  # no identity to diff: both content hashes
+    (tmp_path / "other.json").write_text(json.dumps(data))
+    code, _, err = _run_here(capsys, str(a), str(tmp_path / "other.json"), "--out", str(tmp_path / "x"))
+    mine = load_results(a).meta["cache_content_sha256"][:12]
+    assert code == 2 and mine in err and "abababababab" in err and "not comparable" in err
     code, _, err = _run_here(capsys, str(a), "--out", str(tmp_path / "x"))
     assert code == 2 and "at least two" in err
     code, _, err = _run_here(capsys, str(a), str(b), "--position-edges", "5,3")
@@ -585,3 +591,111 @@ def test_published_figures_per_category_stand_beside_that_category_or_the_overal
     gsm = next(r for r in rows if "gsm8k" in r)
     assert "| tau, gsm8k, mean over requests (dflash.benchmark) | 6.550 |" in gsm
     assert all(f"{r.metric(TAU_REQUEST_MEAN):.3f} [" in gsm for r in (ra, rb)) and gsm.count("(all prompts)") == 2
+
+
+def test_the_sweep_and_compare_results_judge_one_pair_by_one_rule(tmp_path, capsys):
+    """The issue's case: ten categories, no difference anywhere, and two categories' means over requests miss
+    zero by chance at 95% while the overall tau has no verdict. The sweep's best-vs-last table once gave those
+    rows "best is better"; now neither tool gives a category a verdict the headline lacks, and on the same two
+    files both show the same rows with the same intervals and verdicts."""
+    from dflash_cb.core import sweep_report
+    from dflash_cb.core.figures.bootstrap import metric_sums, paired_difference
+    from dflash_cb.core.figures.metrics import category_tau_request_mean
+    from dflash_cb.core.results.sweep_record import SweepEntry, SweepRecord
+
+    cats = [f"c{i}" for i in range(10)]
+    last, best = _null_categories(np.random.default_rng(2))
+    sa, sb = metric_sums(last.samples, (), cats), metric_sums(best.samples, (), cats)
+    trap = [x for x in cats if paired_difference(sa[category_tau_request_mean(x)],
+                                                 sb[category_tau_request_mean(x)]).excludes_zero()]
+    assert trap and not paired_difference(sa["tau"], sb["tau"]).excludes_zero()  # the issue's case is there
+    write_results(last, tmp_path / "last.json")
+    write_results(best, tmp_path / "best.json")
+    entries = [SweepEntry(str(tmp_path / f"step_{s}.pt"), "plain", s, "name", [], name, {"tau": tau}, {})
+               for s, name, tau in ((4, "best.json", 2.0), (8, "last.json", 1.0))]
+    record = SweepRecord({}, entries)
+    comparison = sweep_report.best_vs_last(record, tmp_path)
+    d = comparison.differences[(0, 1)]
+    assert all(x.verdict.startswith("no verdict: the overall tau has none") for k, x in d.items()
+               if k.startswith("category/"))  # the request means too
+    sweep_md = sweep_report.render_markdown(record, comparison, plot=None)
+    assert run(main, [str(tmp_path / "last.json"), str(tmp_path / "best.json"), "--labels",
+                      "last (step 8),best (step 4)", "--out", str(tmp_path / "cmp")]) == 0
+    capsys.readouterr()
+    compare_md = (tmp_path / "cmp.md").read_text()
+    rows = difference_rows(sweep_md, "### Best minus last")
+    assert rows == difference_rows(compare_md, "### Paired differences") and len(rows) == 1 + 2 + 10
+    assert "is better" not in sweep_md and "is better" not in compare_md
+    assert "Bonferroni-corrected for 10 comparisons" in sweep_md
+
+
+# -- a cache's identity is its content -------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def caches_in_two_folders(tiny_drafter_config, tmp_path_factory) -> dict[str, Path]:
+    """One tiny cache built twice, its target saved in ``demo_out/target`` and in ``demo2_out/target`` (the same
+    checkpoint, two folders), one built with other settings, and one results file of the same drafter on each."""
+    from tiny_target import build_tiny_cache
+
+    from dflash_cb.cache.states import StateCache
+    from dflash_cb.core.drafters.dflash.model import DFlashDrafter
+    from dflash_cb.core.replay.engine import evaluate
+
+    root = tmp_path_factory.mktemp("identity")
+    out = {"a": build_tiny_cache(root / "demo_out"), "b": build_tiny_cache(root / "demo2_out"),
+           "other": build_tiny_cache(root / "other_out", max_new_tokens=16)}
+    for name in ("a", "b", "other"):
+        cache = StateCache(out[name])
+        torch.manual_seed(0)
+        report = evaluate(cache, DFlashDrafter.from_config_dict(tiny_drafter_config).eval(), budgets=[4])
+        out[f"{name}.json"] = root / f"{name}.json"
+        write_results(report_to_results(report, cache, meta={"drafter": {"path": "d", "kind": "folder"}}),
+                      out[f"{name}.json"])
+    return out
+
+
+def test_the_same_cache_built_in_two_folders_compares_and_serves_as_a_baseline(caches_in_two_folders, tmp_path,
+                                                                                capsys):
+    """The two manifests differ only in the target's path (so in their file hash); by content they are one cache:
+    compare_results compares them and a results file of one is a baseline on the other."""
+    from dflash_cb.cache.states import StateCache
+
+    c = caches_in_two_folders
+    a, b = StateCache(c["a"]), StateCache(c["b"])
+    assert a.manifest.target["name_or_path"] != b.manifest.target["name_or_path"]
+    assert a.manifest_sha256 != b.manifest_sha256 and a.content_sha256 == b.content_sha256
+    code, out, err = _run_here(capsys, str(c["a.json"]), str(c["b.json"]), "--labels", "demo,demo2",
+                               "--out", str(tmp_path / "cmp"))
+    assert code == 0, err
+    n = len(a)
+    assert f"demo2 - demo = +0.000 [+0.000, +0.000]**: no difference detectable with {n} prompts" in out
+    assert load_results(c["a.json"], b).manifest_sha256 == a.manifest_sha256  # a baseline across folders
+
+
+def test_caches_that_really_differ_are_refused_naming_the_field(caches_in_two_folders, tmp_path, capsys):
+    from dflash_cb.cache.states import StateCache
+    from dflash_cb.core.results.results_file import ResultsError
+
+    c = caches_in_two_folders
+    code, _, err = _run_here(capsys, str(c["a.json"]), str(c["other.json"]), "--out", str(tmp_path / "cmp"))
+    assert code == 2 and "the caches differ in " in err and "reference.max_new_tokens" in err, err
+    assert "not comparable" in err and "demo_out" in err and "other_out" in err
+    with pytest.raises(ResultsError, match=r"the caches differ in .*reference\.max_new_tokens"):
+        load_results(c["other.json"], StateCache(c["a"]))
+
+
+def test_results_written_before_the_identity_still_compare_by_the_manifest_hash(caches_in_two_folders, tmp_path,
+                                                                                capsys):
+    """A results file without ``cache_content_sha256`` (written before it was recorded) is compared by the
+    manifest's hash, as before: against a file of the same cache it compares, against the same content built
+    elsewhere it is refused with the fix (score it again)."""
+    c = caches_in_two_folders
+    data = json.loads(c["a.json"].read_text())
+    for key in ("cache_content_sha256", "cache_identity"):
+        del data["meta"][key]
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps(data))
+    code, _, err = _run_here(capsys, str(old), str(c["a.json"]), "--out", str(tmp_path / "same"))
+    assert code == 0, err
+    code, _, err = _run_here(capsys, str(old), str(c["b.json"]), "--out", str(tmp_path / "elsewhere"))
+    assert code == 2 and "written before dflash-cb recorded the cache's content identity" in err, err

@@ -205,7 +205,7 @@ def test_baseline_from_another_cache_suggests_a_runnable_command(tiny_cache, dra
     baseline = tmp_path / "baseline.json"
     assert evaluate_tool(capsys, tiny_cache, drafter_dir, baseline)[0] == 0
     data = json.loads(baseline.read_text())
-    data["meta"]["cache_manifest_sha256"] = "0" * 64
+    data["meta"]["cache_manifest_sha256"] = data["meta"]["cache_content_sha256"] = "0" * 64
     baseline.write_text(json.dumps(data))
     with pytest.raises(ValueError, match="not comparable") as exc:
         load_results(baseline, StateCache(tiny_cache))

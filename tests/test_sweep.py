@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 import torch
+from markdown_tables import difference_rows
 from processes import run_ranks, sigkill_when
 from tiny_target import TINY_LAYER_IDS
 
@@ -464,9 +465,12 @@ def test_the_report_compares_the_best_with_the_last(tiny_cache, tiny_drafter_con
     assert run(compare.main, [str(tmp_path / "sweep" / last["results"]), str(tmp_path / "sweep" / best["results"]),
                               "--labels", f"last (step 8),best (step {best['step']})",
                               "--out", str(tmp_path / "cmp")]) == 0
-    theirs = (tmp_path / "cmp.md").read_text()
+    theirs, ours = (tmp_path / "cmp.md").read_text(), (tmp_path / "sweep" / "sweep.md").read_text()
     expected = next(line for line in theirs.splitlines() if line.startswith(f"- **best (step {best['step']}) - "))
-    assert expected in (tmp_path / "sweep" / "sweep.md").read_text()
+    assert expected in ours
+    # The same rows, intervals and verdicts (one rule: core/verdicts.py).
+    rows = difference_rows(ours, "### Best minus last")
+    assert rows and rows == difference_rows(theirs, "### Paired differences")
 
 
 @pytest.mark.e2e

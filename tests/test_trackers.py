@@ -40,7 +40,7 @@ def text_of(event) -> str:
 def test_the_registry_finds_every_tracker_file_and_a_new_tracker_is_one_file(tmp_path, monkeypatch):
     """``trackers/`` holds one module per tracker; dropping one more file there is all a new tracker needs:
     the adapters' ``as_sinks`` (``log=``/``sinks=``) then map its objects to its sink."""
-    assert [t.name for t in trackers.trackers()] == ["tensorboard", "wandb"]
+    assert [t.name for t in trackers.trackers()] == ["mlflow", "tensorboard", "wandb"]
     extra = tmp_path / "extra_trackers"
     extra.mkdir()
     (extra / "ledger.py").write_text(
@@ -109,31 +109,138 @@ def test_lightning_tensorboard_logger_gets_the_rich_record_beside_its_scalars(tm
     assert [e.step for e in seen["text"][PREFIX + "sample_table"]] == steps
 
 
+class OpensItsRunInBegin:
+    """A user's sink (not a ``MetricsSink`` subclass) that opens its run in ``begin``, as an MLflow or a database
+    sink would: a ``log`` or ``evaluation`` before ``begin`` raises, as it would with no run open."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, int | str]] = []
+        self.run_open = False
+
+    def begin(self, run):
+        self.run_open = True
+        self.calls.append(("begin", run.prefix))
+
+    def log(self, metrics, step):
+        if not self.run_open:
+            raise RuntimeError("log() before begin(): no run is open")
+        self.calls.append(("log", step))
+
+    def evaluation(self, record):
+        if not self.run_open:
+            raise RuntimeError("evaluation() before begin(): no run is open")
+        self.calls.append(("evaluation", record.step))
+
+
+def no_sink_failed(rec) -> bool:
+    return not [w for w in rec if "failed" in str(w.message)]
+
+
 @pytest.mark.e2e
 def test_a_users_own_sink_beside_the_loggers(tmp_path, tiny_cache, tiny_drafter_config):
     """``sinks=[...]`` takes any object with the sink's methods (no base class needed): it gets the run's
-    configuration once, every evaluation's scalars and its rich record, beside the trainer's loggers."""
-
-    class Mine:  # not a MetricsSink subclass
-        def __init__(self):
-            self.begun, self.logged, self.records = [], [], []
-
-        def begin(self, run):
-            self.begun.append(run.prefix)
-
-        def log(self, metrics, step):
-            self.logged.append(step)
-
-        def evaluation(self, record):
-            self.records.append((record.step, len(record.per_depth)))
-
-    mine, partial = Mine(), type("Partial", (), {"log": lambda self, m, s: None, "begin": lambda self, r: None})()
+    configuration once, before anything is logged (the setup's predicted cost included), then every
+    evaluation's scalars and its rich record, beside the trainer's loggers."""
+    mine, partial = OpensItsRunInBegin(), type("Partial", (), {"log": lambda self, m, s: None,
+                                                               "begin": lambda self, r: None})()
     cb = DFlashEvalCallback(states=tiny_cache, every_n_train_steps=2, ddtree_budgets=[4], console=False,
                             sinks=[mine, partial])
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
         fit(tmp_path, tiny_drafter_config, tiny_cache, [cb], max_steps=4)
-    assert not [w for w in rec if "failed" in str(w.message)]  # the partial one lacks evaluation(): not an error
+    assert no_sink_failed(rec)  # nothing before begin(); the partial one lacks evaluation(): not an error
     steps = [h["step"] for h in cb.history]
-    assert mine.begun == [PREFIX] and mine.logged == [0, *steps]  # the setup's predicted cost, then each evaluation
-    assert [s for s, _ in mine.records] == steps and all(n == 5 for _, n in mine.records)
+    assert mine.calls[0] == ("begin", PREFIX) and [c for c in mine.calls if c[0] == "begin"] == [mine.calls[0]]
+    assert [s for k, s in mine.calls if k == "log"] == [0, *steps]  # the setup's predicted cost, then each evaluation
+    assert [s for k, s in mine.calls if k == "evaluation"] == steps
+
+
+def test_the_plain_evaluator_begins_before_its_first_log_even_when_the_first_evaluation_is_later(
+        tiny_cache, tiny_drafter_config):
+    """Without an evaluation at the start, the setup's predicted cost is logged at ``start`` (step 0), two steps
+    before the first evaluation: ``begin`` still comes first, once."""
+    mine = OpensItsRunInBegin()
+    torch.manual_seed(0)
+    drafter = DFlashDrafter.from_config_dict(tiny_drafter_config)
+    ev = LiveEvaluator(str(tiny_cache), every_n_train_steps=2, ddtree_budgets=[4], eval_on_fit_start=False,
+                       eval_on_fit_end=False, console=False, log=[mine])
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        ev.start(0, drafter)
+        for step in (1, 2):
+            ev.step(step, drafter)
+    assert no_sink_failed(rec)
+    assert mine.calls == [("begin", PREFIX), ("log", 0), ("log", 2), ("evaluation", 2)]
+
+
+@pytest.fixture
+def mlflow_store(tmp_path, monkeypatch) -> str:
+    """A local MLflow file store in ``tmp_path`` (its tracking URI); MLflow 3 asks for the opt-in to write one."""
+    import mlflow  # the dev extra installs it (mlflow-skinny)
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    uri = (tmp_path / "mlruns").as_uri()
+    previous = mlflow.get_tracking_uri()
+    mlflow.set_tracking_uri(uri)
+    yield uri
+    mlflow.set_tracking_uri(previous)
+
+
+def mlflow_artifacts(client, run_id: str, folder: str) -> list[str]:
+    return sorted(f.path for f in client.list_artifacts(run_id, folder))
+
+
+def test_a_plain_loop_logging_to_an_mlflow_run_gets_scalars_and_the_record_as_artifacts(
+        mlflow_store, tmp_path, tiny_cache, tiny_drafter_config):
+    """``log=mlflow.start_run()``: every scalar at its step (read back with MLflow's client), and per evaluation
+    the per-depth chart and histogram as PNG, the histogram's counts and the sample table as MLflow tables, the
+    configuration once."""
+    import json
+
+    import mlflow
+
+    torch.manual_seed(0)
+    drafter = DFlashDrafter.from_config_dict(tiny_drafter_config)
+    with mlflow.start_run() as run:
+        ev = LiveEvaluator(str(tiny_cache), every_n_train_steps=2, ddtree_budgets=[4], table_samples=2,
+                           console=False, log=run)
+        ev.start(0, drafter)
+        for step in (1, 2):
+            ev.step(step, drafter)
+    client, run_id = mlflow.MlflowClient(mlflow_store), run.info.run_id
+    tau = client.get_metric_history(run_id, PREFIX + "tau")
+    assert [(m.step, m.value) for m in tau] == [(h["step"], h["tau"]) for h in ev.history] and len(tau) == 2
+    chart = PREFIX + "charts/acceptance_per_depth"
+    assert mlflow_artifacts(client, run_id, chart) == [f"{chart}/step_0000000.png", f"{chart}/step_0000002.png"]
+    hist = PREFIX + "produced_hist"
+    assert mlflow_artifacts(client, run_id, hist) == [f"{hist}/step_0000000.{e}" for e in ("json", "png")] + [
+        f"{hist}/step_0000002.{e}" for e in ("json", "png")]
+    local = Path(client.download_artifacts(run_id, "", str(tmp_path / "down")))
+    counts = json.loads((local / hist / "step_0000002.json").read_text())
+    cycles = [row[counts["columns"].index("cycles")] for row in counts["data"]]
+    assert sum(cycles) == ev.history[1]["cycles"] and cycles[0] == 0  # every cycle produces a token
+    table = json.loads((local / PREFIX / "sample_table" / "step_0000002.json").read_text())
+    assert table["columns"][:3] == ["step", "sample", "category"] and len(table["data"]) == 2
+    assert {row[1] for row in table["data"]} <= set(ev.eval_ids)
+    config = json.loads((local / PREFIX / "config.json").read_text())
+    assert config["states"] == str(tiny_cache)
+
+
+@pytest.mark.e2e
+def test_lightning_mlflow_logger_gets_the_record_as_artifacts_beside_its_scalars(mlflow_store, tmp_path,
+                                                                                 tiny_cache, tiny_drafter_config):
+    """With Lightning's ``MLFlowLogger`` the scalars come through the logger, and the callback adds the charts
+    and the table to the same run, found through the tracker registry."""
+    from lightning.pytorch.loggers import MLFlowLogger
+    from mlflow import MlflowClient
+
+    logger = MLFlowLogger(experiment_name="dflash", tracking_uri=mlflow_store)
+    cb = DFlashEvalCallback(states=tiny_cache, every_n_train_steps=2, ddtree_budgets=[4], table_samples=2,
+                            console=False)
+    fit(tmp_path, tiny_drafter_config, tiny_cache, [cb], max_steps=4, logger=logger)
+    client, steps = MlflowClient(mlflow_store), [h["step"] for h in cb.history]
+    assert [m.step for m in client.get_metric_history(logger.run_id, PREFIX + "tau")] == steps  # once each
+    chart = PREFIX + "charts/acceptance_per_depth"
+    assert mlflow_artifacts(client, logger.run_id, chart) == [f"{chart}/step_{s:07d}.png" for s in steps]
+    table = PREFIX + "sample_table"
+    assert mlflow_artifacts(client, logger.run_id, table) == [f"{table}/step_{s:07d}.json" for s in steps]

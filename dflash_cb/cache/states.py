@@ -22,6 +22,7 @@ import torch
 from safetensors import safe_open
 
 from ..common.errors import DFlashCBError
+from .identity import CONTENT_KEY, IDENTITY_KEY, content_sha256, identity
 from .integrity import VERIFIED, file_identity, sha256_unless_verified
 from .manifest import (
     MANIFEST_NAME,
@@ -125,12 +126,21 @@ class StateCache:
         self.manifest = Manifest.from_dict(data, source=str(manifest_path))
         # Identifies exactly what was measured: results from different caches must not be compared.
         self.manifest_sha256 = hashlib.sha256(raw).hexdigest()
+        # What the figures rest on, wherever the cache was built (``identity``: the manifest less local paths).
+        self.identity = identity(self.manifest.to_dict())
+        self.content_sha256 = content_sha256(self.identity)
         self._by_id = {s.id: s for s in self.manifest.samples}
         self._shards = {s.file: s for s in self.manifest.shards}
         self.hashed: list[tuple[str, int]] = []  # (file, bytes) this instance actually hashed, in order
         for s in self.manifest.samples:
             if s.shard not in self._shards:
                 raise CacheError(f"{manifest_path}: sample {s.id!r} names shard {s.shard!r} that is not listed")
+
+    @property
+    def identity_meta(self) -> dict[str, Any]:
+        """What a results file records of this cache (``meta``): the manifest's hash and the content identity."""
+        return {"cache_manifest_sha256": self.manifest_sha256, CONTENT_KEY: self.content_sha256,
+                IDENTITY_KEY: self.identity}
 
     # -- index ---------------------------------------------------------------
     @property

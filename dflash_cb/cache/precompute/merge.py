@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ...common.fileio import atomic_path, check_outputs_apart, naming_failures, output_path
+from ..identity import LOCAL_PATHS
 from ..manifest import MANIFEST_NAME, CacheError, Manifest, merge_staging_path, replaced_cache_path
 from ..states import StateCache
 from .errors import PrecomputeError
@@ -26,9 +27,6 @@ from .run import build_manifest
 
 logger = logging.getLogger(__name__)
 
-
-# Paths may differ between hosts (same checkpoint elsewhere); everything that shapes the data may not.
-_LOCAL_PATHS = ("target.name_or_path", "prompts.tokenizer")
 
 
 def _without_part(prompts: dict[str, Any]) -> dict[str, Any]:
@@ -137,9 +135,9 @@ def _check_parts(caches: Sequence[StateCache]) -> None:
     base = caches[0].manifest
     for c in caches[1:]:
         diffs = diff(_common(base), _common(c.manifest))
-        for d in [d for d in diffs if d.split(":")[0] in _LOCAL_PATHS]:
+        for d in [d for d in diffs if d.split(":")[0] in LOCAL_PATHS]:
             logger.warning(f"warning: merge: {c.path} differs in {d} (kept {caches[0].path}'s)")
-        diffs = [d for d in diffs if d.split(":")[0] not in _LOCAL_PATHS]
+        diffs = [d for d in diffs if d.split(":")[0] not in LOCAL_PATHS]
         if diffs:
             raise PrecomputeError(f"merge: {c.path} was made with other arguments than {caches[0].path}:\n  - "
                                   + "\n  - ".join(diffs[:20]))

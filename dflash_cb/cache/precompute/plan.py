@@ -19,6 +19,7 @@ from typing import Any
 
 from ...common.fileio import check_outputs_apart, output_path
 from ..completion_client import CompletionClient
+from ..identity import differing_fields, flatten
 from ..integrity import sha256_file
 from ..manifest import HEAD_NAME, MANIFEST_NAME, CacheError, Manifest
 from ..needs import config_layer_ids
@@ -141,17 +142,8 @@ def is_own_file(name: str) -> bool:
         (name.startswith(".") and name.endswith(".tmp"))
 
 
-def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(d, dict):
-        out: dict[str, Any] = {}
-        for k, v in d.items():
-            out.update(_flatten(v, f"{prefix}{k}."))
-        return out or {prefix.rstrip("."): {}}
-    return {prefix.rstrip("."): d}
-
-
 def diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    a, b = _flatten(old), _flatten(new)
+    a, b = flatten(old), flatten(new)
     return [f"{k}: existing {a.get(k, '<absent>')!r}, now {b.get(k, '<absent>')!r}"
             for k in sorted(set(a) | set(b)) if a.get(k, "<absent>") != b.get(k, "<absent>")]
 
@@ -503,8 +495,7 @@ def _refuse_other_arguments(out: Path, old: dict[str, Any] | None, source: str, 
     """An existing cache or resume record in ``out`` made with other arguments is not mixed with this run."""
     if old is not None and old != fingerprint:
         diffs = diff(old, fingerprint)
-        changed = [k for k in set(_flatten(old)) | set(_flatten(fingerprint))
-                   if _flatten(old).get(k, "<absent>") != _flatten(fingerprint).get(k, "<absent>")]
+        changed = differing_fields(old, fingerprint)
         if changed and all(".served_model." in f".{k}." or k.endswith(".served_model") for k in changed):
             # Same arguments, another model behind the URL: the server changed, not the command.
             raise PrecomputeError(

@@ -5,10 +5,9 @@ bootstrap resamples the prompts once and takes the difference on each resample
 (``bootstrap.paired_difference``). The verdict says "B is better" only when the whole 95%
 interval of ``B - A`` lies above zero; otherwise the prompts cannot tell the two apart.
 
-The per-category rows are many small comparisons at once: at 95% each, one of ten categories
-misses zero by chance about every other time (more on few prompts). So a category gets a verdict
-only where the overall tau has one (the categories partition its prompts), and then from an
-interval corrected for the number of categories (Bonferroni: each at ``1 - 0.05 / m``). The
+The per-category rows are many small comparisons at once, so a category gets a verdict only where
+the overall tau has one, from an interval corrected for the number of categories: the one rule
+of every tool that judges a difference (``verdicts``, the sweep's best-vs-last table too). The
 position and cycle tables are descriptive: tau with its cycle count, no verdict.
 
 Used by ``tools/compare_results.py`` (files) and by the callback (``delta_metrics``: live drafter
@@ -24,11 +23,11 @@ from itertools import combinations
 from pathlib import Path
 from typing import Any
 
+from ...cache.identity import cache_difference
 from ...common.errors import DFlashCBError
 from ...common.fileio import atomic_paths, naming_failures
 from ..drafters.registry import families
 from ..figures.bootstrap import (
-    DEFAULT_LEVEL,
     DEFAULT_RESAMPLES,
     DEFAULT_SEED,
     Interval,
@@ -49,6 +48,7 @@ from ..figures.metrics import (
 from ..figures.positions import DEFAULT_POSITION_EDGES, check_edges, cycle_table, position_table
 from .report import metric_with_interval, with_interval
 from .results_file import Results, derived_metrics, series_mismatch
+from .verdicts import Difference, difference_rows, family_note, judge
 
 
 class CompareError(DFlashCBError, ValueError):
@@ -56,42 +56,6 @@ class CompareError(DFlashCBError, ValueError):
 
 
 # -- paired differences ------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Difference:
-    """``b - a`` for one metric over ``n`` shared samples."""
-
-    a: str
-    b: str
-    metric: str
-    interval: Interval
-    n: int
-    level: float = DEFAULT_LEVEL  # of ``interval``
-    family: int = 1  # comparisons made together with this one (the categories: ``paired``)
-    gated: bool = False  # one of a family whose overall comparison has no verdict: none here either
-
-    @property
-    def text(self) -> str:
-        iv = self.interval
-        return f"{self.b} - {self.a} = {iv.value:+.3f} [{iv.low:+.3f}, {iv.high:+.3f}]"
-
-    @property
-    def verdict(self) -> str:
-        iv = self.interval
-        if self.gated:
-            return f"no verdict: the overall tau has none ({self.family} categories are {self.family} comparisons)"
-        if not (math.isfinite(iv.low) and math.isfinite(iv.high)):
-            return "no interval (too few cycles)"
-        if iv.low > 0:
-            said = f"{self.b} is better"
-        elif iv.high < 0:
-            said = f"{self.a} is better"
-        else:
-            said = f"no difference detectable with {self.n} prompts"
-        if self.family > 1:
-            said += f" (Bonferroni over {self.family} categories: {self.level:.1%} interval)"
-        return said
-
 
 def shared(a: Sequence[Any], b: Sequence[Any]) -> tuple[list[Any], list[Any]]:
     """The samples scored in both, in ``a``'s order, as two aligned lists."""
@@ -107,23 +71,15 @@ def paired(a_samples: Sequence[Any], b_samples: Sequence[Any], la: str, lb: str,
     """``b - a`` for tau, each DDTree tau, each category tau and the drafter family walks' taus both have, on the
     samples both scored.
 
-    With several categories, each category's interval is Bonferroni-corrected for their number, and it has no
-    verdict unless the overall tau has one (the module's docstring says why)."""
+    Judged by the one rule (``verdicts``): with several categories, each category's interval is
+    Bonferroni-corrected for their number, and it has no verdict unless the overall tau has one."""
     sa, sb = shared(a_samples, b_samples)
     if not sa:
         raise CompareError(f"{la} and {lb} share no scored sample: nothing to compare")
     ma, mb = metric_sums(sa, budgets, categories), metric_sums(sb, budgets, categories)
     # A figure only one side has (a DFlash 2 drafter's selector walks beside a DFlash one) has no difference.
-    out = {k: Difference(la, lb, k, paired_difference(ma[k], mb[k], n_resamples, seed), len(sa))
-           for k in ma if k in mb and k not in {category_tau(c) for c in categories}}
-    m = len(categories)
-    level = 1 - (1 - DEFAULT_LEVEL) / m if m > 1 else DEFAULT_LEVEL
-    headline = out[TAU].verdict.endswith(" is better")
-    for c in categories:
-        k = category_tau(c)
-        out[k] = Difference(la, lb, k, paired_difference(ma[k], mb[k], n_resamples, seed, level), len(sa), level, m,
-                            gated=m > 1 and not headline)
-    return out
+    return judge([k for k in ma if k in mb], la, lb, len(sa), categories,
+                 lambda k, level: paired_difference(ma[k], mb[k], n_resamples, seed, level))
 
 
 def delta_metrics(live: Sequence[Any], baselines: Sequence[Any], n_resamples: int = DEFAULT_RESAMPLES,
@@ -190,14 +146,14 @@ def check_same_cache(labels: Sequence[str], results: Sequence[Results]) -> None:
             f"{', '.join(unknown)}: no cache manifest hash (meta.cache_manifest_sha256), so nothing shows these "
             "evaluations scored the same prompts. Score the drafters again with tools/eval_drafter.py "
             "--states <cache>, which records the hash")
-    first = results[0].manifest_sha256
     for label, r in zip(labels[1:], results[1:], strict=True):
-        if r.manifest_sha256 != first:
+        # By content (``cache.identity``): the same cache built in another folder or on another host compares.
+        why = cache_difference(results[0].meta, r.meta)
+        if why is not None:
             raise CompareError(
-                f"{labels[0]} was measured on cache {results[0].meta.get('cache_path')!r} (manifest sha256 "
-                f"{str(first)[:12]}...), {label} on {r.meta.get('cache_path')!r} (manifest sha256 "
-                f"{str(r.manifest_sha256)[:12]}...): tau on different prompts is not comparable. Score both "
-                "drafters on one cache with tools/eval_drafter.py --states <cache>")
+                f"{labels[0]} was measured on cache {results[0].meta.get('cache_path')!r}, {label} on "
+                f"{r.meta.get('cache_path')!r}: {why}; figures from different caches are not comparable. Score "
+                "both drafters on one cache with tools/eval_drafter.py --states <cache>")
 
 
 def check_same_categories(labels: Sequence[str], aligned: Sequence[Sequence[Any]]) -> None:
@@ -345,19 +301,12 @@ def render_markdown(c: Comparison, plot_path: str | None = None, published: Sequ
     lines += ["", "### Paired differences", "", "| pair | metric | difference [95% interval] | verdict |",
               "|---|---|---|---|"]
     for (i, j), d in c.differences.items():
-        for m in _metrics_order(c):
-            if m not in d:
-                continue
-            x = d[m]
-            level = f" [{x.level:.1%}]" if x.level != DEFAULT_LEVEL else ""
-            lines.append(f"| {c.labels[j]} - {c.labels[i]} | {_metric_label(m)} | {x.interval.value:+.3f} "
-                         f"[{x.interval.low:+.3f}, {x.interval.high:+.3f}]{level} | {x.verdict} |")
-    if len(c.categories) > 1:
-        m = len(c.categories)
-        lines += ["", f"The {m} category rows are {m} comparisons at once: a category has a verdict only where the "
-                  f"overall tau has one, from an interval Bonferroni-corrected for {m} comparisons "
-                  f"({1 - (1 - DEFAULT_LEVEL) / m:.1%} each). The tables by position and cycle below are "
-                  "descriptive: tau and its cycle count per bucket, no verdict."]
+        for m in difference_rows(d, c.budgets, c.categories):
+            lines.append(f"| {c.labels[j]} - {c.labels[i]} | {_metric_label(m)} | {d[m].cell} | {d[m].verdict} |")
+    note = family_note(len(c.categories))
+    if note:
+        lines += ["", note + " The tables by position and cycle below are descriptive: tau and its cycle count per "
+                  "bucket, no verdict."]
     for title, tables in (("By position in the completion (tau, cycles)",
                            [position_table(s, c.position_edges) for s in c.samples]),
                           ("By cycle index after the prompt (tau, cycles)", [cycle_table(s) for s in c.samples])):

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ...cache.identity import cache_difference
 from ...cache.states import StateCache
 from ...common.arguments import is_int
 from ...common.cli import describe_os_error
@@ -428,7 +429,7 @@ def report_to_results(report: EvalReport, cache: StateCache, meta: dict[str, Any
         histogram={str(n): int(hist[n]) for n in range(1, report.block_size + 1)},
         meta={
             "cache_path": str(cache.path),
-            "cache_manifest_sha256": cache.manifest_sha256,
+            **cache.identity_meta,  # the manifest's hash, and the content identity compared (cache.identity)
             "block_size": report.block_size,  # the block every cycle drafted (evaluate(block_size=...))
             "drafter_block_size": report.spec.block_size,  # the drafter's trained block (>= block_size)
             "drafter_family": report.spec.family,  # registry.family_names: what the figures score
@@ -503,11 +504,11 @@ def load_results(path: str | os.PathLike, cache: StateCache | None = None) -> Re
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ResultsError(f"{path}: not valid JSON ({e}); rerun tools/eval_drafter.py --out {path}") from e
     res = Results.from_dict(data, str(path))
-    if cache is not None and res.manifest_sha256 != cache.manifest_sha256:
+    why = cache_difference(res.meta, cache.identity_meta) if cache is not None else None
+    if cache is not None and why is not None:
         raise ResultsError(
-            f"{path}: measured on cache {res.meta.get('cache_path')!r} "
-            f"(manifest sha256 {str(res.manifest_sha256)[:12]}...), but this run evaluates {cache.path} "
-            f"(manifest sha256 {cache.manifest_sha256[:12]}...). Numbers from different caches are not "
+            f"{path}: measured on cache {res.meta.get('cache_path')!r}, but this run evaluates {cache.path} "
+            f"({why}). Numbers from different caches are not "
             f"comparable: rerun python tools/eval_drafter.py --states {shlex.quote(str(cache.path))} "
             f"--drafter {shlex.quote(res.drafter_path or '<the reference drafter folder>')} --out {shlex.quote(str(path))}"
         )

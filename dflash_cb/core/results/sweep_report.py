@@ -2,7 +2,8 @@
 
 The curve (tau with its 95% interval over the steps, DDTree tau per budget, the best checkpoint marked), the
 table of entries, the checkpoints that could not be scored, and a paired comparison of the best checkpoint
-against the last one (``compare.compare``: both scored the same prompts, so the difference is paired).
+against the last one (``compare.compare``: both scored the same prompts, so the difference is paired; its rows
+and verdicts are ``tools/compare_results.py``'s, by one rule: ``verdicts``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from .compare import Comparison, compare
 from .report import with_interval
 from .results_file import load_results
 from .sweep_record import SweepEntry, SweepRecord
+from .verdicts import difference_rows, family_note
 
 REPORT_MD = "sweep.md"
 REPORT_PNG = "sweep.png"
@@ -68,9 +70,13 @@ def render_markdown(record: SweepRecord, comparison: Comparison | None, plot: st
     if comparison is not None:
         lines += ["", f"### Best minus last, paired on {comparison.n} prompts", "",
                   "| metric | difference [95% interval] | verdict |", "|---|---|---|"]
-        for metric, x in comparison.differences[(0, 1)].items():
-            iv = x.interval
-            lines.append(f"| {metric} | {iv.value:+.3f} [{iv.low:+.3f}, {iv.high:+.3f}] | {x.verdict} |")
+        d = comparison.differences[(0, 1)]
+        # The rows and verdicts of tools/compare_results.py on the same two files: one rule (``verdicts``).
+        for metric in difference_rows(d, comparison.budgets, comparison.categories):
+            lines.append(f"| {metric} | {d[metric].cell} | {d[metric].verdict} |")
+        note = family_note(len(comparison.categories))
+        if note:
+            lines += ["", note]
     if record.failed:
         lines += ["", "### Not scored", ""]
         lines += [f"- `{f.checkpoint}`: {f.error}" for f in record.failed]

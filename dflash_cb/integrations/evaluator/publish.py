@@ -101,6 +101,7 @@ class Publisher:
         for kind, c in costs.items():
             scalars[self.prefix + predicted_anchors(kind)] = float(c.anchors)
             scalars[self.prefix + predicted_gflop(kind)] = c.gflop
+        self._begin()  # before any log(): a sink may open its run in begin()
         self._to_sinks("the setup's predicted cost", lambda sink: sink.log(dict(scalars), step))
 
     # -- one evaluation ------------------------------------------------------------------------------
@@ -151,6 +152,7 @@ class Publisher:
     def failure_counter(self, step: int, failed_evaluations: int) -> None:
         """The failure counter alone (rank zero), so a panel (or a W&B alert on it) shows failed evaluations."""
         counter = {self.prefix + FAILED_EVALS: float(failed_evaluations)}
+        self._begin()
         self._to_sinks("the failure counter", lambda sink: sink.log(dict(counter), step))
 
     def _first_note(self, m: Measurement) -> str:
@@ -192,6 +194,7 @@ class Publisher:
 
     # -- the sinks (rank zero) ----------------------------------------------------------------------
     def _begin(self) -> None:
+        """The sinks' ``begin`` once, before the first ``log`` (the setup's, an evaluation's or a failure's)."""
         if self._begun:
             return
         self._begun = True

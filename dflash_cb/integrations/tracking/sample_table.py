@@ -70,3 +70,9 @@ def table_row(step: int, sample_id: str, category: str, input_ids: Sequence[int]
     return [int(step), sample_id, category, clip(prompt, 2000, left=True),
             clip(decode(input_ids[prompt_len:ref_end]), 2000), blocks,
             clip(" ".join(str(k) for k in lengths), 1000), tau]
+
+
+def record_rows(step: int, samples: Sequence[Any], decode: Decoder) -> list[list[Any]]:
+    """The table rows (``TABLE_COLUMNS``) of an evaluation's samples (``sinks.TableSample``)."""
+    return [table_row(step, s.id, s.category, s.input_ids, s.prompt_len, s.acceptance_lengths, s.drafts, decode)
+            for s in samples]

@@ -2,15 +2,15 @@
 
 A sink gets three calls, each optional but ``log``:
 
-- ``begin(run)`` once per run, before the first evaluation is logged: the settings and the references
-  (``RunInfo``);
+- ``begin(run)`` once per run, before its first ``log`` (the setup's predicted cost comes first): the settings
+  and the references (``RunInfo``);
 - ``log(metrics, step)`` for every set of scalars (prefixed names, ``dflash_cb.core.figures.metrics``) at the
   training step they measure;
 - ``evaluation(record)`` after each evaluation's scalars: what a richer tracker can show beyond scalars
   (the histogram of produced tokens, acceptance per depth, sample blocks: ``EvaluationRecord``).
 
 Implementations: a plain function ``log(metrics, step)`` (``CallableSink``); each tracker's own
-(``trackers/``: a W&B run, a TensorBoard writer; one file per tracker); the Lightning loggers
+(``trackers/``: a W&B run, a TensorBoard writer, an MLflow run; one file per tracker); the Lightning loggers
 (``callback.LightningLoggers``); the Hugging Face trainer's own log (``hf_callback.TrainerLog``). A sink of a
 user's own is any object with these methods (``MetricsSink`` need not be its base), passed as ``sinks=``.
 """
@@ -71,7 +71,7 @@ class MetricsSink:
     """One destination of the evaluator's numbers (subclass it, or pass a function or a W&B run)."""
 
     def begin(self, run: RunInfo) -> None:
-        """Once per run, before the first evaluation is logged."""
+        """Once per run, before the first ``log``: a sink may open its run or file here."""
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         raise NotImplementedError

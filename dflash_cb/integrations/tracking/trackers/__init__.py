@@ -3,10 +3,10 @@
 A tracker's module in this folder defines ``TRACKER``, a ``Tracker``: its name (as Hugging Face's
 ``report_to`` spells it) and how to find the tracker's own object in each loop and make its sink:
 
-- ``from_lightning(logger)``: a Lightning logger of the trainer (``WandbLogger``, ``TensorBoardLogger``) ->
+- ``from_lightning(logger)``: a Lightning logger of the trainer (``WandbLogger``, ``TensorBoardLogger``, ``MLFlowLogger``) ->
   a sink for the rich record (the scalars already reach every logger through ``trainer.loggers``);
 - ``from_hf(trainer)``: a Hugging Face ``Trainer`` whose ``report_to`` names the tracker -> its sink;
-- ``from_object(obj)``: an object a user passes as ``log=`` or ``sinks=`` (a W&B run, a ``SummaryWriter``).
+- ``from_object(obj)``: an object a user passes as ``log=`` or ``sinks=`` (a W&B run, a ``SummaryWriter``, an MLflow run).
 
 The functions below ask every module of this folder (``pkgutil``), so a new tracker is one new file here,
 and a tracker the registry does not know is any object with the sink interface (``sinks.MetricsSink``)
@@ -92,7 +92,7 @@ def hf_sinks(trainer: Any) -> list[MetricsSink]:
 
 
 def object_sink(obj: Any) -> MetricsSink | None:
-    """The sink of a tracker's own object (a W&B run, a TensorBoard ``SummaryWriter``), or None."""
+    """The sink of a tracker's own object (a W&B run, a TensorBoard ``SummaryWriter``, an MLflow run), or None."""
     for t in trackers():
         sink = t.from_object(obj)
         if sink is not None:
@@ -103,7 +103,7 @@ def object_sink(obj: Any) -> MetricsSink | None:
 def as_sinks(log: Any, option: str = "log") -> list[MetricsSink]:
     """Sinks from what a user passes as ``log=`` or ``sinks=`` (``option`` names it in errors): None, a sink (any
     object with a ``log`` method; ``begin`` and ``evaluation`` are optional), a tracker's own object (a W&B run, a
-    TensorBoard ``SummaryWriter``: ``trackers``), a function, or a list of these."""
+    TensorBoard ``SummaryWriter``, an MLflow run: ``trackers``), a function, or a list of these."""
     from ....common.arguments import ArgumentError
 
     if log is None:
@@ -123,8 +123,8 @@ def as_sinks(log: Any, option: str = "log") -> list[MetricsSink]:
     if isinstance(log, Sequence) and not isinstance(log, (str, bytes)):
         return [s for i, item in enumerate(log) for s in as_sinks(item, f"{option}[{i}]")]
     raise ArgumentError(f"{option}={_shown(log)}: expected a function log(metrics, step), a W&B run, a "
-                        "TensorBoard SummaryWriter, a MetricsSink (or any object with a log(metrics, step) method) or "
-                        "a list of them")
+                        "TensorBoard SummaryWriter, an MLflow run, a MetricsSink (or any object with a log(metrics, "
+                        "step) method) or a list of them")
 
 
 def _shown(obj: Any) -> str:

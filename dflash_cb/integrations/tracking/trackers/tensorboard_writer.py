@@ -5,11 +5,11 @@ as text, and the run's configuration and references as text once."""
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..sample_table import TABLE_COLUMNS, make_decoder, table_row
+from ..record_figures import per_depth_figure
+from ..sample_table import TABLE_COLUMNS, make_decoder, record_rows
 from ..sinks import EvaluationRecord, MetricsSink, RunInfo
 from . import Tracker, lightning_logger_sink
 
@@ -73,16 +73,14 @@ class TensorBoardSink(MetricsSink):
             # One value per cycle (the tokens it produced), binned per token count.
             values = np.repeat(np.arange(len(counts)), counts)
             w.add_histogram(f"{prefix}produced_hist", values, step, bins=np.arange(len(counts) + 1) - 0.5)
-        figure = _per_depth_figure(record)
+        figure = per_depth_figure(record)
         if figure is not None:
             w.add_figure(f"{prefix}charts/acceptance_per_depth", figure, step)
         samples = record.table()
         if samples:
             if self._decode is None:
                 self._decode = make_decoder(self._tokenizer)
-            rows = [table_row(step, s.id, s.category, s.input_ids, s.prompt_len, s.acceptance_lengths, s.drafts,
-                              self._decode) for s in samples]
-            w.add_text(f"{prefix}sample_table", _markdown_table(rows), step)
+            w.add_text(f"{prefix}sample_table", _markdown_table(record_rows(step, samples, self._decode)), step)
         w.flush()
 
     def __str__(self) -> str:
@@ -100,30 +98,6 @@ def _markdown_table(rows: Sequence[Sequence[Any]]) -> str:
 
     head = "| " + " | ".join(TABLE_COLUMNS) + " |\n|" + "---|" * len(TABLE_COLUMNS)
     return head + "\n" + "\n".join("| " + " | ".join(cell(v) for v in r) + " |" for r in rows)
-
-
-def _per_depth_figure(record: EvaluationRecord) -> Any | None:
-    """Live and reference per-depth acceptance on one line chart (a matplotlib ``Figure``, no pyplot state)."""
-    from matplotlib.figure import Figure
-
-    series = [(f"live @ step {record.step}", record.per_depth)] + [(b.label, b.per_depth) for b in record.baselines]
-    fig = Figure(figsize=(6, 4))
-    ax = fig.add_subplot()
-    drawn = 0
-    for name, values in series:
-        pts = [(k, float(v)) for k, v in enumerate(values or [], start=1)
-               if v is not None and not (isinstance(v, float) and math.isnan(v))]
-        if pts:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
-            drawn += 1
-    if not drawn:
-        return None
-    ax.set_xlabel("depth")
-    ax.set_ylabel("acceptance (unconditional)")
-    ax.set_ylim(0, 1)
-    ax.legend(fontsize="small")
-    fig.tight_layout()
-    return fig
 
 
 def _from_lightning(logger: Any) -> MetricsSink | None:

@@ -44,7 +44,7 @@ class WandbSink(MetricsSink):
             wandb_run.log({**metrics, STEP_KEY: int(step)})
 
     def evaluation(self, record: EvaluationRecord) -> None:
-        from ..sample_table import make_decoder, table_row
+        from ..sample_table import make_decoder, record_rows
         from ..wandb_logging import log_best, log_evaluation
 
         wandb_run = self.run
@@ -53,8 +53,7 @@ class WandbSink(MetricsSink):
         samples = record.table()
         if samples and self._decode is None:
             self._decode = make_decoder(self._tokenizer)
-        rows = [table_row(record.step, s.id, s.category, s.input_ids, s.prompt_len, s.acceptance_lengths, s.drafts,
-                          self._decode) for s in samples] if samples else []
+        rows = record_rows(record.step, samples, self._decode) if samples else []
         log_evaluation(wandb_run, step=record.step, prefix=record.prefix, live_per_depth=record.per_depth,
                        hist=record.histogram, baselines=record.baselines, rows=rows)
         log_best(wandb_run, record.history, record.prefix)
