@@ -598,9 +598,9 @@ def test_the_sweep_and_compare_results_judge_one_pair_by_one_rule(tmp_path, caps
     zero by chance at 95% while the overall tau has no verdict. The sweep's best-vs-last table once gave those
     rows "best is better"; now neither tool gives a category a verdict the headline lacks, and on the same two
     files both show the same rows with the same intervals and verdicts."""
-    from dflash_cb.core.results import sweep_report
     from dflash_cb.core.figures.bootstrap import metric_sums, paired_difference
     from dflash_cb.core.figures.metrics import category_tau_request_mean
+    from dflash_cb.core.results import sweep_report
     from dflash_cb.core.results.sweep_record import SweepEntry, SweepRecord
 
     cats = [f"c{i}" for i in range(10)]

@@ -203,6 +203,41 @@ def test_dflash2_checkpoints_equal_the_tools(tiny_cache, tiny_drafter_config, tm
     rec = assert_entries_equal_the_tool(tiny_cache, tmp_path / "sweep", saved, tmp_path)
     assert {json.loads((tmp_path / "sweep" / e["results"]).read_text())["meta"]["drafter_family"]
             for e in rec["entries"]} == {"dflash2"}
+    # sweep.md carries the family's own walks beside tau (the selector off, a perfect selector), per entry.
+    report = (tmp_path / "sweep" / "sweep.md").read_text()
+    header = next(line for line in report.splitlines() if line.startswith("| step |"))
+    assert "selector/unary_tau" in header and "selector/oracle_tau" in header
+    for e in rec["entries"]:
+        row = next(line for line in report.splitlines() if line.startswith(f"| {e['step']} |"))
+        assert f"{e['metrics']['selector/unary_tau']:.3f} [" in row
+
+
+def test_when_the_best_is_the_last_the_report_says_what_the_run_gained(tiny_cache, tiny_drafter_config, tmp_path):
+    """A fresh drafter at step 10, the same trained at step 20: the best is the last, so sweep.md says best minus
+    first with its verdict, and the plot's second panel shows that pair (not left empty)."""
+    from tiny_target import train_briefly
+
+    from dflash_cb.cache.states import StateCache
+    from dflash_cb.core.drafters.dflash.model import DFlashDrafter
+    from dflash_cb.core.results import sweep_report
+    from dflash_cb.core.results.sweep_record import load_sweep
+
+    folder = tmp_path / "ckpts"
+    folder.mkdir()
+    torch.manual_seed(0)
+    drafter = DFlashDrafter.from_config_dict(tiny_drafter_config)
+    torch.save({"step": 10, "model": drafter.state_dict(), "drafter_config": tiny_drafter_config}, folder / "a.pt")
+    train_briefly(drafter, StateCache(tiny_cache), epochs=8)
+    torch.save({"step": 20, "model": drafter.state_dict(), "drafter_config": tiny_drafter_config}, folder / "b.pt")
+    assert sweep(tiny_cache, tmp_path / "sweep", folder) == 0
+    record = load_sweep(tmp_path / "sweep")
+    assert record.best is record.entries[-1] and record.best.tau > record.entries[0].tau
+    gained = sweep_report.best_vs_first(record, tmp_path / "sweep")
+    assert gained is not None and gained.labels == ["first (step 10)", "best (step 20)"]
+    report = (tmp_path / "sweep" / "sweep.md").read_text()
+    assert "- the best checkpoint is the last one" in report
+    assert f"- **{gained.differences[(0, 1)]['tau'].text}**: " in report and "(what the run gained" in report
+    assert sweep_report.best_vs_last(record, tmp_path / "sweep") is None
 
 
 @pytest.mark.e2e

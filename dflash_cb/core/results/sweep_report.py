@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ...common.fileio import atomic_paths, naming_failures
+from ..drafters.registry import family_named
 from ..figures.metrics import TAU, ci_high, ci_low, ddtree_tau
 from .compare import Comparison, compare
 from .report import with_interval
@@ -43,9 +44,24 @@ def best_vs_last(record: SweepRecord, folder: Path) -> Comparison | None:
     return compare(labels, [load_results(folder / last.results), load_results(folder / best.results)])
 
 
-def render_markdown(record: SweepRecord, comparison: Comparison | None, plot: str | None = REPORT_PNG) -> str:
+def best_vs_first(record: SweepRecord, folder: Path) -> Comparison | None:
+    """The paired comparison ``best - first`` when the best is the last checkpoint (what the run gained; the
+    plot's second panel then), else None."""
+    best = record.best
+    if best is None or len(record.entries) < 2 or best is not record.entries[-1]:
+        return None
+    first = record.entries[0]
+    labels = [f"first (step {first.step})", f"best (step {best.step})"]
+    return compare(labels, [load_results(folder / first.results), load_results(folder / best.results)])
+
+
+def render_markdown(record: SweepRecord, comparison: Comparison | None, plot: str | None = REPORT_PNG,
+                    gained: Comparison | None = None) -> str:
+    """``gained``: best minus first, when the best is the last (``best_vs_first``)."""
     s = record.settings
     budgets = list(s.get("ddtree_budgets") or [])
+    # The drafter family's own walks (DFlash 2: the selector off, a perfect selector) get columns of their own.
+    walks = family_named(record.family).figures.walks if record.family else ()
     best = record.best
     lines = ["## Checkpoint sweep", ""]
     lines.append(f"Cache `{s.get('cache_path')}` (manifest `{str(s.get('cache_manifest_sha256'))[:12]}`), "
@@ -61,12 +77,17 @@ def render_markdown(record: SweepRecord, comparison: Comparison | None, plot: st
         lines.append(f"- **{d[TAU].text}**: {d[TAU].verdict} (paired on {comparison.n} prompts)")
     elif best is not None and len(record.entries) > 1:
         lines.append("- the best checkpoint is the last one")
-    lines += ["", "| step | checkpoint | tau [95%] | " + " | ".join(f"DDTree b{b}" for b in budgets) + " | |",
-              "|---|---|---|" + "---|" * len(budgets) + "---|"]
+        if gained is not None:
+            d = gained.differences[(0, 1)]
+            lines.append(f"- **{d[TAU].text}**: {d[TAU].verdict} (what the run gained, paired on {gained.n} prompts)")
+    heads = [*(f"DDTree b{b}" for b in budgets), *(w.key for w in walks)]
+    lines += ["", "| step | checkpoint | tau [95%] | " + "".join(f"{h} | " for h in heads) + " |",
+              "|---|---|---|" + "---|" * len(heads) + "---|"]
     for e in record.entries:
         mark = "**best**" if e is best else ""
-        lines.append(f"| {e.step} | `{Path(e.checkpoint).name}` | {_cell(e, TAU)} | "
-                     + " | ".join(_cell(e, ddtree_tau(b)) for b in budgets) + f" | {mark} |")
+        cells = [*(_cell(e, ddtree_tau(b)) for b in budgets), *(_cell(e, w.key) for w in walks)]
+        lines.append(f"| {e.step} | `{Path(e.checkpoint).name}` | {_cell(e, TAU)} | " + "".join(f"{c} | " for c in cells)
+                     + f"{mark} |")
     if comparison is not None:
         lines += ["", f"### Best minus last, paired on {comparison.n} prompts", "",
                   "| metric | difference [95% interval] | verdict |", "|---|---|---|"]
@@ -86,8 +107,9 @@ def render_markdown(record: SweepRecord, comparison: Comparison | None, plot: st
 
 
 def plot_sweep(record: SweepRecord, comparison: Comparison | None, path: str | Path) -> None:
-    """Left: tau with its interval and DDTree tau per budget over the steps, the best marked. Right: best minus
-    last, paired, per metric with its 95% interval."""
+    """Left: tau with its interval and DDTree tau per budget over the steps, the best marked. Right: ``comparison``,
+    best minus last (or, when the best is the last, best minus first: ``best_vs_first``), paired, per metric with
+    its 95% interval."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -123,7 +145,8 @@ def plot_sweep(record: SweepRecord, comparison: Comparison | None, path: str | P
         ax.barh(range(len(names)), values, xerr=[low, high], capsize=3, color="C0")
         ax.set_yticks(range(len(names)), names, fontsize=8)
         ax.axvline(0.0, color="black", linewidth=0.8)
-        ax.set(xlabel="best - last (paired, 95% interval)", title=comparison.labels[1] + " vs " + comparison.labels[0])
+        ax.set(xlabel=f"best - {comparison.labels[0].split(' ')[0]} (paired, 95% interval)",
+               title=comparison.labels[1] + " vs " + comparison.labels[0])
     else:
         ax.axis("off")
         why = "the best checkpoint is the last one" if len(entries) > 1 else "fewer than two checkpoints"
@@ -140,9 +163,10 @@ def write_report(record: SweepRecord, folder: str | Path) -> dict[str, Any]:
     """``folder/sweep.md`` and ``folder/sweep.png``: both, or (on a failure) neither is replaced."""
     folder = Path(folder)
     comparison = best_vs_last(record, folder)
-    md = render_markdown(record, comparison)
+    gained = best_vs_first(record, folder)
+    md = render_markdown(record, comparison, gained=gained)
     with atomic_paths(folder / REPORT_MD, folder / REPORT_PNG) as (md_tmp, png_tmp):
         with naming_failures(folder / REPORT_MD), open(md_tmp, "w") as f:
             f.write(md)
-        plot_sweep(record, comparison, png_tmp)
+        plot_sweep(record, comparison or gained, png_tmp)
     return {"markdown": folder / REPORT_MD, "plot": folder / REPORT_PNG, "comparison": comparison}
