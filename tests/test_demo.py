@@ -43,6 +43,9 @@ def test_tau_rises_and_every_promised_file_exists(demo: tuple[Path, subprocess.C
     assert summary["tau_last"] > summary["tau_first"], summary["evaluations"]
     assert summary["ddtree_tau_last"] >= summary["tau_last"]  # a tree holds the greedy chain
     assert len(summary["evaluations"]) >= 3
+    # A checkpoint at every evaluation: what dflash-sweep reads to draw the run's curve (the README's command).
+    saved = sorted(p.name for p in (out / "checkpoints").glob("step_*.ckpt"))
+    assert saved == [f"step_{e['step']:06d}.ckpt" for e in summary["evaluations"]]
     promised = ["target", "prompts_train", "prompts_eval", "cache_train", "cache_eval", "drafter_config",
                 "checkpoint", "drafter", "results", "metrics_csv", "wandb_run", "plot_tau_over_steps",
                 "plot_per_depth_acceptance", "plot_accepted_lengths_hist", "summary"]
@@ -90,6 +93,10 @@ def test_a_dflash2_drafter_trains_its_tau_rises_and_the_summary_says_where_it_is
     m = results["metrics"]
     assert m["selector/oracle_tau"] >= m["tau"] and 0 < m["selector/recall"] <= 1
     assert "training a DFlash 2 drafter" in proc.stdout and "DFlash 2: tau with the selector off (unary argmax)" in proc.stdout
+    # Where the selector costs tau (its walk below the unary argmax path), the demo and comparison.md say so.
+    costs = m["selector/unary_tau"] > m["tau"]
+    assert ("the selector costs tau here" in proc.stdout) == costs
+    assert ("the selector costs tau here" in (out / "comparison.md").read_text()) == costs
     assert json.loads((out / "drafter" / "config.json").read_text())["architectures"] == ["DFlash2DraftModel"]
 
 

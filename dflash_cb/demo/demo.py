@@ -283,6 +283,11 @@ def _fmt(x: Any, nd: int = 3) -> str:
     return "  n/a" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:.{nd}f}"
 
 
+def step_checkpoint(folder: Path, step: int) -> Path:
+    """Where the demo keeps the drafter of the evaluation at ``step`` (what ``dflash-sweep`` reads)."""
+    return folder / f"step_{step:06d}.ckpt"
+
+
 def _tau_printer(eval_cb: Any, budgets: Sequence[int], first_checkpoint: Path) -> Any:
     from lightning.pytorch.callbacks import Callback
 
@@ -295,6 +300,11 @@ def _tau_printer(eval_cb: Any, budgets: Sequence[int], first_checkpoint: Path) -
 
         def _flush(self, trainer: Any) -> None:
             for h in eval_cb.history[self.printed:]:
+                # The weights of every evaluation, so a sweep over the checkpoints draws the run's curve.
+                at = step_checkpoint(first_checkpoint.parent, int(h["step"]))
+                at.parent.mkdir(parents=True, exist_ok=True)
+                with naming_failures(at):
+                    trainer.save_checkpoint(str(at))
                 loss = trainer.callback_metrics.get("train/loss")
                 dd = "  ".join(_fmt(h.get(ddtree_tau(b))) for b in budgets)
                 cats = "  ".join(_fmt(h.get(category_tau(c)), 2) for c in ("count", "repeat", "pairs"))
@@ -428,7 +438,7 @@ def compare_first_last(paths: Paths, first: Results, last: Results) -> dict[str,
 
 
 def make_plots(history: list[dict[str, float]], block_size: int, budgets: Sequence[int], plots: Path,
-               goal: float = TAU_GOAL) -> dict[str, Path]:
+               goal: float = TAU_GOAL, family: str = "dflash") -> dict[str, Path]:
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display needed
@@ -455,8 +465,12 @@ def make_plots(history: list[dict[str, float]], block_size: int, budgets: Sequen
         ax.plot(steps, [h.get(ddtree_tau(b), math.nan) for h in history], "s--", label=f"DDTree tau, budget {b}")
     ax.plot(steps, [h.get(ALL_ANCHOR_TAU, math.nan) for h in history], ":", color="gray",
             label="all-anchor mean accepted + 1")
-    ax.axhline(goal, color="red", lw=0.8, alpha=0.6)
-    ax.set(xlabel="training step", ylabel="tokens per drafter call", title="DFlash drafter: tau while it trains")
+    fam = family_named(family)
+    for k, walk in enumerate(fam.figures.walks):  # the family's own walks (DFlash 2: selector off, perfect selector)
+        ax.plot(steps, [h.get(walk.key, math.nan) for h in history], "^-.", color=f"C{len(budgets) + 2 + k}",
+                label=walk.label)
+    ax.axhline(goal, color="red", lw=0.8, alpha=0.6, label=f"the demo's goal: tau {goal:g}")
+    ax.set(xlabel="training step", ylabel="tokens per drafter call", title=f"{fam.label} drafter: tau while it trains")
     ax.grid(alpha=0.3)
     save(fig, ax, "tau_over_steps")
 
@@ -537,7 +551,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     if results.tau is not None and abs(results.tau - last[TAU]) > 1e-9:
         raise DemoError(f"the extracted drafter scores tau {results.tau} but the callback logged {last['tau']} "
                         "for the same weights")
-    plots = make_plots(hist, cfg.block_size, cfg.ddtree_budgets, paths.plots)
+    plots = make_plots(hist, cfg.block_size, cfg.ddtree_budgets, paths.plots, family=cfg.drafter)
     timings["extract_score_plots"] = time.perf_counter() - t
     timings["total"] = time.perf_counter() - t0
     files = {
@@ -592,6 +606,8 @@ def _print_summary(s: dict[str, Any], results: Results, cfg: DemoConfig) -> None
     own = [f for f in (*family.figures.walks, *family.figures.pooled) if results.metric(f.key) is not None]
     if own:  # the family's own figures (DFlash 2: where its tau is lost)
         _say(f"  {family.label}: " + ", ".join(f"{f.label} {_fmt(results.metric(f.key))}" for f in own))
+    for remark in family.figures.remarks(results.metric):
+        _say(f"  {family.label}: {remark}")
     _say(f"  first vs last checkpoint (paired, same prompts): {s['first_vs_last']['text']}: "
          f"{s['first_vs_last']['verdict']}")
     _say("  [..] = 95% interval over the choice of prompts (cluster bootstrap over the held-out prompts)")

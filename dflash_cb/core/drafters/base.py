@@ -45,6 +45,8 @@ class Figure:
 
     key: str
     label: str
+    # What to say when this walk's tau is above the drafter's own tau (a walk the family could have served).
+    above_tau: str = ""
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,16 @@ class FamilyFigures:
         if self.ratios is None or not all(n in counts for n in self.depth_counts):
             return {}
         return self.ratios(counts)
+
+    def remarks(self, metric: Callable[[str], float | None]) -> list[str]:
+        """One line per walk whose tau is above the drafter's (``Figure.above_tau``), from ``metric(key)``."""
+        tau = metric("tau")
+        out = []
+        for w in self.walks:
+            value = metric(w.key)
+            if w.above_tau and tau is not None and value is not None and value > tau:
+                out.append(f"{w.above_tau} ({w.key} {value:.3f} > tau {tau:.3f})")
+        return out
 
     def labels(self, family_label: str) -> dict[str, str]:
         """Every figure's key -> its words, prefixed with the family's label."""

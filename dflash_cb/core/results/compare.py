@@ -26,7 +26,7 @@ from typing import Any
 from ...cache.identity import cache_difference
 from ...common.errors import DFlashCBError
 from ...common.fileio import atomic_paths, naming_failures
-from ..drafters.registry import families
+from ..drafters.registry import families, family_named
 from ..figures.bootstrap import (
     DEFAULT_RESAMPLES,
     DEFAULT_SEED,
@@ -283,6 +283,9 @@ def render_markdown(c: Comparison, plot_path: str | None = None, published: Sequ
     lines.append("")
     for w in c.warnings:
         lines += [f"**Warning:** {w}", ""]
+    for label, r in zip(c.labels, c.results, strict=True):  # a family's walk above tau (DFlash 2's selector)
+        fam = family_named(r.family)
+        lines += [f"- {label} ({fam.label}): {remark}" for remark in fam.figures.remarks(r.metric)]
     for d in c.differences.values():
         lines.append(f"- **{d[TAU].text}**: {d[TAU].verdict}")
     lines += ["", "| metric | " + " | ".join(c.labels) + " |", "|---" * (len(c.labels) + 1) + "|"]

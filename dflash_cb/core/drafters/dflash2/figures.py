@@ -42,7 +42,9 @@ def selector_ratios(counts: Mapping[str, Sequence[float]]) -> dict[str, tuple[fl
 
 
 FIGURES = FamilyFigures(
-    walks=(Figure(SELECTOR_UNARY_TAU, "tau with the selector off (unary argmax)"),
+    walks=(Figure(SELECTOR_UNARY_TAU, "tau with the selector off (unary argmax)",
+                  above_tau="the selector costs tau here: the head's argmax alone accepts more (docs/metrics.md, "
+                            "\"DFlash 2 drafters\")"),
            Figure(SELECTOR_ORACLE_TAU, "tau with a perfect selector over the candidates")),
     depth_counts=(SELECTOR_RECALL_COUNT,),
     ratios=selector_ratios,
