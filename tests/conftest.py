@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -81,3 +82,18 @@ def drafter_dir(tiny_drafter_config: dict, tmp_path_factory: pytest.TempPathFact
     out = tmp_path_factory.mktemp("drafter") / "drafter"
     DFlashDrafter.from_config_dict(tiny_drafter_config).save_pretrained(out)
     return out
+
+
+@pytest.fixture
+def mlflow_store(tmp_path, monkeypatch) -> Iterator[str]:
+    """A local MLflow file store in ``tmp_path``: its tracking URI, current (and in the environment, where Hugging
+    Face's ``MLflowCallback`` reads it); MLflow 3 asks for the opt-in to write one."""
+    import mlflow  # the dev extra installs it (mlflow-skinny)
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    uri = (tmp_path / "mlruns").as_uri()
+    previous = mlflow.get_tracking_uri()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    mlflow.set_tracking_uri(uri)
+    yield uri
+    mlflow.set_tracking_uri(previous)

@@ -300,6 +300,25 @@ def test_hf_run_reporting_to_tensorboard_gets_the_evaluators_names_and_the_rich_
 
 
 @pytest.mark.e2e
+def test_hf_run_reporting_to_mlflow_gets_the_scalars_and_the_record_as_artifacts(tmp_path, tiny_cache,
+                                                                                 tiny_drafter_config, mlflow_store):
+    """``report_to=["mlflow"]`` (a local file store): the Trainer's ``MLflowCallback`` gets the scalars (through
+    the Trainer's log), and the MLflow sink adds the chart and the sample table to the same, active run."""
+    from mlflow import MlflowClient
+
+    trainer, cb, _ = hf_train(tmp_path, tiny_cache, tiny_drafter_config, max_steps=4, every=2, table_samples=2,
+                              training_args={"report_to": ["mlflow"]})
+    client = MlflowClient(mlflow_store)
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    steps = sorted(_evaluations(trainer))
+    assert [m.step for m in client.get_metric_history(run.info.run_id, PREFIX + "tau")] == steps == [0, 2, 4]
+    chart = PREFIX + "charts/acceptance_per_depth"
+    assert sorted(f.path for f in client.list_artifacts(run.info.run_id, chart)) == [
+        f"{chart}/step_{s:07d}.png" for s in steps]
+    assert len(client.list_artifacts(run.info.run_id, PREFIX + "sample_table")) == len(steps)
+
+
+@pytest.mark.e2e
 def test_hf_run_reporting_to_wandb_gets_working_panels_and_one_console_line(tmp_path, tiny_cache,
                                                                               tiny_drafter_config, monkeypatch,
                                                                               capsys):

@@ -173,19 +173,6 @@ def test_the_plain_evaluator_begins_before_its_first_log_even_when_the_first_eva
     assert mine.calls == [("begin", PREFIX), ("log", 0), ("log", 2), ("evaluation", 2)]
 
 
-@pytest.fixture
-def mlflow_store(tmp_path, monkeypatch) -> str:
-    """A local MLflow file store in ``tmp_path`` (its tracking URI); MLflow 3 asks for the opt-in to write one."""
-    import mlflow  # the dev extra installs it (mlflow-skinny)
-
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
-    uri = (tmp_path / "mlruns").as_uri()
-    previous = mlflow.get_tracking_uri()
-    mlflow.set_tracking_uri(uri)
-    yield uri
-    mlflow.set_tracking_uri(previous)
-
-
 def mlflow_artifacts(client, run_id: str, folder: str) -> list[str]:
     return sorted(f.path for f in client.list_artifacts(run_id, folder))
 

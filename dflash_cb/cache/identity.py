@@ -18,8 +18,8 @@ from typing import Any
 
 # Paths that may differ between hosts for the same checkpoint; everything else that shapes the data may not.
 LOCAL_PATHS = ("target.name_or_path", "prompts.tokenizer")
-# Lists that stand in the identity as the sha256 of their canonical JSON.
-_HASHED = ("samples", "shards")
+# Lists as long as the cache that stand in the identity as the sha256 of their canonical JSON.
+_HASHED = ("samples", "shards", "agreement.first_disagreements")
 IDENTITY_KEY = "cache_identity"  # results meta: the identity
 CONTENT_KEY = "cache_content_sha256"  # results meta: its sha256
 
@@ -31,11 +31,19 @@ def _sha256(data: Any) -> str:
 def identity(manifest: Mapping[str, Any]) -> dict[str, Any]:
     """The content of a manifest (its dict, ``Manifest.to_dict``) without the local paths, its long lists as
     their sha256."""
-    out = {k: (_sha256(v) if k in _HASHED else v) for k, v in manifest.items()}
-    for path in LOCAL_PATHS:
-        section, key = path.split(".")
-        if isinstance(out.get(section), dict):
-            out[section] = {k: v for k, v in out[section].items() if k != key}
+    out = dict(manifest)
+    for path in (*LOCAL_PATHS, *_HASHED):
+        section, _, key = path.rpartition(".")
+        parent = out
+        if section:
+            if not isinstance(out.get(section), Mapping):
+                continue
+            parent = out[section] = dict(out[section])  # a copy: the manifest's own dict stays as it was
+        if key in parent:
+            if path in _HASHED:
+                parent[key] = _sha256(parent[key])
+            else:
+                del parent[key]
     return out
 
 
