@@ -21,6 +21,7 @@ from ...common.fileio import check_outputs_apart, output_path
 from ..completion_client import CompletionClient
 from ..integrity import sha256_file
 from ..manifest import HEAD_NAME, MANIFEST_NAME, CacheError, Manifest
+from ..prompt_sets import check_tokenizer
 from ..prompts import PromptRecord
 from ..served import served_counters
 from ..target import TargetConfig
@@ -424,7 +425,14 @@ def _tokenized_prompts(a: PrecomputeArgs, tcfg: TargetConfig) -> _Prompts:
     records = P.load_prompts(a.prompts)  # PromptFileError: file:line and the fix
     S, N, part = a.samples_per_shard, a.num_shards, a.shard_index
     mine = [r for r in records if (r.index // S) % N == part]
-    tokenizer = _load_tokenizer(a) if P.needs_tokenizer(mine) else None
+    built_with = {r.tokenizer for r in mine if r.tokenizer}  # a benchmark prompt set: its ids are one tokenizer's
+    tokenizer = _load_tokenizer(a) if P.needs_tokenizer(mine) or built_with else None
+    if built_with:
+        check_tokenizer(built_with, tokenizer, f"{a.prompts} (tokenizer {a.tokenizer or a.target})")
+    later_turns = sum(len(r.turns) - 1 for r in mine if r.turns)
+    if later_turns:
+        logger.warning(f"warning: {a.prompts}: {later_turns} later turn(s) (mt-bench) are not computed: this "
+                       "precompute runs each record's first turn (docs/precompute.md, \"Build the authors' prompt sets\")")
     prompt_ids = {r.id: P.tokenize_prompt(r, tokenizer, a.chat_template_kwargs) for r in mine}
     for r in mine:
         if not prompt_ids[r.id]:
