@@ -20,6 +20,7 @@ turn is a request of its own in the request mean (docs/method.md, "Conventions")
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from collections.abc import Callable, Mapping, Sequence
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ..common.errors import DFlashCBError
+from .prompts import PromptRecord
 from .target import canonical_sha256
 
 CHAT_TEMPLATE_KWARGS = {"enable_thinking": False}  # both protocols: thinking off
@@ -328,6 +330,42 @@ def build_records(p: Preset, tokenizer: Any, *, data_dir: str | Path | None = No
             records.append({"id": f"{s.category}-{row:05d}", "category": s.category, "input_ids": ids,
                             "turns": turns, "source": source, "tokenizer": identity})
     return records
+
+
+def later_turns(records: Sequence[PromptRecord]) -> list[PromptRecord]:
+    """Every later turn of the multi-turn records as a sample of its own (``<id>.t2``, ...), placed after the
+    file's records; its prompt is built when the turn before has its completion (``turn_prompt``)."""
+    taken = {r.id for r in records}
+    out: list[PromptRecord] = []
+    for r in records:
+        if not r.turns or len(r.turns) < 2:
+            continue
+        name = (r.source or {}).get("preset")
+        if name not in PRESETS:
+            raise PromptSetError(f"line {r.line}: prompt {r.id!r} has {len(r.turns)} turns but no 'source.preset' "
+                                 f"naming how to build them (one of {sorted(PRESETS)}); build the file with "
+                                 "tools/build_prompts.py")
+        before = r.id
+        for turn in range(2, len(r.turns) + 1):
+            sid = f"{r.id}.t{turn}"
+            if sid in taken:
+                raise PromptSetError(f"line {r.line}: prompt {r.id!r}'s turn {turn} would be sample {sid!r}, "
+                                     "which the file already uses; rename that prompt")
+            taken.add(sid)
+            out.append(dataclasses.replace(r, id=sid, index=len(records) + len(out), input_ids=None, messages=None,
+                                           text=None, source={**(r.source or {}), "turn": turn}, follows=before))
+            before = sid
+    return out
+
+
+def earlier_turns(records: Mapping[str, PromptRecord], r: PromptRecord) -> list[str]:
+    """The samples of the turns before ``r``, first turn first."""
+    chain: list[str] = []
+    sid = r.follows
+    while sid is not None:
+        chain.append(sid)
+        sid = records[sid].follows
+    return chain[::-1]
 
 
 def check_tokenizer(recorded: set[str], tokenizer: Any, where: str) -> None:

@@ -70,6 +70,7 @@ class PromptRecord:
     turns: list[str] | None = None  # a benchmark's user turns (mt-bench: two); the prompt is the first one's
     source: dict[str, Any] | None = None  # where a benchmark prompt came from (dataset, revision, row)
     tokenizer: str | None = None  # prompt_sets.tokenizer_identity of the tokenizer that built input_ids
+    follows: str | None = None  # a later turn (prompt_sets.later_turns): the sample answering the turn before
 
     @property
     def kind(self) -> str:
