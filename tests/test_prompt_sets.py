@@ -235,6 +235,9 @@ def test_the_tool_writes_a_prompt_file_the_precompute_runs_only_with_the_same_to
 
     assert precompute_main([*common, "--tokenizer", str(tok), "--out", str(tmp_path / "cache")]) == 0
     cache = StateCache(tmp_path / "cache")
+    assert cache.manifest.prompts["sources"]["mbpp"] == {  # the manifest names each category's dataset revision
+        "preset": "dflash-0.1", "dataset": "google-research-datasets/mbpp", "config": "sanitized", "split": "test",
+        "revision": REVISION}
     for r in records:
         e = cache.entry(r.id)
         assert cache.load(r.id).input_ids[: e.prompt_len].tolist() == r.input_ids and e.category == r.category

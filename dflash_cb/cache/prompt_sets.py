@@ -256,6 +256,7 @@ def save_set(s: PromptSet, data_dir: str | Path) -> Path:
     revision = s.revision or hub_revision(s.dataset)
     rows = _hub_rows(s, revision)
     folder = Path(data_dir) / s.category
+    (folder / SOURCE_FILE).unlink(missing_ok=True)  # written last: a save cut short is no saved set
     rows.save_to_disk(str(folder))
     atomic_write_json(folder / SOURCE_FILE, {"dataset": s.dataset, "config": s.config, "split": s.split,
                                              "revision": revision, "files": list(s.files)})

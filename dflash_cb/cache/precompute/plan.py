@@ -466,6 +466,10 @@ def _tokenized_prompts(a: PrecomputeArgs, tcfg: TargetConfig) -> _Prompts:
         groups.setdefault(r.index // S, []).append(r)
     info: dict[str, Any] = {"file": Path(a.prompts).name, "sha256": sha256_file(a.prompts), "count": len(records),
                             "tokenizer": (a.tokenizer or a.target) if tokenizer is not None else None}
+    sets = {r.category: {k: r.source.get(k) for k in ("preset", "dataset", "config", "split", "revision")}
+            for r in records if r.source and r.follows is None}
+    if sets:  # a benchmark prompt set (tools/build_prompts.py): which dataset, at which revision, per category
+        info["sources"] = dict(sorted(sets.items()))
     if N > 1:
         info["part"] = {"num_shards": N, "shard_index": part}
     turns = LaterTurns({r.id: r for r in mine}, tokenizer) if later else None
