@@ -13,16 +13,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import datasets  # the dev extra installs it (the prompts extra for users); the package imports it lazily
+import paper_protocol
 import pytest
+from tiny_target import TINY_WORDS, save_tiny_qwen3, save_tiny_tokenizer
 
-datasets = pytest.importorskip("datasets")  # the dev extra installs it; the package never needs it
-
-import paper_protocol  # noqa: E402
-from tiny_target import TINY_WORDS, save_tiny_qwen3, save_tiny_tokenizer  # noqa: E402
-
-from dflash_cb.cache import prompt_sets as PS  # noqa: E402
-from dflash_cb.cache.build_prompts import main as build_main  # noqa: E402
-from dflash_cb.cache.prompts import load_prompts  # noqa: E402
+from dflash_cb.cache import prompt_sets as PS
+from dflash_cb.cache.build_prompts import main as build_main
+from dflash_cb.cache.prompts import load_prompts
 
 REVISION = "0123456789abcdef0123456789abcdef01234567"  # what the stand-in hub says each set is at
 PUBLISHED = {"gsm8k", "math500", "aime24", "aime25", "humaneval", "mbpp", "livecodebench", "swe-bench",
