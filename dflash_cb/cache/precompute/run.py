@@ -222,11 +222,12 @@ def _served_completions(plan: Plan, todo: list[PromptRecord]) -> Completions:
     if ignored:
         logger.warning(f"{journal}: {ignored} saved completion(s) were made with other arguments (or are damaged); "
                        "they are ignored and asked again")
-    need = [(r.id, plan.prompt_ids[r.id]) for r in todo if r.id not in have and r.id in plan.prompt_ids]
+    askable = [r for r in todo if r.id in plan.prompt_ids]  # a later turn waits for the turn before's answer
+    need = [(r.id, plan.prompt_ids[r.id]) for r in askable if r.id not in have]
     if need:
         client = plan.source.client
         logger.info(f"querying {client.url} for {len(need)} reference completion(s) "
-                    f"({len(todo) - len(need)} already saved in {JOURNAL_NAME})")
+                    f"({len(askable) - len(need)} already saved in {JOURNAL_NAME})")
 
         def on_result(sid: str, c: Any) -> None:
             have[sid] = journal_entry(sid, keys[sid], c.output_ids, c.finish_reason, served_counters(c.meta_info))
