@@ -241,7 +241,17 @@ def test_the_tool_writes_a_prompt_file_the_precompute_runs_only_with_the_same_to
         assert cache.load(r.id).input_ids[: e.prompt_len].tolist() == r.input_ids and e.category == r.category
 
 
-def test_tool_errors_are_one_line_before_any_work(tmp_path, capsys):
+def test_tool_errors_are_one_line_before_any_work(tmp_path, capsys, monkeypatch):
+    import huggingface_hub
+
+    def unreachable(self, *args, **kwargs):  # what this machine's hub answers (it has no network)
+        raise ConnectionError("Name or service not known")
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "dataset_info", unreachable)
+    assert build_main(["--preset", "dflash-paper", "--sets", "gsm8k", "--save-data", str(tmp_path / "d")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "openai/gsm8k (gsm8k): cannot read it from the Hugging Face hub" in err
+    assert "build with --data-dir DIR" in err and not (tmp_path / "d" / "gsm8k" / PS.SOURCE_FILE).exists()
     assert build_main(["--preset", "dflash-paper", "--out", str(tmp_path / "x.jsonl")]) == 2
     assert "--out and --tokenizer are needed" in capsys.readouterr().err
     assert build_main(["--preset", "dflash-0.1", "--sets", "alpaca", "--save-data", str(tmp_path)]) == 2

@@ -218,6 +218,18 @@ def hub_revision(dataset: str) -> str:
     return str(HfApi().dataset_info(dataset).sha)
 
 
+def _from_hub(s: PromptSet) -> tuple[Any, str]:
+    """The rows of ``s`` from the hub and the revision read: the pinned one, else the current one."""
+    try:
+        revision = s.revision or hub_revision(s.dataset)
+        return _hub_rows(s, revision), revision
+    except Exception as e:  # network, authentication, a missing revision: each library raises its own
+        raise PromptSetError(
+            f"{s.dataset} ({s.category}): cannot read it from the Hugging Face hub ({type(e).__name__}: {e}); "
+            "where the hub cannot be reached, save the sets on a machine that reaches it "
+            "(tools/build_prompts.py --save-data DIR) and build with --data-dir DIR") from e
+
+
 def load_set(s: PromptSet, data_dir: str | Path | None = None) -> tuple[Any, str | None]:
     """The rows of ``s`` (a ``datasets.Dataset``) and the revision they are at.
 
@@ -226,8 +238,7 @@ def load_set(s: PromptSet, data_dir: str | Path | None = None) -> tuple[Any, str
     import datasets
 
     if data_dir is None:
-        revision = s.revision or hub_revision(s.dataset)
-        rows = _hub_rows(s, revision)
+        rows, revision = _from_hub(s)
     else:
         folder = Path(data_dir) / s.category
         if not (folder / SOURCE_FILE).is_file():
@@ -253,8 +264,7 @@ def save_set(s: PromptSet, data_dir: str | Path) -> Path:
     """Save ``s`` from the hub into ``data_dir/<category>`` (``Dataset.save_to_disk``) with its source."""
     from ..common.fileio import atomic_write_json
 
-    revision = s.revision or hub_revision(s.dataset)
-    rows = _hub_rows(s, revision)
+    rows, revision = _from_hub(s)
     folder = Path(data_dir) / s.category
     (folder / SOURCE_FILE).unlink(missing_ok=True)  # written last: a save cut short is no saved set
     rows.save_to_disk(str(folder))
