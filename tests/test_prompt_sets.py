@@ -23,8 +23,17 @@ from dflash_cb.cache.build_prompts import main as build_main
 from dflash_cb.cache.prompts import load_prompts
 
 REVISION = "0123456789abcdef0123456789abcdef01234567"  # what the stand-in hub says each set is at
-PUBLISHED = {"gsm8k", "math500", "aime24", "aime25", "humaneval", "mbpp", "livecodebench", "swe-bench",
-             "mt-bench", "alpaca"}  # configs/baselines/published.yaml's categories
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_paper_preset_s_categories_are_the_published_table_s():
+    import yaml
+
+    entries = yaml.safe_load((ROOT / "configs" / "baselines" / "published.yaml").read_text())["entries"]
+    published = {m.split("/")[1] for e in entries if e["name"].startswith("dflash-")
+                 for m in e["metrics"] if m.startswith("category/")}
+    assert published == {s.category for s in PS.PAPER.sets}
+    assert {s.category for s in PS.PACKAGE_0_1.sets} < published
 
 
 def _rows(category: str) -> dict[str, list]:
@@ -137,7 +146,7 @@ def test_the_0_1_preset_is_the_dflash_package_s_own_prompts(offline_hub, byte_to
 @pytest.mark.parametrize("max_samples", [4, None])
 def test_the_paper_preset_is_the_transcribed_paper_protocol(offline_hub, byte_tokenizer, max_samples):
     records = PS.build_records(PS.PAPER, byte_tokenizer, max_samples=max_samples)
-    assert {r["category"] for r in records} == PUBLISHED
+    assert {r["category"] for r in records} == {s.category for s in PS.PAPER.sets}
     for s in PS.PAPER.sets:
         theirs = paper_protocol.prompts(s.category, max_samples, byte_tokenizer)
         ours = _by_category(records, s.category)
