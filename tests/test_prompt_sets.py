@@ -370,3 +370,46 @@ def test_a_server_answers_turn_two_after_turn_one(offline_hub, byte_tokenizer, t
         assert _cache_samples(out) == _cache_samples(tmp_path / "local")  # the served greedy path is the local one
         journal = [json.loads(line)["id"] for line in (out / "reference_completions.jsonl").read_text().splitlines()]
         assert sorted(journal) == sorted(_cache_samples(out))
+
+
+def _command(name: str, *argv: str) -> int:
+    """The console command ``name`` in this process, found as pyproject.toml names it."""
+    import importlib
+
+    from test_commands import console_scripts, launched
+
+    from dflash_cb.common.cli import run
+
+    module, attr = launched(console_scripts()[name]).split(":")
+    return run(getattr(importlib.import_module(module), attr).main, list(argv))
+
+
+def test_a_cache_of_the_paper_preset_puts_each_published_figure_beside_its_own_benchmark(
+        offline_hub, drafter_dir, tmp_path, capsys):
+    """The authors' table (configs/baselines/published.yaml) beside a cache of their prompts: each benchmark's
+    figure stands beside the same benchmark's request mean (mt-bench: both turns), not the overall one."""
+    from dflash_cb.cache.precompute import main as precompute_main
+    from dflash_cb.cache.states import StateCache
+
+    tok = save_tiny_tokenizer(tmp_path / "tok")
+    prompts = tmp_path / "paper.jsonl"
+    assert build_main(["--preset", "dflash-paper", "--sets", "gsm8k,mt-bench", "--max-samples", "2",
+                       "--tokenizer", str(tok), "--out", str(prompts)]) == 0
+    cache = tmp_path / "cache"
+    assert precompute_main(["--target", str(save_tiny_qwen3(tmp_path / "target")), "--prompts", str(prompts),
+                            "--tokenizer", str(tok), "--layers", "0,2", "--max-new-tokens", "10", "--dtype",
+                            "float32", "--no-progress", "--out", str(cache)]) == 0
+    assert sorted(s.category for s in StateCache(cache).manifest.samples) == ["gsm8k"] * 2 + ["mt-bench"] * 4
+    results = []
+    for name in ("a", "b"):  # a comparison takes two evaluations: the same drafter twice is enough here
+        results.append(tmp_path / f"{name}.json")
+        assert _command("dflash-eval", "--states", str(cache), "--drafter", str(drafter_dir), "--ddtree-budgets", "",
+                        "--out", str(results[-1])) == 0
+    capsys.readouterr()
+    assert _command("dflash-compare", *map(str, results), "--out", str(tmp_path / "cmp"), "--published",
+                    str(ROOT / "configs" / "baselines" / "published.yaml")) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| dflash-qwen3-8b-b16 |")]
+    for benchmark in ("gsm8k", "mt-bench"):
+        row = next(r for r in rows if f"tau, {benchmark}," in r)
+        assert "(all prompts)" not in row and "n/a" not in row, row
+    assert "(all prompts)" in next(r for r in rows if "tau, math500," in r)  # a benchmark this cache lacks
