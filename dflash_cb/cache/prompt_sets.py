@@ -26,7 +26,7 @@ import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from ..common.errors import DFlashCBError
 from .prompts import PromptRecord
@@ -41,6 +41,9 @@ class PromptSetError(DFlashCBError, ValueError):
     """A preset, a dataset or a built prompt set cannot be used as asked; the message says how to fix it."""
 
 
+# How a preset picks and orders a set's rows: the paper's datasets shuffle(seed=0) where a set is larger than
+# its count, or dflash 0.1.0's random.Random(42) order of every set.
+Selection = Literal["shuffle-seed-0-if-larger", "random-42"]
 Row = Mapping[str, Any]
 Formatter = Callable[[Row], list[str]]  # a dataset row -> the user turns
 
@@ -65,8 +68,9 @@ class Preset:
     name: str
     citation: str
     sets: tuple[PromptSet, ...]
-    selection: str  # "shuffle-seed-0-if-larger" (paper) or "random-42" (0.1)
+    selection: Selection
     add_special_tokens: bool  # how the templated text is encoded
+    needs_thinking_switch: bool  # a chat template without enable_thinking is refused (0.1's --reasoning off)
 
     def set(self, category: str) -> PromptSet:
         for s in self.sets:
@@ -150,6 +154,7 @@ PAPER = Preset(
     ),
     selection="shuffle-seed-0-if-larger",
     add_special_tokens=True,  # benchmark.py: tokenizer.encode(input_text) with its defaults
+    needs_thinking_switch=False,  # it passes enable_thinking=False whatever the template
 )
 
 # dflash 0.1.0's CLI takes every row unless --max-samples is given.
@@ -160,6 +165,7 @@ PACKAGE_0_1 = Preset(
     sets=tuple(PromptSet(**s, samples=None) for s in (_GSM8K, _MATH500, _HUMANEVAL_SET, _MBPP, _MT_BENCH)),
     selection="random-42",
     add_special_tokens=False,  # _run_transformers: tokenizer.encode(text, add_special_tokens=False)
+    needs_thinking_switch=True,
 )
 
 PRESETS: dict[str, Preset] = {p.name: p for p in (PAPER, PACKAGE_0_1)}
@@ -194,7 +200,7 @@ def selected_rows(p: Preset, n_rows: int, count: int | None) -> list[int]:
 # Reading the datasets: from the hub, or from a folder saved on a machine that has it
 
 
-def _revision_note(s: PromptSet, found: str | None, where: str) -> None:
+def _check_revision(s: PromptSet, found: str | None, where: str) -> None:
     if s.revision is not None and found != s.revision:
         raise PromptSetError(
             f"{where}: {s.dataset} is at revision {found!r}, the preset pins {s.revision!r}; save the set again "
@@ -251,7 +257,7 @@ def load_set(s: PromptSet, data_dir: str | Path | None = None) -> tuple[Any, str
                 f"{folder}/{SOURCE_FILE}: holds {source.get('dataset')} {source.get('config')} "
                 f"{source.get('split')}, the preset reads {s.dataset} {s.config} {s.split}; save the set again")
         revision = source.get("revision")
-        _revision_note(s, revision, f"{folder}/{SOURCE_FILE}")
+        _check_revision(s, revision, f"{folder}/{SOURCE_FILE}")
         rows = datasets.load_from_disk(str(folder))
     missing = [f for f in s.fields if f not in rows.column_names]
     if missing:
@@ -304,8 +310,7 @@ def turn_prompt(p: Preset, tokenizer: Any, turns: Sequence[str], answers: Sequen
     template = str(tokenizer.chat_template or "")
     if not template:
         raise PromptSetError("the tokenizer has no chat template; give the target's own tokenizer (--tokenizer)")
-    if p.name == PACKAGE_0_1.name and "enable_thinking" not in template:
-        # dflash 0.1.0's --reasoning off refuses such a template; the paper passes the flag regardless.
+    if p.needs_thinking_switch and "enable_thinking" not in template:
         raise PromptSetError(f"{p.name}: the tokenizer's chat template has no enable_thinking switch, which "
                              "--reasoning off requires; use the dflash-paper preset or a thinking-aware target")
     text = tokenizer.apply_chat_template(conversation(turns, answers), tokenize=False, add_generation_prompt=True,
