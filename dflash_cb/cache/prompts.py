@@ -4,7 +4,10 @@ One JSON object per line::
 
     {"id": "math-001", "category": "math", "messages": [{"role": "user", "content": "..."}]}
 
-Exactly one of ``messages``, ``text`` or ``input_ids`` gives the prompt. Every error
+Exactly one of ``messages``, ``text`` or ``input_ids`` gives the prompt. A prompt set built from the authors'
+benchmarks (``prompt_sets.py``, tools/build_prompts.py) adds ``turns`` (every user turn, the first being the
+prompt), ``source`` (dataset, revision, row) and ``tokenizer`` (the identity of the tokenizer that built the
+token ids: another target's is refused). Every error
 names the file and the line and says how to fix it, because these files are written
 by hand and a vague error costs a precompute run.
 """
@@ -23,7 +26,8 @@ from ..common.errors import DFlashCBError
 
 DEFAULT_CATEGORY = "uncategorized"
 PROMPT_FIELDS = ("messages", "text", "input_ids")
-KNOWN_FIELDS = frozenset({"id", "category", *PROMPT_FIELDS})
+PROVENANCE_FIELDS = ("turns", "source", "tokenizer")  # written by tools/build_prompts.py
+KNOWN_FIELDS = frozenset({"id", "category", *PROMPT_FIELDS, *PROVENANCE_FIELDS})
 MESSAGE_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 
 
@@ -63,6 +67,10 @@ class PromptRecord:
     messages: list[dict[str, Any]] | None = None
     text: str | None = None
     input_ids: list[int] | None = None
+    turns: list[str] | None = None  # a benchmark's user turns (mt-bench: two); the prompt is the first one's
+    source: dict[str, Any] | None = None  # where a benchmark prompt came from (dataset, revision, row)
+    tokenizer: str | None = None  # prompt_sets.tokenizer_identity of the tokenizer that built input_ids
+    follows: str | None = None  # a later turn (prompt_sets.later_turns): the sample answering the turn before
 
     @property
     def kind(self) -> str:
@@ -196,8 +204,19 @@ def parse_record(obj: Any, *, index: int, line: int, path: str | os.PathLike[str
                     "token ids must be non-negative integers"
                 )
         input_ids = list(value)
+    turns = obj.get("turns")
+    if turns is not None and (not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns)):
+        raise PromptFileError(f"{where}: prompt {pid!r}: 'turns' must be a non-empty list of strings (the user "
+                              "turns); build the file again with tools/build_prompts.py")
+    source = obj.get("source")
+    if source is not None and not isinstance(source, dict):
+        raise PromptFileError(f"{where}: prompt {pid!r}: 'source' must be an object (dataset, revision, row)")
+    tok = obj.get("tokenizer")
+    if tok is not None and not isinstance(tok, str):
+        raise PromptFileError(f"{where}: prompt {pid!r}: 'tokenizer' must be a string (the tokenizer's identity)")
     return PromptRecord(
-        id=pid, category=category, index=index, line=line, messages=messages, text=text, input_ids=input_ids
+        id=pid, category=category, index=index, line=line, messages=messages, text=text, input_ids=input_ids,
+        turns=turns, source=source, tokenizer=tok,
     )
 
 

@@ -23,6 +23,7 @@ from ..identity import differing_fields, flatten
 from ..integrity import sha256_file
 from ..manifest import HEAD_NAME, MANIFEST_NAME, CacheError, Manifest
 from ..needs import config_layer_ids
+from ..prompt_sets import PromptSetError, check_tokenizer, later_turns
 from ..prompts import PromptRecord
 from ..served import served_counters
 from ..target import TargetConfig
@@ -114,6 +115,17 @@ class CompletionSource:
 
 
 @dataclass
+class LaterTurns:
+    """What builds a later turn's prompt once the turns before it have completions (prompt_sets.turn_prompt)."""
+
+    records: dict[str, PromptRecord]  # this part's samples by id, later turns included
+    tokenizer: Any
+
+    def pending(self, known: dict[str, list[int]]) -> list[PromptRecord]:
+        return [r for r in self.records.values() if r.follows is not None and r.id not in known]
+
+
+@dataclass
 class Plan:
     args: PrecomputeArgs
     out: Path
@@ -127,6 +139,7 @@ class Plan:
     compute: ComputeDtypeChoice
     source: CompletionSource
     warnings: list[str] = field(default_factory=list)
+    later_turns: LaterTurns | None = None  # mt-bench's second turns: prompt_ids filled in as turns complete
 
     @property
     def compute_dtype(self) -> str:
@@ -408,6 +421,7 @@ class _Prompts:
     ids: dict[str, list[int]]  # tokenized prompts of this part (--num-shards/--shard-index), by id
     groups: dict[int, list[PromptRecord]]  # shard group -> records of this part, in file order
     info: dict[str, Any]  # the manifest's ``prompts`` header
+    later_turns: LaterTurns | None = None
 
 
 def _tokenized_prompts(a: PrecomputeArgs, tcfg: TargetConfig) -> _Prompts:
@@ -415,27 +429,44 @@ def _tokenized_prompts(a: PrecomputeArgs, tcfg: TargetConfig) -> _Prompts:
     from .. import prompts as P
 
     records = P.load_prompts(a.prompts)  # PromptFileError: file:line and the fix
+    try:
+        later = later_turns(records)  # mt-bench's second turns: samples of their own, prompts built as they run
+    except PromptSetError as e:
+        raise PrecomputeError(f"{a.prompts}: {e}") from None
+    if later and a.num_shards > 1:
+        raise PrecomputeError(f"{a.prompts}: {len(later)} later turn(s) need the completion of the turn before "
+                              "on the same host; run this prompt file without --num-shards")
+    records = records + later
     S, N, part = a.samples_per_shard, a.num_shards, a.shard_index
     mine = [r for r in records if (r.index // S) % N == part]
-    tokenizer = _load_tokenizer(a) if P.needs_tokenizer(mine) else None
-    prompt_ids = {r.id: P.tokenize_prompt(r, tokenizer, a.chat_template_kwargs) for r in mine}
-    for r in mine:
+    built_with = {r.tokenizer for r in mine if r.tokenizer}  # a benchmark prompt set: its ids are one tokenizer's
+    tokenizer = _load_tokenizer(a) if P.needs_tokenizer(mine) or built_with else None
+    if built_with:
+        check_tokenizer(built_with, tokenizer, f"{a.prompts} (tokenizer {a.tokenizer or a.target})")
+    first = [r for r in mine if r.follows is None]
+    prompt_ids = {r.id: P.tokenize_prompt(r, tokenizer, a.chat_template_kwargs) for r in first}
+    for r in first:
         if not prompt_ids[r.id]:
             raise PrecomputeError(f"{a.prompts}:{r.line}: prompt {r.id!r} tokenizes to no tokens")
         bad = [t for t in prompt_ids[r.id] if t >= tcfg.vocab_size]
         if bad:
             raise PrecomputeError(f"{a.prompts}:{r.line}: prompt {r.id!r} has token ids {bad[:5]} >= the "
                                   f"target's vocab size {tcfg.vocab_size}; wrong tokenizer or target?")
-    P.check_lengths([(r, prompt_ids[r.id]) for r in mine], a.max_new_tokens, tcfg.max_position_embeddings,
+    P.check_lengths([(r, prompt_ids[r.id]) for r in first], a.max_new_tokens, tcfg.max_position_embeddings,
                     a.prompts)
     groups: dict[int, list[PromptRecord]] = {}
     for r in mine:
         groups.setdefault(r.index // S, []).append(r)
     info: dict[str, Any] = {"file": Path(a.prompts).name, "sha256": sha256_file(a.prompts), "count": len(records),
                             "tokenizer": (a.tokenizer or a.target) if tokenizer is not None else None}
+    sets = {r.category: {k: r.source.get(k) for k in ("preset", "dataset", "config", "split", "revision")}
+            for r in records if r.source and r.follows is None}
+    if sets:  # a benchmark prompt set (tools/build_prompts.py): which dataset, at which revision, per category
+        info["sources"] = dict(sorted(sets.items()))
     if N > 1:
         info["part"] = {"num_shards": N, "shard_index": part}
-    return _Prompts(records, prompt_ids, groups, info)
+    turns = LaterTurns({r.id: r for r in mine}, tokenizer) if later else None
+    return _Prompts(records, prompt_ids, groups, info, turns)
 
 
 def _completion_source(a: PrecomputeArgs, tcfg: TargetConfig, prompts: _Prompts,
@@ -448,7 +479,8 @@ def _completion_source(a: PrecomputeArgs, tcfg: TargetConfig, prompts: _Prompts,
         record["sampling_params"] = {"do_sample": False, "max_new_tokens": a.max_new_tokens, "eos_token_id": stop}
         return CompletionSource(a.reference, record), []
     if a.reference == "file":
-        completions = load_completions_file(a.completions, prompts.ids, {r.id for r in prompts.records},
+        wanted = {r.id: [] for g in prompts.groups.values() for r in g}  # later turns' completions too
+        completions = load_completions_file(a.completions, wanted, {r.id for r in prompts.records},
                                             tcfg.vocab_size, a.max_new_tokens, stop)
         record["completions"] = {"file": Path(a.completions).name, "sha256": sha256_file(a.completions)}
         return CompletionSource(a.reference, record, completions=completions), []
@@ -523,7 +555,9 @@ def prepare(args: PrecomputeArgs, probe: DtypeProbe | None = None) -> Plan:
     # the output folder, then the compute dtype (a resumed run keeps the cache's)
     out = output_path(a.out)  # a symbolic link is written through (fileio.output_path)
     old, old_source = _check_out_folder(out, a)
-    longest = max((len(v) for v in prompts.ids.values()), default=0) + a.max_new_tokens
+    # a later turn's prompt holds the turns before it and their answers: bound it by a completion per turn
+    turns = max((len(r.turns or ()) for r in prompts.records), default=1)
+    longest = max((len(v) for v in prompts.ids.values()), default=0) + a.max_new_tokens * max(turns, 1)
     compute = _choose_compute(a, tcfg, layer_ids, longest, old, probe or DtypeProbe())
     header = Manifest(target=tcfg.manifest_dict(), layer_ids=layer_ids, dtype=a.dtype, reference=source.record,
                       chat_template_kwargs=dict(a.chat_template_kwargs), topk_logprobs=a.topk_logprobs,
@@ -533,4 +567,4 @@ def prepare(args: PrecomputeArgs, probe: DtypeProbe | None = None) -> Plan:
     _refuse_other_arguments(out, old, old_source, fingerprint)
     return Plan(args=a, out=out, target=tcfg, layer_ids=layer_ids, stop_token_ids=stop, prompt_ids=prompts.ids,
                 groups=prompts.groups, header=header, fingerprint=fingerprint, compute=compute, source=source,
-                warnings=warnings)
+                warnings=warnings, later_turns=prompts.later_turns)

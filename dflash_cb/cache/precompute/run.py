@@ -222,11 +222,12 @@ def _served_completions(plan: Plan, todo: list[PromptRecord]) -> Completions:
     if ignored:
         logger.warning(f"{journal}: {ignored} saved completion(s) were made with other arguments (or are damaged); "
                        "they are ignored and asked again")
-    need = [(r.id, plan.prompt_ids[r.id]) for r in todo if r.id not in have]
+    askable = [r for r in todo if r.id in plan.prompt_ids]  # a later turn waits for the turn before's answer
+    need = [(r.id, plan.prompt_ids[r.id]) for r in askable if r.id not in have]
     if need:
         client = plan.source.client
         logger.info(f"querying {client.url} for {len(need)} reference completion(s) "
-                    f"({len(todo) - len(need)} already saved in {JOURNAL_NAME})")
+                    f"({len(askable) - len(need)} already saved in {JOURNAL_NAME})")
 
         def on_result(sid: str, c: Any) -> None:
             have[sid] = journal_entry(sid, keys[sid], c.output_ids, c.finish_reason, served_counters(c.meta_info))
@@ -242,17 +243,61 @@ def _served_completions(plan: Plan, todo: list[PromptRecord]) -> Completions:
 # the phases of the run
 
 
-def _completions(plan: Plan, todo: list[PromptRecord], tally: _Tally) -> Completions:
+def _known_completion(plan: Plan, state: _State, completions: Completions, sid: str) -> list[int] | None:
+    """The completion of sample ``sid`` if the run has it: given, generated or served so far, or in a kept shard."""
+    if sid in completions:
+        return list(completions[sid]["output_ids"])
+    entry = state.samples.get(sid)
+    if entry is None:
+        return None
+    from safetensors import safe_open
+
+    with safe_open(str(plan.out / entry.shard), "pt") as f:  # verified by _load_state
+        return f.get_tensor(f"{sid}/input_ids")[entry.prompt_len:].tolist()
+
+
+def _later_turn_prompts(plan: Plan, state: _State, completions: Completions) -> bool:
+    """The prompts of the later turns whose earlier turns all have completions now (the conversation so far,
+    each answer decoded, through the chat template as the preset's benchmark builds it); True if any was added."""
+    from ..prompt_sets import answer_text, earlier_turns, preset, turn_prompt
+
+    lt = plan.later_turns
+    if lt is None:
+        return False
+    added = False
+    for r in lt.pending(plan.prompt_ids):
+        before = earlier_turns(lt.records, r)
+        answers = [_known_completion(plan, state, completions, sid) for sid in before]
+        if any(a is None for a in answers):
+            continue
+        turn = len(answers) + 1
+        _, ids = turn_prompt(preset(r.source["preset"]), lt.tokenizer, r.turns[:turn],
+                             [answer_text(lt.tokenizer, a) for a in answers])
+        if len(ids) + plan.args.max_new_tokens > plan.target.max_position_embeddings:
+            raise PrecomputeError(f"{plan.args.prompts}:{r.line}: turn {turn} of {before[0]!r} has "
+                                  f"{len(ids)} prompt tokens; with --max-new-tokens {plan.args.max_new_tokens} that "
+                                  f"exceeds the target's {plan.target.max_position_embeddings} positions")
+        plan.prompt_ids[r.id] = ids
+        added = True
+    return added
+
+
+def _completions(plan: Plan, state: _State, todo: list[PromptRecord], tally: _Tally) -> Completions:
     """Every completion the run uses that is not generated locally: the file's, or the server's (the
-    journal's for a complete cache)."""
+    journal's for a complete cache), a later turn's asked once the turn before it is answered."""
     if not plan.source.served:
         return plan.source.completions
     from ..completion_client import ServerError
 
+    def served() -> Completions:
+        return _served_completions(plan, todo) if todo else \
+            read_journal(plan.out / JOURNAL_NAME, _request_keys(plan))[0]
+
     t = time.time()
     try:
-        completions = _served_completions(plan, todo) if todo else \
-            read_journal(plan.out / JOURNAL_NAME, _request_keys(plan))[0]
+        completions = served()
+        while _later_turn_prompts(plan, state, completions):
+            completions = served()
     except ServerError as e:
         raise PrecomputeError(f"{e}\n(completions received so far are saved in {plan.out / JOURNAL_NAME}; "
                               "rerun to resume)") from e
@@ -276,7 +321,8 @@ class _Progress:
 
         def expected_len(r: PromptRecord) -> int:  # exact for served/file completions, an upper bound for local
             comp = completions.get(r.id)
-            return len(plan.prompt_ids[r.id]) + (len(comp["output_ids"]) if comp else plan.args.max_new_tokens)
+            prompt = len(plan.prompt_ids.get(r.id, ()))  # a later turn's prompt is not built yet: its answer
+            return prompt + (len(comp["output_ids"]) if comp else plan.args.max_new_tokens)
 
         self.plan, self.tally = plan, tally
         self.expected = {r.id: expected_len(r) for r in todo}
@@ -342,7 +388,11 @@ def _compute_groups(plan: Plan, state: _State, target: Target, groups: list[int]
         tensors: dict[str, torch.Tensor] = {}
         entries = []
         for r in plan.groups[g]:
+            if r.id not in plan.prompt_ids:  # a later turn: the turns before it are done (lower indices)
+                _later_turn_prompts(plan, state, completions)
             comp, reason = _completion_of(plan, target, r, completions, tally)
+            if plan.source.kind == "local" and plan.later_turns is not None:
+                completions[r.id] = {"output_ids": comp}  # the answer a later turn is asked after
             t = time.time()
             ts, entry = compute_sample(target, r, plan.prompt_ids[r.id], comp, reason, plan.layer_ids,
                                        plan.args.topk_logprobs, name, store_dtype)
@@ -436,7 +486,7 @@ def execute(plan: Plan) -> dict[str, Any]:
         need_head = a.export_head and state.head is None
         # The fingerprint goes down first: whatever this run leaves behind is tied to its arguments.
         start_progress(out / PROGRESS_NAME, plan.fingerprint, state.records())
-        completions = _completions(plan, todo, tally)
+        completions = _completions(plan, state, todo, tally)
         if todo or need_head:
             t = time.time()
             logger.info(f"loading {a.target} (compute {plan.compute_dtype}, storage {a.dtype}) ...")
