@@ -757,3 +757,52 @@ def test_ctrl_c_says_how_many_samples_were_written(target_dir, prompts_file, tmp
     assert "interrupted: 2 sample(s) written in 1 shard(s)" in err and "run the same command to resume" in err
     monkeypatch.setattr(precompute_run, "compute_sample", real)
     assert run_tool(main, args) == 0
+
+
+def test_the_prefill_device_is_checked_first_and_the_cpu_gives_the_same_cache(local_cache, target_dir, prompts_file,
+                                                                              tmp_path, monkeypatch, capsys):
+    """``--device cpu`` is the default's cache byte for byte. A device this machine lacks (``cuda`` here, a CPU-only
+    torch) or a name that is no device is one line before the target is read, and nothing is written. Where a GPU
+    is lent (the device machine) the prefill runs there and the states agree with the server's tokens."""
+    import torch
+
+    assert run(target_dir, prompts_file, tmp_path / "cpu", "--topk-logprobs", "4", "--device", "cpu") == 0
+    assert folder_digest(tmp_path / "cpu") == folder_digest(local_cache)
+    capsys.readouterr()
+    if torch.cuda.is_available():
+        assert run(target_dir, prompts_file, tmp_path / "gpu", "--device", "cuda") == 0
+        manifest = json.loads((tmp_path / "gpu" / "manifest.json").read_text())
+        assert manifest["prefill_device"] == "cuda" and manifest["agreement"]["token_agreement"] == 1.0
+    else:
+        monkeypatch.setattr("dflash_cb.cache.target.load_target", _must_not_load)
+        assert run(target_dir, prompts_file, tmp_path / "gpu", "--device", "cuda") == 2
+        assert "--device cuda: this machine has no CUDA device" in capsys.readouterr().err
+        assert not (tmp_path / "gpu").exists()
+    monkeypatch.setattr("dflash_cb.cache.target.load_target", _must_not_load)
+    assert run(target_dir, prompts_file, tmp_path / "bad", "--device", "tpu0") == 2
+    assert "--device 'tpu0': expected cpu, cuda or cuda:N" in capsys.readouterr().err
+
+
+def test_completions_only_journals_the_server_and_the_prefill_runs_elsewhere_from_the_file(
+        sglang, target_dir, prompts_file, tmp_path, monkeypatch, capsys):
+    """The split of docs/precompute.md: on the GPU box the server's completions are journaled and nothing is
+    loaded; on the big-RAM host ``--reference file`` over that journal gives the cache the server route gives,
+    shard for shard; a completions-only run without a server is one line."""
+    url, server = sglang
+    whole = tmp_path / "whole"
+    assert run(target_dir, prompts_file, whole, "--reference", "sglang", "--sglang-url", url) == 0
+    with monkeypatch.context() as m:
+        m.setattr("dflash_cb.cache.target.load_target", _must_not_load)
+        box = tmp_path / "gpu_box"
+        assert run(target_dir, prompts_file, box, "--reference", "sglang", "--sglang-url", url,
+                   "--completions-only") == 0
+    assert not (box / MANIFEST_NAME).exists() and not list(box.glob("*.safetensors"))
+    journal = box / JOURNAL_NAME
+    assert [json.loads(line)["id"] for line in journal.read_text().splitlines()] == [f"p{i:03d}" for i in range(5)]
+    host = tmp_path / "ram_host"
+    assert run(target_dir, prompts_file, host, "--reference", "file", "--completions", str(journal)) == 0
+    shards = sorted(p.name for p in whole.glob("*.safetensors") if p.name != "target_head.safetensors")
+    assert shards and all(folder_digest(host)[n] == folder_digest(whole)[n] for n in shards)
+    capsys.readouterr()
+    assert run(target_dir, prompts_file, tmp_path / "none", "--completions-only") == 2
+    assert "--completions-only journals a server's completions; --reference local has none" in capsys.readouterr().err

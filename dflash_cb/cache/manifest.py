@@ -103,6 +103,8 @@ class Manifest:
     # None for local/file completions or servers that do not say.
     served_spec_config: dict[str, Any] | None = None
     compute_dtype: str | None = None  # dtype the target computed in; None (older caches): the same as dtype
+    # Where the prefill ran ("cpu", "cuda"): a GPU's kernels round otherwise; None (older caches): the CPU.
+    prefill_device: str | None = None
     layer_index_convention: str = LAYER_INDEX_CONVENTION
     format_version: int = FORMAT_VERSION
 

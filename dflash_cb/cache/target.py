@@ -219,6 +219,10 @@ class Target:
     dtype: torch.dtype
 
     @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
     def base(self) -> nn.Module:
         """The decoder stack without the head (its output is already final-normed)."""
         return self.model.base_model
@@ -237,9 +241,29 @@ class Target:
         return head is embed or head.data_ptr() == embed.data_ptr() or self.config.tie_word_embeddings
 
 
+def check_device(device: str) -> torch.device:
+    """``device`` as torch reads it, refused in one line when this machine has no such device (before the
+    target is loaded): ``cpu``, ``cuda`` or ``cuda:N``."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise TargetError(f"--device {device!r}: expected cpu, cuda or cuda:N") from None
+    if dev.type == "cpu":
+        return dev
+    if dev.type != "cuda":
+        raise TargetError(f"--device {device!r}: the prefill runs on cpu or cuda")
+    if not torch.cuda.is_available():
+        raise TargetError(f"--device {device}: this machine has no CUDA device (torch {torch.__version__}); run "
+                          "on the CPU (--device cpu) or on a host with a GPU")
+    if dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise TargetError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return dev
+
+
 def load_target(path: str | os.PathLike, dtype: str | torch.dtype = "bfloat16",
-                config: TargetConfig | None = None) -> Target:
-    """Load the target's text model alone (a VLM's vision tower is skipped); any missing weight is fatal."""
+                config: TargetConfig | None = None, device: str | torch.device = "cpu") -> Target:
+    """Load the target's text model alone (a VLM's vision tower is skipped); any missing weight is fatal. On
+    ``device`` (a spare GPU of the serving host): the states still land in CPU memory."""
     from transformers import AutoModelForCausalLM
 
     config = config or read_target_config(path)
@@ -264,6 +288,7 @@ def load_target(path: str | os.PathLike, dtype: str | torch.dtype = "bfloat16",
         raise TargetError(f"{path}: errors while loading {files}: {info['error_msgs'][:5]}")
     model.eval()
     model.requires_grad_(False)
+    model.to(device)
     layers = find_decoder_layers(model, config.num_layers)
     return Target(model=model, config=config, layers=layers, dtype=torch_dtype)
 
@@ -342,9 +367,9 @@ def _top_k_rows(logits: torch.Tensor, topk: int, at: int, argmax: torch.Tensor, 
     top = vals[:, :1]
     tied = vals == top  # ties at the maximum: argmax() takes the smallest index among them
     argmax[at:at + n] = torch.where(tied, idx, logits.shape[-1]).min(-1).values
-    all_tied = tied[:, -1].nonzero().flatten()
+    all_tied = tied[:, -1].nonzero().flatten().cpu()
     if len(all_tied):  # more ties than K: the smallest maximal index may lie outside the top-K
-        argmax[at + all_tied] = logits[all_tied].max(-1).indices
+        argmax[at + all_tied] = logits[all_tied.to(logits.device)].max(-1).indices.cpu()
     ids[at:at + n] = idx
     # exp in place, summed in float32. Shifting by the max costs a pass; it is needed only where exp
     # could overflow or underflow (|logit| >= 80).
@@ -363,9 +388,9 @@ def prefill(target: Target, input_ids: Sequence[int] | torch.Tensor, layer_ids: 
     The forward and the argmax run in the target's (compute) dtype; the captured states are written
     straight into a ``store_dtype`` buffer (default: the compute dtype), rounded once by ``copy_``.
     """
-    ids = torch.as_tensor(input_ids, dtype=torch.int64).reshape(1, -1)
+    ids = torch.as_tensor(input_ids, dtype=torch.int64).reshape(1, -1).to(target.device)
     t, h = ids.shape[1], target.config.hidden_size
-    out = torch.empty(t, len(layer_ids) * h, dtype=store_dtype or target.dtype)
+    out = torch.empty(t, len(layer_ids) * h, dtype=store_dtype or target.dtype)  # CPU memory, whatever the device
     last = target.config.num_layers - 1
     with capture_layers(target.layers, [i if i != last else 1 << 30 for i in layer_ids], out):
         final = target.base(input_ids=ids, use_cache=False).last_hidden_state[0]
@@ -382,7 +407,7 @@ def greedy_generate(target: Target, input_ids: Sequence[int], max_new_tokens: in
     """Greedy completion with the loaded target; returns (completion ids, "stop" | "length")."""
     from transformers import GenerationConfig
 
-    ids = torch.as_tensor(list(input_ids), dtype=torch.int64).reshape(1, -1)
+    ids = torch.as_tensor(list(input_ids), dtype=torch.int64).reshape(1, -1).to(target.device)
     stop = [int(s) for s in stop_token_ids]
     gen = GenerationConfig(do_sample=False, max_new_tokens=int(max_new_tokens), eos_token_id=stop or [],
                            pad_token_id=stop[0] if stop else 0)
@@ -404,8 +429,8 @@ def head_tensors(target: Target, dtype: torch.dtype | None = None) -> tuple[dict
     """The input embedding and output head as safetensors-ready tensors, and whether they are tied."""
     tied = target.tied
     embed = target.embed_tokens.weight.detach()
-    tensors = {"embed_tokens.weight": embed.to(dtype or embed.dtype).contiguous()}
+    tensors = {"embed_tokens.weight": embed.to(dtype or embed.dtype).cpu().contiguous()}
     if not tied:
         head = target.lm_head.weight.detach()
-        tensors["lm_head.weight"] = head.to(dtype or head.dtype).contiguous()
+        tensors["lm_head.weight"] = head.to(dtype or head.dtype).cpu().contiguous()
     return tensors, tied

@@ -76,6 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "target's width in both dtypes, at least one full matmul each: well under a second unless "
                         f"bfloat16 is emulated at a large width; {MARGIN_HELP}; with float32 storage, "
                         "float32). A resumed run keeps the cache's compute dtype")
+    p.add_argument("--completions-only", action="store_true", default=S,
+                   help="with a server reference: journal its completions (reference_completions.jsonl) and stop; "
+                        "the prefill then runs on a big-RAM host with --reference file --completions that file")
+    p.add_argument("--device", default=S, help="where the target's prefill runs: cpu (default), cuda or cuda:N (a "
+                   "spare GPU of the serving host; the states still land in CPU memory)")
     p.add_argument("--topk-logprobs", type=int, default=S, help="store top-K log-probs per position (0 = off)")
     p.add_argument("--num-shards", type=int, default=S, help="split the work into N parts (default 1)")
     p.add_argument("--shard-index", type=int, default=S, help="which part this run computes (0-based)")

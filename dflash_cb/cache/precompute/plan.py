@@ -74,6 +74,8 @@ class PrecomputeArgs:
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     dtype: str = "bfloat16"  # storage dtype of the cached states
     compute_dtype: str = "auto"  # dtype the target runs in: auto | bfloat16 | float32
+    device: str = "cpu"  # where the target runs: cpu, cuda or cuda:N (a spare GPU of the serving host)
+    completions_only: bool = False  # journal the server's completions and stop (the prefill runs elsewhere)
     topk_logprobs: int = 0
     num_shards: int = 1
     shard_index: int = 0
@@ -232,8 +234,17 @@ def check_args(a: PrecomputeArgs) -> None:
         raise PrecomputeError("--reference vllm needs --vllm-url (e.g. http://127.0.0.1:8000)")
     if a.reference == "file" and not a.completions:
         raise PrecomputeError("--reference file needs --completions FILE (JSONL of {\"id\", \"output_ids\"})")
+    if a.completions_only and a.reference not in SERVED_SOURCES:
+        raise PrecomputeError(f"--completions-only journals a server's completions; --reference {a.reference} has none "
+                              "to take (use --reference sglang or vllm)")
     if a.dtype not in DTYPE_NAMES:
         raise PrecomputeError(f"--dtype {a.dtype!r}: use one of {', '.join(DTYPE_NAMES)}")
+    from ..target import TargetError, check_device
+
+    try:
+        check_device(a.device)  # before anything is read: a GPU asked for on a host without one
+    except TargetError as e:
+        raise PrecomputeError(str(e)) from None
     if a.compute_dtype not in COMPUTE_DTYPE_NAMES:
         raise PrecomputeError(f"--compute-dtype {a.compute_dtype!r}: use one of {', '.join(COMPUTE_DTYPE_NAMES)}")
     if a.max_new_tokens < 1:
@@ -360,6 +371,9 @@ def _choose_compute(a: PrecomputeArgs, tcfg: TargetConfig, layer_ids: list[int],
     if a.compute_dtype == "auto" and previous in DTYPE_NAMES:
         # a resumed run keeps the cache's compute dtype: mixing two in one cache would be silent
         return ComputeDtypeChoice(previous, f"kept from the existing cache in {a.out}")
+    if a.compute_dtype == "auto" and not a.device.startswith("cpu"):
+        # the CPU probe says nothing of a GPU: compute in the storage dtype (float32 when asked for it)
+        return ComputeDtypeChoice(a.dtype, f"on {a.device}: the storage dtype")
     from ..target import DTYPES, LOGITS_CHUNK, count_text_parameters
 
     need = 4 * count_text_parameters(a.target, tcfg) + activation_bytes(
@@ -561,7 +575,8 @@ def prepare(args: PrecomputeArgs, probe: DtypeProbe | None = None) -> Plan:
     compute = _choose_compute(a, tcfg, layer_ids, longest, old, probe or DtypeProbe())
     header = Manifest(target=tcfg.manifest_dict(), layer_ids=layer_ids, dtype=a.dtype, reference=source.record,
                       chat_template_kwargs=dict(a.chat_template_kwargs), topk_logprobs=a.topk_logprobs,
-                      prompts=prompts.info, compute_dtype=compute.dtype, served_spec_config=source.server_spec)
+                      prompts=prompts.info, compute_dtype=compute.dtype, served_spec_config=source.server_spec,
+                      prefill_device=None if a.device == "cpu" else str(a.device).split(":")[0])
     fingerprint = {"manifest": header_dict(header), "samples_per_shard": a.samples_per_shard,
                    "export_head": a.export_head}
     _refuse_other_arguments(out, old, old_source, fingerprint)

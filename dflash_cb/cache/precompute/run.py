@@ -457,6 +457,7 @@ def _summary(plan: Plan, manifest: Manifest, state: _State, computed: int, kept:
         "token_agreement": ag["token_agreement"],
         "samples_fully_agreeing": ag["samples_fully_agreeing"],
         "compute_dtype": plan.compute_dtype,
+        "device": plan.args.device,
         "dtype": plan.args.dtype,
         "bytes_written": tally.bytes_written,
         "cache_bytes": sum(s.bytes for s in manifest.shards) + (state.head or {}).get("bytes", 0),
@@ -487,10 +488,18 @@ def execute(plan: Plan) -> dict[str, Any]:
         # The fingerprint goes down first: whatever this run leaves behind is tied to its arguments.
         start_progress(out / PROGRESS_NAME, plan.fingerprint, state.records())
         completions = _completions(plan, state, todo, tally)
+        if a.completions_only:  # the prefill runs on another host, from the journal (--reference file)
+            journal = out / JOURNAL_NAME
+            ids = [r.id for g in sorted(plan.groups) for r in plan.groups[g]]
+            if all(i in completions for i in ids):
+                write_in_order(journal, completions, ids)  # in prompt order, as a finished cache's journal
+            logger.info(f"completions of {len(completions)} prompt(s) journaled in {journal}; run the prefill on a "
+                        f"host with the RAM: --reference file --completions {journal}")
+            return {"out": str(out), "completions": len(completions), "journal": str(journal)}
         if todo or need_head:
             t = time.time()
-            logger.info(f"loading {a.target} (compute {plan.compute_dtype}, storage {a.dtype}) ...")
-            target = load_target(a.target, plan.compute_dtype, plan.target)
+            logger.info(f"loading {a.target} (compute {plan.compute_dtype}, storage {a.dtype}, on {a.device}) ...")
+            target = load_target(a.target, plan.compute_dtype, plan.target, device=a.device)
             tally.timings["load_s"] = time.time() - t
             _compute_shards(plan, state, target, todo_groups, completions, tally)
             if need_head:
