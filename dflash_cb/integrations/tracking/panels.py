@@ -21,6 +21,7 @@ serialising the view needs no network; only ``save()`` talks to W&B.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -398,6 +399,18 @@ def series_table(rows: Iterable[Mapping[str, Any]], prefix: str = DEFAULT_PREFIX
     return "\n".join(lines)
 
 
+def _brief(value: Any, limit: int = 300) -> Any:
+    """A config for one printed line: an entry longer than ``limit`` characters (the cache's identity) is named
+    by its size, so the entries after it are still shown."""
+    if not isinstance(value, dict):
+        return value
+    out = {}
+    for k, v in value.items():
+        text = json.dumps(v, sort_keys=True)
+        out[k] = v if len(text) <= limit else f"({len(text)} characters: in the run's config)"
+    return out
+
+
 def _csv(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
@@ -471,7 +484,6 @@ def _run_history(run: str, entity: str, project: str) -> tuple[list[dict[str, An
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    import json
     import sys
     from pathlib import Path
 
@@ -502,7 +514,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 ours = args.prefix.rstrip("/")  # {prefix}config, {prefix}baselines; eval_drafter's run: the prefix
                 for key, value in offline_config(args.run).items():
                     if key.startswith(ours):
-                        print(f"config {key}: {json.dumps(value, sort_keys=True)[:2000]}")
+                        print(f"config {key}: {json.dumps(_brief(value), sort_keys=True)[:2000]}")
             print(series_table(rows, args.prefix))
             return 0
         logged = {k for row in rows for k in row} | summary_keys
