@@ -151,6 +151,7 @@ def test_ctrl_c_while_a_console_command_starts_is_one_line(name):
     assert "usage:" not in out
 
 
+@pytest.mark.e2e  # a subprocess (the fast subset leaves those out)
 def test_console_commands_import_nothing_heavy_before_their_guard():
     """What pip's script imports before calling the command is light: torch comes in under the Ctrl-C guard."""
     script = ("import importlib, sys; [importlib.import_module(t.split(':')[0]) for t in sys.argv[1:]]; "
@@ -158,3 +159,12 @@ def test_console_commands_import_nothing_heavy_before_their_guard():
     proc = subprocess.run([sys.executable, "-c", script, *console_scripts().values()], cwd=ROOT, text=True,
                           capture_output=True, timeout=60)
     assert proc.returncode == 0 and proc.stdout.strip() == "[]", (proc.stdout, proc.stderr)
+
+
+def test_every_console_command_is_in_the_getting_started_table():
+    """docs/getting-started.md lists each ``[project.scripts]`` command beside the tools/ script running the same
+    object."""
+    page = (ROOT / "docs" / "getting-started.md").read_text()
+    by_target = {tool_target(t): t.name for t in TOOLS}
+    for name, target in console_scripts().items():
+        assert f"| `{name}` | `python tools/{by_target[launched(target)]}` |" in page, name

@@ -488,6 +488,7 @@ def test_every_batching_gives_the_same_figures(planted) -> None:
         assert_same_figures(first, summary), name
 
 
+@pytest.mark.e2e  # a subprocess (the fast subset leaves those out)
 @pytest.mark.parametrize("kernels", [
     # ATen's scalar kernels, oneDNN and MKL held to AVX2 (on AVX-512/AMX CPUs their own paths otherwise), 1 thread.
     {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",

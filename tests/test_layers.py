@@ -10,6 +10,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parents[1] / "dflash_cb"
 LAYERS = ("common", "cache", "core", "integrations", "demo")
 
@@ -196,6 +198,7 @@ def test_no_import_circles():
     assert not circles, "\n".join(circles)
 
 
+@pytest.mark.e2e  # a subprocess (the fast subset leaves those out)
 def test_the_public_api_is_what_a_user_imports():
     """``dflash_cb`` exports the adapters, the evaluator and its config, the sink interface, the offline API and
     the metric names, each resolving to the object of its module; importing the package pulls in neither
