@@ -413,3 +413,31 @@ def test_a_cache_of_the_paper_preset_puts_each_published_figure_beside_its_own_b
         row = next(r for r in rows if f"tau, {benchmark}," in r)
         assert "(all prompts)" not in row and "n/a" not in row, row
     assert "(all prompts)" in next(r for r in rows if "tau, math500," in r)  # a benchmark this cache lacks
+
+
+def test_the_precompute_builds_a_preset_itself_as_the_tool_builds_it(offline_hub, tmp_path, capsys):
+    """``--prompt-set`` (with the target's tokenizer) caches what ``--prompts`` over the tool's file caches, shard
+    for shard, mt-bench's second turn included; giving both is one line before any work."""
+    from test_precompute import folder_digest
+
+    from dflash_cb.cache.precompute import main as precompute_main
+
+    tok = save_tiny_tokenizer(tmp_path / "tok")
+    target = save_tiny_qwen3(tmp_path / "target")
+    built = tmp_path / "built.jsonl"
+    assert build_main(["--preset", "dflash-0.1", "--max-samples", "1", "--tokenizer", str(tok),
+                       "--out", str(built)]) == 0
+    common = ["--target", str(target), "--tokenizer", str(tok), "--layers", "1", "--max-new-tokens", "3",
+              "--dtype", "float32", "--no-progress"]
+    assert precompute_main([*common, "--prompts", str(built), "--out", str(tmp_path / "a")]) == 0
+    assert precompute_main([*common, "--prompt-set", "dflash-0.1", "--prompt-max-samples", "1",
+                            "--out", str(tmp_path / "b")]) == 0
+    assert (tmp_path / "b.prompts.jsonl").read_text() == built.read_text()
+    shards = sorted(p.name for p in (tmp_path / "a").glob("states-*.safetensors"))
+    a, b = folder_digest(tmp_path / "a"), folder_digest(tmp_path / "b")
+    assert shards and any(".t2" in line for line in (tmp_path / "a" / "manifest.json").read_text().split('"'))
+    assert all(a[n] == b[n] for n in shards)
+    capsys.readouterr()
+    assert precompute_main([*common, "--prompt-set", "dflash-0.1", "--prompts", str(built),
+                            "--out", str(tmp_path / "c")]) == 2
+    assert "--prompt-set dflash-0.1 and --prompts" in capsys.readouterr().err and not (tmp_path / "c").exists()

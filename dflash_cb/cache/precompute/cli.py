@@ -15,6 +15,7 @@ from typing import Any
 
 from ...common import cli
 from ...common.threads import THREADS_HELP, parse_threads, set_threads
+from ..prompt_sets import PRESETS
 from .compute_dtype import COMPUTE_DTYPE_NAMES, MARGIN_HELP
 from .errors import PrecomputeError
 from .merge import merge_parts
@@ -76,6 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "target's width in both dtypes, at least one full matmul each: well under a second unless "
                         f"bfloat16 is emulated at a large width; {MARGIN_HELP}; with float32 storage, "
                         "float32). A resumed run keeps the cache's compute dtype")
+    p.add_argument("--prompt-set", default=S, choices=sorted(PRESETS),
+                   help="instead of --prompts: the DFlash authors' benchmark prompts, built with the target's "
+                        "tokenizer into <out>.prompts.jsonl (needs the prompts extra; docs/precompute.md)")
+    p.add_argument("--prompt-data-dir", default=S,
+                   help="with --prompt-set: the datasets saved by build_prompts.py --save-data (no hub needed)")
+    p.add_argument("--prompt-max-samples", type=int, default=S,
+                   help="with --prompt-set: rows per set (default: the preset's own counts)")
     p.add_argument("--completions-only", action="store_true", default=S,
                    help="with a server reference: journal its completions (reference_completions.jsonl) and stop; "
                         "the prefill then runs on a big-RAM host with --reference file --completions that file")
@@ -137,7 +145,8 @@ def args_from_cli(argv: Sequence[str] | None = None) -> PrecomputeArgs:
         values["chat_template_kwargs"] = _json_dict(values["chat_template_kwargs"] or {})
     if isinstance(values.get("drafter_config"), list):  # a YAML list of configs
         values["drafter_config"] = ",".join(str(v) for v in values["drafter_config"])
-    for k in ("target", "prompts", "out", "drafter_config", "sglang_url", "vllm_url", "completions", "tokenizer"):
+    for k in ("target", "prompts", "out", "drafter_config", "sglang_url", "vllm_url", "completions", "tokenizer",
+              "prompt_data_dir"):
         if values.get(k) is not None:
             values[k] = str(values[k])
     return PrecomputeArgs(**values)

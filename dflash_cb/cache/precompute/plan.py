@@ -10,6 +10,7 @@ other arguments is refused unless ``overwrite``). The result is a ``Plan``: ever
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -76,6 +77,11 @@ class PrecomputeArgs:
     compute_dtype: str = "auto"  # dtype the target runs in: auto | bfloat16 | float32
     device: str = "cpu"  # where the target runs: cpu, cuda or cuda:N (a spare GPU of the serving host)
     completions_only: bool = False  # journal the server's completions and stop (the prefill runs elsewhere)
+    # The authors' prompt sets built on the fly (cache/prompt_sets.py), instead of --prompts: a preset name, where
+    # its datasets were saved (else the hub) and its rows per set (else the preset's own counts).
+    prompt_set: str | None = None
+    prompt_data_dir: str | None = None
+    prompt_max_samples: int | None = None
     topk_logprobs: int = 0
     num_shards: int = 1
     shard_index: int = 0
@@ -223,7 +229,10 @@ def _layers_from_drafter(path: str, num_layers: int) -> list[int]:
 
 
 def check_args(a: PrecomputeArgs) -> None:
-    for name in ("target", "prompts", "out"):
+    if a.prompt_set and a.prompts:
+        raise PrecomputeError(f"--prompt-set {a.prompt_set} and --prompts {a.prompts}: give one (the preset builds "
+                              "the prompt file itself)")
+    for name in ("target", "out") if a.prompt_set else ("target", "prompts", "out"):
         if not getattr(a, name):
             raise PrecomputeError(f"--{name} is required (on the command line or in --config)")
     if a.reference not in COMPLETION_SOURCES:
@@ -554,11 +563,39 @@ def _refuse_other_arguments(out: Path, old: dict[str, Any] | None, source: str, 
             "replace that cache")
 
 
+def built_prompt_set(a: PrecomputeArgs) -> str:
+    """``--prompt-set``: the preset's prompts built with the target's tokenizer into ``<out>.prompts.jsonl``
+    beside the cache (the same file ``tools/build_prompts.py`` writes; built again identically on a resume)."""
+    from ...common.fileio import atomic_write_text
+    from ..prompt_sets import PromptSetError, build_records, preset
+
+    try:
+        p = preset(a.prompt_set)
+    except PromptSetError as e:
+        raise PrecomputeError(f"--prompt-set: {e}") from None
+    if a.prompt_max_samples is not None and a.prompt_max_samples < 1:
+        raise PrecomputeError(f"--prompt-max-samples {a.prompt_max_samples}: give a positive number of rows per set")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(a.tokenizer or a.target, trust_remote_code=False)
+    try:
+        records = build_records(p, tokenizer, data_dir=a.prompt_data_dir, max_samples=a.prompt_max_samples)
+    except PromptSetError as e:
+        raise PrecomputeError(f"--prompt-set {a.prompt_set}: {e}") from None
+    out = output_path(a.out)
+    path = out.parent / f"{out.name}.prompts.jsonl"
+    atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+    logger.info(f"--prompt-set {p.name}: {len(records)} prompts written to {path}")
+    return str(path)
+
+
 def prepare(args: PrecomputeArgs, probe: DtypeProbe | None = None) -> Plan:
     """Validate everything that can be validated without the target's weights."""
     a = args
     check_args(a)
     check_out_path(output_path(a.out))
+    if a.prompt_set:
+        a = args = dataclasses.replace(a, prompts=built_prompt_set(a))
     drafters = [("--drafter-config", p) for p in drafter_config_paths(a.drafter_config or "")]
     check_outputs_apart([("--target", a.target), ("--prompts", a.prompts), *drafters,
                          ("--completions", a.completions), ("--tokenizer", a.tokenizer)], folders=[("--out", a.out)])
