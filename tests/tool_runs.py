@@ -30,12 +30,14 @@ def folder_digest(folder: Path) -> dict[str, str]:
             for p in sorted(Path(folder).rglob("*")) if p.is_file()}
 
 
-def tool_metrics(cache: Path, drafter_dir: Path, out: Path, light: bool, block_size: int) -> dict[str, Any]:
-    """``tools/eval_drafter.py`` on a saved drafter, with the profile of the live evaluation."""
+def tool_metrics(cache: Path, drafter_dir: Path, out: Path, light: bool, block_size: int,
+                 budgets: tuple[int, ...] = BUDGETS) -> dict[str, Any]:
+    """``tools/eval_drafter.py`` on a saved drafter, with the profile of the live evaluation (``budgets``: the
+    live evaluation's DDTree budgets, none for a family without trees)."""
     from dflash_cb.integrations.cli import eval_drafter as eval_cli
 
-    profile = (["--anchor-stride", str(block_size), "--ddtree-budgets", str(max(BUDGETS))] if light
-               else ["--ddtree-budgets", ",".join(map(str, BUDGETS))])
+    profile = (["--anchor-stride", str(block_size), "--ddtree-budgets", str(max(budgets)) if budgets else ""]
+               if light else ["--ddtree-budgets", ",".join(map(str, budgets))])
     assert eval_cli.main(["--states", str(cache), "--drafter", str(drafter_dir), "--out", str(out), *profile,
                           "--device", "cpu", "--dtype", "float32"]) == 0
     return json.loads(out.read_text())["metrics"]
@@ -59,15 +61,16 @@ def assert_logged_equals_tool(logged: dict[str, float], expected: dict[str, Any]
 
 
 def assert_step_equals_tool(cache: Path, drafter_dir: Path, out: Path, logged: dict[str, float], full: bool,
-                            block_size: int, where: Any, approx: tuple[str, ...] = ()) -> None:
+                            block_size: int, where: Any, approx: tuple[str, ...] = (),
+                            budgets: tuple[int, ...] = BUDGETS) -> None:
     """One evaluated step against the tool on that step's weights: the main keys are the light profile's
     at every evaluation; a full evaluation's ``full/`` keys are the tool's default (stride 1, every budget).
     The cost keys describe the pass that ran (the full one at a full evaluation); how a light pass drafted
     (``anchors_drafted``) is the evaluator's choice: it drafts every anchor at once where that is cheaper.
     ``approx``: more keys compared as the float estimate is (``figures.is_float_figure``, to ``T1_RTOL``)."""
-    light = tool_metrics(cache, drafter_dir, out.with_suffix(".light.json"), True, block_size)
+    light = tool_metrics(cache, drafter_dir, out.with_suffix(".light.json"), True, block_size, budgets)
     assert_logged_equals_tool(logged, light, where, skip=("anchors_drafted", "anchors_needed") if full
                               else ("anchors_drafted",), approx=approx)
     if full:
-        exact = tool_metrics(cache, drafter_dir, out.with_suffix(".full.json"), False, block_size)
+        exact = tool_metrics(cache, drafter_dir, out.with_suffix(".full.json"), False, block_size, budgets)
         assert_logged_equals_tool(logged, exact, where, prefix=PREFIX + "full/", approx=approx)

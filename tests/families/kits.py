@@ -24,16 +24,20 @@ class Kit:
     loop: Callable[..., list[int]]  # (reference, target, prompt [1, P], max_new, stops, block) -> lengths
     loss: Any = None  # tiny_target.train_briefly's extra loss term
     train_epochs: int = 6
+    tail_blocks: str = "reference"  # the reference loop's tail: shortened blocks (dflash_generate) or full ones
+    prepare: Callable[[Any], None] | None = None  # after training: weights the objective leaves at their init
 
 
-def _block_config(architecture: str, **fields: Any) -> Callable[[int, int, int], dict]:
+def _block_config(architecture: str, sliding: bool = True, **fields: Any) -> Callable[[int, int, int], dict]:
     def config(vocab: int, hidden: int, block: int) -> dict:
+        # The second layer causal with a window shorter than the contexts (docs/method.md), where the family's
+        # reference loop runs the served masks.
+        layers = dict(layer_types=["full_attention", "sliding_attention"], sliding_window=9,
+                      use_sliding_window=True) if sliding else {}
         return dict(
             architectures=[architecture], model_type="qwen3", vocab_size=vocab, hidden_size=hidden,
             intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-            max_position_embeddings=512, rms_norm_eps=1e-6, num_target_layers=4, block_size=block,
-            # The second layer is causal with a window shorter than the contexts (docs/method.md).
-            layer_types=["full_attention", "sliding_attention"], sliding_window=9, use_sliding_window=True,
+            max_position_embeddings=512, rms_norm_eps=1e-6, num_target_layers=4, block_size=block, **layers,
             dflash_config={"target_layer_ids": LAYERS, "mask_token_id": vocab - 1, **fields})
 
     return config
@@ -75,9 +79,87 @@ def _selector_loss(*args: Any) -> Any:
     return selector_loss(*args)
 
 
+def _dspark_reference(ours: Any, cfg: dict) -> Any:
+    """SpecForge 0.2.0's own ``DSparkDraftModel`` (built from its config: its ``from_pretrained`` leaves the rotary
+    cache unset under this transformers) with our module's weights."""
+    from transformers import Qwen3Config
+
+    ref = oracles.require("specforge.modeling.draft.dspark").DSparkDraftModel(Qwen3Config(**cfg)).eval()
+    ref.load_state_dict(ours.state_dict(), strict=True)
+    return ref
+
+
+def _absolute_crop_cache() -> type:
+    from transformers import DynamicCache
+
+    class AbsoluteCrop(DynamicCache):
+        """``crop(n)`` with ``n >= 0`` keeps the first n positions (SpecForge 0.2.0 calls it so); transformers 5.x
+        takes only the number of positions to drop. The environment's adapter, not the oracle's logic."""
+
+        def crop(self, max_length: int) -> None:
+            drop = self.get_seq_length() - max_length if max_length >= 0 else -max_length
+            if drop > 0:
+                super().crop(-drop)
+
+    return AbsoluteCrop
+
+
+_AbsoluteCrop = _absolute_crop_cache()
+
+
+def _spec_generate(ref: Any, target: Any, prompt: torch.Tensor, max_new: int, stops: list[int],
+                   block: int) -> list[int]:
+    """SpecForge's own ``spec_generate`` loop (greedy); each cycle's accepted length read off the blocks it
+    drafted (its ``_sample_draft_tokens``) against the tokens it committed."""
+    drafted: list[torch.Tensor] = []
+    own = type(ref)._sample_draft_tokens
+
+    def record(self: Any, target_model: Any, hidden: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+        out = own(self, target_model, hidden, block_ids)
+        drafted.append(out[0].clone())
+        return out
+
+    sf = oracles.require("specforge.modeling.draft.dflash")
+    saved, cache_class = ref.block_size, sf.DynamicCache
+    ref.block_size = block
+    ref._sample_draft_tokens = record.__get__(ref)
+    sf.DynamicCache = _AbsoluteCrop  # its loop crops to an absolute length, as transformers' caches did before 5.x
+    try:
+        out = ref.spec_generate(target, prompt, max_new, stops, 0.0)[0].tolist()
+    finally:
+        ref.block_size, sf.DynamicCache = saved, cache_class
+        del ref._sample_draft_tokens
+    # Its loop runs one more cycle than the completion needs (its last commits past max_new_tokens and is cut)
+    # and counts each cycle whole: read at the loop's end as dflash_generate's, where the cache's completion ends
+    # (max_new_tokens or the first stop token).
+    p = prompt.shape[1]
+    end = min([p + max_new] + [p + i + 1 for i, t in enumerate(out[p:]) if t in stops])
+    lengths, start = [], p
+    for d in drafted:
+        if start + 1 >= end:
+            break
+        n = 0
+        while n < len(d) and start + 1 + n < len(out) and int(d[n]) == out[start + 1 + n]:
+            n += 1
+        lengths.append(min(n + 1, end - 1 - start))
+        start += n + 1
+    return lengths
+
+
+def _random_markov_head(ours: Any) -> None:
+    """The block objective leaves the Markov head at its init: weights large enough that it changes drafts."""
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in ours.markov_head.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+
+
 KITS: dict[str, Kit] = {
     "dflash": Kit(_block_config("DFlashDraftModel"), _dflash_reference, _dflash_generate),
     "dflash2": Kit(_block_config("DFlash2DraftModel", conv_group_size=8, conv_kernel_size=2, selector_rank=8,
                                  selector_top_k=4),
                    _dflash2_reference, _dflash_generate, loss=_selector_loss, train_epochs=20),
+    "dspark": Kit(_block_config("DSparkDraftModel", sliding=False, projector_type="dspark", markov_rank=8,
+                                markov_head_type="gated", confidence_head_alpha=0.5),
+                  _dspark_reference, _spec_generate, tail_blocks="served", prepare=_random_markov_head),
 }

@@ -66,6 +66,8 @@ def _drafter(world: dict, family: str) -> tuple:
         cfg = kit.config(m.vocab_size, m.hidden_size, BLOCK)
         torch.manual_seed(0)
         ours = train_briefly(drafter_from_config(cfg), world["cache"], epochs=kit.train_epochs, loss=kit.loss)
+        if kit.prepare is not None:
+            kit.prepare(ours)
         world["drafters"][family] = (ours, cfg, kit.reference(ours, cfg))
     return world["drafters"][family]
 
@@ -83,14 +85,16 @@ def test_the_replay_equals_the_familys_own_generate_loop(world, family: str, blo
     stops = cache.manifest.stop_token_ids
     want = {e.id: KITS[family].loop(ref, target, cache.load(e.id).input_ids[: e.prompt_len][None], MAX_NEW, stops,
                                     block) for e in cache.samples}
-    rep = evaluate(cache, ours, budgets=(4,), tail_blocks="reference", block_size=block)
+    tail = KITS[family].tail_blocks
+    budgets = (4,) if family_named(family).supports_tree else ()
+    rep = evaluate(cache, ours, budgets=budgets, tail_blocks=tail, block_size=block)
     got = {s.id: s.acceptance_lengths for s in rep.samples}
     assert got == want
     cycles = [n for v in want.values() for n in v]
     assert any(n > 1 for n in cycles) and any(n == 1 for n in cycles)
     ends = [cache.load(e.id).input_ids[-1].item() == world["stop"] for e in cache.samples]
     assert any(ends) and not all(ends)
-    adopted = evaluate(cache, ref, budgets=(), tail_blocks="reference", block_size=block)
+    adopted = evaluate(cache, ref, budgets=(), tail_blocks=tail, block_size=block)
     assert {s.id: s.acceptance_lengths for s in adopted.samples} == want
     for walk in family_named(family).figures.walks:  # the family's own walks are replayed too
         assert 1.0 <= rep.summary[walk.key] <= block
@@ -156,7 +160,8 @@ def test_the_familys_figures_reach_every_output(world, family: str, tmp_path: Pa
     figures = fam.figures
     ours, _, _ = _drafter(world, family)
     cache = world["cache"]
-    write_results(report_to_results(evaluate(cache, ours, budgets=(4,)), cache), tmp_path / "r.json")
+    budgets = (4,) if fam.supports_tree else ()
+    write_results(report_to_results(evaluate(cache, ours, budgets=budgets), cache), tmp_path / "r.json")
     res = load_results(tmp_path / "r.json", cache)
     assert res.family == family and json.loads((tmp_path / "r.json").read_text())["meta"]["drafter_family"] == family
     for f in (*figures.walks, *figures.pooled):
@@ -187,7 +192,8 @@ def test_a_live_evaluation_in_a_plain_loop_logs_what_the_tool_computes(world, fa
         if PREFIX + TAU in metrics:
             logged[step] = metrics
 
-    evaluator = LiveEvaluator(str(world["cache"].path), every_n_train_steps=1, max_steps=1, ddtree_budgets=BUDGETS,
+    budgets = BUDGETS if family_named(family).supports_tree else ()
+    evaluator = LiveEvaluator(str(world["cache"].path), every_n_train_steps=1, max_steps=1, ddtree_budgets=budgets,
                               log=collect, console=False)
     assert evaluator.start(0, ours) is not None
     assert evaluator.finish(1, ours) is not None
@@ -196,4 +202,4 @@ def test_a_live_evaluation_in_a_plain_loop_logs_what_the_tool_computes(world, fa
     for w in family_named(family).figures.walks:
         assert PREFIX + w.key in logged[1]
     assert_step_equals_tool(world["cache"].path, tmp_path / "drafter", tmp_path / "r.json", logged[1], True, BLOCK, 1,
-                            approx=(T1_TAU_ESTIMATE,))
+                            approx=(T1_TAU_ESTIMATE,), budgets=budgets)

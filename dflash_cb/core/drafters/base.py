@@ -116,6 +116,11 @@ class DrafterFamily:
     kind: ClassVar[str]  # "block": one pass per block; "chain": one step per draft token
     # The family a config of the published block format that names none is (DFlash's; one family says so).
     default: ClassVar[bool] = False
+    # Whether a DDTree over the drafts is what a server verifies (a family whose depths depend on their parent
+    # token drafts no such tree: its budgets are refused).
+    supports_tree: ClassVar[bool] = True
+    # Whether ``specforge/acc`` (SpecForge's accuracy of this drafter) is replayed; else it is left out, said why.
+    specforge_accuracy: ClassVar[bool] = True
     figures: ClassVar[FamilyFigures] = FamilyFigures()
     # Config fields only this family's configs carry (``config_hints``), and what to add to a config that lacks
     # them (messages).

@@ -868,6 +868,7 @@ def evaluate(cache: StateCache, drafter: Any, head: TargetHead | None = None, re
     if isinstance(drafter, torch.nn.Module):  # NaN weights would still get a tau (the argmax of NaN is a token)
         check_finite_weights(drafter.named_parameters(), f"the drafter ({type(drafter).__name__})")
     block = check_block_size(req.block_size, spec.block_size)
+    check_tree_support(spec, budgets)
     drafting_spec = dataclasses.replace(spec, block_size=block)  # what the cycles draft; the report keeps spec
     specforge, note = specforge_pass(runner, block)
     device = req.device
@@ -932,9 +933,22 @@ def evaluate(cache: StateCache, drafter: Any, head: TargetHead | None = None, re
                       req.series(block_size=block))
 
 
+def check_tree_support(spec: DrafterSpec, budgets: Sequence[int], option: str = "budgets") -> None:
+    """Refuse DDTree budgets for a family whose drafts make no DDTree (``DrafterFamily.supports_tree``)."""
+    family = family_named(spec.family)
+    if budgets and not family.supports_tree:
+        raise DFlashCBError(f"{option} {list(budgets)}: a {family.label} drafter drafts each depth from its parent "
+                            f"token, so a DDTree of per-depth top-K is not what a server verifies; pass no budgets "
+                            "(--ddtree-budgets '' / ddtree_budgets=())")
+
+
 def specforge_pass(runner: DraftRunner, block_size: int) -> tuple[SpecForgePass, str]:
     """How ``specforge/acc`` is computed for ``runner``'s drafter at ``block_size`` and the report's note on
     it ("" when SpecForge's masks are the served ones)."""
+    family = family_named(runner.spec.family)
+    if not family.specforge_accuracy:
+        return SpecForgePass.LEFT_OUT, (f"specforge/acc is left out: SpecForge's {family.label} accuracy scores its "
+                                        "own objective, which is not replayed")
     difference = runner.specforge_difference(block_size)
     if difference is None:
         return SpecForgePass.SAME_DRAFTS, ""

@@ -27,6 +27,7 @@ from ...core.drafters.registry import family_named, spec_of
 from ...core.drafters.spec import DrafterSpec
 from ...core.loop.cycles import check_block_size
 from ...core.loop.ddtree import check_ddtree_budgets
+from ...core.replay.engine import check_tree_support
 from ...core.results.baselines import Baseline, load_measured, load_published, load_served
 from ..tracking.sinks import MetricsSink
 from .across_ranks import SetupCheck, verify_across_ranks
@@ -151,6 +152,7 @@ def drafter_fit(cache: StateCache, config: EvalConfig, drafter: nn.Module, model
     spelled = dict(names or {})
     block = check_block_size(config.block_size, spec.block_size, spelled.get("block_size", "block_size"))
     for name, budgets in (("ddtree_budgets", config.ddtree_budgets), ("light_ddtree_budgets", config.light_budgets)):
+        check_tree_support(spec, budgets, spelled.get(name, name))
         check_ddtree_budgets(budgets, block, m.vocab_size, spelled.get(name, name),  # before any evaluation
                              family_named(spec.family).tree_candidates(spec))
     problems = []

@@ -1,0 +1,1 @@
+"""DSpark: the DFlash backbone with a Markov head (docs/method.md, "Drafter families")."""
