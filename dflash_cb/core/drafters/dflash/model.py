@@ -625,7 +625,16 @@ class DFlashDrafter(nn.Module):
         (path / "config.json").write_text(self._published_config().to_json_string(use_diff=False))
 
     def _published_config(self) -> Qwen3Config:
-        """The config ``save_pretrained`` writes."""
+        """The config ``save_pretrained`` writes: DFlash's as it is; a family on this backbone names itself
+        (``family_config``)."""
         return self.config
+
+    def family_config(self) -> Qwen3Config:
+        """A copy of the config whose ``architectures`` names this module's family."""
+        import copy
+
+        config = copy.deepcopy(self.config)
+        config.architectures = [family_named(self.family).architecture]
+        return config
 
 

@@ -9,7 +9,6 @@ teacher-forced draft, the tree) are ``selector``; this module holds the weights 
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -217,9 +216,7 @@ class DFlash2Drafter(DFlashDrafter):
         return published_state(state)
 
     def _published_config(self) -> Qwen3Config:
-        config = copy.deepcopy(self.config)
-        config.architectures = [ARCHITECTURE]
-        return config
+        return self.family_config()
 
     # -- engine interface -----------------------------------------------------
     def block_rows(self, context: ContextKV, noise_embedding: torch.Tensor, anchors: torch.Tensor,

@@ -97,11 +97,7 @@ class DSparkDrafter(DFlashDrafter):
         return published_state(state)
 
     def _published_config(self) -> Qwen3Config:
-        import copy
-
-        config = copy.deepcopy(self.config)
-        config.architectures = [ARCHITECTURE]
-        return config
+        return self.family_config()
 
 
 def published_state(state: dict[str, Any]) -> dict[str, Any]:
