@@ -146,6 +146,23 @@ def _spec_generate(ref: Any, target: Any, prompt: torch.Tensor, max_new: int, st
     return lengths
 
 
+def _domino_reference(ours: Any, cfg: dict) -> Any:
+    """SpecForge 0.2.0's own ``DominoDraftModel`` (built from its config) with our module's weights."""
+    from transformers import Qwen3Config
+
+    ref = oracles.require("specforge.modeling.draft.domino").DominoDraftModel(Qwen3Config(**cfg)).eval()
+    ref.load_state_dict(ours.state_dict(), strict=True)
+    return ref
+
+
+def _random_correction(ours: Any) -> None:
+    """The block objective leaves the GRU and its projection at their init: weights that change drafts."""
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in (*ours.prefix_gru.parameters(), *ours.embed_proj.parameters()):
+            p.copy_(torch.randn(p.shape, generator=g) * 0.4)
+
+
 def _random_markov_head(ours: Any) -> None:
     """The block objective leaves the Markov head at its init: weights large enough that it changes drafts."""
     g = torch.Generator().manual_seed(5)
@@ -162,4 +179,7 @@ KITS: dict[str, Kit] = {
     "dspark": Kit(_block_config("DSparkDraftModel", sliding=False, projector_type="dspark", markov_rank=8,
                                 markov_head_type="gated", confidence_head_alpha=0.5),
                   _dspark_reference, _spec_generate, tail_blocks="served", prepare=_random_markov_head),
+    "domino": Kit(_block_config("DominoDraftModel", sliding=False, projector_type="domino", emb_dim=16,
+                                gru_hidden_dim=8),
+                  _domino_reference, _spec_generate, tail_blocks="served", prepare=_random_correction),
 }

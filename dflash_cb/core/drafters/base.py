@@ -200,9 +200,11 @@ class DrafterFamily:
         must be modules."""
         return None
 
-    def proposer(self, spec: DrafterSpec, module: Any, lm_head: torch.Tensor, mem_bytes: int) -> Proposer:
+    def proposer(self, spec: DrafterSpec, module: Any, lm_head: torch.Tensor, mem_bytes: int,
+                 embed: torch.Tensor | None = None) -> Proposer:
         """What this family's hidden states draft (``module``: the drafter, for weights beyond its blocks; None
-        for a plain callable), with the target's head, its logits under ``mem_bytes``."""
+        for a plain callable), with the target's head, its logits under ``mem_bytes``, and its input embedding
+        ``embed`` (for a family that reads the tokens' embeddings)."""
         raise NotImplementedError
 
     def specforge_difference(self, config: Any, block_size: int) -> str | None:

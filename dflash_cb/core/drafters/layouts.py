@@ -97,10 +97,11 @@ def cache_needs(drafter: Any, spec: DrafterSpec | None = None) -> CacheNeeds:
     return family_named(spec.family).cache_needs(spec, getattr(drafter, "config", None))
 
 
-def proposer_for(spec: DrafterSpec, module: Any, lm_head: torch.Tensor, mem_bytes: int) -> Proposer:
+def proposer_for(spec: DrafterSpec, module: Any, lm_head: torch.Tensor, mem_bytes: int,
+                 embed: torch.Tensor | None = None) -> Proposer:
     """The proposer of ``spec.family`` for a drafter (``module``: its weights beyond the blocks; None for a plain
     callable) with the target's head ``lm_head``, its logits under ``mem_bytes``."""
-    return family_named(spec.family).proposer(spec, module, lm_head, mem_bytes)
+    return family_named(spec.family).proposer(spec, module, lm_head, mem_bytes, embed)
 
 
 def _listed(keys: list[str]) -> str:
@@ -112,11 +113,9 @@ def load_state_dict_strict(model: nn.Module, state: dict[str, torch.Tensor], sou
     """Load ``state`` into ``model`` when its keys and shapes are exactly the model's; else a ValueError naming
     the missing and unexpected keys of the closest layout: the model's own, or one of ``layouts`` (the key
     names of the other families for the same config, ``layouts``), whichever differs least."""
-    canonical = getattr(model, "canonical_state", None)
-    if canonical is not None:
-        state = canonical(state)
     spec = getattr(model, "spec", None)
     own = family_named(spec.family if spec is not None else default_family().name)
+    state = own.published_state(state)  # the family's key spellings (DFlash 2's codebooks, early heads' names)
     expected = set(model.state_dict())
     missing = sorted(expected - set(state))
     unexpected = sorted(set(state) - expected)

@@ -139,12 +139,20 @@ class Proposer:
         """The family's per-depth anchor counts besides the served match and SpecForge's."""
         return self.figures.depth_counts
 
+    def prefix_state(self, previous: torch.Tensor) -> torch.Tensor | None:
+        """What the family computes once per block from the teacher-forced tokens before every depth
+        (``previous`` [N, D], negative where unknown), as [N, D, S]: the row at depth k then gets ``[:, k - 1]``
+        as its ``state``. None for a family whose drafts read only the previous token."""
+        return None
+
     def rows(self, hidden: torch.Tensor, previous: torch.Tensor, target: torch.Tensor, *, tree_k: int = 0,
-             parts: bool = False, target_topk: tuple[torch.Tensor, torch.Tensor] | None = None) -> RowDrafts:
+             parts: bool = False, target_topk: tuple[torch.Tensor, torch.Tensor] | None = None,
+             state: torch.Tensor | None = None) -> RowDrafts:
         """Drafts of hidden rows [M, H]: ``previous`` [M] the token before each row's depth (negative:
         unknown), ``target`` [M] the target's token at it (negative: unknown), ``tree_k`` the largest DDTree
-        budget (0: no tree), ``parts``: keep what ``tree`` and ``block`` need. Each row on its own: a row's
-        result does not depend on the rows it is batched with."""
+        budget (0: no tree), ``parts``: keep what ``tree`` and ``block`` need, ``state`` [M, S] the rows' share
+        of ``prefix_state``. Each row on its own: a row's result does not depend on the rows it is batched
+        with."""
         raise NotImplementedError
 
     def tree(self, parts: Any, anchor: torch.Tensor, depths: torch.Tensor, target: torch.Tensor,
@@ -165,7 +173,8 @@ class ArgmaxProposer(Proposer):
     drafts the argmax."""
 
     def rows(self, hidden: torch.Tensor, previous: torch.Tensor, target: torch.Tensor, *, tree_k: int = 0,
-             parts: bool = False, target_topk: tuple[torch.Tensor, torch.Tensor] | None = None) -> RowDrafts:
+             parts: bool = False, target_topk: tuple[torch.Tensor, torch.Tensor] | None = None,
+             state: torch.Tensor | None = None) -> RowDrafts:
         out = apply_head(hidden, self.lm_head, self.spec, tree_k, self.mem_bytes, target_topk)
         none = torch.zeros((out.argmax.shape[0], 0), dtype=torch.bool, device=out.argmax.device)
         return RowDrafts(out.argmax, none, none, None, out.overlap,

@@ -501,6 +501,11 @@ class _DepthDrafts:
             self.specforge[rows] = got.specforge
 
 
+def _flat(state: torch.Tensor | None) -> torch.Tensor | None:
+    """A [N, D, S] prefix state as rows [N * D, S] (block-major, as the hidden rows)."""
+    return None if state is None else state.reshape(-1, state.shape[-1])
+
+
 def _leading(hits: torch.Tensor) -> torch.Tensor:
     """[N, D] booleans -> [N]: how many leading depths are True (the accepted length of a chain of them)."""
     return hits.long().cumprod(dim=1).sum(dim=1)
@@ -542,6 +547,7 @@ class _Scorer:
         target = torch.where(pos < tables.known_end[sample][:, None], target, -1)
         anchor_tokens = tables.tokens[base + anchors]
         previous = predecessors(anchor_tokens, target)  # teacher forced: the target's own tokens
+        state = proposer.prefix_state(previous)  # [N, D, S] or None: what a family reads of a block's prefix
         target_topk = None
         if tables.topk is not None:
             # The target's distribution for the token at p + k sits at position p + k - 1.
@@ -554,9 +560,9 @@ class _Scorer:
                 drafts = _DepthDrafts.of(proposer.rows(flat, previous.reshape(-1), target.reshape(-1),
                                                        tree_k=max(self.budgets, default=0),
                                                        parts=bool(self.budgets) or self.keep_drafts,
-                                                       target_topk=target_topk), len(slots), d)
+                                                       target_topk=target_topk, state=_flat(state)), len(slots), d)
             else:
-                drafts = self._greedy_head(blocks, target, previous, in_stats, target_topk)
+                drafts = self._greedy_head(blocks, target, previous, in_stats, target_topk, state)
         # Depths past a (tail) block's length get values that never match or score: -2, -inf, 0.
         inside = depth < lengths[:, None]
         known = inside & (target >= 0)
@@ -626,7 +632,8 @@ class _Scorer:
         return out.argmax.view(-1, d)
 
     def _greedy_head(self, blocks: BlockRows, target: torch.Tensor, previous: torch.Tensor, in_stats: torch.Tensor,
-                     target_topk: tuple[torch.Tensor, torch.Tensor] | None) -> _DepthDrafts:
+                     target_topk: tuple[torch.Tensor, torch.Tensor] | None,
+                     state: torch.Tensor | None = None) -> _DepthDrafts:
         """Greedy-only drafts [N, D]: every depth for the statistics rows; for the others only as deep as a walk
         reads (the greedy walk reads depth k only when depths 1..k-1 matched; a family's own walks, by their
         own hits), -2 past that.
@@ -644,7 +651,8 @@ class _Scorer:
                 t.view(n, d, -1)[rows].reshape(rows.numel() * d, -1) for t in target_topk)
             hid = blocks.rows(rows[:, None], torch.arange(1, d + 1, device=dev)[None, :])
             out = proposer.rows(hid.reshape(rows.numel() * d, -1), previous[rows].reshape(-1),
-                                target[rows].reshape(-1), target_topk=sub)
+                                target[rows].reshape(-1), target_topk=sub,
+                                state=None if state is None else _flat(state[rows]))
         walks, counts = len(proposer.walks), len(proposer.depth_counts)
         table = _DepthDrafts.unread(n, d, walks, counts, out is not None and out.specforge is not None, dev)
         if out is not None:
@@ -660,7 +668,8 @@ class _Scorer:
             # Row-chunked like the statistics rows: at tau ~ 1 every block is live, and a call on all of
             # them at once would hold [max_blocks, vocab] logits (1 GB at the real vocabulary).
             got = proposer.rows(hid.reshape(live.numel() * c, -1), previous[live, k:k + c].reshape(-1),
-                                target[live, k:k + c].reshape(-1))
+                                target[live, k:k + c].reshape(-1),
+                                state=None if state is None else _flat(state[live, k:k + c]))
             drafts, hits = got.tokens.view(-1, c), got.hits.view(live.numel(), c, walks)
             # Each walk's leading run: the greedy one's matches, then the family's walks' hits.
             chains = torch.cat([(drafts == target[live, k:k + c])[..., None], hits], dim=-1)
@@ -886,7 +895,7 @@ def evaluate(cache: StateCache, drafter: Any, head: TargetHead | None = None, re
     offsets = {s: offsets_for(ids, s, req.anchor_seed, req.anchor_offsets if s == req.anchor_stride else None)
                for s in strides}
     # The family's proposer: what the drafter's hidden states draft, and the family's own walks and statistics.
-    proposer = proposer_for(drafting_spec, runner.module, head.lm_head, limits.head_bytes)
+    proposer = proposer_for(drafting_spec, runner.module, head.lm_head, limits.head_bytes, head.embed_tokens)
     plan = _Plan(strides, offsets, budgets, proposer.walks, proposer.depth_counts, block - 1, req.keep_drafts > 0,
                  req.draft_all, tuple(manifest.stop_token_ids), device, req.verify)
     scorer = _Scorer(runner, head, drafting_spec, proposer, budgets, limits.head_bytes, req.tail_blocks, specforge,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -12,7 +12,7 @@ from ..base import BlockFamily
 from ..proposers import ArgmaxProposer, Proposer
 from ..registry import family_of
 from ..runners import DraftRunner
-from ..spec import DrafterSpec
+from ..spec import DrafterSpec, config_value
 
 
 class DFlashFamily(BlockFamily):
@@ -67,13 +67,51 @@ class DFlashFamily(BlockFamily):
         ours.rotary_emb = type(ours.rotary_emb)(config).to(param.device)
         return ours
 
-    def proposer(self, spec: DrafterSpec, module: Any, lm_head: torch.Tensor, mem_bytes: int) -> Proposer:
+    def proposer(self, spec: DrafterSpec, module: Any, lm_head: torch.Tensor, mem_bytes: int,
+                 embed: torch.Tensor | None = None) -> Proposer:
         return ArgmaxProposer(spec, lm_head, mem_bytes, self.figures)
 
     def specforge_difference(self, config: Any, block_size: int) -> str | None:
         from .model import specforge_mask_difference
 
         return specforge_mask_difference(config, block_size)
+
+
+class HeadOnBackboneFamily(DFlashFamily):
+    """A family on DFlash's backbone with a head of its own over the logits, as SpecForge's ``projector_type``
+    names it (Domino, DSpark): recognised by that field or by its head's weights, whose early checkpoints kept
+    them under a ``logit_head.`` container. Each depth reads the tokens before it, so no DDTree is verified;
+    SpecForge's accuracy of these families scores its own objective, not replayed."""
+
+    default = False
+    supports_tree = False
+    specforge_accuracy = False
+    projector_type: ClassVar[str]
+    head_parts: ClassVar[tuple[str, ...]]  # the submodules only this family has
+    placeholders: ClassVar[dict[str, Any]]  # smallest values of its fields (a layout's key names and shapes)
+
+    def config_hints(self, config: Any) -> bool:
+        return config_value(config, "projector_type") == self.projector_type or super().config_hints(config)
+
+    def own_key(self, keys: Any) -> str | None:
+        return next((k for k in keys if any(f"{part}." in k for part in self.head_parts)), None)
+
+    def relabel(self, config: dict[str, Any]) -> dict[str, Any]:
+        fields = {"projector_type": self.projector_type, **self.placeholders}
+        return {**super().relabel(config), "dflash_config": {**fields, **(config.get("dflash_config") or {})}}
+
+    def published_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        out = {}
+        for key, value in state.items():
+            name = key
+            for part in self.head_parts:
+                at = key.find(f"logit_head.{part}.")
+                if at >= 0 and (at == 0 or key[at - 1] == "."):
+                    name = key[:at] + key[at + len("logit_head."):]
+            if name in out:
+                raise ValueError(f"{name} appears twice, with and without logit_head.; keep one of them")
+            out[name] = value
+        return out
 
 
 FAMILY = DFlashFamily()

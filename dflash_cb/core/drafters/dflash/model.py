@@ -591,11 +591,6 @@ class DFlashDrafter(nn.Module):
     def from_config_dict(cls, data: dict[str, Any]) -> DFlashDrafter:
         return cls(Qwen3Config.from_dict(dict(data)))
 
-    @staticmethod
-    def canonical_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """``state`` under this class's key names (DFlash: as it is; DFlash 2 renames its codebooks)."""
-        return state
-
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, device: torch.device | str = "cpu",
                         dtype: torch.dtype | None = None) -> DFlashDrafter:

@@ -55,7 +55,8 @@ class DFlash2Family(DFlashFamily):
     def tree_candidates(self, spec: DrafterSpec) -> int | None:
         return int(spec.option("selector_top_k"))  # its tree is over the selector's lattice
 
-    def proposer(self, spec: DrafterSpec, module: Any, lm_head: torch.Tensor, mem_bytes: int) -> Proposer:
+    def proposer(self, spec: DrafterSpec, module: Any, lm_head: torch.Tensor, mem_bytes: int,
+                 embed: torch.Tensor | None = None) -> Proposer:
         from .model import SelectorProposer, SelectorWeights
 
         return SelectorProposer(spec, lm_head, mem_bytes, SelectorWeights.of(module))

@@ -211,10 +211,6 @@ class DFlash2Drafter(DFlashDrafter):
         if hasattr(self, "candidate_selector"):  # the base constructor calls this before the selector exists
             self.candidate_selector.reset_parameters(self._init_std)
 
-    @staticmethod
-    def canonical_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return published_state(state)
-
     def _published_config(self) -> Qwen3Config:
         return self.family_config()
 
@@ -320,7 +316,8 @@ class SelectorProposer(Proposer):
             return F.linear(hidden.to(w.dtype), w).float()
 
     def rows(self, hidden: torch.Tensor, previous: torch.Tensor, target: torch.Tensor, *, tree_k: int = 0,
-             parts: bool = False, target_topk: tuple[torch.Tensor, torch.Tensor] | None = None) -> RowDrafts:
+             parts: bool = False, target_topk: tuple[torch.Tensor, torch.Tensor] | None = None,
+             state: torch.Tensor | None = None) -> RowDrafts:
         w = self.weights
         tokens, unary_first, recall, overlap, kept = [], [], [], [], []
         for at, logits in logit_chunks(hidden, self.lm_head, self.spec, self.mem_bytes):

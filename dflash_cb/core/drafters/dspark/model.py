@@ -24,8 +24,6 @@ from ..spec import DrafterSpec, config_value
 
 ARCHITECTURE = "DSparkDraftModel"
 HEAD_TYPES = ("vanilla", "gated")  # the Markov heads replayed; "rnn" recurs over the block and is refused
-# Where early SpecForge checkpoints kept the heads (its own loader maps them the same way).
-LEGACY_PREFIXES = (("logit_head.markov_head.", "markov_head."), ("logit_head.confidence_head.", "confidence_head."))
 
 
 @dataclass(frozen=True)
@@ -92,27 +90,8 @@ class DSparkDrafter(DFlashDrafter):
             self.confidence_head = ConfidenceHead(config.hidden_size + (settings.markov_rank
                                                                         if settings.confidence_with_markov else 0))
 
-    @staticmethod
-    def canonical_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return published_state(state)
-
     def _published_config(self) -> Qwen3Config:
         return self.family_config()
-
-
-def published_state(state: dict[str, Any]) -> dict[str, Any]:
-    """``state`` with early checkpoints' ``logit_head.`` container dropped from the heads' names (any prefix)."""
-    out = {}
-    for key, value in state.items():
-        name = key
-        for old, new in LEGACY_PREFIXES:
-            at = key.find(old)
-            if at >= 0 and (at == 0 or key[at - 1] == "."):
-                name = key[:at] + new + key[at + len(old):]
-        if name in out:
-            raise ValueError(f"{name} appears twice, with and without logit_head.; keep one of them")
-        out[name] = value
-    return out
 
 
 class MarkovProposer(Proposer):
@@ -125,7 +104,8 @@ class MarkovProposer(Proposer):
         self.head = head
 
     def rows(self, hidden: torch.Tensor, previous: torch.Tensor, target: torch.Tensor, *, tree_k: int = 0,
-             parts: bool = False, target_topk: tuple[torch.Tensor, torch.Tensor] | None = None) -> RowDrafts:
+             parts: bool = False, target_topk: tuple[torch.Tensor, torch.Tensor] | None = None,
+             state: torch.Tensor | None = None) -> RowDrafts:
         tokens = torch.empty(hidden.shape[0], dtype=torch.long, device=hidden.device)
         for rows, logits in logit_chunks(hidden, self.lm_head, self.spec, self.mem_bytes):
             with torch.autocast(hidden.device.type, enabled=False):

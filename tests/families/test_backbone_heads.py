@@ -1,0 +1,121 @@
+"""What only the families with a head on the DFlash backbone do (DSpark's Markov head, Domino's GRU correction),
+beside the conformance suite: the head changes the drafts (so the suite's oracle comparison tests it), Domino's
+uncorrected first depths, the refusals (DDTree budgets, DSpark's rnn head, Domino's shift_label), specforge/acc
+left out and said why, and early SpecForge checkpoints' ``logit_head.`` names."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from kits import KITS, _spec_generate
+from safetensors.torch import load_file, save_file
+
+from dflash_cb.common.cli import run
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory, tiny_cache) -> Path:
+    from dflash_cb.cache.states import StateCache
+    from dflash_cb.core.drafters.layouts import drafter_from_config
+
+    m = StateCache(tiny_cache).manifest
+    cfg = KITS["dspark"].config(m.vocab_size, m.hidden_size, 6)
+    cfg["dflash_config"]["target_layer_ids"] = list(m.layer_ids)
+    torch.manual_seed(0)
+    drafter = drafter_from_config(cfg)
+    KITS["dspark"].prepare(drafter)
+    out = tmp_path_factory.mktemp("dspark") / "drafter"
+    drafter.save_pretrained(out)
+    return out
+
+
+def test_the_tool_refuses_trees_and_leaves_specforge_accuracy_out_saying_why(tiny_cache, folder, tmp_path, capsys):
+    from dflash_cb.integrations.cli import eval_drafter
+
+    args = ["--states", str(tiny_cache), "--drafter", str(folder), "--dtype", "float32"]
+    assert run(eval_drafter.main, [*args, "--out", str(tmp_path / "a.json"), "--ddtree-budgets", "4"]) == 2
+    assert "a DSpark drafter drafts each depth from its parent token" in capsys.readouterr().err
+    assert not (tmp_path / "a.json").exists()
+    assert run(eval_drafter.main, [*args, "--out", str(tmp_path / "b.json"), "--ddtree-budgets", ""]) == 0
+    results = json.loads((tmp_path / "b.json").read_text())
+    assert results["meta"]["drafter_family"] == "dspark" and results["metrics"]["specforge/acc"] is None
+    assert "specforge/acc is left out: SpecForge's DSpark accuracy" in results["meta"]["specforge_masks"]
+
+
+def test_an_rnn_markov_head_is_refused_and_early_checkpoint_names_load(folder, tmp_path):
+    from dflash_cb.core.checkpoints.load import CheckpointError, load_drafter
+
+    cfg = json.loads((folder / "config.json").read_text())
+    rnn = tmp_path / "rnn"
+    rnn.mkdir()
+    (rnn / "config.json").write_text(json.dumps({**cfg, "dflash_config": {**cfg["dflash_config"],
+                                                                          "markov_head_type": "rnn"}}))
+    save_file(load_file(str(folder / "model.safetensors")), str(rnn / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="markov_head_type 'rnn': the replay takes vanilla, gated"):
+        load_drafter(rnn)
+    early = tmp_path / "early"  # SpecForge's first DSpark checkpoints kept the heads under logit_head.
+    early.mkdir()
+    (early / "config.json").write_text(json.dumps(cfg))
+    state = load_file(str(folder / "model.safetensors"))
+    save_file({("logit_head." + k if k.startswith("markov_head.") else k): v for k, v in state.items()},
+              str(early / "model.safetensors"))
+    back, ours = load_drafter(early), load_drafter(folder)
+    assert all(torch.equal(v, ours.state_dict()[k]) for k, v in back.state_dict().items())
+
+
+def _trained(family: str, cache, block: int = 6, **fields):
+    from dflash_cb.core.drafters.layouts import drafter_from_config
+
+    m = cache.manifest
+    cfg = KITS[family].config(m.vocab_size, m.hidden_size, block)
+    cfg["dflash_config"] = {**cfg["dflash_config"], "target_layer_ids": list(m.layer_ids), **fields}
+    torch.manual_seed(0)
+    drafter = drafter_from_config(cfg)
+    KITS[family].prepare(drafter)
+    return drafter, cfg
+
+
+@pytest.mark.parametrize("family", ["dspark", "domino"])
+def test_the_head_changes_the_drafts(tiny_cache, family):
+    """With the head's own weights zeroed the drafts are the backbone's argmax: other cycles than with them."""
+    from dflash_cb.cache.states import StateCache
+    from dflash_cb.core.replay.engine import evaluate
+
+    cache = StateCache(tiny_cache)
+    drafter, _ = _trained(family, cache)
+    with_head = evaluate(cache, drafter, budgets=(), keep_drafts=4)
+    own = "markov_head" if family == "dspark" else "embed_proj"
+    with torch.no_grad():
+        for p in getattr(drafter, own).parameters():
+            p.zero_()
+    without = evaluate(cache, drafter, budgets=(), keep_drafts=4)
+    assert [s.drafts for s in with_head.samples] != [s.drafts for s in without.samples]
+
+
+def test_dominos_uncorrected_first_depths_equal_specforges_loop(tiny_cache):
+    """``pure_draft_prefix_len`` 2: depths 1 and 2 draft the head's argmax alone, the rest corrected; cycle for
+    cycle SpecForge's own loop."""
+    from transformers import Qwen3ForCausalLM
+
+    from dflash_cb.cache.states import StateCache
+    from dflash_cb.core.replay.engine import evaluate
+
+    cache = StateCache(tiny_cache)
+    drafter, cfg = _trained("domino", cache, pure_draft_prefix_len=2)
+    ref = KITS["domino"].reference(drafter, cfg)
+    target = Qwen3ForCausalLM.from_pretrained(tiny_cache.parent / "target", dtype=torch.float32).eval()
+    m = cache.manifest
+    want = {e.id: _spec_generate(ref, target, cache.load(e.id).input_ids[: e.prompt_len][None], m.max_new_tokens,
+                                 m.stop_token_ids, 6) for e in cache.samples}
+    got = evaluate(cache, drafter, budgets=(), tail_blocks="served")
+    assert {s.id: s.acceptance_lengths for s in got.samples} == want
+
+
+def test_dominos_shift_label_is_refused(tiny_cache):
+    from dflash_cb.cache.states import StateCache
+
+    with pytest.raises(ValueError, match="shift_label drafts each depth from the state before it"):
+        _trained("domino", StateCache(tiny_cache), shift_label=True)
