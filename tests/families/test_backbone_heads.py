@@ -1,5 +1,6 @@
 """What only the families with a head on the DFlash backbone do (DSpark's Markov head, Domino's GRU correction),
-beside the conformance suite: the head changes the drafts (so the suite's oracle comparison tests it), Domino's
+beside the conformance suite: the head changes the drafts (so the suite's oracle comparison tests it) and its
+"head off" walk is the head-less drafter's tau, Domino's
 uncorrected first depths, the refusals (DDTree budgets, DSpark's rnn head, Domino's shift_label), specforge/acc
 left out and said why, and early SpecForge checkpoints' ``logit_head.`` names."""
 
@@ -14,6 +15,7 @@ from kits import KITS, _spec_generate
 from safetensors.torch import load_file, save_file
 
 from dflash_cb.common.cli import run
+from dflash_cb.core.drafters.registry import family_named
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +95,9 @@ def test_the_head_changes_the_drafts(tiny_cache, family):
             p.zero_()
     without = evaluate(cache, drafter, budgets=(), keep_drafts=4)
     assert [s.drafts for s in with_head.samples] != [s.drafts for s in without.samples]
+    # The family's walk with the head off (its "where tau is lost" figure) is the head-less drafter's tau, exactly.
+    (off,) = family_named(family).figures.walks
+    assert with_head.summary[off.key] == without.summary["tau"] != with_head.summary["tau"]
 
 
 def test_dominos_uncorrected_first_depths_equal_specforges_loop(tiny_cache):

@@ -10,6 +10,7 @@ from torch import nn
 from ..dflash.family import HeadOnBackboneFamily
 from ..proposers import Proposer
 from ..spec import DrafterSpec
+from .figures import FIGURES
 from .model import ARCHITECTURE
 
 
@@ -18,6 +19,7 @@ class DominoFamily(HeadOnBackboneFamily):
     label = "Domino"
     architecture = ARCHITECTURE
     projector_type = "domino"
+    figures = FIGURES
     head_parts = ("prefix_gru", "embed_proj")
     config_fields = ("emb_dim", "gru_hidden_dim")
     placeholders = {"emb_dim": 1, "gru_hidden_dim": 1}

@@ -74,7 +74,9 @@ class DominoProposer(Proposer):
 
     def __init__(self, spec: DrafterSpec, lm_head: torch.Tensor, mem_bytes: int, module: DominoDrafter,
                  embed: torch.Tensor):
-        super().__init__(spec, lm_head, mem_bytes)
+        from .figures import FIGURES
+
+        super().__init__(spec, lm_head, mem_bytes, FIGURES)
         self.module, self.embed = module, embed
 
     def prefix_state(self, previous: torch.Tensor) -> torch.Tensor:
@@ -91,12 +93,14 @@ class DominoProposer(Proposer):
              parts: bool = False, target_topk: tuple[torch.Tensor, torch.Tensor] | None = None,
              state: torch.Tensor | None = None) -> RowDrafts:
         tokens = torch.empty(hidden.shape[0], dtype=torch.long, device=hidden.device)
+        plain = torch.empty_like(tokens)  # the head's argmax alone: the walk with the correction off
         proj = self.module.embed_proj
         for rows, logits in logit_chunks(hidden, self.lm_head, self.spec, self.mem_bytes):
             s = state[rows]
             with torch.autocast(hidden.device.type, enabled=False):
                 w = proj[0].weight
                 fix = proj(torch.cat([hidden[rows].to(w.dtype), s[:, :-1].to(w.dtype)], dim=-1)).float()
+            plain[rows] = logits.argmax(-1)
             tokens[rows] = (logits + fix * s[:, -1:].float()).argmax(-1)
-        none = torch.zeros((tokens.shape[0], 0), dtype=torch.bool, device=tokens.device)
-        return RowDrafts(tokens, none, none, None, None, None)
+        hits = (plain == target)[:, None]
+        return RowDrafts(tokens, hits, hits[:, :0], None, None, None)

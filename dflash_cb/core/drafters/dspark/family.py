@@ -10,6 +10,7 @@ from torch import nn
 from ..dflash.family import HeadOnBackboneFamily
 from ..proposers import Proposer
 from ..spec import DrafterSpec
+from .figures import FIGURES
 from .model import ARCHITECTURE
 
 
@@ -18,6 +19,7 @@ class DSparkFamily(HeadOnBackboneFamily):
     label = "DSpark"
     architecture = ARCHITECTURE
     projector_type = "dspark"
+    figures = FIGURES
     head_parts = ("markov_head", "confidence_head")
     config_fields = ("markov_rank", "markov_head_type")
     placeholders = {"markov_rank": 1, "markov_head_type": "vanilla"}

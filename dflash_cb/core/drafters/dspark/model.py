@@ -100,16 +100,20 @@ class MarkovProposer(Proposer):
     the tree of a drafter whose every depth depends on its parent token."""
 
     def __init__(self, spec: DrafterSpec, lm_head: torch.Tensor, mem_bytes: int, head: MarkovHead):
-        super().__init__(spec, lm_head, mem_bytes)
+        from .figures import FIGURES
+
+        super().__init__(spec, lm_head, mem_bytes, FIGURES)
         self.head = head
 
     def rows(self, hidden: torch.Tensor, previous: torch.Tensor, target: torch.Tensor, *, tree_k: int = 0,
              parts: bool = False, target_topk: tuple[torch.Tensor, torch.Tensor] | None = None,
              state: torch.Tensor | None = None) -> RowDrafts:
         tokens = torch.empty(hidden.shape[0], dtype=torch.long, device=hidden.device)
+        plain = torch.empty_like(tokens)  # the head's argmax alone: the walk with the Markov head off
         for rows, logits in logit_chunks(hidden, self.lm_head, self.spec, self.mem_bytes):
             with torch.autocast(hidden.device.type, enabled=False):
                 bias = self.head.bias(previous[rows], hidden[rows])
+            plain[rows] = logits.argmax(-1)
             tokens[rows] = (logits + bias.float()).argmax(-1)
-        none = torch.zeros((tokens.shape[0], 0), dtype=torch.bool, device=tokens.device)
-        return RowDrafts(tokens, none, none, None, None, None)
+        hits = (plain == target)[:, None]
+        return RowDrafts(tokens, hits, hits[:, :0], None, None, None)
