@@ -144,8 +144,9 @@ class Paths:
         self.summary = o / "summary.json"
 
 
-# The drafter families the demo trains (--drafter: every block family), and how the summary names them.
-DRAFTERS = {f.name: f.label for f in families() if f.kind == "block"}
+# The drafter families the demo trains (--drafter: every block family whose figures include its DDTree taus, which
+# the demo plots and summarises), and how the summary names them.
+DRAFTERS = {f.name: f.label for f in families() if f.kind == "block" and f.supports_tree}
 
 
 class DemoError(DFlashCBError, RuntimeError):
