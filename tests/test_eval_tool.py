@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shlex
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -249,7 +250,7 @@ def test_wandb_run_records_the_drafter_cache_and_settings_and_can_be_shown(tiny_
     """``--wandb-project`` (offline): the run's config names the drafter, the cache's hash and the settings,
     and the printed command shows the run's series without network."""
     from dflash_cb.integrations.tracking import panels
-    from dflash_cb.integrations.tracking.wandb_offline import offline_config
+    from dflash_cb.integrations.tracking.wandb_offline import offline_config, offline_records
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.chdir(tmp_path)
@@ -259,7 +260,17 @@ def test_wandb_run_records_the_drafter_cache_and_settings_and_can_be_shown(tiny_
     command = next(ln for ln in out.splitlines() if ln.startswith("logged to W&B")).split("see it with ", 1)[1]
     argv = shlex.split(command)
     assert argv[:2] == ["python", "tools/wandb_panels.py"]
-    config = offline_config(argv[argv.index("--run") + 1])["dflash_eval"]
+    run_dir = argv[argv.index("--run") + 1]
+    # W&B's own service writes the run's file; on a loaded machine its last records can land after the tool
+    # returns: read once they are there (a deadline, not a measurement).
+    def written() -> bool:
+        kinds = {r.WhichOneof("record_type") for r in offline_records(run_dir)}
+        return "dflash_eval" in offline_config(run_dir) and "history" in kinds
+
+    deadline = time.monotonic() + 60
+    while not written() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    config = offline_config(run_dir)["dflash_eval"]
     results = json.loads((tmp_path / "r.json").read_text())
     assert config["drafter"]["path"] == results["meta"]["drafter"]["path"] == str(drafter_dir)
     assert config["cache_manifest_sha256"] == StateCache(tiny_cache).manifest_sha256
