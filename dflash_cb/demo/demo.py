@@ -36,6 +36,7 @@ from ..common.errors import DFlashCBError
 from ..common.fileio import atomic_path, atomic_write_json, atomic_write_text, naming_failures, output_path
 from ..common.threads import THREADS_HELP, parse_threads, set_threads
 from ..core.drafters.registry import families, family_named
+from ..core.drafters.spec import DEFAULT_FAMILY
 from ..core.figures.metrics import (
     ACCEPT_LENGTH_SERVED,
     ALL_ANCHOR_TAU,
@@ -72,7 +73,7 @@ class DemoConfig:
     wandb_mode: str = "offline"
     wandb_project: str = "dflash-cb-demo"
     threads: int = 1
-    drafter: str = "dflash"  # the family trained: "dflash" or "dflash2" (DFlash 2: convolutions and a selector)
+    drafter: str = DEFAULT_FAMILY  # the family trained: one of DRAFTERS (--drafter)
     block_size: int = 8
     # Sizes (set from --quick in ``resolve``).
     target_steps: int = 600
@@ -439,7 +440,7 @@ def compare_first_last(paths: Paths, first: Results, last: Results) -> dict[str,
 
 
 def make_plots(history: list[dict[str, float]], block_size: int, budgets: Sequence[int], plots: Path,
-               goal: float = TAU_GOAL, family: str = "dflash") -> dict[str, Path]:
+               goal: float = TAU_GOAL, family: str = DEFAULT_FAMILY) -> dict[str, Path]:
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display needed
@@ -651,9 +652,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="offline (default; sync later with `wandb sync`) or online (needs `wandb login`)")
     p.add_argument("--wandb-project", default="dflash-cb-demo", help="W&B project (default dflash-cb-demo)")
     p.add_argument("--threads", default=None, help=THREADS_HELP)
-    p.add_argument("--drafter", choices=list(DRAFTERS), default="dflash",
-                   help="the drafter family to train: dflash (default) or dflash2 (DFlash 2: convolutions and a "
-                        "path selector; the summary adds where its tau is lost)")
+    p.add_argument("--drafter", choices=list(DRAFTERS), default=DEFAULT_FAMILY,
+                   help=f"the drafter family to train: {', '.join(DRAFTERS)} (default {DEFAULT_FAMILY}); a family "
+                        "with figures of its own (DFlash 2's selector) adds them to the summary")
     return p
 
 

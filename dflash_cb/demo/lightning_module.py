@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, Dataset
 from ..cache.states import StateCache, TargetHead
 from ..core.drafters.layouts import drafter_from_config
 from ..core.drafters.registry import family_named
+from ..core.drafters.spec import DEFAULT_FAMILY
 from ..core.drafters.training import batch_loss
 
 
@@ -147,7 +148,7 @@ class DFlashDrafterModule(LightningModule):
 def tiny_drafter_config(vocab_size: int, target_hidden: int, target_layers: int, layer_ids: Sequence[int],
                         mask_token_id: int, block_size: int = 8, num_layers: int = 1, heads: int = 4,
                         kv_heads: int = 2, head_dim: int = 8, intermediate_size: int | None = None,
-                        family: str = "dflash", **family_fields: Any) -> dict[str, Any]:
+                        family: str = DEFAULT_FAMILY, **family_fields: Any) -> dict[str, Any]:
     """A small drafter config for a small target (tests, demo) of a registered block ``family``, with the small
     settings of its own fields (``DrafterFamily.tiny_fields``; DFlash 2: two-tap convolutions over groups of 8
     channels, a selector of 8 candidates and rank 16), overridden by ``family_fields``.

@@ -114,8 +114,6 @@ class DrafterFamily:
     label: ClassVar[str]  # in messages and tables
     architecture: ClassVar[str]  # the ``architectures`` entry of its published config
     kind: ClassVar[str]  # "block": one pass per block; "chain": one step per draft token
-    # The family a config of the published block format that names none is (DFlash's; one family says so).
-    default: ClassVar[bool] = False
     # Whether a DDTree over the drafts is what a server verifies (a family whose depths depend on their parent
     # token drafts no such tree: its budgets are refused).
     supports_tree: ClassVar[bool] = True

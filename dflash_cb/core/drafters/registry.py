@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from .base import DrafterFamily
-from .spec import DrafterSpec
+from .spec import DEFAULT_FAMILY, DrafterSpec
 
 
 @cache
@@ -32,8 +32,6 @@ def families() -> tuple[DrafterFamily, ...]:
         family = getattr(module, "FAMILY", None)
         if isinstance(family, DrafterFamily):
             found.append(family)
-    if sum(f.default for f in found) != 1:
-        raise RuntimeError(f"exactly one drafter family must be the default, got {[f.name for f in found]}")
     return tuple(found)
 
 
@@ -52,7 +50,7 @@ def family_named(name: str) -> DrafterFamily:
 
 def default_family() -> DrafterFamily:
     """The family of a published block-format config that names none."""
-    return next(f for f in families() if f.default)
+    return family_named(DEFAULT_FAMILY)
 
 
 def family_said(config: Any) -> DrafterFamily | None:

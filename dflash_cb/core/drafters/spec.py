@@ -47,6 +47,11 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
     return [round(start + i * (end - start) / (num_draft_layers - 1)) for i in range(num_draft_layers)]
 
 
+# The family a drafter, a config of the published block format or a record (results, counts) is when it names
+# none: DFlash's, whose format came first (``registry.default_family``).
+DEFAULT_FAMILY = "dflash"
+
+
 @dataclass(frozen=True)
 class DrafterSpec:
     """What the replay and the cache checks need to know of any drafter, whatever its class. ``family`` names
@@ -61,7 +66,7 @@ class DrafterSpec:
     input_embedding_scale: float = 1.0
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
-    family: str = "dflash"
+    family: str = DEFAULT_FAMILY
     options: tuple[tuple[str, Any], ...] = ()
 
     def option(self, name: str, default: Any = None) -> Any:

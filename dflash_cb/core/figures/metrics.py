@@ -17,6 +17,7 @@ from ...cache.served import spec_accept_length
 from ...common.arguments import SERVED_BASELINE_NAME
 from ..drafters.base import FamilyFigures
 from ..drafters.registry import families, family_named
+from ..drafters.spec import DEFAULT_FAMILY
 
 # The live evaluation's default name prefix (``{prefix}tau``); every default in the package is this one.
 DEFAULT_PREFIX = "dflash_eval/"
@@ -365,7 +366,7 @@ class EvalCounts(HasFamilyFigures):
     block_size: int
     budgets: tuple[int, ...]
     categories: tuple[str, ...]
-    family: str = "dflash"
+    family: str = DEFAULT_FAMILY
     data: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -521,7 +522,7 @@ def summarize(counts: EvalCounts) -> dict[str, float]:
     return out
 
 
-def per_depth(summary: dict[str, float], block_size: int, family: str = "dflash") -> dict[str, list[float]]:
+def per_depth(summary: dict[str, float], block_size: int, family: str = DEFAULT_FAMILY) -> dict[str, list[float]]:
     """The per-depth figures as lists over depths 1 .. block_size - 1, with the drafter ``family``'s own
     (``FamilyFigures.per_depth``) where the summary has them."""
     out = {

@@ -52,7 +52,7 @@ from ..drafters.layouts import proposer_for
 from ..drafters.proposers import Proposer, RowDrafts, apply_head, predecessors
 from ..drafters.registry import family_named
 from ..drafters.runners import BlockRows, DraftRunner, as_runner
-from ..drafters.spec import DrafterSpec
+from ..drafters.spec import DEFAULT_FAMILY, DrafterSpec
 from ..figures.metrics import TAU, AnchorCounts, EvalCounts, anchor_counts_per_sample, summarize
 from ..loop.anchor_sets import DEFAULT_ANCHOR_SEED, offsets_for, strided
 from ..loop.cycles import (
@@ -740,7 +740,7 @@ SPECFORGE_LEFT_OUT = "specforge/acc is left out: this drafter's runner cannot ru
 
 
 def summed_counts(samples: Sequence[SampleResult], block_size: int, budgets: Sequence[int],
-                  categories: Sequence[str], stride: int, family: str = "dflash") -> EvalCounts:
+                  categories: Sequence[str], stride: int, family: str = DEFAULT_FAMILY) -> EvalCounts:
     """``EvalCounts`` of scored samples, summed in their order from per-sample integers, with the anchor
     statistics of ``stride``: the same whichever samples were evaluated together (or on which rank)."""
     counts = EvalCounts(block_size, tuple(budgets), tuple(categories), family)

@@ -40,6 +40,7 @@ from ...common.errors import DFlashCBError
 from ...common.fileio import atomic_write_text, output_path
 from ...common.version import __version__
 from ..drafters.registry import family_named, family_names
+from ..drafters.spec import DEFAULT_FAMILY
 from ..figures.bootstrap import (
     DEFAULT_LEVEL,
     DEFAULT_RESAMPLES,
@@ -183,7 +184,7 @@ class Results:
     @property
     def family(self) -> str:
         """The scored drafter's family (``registry.family_names``); files before version 5 scored DFlash drafters."""
-        return str(self.meta.get("drafter_family") or "dflash")
+        return str(self.meta.get("drafter_family") or DEFAULT_FAMILY)
 
     @property
     def series(self) -> dict[str, Any]:

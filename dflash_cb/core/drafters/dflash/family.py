@@ -22,7 +22,6 @@ class DFlashFamily(BlockFamily):
     name = "dflash"
     label = "DFlash"
     architecture = "DFlashDraftModel"
-    default = True
 
     def module_class(self) -> type[nn.Module]:
         from .model import DFlashDrafter
@@ -83,7 +82,6 @@ class HeadOnBackboneFamily(DFlashFamily):
     them under a ``logit_head.`` container. Each depth reads the tokens before it, so no DDTree is verified;
     SpecForge's accuracy of these families scores its own objective, not replayed."""
 
-    default = False
     supports_tree = False
     specforge_accuracy = False
     projector_type: ClassVar[str]

@@ -19,7 +19,6 @@ class DFlash2Family(DFlashFamily):
     name = "dflash2"
     label = "DFlash 2"
     architecture = ARCHITECTURE
-    default = False
     figures = FIGURES
     config_fields = DFLASH2_FIELDS
 
