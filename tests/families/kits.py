@@ -26,6 +26,15 @@ class Kit:
     train_epochs: int = 6
     tail_blocks: str = "reference"  # the reference loop's tail: shortened blocks (dflash_generate) or full ones
     prepare: Callable[[Any], None] | None = None  # after training: weights the objective leaves at their init
+    # Other settings of the family's own config fields, each replayed against the reference loop as well: name ->
+    # the dflash_config fields it changes.
+    variants: tuple[tuple[str, dict], ...] = ()
+
+    def config_of(self, variant: str, vocab: int, hidden: int, block: int) -> dict:
+        """``config`` with the named variant's fields ("" the kit's own)."""
+        cfg = self.config(vocab, hidden, block)
+        cfg["dflash_config"] = {**cfg["dflash_config"], **dict(self.variants).get(variant, {})}
+        return cfg
 
 
 def _block_config(architecture: str, sliding: bool = True, **fields: Any) -> Callable[[int, int, int], dict]:
@@ -155,7 +164,7 @@ def _domino_reference(ours: Any, cfg: dict) -> Any:
     return ref
 
 
-def _random_correction(ours: Any) -> None:
+def random_correction(ours: Any) -> None:
     """The block objective leaves the GRU and its projection at their init: weights that change drafts."""
     g = torch.Generator().manual_seed(7)
     with torch.no_grad():
@@ -163,8 +172,9 @@ def _random_correction(ours: Any) -> None:
             p.copy_(torch.randn(p.shape, generator=g) * 0.4)
 
 
-def _random_markov_head(ours: Any) -> None:
-    """The block objective leaves the Markov head at its init: weights large enough that it changes drafts."""
+def random_markov_head(ours: Any) -> None:
+    """Markov head weights large enough that they change drafts (of a drafter not trained; the kit's drafters train
+    theirs: DSpark's objective adds the head's term, ``DSparkFamily.extra_loss``)."""
     g = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for p in ours.markov_head.parameters():
@@ -178,8 +188,12 @@ KITS: dict[str, Kit] = {
                    _dflash2_reference, _dflash_generate, loss=_selector_loss, train_epochs=20),
     "dspark": Kit(_block_config("DSparkDraftModel", sliding=False, projector_type="dspark", markov_rank=8,
                                 markov_head_type="gated", confidence_head_alpha=0.5),
-                  _dspark_reference, _spec_generate, tail_blocks="served", prepare=_random_markov_head),
+                  _dspark_reference, _spec_generate, tail_blocks="served",
+                  variants=(("rnn", {"markov_head_type": "rnn"}), ("vanilla", {"markov_head_type": "vanilla"}))),
     "domino": Kit(_block_config("DominoDraftModel", sliding=False, projector_type="domino", emb_dim=16,
                                 gru_hidden_dim=8),
-                  _domino_reference, _spec_generate, tail_blocks="served", prepare=_random_correction),
+                  _domino_reference, _spec_generate, tail_blocks="served", prepare=random_correction),
 }
+
+# (family, variant) pairs the suite replays: every family's kit, then its variants.
+CASES = [(f, v) for f in sorted(KITS) for v in ("", *(name for name, _ in KITS[f].variants))]

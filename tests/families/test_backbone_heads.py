@@ -1,8 +1,8 @@
 """What only the families with a head on the DFlash backbone do (DSpark's Markov head, Domino's GRU correction),
 beside the conformance suite: the head changes the drafts (so the suite's oracle comparison tests it) and its
-"head off" walk is the head-less drafter's tau, Domino's
-uncorrected first depths, the refusals (DDTree budgets, DSpark's rnn head, Domino's shift_label), specforge/acc
-left out and said why, and early SpecForge checkpoints' ``logit_head.`` names."""
+"head off" walk is the head-less drafter's tau, Domino's uncorrected first depths, the refusals (DDTree budgets, a
+Markov head type SpecForge does not build, Domino's shift_label), specforge/acc left out and said why, and early
+SpecForge checkpoints' ``logit_head.`` names."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kits import KITS, _spec_generate
+from kits import KITS, _spec_generate, random_correction, random_markov_head
 from safetensors.torch import load_file, save_file
 
 from dflash_cb.common.cli import run
@@ -28,7 +28,7 @@ def folder(tmp_path_factory, tiny_cache) -> Path:
     cfg["dflash_config"]["target_layer_ids"] = list(m.layer_ids)
     torch.manual_seed(0)
     drafter = drafter_from_config(cfg)
-    KITS["dspark"].prepare(drafter)
+    random_markov_head(drafter)
     out = tmp_path_factory.mktemp("dspark") / "drafter"
     drafter.save_pretrained(out)
     return out
@@ -47,17 +47,22 @@ def test_the_tool_refuses_trees_and_leaves_specforge_accuracy_out_saying_why(tin
     assert "specforge/acc is left out: SpecForge's DSpark accuracy" in results["meta"]["specforge_masks"]
 
 
-def test_an_rnn_markov_head_is_refused_and_early_checkpoint_names_load(folder, tmp_path):
+def test_a_markov_head_of_another_type_names_its_keys_and_early_checkpoint_names_load(folder, tmp_path):
+    """A gated head's weights under an rnn config: the layout's missing and extra keys; a head type SpecForge does
+    not build: the types it does."""
     from dflash_cb.core.checkpoints.load import CheckpointError, load_drafter
 
     cfg = json.loads((folder / "config.json").read_text())
-    rnn = tmp_path / "rnn"
-    rnn.mkdir()
-    (rnn / "config.json").write_text(json.dumps({**cfg, "dflash_config": {**cfg["dflash_config"],
-                                                                          "markov_head_type": "rnn"}}))
-    save_file(load_file(str(folder / "model.safetensors")), str(rnn / "model.safetensors"))
-    with pytest.raises(CheckpointError, match="markov_head_type 'rnn': the replay takes vanilla, gated"):
-        load_drafter(rnn)
+    for kind, said in (("rnn", r"DSpark layout: missing \['markov_head.joint_proj.bias', 'markov_head.joint_proj"
+                               r".weight'\], unexpected \['markov_head.gate_proj.bias', 'markov_head.gate_proj.weight'\]"),
+                       ("lstm", "markov_head_type 'lstm': SpecForge 0.2.0 builds vanilla, gated, rnn")):
+        other = tmp_path / kind
+        other.mkdir()
+        (other / "config.json").write_text(json.dumps({**cfg, "dflash_config": {**cfg["dflash_config"],
+                                                                                  "markov_head_type": kind}}))
+        save_file(load_file(str(folder / "model.safetensors")), str(other / "model.safetensors"))
+        with pytest.raises(CheckpointError, match=said):
+            load_drafter(other)
     early = tmp_path / "early"  # SpecForge's first DSpark checkpoints kept the heads under logit_head.
     early.mkdir()
     (early / "config.json").write_text(json.dumps(cfg))
@@ -68,6 +73,9 @@ def test_an_rnn_markov_head_is_refused_and_early_checkpoint_names_load(folder, t
     assert all(torch.equal(v, ours.state_dict()[k]) for k, v in back.state_dict().items())
 
 
+RANDOM_HEAD = {"dspark": random_markov_head, "domino": random_correction}  # weights that change the drafts
+
+
 def _trained(family: str, cache, block: int = 6, **fields):
     from dflash_cb.core.drafters.layouts import drafter_from_config
 
@@ -76,18 +84,19 @@ def _trained(family: str, cache, block: int = 6, **fields):
     cfg["dflash_config"] = {**cfg["dflash_config"], "target_layer_ids": list(m.layer_ids), **fields}
     torch.manual_seed(0)
     drafter = drafter_from_config(cfg)
-    KITS[family].prepare(drafter)
+    RANDOM_HEAD[family](drafter)
     return drafter, cfg
 
 
-@pytest.mark.parametrize("family", ["dspark", "domino"])
-def test_the_head_changes_the_drafts(tiny_cache, family):
+@pytest.mark.parametrize(("family", "fields"), [("dspark", {}), ("dspark", {"markov_head_type": "rnn"}),
+                                                ("domino", {})])
+def test_the_head_changes_the_drafts(tiny_cache, family, fields):
     """With the head's own weights zeroed the drafts are the backbone's argmax: other cycles than with them."""
     from dflash_cb.cache.states import StateCache
     from dflash_cb.core.replay.engine import evaluate
 
     cache = StateCache(tiny_cache)
-    drafter, _ = _trained(family, cache)
+    drafter, _ = _trained(family, cache, **fields)
     with_head = evaluate(cache, drafter, budgets=(), keep_drafts=4)
     own = "markov_head" if family == "dspark" else "embed_proj"
     with torch.no_grad():

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kits import KITS, LAYERS
+from kits import CASES, KITS, LAYERS
 
 from dflash_cb.core.drafters.registry import family_named, family_names
 
@@ -55,33 +55,35 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return dict(root=root, cache=cache, target=target, stop=stop, drafters={})
 
 
-def _drafter(world: dict, family: str) -> tuple:
+def _drafter(world: dict, family: str, variant: str = "") -> tuple:
     """(our module trained briefly, its config, the family's reference module with the same weights)."""
-    if family not in world["drafters"]:
+    if (family, variant) not in world["drafters"]:
         from tiny_target import train_briefly
 
         from dflash_cb.core.drafters.layouts import drafter_from_config
 
         kit, m = KITS[family], world["cache"].manifest
-        cfg = kit.config(m.vocab_size, m.hidden_size, BLOCK)
+        cfg = kit.config_of(variant, m.vocab_size, m.hidden_size, BLOCK)
         torch.manual_seed(0)
         ours = train_briefly(drafter_from_config(cfg), world["cache"], epochs=kit.train_epochs, loss=kit.loss)
         if kit.prepare is not None:
             kit.prepare(ours)
-        world["drafters"][family] = (ours, cfg, kit.reference(ours, cfg))
-    return world["drafters"][family]
+        world["drafters"][family, variant] = (ours, cfg, kit.reference(ours, cfg))
+    return world["drafters"][family, variant]
 
 
 @pytest.mark.parametrize("block", [BLOCK, SMALL])
-@pytest.mark.parametrize("family", FAMILIES)
-def test_the_replay_equals_the_familys_own_generate_loop(world, family: str, block: int) -> None:
+@pytest.mark.parametrize(("family", "variant"), CASES)
+def test_the_replay_equals_the_familys_own_generate_loop(world, family: str, variant: str, block: int) -> None:
     """Every sample's acceptance lengths are the family's reference loop's, cycle for cycle, at the drafter's
-    block and a smaller one; some cycles accept drafts and some do not; samples stop at the stop token or at
-    max_new_tokens. The reference module itself (adopted, zero-copy) gives the same lengths."""
+    block and a smaller one, for the kit's config and each of its variants; some cycles accept drafts and some
+    do not; samples stop at the stop token or at max_new_tokens. The reference module itself (adopted,
+    zero-copy) gives the same lengths. A family's head walks (the head off) are replayed too, and the head
+    changes tau."""
     from dflash_cb.core.replay.engine import evaluate
 
     cache, target = world["cache"], world["target"]
-    ours, _, ref = _drafter(world, family)
+    ours, _, ref = _drafter(world, family, variant)
     stops = cache.manifest.stop_token_ids
     want = {e.id: KITS[family].loop(ref, target, cache.load(e.id).input_ids[: e.prompt_len][None], MAX_NEW, stops,
                                     block) for e in cache.samples}
@@ -96,18 +98,21 @@ def test_the_replay_equals_the_familys_own_generate_loop(world, family: str, blo
     assert any(ends) and not all(ends)
     adopted = evaluate(cache, ref, budgets=(), tail_blocks=tail, block_size=block)
     assert {s.id: s.acceptance_lengths for s in adopted.samples} == want
-    for walk in family_named(family).figures.walks:  # the family's own walks are replayed too
+    walks = family_named(family).figures.walks
+    for walk in walks:  # the family's own walks are replayed too
         assert 1.0 <= rep.summary[walk.key] <= block
+    if walks:  # the first: the family's own head switched off; the head, trained or set, changes tau
+        assert rep.summary[walks[0].key] != rep.summary["tau"], walks[0].key
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_a_checkpoint_round_trips_in_every_form(world, family: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("family", "variant"), CASES)
+def test_a_checkpoint_round_trips_in_every_form(world, family: str, variant: str, tmp_path: Path) -> None:
     """The published folder and a plain loop's checkpoint load into the family's class with the same weights; a
     folder missing one weight names the family's layout and the key."""
     from dflash_cb.core.checkpoints.load import CheckpointError, extract_drafter, load_drafter
 
     fam = family_named(family)
-    ours, cfg, _ = _drafter(world, family)
+    ours, cfg, _ = _drafter(world, family, variant)
     ours.save_pretrained(tmp_path / "folder")
     torch.save({"drafter": ours.state_dict(), "config": cfg}, tmp_path / "loop.pt")
     extract_drafter(tmp_path / "loop.pt", tmp_path / "extracted")

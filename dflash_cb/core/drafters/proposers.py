@@ -139,10 +139,17 @@ class Proposer:
         """The family's per-depth anchor counts besides the served match and SpecForge's."""
         return self.figures.depth_counts
 
-    def prefix_state(self, previous: torch.Tensor) -> torch.Tensor | None:
+    # Whether ``prefix_state`` reads the block's hidden rows of every depth besides the tokens.
+    prefix_reads_hidden: bool = False
+    # The block position the draft at depth k reads is k - ``position_shift``: 0, its own; 1, the one before it
+    # (a drafter trained to predict each position's next token).
+    position_shift: int = 0
+
+    def prefix_state(self, previous: torch.Tensor, hidden: torch.Tensor | None = None) -> torch.Tensor | None:
         """What the family computes once per block from the teacher-forced tokens before every depth
-        (``previous`` [N, D], negative where unknown), as [N, D, S]: the row at depth k then gets ``[:, k - 1]``
-        as its ``state``. None for a family whose drafts read only the previous token."""
+        (``previous`` [N, D], negative where unknown) and, when ``prefix_reads_hidden``, the hidden rows every
+        depth reads (``hidden`` [N, D, H]), as [N, D, S]: the row at depth k then gets ``[:, k - 1]`` as its
+        ``state``. None for a family whose drafts read only the previous token."""
         return None
 
     def rows(self, hidden: torch.Tensor, previous: torch.Tensor, target: torch.Tensor, *, tree_k: int = 0,

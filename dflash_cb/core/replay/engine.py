@@ -541,13 +541,17 @@ class _Scorer:
             short = lengths if bool((lengths < n).any()) else None
             blocks = self.runner.block_rows(wave.context, emb, anchors, sample, short)
         depth = torch.arange(1, d + 1, device=dev)[None, :]
+        read = depth - proposer.position_shift  # the block position each depth's draft reads
         pos = anchors[:, None] + depth  # positions of depths 1..D
         last = (tables.length[sample] - 1)[:, None]
         target = tables.tokens[base[:, None] + torch.minimum(pos, last)]
         target = torch.where(pos < tables.known_end[sample][:, None], target, -1)
         anchor_tokens = tables.tokens[base + anchors]
         previous = predecessors(anchor_tokens, target)  # teacher forced: the target's own tokens
-        state = proposer.prefix_state(previous)  # [N, D, S] or None: what a family reads of a block's prefix
+        every = torch.arange(len(slots), device=dev)[:, None]
+        hidden_rows = blocks.rows(every, read) if proposer.prefix_reads_hidden else None  # [N, D, H]
+        # [N, D, S] or None: what a family reads of a block's prefix
+        state = proposer.prefix_state(previous, hidden_rows)
         target_topk = None
         if tables.topk is not None:
             # The target's distribution for the token at p + k sits at position p + k - 1.
@@ -555,8 +559,7 @@ class _Scorer:
             target_topk = (tables.topk[0][at], tables.topk[1][at])
         with timer.phase(HEAD):
             if self.budgets or self.keep_drafts or bool(in_stats.all()):
-                every = torch.arange(len(slots), device=dev)[:, None]
-                flat = blocks.rows(every, depth).reshape(len(slots) * d, -1)
+                flat = (blocks.rows(every, read) if hidden_rows is None else hidden_rows).reshape(len(slots) * d, -1)
                 drafts = _DepthDrafts.of(proposer.rows(flat, previous.reshape(-1), target.reshape(-1),
                                                        tree_k=max(self.budgets, default=0),
                                                        parts=bool(self.budgets) or self.keep_drafts,
@@ -642,14 +645,14 @@ class _Scorer:
         ``_HEAD_ROWS`` rows a call: a call on a handful of rows costs as much as reading the head matrix
         once. For the statistics rows, when ``target_topk`` is given, the temperature-1 overlap too."""
         n, d = target.shape
-        proposer = self.proposer
+        proposer, shift = self.proposer, self.proposer.position_shift
         dev = target.device
         rows = in_stats.nonzero()[:, 0]
         out = None
         if rows.numel():
             sub = None if target_topk is None else tuple(
                 t.view(n, d, -1)[rows].reshape(rows.numel() * d, -1) for t in target_topk)
-            hid = blocks.rows(rows[:, None], torch.arange(1, d + 1, device=dev)[None, :])
+            hid = blocks.rows(rows[:, None], torch.arange(1, d + 1, device=dev)[None, :] - shift)
             out = proposer.rows(hid.reshape(rows.numel() * d, -1), previous[rows].reshape(-1),
                                 target[rows].reshape(-1), target_topk=sub,
                                 state=None if state is None else _flat(state[rows]))
@@ -664,7 +667,7 @@ class _Scorer:
         k = 0
         while k < d and live.numel():
             c = min(d - k, max(1, _HEAD_ROWS // live.numel()))
-            hid = blocks.rows(live[:, None], torch.arange(k + 1, k + c + 1, device=dev)[None, :])
+            hid = blocks.rows(live[:, None], torch.arange(k + 1, k + c + 1, device=dev)[None, :] - shift)
             # Row-chunked like the statistics rows: at tau ~ 1 every block is live, and a call on all of
             # them at once would hold [max_blocks, vocab] logits (1 GB at the real vocabulary).
             got = proposer.rows(hid.reshape(live.numel() * c, -1), previous[live, k:k + c].reshape(-1),

@@ -79,7 +79,7 @@ class DominoProposer(Proposer):
         super().__init__(spec, lm_head, mem_bytes, FIGURES)
         self.module, self.embed = module, embed
 
-    def prefix_state(self, previous: torch.Tensor) -> torch.Tensor:
+    def prefix_state(self, previous: torch.Tensor, hidden: torch.Tensor | None = None) -> torch.Tensor:
         gru = self.module.prefix_gru
         with torch.autocast(previous.device.type, enabled=False):
             inputs = torch.nn.functional.embedding(previous.clamp(min=0), self.embed).to(gru.weight_ih_l0.dtype)

@@ -38,9 +38,10 @@ class DSparkFamily(HeadOnBackboneFamily):
         token (the block objective alone leaves the head untrained)."""
         import torch.nn.functional as F
 
-        previous = torch.cat([anchor_tokens[:, None], target[:, :-1]], dim=1)
-        bias = drafter.markov_head.bias(previous.reshape(-1), hidden.reshape(-1, hidden.shape[-1]))
-        corrected = logits.reshape(-1, logits.shape[-1]) + bias.float()
+        from ..proposers import predecessors
+
+        bias = drafter.markov_head.block_bias(predecessors(anchor_tokens, target), hidden)
+        corrected = (logits + bias.float()).reshape(-1, logits.shape[-1])
         ce = F.cross_entropy(corrected, target.reshape(-1).clamp(min=0), reduction="none")
         weight = valid.reshape(-1).float()
         return (ce * weight).sum() / weight.sum().clamp(min=1.0)
