@@ -192,7 +192,8 @@ KITS: dict[str, Kit] = {
                   variants=(("rnn", {"markov_head_type": "rnn"}), ("vanilla", {"markov_head_type": "vanilla"}))),
     "domino": Kit(_block_config("DominoDraftModel", sliding=False, projector_type="domino", emb_dim=16,
                                 gru_hidden_dim=8),
-                  _domino_reference, _spec_generate, tail_blocks="served", prepare=random_correction),
+                  _domino_reference, _spec_generate, tail_blocks="served", prepare=random_correction,
+                  variants=(("shift_label", {"shift_label": True}),)),
 }
 
 # (family, variant) pairs the suite replays: every family's kit, then its variants.

@@ -1,8 +1,8 @@
 """What only the families with a head on the DFlash backbone do (DSpark's Markov head, Domino's GRU correction),
 beside the conformance suite: the head changes the drafts (so the suite's oracle comparison tests it) and its
-"head off" walk is the head-less drafter's tau, Domino's uncorrected first depths, the refusals (DDTree budgets, a
-Markov head type SpecForge does not build, Domino's shift_label), specforge/acc left out and said why, and early
-SpecForge checkpoints' ``logit_head.`` names."""
+"head off" walk is the head-less drafter's tau, Domino's uncorrected first depths (with shift_label too), the
+refusals (DDTree budgets, a Markov head type SpecForge does not build), specforge/acc left out and said why, and
+early SpecForge checkpoints' ``logit_head.`` names."""
 
 from __future__ import annotations
 
@@ -89,7 +89,7 @@ def _trained(family: str, cache, block: int = 6, **fields):
 
 
 @pytest.mark.parametrize(("family", "fields"), [("dspark", {}), ("dspark", {"markov_head_type": "rnn"}),
-                                                ("domino", {})])
+                                                ("domino", {}), ("domino", {"shift_label": True})])
 def test_the_head_changes_the_drafts(tiny_cache, family, fields):
     """With the head's own weights zeroed the drafts are the backbone's argmax: other cycles than with them."""
     from dflash_cb.cache.states import StateCache
@@ -109,16 +109,18 @@ def test_the_head_changes_the_drafts(tiny_cache, family, fields):
     assert with_head.summary[off.key] == without.summary["tau"] != with_head.summary["tau"]
 
 
-def test_dominos_uncorrected_first_depths_equal_specforges_loop(tiny_cache):
+@pytest.mark.parametrize("shift", [False, True])
+def test_dominos_uncorrected_first_depths_equal_specforges_loop(tiny_cache, shift):
     """``pure_draft_prefix_len`` 2: depths 1 and 2 draft the head's argmax alone, the rest corrected; cycle for
-    cycle SpecForge's own loop."""
+    cycle SpecForge's own loop, with ``shift_label`` too (where SpecForge counts the uncorrected positions from the
+    anchor's)."""
     from transformers import Qwen3ForCausalLM
 
     from dflash_cb.cache.states import StateCache
     from dflash_cb.core.replay.engine import evaluate
 
     cache = StateCache(tiny_cache)
-    drafter, cfg = _trained("domino", cache, pure_draft_prefix_len=2)
+    drafter, cfg = _trained("domino", cache, pure_draft_prefix_len=2, shift_label=shift)
     ref = KITS["domino"].reference(drafter, cfg)
     target = Qwen3ForCausalLM.from_pretrained(tiny_cache.parent / "target", dtype=torch.float32).eval()
     m = cache.manifest
@@ -126,10 +128,3 @@ def test_dominos_uncorrected_first_depths_equal_specforges_loop(tiny_cache):
                                  m.stop_token_ids, 6) for e in cache.samples}
     got = evaluate(cache, drafter, budgets=(), tail_blocks="served")
     assert {s.id: s.acceptance_lengths for s in got.samples} == want
-
-
-def test_dominos_shift_label_is_refused(tiny_cache):
-    from dflash_cb.cache.states import StateCache
-
-    with pytest.raises(ValueError, match="shift_label drafts each depth from the state before it"):
-        _trained("domino", StateCache(tiny_cache), shift_label=True)

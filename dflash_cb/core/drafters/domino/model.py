@@ -5,8 +5,10 @@ bias-free one-layer GRU over the embeddings of the block's tokens so far (``pref
 The draft at depth k is ``argmax(head(h_k) + embed_proj([h_k; g_{k-1}]))`` with ``g_{k-1}`` the GRU's output after
 the tokens before depth k (the verified token, then the drafts), from depth ``1 + pure_draft_prefix_len`` on (the
 head's alone before it). It depends only on the backbone's state at k and the tokens chosen before k, so the
-teacher-forced drafts' leading matches are the loop's accepted length (docs/method.md). ``shift_label`` drafts
-depth k from the state at k - 1 and is refused.
+teacher-forced drafts' leading matches are the loop's accepted length (docs/method.md). With ``shift_label`` each
+block position predicts the token after it (SpecForge trains position j on the token j + 1 places after the anchor):
+the draft at depth k reads the backbone's state at k - 1 (the anchor's at depth 1), and the head's logits there, with
+the same GRU summary of the tokens before k, corrected from depth ``1 + pure_draft_prefix_len`` on as without it.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class DominoSettings:
     emb_dim: int
     gru_hidden_dim: int
     pure_draft_prefix_len: int
+    shift_label: bool = False
 
     @classmethod
     def of(cls, config: Any) -> DominoSettings:
@@ -42,10 +45,8 @@ class DominoSettings:
         prefix = config_value(config, "pure_draft_prefix_len", 0) or 0
         if isinstance(prefix, bool) or not isinstance(prefix, int) or prefix < 0:
             raise ValueError(f"Domino drafter config: pure_draft_prefix_len is {prefix!r}; give a count >= 0")
-        if config_value(config, "shift_label", False):
-            raise ValueError("Domino drafter config: shift_label drafts each depth from the state before it; the "
-                             "replay takes shift_label false")
-        return cls(values["emb_dim"], values["gru_hidden_dim"], int(prefix))
+        shift = bool(config_value(config, "shift_label", False))  # read as SpecForge reads it
+        return cls(values["emb_dim"], values["gru_hidden_dim"], int(prefix), shift)
 
 
 class DominoDrafter(DFlashDrafter):
@@ -69,8 +70,8 @@ class DominoDrafter(DFlashDrafter):
 
 class DominoProposer(Proposer):
     """The GRU over each block's teacher-forced predecessors once (``prefix_state``), then per row the head's
-    logits plus the correction of its state and its predecessors' summary. No DDTree (each depth depends on the
-    tokens before it)."""
+    logits plus the correction of its state and its predecessors' summary; with ``shift_label`` a depth's row is
+    the block position before it (``position_shift``). No DDTree (each depth depends on the tokens before it)."""
 
     def __init__(self, spec: DrafterSpec, lm_head: torch.Tensor, mem_bytes: int, module: DominoDrafter,
                  embed: torch.Tensor):
@@ -78,6 +79,7 @@ class DominoProposer(Proposer):
 
         super().__init__(spec, lm_head, mem_bytes, FIGURES)
         self.module, self.embed = module, embed
+        self.position_shift = int(module.settings.shift_label)
 
     def prefix_state(self, previous: torch.Tensor, hidden: torch.Tensor | None = None) -> torch.Tensor:
         gru = self.module.prefix_gru
