@@ -128,3 +128,92 @@ def test_dominos_uncorrected_first_depths_equal_specforges_loop(tiny_cache, shif
                                  m.stop_token_ids, 6) for e in cache.samples}
     got = evaluate(cache, drafter, budgets=(), tail_blocks="served")
     assert {s.id: s.acceptance_lengths for s in got.samples} == want
+
+
+def test_the_confidence_heads_calibration_is_the_hand_computed_one(tiny_cache, tmp_path):
+    """A DSpark drafter whose Markov head drafts ``s(t)`` after every token t (a bias of 1000 on it: ``s(t)`` the
+    token that most often follows t in the cache) and whose confidence head reads only the previous token's Markov
+    code (``confidence_head_with_markov``, zero weights on the state), set to predict ``p(t) = (37 t mod 100 +
+    0.5) / 100``: its calibration figures in results.json (pooled, per depth, per bin), computed by hand from the
+    cached tokens alone; the report prints the reliability table and the panels chart it."""
+    import math
+    from collections import Counter
+
+    from plain_replay import anchors, loop_bounds
+
+    from dflash_cb.cache.states import StateCache
+    from dflash_cb.core.drafters.dspark import figures as f
+    from dflash_cb.core.drafters.layouts import drafter_from_config
+    from dflash_cb.core.figures.metrics import depth_acc
+    from dflash_cb.core.replay.engine import evaluate
+    from dflash_cb.core.results.report import format_results
+    from dflash_cb.core.results.results_file import load_results, report_to_results, write_results
+    from dflash_cb.integrations.tracking.panels import PanelLayout, panel_plan
+
+    cache = StateCache(tiny_cache)
+    m, block = cache.manifest, 6
+    v, h = m.vocab_size, m.hidden_size
+    cfg = KITS["dspark"].config(v, h, block)
+    cfg["dflash_config"] = {**cfg["dflash_config"], "target_layer_ids": list(m.layer_ids), "markov_rank": v,
+                            "markov_head_type": "vanilla", "confidence_head_with_markov": True}
+    torch.manual_seed(0)
+    drafter = drafter_from_config(cfg)
+    seqs = [(e, cache.load(e.id).input_ids.tolist()) for e in cache.samples]
+    follows: dict[int, Counter] = {}
+    for _, toks in seqs:
+        for a, b in zip(toks, toks[1:], strict=False):
+            follows.setdefault(a, Counter())[b] += 1
+    succ = {t: min(c, key=lambda x: (-c[x], x)) for t, c in follows.items()}
+    p = [((37 * t) % 100 + 0.5) / 100 for t in range(v)]
+    with torch.no_grad():
+        drafter.markov_head.markov_w1.weight.copy_(torch.eye(v) * 1000)
+        w2 = torch.zeros(v, v)
+        for t, s in succ.items():
+            w2[s, t] = 1.0
+        drafter.markov_head.markov_w2.weight.copy_(w2)
+        proj = drafter.confidence_head.proj
+        proj.weight.zero_()
+        proj.weight[0, h:] = torch.tensor([math.log(q / (1 - q)) / 1000 for q in p])
+        proj.bias.zero_()
+
+    # By hand: every statistics row (anchor, depth) whose target token is known.
+    milli_by_depth, rows_by_depth, hits_by_depth = [0] * (block - 1), [0] * (block - 1), [0] * (block - 1)
+    bins, bin_hits = [0] * f.BINS, [0] * f.BINS
+    for e, toks in seqs:
+        loop_end, known_end = loop_bounds(e.prompt_len, len(toks), e.valid_len, toks, m.max_new_tokens,
+                                          set(m.stop_token_ids))
+        for a in anchors(e.prompt_len, loop_end, known_end):
+            for k in range(1, block):
+                if a + k >= known_end:
+                    break
+                prev, tgt = toks[a + k - 1], toks[a + k]
+                milli = round(p[prev] * 1000)
+                b = min(milli // 100, f.BINS - 1)
+                hit = succ.get(prev) == tgt
+                milli_by_depth[k - 1] += milli
+                rows_by_depth[k - 1] += 1
+                hits_by_depth[k - 1] += hit
+                bins[b] += 1
+                bin_hits[b] += hit
+    n = sum(rows_by_depth)
+    assert 0 < sum(hits_by_depth) < n and sum(1 for c in bins if c) >= 3  # matches and misses, several bins
+
+    write_results(report_to_results(evaluate(cache, drafter, budgets=()), cache), tmp_path / "r.json")
+    res = load_results(tmp_path / "r.json", cache)
+    for k in range(1, block):  # the drafts are s(previous token), as built
+        assert res.metric(depth_acc(k)) == pytest.approx(hits_by_depth[k - 1] / rows_by_depth[k - 1])
+        assert res.metric(f.confidence_predicted(k)) == pytest.approx(milli_by_depth[k - 1] / 1000 / rows_by_depth[k - 1])
+    assert res.metric(f.CONFIDENCE_PREDICTED) == pytest.approx(sum(milli_by_depth) / 1000 / n)
+    assert res.metric(f.CONFIDENCE_REALIZED) == pytest.approx(sum(hits_by_depth) / n)
+    for b in range(f.BINS):
+        assert res.metric(f.bin_share(b)) == pytest.approx(bins[b] / n)
+        assert res.metric(f.bin_realized(b)) == (pytest.approx(bin_hits[b] / bins[b]) if bins[b] else None)
+    assert res.per_depth["confidence_predicted"] == pytest.approx([m_ / 1000 / r for m_, r in
+                                                                   zip(milli_by_depth, rows_by_depth, strict=True)])
+    text = format_results(res)
+    assert "DSpark confidence head reliability" in text
+    b = max(range(f.BINS), key=lambda i: bins[i])
+    assert f"{b / 10:.1f}-{(b + 1) / 10:.1f}      {bins[b] / n:.3f}" in text
+    keys = {k for spec in panel_plan(PanelLayout(block_size=block, family="dspark"))["Drafter family"]
+            for k in spec.keys}
+    assert {"dflash_eval/" + k for k in (f.bin_realized(0), f.bin_share(9), f.confidence_predicted(5))} <= keys

@@ -57,6 +57,19 @@ class DepthFigure:
     name: str
     label: str
     key: Callable[[int], str]
+    short: str = ""  # its row's words in the report's per-depth table (12 characters at most)
+
+
+@dataclass(frozen=True)
+class FigureTable:
+    """A table of pooled figures a family adds (metric keys from ``ratios``): the report prints it, rows by
+    columns with their intervals, and the panels chart each column over its rows."""
+
+    title: str
+    row_header: str
+    rows: tuple[str, ...]  # the rows' words
+    columns: tuple[str, ...]  # the columns' words
+    key: Callable[[int, int], str]  # (row index, column index) -> metric key
 
 
 @dataclass(frozen=True)
@@ -67,15 +80,17 @@ class FamilyFigures:
     answers a hit per walk and depth, in this order); ``depth_counts``: per-depth anchor counts besides the
     served and SpecForge matches (the proposer answers them in this order); ``ratios``: the pooled and
     per-depth figures those counts give, as (numerator, denominator) from ``depth_total``, ``depth_match`` and
-    the family's columns; ``pooled`` / ``per_depth``: which of them tables and charts show; ``section``: the
-    heading of the family's figures; ``note`` (under ``note_key``): what ``results.json`` says of them;
-    ``specforge_scores``: what ``specforge/acc`` scores when it is not the served drafts."""
+    the family's columns; ``pooled`` / ``per_depth``: which of them tables and charts show; ``tables``: tables of
+    them the report prints; ``section``: the heading of the family's figures; ``note`` (under ``note_key``):
+    what ``results.json`` says of them; ``specforge_scores``: what ``specforge/acc`` scores when it is not the
+    served drafts."""
 
     walks: tuple[Figure, ...] = ()
     depth_counts: tuple[str, ...] = ()
     ratios: Ratios | None = None
     pooled: tuple[Figure, ...] = ()
     per_depth: tuple[DepthFigure, ...] = ()
+    tables: tuple[FigureTable, ...] = ()
     section: str = ""
     note_key: str = ""
     note: str = ""

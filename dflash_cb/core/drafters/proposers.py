@@ -108,7 +108,9 @@ class RowDrafts:
 
     tokens: torch.Tensor  # [M] the draft at the row's depth given its predecessor
     hits: torch.Tensor  # [M, W] bool: the family's extra walks (``Proposer.walks``) accept the row's depth
-    counts: torch.Tensor  # [M, C] bool: the family's extra per-depth statistics (``Proposer.depth_counts``)
+    # [M, C] the family's extra per-depth statistics (``Proposer.depth_counts``): booleans, or non-negative integers
+    # below 2**15 (a count per row, summed per depth)
+    counts: torch.Tensor
     specforge: torch.Tensor | None  # [M] the tokens SpecForge's accuracy scores; None: ``tokens``
     overlap: torch.Tensor | None  # [M] temperature-1 overlap with the target's stored top-K (when given)
     parts: Any = None  # row-aligned inputs of ``tree`` and ``block`` (when asked)

@@ -325,7 +325,8 @@ def anchor_counts_per_sample(sample: torch.Tensor, n_samples: int, accepted: tor
     SpecForge's figure could not be computed (zero weights); t1 [A] float64: expected accepted length at
     temperature 1, counted for the samples whose ``t1_scored`` is True. Integer sums per sample (the same
     whatever else the rows hold), and ``t1_sum`` a sum of ``quantize_t1`` values: exact in any order. ``extra``: the
-    drafter family's per-depth booleans [A, D] by name (``FamilyFigures.depth_counts``), counted where valid.
+    drafter family's per-depth counts [A, D] by name (``FamilyFigures.depth_counts``: booleans or small
+    non-negative integers), summed where valid.
     """
     d = valid.shape[1]
     depth = torch.arange(1, d + 1)[None, :]
@@ -342,7 +343,7 @@ def anchor_counts_per_sample(sample: torch.Tensor, n_samples: int, accepted: tor
     cond_num = per_sample(accepted[:, None] >= depth)
     cond_den = per_sample((accepted[:, None] >= depth - 1) & valid)  # depths 1..k-1 all matched
     sf_hit = per_sample(specforge_match.bool() & valid)
-    family = {name: per_sample(x.bool() & valid) for name, x in (extra or {}).items()}
+    family = {name: per_sample(x.long() * valid) for name, x in (extra or {}).items()}
     t1_sums = torch.zeros(n_samples, dtype=torch.float64).index_add_(0, sample, quantize_t1(t1 + 1)).tolist()
     zeros = (0,) * d
     return [AnchorCounts(

@@ -328,7 +328,7 @@ class StatColumns:
     """The columns of the engine's per-anchor statistics table (int16, one row per statistics anchor), named
     once: the scalars ``accepted`` (leading matches) and ``produced``, then per depth ``valid`` (the depth
     exists and its target token is known), ``match`` and ``specforge_match`` (booleans), then the drafter
-    family's own per-depth booleans ``extra`` (``Proposer.depth_counts``)."""
+    family's own per-depth counts ``extra`` (``Proposer.depth_counts``: booleans or small integers)."""
 
     SCALARS = ("accepted", "produced")
     PER_DEPTH = ("valid", "match", "specforge_match")
@@ -471,7 +471,7 @@ class _DepthDrafts:
 
     tokens: torch.Tensor  # [N, D]
     hits: torch.Tensor  # [N, D, W] bool
-    counts: torch.Tensor  # [N, D, C] bool
+    counts: torch.Tensor  # [N, D, C] small non-negative integers (booleans mostly)
     specforge: torch.Tensor | None  # [N, D], None: ``tokens``
     overlap: torch.Tensor | None  # [N, D]
     parts: Any = None
@@ -489,14 +489,14 @@ class _DepthDrafts:
         def table(*shape: int, fill: Any) -> torch.Tensor:
             return torch.full(shape, fill, dtype=torch.bool if isinstance(fill, bool) else torch.long, device=device)
 
-        return cls(table(n, d, fill=-2), table(n, d, walks, fill=False), table(n, d, counts, fill=False),
+        return cls(table(n, d, fill=-2), table(n, d, walks, fill=False), table(n, d, counts, fill=0),
                    table(n, d, fill=-2) if specforge else None, None)
 
     def put(self, rows: torch.Tensor, out: RowDrafts) -> None:
         """Every depth of blocks ``rows`` from their ``RowDrafts`` (the overlap is set by the caller)."""
         n, d = rows.numel(), self.tokens.shape[1]
         got = _DepthDrafts.of(out, n, d)
-        self.tokens[rows], self.hits[rows], self.counts[rows] = got.tokens, got.hits, got.counts
+        self.tokens[rows], self.hits[rows], self.counts[rows] = got.tokens, got.hits, got.counts.long()
         if self.specforge is not None and got.specforge is not None:
             self.specforge[rows] = got.specforge
 
@@ -612,7 +612,7 @@ class _Scorer:
                 sf_match = sf_match.clone()
                 sf_match[again] = self._specforge_argmax(wave, sample, anchors, emb, again) == target[again]
         rows = in_stats.nonzero()[:, 0]
-        extra = {name: (drafts.counts[..., j] & valid)[rows] for j, name in enumerate(self.proposer.depth_counts)}
+        extra = {name: (drafts.counts[..., j].long() * valid)[rows] for j, name in enumerate(self.proposer.depth_counts)}
         table = wave.columns.pack(accepted=accepted[rows], produced=produced[rows], valid=valid[rows],
                                   match=(match & valid)[rows], specforge_match=(sf_match & valid)[rows], **extra)
         t1 = None

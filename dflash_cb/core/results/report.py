@@ -89,6 +89,14 @@ def format_results(res: Results) -> str:
     if shown:  # the drafter family's own figures (DFlash 2: where tau is lost)
         lines.append(f"  {family.label} {figures.section}")
         lines += [f"    {f.label:<48} {metric_with_interval(res, f.key)}" for f in shown]
+    for table in figures.tables:  # the family's own tables of pooled figures
+        cells = [[res.metric(table.key(i, j)) for j in range(len(table.columns))] for i in range(len(table.rows))]
+        if any(v is not None for row in cells for v in row):
+            lines.append(f"  {family.label} {table.title}")
+            lines.append(f"    {table.row_header:<12} " + "".join(f"{c:<30}" for c in table.columns).rstrip())
+            lines += [f"    {r:<12} " + "".join(f"{metric_with_interval(res, table.key(i, j)):<30}"
+                                           for j in range(len(table.columns))).rstrip()
+                      for i, r in enumerate(table.rows) if any(v is not None for v in cells[i])]
     lines.append("  [..] = 95% interval over the choice of prompts (cluster bootstrap)")
     pd = res.per_depth
     if pd.get("unconditional"):
@@ -96,9 +104,9 @@ def format_results(res: Results) -> str:
         lines.append("  depth        " + " ".join(f"{k:>5d}" for k in range(1, len(pd["unconditional"]) + 1)))
         lines.append("  accept       " + " ".join(f"{_f(v, 2):>5}" for v in pd["unconditional"]))
         lines.append("  accept|prev  " + " ".join(f"{_f(v, 2):>5}" for v in pd["conditional"]))
-        for name, label in (("selector_recall", "top-K recall"), ("selector_acc", "pick|recall ")):
-            if pd.get(name):
-                lines.append(f"  {label} " + " ".join(f"{_f(v, 2):>5}" for v in pd[name]))
+        for d in figures.per_depth:  # the drafter family's own
+            if pd.get(d.name):
+                lines.append(f"  {d.short or d.name:<12.12} " + " ".join(f"{_f(v, 2):>5}" for v in pd[d.name]))
     if res.categories:
         lines.append("")
         for c in res.categories:

@@ -249,7 +249,7 @@ def layout_from_keys(keys: Iterable[str], prefix: str = DEFAULT_PREFIX,
 
 def family_panels(family: str, depths: range, line: Any) -> list[Any]:
     """The *Drafter family* section of ``family``'s own figures (``FamilyFigures``): its walks' taus beside tau,
-    with their intervals; its pooled figures; each per-depth figure."""
+    with their intervals; its pooled figures; each per-depth figure; each column of its tables over the rows."""
     fam = family_named(family)
     figures, say = fam.figures, fam.label
     walks = [w.key for w in figures.walks]
@@ -261,6 +261,8 @@ def family_panels(family: str, depths: range, line: Any) -> list[Any]:
     if figures.pooled:
         out.append(line(f"{say}: " + ", ".join(p.label for p in figures.pooled), [p.key for p in figures.pooled]))
     out += [line(f"{say}: {d.label}", [d.key(k) for k in depths]) for d in figures.per_depth]
+    out += [line(f"{say}: {t.title}: {column} by {t.row_header}", [t.key(i, j) for i in range(len(t.rows))])
+            for t in figures.tables for j, column in enumerate(t.columns)]
     return out
 
 

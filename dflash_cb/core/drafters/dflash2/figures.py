@@ -50,8 +50,9 @@ FIGURES = FamilyFigures(
     ratios=selector_ratios,
     pooled=(Figure(SELECTOR_RECALL, "target among the unary top-K (pooled)"),
             Figure(SELECTOR_ACC, "selector's pick given recall (pooled)")),
-    per_depth=(DepthFigure("selector_recall", "unary top-K recall per depth", selector_recall),
-               DepthFigure("selector_acc", "the selector's pick given recall, per depth", selector_acc)),
+    per_depth=(DepthFigure("selector_recall", "unary top-K recall per depth", selector_recall, "top-K recall"),
+               DepthFigure("selector_acc", "the selector's pick given recall, per depth", selector_acc,
+                           "pick|recall")),
     section="selector (docs/metrics.md): the served drafts are the selector's walk",
     note_key="selector",
     note=("DFlash 2: tau, the DDTree taus and acceptance/depth_KK score the selector's drafts (teacher "

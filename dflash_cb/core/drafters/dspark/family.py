@@ -53,7 +53,9 @@ class DSparkFamily(HeadOnBackboneFamily):
         head = getattr(module, "markov_head", None)
         if head is None:
             raise ValueError("a DSpark drafter is scored through its module (its markov_head weights)")
-        return MarkovProposer(spec, lm_head, mem_bytes, head)
+        settings = getattr(module, "settings", None)
+        return MarkovProposer(spec, lm_head, mem_bytes, head, getattr(module, "confidence_head", None),
+                              bool(getattr(settings, "confidence_with_markov", False)))
 
 
 FAMILY = DSparkFamily()

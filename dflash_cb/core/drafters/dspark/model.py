@@ -9,7 +9,8 @@ the same projection). Every depth's draft depends only on the backbone's states 
 k, so the teacher-forced drafts' leading matches are the loop's accepted length (docs/method.md): the rnn head's
 state is scanned over the block's teacher-forced tokens once per block (``MarkovProposer.prefix_state``). The
 confidence head predicts each depth's acceptance for confidence-scheduled verification; it plays no part in the
-full-block greedy loop replayed here.
+full-block greedy loop replayed here; its calibration is measured (``figures``: its sigmoid at each depth's row, the
+previous token's Markov code appended when ``confidence_head_with_markov``, as SpecForge's ``predict_confidence``).
 """
 
 from __future__ import annotations
@@ -108,9 +109,22 @@ class MarkovHead(nn.Module):
 
 
 class ConfidenceHead(nn.Module):
+    """``proj`` [H (+ r) -> 1]: the predicted acceptance's logit (SpecForge's ``AcceptRatePredictor``)."""
+
     def __init__(self, width: int):
         super().__init__()
         self.proj = nn.Linear(width, 1)
+
+
+def predicted_acceptance(confidence: nn.Module, markov: MarkovHead | None, previous: torch.Tensor,
+                         hidden: torch.Tensor) -> torch.Tensor:
+    """The confidence head's predicted acceptance [M] (float32) of rows with states ``hidden`` [M, H] and previous
+    tokens ``previous`` [M], whose Markov code is appended when ``markov`` is given (``confidence_head_with_markov``)."""
+    w = confidence.proj.weight
+    features = hidden.to(w.dtype)
+    if markov is not None:
+        features = torch.cat([features, markov.markov_w1(previous.clamp(min=0)).to(w.dtype)], dim=-1)
+    return torch.sigmoid(confidence.proj(features).squeeze(-1).float())
 
 
 class DSparkDrafter(DFlashDrafter):
@@ -137,11 +151,12 @@ class MarkovProposer(Proposer):
     the teacher-forced tokens and the backbone's states (``prefix_state``). No DDTree: a tree of the head's top-K
     per depth is not the tree of a drafter whose every depth depends on its parent token."""
 
-    def __init__(self, spec: DrafterSpec, lm_head: torch.Tensor, mem_bytes: int, head: MarkovHead):
+    def __init__(self, spec: DrafterSpec, lm_head: torch.Tensor, mem_bytes: int, head: MarkovHead,
+                 confidence: nn.Module | None = None, confidence_with_markov: bool = False):
         from .figures import FIGURES
 
         super().__init__(spec, lm_head, mem_bytes, FIGURES)
-        self.head = head
+        self.head, self.confidence, self.confidence_with_markov = head, confidence, confidence_with_markov
         self.prefix_reads_hidden = head.recurrent
 
     def prefix_state(self, previous: torch.Tensor, hidden: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -161,4 +176,22 @@ class MarkovProposer(Proposer):
             plain[rows] = logits.argmax(-1)
             tokens[rows] = (logits + bias.float()).argmax(-1)
         hits = (plain == target)[:, None]
-        return RowDrafts(tokens, hits, hits[:, :0], None, None, None)
+        return RowDrafts(tokens, hits, self._calibration(hidden, previous, tokens == target), None, None, None)
+
+    def _calibration(self, hidden: torch.Tensor, previous: torch.Tensor, match: torch.Tensor) -> torch.Tensor:
+        """The rows' confidence counts [M, 1 + 2 * BINS] (``figures.FIGURES.depth_counts``): the prediction in
+        thousandths, its bin, its bin where the draft matched; zeros without a confidence head."""
+        from .figures import BINS, MILLI
+
+        counts = torch.zeros((hidden.shape[0], 1 + 2 * BINS), dtype=torch.long, device=hidden.device)
+        if self.confidence is None:
+            return counts
+        with torch.autocast(hidden.device.type, enabled=False):
+            p = predicted_acceptance(self.confidence, self.head if self.confidence_with_markov else None, previous,
+                                     hidden)
+        milli = torch.round(p.double() * MILLI).long()
+        in_bin = torch.nn.functional.one_hot((milli * BINS // MILLI).clamp(max=BINS - 1), BINS)
+        counts[:, 0] = milli
+        counts[:, 1:1 + BINS] = in_bin
+        counts[:, 1 + BINS:] = in_bin * match[:, None]
+        return counts
