@@ -1,6 +1,7 @@
 """What the conformance suite needs of each drafter family, registered here by name: a small config, the
 family's own reference module with our module's weights, and its own reference generate loop (an oracle not
-written by us). A family the registry finds (``dflash_cb.core.drafters.registry``) without a kit here fails the
+written by us), and the variants replayed besides its config (``Variant``: other head types and settings, a block
+of 16, a sliding window shorter than the contexts). A family the registry finds (``dflash_cb.core.drafters.registry``) without a kit here fails the
 suite's first test: registering a family means adding its kit, not copying a test file.
 """
 
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import oracles
@@ -18,31 +19,48 @@ LAYERS = [1, 3]  # outputs of decoder layers 1 and 3 of the 4-layer tiny target
 
 
 @dataclass(frozen=True)
+class Variant:
+    """Another setting of a family's drafter, replayed against a reference loop as well."""
+
+    name: str
+    fields: dict = field(default_factory=dict)  # the dflash_config fields it changes
+    block: int | None = None  # the drafter's block size, when not the suite's
+    sliding: bool | None = None  # a sliding-window layer, when not the kit's choice
+    loop: Callable[..., list[int]] | None = None  # its reference loop, when not the kit's
+
+
+@dataclass(frozen=True)
 class Kit:
-    config: Callable[[int, int, int], dict]  # (vocab, hidden, block) -> config.json
+    config: Callable[..., dict]  # (vocab, hidden, block, sliding window: None = the kit's choice) -> config.json
     reference: Callable[[Any, dict], Any]  # (our trained module, its config) -> the reference module, same weights
     loop: Callable[..., list[int]]  # (reference, target, prompt [1, P], max_new, stops, block) -> lengths
     loss: Any = None  # tiny_target.train_briefly's extra loss term
     train_epochs: int = 6
     tail_blocks: str = "reference"  # the reference loop's tail: shortened blocks (dflash_generate) or full ones
     prepare: Callable[[Any], None] | None = None  # after training: weights the objective leaves at their init
-    # Other settings of the family's own config fields, each replayed against the reference loop as well: name ->
-    # the dflash_config fields it changes.
-    variants: tuple[tuple[str, dict], ...] = ()
+    variants: tuple[Variant, ...] = ()  # other settings, each replayed too
 
-    def config_of(self, variant: str, vocab: int, hidden: int, block: int) -> dict:
-        """``config`` with the named variant's fields ("" the kit's own)."""
-        cfg = self.config(vocab, hidden, block)
-        cfg["dflash_config"] = {**cfg["dflash_config"], **dict(self.variants).get(variant, {})}
+    def variant(self, name: str) -> Variant:
+        """The named variant ("": the kit's own config)."""
+        return next((v for v in self.variants if v.name == name), Variant(""))
+
+    def config_of(self, name: str, vocab: int, hidden: int, block: int) -> dict:
+        """``config`` of the named variant, ``block`` unless the variant sets its own."""
+        v = self.variant(name)
+        cfg = self.config(vocab, hidden, v.block or block, v.sliding)
+        cfg["dflash_config"] = {**cfg["dflash_config"], **v.fields}
         return cfg
 
+    def loop_of(self, name: str) -> Callable[..., list[int]]:
+        return self.variant(name).loop or self.loop
 
-def _block_config(architecture: str, sliding: bool = True, **fields: Any) -> Callable[[int, int, int], dict]:
-    def config(vocab: int, hidden: int, block: int) -> dict:
+
+def _block_config(architecture: str, sliding: bool = True, **fields: Any) -> Callable[..., dict]:
+    def config(vocab: int, hidden: int, block: int, window: bool | None = None) -> dict:
         # The second layer causal with a window shorter than the contexts (docs/method.md), where the family's
         # reference loop runs the served masks.
         layers = dict(layer_types=["full_attention", "sliding_attention"], sliding_window=9,
-                      use_sliding_window=True) if sliding else {}
+                      use_sliding_window=True) if (sliding if window is None else window) else {}
         return dict(
             architectures=[architecture], model_type="qwen3", vocab_size=vocab, hidden_size=hidden,
             intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -155,6 +173,25 @@ def _spec_generate(ref: Any, target: Any, prompt: torch.Tensor, max_new: int, st
     return lengths
 
 
+def _spec_generate_on_dflash_backbone(ref: Any, target: Any, prompt: torch.Tensor, max_new: int, stops: list[int],
+                                      block: int) -> list[int]:
+    """SpecForge's own ``spec_generate`` and heads (``_sample_draft_tokens``) over the DFlash authors' backbone:
+    dflash 0.1.0's ``DFlashDraftModel`` with the reference's backbone weights, which runs a ``sliding_attention``
+    layer causal within its window (as SpecForge trains it: ``create_dflash_sdpa_mask``). SpecForge 0.2.0's own
+    forward passes no mask in its loop and leaves the window to the attention kernel, which sdpa and eager ignore:
+    its loop alone is no oracle for a windowed drafter off flash-attention."""
+    from transformers import Qwen3Config
+
+    heads = ("markov_head.", "confidence_head.", "prefix_gru.", "embed_proj.")
+    backbone = oracles.require("dflash.model").DFlashDraftModel(Qwen3Config(**ref.config.to_dict())).eval()
+    backbone.load_state_dict({k: v for k, v in ref.state_dict().items() if not k.startswith(heads)}, strict=True)
+    ref.forward = backbone.forward
+    try:
+        return _spec_generate(ref, target, prompt, max_new, stops, block)
+    finally:
+        del ref.forward
+
+
 def _domino_reference(ours: Any, cfg: dict) -> Any:
     """SpecForge 0.2.0's own ``DominoDraftModel`` (built from its config) with our module's weights."""
     from transformers import Qwen3Config
@@ -189,12 +226,15 @@ KITS: dict[str, Kit] = {
     "dspark": Kit(_block_config("DSparkDraftModel", sliding=False, projector_type="dspark", markov_rank=8,
                                 markov_head_type="gated", confidence_head_alpha=0.5),
                   _dspark_reference, _spec_generate, tail_blocks="served",
-                  variants=(("rnn", {"markov_head_type": "rnn"}), ("vanilla", {"markov_head_type": "vanilla"}))),
+                  variants=(Variant("rnn", {"markov_head_type": "rnn"}), Variant("vanilla", {"markov_head_type": "vanilla"}),
+                            Variant("block16", block=16),
+                            Variant("window", sliding=True, loop=_spec_generate_on_dflash_backbone))),
     "domino": Kit(_block_config("DominoDraftModel", sliding=False, projector_type="domino", emb_dim=16,
                                 gru_hidden_dim=8),
                   _domino_reference, _spec_generate, tail_blocks="served", prepare=random_correction,
-                  variants=(("shift_label", {"shift_label": True}),)),
+                  variants=(Variant("shift_label", {"shift_label": True}), Variant("block16", block=16),
+                            Variant("window", sliding=True, loop=_spec_generate_on_dflash_backbone))),
 }
 
 # (family, variant) pairs the suite replays: every family's kit, then its variants.
-CASES = [(f, v) for f in sorted(KITS) for v in ("", *(name for name, _ in KITS[f].variants))]
+CASES = [(f, v) for f in sorted(KITS) for v in ("", *(v.name for v in KITS[f].variants))]

@@ -72,9 +72,9 @@ def _drafter(world: dict, family: str, variant: str = "") -> tuple:
     return world["drafters"][family, variant]
 
 
-@pytest.mark.parametrize("block", [BLOCK, SMALL])
+@pytest.mark.parametrize("smaller", [False, True])
 @pytest.mark.parametrize(("family", "variant"), CASES)
-def test_the_replay_equals_the_familys_own_generate_loop(world, family: str, variant: str, block: int) -> None:
+def test_the_replay_equals_the_familys_own_generate_loop(world, family: str, variant: str, smaller: bool) -> None:
     """Every sample's acceptance lengths are the family's reference loop's, cycle for cycle, at the drafter's
     block and a smaller one, for the kit's config and each of its variants; some cycles accept drafts and some
     do not; samples stop at the stop token or at max_new_tokens. The reference module itself (adopted,
@@ -84,9 +84,11 @@ def test_the_replay_equals_the_familys_own_generate_loop(world, family: str, var
 
     cache, target = world["cache"], world["target"]
     ours, _, ref = _drafter(world, family, variant)
+    block = SMALL if smaller else ours.spec.block_size
     stops = cache.manifest.stop_token_ids
-    want = {e.id: KITS[family].loop(ref, target, cache.load(e.id).input_ids[: e.prompt_len][None], MAX_NEW, stops,
-                                    block) for e in cache.samples}
+    loop = KITS[family].loop_of(variant)
+    want = {e.id: loop(ref, target, cache.load(e.id).input_ids[: e.prompt_len][None], MAX_NEW, stops, block)
+            for e in cache.samples}
     tail = KITS[family].tail_blocks
     budgets = (4,) if family_named(family).supports_tree else ()
     rep = evaluate(cache, ours, budgets=budgets, tail_blocks=tail, block_size=block)
