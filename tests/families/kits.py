@@ -1,8 +1,9 @@
 """What the conformance suite needs of each drafter family, registered here by name: a small config, the
-family's own reference module with our module's weights, and its own reference generate loop (an oracle not
-written by us), and the variants replayed besides its config (``Variant``: other head types and settings, a block
-of 16, a sliding window shorter than the contexts). A family the registry finds (``dflash_cb.core.drafters.registry``) without a kit here fails the
-suite's first test: registering a family means adding its kit, not copying a test file.
+family's own reference module with our module's weights, its own reference generate loop (an oracle not written by
+us), and the variants replayed besides its config (``Variant``: other head types and settings, a block of 16, a
+sliding window shorter than the contexts). A family the registry finds (``dflash_cb.core.drafters.registry``)
+without a kit here fails the suite's first test: registering a family means adding its kit, not copying a test
+file.
 """
 
 from __future__ import annotations
