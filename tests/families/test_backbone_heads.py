@@ -76,7 +76,11 @@ def test_a_markov_head_of_another_type_names_its_keys_and_early_checkpoint_names
 RANDOM_HEAD = {"dspark": random_markov_head, "domino": random_correction}  # weights that change the drafts
 
 
-def _trained(family: str, cache, block: int = 6, **fields):
+def _trained(family: str, cache, block: int = 6, train: bool = False, **fields):
+    """A drafter of ``family`` with the kit's config and ``fields``: its head set to weights that change drafts, or
+    with ``train`` trained briefly first, as the kits' drafters are (then the kit's own preparation)."""
+    from tiny_target import train_briefly
+
     from dflash_cb.core.drafters.layouts import drafter_from_config
 
     m = cache.manifest
@@ -84,7 +88,11 @@ def _trained(family: str, cache, block: int = 6, **fields):
     cfg["dflash_config"] = {**cfg["dflash_config"], "target_layer_ids": list(m.layer_ids), **fields}
     torch.manual_seed(0)
     drafter = drafter_from_config(cfg)
-    RANDOM_HEAD[family](drafter)
+    prepare = RANDOM_HEAD[family]
+    if train:
+        drafter, prepare = train_briefly(drafter, cache), KITS[family].prepare
+    if prepare is not None:
+        prepare(drafter)
     return drafter, cfg
 
 
@@ -107,6 +115,24 @@ def test_the_head_changes_the_drafts(tiny_cache, family, fields):
     # The family's walk with the head off (its "where tau is lost" figure) is the head-less drafter's tau, exactly.
     (off,) = family_named(family).figures.walks
     assert with_head.summary[off.key] == without.summary["tau"] != with_head.summary["tau"]
+
+
+@pytest.mark.parametrize(("family", "fields"), [("dspark", {"markov_head_type": "rnn"}),
+                                                ("domino", {"shift_label": True})])
+def test_blocks_drafted_only_as_deep_as_read_give_the_same_cycles(tiny_cache, family, fields):
+    """Outside a strided statistics set a block is drafted a few depths at a time, only as deep as a walk reads
+    (the engine's greedy head): the same cycles, and the same head-off walk, as with every block drafted whole, for
+    a head whose state is scanned over the block and for one reading the position before each depth."""
+    from dflash_cb.cache.states import StateCache
+    from dflash_cb.core.replay.engine import evaluate
+
+    cache = StateCache(tiny_cache)
+    drafter, _ = _trained(family, cache, train=True, **fields)
+    whole = evaluate(cache, drafter, budgets=())
+    strided = evaluate(cache, drafter, budgets=(), anchor_stride=4)
+    assert [s.acceptance_lengths for s in strided.samples] == [s.acceptance_lengths for s in whole.samples]
+    assert [s.walks for s in strided.samples] == [s.walks for s in whole.samples]
+    assert any(n > 1 for s in whole.samples for n in s.acceptance_lengths)
 
 
 @pytest.mark.parametrize("shift", [False, True])

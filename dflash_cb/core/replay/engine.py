@@ -565,7 +565,7 @@ class _Scorer:
                                                        parts=bool(self.budgets) or self.keep_drafts,
                                                        target_topk=target_topk, state=_flat(state)), len(slots), d)
             else:
-                drafts = self._greedy_head(blocks, target, previous, in_stats, target_topk, state)
+                drafts = self._greedy_head(blocks, target, previous, in_stats, target_topk, state, hidden_rows)
         # Depths past a (tail) block's length get values that never match or score: -2, -inf, 0.
         inside = depth < lengths[:, None]
         known = inside & (target >= 0)
@@ -636,7 +636,7 @@ class _Scorer:
 
     def _greedy_head(self, blocks: BlockRows, target: torch.Tensor, previous: torch.Tensor, in_stats: torch.Tensor,
                      target_topk: tuple[torch.Tensor, torch.Tensor] | None,
-                     state: torch.Tensor | None = None) -> _DepthDrafts:
+                     state: torch.Tensor | None = None, hidden: torch.Tensor | None = None) -> _DepthDrafts:
         """Greedy-only drafts [N, D]: every depth for the statistics rows; for the others only as deep as a walk
         reads (the greedy walk reads depth k only when depths 1..k-1 matched; a family's own walks, by their
         own hits), -2 past that.
@@ -647,12 +647,20 @@ class _Scorer:
         n, d = target.shape
         proposer, shift = self.proposer, self.proposer.position_shift
         dev = target.device
+
+        def hidden_at(at: torch.Tensor, first: int, count: int) -> torch.Tensor:
+            """Hidden rows [len(at), count, H] of blocks ``at`` at depths first .. first + count - 1 (from ``hidden``,
+            every depth's rows, when the proposer's prefix state read them already)."""
+            if hidden is not None:
+                return hidden[at, first - 1:first - 1 + count]
+            return blocks.rows(at[:, None], torch.arange(first, first + count, device=dev)[None, :] - shift)
+
         rows = in_stats.nonzero()[:, 0]
         out = None
         if rows.numel():
             sub = None if target_topk is None else tuple(
                 t.view(n, d, -1)[rows].reshape(rows.numel() * d, -1) for t in target_topk)
-            hid = blocks.rows(rows[:, None], torch.arange(1, d + 1, device=dev)[None, :] - shift)
+            hid = hidden_at(rows, 1, d)
             out = proposer.rows(hid.reshape(rows.numel() * d, -1), previous[rows].reshape(-1),
                                 target[rows].reshape(-1), target_topk=sub,
                                 state=None if state is None else _flat(state[rows]))
@@ -667,7 +675,7 @@ class _Scorer:
         k = 0
         while k < d and live.numel():
             c = min(d - k, max(1, _HEAD_ROWS // live.numel()))
-            hid = blocks.rows(live[:, None], torch.arange(k + 1, k + c + 1, device=dev)[None, :] - shift)
+            hid = hidden_at(live, k + 1, c)
             # Row-chunked like the statistics rows: at tau ~ 1 every block is live, and a call on all of
             # them at once would hold [max_blocks, vocab] logits (1 GB at the real vocabulary).
             got = proposer.rows(hid.reshape(live.numel() * c, -1), previous[live, k:k + c].reshape(-1),
