@@ -243,3 +243,12 @@ def test_the_confidence_heads_calibration_is_the_hand_computed_one(tiny_cache, t
     keys = {k for spec in panel_plan(PanelLayout(block_size=block, family="dspark"))["Drafter family"]
             for k in spec.keys}
     assert {"dflash_eval/" + k for k in (f.bin_realized(0), f.bin_share(9), f.confidence_predicted(5))} <= keys
+
+    # Without a confidence head (confidence_head_alpha 0): none of these figures, and no table.
+    cfg["dflash_config"] = {**cfg["dflash_config"], "confidence_head_alpha": 0.0, "confidence_head_with_markov": False}
+    plain = drafter_from_config(cfg)
+    assert getattr(plain, "confidence_head", None) is None
+    write_results(report_to_results(evaluate(cache, plain, budgets=()), cache), tmp_path / "none.json")
+    none = load_results(tmp_path / "none.json", cache)
+    assert none.metric(f.CONFIDENCE_PREDICTED) is None and none.metric(f.bin_share(b)) is None
+    assert none.metric(depth_acc(1)) is not None and "confidence head reliability" not in format_results(none)
