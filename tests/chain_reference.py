@@ -58,7 +58,7 @@ def mtp_generate(mtp: ReferenceMtp, target, prompt: Sequence[int], max_new_token
     drafts ``steps`` tokens every cycle; "reference" drafts no more than the completion has room for."""
     from transformers import DynamicCache
 
-    text = target.model.language_model
+    text = getattr(target.model, "language_model", target.model)  # a vision-language target's text model
     embed = text.embed_tokens.weight
     ids = [int(t) for t in prompt]
     end = len(ids) + max_new_tokens
@@ -95,3 +95,28 @@ def mtp_generate(mtp: ReferenceMtp, target, prompt: Sequence[int], max_new_token
         ids += new
         lengths.append(len(new))
     return lengths
+
+
+def train_chain(drafter, cache, epochs: int = 6, lr: float = 1e-2):
+    """Teacher-forced first-step training of a chain drafter (context row t predicts the token at t + 2), through
+    the replay's own context pass: a few epochs give partial acceptance, where exactness checks carry
+    information."""
+    from dflash_cb.core.drafters.chain import ChainRunner
+
+    head = cache.load_head()
+    runner = ChainRunner(drafter, drafter.spec)
+    columns = cache.feature_columns(drafter.spec.target_layer_ids)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=lr)
+    data = [cache.load(e.id) for e in cache.samples]
+    for _ in range(epochs):
+        for s in data:
+            ids = s.input_ids.long()
+            r = ids.numel() - 2
+            feats = (s.hidden if columns is None else s.hidden.index_select(1, columns)).float()
+            nxt = runner.token_embeddings(ids[1:r + 1], head.embed_tokens)
+            ctx = runner.context(iter([(feats, nxt)]), [r])
+            loss = torch.nn.functional.cross_entropy(ctx.head_in @ head.lm_head.T, ids[2:r + 2])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return drafter.eval()

@@ -25,33 +25,9 @@ def _precompute(target: Path, prompts: Path, out: Path, *extra: str) -> Path:
     return out
 
 
-def train_mtp(drafter, cache, epochs: int = 6, lr: float = 1e-2):
-    """Teacher-forced first-step training (row t predicts the token at t + 2), through the replay's own context
-    pass: enough for partial acceptance."""
-    from dflash_cb.core.drafters.chain import ChainRunner
-
-    head = cache.load_head()
-    runner = ChainRunner(drafter, drafter.spec)
-    col = cache.manifest.layer_ids.index(drafter.spec.target_layer_ids[0])
-    h = cache.manifest.hidden_size
-    opt = torch.optim.AdamW(drafter.parameters(), lr=lr)
-    data = [cache.load(e.id) for e in cache.samples]
-    for _ in range(epochs):
-        for s in data:
-            ids = s.input_ids.long()
-            r = ids.numel() - 2
-            feats = s.hidden[:, col * h:(col + 1) * h].float()
-            nxt = torch.nn.functional.embedding(ids[1:r + 1], head.embed_tokens)
-            ctx = runner.context(iter([(feats, nxt)]), [r])
-            loss = torch.nn.functional.cross_entropy(ctx.head_in @ head.lm_head.T, ids[2:r + 2])
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-    return drafter.eval()
-
-
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    from chain_reference import train_chain
     from safetensors.torch import load_file, save_file
     from tiny_target import random_prompts, save_tiny_qwen3_5, write_prompts
 
@@ -69,7 +45,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict:
     cache = StateCache(_precompute(target_dir, prompts, root / "cache", "--stop-token-ids", str(stop)))
     torch.manual_seed(0)
     cfg = mtp_config_from_target(json.loads((target_dir / "config.json").read_text()), 5)
-    drafter = train_mtp(drafter_from_config(cfg), cache)
+    drafter = train_chain(drafter_from_config(cfg), cache)
     # The trained head goes into the target's checkpoint under mtp.*, as the released Qwen3.5 / 3.6 ship it.
     shard = target_dir / "model.safetensors"
     state = load_file(str(shard))

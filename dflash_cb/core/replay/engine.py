@@ -876,7 +876,7 @@ def evaluate(cache: StateCache, drafter: Any, head: TargetHead | None = None, re
     cache.check_fit(family_named(spec.family).cache_needs(spec, getattr(drafter, "config", None)))
     if isinstance(drafter, torch.nn.Module):  # NaN weights would still get a tau (the argmax of NaN is a token)
         check_finite_weights(drafter.named_parameters(), f"the drafter ({type(drafter).__name__})")
-    block = check_block_size(req.block_size, family_named(spec.family).block_cap(spec))
+    block = check_block_size(req.block_size, spec.block_size, cap=family_named(spec.family).block_cap(spec))
     check_tree_support(spec, budgets)
     drafting_spec = dataclasses.replace(spec, block_size=block)  # what the cycles draft; the report keeps spec
     specforge, note = specforge_pass(runner, block)
