@@ -109,3 +109,39 @@ def test_a_chain_refuses_a_ddtree(world) -> None:
 
     with pytest.raises(DFlashCBError, match="MTP drafter drafts each depth from its parent token"):
         evaluate(world["cache"], world["drafter"], budgets=(4,))
+
+
+def test_the_targets_mtp_is_the_line_to_beat_in_the_callback(world, tmp_path: Path) -> None:
+    """``eval_drafter`` scores the extracted MTP folder at K = 3 on the same cache as a block drafter; the live
+    evaluation of a DFlash drafter takes it as a baseline (``baselines={"mtp": ...}``) and logs its tau beside
+    its own, without a warning that the reference drafted another block (another family's chain length is not
+    a mismatch)."""
+    from dflash_cb import LiveEvaluator
+    from dflash_cb.core.drafters.layouts import drafter_from_config
+    from dflash_cb.demo.lightning_module import tiny_drafter_config
+    from dflash_cb.integrations.cli import eval_drafter
+    from dflash_cb.integrations.cli.extract import main as extract
+
+    cache = world["cache"]
+    m = cache.manifest
+    assert extract(["--mtp-from", str(world["target_dir"]), "--out", str(tmp_path / "mtp")]) == 0
+    assert eval_drafter.main(["--states", str(cache.path), "--drafter", str(tmp_path / "mtp"), "--out",
+                              str(tmp_path / "mtp.json"), "--ddtree-budgets", "", "--device", "cpu"]) == 0
+    mtp = json.loads((tmp_path / "mtp.json").read_text())
+    assert mtp["meta"]["drafter_family"] == "mtp" and mtp["metrics"]["tau"] > 1.5
+    torch.manual_seed(0)
+    dflash = drafter_from_config(tiny_drafter_config(m.vocab_size, m.hidden_size, 4, LAYERS, 127, block_size=6))
+    logged: dict[str, float] = {}
+    warnings: list[str] = []
+    ev = LiveEvaluator(str(cache.path), every_n_train_steps=1, max_steps=1, ddtree_budgets=(), console=False,
+                       baselines={"mtp": str(tmp_path / "mtp.json")}, log=lambda metrics, step: logged.update(metrics))
+    from dflash_cb.common import log as tool_log
+
+    saved = tool_log.warn
+    tool_log.warn = warnings.append
+    try:
+        assert ev.start(0, dflash) is not None
+    finally:
+        tool_log.warn = saved
+    assert logged["dflash_eval/baseline/mtp/tau"] == mtp["metrics"]["tau"]
+    assert not [w for w in warnings if "block" in w], warnings

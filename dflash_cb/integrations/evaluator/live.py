@@ -311,7 +311,10 @@ class LiveEvaluator:
         self._series = self._measurer.series(unwrap(drafter))
         for b in s.baselines:
             if b.kind == MEASURED:  # a reference measured with another block, tail convention or dtype
-                mismatch = series_mismatch([("this run", self._series), (f"baseline {b.details.get('path')}", b.series)])
+                theirs = b.series
+                if b.details.get("family") not in (None, fit.spec.family):  # another family drafts its own block
+                    theirs = {k: v for k, v in theirs.items() if k != "block_size"}
+                mismatch = series_mismatch([("this run", self._series), (f"baseline {b.details.get('path')}", theirs)])
                 if mismatch:
                     log.warn(f"{self.name}: {mismatch}")
         light = self.config.light_stride(fit.block_size)
