@@ -145,3 +145,33 @@ def test_the_targets_mtp_is_the_line_to_beat_in_the_callback(world, tmp_path: Pa
         tool_log.warn = saved
     assert logged["dflash_eval/baseline/mtp/tau"] == mtp["metrics"]["tau"]
     assert not [w for w in warnings if "block" in w], warnings
+
+
+def test_the_serving_projection_counts_a_chains_steps(world, tmp_path: Path) -> None:
+    """A chain of K drafts costs K drafter steps a cycle: with a verify cost flat in the tokens verified and
+    a step costing a K-th of it, a cycle costs two verify steps and the projected speedup is half the pooled
+    tau. The serving plan sets the MTP head beside a block drafter, its setting named by its chain length."""
+    from dflash_cb.core.drafters.layouts import drafter_from_config
+    from dflash_cb.demo.lightning_module import tiny_drafter_config
+    from dflash_cb.integrations.cli import eval_drafter, profile_costs, serve_plan
+    from dflash_cb.integrations.cli.extract import main as extract
+
+    cache, m = world["cache"], world["cache"].manifest
+    assert extract(["--mtp-from", str(world["target_dir"]), "--out", str(tmp_path / "mtp")]) == 0
+    torch.manual_seed(0)
+    drafter_from_config(tiny_drafter_config(m.vocab_size, m.hidden_size, 4, LAYERS, 127, block_size=6)
+                        ).save_pretrained(tmp_path / "dflash")
+    (tmp_path / "v.csv").write_text("verified_tokens,seconds\n1,0.03\n9,0.03\n")
+    prof = tmp_path / "p.json"
+    assert profile_costs.main(["--from-csv", str(tmp_path / "v.csv"), "--draft-seconds", "0.01", "--out",
+                               str(prof)]) == 0
+    files = []
+    for name in ("mtp", "dflash"):
+        files.append(tmp_path / f"{name}.json")
+        assert eval_drafter.main(["--states", str(cache.path), "--drafter", str(tmp_path / name), "--out",
+                                  str(files[-1]), "--ddtree-budgets", "", "--profile", str(prof)]) == 0
+    mtp = json.loads(files[0].read_text())["metrics"]
+    assert mtp["serving/speedup_greedy"] == pytest.approx(mtp["tau"] / 2, rel=1e-12)  # K = 3 steps of 0.01
+    assert serve_plan.main([str(files[0]), str(files[1]), "--out", str(tmp_path / "plan")]) == 0
+    md = (tmp_path / "plan.md").read_text()
+    assert "| mtp | chain K=3" in md and "| dflash | block 6" in md

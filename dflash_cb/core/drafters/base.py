@@ -192,6 +192,10 @@ class DrafterFamily:
         mask positions beyond it); a chain can unroll further."""
         return spec.block_size
 
+    def draft_passes(self, block_size: int) -> int:
+        """Drafter passes a cycle drafting blocks of ``block_size`` costs (the serving projection): one."""
+        return 1
+
     def tree_candidates(self, spec: DrafterSpec) -> int | None:
         """How many children a DDTree node may have per position when fewer than the vocabulary (a family whose
         tree is over its own candidates), else None."""

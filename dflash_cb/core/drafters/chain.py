@@ -219,6 +219,9 @@ class ChainFamily(DrafterFamily):
     def block_cap(self, spec: DrafterSpec) -> int:
         return self.max_speculative_tokens + 1
 
+    def draft_passes(self, block_size: int) -> int:
+        return block_size - 1  # one step per draft
+
     def runner(self, drafter: Any, limits: MemoryLimits) -> DraftRunner | None:
         if isinstance(drafter, self.module_class()):
             return ChainRunner(drafter, drafter.spec, limits)

@@ -17,6 +17,7 @@ from typing import Any
 
 from ...common import log
 from ...core.costs.evaluation import EvalCost, setup_line
+from ...core.drafters.registry import family_named
 from ...core.figures.metrics import (
     ANCHOR_STRIDE,
     EVAL_OVERHEAD,
@@ -171,7 +172,9 @@ class Publisher:
             out = live_metrics(m.samples, budgets, s.categories, s.baselines, self.config.position_edges,
                                anchor_stride=stride)
             if s.cost_profile is not None:
-                out.update(projected_metrics(s.cost_profile, s.cache, m.samples, m.block_size, budgets))
+                family = family_named(next(iter(m.counts.values())).family)
+                out.update(projected_metrics(s.cost_profile, s.cache, m.samples, m.block_size, budgets,
+                                             family.draft_passes(m.block_size)))
             return out
         except Exception as e:  # an extra figure must not end the training
             if self.config.fail_on_error:
