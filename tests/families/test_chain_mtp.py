@@ -13,16 +13,21 @@ import pytest
 import torch
 
 MAX_NEW = 30
-LAYERS = [1, 3]  # a block drafter's layer and the last one (the MTP's: the target's final-normed state)
+LAYERS = [1, 2]  # a block drafter's layers; the MTP reads layer 3 (the last: the target's final-normed state)
 
 
 def _precompute(target: Path, prompts: Path, out: Path, *extra: str) -> Path:
     from dflash_cb.cache.precompute import main
 
-    assert main(["--target", str(target), "--prompts", str(prompts), "--out", str(out), "--layers",
-                 ",".join(map(str, LAYERS)), "--reference", "local", "--dtype", "float32", "--max-new-tokens",
-                 str(MAX_NEW), "--no-progress", *extra]) == 0
+    assert main(["--target", str(target), "--prompts", str(prompts), "--out", str(out), "--reference", "local",
+                 "--dtype", "float32", "--max-new-tokens", str(MAX_NEW), "--no-progress", *extra]) == 0
     return out
+
+
+def _dflash_config(m) -> dict:
+    from dflash_cb.demo.lightning_module import tiny_drafter_config
+
+    return tiny_drafter_config(m.vocab_size, m.hidden_size, 4, LAYERS, 127, block_size=6)
 
 
 @pytest.fixture(scope="module")
@@ -39,12 +44,17 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict:
     target_dir = save_tiny_qwen3_5(root / "target", seed=3, mtp_num_hidden_layers=1)
     prompts = write_prompts(root / "prompts.jsonl", random_prompts(5, (4, 10), seed=5, vocab=120),
                             categories=["math", "chat"])
-    first = StateCache(_precompute(target_dir, prompts, root / "plain"))
+    first = StateCache(_precompute(target_dir, prompts, root / "plain", "--layers", "3"))
     seen = [set(first.load(e.id).input_ids[e.prompt_len + 6:].tolist()) for e in first.samples]
     stop = next(t for t, n in Counter(t for s in seen for t in s).most_common() if n == 2)
-    cache = StateCache(_precompute(target_dir, prompts, root / "cache", "--stop-token-ids", str(stop)))
-    torch.manual_seed(0)
     cfg = mtp_config_from_target(json.loads((target_dir / "config.json").read_text()), 5)
+    # One cache for a block drafter and the MTP head: the union of the layers their configs read.
+    (root / "mtp.json").write_text(json.dumps(cfg))
+    (root / "dflash.json").write_text(json.dumps(_dflash_config(first.manifest)))
+    cache = StateCache(_precompute(target_dir, prompts, root / "cache", "--stop-token-ids", str(stop),
+                                   "--drafter-config", f"{root / 'dflash.json'},{root / 'mtp.json'}"))
+    assert cache.manifest.layer_ids == [1, 2, 3]
+    torch.manual_seed(0)
     drafter = train_chain(drafter_from_config(cfg), cache)
     # The trained head goes into the target's checkpoint under mtp.*, as the released Qwen3.5 / 3.6 ship it.
     shard = target_dir / "model.safetensors"
@@ -118,7 +128,6 @@ def test_the_targets_mtp_is_the_line_to_beat_in_the_callback(world, tmp_path: Pa
     a mismatch)."""
     from dflash_cb import LiveEvaluator
     from dflash_cb.core.drafters.layouts import drafter_from_config
-    from dflash_cb.demo.lightning_module import tiny_drafter_config
     from dflash_cb.integrations.cli import eval_drafter
     from dflash_cb.integrations.cli.extract import main as extract
 
@@ -130,7 +139,7 @@ def test_the_targets_mtp_is_the_line_to_beat_in_the_callback(world, tmp_path: Pa
     mtp = json.loads((tmp_path / "mtp.json").read_text())
     assert mtp["meta"]["drafter_family"] == "mtp" and mtp["metrics"]["tau"] > 1.5
     torch.manual_seed(0)
-    dflash = drafter_from_config(tiny_drafter_config(m.vocab_size, m.hidden_size, 4, LAYERS, 127, block_size=6))
+    dflash = drafter_from_config(_dflash_config(m))
     logged: dict[str, float] = {}
     warnings: list[str] = []
     ev = LiveEvaluator(str(cache.path), every_n_train_steps=1, max_steps=1, ddtree_budgets=(), console=False,
@@ -152,15 +161,13 @@ def test_the_serving_projection_counts_a_chains_steps(world, tmp_path: Path) -> 
     a step costing a K-th of it, a cycle costs two verify steps and the projected speedup is half the pooled
     tau. The serving plan sets the MTP head beside a block drafter, its setting named by its chain length."""
     from dflash_cb.core.drafters.layouts import drafter_from_config
-    from dflash_cb.demo.lightning_module import tiny_drafter_config
     from dflash_cb.integrations.cli import eval_drafter, profile_costs, serve_plan
     from dflash_cb.integrations.cli.extract import main as extract
 
     cache, m = world["cache"], world["cache"].manifest
     assert extract(["--mtp-from", str(world["target_dir"]), "--out", str(tmp_path / "mtp")]) == 0
     torch.manual_seed(0)
-    drafter_from_config(tiny_drafter_config(m.vocab_size, m.hidden_size, 4, LAYERS, 127, block_size=6)
-                        ).save_pretrained(tmp_path / "dflash")
+    drafter_from_config(_dflash_config(m)).save_pretrained(tmp_path / "dflash")
     (tmp_path / "v.csv").write_text("verified_tokens,seconds\n1,0.03\n9,0.03\n")
     prof = tmp_path / "p.json"
     assert profile_costs.main(["--from-csv", str(tmp_path / "v.csv"), "--draft-seconds", "0.01", "--out",
