@@ -182,3 +182,33 @@ def test_the_serving_projection_counts_a_chains_steps(world, tmp_path: Path) -> 
     assert serve_plan.main([str(files[0]), str(files[1]), "--out", str(tmp_path / "plan")]) == 0
     md = (tmp_path / "plan.md").read_text()
     assert "| mtp | chain K=3" in md and "| dflash | block 6" in md
+
+
+def test_a_profile_times_one_chain_step(world, tmp_path: Path, monkeypatch) -> None:
+    """``profile_costs --drafter`` on the MTP folder measures, through the replay's runner, one chain step a
+    context (one decoder-layer pass of one token, counted), and its roofline charges a step one token."""
+    from dflash_cb.core.drafters.chain import ChainRunner
+    from dflash_cb.integrations.cli import profile_costs
+    from dflash_cb.integrations.cli.extract import main as extract
+
+    assert extract(["--mtp-from", str(world["target_dir"]), "--out", str(tmp_path / "mtp")]) == 0
+    steps: list[int] = []
+    real = ChainRunner.block_rows
+
+    def counted(self, context, noise_embedding, *a, **k):
+        steps.append(noise_embedding.shape[1] - 2)  # the unroll's steps beyond the context row
+        return real(self, context, noise_embedding, *a, **k)
+
+    monkeypatch.setattr(ChainRunner, "block_rows", counted)
+    out = tmp_path / "p.json"
+    assert profile_costs.main(["--target", str(world["target_dir"]), "--drafter", str(tmp_path / "mtp"), "--out",
+                               str(out), "--dtype", "float32", "--contexts", "8,16", "--tokens", "1-4",
+                               "--repeats", "1"]) == 0
+    assert steps and set(steps) == {1}  # every timed pass is one step
+    data = json.loads(out.read_text())
+    assert data["drafter"]["family"] == "mtp" and all(v > 0 for v in data["draft"].values())
+    roof = tmp_path / "r.json"
+    assert profile_costs.main(["--roofline", "--target", str(world["target_dir"]), "--drafter", str(tmp_path / "mtp"),
+                               "--bandwidth-gbs", "1", "--peak-tflops", "1", "--contexts", "8", "--out",
+                               str(roof)]) == 0
+    assert json.loads(roof.read_text())["draft"]["8"] > 0

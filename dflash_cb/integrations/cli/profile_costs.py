@@ -153,9 +153,11 @@ def roofline(target_dir: str, drafter: Any, contexts: list[int], tokens: list[in
     draft = {c: 0.0 for c in contexts}
     if drafter is not None:
         dp = sum(p.numel() for p in drafter.parameters()) + drafter.config.vocab_size * cfg.hidden_size  # + head
-        attn = drafter.layers[0].self_attn
-        block = drafter.spec.block_size
-        draft = {c: step(block, c, dp, len(drafter.layers), attn.num_kv_heads, attn.head_dim, attn.num_heads)
+        dc = drafter.config
+        q_heads = int(dc.num_attention_heads)
+        n = _pass_tokens(drafter)
+        draft = {c: step(n, c, dp, int(dc.num_hidden_layers), int(getattr(dc, "num_key_value_heads", q_heads)),
+                         int(getattr(dc, "head_dim", None) or dc.hidden_size // q_heads), q_heads)
                  for c in contexts}
     stated = f"roofline: {bandwidth_gbs:g} GB/s, {peak_tflops:g} TFLOP/s stated, {dtype_bytes}-byte weights"
     return verify, draft, stated
@@ -219,18 +221,35 @@ def measure_context(model: Any, drafter: Any, head: Any, ctx: int, tokens: list[
     return rows, draft
 
 
+def _pass_tokens(drafter: Any) -> int:
+    """Tokens one timed drafter pass drafts: a block drafter's whole block; a chain drafter's one step."""
+    from ...core.drafters.registry import family_named
+
+    block = drafter.spec.block_size
+    return 1 if family_named(drafter.spec.family).draft_passes(block) > 1 else block
+
+
 def _drafter_pass(drafter: Any, head: Any, ctx: int, device: Any) -> Any:
-    """One block at position ``ctx``: the drafter's layers over its context and the head on its drafts."""
+    """One drafter pass at position ``ctx`` through the replay's own runner (``drafters.runners.as_runner``):
+    a block drafter's block, or one step of a chain drafter (its first draft comes from the context pass, so a
+    step is the second), and the head on its drafts."""
     import torch
 
+    from ...core.drafters.runners import as_runner
+
     spec = drafter.spec
+    runner = as_runner(drafter)
     g = torch.Generator().manual_seed(0)
-    dtype = next(drafter.parameters()).dtype
+    dtype = runner.dtype
+    hidden = int(drafter.config.hidden_size)
     feats = torch.randn(ctx, len(spec.target_layer_ids) * spec.target_hidden_size, generator=g).to(device, dtype)
-    context = drafter.context_kv([feats])  # built once per committed token when serving: not a pass's cost
-    emb = torch.randn(1, spec.block_size, drafter.config.hidden_size, generator=g).to(device, dtype)
-    hidden = drafter.forward_blocks(context, emb, torch.tensor([ctx], device=device))
-    return hidden[0, 1:] @ head.T
+    item = (feats, torch.randn(ctx, hidden, generator=g).to(device, dtype)) if runner.context_reads_tokens else feats
+    context = runner.context(iter([item]), [ctx])  # built once per committed token when serving: not a pass's cost
+    length = spec.block_size if _pass_tokens(drafter) > 1 else 3
+    emb = torch.randn(1, length, hidden, generator=g).to(device, dtype)
+    one = torch.zeros(1, dtype=torch.long, device=device)
+    rows = runner.block_rows(context, emb, one + ctx, one)
+    return rows.rows(one[:, None], torch.arange(1, length, device=device)[None])[0] @ head.T
 
 
 def main(argv: Sequence[str] | None = None) -> int:
