@@ -219,6 +219,10 @@ class ChainFamily(DrafterFamily):
     def block_cap(self, spec: DrafterSpec) -> int:
         return self.max_speculative_tokens + 1
 
+    def cost_fields(self, config: Any) -> dict[str, int]:
+        hidden = int(_get(config, "hidden_size"))
+        return dict(carry_width=2 * hidden, token_input=hidden)  # the carried state and head input; fc's token half
+
     def draft_passes(self, block_size: int) -> int:
         return block_size - 1  # one step per draft
 
