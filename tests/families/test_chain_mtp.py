@@ -212,3 +212,29 @@ def test_a_profile_times_one_chain_step(world, tmp_path: Path, monkeypatch) -> N
                                "--bandwidth-gbs", "1", "--peak-tflops", "1", "--contexts", "8", "--out",
                                str(roof)]) == 0
     assert json.loads(roof.read_text())["draft"]["8"] > 0
+
+
+def test_eval_drafter_scores_several_chain_lengths(world, tmp_path: Path, caplog) -> None:
+    """``--speculative-tokens 1,3`` writes one results file per K, each the evaluation at block K + 1; a block
+    drafter is refused before any scoring, naming --block-size."""
+    from dflash_cb.common.arguments import ArgumentError
+    from dflash_cb.core.drafters.layouts import drafter_from_config
+    from dflash_cb.core.replay.engine import evaluate
+    from dflash_cb.integrations.cli import eval_drafter
+
+    cache = world["cache"]
+    world["drafter"].save_pretrained(tmp_path / "mtp")
+    caplog.set_level("INFO")
+    assert eval_drafter.main(["--states", str(cache.path), "--drafter", str(tmp_path / "mtp"), "--out",
+                              str(tmp_path / "r.json"), "--speculative-tokens", "3,1", "--ddtree-budgets", ""]) == 0
+    said = caplog.text
+    for k in (1, 3):
+        got = json.loads((tmp_path / f"r.k{k}.json").read_text())
+        assert got["metrics"]["tau"] == evaluate(cache, world["drafter"], block_size=k + 1, budgets=()).summary["tau"]
+        assert f"-> {tmp_path / f'r.k{k}.json'}" in said
+    assert not (tmp_path / "r.json").exists()
+    torch.manual_seed(0)
+    drafter_from_config(_dflash_config(cache.manifest)).save_pretrained(tmp_path / "dflash")
+    with pytest.raises(ArgumentError, match="drafts a block in one pass; score another block with --block-size"):
+        eval_drafter.main(["--states", str(cache.path), "--drafter", str(tmp_path / "dflash"), "--out",
+                           str(tmp_path / "d.json"), "--speculative-tokens", "3"])
