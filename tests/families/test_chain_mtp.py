@@ -159,7 +159,8 @@ def test_the_targets_mtp_is_the_line_to_beat_in_the_callback(world, tmp_path: Pa
 def test_the_serving_projection_counts_a_chains_steps(world, tmp_path: Path) -> None:
     """A chain of K drafts costs K drafter steps a cycle: with a verify cost flat in the tokens verified and
     a step costing a K-th of it, a cycle costs two verify steps and the projected speedup is half the pooled
-    tau. The serving plan sets the MTP head beside a block drafter, its setting named by its chain length."""
+    tau. One profile times both drafters (each evaluation takes its own drafter's cost); the serving plan sets
+    the MTP head beside a block drafter, its setting named by its chain length."""
     from dflash_cb.core.drafters.layouts import drafter_from_config
     from dflash_cb.integrations.cli import eval_drafter, profile_costs, serve_plan
     from dflash_cb.integrations.cli.extract import main as extract
@@ -170,15 +171,18 @@ def test_the_serving_projection_counts_a_chains_steps(world, tmp_path: Path) -> 
     drafter_from_config(_dflash_config(m)).save_pretrained(tmp_path / "dflash")
     (tmp_path / "v.csv").write_text("verified_tokens,seconds\n1,0.03\n9,0.03\n")
     prof = tmp_path / "p.json"
-    assert profile_costs.main(["--from-csv", str(tmp_path / "v.csv"), "--draft-seconds", "0.01", "--out",
-                               str(prof)]) == 0
+    # One profile for both: a DFlash pass costs a verify step, an MTP step a third of one.
+    assert profile_costs.main(["--from-csv", str(tmp_path / "v.csv"), "--drafter",
+                               f"{tmp_path / 'dflash'},{tmp_path / 'mtp'}", "--draft-seconds", "0.03,0.01",
+                               "--out", str(prof)]) == 0
     files = []
     for name in ("mtp", "dflash"):
         files.append(tmp_path / f"{name}.json")
         assert eval_drafter.main(["--states", str(cache.path), "--drafter", str(tmp_path / name), "--out",
                                   str(files[-1]), "--ddtree-budgets", "", "--profile", str(prof)]) == 0
-    mtp = json.loads(files[0].read_text())["metrics"]
-    assert mtp["serving/speedup_greedy"] == pytest.approx(mtp["tau"] / 2, rel=1e-12)  # K = 3 steps of 0.01
+    for f in files:  # each drafter's cycle costs two verify steps: K = 3 steps of 0.01, or one pass of 0.03
+        m = json.loads(f.read_text())["metrics"]
+        assert m["serving/speedup_greedy"] == pytest.approx(m["tau"] / 2, rel=1e-12), f
     assert serve_plan.main([str(files[0]), str(files[1]), "--out", str(tmp_path / "plan")]) == 0
     md = (tmp_path / "plan.md").read_text()
     assert "| mtp | chain K=3" in md and "| dflash | block 6" in md
@@ -201,12 +205,18 @@ def test_a_profile_times_one_chain_step(world, tmp_path: Path, monkeypatch) -> N
 
     monkeypatch.setattr(ChainRunner, "block_rows", counted)
     out = tmp_path / "p.json"
-    assert profile_costs.main(["--target", str(world["target_dir"]), "--drafter", str(tmp_path / "mtp"), "--out",
-                               str(out), "--dtype", "float32", "--contexts", "8,16", "--tokens", "1-4",
-                               "--repeats", "1"]) == 0
-    assert steps and set(steps) == {1}  # every timed pass is one step
+    torch.manual_seed(0)
+    from dflash_cb.core.drafters.layouts import drafter_from_config
+
+    drafter_from_config(_dflash_config(world["cache"].manifest)).save_pretrained(tmp_path / "dflash")
+    assert profile_costs.main(["--target", str(world["target_dir"]), "--drafter",
+                               f"{tmp_path / 'mtp'},{tmp_path / 'dflash'}", "--out", str(out), "--dtype", "float32",
+                               "--contexts", "8,16", "--tokens", "1-6", "--repeats", "1"]) == 0
+    assert steps and set(steps) == {1}  # every timed MTP pass is one step
     data = json.loads(out.read_text())
     assert data["drafter"]["family"] == "mtp" and all(v > 0 for v in data["draft"].values())
+    assert [o["drafter"]["family"] for o in data["others"]] == ["dflash"]
+    assert all(v > 0 for v in data["others"][0]["draft"].values())
     roof = tmp_path / "r.json"
     assert profile_costs.main(["--roofline", "--target", str(world["target_dir"]), "--drafter", str(tmp_path / "mtp"),
                                "--bandwidth-gbs", "1", "--peak-tflops", "1", "--contexts", "8", "--out",

@@ -12,7 +12,13 @@ from pathlib import Path
 
 from ...common import cli
 from ...common.log import say
-from ..evaluator.projection import add_projection, checked_settings, read_profile, refuse_other_target
+from ..evaluator.projection import (
+    add_projection,
+    checked_settings,
+    drafter_identity,
+    read_profile,
+    refuse_other_target,
+)
 from ..evaluator.scoring import CacheScorer, ScoringOptions, add_scoring_options
 
 USAGE = """Score a saved DFlash drafter on a cache of target states: exact tau, DDTree, per-depth acceptance.
@@ -90,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
             raise why  # the selection holds no sample with comparable counters: before any weights are read
     chain = _chain_lengths(args, options)
     drafter = load_drafter(args.drafter, device=options.device)
+    if profile is not None:  # a profile timing several drafters: this one's passes
+        profile = profile.for_drafter(drafter_identity(drafter))
     if chain:
         return _score_chain_lengths(args, scorer, drafter, chain, out, profile)
     if args.served_check:  # the server's block when it is recorded (docs/method.md, "Check against the server")
