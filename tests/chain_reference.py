@@ -98,10 +98,9 @@ def mtp_generate(mtp: ReferenceMtp, target, prompt: Sequence[int], max_new_token
 
 
 def train_chain(drafter, cache, epochs: int = 6, lr: float = 1e-2):
-    """Teacher-forced first-step training of a chain drafter (context row t predicts the token at t + 2), through
-    the replay's own context pass: a few epochs give partial acceptance, where exactness checks carry
-    information."""
-    from dflash_cb.core.drafters.chain import ChainRunner
+    """A few epochs of the package's first-step objective (``chain.first_step_loss``): partial acceptance, where
+    exactness checks carry information."""
+    from dflash_cb.core.drafters.chain import ChainRunner, first_step_loss
 
     head = cache.load_head()
     runner = ChainRunner(drafter, drafter.spec)
@@ -110,12 +109,8 @@ def train_chain(drafter, cache, epochs: int = 6, lr: float = 1e-2):
     data = [cache.load(e.id) for e in cache.samples]
     for _ in range(epochs):
         for s in data:
-            ids = s.input_ids.long()
-            r = ids.numel() - 2
             feats = (s.hidden if columns is None else s.hidden.index_select(1, columns)).float()
-            nxt = runner.token_embeddings(ids[1:r + 1], head.embed_tokens)
-            ctx = runner.context(iter([(feats, nxt)]), [r])
-            loss = torch.nn.functional.cross_entropy(ctx.head_in @ head.lm_head.T, ids[2:r + 2])
+            loss = first_step_loss(runner, feats, s.input_ids.long(), head.embed_tokens, head.lm_head)
             opt.zero_grad()
             loss.backward()
             opt.step()

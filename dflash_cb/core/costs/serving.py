@@ -194,12 +194,13 @@ class Setting:
     label: str
 
 
-def block_settings(block_size: int, budgets: Sequence[int] = (), passes: int = 1) -> list[Setting]:
+def block_settings(block_size: int, budgets: Sequence[int] = (), passes: int = 1, label: str | None = None
+                   ) -> list[Setting]:
     """A drafter's settings from one evaluation: the greedy block (its ``block_size`` tokens verified: the anchor
     and the drafts) and a DDTree per budget (its nodes and the root). ``passes``: drafter passes per cycle (a
-    block drafter's one; a chain drafter's one step per draft, ``DrafterFamily.draft_passes``)."""
-    label = f"block {block_size}" if passes == 1 else f"chain K={block_size - 1}"
-    out = [Setting("greedy", block_size, passes, label)]
+    block drafter's one; a chain drafter's one step per draft, ``DrafterFamily.draft_passes``); ``label``: the
+    greedy setting's name in tables (``DrafterFamily.setting_label``)."""
+    out = [Setting("greedy", block_size, passes, label or f"block {block_size}")]
     out += [Setting(f"ddtree_b{b}", b + 1, 1, f"DDTree {b}") for b in budgets]
     return out
 

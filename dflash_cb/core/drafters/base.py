@@ -196,6 +196,10 @@ class DrafterFamily:
         """Drafter passes a cycle drafting blocks of ``block_size`` costs (the serving projection): one."""
         return 1
 
+    def setting_label(self, block_size: int) -> str:
+        """The greedy setting at ``block_size`` as tables name it."""
+        return f"block {block_size}"
+
     def tree_candidates(self, spec: DrafterSpec) -> int | None:
         """How many children a DDTree node may have per position when fewer than the vocabulary (a family whose
         tree is over its own candidates), else None."""

@@ -180,6 +180,16 @@ class ChainRunner(DraftRunner):
         return HiddenBlocks(out)
 
 
+def first_step_loss(runner: ChainRunner, features: torch.Tensor, ids: torch.Tensor, embed: torch.Tensor,
+                    lm_head: torch.Tensor) -> torch.Tensor:
+    """Teacher-forced cross-entropy of a chain's first step over one sample (context row t drafts the token at
+    t + 2), through the replay's own context pass: how a small chain drafter is trained for a demo or a test."""
+    r = ids.numel() - 2
+    nxt = runner.token_embeddings(ids[1:r + 1], embed)
+    ctx = runner.context(iter([(features, nxt)]), [r])
+    return nn.functional.cross_entropy((ctx.head_in @ lm_head.T.to(ctx.head_in.dtype)).float(), ids[2:r + 2])
+
+
 class ChainFamily(DrafterFamily):
     """A family of chain drafters (module docstring). Its configs say ``drafter_family`` and name the target
     layers they read (``target_layer_ids``) and the chain's length (``num_speculative_tokens``, K: a block of
@@ -225,6 +235,9 @@ class ChainFamily(DrafterFamily):
 
     def draft_passes(self, block_size: int) -> int:
         return block_size - 1  # one step per draft
+
+    def setting_label(self, block_size: int) -> str:
+        return f"chain K={block_size - 1}"
 
     def runner(self, drafter: Any, limits: MemoryLimits) -> DraftRunner | None:
         if isinstance(drafter, self.module_class()):

@@ -17,7 +17,6 @@ from typing import Any
 
 from ...common import log
 from ...core.costs.evaluation import EvalCost, setup_line
-from ...core.drafters.registry import family_named
 from ...core.figures.metrics import (
     ANCHOR_STRIDE,
     EVAL_OVERHEAD,
@@ -172,9 +171,8 @@ class Publisher:
             out = live_metrics(m.samples, budgets, s.categories, s.baselines, self.config.position_edges,
                                anchor_stride=stride)
             if s.cost_profile is not None:
-                family = family_named(next(iter(m.counts.values())).family)
                 out.update(projected_metrics(s.cost_profile, s.cache, m.samples, m.block_size, budgets,
-                                             family.draft_passes(m.block_size)))
+                                             next(iter(m.counts.values())).family))
             return out
         except Exception as e:  # an extra figure must not end the training
             if self.config.fail_on_error:
