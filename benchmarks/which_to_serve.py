@@ -115,7 +115,9 @@ def main() -> None:
     print("python tools/serve_plan.py " + " ".join(cmd))
     assert serve_plan.main(cmd) == 0
     with report_to_docs(args.update_docs, "serving.md", "which-to-serve"):
-        print(plan.with_suffix(".md").read_text())
+        # The plan without its image line: the page shows the plot itself, below the table.
+        print("\n".join(line for line in plan.with_suffix(".md").read_text().splitlines()
+                        if not line.startswith("![")).rstrip())
     if args.update_docs:
         shutil.copyfile(plan.with_suffix(".png"), ROOT / "docs" / "img" / "which_to_serve.png")
 
