@@ -56,6 +56,14 @@ def mtp_generate(mtp: ReferenceMtp, target, prompt: Sequence[int], max_new_token
                  stop_token_ids: Sequence[int], steps: int, tail: str = "served") -> list[int]:
     """Tokens committed per cycle (after the cut at a stop token or ``max_new_tokens``). ``tail``: "served"
     drafts ``steps`` tokens every cycle; "reference" drafts no more than the completion has room for."""
+    return mtp_run(mtp, target, prompt, max_new_tokens, stop_token_ids, steps, tail)[1]
+
+
+@torch.no_grad()
+def mtp_run(mtp: ReferenceMtp, target, prompt: Sequence[int], max_new_tokens: int,
+            stop_token_ids: Sequence[int], steps: int, tail: str = "served") -> tuple[list[int], list[int], list[int]]:
+    """(the completion, prefill token first; tokens committed per cycle after the cut; drafts accepted per cycle
+    before the cut, as a server's counters count them)."""
     from transformers import DynamicCache
 
     text = getattr(target.model, "language_model", target.model)  # a vision-language target's text model
@@ -71,6 +79,8 @@ def mtp_generate(mtp: ReferenceMtp, target, prompt: Sequence[int], max_new_token
     _, greedy = target_pass(ids)
     ids.append(int(greedy[-1]))
     lengths: list[int] = []
+    correct: list[int] = []
+    start = len(prompt)
     while len(ids) < end and ids[-1] not in stops:
         n = len(ids)
         k = steps if tail == "served" else min(steps, end - n)
@@ -87,6 +97,7 @@ def mtp_generate(mtp: ReferenceMtp, target, prompt: Sequence[int], max_new_token
         accepted = 0
         while accepted < k and drafts[accepted] == int(verify[n - 1 + accepted]):
             accepted += 1
+        correct.append(accepted)
         new = drafts[:accepted] + [int(verify[n - 1 + accepted])]
         for i, t in enumerate(new):  # the cut: a stop token or the end of the completion ends the run
             if t in stops or n + i + 1 >= end:
@@ -94,7 +105,7 @@ def mtp_generate(mtp: ReferenceMtp, target, prompt: Sequence[int], max_new_token
                 break
         ids += new
         lengths.append(len(new))
-    return lengths
+    return ids[start:], lengths, correct
 
 
 def train_chain(drafter, cache, epochs: int = 6, lr: float = 1e-2):

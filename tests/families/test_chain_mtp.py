@@ -248,3 +248,50 @@ def test_eval_drafter_scores_several_chain_lengths(world, tmp_path: Path, caplog
     with pytest.raises(ArgumentError, match="drafts a block in one pass; score another block with --block-size"):
         eval_drafter.main(["--states", str(cache.path), "--drafter", str(tmp_path / "dflash"), "--out",
                            str(tmp_path / "d.json"), "--speculative-tokens", "3"])
+
+
+def test_the_served_check_of_an_mtp_server(world, tmp_path: Path) -> None:
+    """A real HTTP server on 127.0.0.1 speaking vLLM's API, serving the target with ``method: mtp`` and
+    ``num_speculative_tokens`` 3, its rounds those of the vLLM-wired MTP loop: the precompute records each
+    request's counters; the replay of the extracted head at the server's block (K + 1 = 4, read from the server's
+    configuration) counts the same rounds and per-position acceptance on every sample; a DFlash drafter's check of
+    the same cache says the server speculates with another method."""
+    from chain_reference import ReferenceMtp, mtp_run
+    from transformers import Qwen3_5ForConditionalGeneration
+    from vllm_server import FakeVLLM, Run, serve
+
+    from dflash_cb.common.cli import run
+    from dflash_cb.core.drafters.layouts import drafter_from_config
+    from dflash_cb.core.results.results_file import load_results
+    from dflash_cb.integrations.cli import eval_drafter
+    from dflash_cb.integrations.cli.extract import main as extract
+
+    target = Qwen3_5ForConditionalGeneration.from_pretrained(world["target_dir"], dtype=torch.float32).eval()
+    ref = ReferenceMtp(target.config.text_config, world["drafter"].state_dict()).eval()
+
+    def loop(prompt: list[int], max_tokens: int, stops: set[int]) -> Run:
+        out, _, correct = mtp_run(ref, target, prompt, max_tokens, sorted(stops), 3)
+        return Run(out, correct)
+
+    fake = FakeVLLM(loop, served_name="tiny-target", root=str(world["target_dir"]), num_spec_tokens=3, method="mtp",
+                    dev_mode=True)
+    with serve(fake) as url:
+        _precompute(world["target_dir"], world["root"] / "prompts.jsonl", tmp_path / "served", "--drafter-config",
+                    f"{world['root'] / 'dflash.json'},{world['root'] / 'mtp.json'}", "--stop-token-ids",
+                    str(world["stop"]), "--reference", "vllm", "--vllm-url", url)
+    assert extract(["--mtp-from", str(world["target_dir"]), "--out", str(tmp_path / "mtp"),
+                    "--speculative-tokens", "5"]) == 0  # its config says K = 5: the check replays the server's 3
+    assert run(eval_drafter.main, ["--states", str(tmp_path / "served"), "--drafter", str(tmp_path / "mtp"), "--out",
+                                   str(tmp_path / "r.json"), "--ddtree-budgets", "", "--served-check"]) == 0
+    check = load_results(tmp_path / "r.json").breakdown["served_check"]
+    s = check["summary"]
+    assert s["comparable"] and not check["not_comparable"], check["not_comparable"]
+    assert check["blocks"]["replay"] == check["blocks"]["server"] == 4
+    assert s["samples_compared"] == s["samples_equal_rounds"] == s["samples_equal_per_position"] == 5
+    torch.manual_seed(0)
+    drafter_from_config(_dflash_config(world["cache"].manifest)).save_pretrained(tmp_path / "dflash")
+    assert run(eval_drafter.main, ["--states", str(tmp_path / "served"), "--drafter", str(tmp_path / "dflash"), "--out",
+                                   str(tmp_path / "d.json"), "--ddtree-budgets", "", "--served-check"]) == 0
+    other = load_results(tmp_path / "d.json").breakdown["served_check"]
+    assert not other["summary"]["comparable"]
+    assert any("speculates with 'mtp', not DFlash" in w for w in other["not_comparable"]), other["not_comparable"]

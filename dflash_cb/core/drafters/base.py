@@ -120,6 +120,9 @@ class DrafterFamily:
     # Whether ``specforge/acc`` (SpecForge's accuracy of this drafter) is replayed; else it is left out, said why.
     specforge_accuracy: ClassVar[bool] = True
     figures: ClassVar[FamilyFigures] = FamilyFigures()
+    # The speculative methods a server names when it serves this family (SGLang's ``speculative_algorithm``,
+    # vLLM's ``method``, upper-cased): the served check compares only rounds of these.
+    served_methods: ClassVar[tuple[str, ...]] = ("DFLASH",)
     # The prefix of this family's weights inside a target's own checkpoint, for a drafter the target ships (its
     # MTP head): ``checkpoints.load.extract_from_target`` reads them with ``config_from_target``'s config.
     target_prefix: ClassVar[str | None] = None

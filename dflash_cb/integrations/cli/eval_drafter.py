@@ -61,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     from ...common.fileio import check_outputs_apart
     from ...core.checkpoints.load import load_drafter
     from ...core.drafters.layouts import cache_needs
+    from ...core.drafters.registry import family_named
     from ...core.results.report import format_results
     from ...core.results.results_file import check_results_path, drafter_provenance, write_results
     from ...core.results.served_check import (
@@ -100,10 +101,12 @@ def main(argv: list[str] | None = None) -> int:
         profile = profile.for_drafter(drafter_identity(drafter))
     if chain:
         return _score_chain_lengths(args, scorer, drafter, chain, out, profile)
+    # The longest block the drafter can draft: its trained one, or a chain's unroll (``DrafterFamily.block_cap``).
+    reach = family_named(drafter.spec.family).block_cap(drafter.spec)
     if args.served_check:  # the server's block when it is recorded (docs/method.md, "Check against the server")
         cache.check_fit(cache_needs(drafter))  # before its block is compared with the server's
         scorer.config = scorer.config.replace(block_size=replay_block_size(
-            cache.manifest.served_spec_config, drafter.spec.block_size, options.block_size))
+            cache.manifest.served_spec_config, reach, options.block_size, family=drafter.spec.family))
     fit = scorer.check(drafter, "--drafter")
     settings = None
     if profile is not None:  # every setting within the profile's rows, before any scoring
@@ -114,9 +117,10 @@ def main(argv: list[str] | None = None) -> int:
     check = None
     if args.served_check:
         check = compare(cache.samples, {s.id: s.acceptance_lengths for s in report.samples},
-                        cache.manifest.served_spec_config, drafter.spec.block_size, args.drafter,
+                        cache.manifest.served_spec_config, reach, args.drafter,
                         correct_drafts={s.id: s.correct_drafts for s in report.samples},
-                        drafter_input_embedding_scale=drafter.spec.input_embedding_scale, block_size=fit.block_size)
+                        drafter_input_embedding_scale=drafter.spec.input_embedding_scale, block_size=fit.block_size,
+                        family=drafter.spec.family)
         results.breakdown["served_check"] = check.to_dict()
     lines = [format_results(results)] + (["\n" + format_check(check)] if check is not None else [])
     # Written before the summary is printed, so a closed pipe (``eval_drafter ... | head``) cannot lose the

@@ -22,6 +22,8 @@ class MtpFamily(ChainFamily):
         return MtpDrafter
 
     target_prefix = "mtp."
+    # vLLM's method "mtp"; SGLang serves Qwen3.5's head as NEXTN, which it runs (and may report) as EAGLE.
+    served_methods = ("MTP", "NEXTN", "EAGLE")
 
     def config_from_target(self, target_config: dict[str, Any], speculative_tokens: int) -> dict[str, Any]:
         from .model import mtp_config_from_target
