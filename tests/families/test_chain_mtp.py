@@ -186,6 +186,12 @@ def test_the_serving_projection_counts_a_chains_steps(world, tmp_path: Path) -> 
     assert serve_plan.main([str(files[0]), str(files[1]), "--out", str(tmp_path / "plan")]) == 0
     md = (tmp_path / "plan.md").read_text()
     assert "| mtp | chain K=3" in md and "| dflash | block 6" in md
+    # Families side by side is a normal comparison: each drafts its own block, no "not like for like" warning.
+    from dflash_cb.integrations.cli.compare import main as compare
+
+    assert compare([str(files[0]), str(files[1]), "--out", str(tmp_path / "cmp")]) == 0
+    table = (tmp_path / "cmp.md").read_text()
+    assert "| tau (pooled over cycles) |" in table and "block_size differ" not in table
 
 
 def test_a_profile_times_one_chain_step(world, tmp_path: Path, monkeypatch) -> None:
