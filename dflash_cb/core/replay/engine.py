@@ -832,7 +832,8 @@ def evaluate(cache: StateCache, drafter: Any, head: TargetHead | None = None, re
     many first cycles (``SampleResult.drafts``).
     ``tail_blocks`` (``replay.TAIL_BLOCKS``): "served" drafts full blocks up to the end, as SGLang;
     "reference" shortens the last blocks, as ``dflash_generate`` (docs/method.md, "Tail blocks").
-    ``block_size`` (``replay.check_block_size``: 2 .. the drafter's, None = the drafter's) is the block
+    ``block_size`` (``replay.check_block_size``: 2 .. the drafter's, a chain drafter's up to its family's
+    ``block_cap``; None = the drafter's) is the block
     every cycle drafts, as a server started with a smaller block does; the tail rules and the
     per-depth statistics follow it (``EvalReport.block_size``). ``draft_all``: the first round drafts every
     anchor, as stride 1 does, whatever the statistics stride: one round instead of one per cycle, cheaper when
@@ -990,9 +991,9 @@ def _load_wave(cache: StateCache, ids: list[str], runner: DraftRunner, plan: _Pl
                     feats = feats.to(device=device, dtype=runner.dtype)
                     nxt = None
                     if runner.context_reads_tokens:  # row t's next token (the sample's last token pads)
-                        ids_ = tokens[-1].to(device)
-                        nxt = runner.token_embeddings(ids_[torch.arange(1, r + 1, device=device).clamp(
-                            max=ids_.numel() - 1)], embed).to(runner.dtype)
+                        token_ids = tokens[-1].to(device)
+                        nxt = runner.token_embeddings(token_ids[torch.arange(1, r + 1, device=device).clamp(
+                            max=token_ids.numel() - 1)], embed).to(runner.dtype)
                     del sample  # the features are no longer needed once projected
                 yield feats if nxt is None else (feats, nxt)
 
