@@ -28,8 +28,9 @@ from _synthetic import PRESETS, make_drafter, make_head, write_cache  # noqa: E4
 
 from dflash_cb.cache.states import StateCache  # noqa: E402
 from dflash_cb.core.drafters.dflash.model import DFlashDrafter  # noqa: E402
+from dflash_cb.core.drafters.dflash.runner import FastRunner  # noqa: E402
 from dflash_cb.core.figures.metrics import ddtree_tau  # noqa: E402
-from dflash_cb.core.replay.engine import FastRunner, evaluate  # noqa: E402
+from dflash_cb.core.replay.engine import evaluate  # noqa: E402
 
 
 def _cycles(lengths: list[int], start: int) -> set[tuple[int, int]]:

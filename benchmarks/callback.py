@@ -39,8 +39,9 @@ from lightning.pytorch import Callback, Trainer, seed_everything  # noqa: E402
 
 from dflash_cb import DFlashEvalCallback  # noqa: E402
 from dflash_cb.cache.states import StateCache, TargetHead  # noqa: E402
+from dflash_cb.core.drafters.dflash.runner import FastRunner  # noqa: E402
 from dflash_cb.core.figures.metrics import EVAL_TIME  # noqa: E402
-from dflash_cb.core.replay.engine import FastRunner, evaluate  # noqa: E402
+from dflash_cb.core.replay.engine import evaluate  # noqa: E402
 from dflash_cb.demo.lightning_module import CachedStatesDataModule, DFlashDrafterModule  # noqa: E402
 
 

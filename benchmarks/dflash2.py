@@ -40,12 +40,14 @@ from _synthetic import PRESETS, drafter_config, make_drafter, make_head, write_c
 
 from dflash_cb.common.timing import PhaseTimer  # noqa: E402
 from dflash_cb.core.costs.evaluation import DEFAULT_LIMITS, DrafterShape, block_gflop, memory_bound  # noqa: E402
+from dflash_cb.core.drafters.dflash.runner import FastRunner  # noqa: E402
 from dflash_cb.core.drafters.dflash2 import selector  # noqa: E402
 from dflash_cb.core.drafters.dflash2.figures import SELECTOR_ORACLE_TAU, SELECTOR_UNARY_TAU  # noqa: E402
 from dflash_cb.core.drafters.dflash2.model import PICK_ROWS, DFlash2Drafter  # noqa: E402
 from dflash_cb.core.drafters.proposers import predecessors  # noqa: E402
+from dflash_cb.core.drafters.runners import block_embeddings  # noqa: E402
 from dflash_cb.core.figures.metrics import TAU  # noqa: E402
-from dflash_cb.core.replay.engine import PHASES, FastRunner, block_embeddings, evaluate  # noqa: E402
+from dflash_cb.core.replay.engine import PHASES, evaluate  # noqa: E402
 
 GB = 1e9
 

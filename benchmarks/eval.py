@@ -45,14 +45,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _synthetic import PRESETS, make_drafter, make_head, write_cache  # noqa: E402
 
 from dflash_cb.cache.states import StateCache, TargetHead  # noqa: E402
-from dflash_cb.core.replay.engine import (  # noqa: E402
-    FastRunner,
-    apply_head,
-    as_runner,
-    block_embeddings,
-    bounds_for,
-    evaluate,
-)
+from dflash_cb.core.drafters.dflash.runner import FastRunner  # noqa: E402
+from dflash_cb.core.drafters.runners import block_embeddings  # noqa: E402
+from dflash_cb.core.replay.engine import apply_head, as_runner, bounds_for, evaluate  # noqa: E402
 
 
 def replay_per_cycle(cache: StateCache, drafter: torch.nn.Module, head: TargetHead, sample_id: str) -> list[int]:

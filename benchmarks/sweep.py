@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _synthetic import PRESETS, make_drafter, make_head, write_cache  # noqa: E402
 
-from dflash_cb.core.replay.engine import FastRunner  # noqa: E402
+from dflash_cb.core.drafters.dflash.runner import FastRunner  # noqa: E402
 
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 

@@ -145,13 +145,19 @@ def draft_folder_settings(path: Any) -> dict[str, Any] | None:
 
 # -- the convention -------------------------------------------------------------------------------
 
-def served_block_size(server: Mapping[str, Any] | None) -> int | None:
+# The speculative methods a server names for a DFlash-format drafter (the block families'); a drafter family
+# declares its own (``DrafterFamily.served_methods``), e.g. the MTP head's "mtp" / "NEXTN".
+BLOCK_METHODS = ("DFLASH",)
+
+
+def served_block_size(server: Mapping[str, Any] | None, methods: Sequence[str] = BLOCK_METHODS) -> int | None:
     """The block the server drafted with (anchor included), from the recorded ``/get_server_info``, or None.
 
     SGLang's DFlash worker drafts blocks of ``speculative_num_draft_tokens``; ``--speculative-dflash-block-size``
     sets it too (SGLang refuses the two set apart, and resolves an unset one from the draft model's
-    config, so a DFlash server reports the block it drafts with). For another algorithm the draft
-    tokens are not a block: None, as for an old manifest that recorded neither.
+    config, so a DFlash server reports the block it drafts with). For another algorithm than ``methods`` (the
+    evaluated drafter family's) the draft tokens are not its block: None, as for an old manifest that recorded
+    neither. A chain drafter's (``num_speculative_tokens`` K, SGLang's ``num_steps``) block is K + 1.
 
     vLLM drafts ``num_speculative_tokens`` tokens a round after the anchor: its block is that + 1, from
     ``/server_info`` where the server serves it, else from the positions of its per-position counter
@@ -159,12 +165,15 @@ def served_block_size(server: Mapping[str, Any] | None) -> int | None:
     """
     if not isinstance(server, Mapping):
         return None
-    if "algorithm" in server and str(server["algorithm"]).upper() != "DFLASH":  # None: not speculating
+    if "algorithm" in server and str(server["algorithm"]).upper() not in methods:  # None: not speculating
         return None
     if server.get("server") == "vllm":
         said, counted = V.drafts_per_round(server)
         k = said or counted
         return k + 1 if k else None
+    if tuple(methods) != BLOCK_METHODS:  # a chain: SGLang's --speculative-num-steps drafts a token each
+        steps = server.get("num_steps")
+        return steps + 1 if isinstance(steps, int) and not isinstance(steps, bool) and steps > 0 else None
     for key in ("dflash_block_size", "num_draft_tokens"):
         v = server.get(key)
         if isinstance(v, int) and not isinstance(v, bool) and v > 0:
@@ -377,7 +386,7 @@ def comparable_entries(entries: Sequence[Any], sample_ids: Sequence[str] | None 
 # -- settings that make the server's drafts differ from the replay --------------------------------
 
 def block_size_settings(server: Mapping[str, Any] | None, block_size: int | None,
-                        drafter_block_size: int | None) -> list[str]:
+                        drafter_block_size: int | None, methods: Sequence[str] = BLOCK_METHODS) -> list[str]:
     """One line when the recorded server block (:func:`served_block_size`) is not the block the replay
     drafted (``block_size``; the drafter's trained block is ``drafter_block_size``), naming both."""
     server = server or {}
@@ -388,6 +397,8 @@ def block_size_settings(server: Mapping[str, Any] | None, block_size: int | None
             out.append(f"the server's settings disagree: /server_info says num_speculative_tokens {said}, its "
                        f"per-position counter has {counted} positions: which block it drafted is unknown")
         setting = f"num_speculative_tokens {said or counted}"
+    elif tuple(methods) != BLOCK_METHODS:
+        setting = "speculative_num_steps + 1"
     else:
         both = [server.get(k) for k in ("dflash_block_size", "num_draft_tokens")]
         if all(isinstance(v, int) and not isinstance(v, bool) for v in both) and both[0] != both[1]:
@@ -395,7 +406,7 @@ def block_size_settings(server: Mapping[str, Any] | None, block_size: int | None
                        f"speculative_num_draft_tokens {both[1]} (SGLang refuses that): which block it drafted is "
                        "unknown")
         setting = "speculative_num_draft_tokens"
-    served = served_block_size(server)
+    served = served_block_size(server, methods)
     if served is None or block_size is None or served == block_size:
         return out
     drafter = f" (the drafter's block is {drafter_block_size})" if drafter_block_size not in (None, block_size) else ""
@@ -412,18 +423,20 @@ def block_size_settings(server: Mapping[str, Any] | None, block_size: int | None
 def incomparable_settings(server: Mapping[str, Any] | None, longest_context: int,
                           drafter_input_embedding_scale: float = 1.0,
                           drafter_path: str | os.PathLike | None = None, block_size: int | None = None,
-                          drafter_block_size: int | None = None) -> list[str]:
+                          drafter_block_size: int | None = None, methods: Sequence[str] = BLOCK_METHODS,
+                          label: str = "DFlash") -> list[str]:
     """One line per recorded server setting under which the server drafts differently from the replay
     (SGLang 0.5.23's DFlash worker; docs/method.md, "Tail blocks" and "Check against the server"),
     the block size included (:func:`block_size_settings`). A server speculating with another method than
-    DFlash is named too. For vLLM only those two are known (docs/served-check.md, "vLLM")."""
+    DFlash (``methods``: the evaluated drafter family's, named ``label``) is named too. For vLLM only those two
+    are known (docs/served-check.md, "vLLM")."""
     server = server or {}
     out = []
     method = server.get("algorithm")
-    if isinstance(method, str) and method.upper() not in ("DFLASH", "NONE"):
-        out.append(f"the server speculates with {method!r}, not DFlash: its rounds are not the replay's cycles")
-    if server.get("server") == "vllm":
-        return out + block_size_settings(server, block_size, drafter_block_size)
+    if isinstance(method, str) and method.upper() not in (*methods, "NONE"):
+        out.append(f"the server speculates with {method!r}, not {label}: its rounds are not the replay's cycles")
+    if server.get("server") == "vllm" or tuple(methods) != BLOCK_METHODS:  # the settings below are DFlash's
+        return out + block_size_settings(server, block_size, drafter_block_size, methods)
     window = server.get("draft_window_size")
     if isinstance(window, int) and not isinstance(window, bool) and window > 0 and longest_context > window:
         page = server.get("page_size")
@@ -437,7 +450,7 @@ def incomparable_settings(server: Mapping[str, Any] | None, longest_context: int
     if folder.get("mask_embedding") or (local or {}).get("mask_embedding"):
         out.append(f"{MASK_EMBEDDING_FILE} in the draft folder: the server replaces the mask token's embedding row "
                    "with it, the replay uses the target's row: every draft can differ")
-    out += block_size_settings(server, block_size, drafter_block_size)
+    out += block_size_settings(server, block_size, drafter_block_size, methods)
     scales = {float(drafter_input_embedding_scale)}
     if isinstance(folder.get("input_embedding_scale"), (int, float)):
         scales.add(float(folder["input_embedding_scale"]))

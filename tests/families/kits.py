@@ -40,6 +40,9 @@ class Kit:
     tail_blocks: str = "reference"  # the reference loop's tail: shortened blocks (dflash_generate) or full ones
     prepare: Callable[[Any], None] | None = None  # after training: weights the objective leaves at their init
     variants: tuple[Variant, ...] = ()  # other settings, each replayed too
+    train: Callable[[Any, Any], Any] | None = None  # (module, cache) -> trained module, instead of train_briefly
+    adoptable: bool = True  # the reference module itself is scored (adopted zero-copy)
+    layers: tuple[int, ...] = tuple(LAYERS)  # the target layers the drafter reads
 
     def variant(self, name: str) -> Variant:
         """The named variant ("": the kit's own config)."""
@@ -49,7 +52,8 @@ class Kit:
         """``config`` of the named variant, ``block`` unless the variant sets its own."""
         v = self.variant(name)
         cfg = self.config(vocab, hidden, v.block or block, v.sliding)
-        cfg["dflash_config"] = {**cfg["dflash_config"], **v.fields}
+        if v.fields:
+            cfg["dflash_config"] = {**cfg["dflash_config"], **v.fields}
         return cfg
 
     def loop_of(self, name: str) -> Callable[..., list[int]]:
@@ -224,6 +228,35 @@ def random_markov_head(ours: Any) -> None:
             p.copy_(torch.randn(p.shape, generator=g) * 0.5)
 
 
+def _mtp_config(vocab: int, hidden: int, block: int, window: bool | None = None) -> dict:
+    """The MTP head of the tiny target (4 layers: layer 3's output is its final-normed state, what the MTP reads)."""
+    return dict(architectures=["Qwen3_5MTPDrafter"], drafter_family="mtp", model_type="qwen3_5_text",
+                vocab_size=vocab, hidden_size=hidden, intermediate_size=64, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6, max_position_embeddings=512,
+                num_hidden_layers=1, mtp_num_hidden_layers=1,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+                target_layer_ids=[3], num_target_layers=4, num_speculative_tokens=block - 1)
+
+
+def _mtp_reference(ours: Any, cfg: dict) -> Any:
+    from chain_reference import ReferenceMtp
+    from transformers import Qwen3_5TextConfig
+
+    return ReferenceMtp(Qwen3_5TextConfig(**cfg), ours.state_dict()).eval()
+
+
+def _mtp_generate(ref: Any, target: Any, prompt: torch.Tensor, max_new: int, stops: list[int], block: int) -> list[int]:
+    from chain_reference import mtp_generate
+
+    return mtp_generate(ref, target, prompt[0].tolist(), max_new, stops, block - 1)
+
+
+def _train_chain(ours: Any, cache: Any) -> Any:
+    from chain_reference import train_chain
+
+    return train_chain(ours, cache)
+
+
 KITS: dict[str, Kit] = {
     "dflash": Kit(_block_config("DFlashDraftModel"), _dflash_reference, _dflash_generate),
     "dflash2": Kit(_block_config("DFlash2DraftModel", conv_group_size=8, conv_kernel_size=2, selector_rank=8,
@@ -240,6 +273,8 @@ KITS: dict[str, Kit] = {
                   _domino_reference, _spec_generate, tail_blocks="served", prepare=_light_correction,
                   variants=(Variant("shift_label", {"shift_label": True}), Variant("block16", block=16),
                             Variant("window", sliding=True, loop=_spec_generate_on_dflash_backbone))),
+    "mtp": Kit(_mtp_config, _mtp_reference, _mtp_generate, tail_blocks="served", train=_train_chain, adoptable=False,
+               layers=(3,)),
 }
 
 # (family, variant) pairs the suite replays: every family's kit, then its variants.

@@ -35,7 +35,7 @@ from ...common.fileio import (
 )
 from ...common.tensorfile import write_safetensors
 from ..drafters.layouts import drafter_from_config, layout_keys, load_weights, published_spelling
-from ..drafters.registry import spec_from_config
+from ..drafters.registry import families, spec_from_config
 from ..loop.finite import check_finite_weights
 
 DRAFTER_FILES = ("config.json", "model.safetensors")
@@ -426,6 +426,68 @@ def extract_drafter(ckpt_path: str | os.PathLike, out_dir: str | os.PathLike,
         kept = "" if overwrite_into else f"; --out {out} is as it was"
         raise CheckpointError(f"{describe_os_error(e)}: the drafter could not be written{kept}") from None
     return found.info
+
+
+def extract_from_target(target_dir: str | os.PathLike, out_dir: str | os.PathLike, speculative_tokens: int = 3,
+                        overwrite: bool = False) -> dict[str, Any]:
+    """Write the drafter a target ships inside its own checkpoint (a family's ``target_prefix``: Qwen3.5 /
+    Qwen3.6's MTP head under ``mtp.*``, which transformers drops when it loads the model) as a drafter folder
+    ``out_dir``, reading only those tensors from the target's safetensors shards (the 27B's 52 GB are never
+    loaded). Same folder rules as ``extract_drafter``."""
+    from safetensors import safe_open
+
+    folder = Path(target_dir)
+    cfg_path = folder / "config.json"
+    if not cfg_path.is_file():
+        raise CheckpointError(f"--mtp-from {folder}: no config.json; point it at the target's model folder (the one "
+                              "holding config.json and *.safetensors)")
+    out = output_path(out_dir)
+    overwrite_into = check_drafter_out(out, folder, overwrite)
+    target_config = json.loads(cfg_path.read_text())
+    shipped = [f for f in families() if f.target_prefix is not None]
+    config, family = None, None
+    for family in shipped:
+        try:
+            config = family.config_from_target(target_config, speculative_tokens)
+            break
+        except ValueError as e:
+            reason = str(e)
+    if config is None or family is None:
+        raise CheckpointError(f"{cfg_path}: {reason if shipped else 'no drafter family reads a target checkpoint'}")
+    prefix = family.target_prefix
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted({name for key, name in json.loads(index.read_text())["weight_map"].items()
+                        if key.startswith(prefix)})
+    else:
+        files = sorted(p.name for p in folder.glob("*.safetensors"))
+    weights: dict[str, torch.Tensor] = {}
+    for name in files:
+        with safe_open(str(folder / name), framework="pt") as f:
+            for key in f.keys():
+                if key.startswith(prefix):
+                    weights[key] = f.get_tensor(key).contiguous()
+    if not weights:
+        raise CheckpointError(f"--mtp-from {folder}: its config says it ships a {family.label} drafter but no "
+                              f"safetensors file holds {prefix}* weights (a checkpoint re-saved by transformers "
+                              "loses them: use the original files)")
+    model = drafter_from_config(config)
+    try:
+        load_weights(model, weights, source=str(folder))
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+    check_finite_weights(weights.items(), str(folder))
+    config_text = json.dumps(config, indent=2) + "\n"
+    try:
+        if overwrite_into:
+            _write_drafter_files(out, weights, config_text)
+        else:
+            _write_drafter_folder(out, weights, config_text)
+    except OSError as e:
+        kept = "" if overwrite_into else f"; --out {out} is as it was"
+        raise CheckpointError(f"{describe_os_error(e)}: the drafter could not be written{kept}") from None
+    return {"tensors": len(weights), "params": sum(v.numel() for v in weights.values()), "files": files,
+            "family": family.label}
 
 
 def check_drafter_out(out: Path, ckpt_path: str | os.PathLike, overwrite: bool) -> bool:

@@ -35,6 +35,11 @@ class DrafterShape:
     selector_rank: int = 0
     selector_top_k: int = 0
     lattice_blocks: int = 0  # blocks whose selector lattice is built at once (its temporaries' bound)
+    # Chain drafters (docs/method.md, "Chain drafters"): per context position, the state carried to the next step
+    # and the head's input besides the K/V (``carry_width`` values); ``token_input``: the token embedding's width
+    # that the input projection reads besides the features.
+    carry_width: int = 0
+    token_input: int = 0
 
     @classmethod
     def of(cls, config: Any, block_size: int, features: int) -> DrafterShape:
@@ -57,8 +62,8 @@ class DrafterShape:
     def weight_params(self) -> int:
         """Matmul weights of the drafter: its layers and the context projection (fc); for DFlash 2 also the
         convolutions and the selector's hidden projection (its codebooks: ``codebook_params``)."""
-        return self.layers * self.layer_params + self.features * self.hidden + self.conv_params + self.hidden * \
-            self.selector_rank
+        return self.layers * self.layer_params + (self.features + self.token_input) * self.hidden + \
+            self.conv_params + self.hidden * self.selector_rank
 
     @property
     def conv_params(self) -> int:
@@ -72,8 +77,8 @@ class DrafterShape:
         return 2 * self.vocab * self.selector_rank
 
     def kv_bytes_per_position(self, itemsize: int) -> int:
-        """Context K/V one position holds: every layer's keys and values."""
-        return self.layers * 2 * self.kv_heads * self.head_dim * itemsize
+        """Context state one position holds: every layer's keys and values (and a chain's carried state)."""
+        return (self.layers * 2 * self.kv_heads * self.head_dim + self.carry_width) * itemsize
 
 
 def block_gflop(shape: DrafterShape, context: int, positions: float, lattice: bool = False) -> float:

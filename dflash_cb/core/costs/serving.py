@@ -17,7 +17,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
 from ..figures.bootstrap import DEFAULT_RESAMPLES, DEFAULT_SEED, Interval, Sums, intervals, paired_difference
@@ -46,7 +46,9 @@ class CostProfile:
     (verified tokens, seconds) rows; between rows interpolated, beyond them refused. ``draft``: per context
     length (0: every context), the seconds of one drafter pass (a block drafter) or one step (a chain drafter).
     ``target`` / ``drafter``: what it was measured for (``TARGET_FIELDS`` / ``DRAFTER_FIELDS``, any subset).
-    ``source``: the command that measured it, the roofline's stated numbers, or the user's file."""
+    ``source``: the command that measured it, the roofline's stated numbers, or the user's file. ``others``:
+    more drafters timed against the same target steps, as (identity, draft seconds per context): one profile
+    serves drafters of several families side by side (``for_drafter`` picks a drafter's own)."""
 
     kind: ProfileKind
     verify: dict[int, tuple[tuple[int, float], ...]]
@@ -58,6 +60,7 @@ class CostProfile:
     batch_size: int = 1
     date: str = ""
     source: str = ""
+    others: tuple[tuple[dict[str, Any], dict[int, float]], ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in PROFILE_KINDS:
@@ -72,8 +75,22 @@ class CostProfile:
                                    f">= 1 in increasing order, got {ns}")
             if any(not (math.isfinite(s) and s > 0) for _, s in rows):
                 raise ProfileError(f"verify rows at context {ctx}: every time must be a positive number of seconds")
-        if not self.draft or any(c < 0 or not (math.isfinite(s) and s >= 0) for c, s in self.draft.items()):
-            raise ProfileError("the profile's draft seconds must be non-negative numbers per context (0: any)")
+        for draft in (self.draft, *(d for _, d in self.others)):
+            if not draft or any(c < 0 or not (math.isfinite(s) and s >= 0) for c, s in draft.items()):
+                raise ProfileError("the profile's draft seconds must be non-negative numbers per context (0: any)")
+
+    def for_drafter(self, identity: Mapping[str, Any]) -> CostProfile:
+        """This profile with the draft seconds of the drafter it timed that is ``identity`` (its family, widths
+        and layers; a chain's step does not depend on its length, nor a pass on the block asked for), else as it
+        is (``identity_mismatches`` then says whose they are)."""
+        def same(have: Mapping[str, Any]) -> bool:
+            return all(have.get(f) == identity.get(f) for f in DRAFTER_FIELDS if f != "block_size"
+                       and have.get(f) is not None and identity.get(f) is not None)
+
+        for who, draft in ((self.drafter, self.draft), *self.others):
+            if who and same(who):
+                return replace(self, drafter=dict(who), draft=dict(draft))
+        return self
 
     @property
     def max_verified(self) -> int:
@@ -99,6 +116,8 @@ class CostProfile:
         d = asdict(self)
         d["verify"] = {str(c): [list(r) for r in rows] for c, rows in sorted(self.verify.items())}
         d["draft"] = {str(c): s for c, s in sorted(self.draft.items())}
+        d["others"] = [{"drafter": who, "draft": {str(c): s for c, s in sorted(draft.items())}}
+                       for who, draft in self.others]
         return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, **d}
 
     @classmethod
@@ -113,9 +132,12 @@ class CostProfile:
         try:
             verify = {int(c): tuple((int(n), float(s)) for n, s in rows) for c, rows in data["verify"].items()}
             draft = {int(c): float(s) for c, s in data["draft"].items()}
+            others = tuple((dict(o["drafter"]), {int(c): float(s) for c, s in o["draft"].items()})
+                           for o in data.get("others") or ())
             return cls(str(data["kind"]), verify, draft, dict(data.get("target") or {}),  # type: ignore[arg-type]
                        dict(data.get("drafter") or {}), str(data.get("device", "")), str(data.get("dtype", "")),
-                       int(data.get("batch_size", 1)), str(data.get("date", "")), str(data.get("source", "")))
+                       int(data.get("batch_size", 1)), str(data.get("date", "")), str(data.get("source", "")),
+                       others)
         except ProfileError as e:
             raise ProfileError(f"{where}: {e}") from e
         except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -172,10 +194,13 @@ class Setting:
     label: str
 
 
-def block_settings(block_size: int, budgets: Sequence[int] = ()) -> list[Setting]:
-    """A block drafter's settings from one evaluation: the greedy block (its ``block_size`` tokens verified:
-    the anchor and the drafts) and a DDTree per budget (its nodes and the root), one drafter pass each."""
-    out = [Setting("greedy", block_size, 1, f"block {block_size}")]
+def block_settings(block_size: int, budgets: Sequence[int] = (), passes: int = 1, label: str | None = None
+                   ) -> list[Setting]:
+    """A drafter's settings from one evaluation: the greedy block (its ``block_size`` tokens verified: the anchor
+    and the drafts) and a DDTree per budget (its nodes and the root). ``passes``: drafter passes per cycle (a
+    block drafter's one; a chain drafter's one step per draft, ``DrafterFamily.draft_passes``); ``label``: the
+    greedy setting's name in tables (``DrafterFamily.setting_label``)."""
+    out = [Setting("greedy", block_size, passes, label or f"block {block_size}")]
     out += [Setting(f"ddtree_b{b}", b + 1, 1, f"DDTree {b}") for b in budgets]
     return out
 

@@ -135,6 +135,12 @@ class DrafterFamily:
     # Whether ``specforge/acc`` (SpecForge's accuracy of this drafter) is replayed; else it is left out, said why.
     specforge_accuracy: ClassVar[bool] = True
     figures: ClassVar[FamilyFigures] = FamilyFigures()
+    # The speculative methods a server names when it serves this family (SGLang's ``speculative_algorithm``,
+    # vLLM's ``method``, upper-cased): the served check compares only rounds of these.
+    served_methods: ClassVar[tuple[str, ...]] = ("DFLASH",)
+    # The prefix of this family's weights inside a target's own checkpoint, for a drafter the target ships (its
+    # MTP head): ``checkpoints.load.extract_from_target`` reads them with ``config_from_target``'s config.
+    target_prefix: ClassVar[str | None] = None
     # Config fields only this family's configs carry (``config_hints``), and what to add to a config that lacks
     # them (messages).
     config_fields: ClassVar[tuple[str, ...]] = ()
@@ -158,6 +164,11 @@ class DrafterFamily:
         """What a config must hold to say it is this family (messages)."""
         said = f"architectures [{self.architecture!r}]"
         return said + (f" and dflash_config's {', '.join(self.config_fields)}" if self.config_fields else "")
+
+    def config_from_target(self, target_config: dict[str, Any], speculative_tokens: int) -> dict[str, Any]:
+        """The drafter ``config.json`` of the drafter a target with ``target_config`` ships (``target_prefix``);
+        a ValueError saying why when it ships none."""
+        raise ValueError(f"a target does not ship a {self.label} drafter")
 
     # -- building ------------------------------------------------------------
     def spec(self, config: Any) -> DrafterSpec:
@@ -193,6 +204,19 @@ class DrafterFamily:
         n_target = _get(config, "num_target_layers") if config is not None else None
         return CacheNeeds(self.label, tuple(spec.target_layer_ids), spec.target_hidden_size, spec.vocab_size,
                           int(n_target) if n_target is not None else None, spec.block_size, spec.mask_token_id)
+
+    def block_cap(self, spec: DrafterSpec) -> int:
+        """The largest block the replay may draft with this drafter: its trained block (a block drafter has no
+        mask positions beyond it); a chain can unroll further."""
+        return spec.block_size
+
+    def draft_passes(self, block_size: int) -> int:
+        """Drafter passes a cycle drafting blocks of ``block_size`` costs (the serving projection): one."""
+        return 1
+
+    def setting_label(self, block_size: int) -> str:
+        """The greedy setting at ``block_size`` as tables name it."""
+        return f"block {block_size}"
 
     def tree_candidates(self, spec: DrafterSpec) -> int | None:
         """How many children a DDTree node may have per position when fewer than the vocabulary (a family whose

@@ -53,6 +53,10 @@ class DraftRunner:
     # The drafter's module, for what a family's proposer reads besides the blocks (DFlash 2's selector); None
     # for a plain callable.
     module: Any = None
+    # Whether ``context`` reads each context row's next token besides its features (a chain drafter's row t
+    # is fed the token at t + 1): each item of ``features`` is then (features [r, F], embeddings [r, H]) of
+    # ``token_embeddings``.
+    context_reads_tokens = False
 
     @property
     def dtype(self) -> torch.dtype:
@@ -69,6 +73,11 @@ class DraftRunner:
         """Input embeddings of blocks at ``anchors`` [N, length, H] (flat positions into ``tokens``): the
         verified token, then the family's filler token (``DrafterSpec.mask_token_id``)."""
         return block_embeddings(tokens, anchors, length, self.spec, embed)
+
+    def token_embeddings(self, ids: torch.Tensor, embed: torch.Tensor) -> torch.Tensor:
+        """Input embeddings of token ``ids`` (the target's ``embed`` unless the drafter has its own table)."""
+        emb = torch.nn.functional.embedding(ids, embed)
+        return emb * self.spec.input_embedding_scale if self.spec.input_embedding_scale != 1.0 else emb
 
     def context(self, features: Iterable[torch.Tensor], rows: Sequence[int]) -> Any:
         """The drafter state of a wave: sample ``s``'s context features [rows[s], F] (its positions

@@ -64,7 +64,7 @@ def check_tail_blocks(tail_blocks: str) -> str:
     return tail_blocks
 
 
-def check_block_size(block_size: Any, drafter_block_size: int, name: str = "block_size") -> int:
+def check_block_size(block_size: Any, drafter_block_size: int, name: str = "block_size", cap: int | None = None) -> int:
     """The block the loop drafts with: ``block_size`` (None: the drafter's own ``drafter_block_size``).
 
     A server can draft with a block shorter than the drafter's trained one (SGLang's
@@ -72,10 +72,14 @@ def check_block_size(block_size: Any, drafter_block_size: int, name: str = "bloc
     the anchor and ``block_size - 1`` mask positions, and its tau is capped by that block. A block
     holds the anchor and at least one draft (>= 2) and no mask position the drafter was not trained
     for (<= ``drafter_block_size``). Raises ``ArgumentError`` naming ``name`` (``"--block-size"`` on a
-    command line). The one rule for the engine, the evaluator and ``eval_drafter.py``.
+    command line). The one rule for the engine, the evaluator and ``eval_drafter.py``. ``cap``: the largest block
+    when the drafter can draft beyond its own (a chain drafter unrolls more steps: ``DrafterFamily.block_cap``).
     """
     if block_size is None:
         return drafter_block_size
+    if cap is not None and cap != drafter_block_size:
+        return int_between(name, block_size, 2, cap, note=f"a block is the anchor and at least one draft; this "
+                                                          f"drafter unrolls at most {cap - 1} steps")
     return int_between(name, block_size, 2, drafter_block_size,
                        note=f"a block is the anchor and at least one draft, and at most the drafter's trained "
                             f"block ({drafter_block_size}); omit it for the drafter's")

@@ -843,7 +843,8 @@ def evaluate(cache: StateCache, drafter: Any, head: TargetHead | None = None, re
     many first cycles (``SampleResult.drafts``).
     ``tail_blocks`` (``replay.TAIL_BLOCKS``): "served" drafts full blocks up to the end, as SGLang;
     "reference" shortens the last blocks, as ``dflash_generate`` (docs/method.md, "Tail blocks").
-    ``block_size`` (``replay.check_block_size``: 2 .. the drafter's, None = the drafter's) is the block
+    ``block_size`` (``replay.check_block_size``: 2 .. the drafter's, a chain drafter's up to its family's
+    ``block_cap``; None = the drafter's) is the block
     every cycle drafts, as a server started with a smaller block does; the tail rules and the
     per-depth statistics follow it (``EvalReport.block_size``). ``draft_all``: the first round drafts every
     anchor, as stride 1 does, whatever the statistics stride: one round instead of one per cycle, cheaper when
@@ -887,7 +888,7 @@ def evaluate(cache: StateCache, drafter: Any, head: TargetHead | None = None, re
     cache.check_fit(family_named(spec.family).cache_needs(spec, getattr(drafter, "config", None)))
     if isinstance(drafter, torch.nn.Module):  # NaN weights would still get a tau (the argmax of NaN is a token)
         check_finite_weights(drafter.named_parameters(), f"the drafter ({type(drafter).__name__})")
-    block = check_block_size(req.block_size, spec.block_size)
+    block = check_block_size(req.block_size, spec.block_size, cap=family_named(spec.family).block_cap(spec))
     check_tree_support(spec, budgets)
     drafting_spec = dataclasses.replace(spec, block_size=block)  # what the cycles draft; the report keeps spec
     specforge, note = specforge_pass(runner, block)
@@ -921,7 +922,7 @@ def evaluate(cache: StateCache, drafter: Any, head: TargetHead | None = None, re
     passes = 0
     with torch.no_grad(), autocast_context(device, req.autocast_dtype):
         for wave_ids in _waves(cache, ids, runner, state_dtype, limits.context_bytes):
-            wave = _load_wave(cache, wave_ids, runner, plan, timer)
+            wave = _load_wave(cache, wave_ids, runner, plan, timer, head.embed_tokens)
             first = True
             while True:
                 with timer.phase(WALK):
@@ -977,7 +978,8 @@ def specforge_pass(runner: DraftRunner, block_size: int) -> tuple[SpecForgePass,
     return SpecForgePass.LEFT_OUT, f"{difference}: {SPECFORGE_LEFT_OUT}"
 
 
-def _load_wave(cache: StateCache, ids: list[str], runner: DraftRunner, plan: _Plan, timer: Any) -> _Wave:
+def _load_wave(cache: StateCache, ids: list[str], runner: DraftRunner, plan: _Plan, timer: Any,
+               embed: torch.Tensor) -> _Wave:
     """Read a wave's samples (each shard opened once) and build its drafter state as they arrive."""
     manifest, device = cache.manifest, plan.device
     entries = [cache.entry(i) for i in ids]
@@ -998,8 +1000,13 @@ def _load_wave(cache: StateCache, ids: list[str], runner: DraftRunner, plan: _Pl
                     topk.append(None if sample.topk_ids is None else (sample.topk_ids, sample.topk_logprobs))
                     feats = sample.hidden[:r] if columns is None else sample.hidden[:r].index_select(1, columns)
                     feats = feats.to(device=device, dtype=runner.dtype)
+                    nxt = None
+                    if runner.context_reads_tokens:  # row t's next token (the sample's last token pads)
+                        token_ids = tokens[-1].to(device)
+                        nxt = runner.token_embeddings(token_ids[torch.arange(1, r + 1, device=device).clamp(
+                            max=token_ids.numel() - 1)], embed).to(runner.dtype)
                     del sample  # the features are no longer needed once projected
-                yield feats
+                yield feats if nxt is None else (feats, nxt)
 
     with timer.phase(CONTEXT):
         context = runner.context(features(), rows)

@@ -136,6 +136,7 @@ def load_measured(path: str | os.PathLike, cache: StateCache, name: str | None =
         "block_size": res.block_size,
         "tail_blocks": res.tail_blocks,
         "samples_in_file": len(res.samples),
+        "family": res.family,
     }
     samples = res.samples
     if sample_ids is not None:

@@ -36,6 +36,7 @@ from ...cache.served import (
     trim_histogram,
     whole_count,
 )
+from ..drafters.registry import default_family, family_named
 from ..figures.bootstrap import Sums, paired_difference
 
 EQUAL, CENSORED, DIFFERS = "equal", "equal_censored", "differs"
@@ -224,13 +225,18 @@ def has_served_counters(entries: Sequence[Any]) -> bool:
                                                        or V.ATTRIBUTABLE in e.served_spec) for e in entries)
 
 
+def _methods(family: str | None) -> tuple[str, ...]:
+    """The speculative methods a server serving ``family`` names (the default family's when None)."""
+    return (family_named(family) if family else default_family()).served_methods
+
+
 def replay_block_size(server: Mapping[str, Any] | None, drafter_block_size: int, requested: int | None = None,
-                      name: str = "--block-size") -> int:
+                      name: str = "--block-size", family: str | None = None) -> int:
     """The block ``--served-check`` replays at: ``requested`` when given, else the server's recorded block
     (:func:`served_block_size`) when the drafter can draft it, else the drafter's (a server block
     larger than the drafter's, or unknown: :func:`compare` says whether the check is comparable).
     A ``requested`` block other than the recorded server block is refused (``name`` names it)."""
-    served = served_block_size(server)
+    served = served_block_size(server, _methods(family))
     if requested is not None and served is not None and requested != served:
         raise ServedCheckError(f"{name} {requested} with --served-check: the server drafted blocks of {served} "
                                f"tokens (the cache's served_spec_config); drop {name}: the check replays at the "
@@ -277,7 +283,8 @@ def _block_source(server: Mapping[str, Any] | None, server_block: int | None, co
 def compare(entries: Sequence[Any], offline: Mapping[str, Sequence[int]], server: Mapping[str, Any] | None = None,
             drafter_block_size: int | None = None, drafter_path: str | None = None,
             correct_drafts: Mapping[str, Sequence[int]] | None = None,
-            drafter_input_embedding_scale: float = 1.0, block_size: int | None = None) -> ServedCheck:
+            drafter_input_embedding_scale: float = 1.0, block_size: int | None = None,
+            family: str | None = None) -> ServedCheck:
     """Compare the replay (``offline``: sample id -> acceptance_lengths; ``correct_drafts``: sample id ->
     correct drafts per cycle, from a ``tail_blocks="served"`` replay at ``block_size``, default
     ``drafter_block_size``) with each entry's ``served_spec``.
@@ -286,10 +293,12 @@ def compare(entries: Sequence[Any], offline: Mapping[str, Sequence[int]], server
     flagged with the reason. When a recorded server setting makes the server's drafts differ from
     the replay (:func:`incomparable_settings`: a draft window, the mask embedding, a block other than
     the replay's) the check says so once and is marked not comparable. When the server's block is not
-    recorded, counters that prove rounds longer than the replay's block do the same.
+    recorded, counters that prove rounds longer than the replay's block do the same. ``family``: the drafter's
+    (None: the default), whose speculative methods the server must name (``DrafterFamily.served_methods``).
     """
     block = block_size if block_size is not None else drafter_block_size
-    server_block = served_block_size(server)
+    methods = _methods(family)
+    server_block = served_block_size(server, methods)
     vllm = any(V.is_vllm(e.served_spec) for e in entries if e.id in offline)
     counted_block = None  # vLLM: the block its counters show, when its configuration is not recorded
     if vllm and server_block is None:
@@ -372,8 +381,9 @@ def compare(entries: Sequence[Any], offline: Mapping[str, Sequence[int]], server
             warnings.append(f"the server's block is not recorded; no server round had more than {most_served} "
                             f"correct drafts, the replay's up to {most_offline}: if the server drafted blocks of "
                             f"{most_served + 1}, rerun with --block-size {most_served + 1}")
+    fam = family_named(family) if family else default_family()
     settings = incomparable_settings(server, longest, drafter_input_embedding_scale, drafter_path, block,
-                                     drafter_block_size)
+                                     drafter_block_size, methods, fam.label)
     if counted_block is not None and block is not None and counted_block != block:
         drafter = (f", the drafter's trained block is {drafter_block_size}: the replay cannot draft that long"
                    if drafter_block_size is not None and counted_block > drafter_block_size

@@ -12,7 +12,13 @@ from pathlib import Path
 
 from ...common import cli
 from ...common.log import say
-from ..evaluator.projection import add_projection, checked_settings, read_profile, refuse_other_target
+from ..evaluator.projection import (
+    add_projection,
+    checked_settings,
+    drafter_identity,
+    read_profile,
+    refuse_other_target,
+)
 from ..evaluator.scoring import CacheScorer, ScoringOptions, add_scoring_options
 
 USAGE = """Score a saved DFlash drafter on a cache of target states: exact tau, DDTree, per-depth acceptance.
@@ -39,6 +45,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile", default=None,
                    help="a cost profile (tools/profile_costs.py): also project tokens per second and the speedup "
                         "over plain decoding of every scored setting (block, DDTree budgets)")
+    p.add_argument("--speculative-tokens", default=None, metavar="K,K,...",
+                   help="a chain drafter (the target's MTP head, EAGLE-3): score each chain length K (e.g. 1,3,5; "
+                        "the servers' num_speculative_tokens), one results file each: --out with .kK before its "
+                        "suffix (results.k3.json); a block drafter takes --block-size instead")
     p.add_argument("--wandb-project", default=None, help="also log the evaluation to this W&B project")
     p.add_argument("--wandb-name", default=None, help="W&B run name")
     return p.parse_args(argv)
@@ -51,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     from ...common.fileio import check_outputs_apart
     from ...core.checkpoints.load import load_drafter
     from ...core.drafters.layouts import cache_needs
+    from ...core.drafters.registry import family_named
     from ...core.results.report import format_results
     from ...core.results.results_file import check_results_path, drafter_provenance, write_results
     from ...core.results.served_check import (
@@ -84,11 +95,18 @@ def main(argv: list[str] | None = None) -> int:
         why = nothing_selected(cache.path, [e for e in cache.samples if e.id in chosen])
         if why is not None:
             raise why  # the selection holds no sample with comparable counters: before any weights are read
+    chain = _chain_lengths(args, options)
     drafter = load_drafter(args.drafter, device=options.device)
+    if profile is not None:  # a profile timing several drafters: this one's passes
+        profile = profile.for_drafter(drafter_identity(drafter))
+    if chain:
+        return _score_chain_lengths(args, scorer, drafter, chain, out, profile)
+    # The longest block the drafter can draft: its trained one, or a chain's unroll (``DrafterFamily.block_cap``).
+    reach = family_named(drafter.spec.family).block_cap(drafter.spec)
     if args.served_check:  # the server's block when it is recorded (docs/method.md, "Check against the server")
         cache.check_fit(cache_needs(drafter))  # before its block is compared with the server's
         scorer.config = scorer.config.replace(block_size=replay_block_size(
-            cache.manifest.served_spec_config, drafter.spec.block_size, options.block_size))
+            cache.manifest.served_spec_config, reach, options.block_size, family=drafter.spec.family))
     fit = scorer.check(drafter, "--drafter")
     settings = None
     if profile is not None:  # every setting within the profile's rows, before any scoring
@@ -99,9 +117,10 @@ def main(argv: list[str] | None = None) -> int:
     check = None
     if args.served_check:
         check = compare(cache.samples, {s.id: s.acceptance_lengths for s in report.samples},
-                        cache.manifest.served_spec_config, drafter.spec.block_size, args.drafter,
+                        cache.manifest.served_spec_config, reach, args.drafter,
                         correct_drafts={s.id: s.correct_drafts for s in report.samples},
-                        drafter_input_embedding_scale=drafter.spec.input_embedding_scale, block_size=fit.block_size)
+                        drafter_input_embedding_scale=drafter.spec.input_embedding_scale, block_size=fit.block_size,
+                        family=drafter.spec.family)
         results.breakdown["served_check"] = check.to_dict()
     lines = [format_results(results)] + (["\n" + format_check(check)] if check is not None else [])
     # Written before the summary is printed, so a closed pipe (``eval_drafter ... | head``) cannot lose the
@@ -125,6 +144,59 @@ def main(argv: list[str] | None = None) -> int:
         how = (f"; see it with python tools/wandb_panels.py --run {shlex.quote(str(run_dir))} --show"
                if run_dir.name.startswith("offline-run") else "")
         say(f"logged to W&B project {args.wandb_project}: {run_dir}{how}")
+    return 0
+
+
+def _chain_lengths(args: argparse.Namespace, options: object) -> list[int]:
+    """``--speculative-tokens`` as a list of K (empty when not given), checked before any weights are read."""
+    from ...common.arguments import ArgumentError, parse_int_list
+
+    if args.speculative_tokens is None:
+        return []
+    if args.block_size is not None or args.served_check:
+        raise ArgumentError("--speculative-tokens sets the block of each evaluation (K + 1): drop --block-size "
+                            "and --served-check")
+    ks = sorted(set(parse_int_list("--speculative-tokens", args.speculative_tokens, 1)))
+    if not ks:
+        raise ArgumentError("--speculative-tokens: give chain lengths, e.g. 1,3,5")
+    return ks
+
+
+def chain_output(out: Path, k: int) -> Path:
+    """Where ``--speculative-tokens`` writes the results of chain length ``k``: ``.kK`` before the suffix."""
+    return out.with_name(f"{out.stem}.k{k}{out.suffix or '.json'}")
+
+
+def _score_chain_lengths(args: argparse.Namespace, scorer: object, drafter: object, ks: list[int], out: Path,
+                         profile: object) -> int:
+    """One evaluation per chain length, each written to its own results file, then a table of them."""
+    from ...common.arguments import ArgumentError
+    from ...core.drafters.registry import family_named
+    from ...core.results.results_file import check_results_path, drafter_provenance, write_results
+
+    family = family_named(drafter.spec.family)
+    if family.kind != "chain":
+        raise ArgumentError(f"--speculative-tokens: a {family.label} drafter drafts a block in one pass; score "
+                            "another block with --block-size")
+    outs = [check_results_path(chain_output(out, k)) for k in ks]
+    rows = []
+    base = scorer.config
+    for k, path in zip(ks, outs, strict=True):
+        scorer.config = base.replace(block_size=k + 1)
+        fit = scorer.check(drafter, "--drafter")
+        settings = None
+        if profile is not None:
+            settings = checked_settings(profile, drafter, fit.block_size, (), f"--profile {args.profile}")
+        results, report = scorer.score(drafter, fit, drafter_provenance(args.drafter), progress=True)
+        if profile is not None:
+            add_projection(results, report, scorer.cache, profile, settings)
+        write_results(results, path)
+        rows.append((k, results.metrics, path))
+    say(f"{family.label} drafter {args.drafter}, chain length K (num_speculative_tokens):")
+    say(f"{'K':>3}  {'tau':>7}  {'95% interval':>17}" + ("  projected speedup" if profile is not None else ""))
+    for k, m, path in rows:
+        speed = f"  {m['serving/speedup_greedy']:>17.3f}" if "serving/speedup_greedy" in m else ""
+        say(f"{k:>3}  {m['tau']:>7.3f}  [{m['tau_ci_low']:.3f}, {m['tau_ci_high']:.3f}]{speed}   -> {path}")
     return 0
 
 

@@ -20,9 +20,16 @@ dflash_cb (DFlashDrafter.from_pretrained) and in the reference dflash.model.DFla
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=USAGE, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ckpt", required=True,
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--ckpt",
                    help="Lightning .ckpt, a Hugging Face checkpoint-N folder, a SpecForge <run>-stepN folder, a plain "
                         "loop's torch.save'd checkpoint (the drafter's state dict in any entry) or a .safetensors file")
+    source.add_argument("--mtp-from", default=None, metavar="TARGET",
+                        help="the target's model folder (Qwen3.5 / Qwen3.6): write its own MTP head (mtp.* weights) "
+                             "as a drafter folder; only those tensors are read")
+    p.add_argument("--speculative-tokens", type=int, default=3,
+                   help="with --mtp-from: the chain length K the drafter's config records (default 3; the replay "
+                        "takes any K with --block-size K+1)")
     p.add_argument("--out", required=True,
                    help="drafter folder to write: new, empty, or an earlier drafter folder (replaced atomically)")
     p.add_argument("--overwrite", action="store_true",
@@ -37,8 +44,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         describe_dropped,
         describe_source,
         extract_drafter,
+        extract_from_target,
         read_drafter_config,
     )
+
+    if args.mtp_from:
+        info = extract_from_target(args.mtp_from, args.out, args.speculative_tokens, overwrite=args.overwrite)
+        print(f"wrote {args.out}: the target's {info['family']} head, {info['tensors']} tensors, {info['params'] / 1e6:.2f}M "
+              f"parameters (from {', '.join(info['files'])})")
+        return 0
 
     check_outputs_apart([("--ckpt", args.ckpt), ("--config", args.config)], folders=[("--out", args.out)])
 

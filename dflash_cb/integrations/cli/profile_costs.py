@@ -49,7 +49,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=USAGE, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="the profile to write (JSON; an unfinished one is resumed)")
     p.add_argument("--target", default=None, help="the target's folder (config.json + safetensors)")
-    p.add_argument("--drafter", default=None, help="the drafter's folder: its pass is timed (measured, roofline)")
+    p.add_argument("--drafter", default=None,
+                   help="the drafter's folder, or several comma-separated (drafters of several families side by "
+                        "side: one profile, each drafter's own pass or step timed against the same target steps)")
     p.add_argument("--states", default=None, help="a cache: the target's identity for --from-csv without --target")
     p.add_argument("--device", default="cpu", help="where to measure (cpu, cuda, cuda:1)")
     p.add_argument("--dtype", default="bfloat16", help="the weights' dtype when measuring (bfloat16, float32)")
@@ -63,8 +65,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bandwidth-gbs", type=float, default=None, help="--roofline: memory bandwidth, GB/s")
     p.add_argument("--peak-tflops", type=float, default=None, help="--roofline: peak matrix throughput, TFLOP/s")
     p.add_argument("--from-csv", default=None, help="your own verify-step times: columns verified_tokens,seconds")
-    p.add_argument("--draft-seconds", type=float, default=None,
-                   help="--from-csv: one drafter pass (block drafters) or one step (chain drafters), seconds")
+    p.add_argument("--draft-seconds", default=None,
+                   help="--from-csv: one drafter pass (block drafters) or one step (chain drafters), seconds; with "
+                        "several --drafter, one value per drafter, comma-separated, in their order")
     p.add_argument("--batch-size", type=int, default=1, help="the batch the times are for (measured: 1)")
     return p.parse_args(argv)
 
@@ -94,6 +97,20 @@ def target_identity(config: Any) -> dict[str, Any]:
 
 
 # -- --from-csv --------------------------------------------------------------------------------------------
+
+def draft_seconds_list(text: str | None, drafters: int) -> list[float] | None:
+    """``--draft-seconds``: one value per drafter (one when no drafter is named)."""
+    if text is None:
+        return None
+    try:
+        values = [float(v) for v in str(text).split(",")]
+    except ValueError:
+        raise ArgumentError(f"--draft-seconds {text}: seconds as numbers, e.g. 0.004 or 0.004,0.001") from None
+    if len(values) != max(1, drafters):
+        raise ArgumentError(f"--draft-seconds {text}: {len(values)} value(s) for {max(1, drafters)} drafter(s); give "
+                            "one per --drafter, in their order")
+    return values
+
 
 def from_csv(path: str, draft_seconds: float | None) -> tuple[dict[int, tuple[tuple[int, float], ...]], dict[int, float]]:
     if draft_seconds is None or not draft_seconds >= 0:
@@ -125,9 +142,9 @@ def from_csv(path: str, draft_seconds: float | None) -> tuple[dict[int, tuple[tu
 
 # -- --roofline --------------------------------------------------------------------------------------------
 
-def roofline(target_dir: str, drafter: Any, contexts: list[int], tokens: list[int], dtype_bytes: int,
+def roofline(target_dir: str, drafters: list[Any], contexts: list[int], tokens: list[int], dtype_bytes: int,
              bandwidth_gbs: float, peak_tflops: float) -> tuple[dict[int, tuple[tuple[int, float], ...]],
-                                                                dict[int, float], str]:
+                                                                list[dict[int, float]], str]:
     """A step's time as the larger of bytes read over the bandwidth and FLOPs over the peak: the target's
     weights and the K/V of its full-attention layers over the context; 2 FLOPs a parameter a token and the
     attention's 4 * n * context * (heads * head_dim) per full-attention layer."""
@@ -150,15 +167,20 @@ def roofline(target_dir: str, drafter: Any, contexts: list[int], tokens: list[in
         return max(bytes_read / bw, flops / peak)
 
     verify = {c: tuple((n, step(n, c, params, full, kv, head_dim, heads)) for n in tokens) for c in contexts}
-    draft = {c: 0.0 for c in contexts}
-    if drafter is not None:
-        dp = sum(p.numel() for p in drafter.parameters()) + drafter.config.vocab_size * cfg.hidden_size  # + head
-        attn = drafter.layers[0].self_attn
-        block = drafter.spec.block_size
-        draft = {c: step(block, c, dp, len(drafter.layers), attn.num_kv_heads, attn.head_dim, attn.num_heads)
-                 for c in contexts}
+    drafts = []
+    for drafter in drafters or [None]:
+        draft = {c: 0.0 for c in contexts}
+        if drafter is not None:
+            dp = sum(p.numel() for p in drafter.parameters()) + drafter.config.vocab_size * cfg.hidden_size  # + head
+            dc = drafter.config
+            q_heads = int(dc.num_attention_heads)
+            n = _pass_tokens(drafter)
+            draft = {c: step(n, c, dp, int(dc.num_hidden_layers), int(getattr(dc, "num_key_value_heads", q_heads)),
+                             int(getattr(dc, "head_dim", None) or dc.hidden_size // q_heads), q_heads)
+                     for c in contexts}
+        drafts.append(draft)
     stated = f"roofline: {bandwidth_gbs:g} GB/s, {peak_tflops:g} TFLOP/s stated, {dtype_bytes}-byte weights"
-    return verify, draft, stated
+    return verify, drafts, stated
 
 
 # -- measured ----------------------------------------------------------------------------------------------
@@ -193,9 +215,9 @@ class StepClock:
         return times[len(times) // 2]
 
 
-def measure_context(model: Any, drafter: Any, head: Any, ctx: int, tokens: list[int], clock: StepClock,
-                    repeats: int, device: Any, vocab: int) -> tuple[list[tuple[int, float]], float]:
-    """(verify rows, drafter pass seconds) at one context length."""
+def measure_context(model: Any, drafters: list[Any], head: Any, ctx: int, tokens: list[int], clock: StepClock,
+                    repeats: int, device: Any, vocab: int) -> tuple[list[tuple[int, float]], list[float]]:
+    """(verify rows, each drafter's pass seconds: 0 when none is named) at one context length."""
     import torch
 
     g = torch.Generator().manual_seed(ctx)
@@ -213,24 +235,40 @@ def measure_context(model: Any, drafter: Any, head: Any, ctx: int, tokens: list[
                                                                           use_cache=True, **{name: cache}),
                                  lambda: copy.deepcopy(past), repeats)
             rows.append((n, secs))
-        draft = 0.0
-        if drafter is not None:
-            draft = clock.seconds(lambda _: _drafter_pass(drafter, head, ctx, device), repeats=repeats)
-    return rows, draft
+        drafts = [clock.seconds(lambda _, d=d: _drafter_pass(d, head, ctx, device), repeats=repeats)
+                  for d in drafters] or [0.0]
+    return rows, drafts
+
+
+def _pass_tokens(drafter: Any) -> int:
+    """Tokens one timed drafter pass drafts: a block drafter's whole block; a chain drafter's one step."""
+    from ...core.drafters.registry import family_named
+
+    block = drafter.spec.block_size
+    return 1 if family_named(drafter.spec.family).draft_passes(block) > 1 else block
 
 
 def _drafter_pass(drafter: Any, head: Any, ctx: int, device: Any) -> Any:
-    """One block at position ``ctx``: the drafter's layers over its context and the head on its drafts."""
+    """One drafter pass at position ``ctx`` through the replay's own runner (``drafters.runners.as_runner``):
+    a block drafter's block, or one step of a chain drafter (its first draft comes from the context pass, so a
+    step is the second), and the head on its drafts."""
     import torch
 
+    from ...core.drafters.runners import as_runner
+
     spec = drafter.spec
+    runner = as_runner(drafter)
     g = torch.Generator().manual_seed(0)
-    dtype = next(drafter.parameters()).dtype
+    dtype = runner.dtype
+    hidden = int(drafter.config.hidden_size)
     feats = torch.randn(ctx, len(spec.target_layer_ids) * spec.target_hidden_size, generator=g).to(device, dtype)
-    context = drafter.context_kv([feats])  # built once per committed token when serving: not a pass's cost
-    emb = torch.randn(1, spec.block_size, drafter.config.hidden_size, generator=g).to(device, dtype)
-    hidden = drafter.forward_blocks(context, emb, torch.tensor([ctx], device=device))
-    return hidden[0, 1:] @ head.T
+    item = (feats, torch.randn(ctx, hidden, generator=g).to(device, dtype)) if runner.context_reads_tokens else feats
+    context = runner.context(iter([item]), [ctx])  # built once per committed token when serving: not a pass's cost
+    length = spec.block_size if _pass_tokens(drafter) > 1 else 3
+    emb = torch.randn(1, length, hidden, generator=g).to(device, dtype)
+    one = torch.zeros(1, dtype=torch.long, device=device)
+    rows = runner.block_rows(context, emb, one + ctx, one)
+    return rows.rows(one[:, None], torch.arange(1, length, device=device)[None])[0] @ head.T
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -249,7 +287,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = "python tools/profile_costs.py " + " ".join(shlex.quote(a) for a in argv)
     today = datetime.date.today().isoformat()
     target: dict[str, Any] = {}
-    drafter = None
+    drafters: list[Any] = []
     if args.target:
         from ...cache.target import read_target_config
 
@@ -262,34 +300,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.drafter:
         from ...core.checkpoints.load import load_drafter
 
-        drafter = load_drafter(args.drafter, device="cpu")
-    drafter_id = drafter_identity(drafter) if drafter is not None else {}
+        drafters = [load_drafter(path, device="cpu") for path in args.drafter.split(",") if path]
+    ids = [drafter_identity(d) for d in drafters]
     if args.from_csv:
-        verify, draft = from_csv(args.from_csv, args.draft_seconds)
-        profile = CostProfile("user", verify, draft, target, drafter_id, "", "", args.batch_size, today,
-                              f"your own measurement: {args.from_csv}")
+        seconds = draft_seconds_list(args.draft_seconds, len(drafters))
+        verify, draft = from_csv(args.from_csv, seconds[0] if seconds else None)
+        others = tuple((who, {0: sec}) for who, sec in zip(ids[1:], (seconds or [])[1:], strict=True))
+        profile = CostProfile("user", verify, draft, target, ids[0] if ids else {}, "", "", args.batch_size, today,
+                              f"your own measurement: {args.from_csv}", others)
         return _finish(out, profile)
     if not args.target:
         raise ArgumentError("--target TARGET_DIR is needed to measure (or --roofline); --from-csv needs none")
     if out.exists() and not _partial(out):
         raise ArgumentError(f"--out {out} exists: give another path (a finished profile is never overwritten)")
-    tokens = _tokens(args, drafter.spec.block_size if drafter is not None else None)
+    tokens = _tokens(args, max((d.spec.block_size for d in drafters), default=None))
     if args.roofline:
         if not (args.bandwidth_gbs and args.bandwidth_gbs > 0 and args.peak_tflops and args.peak_tflops > 0):
             raise ArgumentError("--roofline needs the device's --bandwidth-gbs and --peak-tflops (your numbers: "
                                 "the estimate is labelled with them)")
         from ...cache.target import DTYPES
 
-        verify, draft, stated = roofline(args.target, drafter, contexts, tokens, DTYPES[args.dtype].itemsize,
-                                         args.bandwidth_gbs, args.peak_tflops)
-        profile = CostProfile("roofline", verify, draft, target, drafter_id, "", args.dtype, args.batch_size, today,
-                              stated)
+        verify, drafts, stated = roofline(args.target, drafters, contexts, tokens, DTYPES[args.dtype].itemsize,
+                                          args.bandwidth_gbs, args.peak_tflops)
+        profile = CostProfile("roofline", verify, drafts[0], target, ids[0] if ids else {}, "", args.dtype,
+                              args.batch_size, today, stated, tuple(zip(ids[1:], drafts[1:], strict=True)))
         return _finish(out, profile)
-    return _measure(args, out, target, drafter, drafter_id, contexts, tokens, repeats, command, today)
+    return _measure(args, out, target, drafters, ids, contexts, tokens, repeats, command, today)
 
 
-def _measure(args: argparse.Namespace, out: Path, target: dict[str, Any], drafter: Any, drafter_id: dict[str, Any],
-             contexts: list[int], tokens: list[int], repeats: int, command: str, today: str) -> int:
+def _measure(args: argparse.Namespace, out: Path, target: dict[str, Any], drafters: list[Any],
+             ids: list[dict[str, Any]], contexts: list[int], tokens: list[int], repeats: int, command: str,
+             today: str) -> int:
     import torch
 
     from ...cache.target import DTYPES, load_target
@@ -298,8 +339,11 @@ def _measure(args: argparse.Namespace, out: Path, target: dict[str, Any], drafte
         raise ArgumentError(f"--dtype {args.dtype}: one of {', '.join(DTYPES)}")
     device = torch.device(args.device)
     settings = {"tokens": tokens, "dtype": args.dtype, "device": str(device), "target": target,
-                "drafter": drafter_id, "repeats": repeats}
-    state: dict[str, Any] = {"partial": True, "settings": settings, "verify": {}, "draft": {}}
+                "drafter": ids[0] if ids else {}, "repeats": repeats}
+    if len(ids) > 1:
+        settings["others"] = ids[1:]
+    state: dict[str, Any] = {"partial": True, "settings": settings, "verify": {}, "draft": {},
+                             "others": [{} for _ in ids[1:]]}
     if out.exists():
         try:
             old = json.loads(out.read_text())
@@ -315,24 +359,29 @@ def _measure(args: argparse.Namespace, out: Path, target: dict[str, Any], drafte
             raise ArgumentError(f"--out {out} exists: give another path (a finished profile is never overwritten)")
     model = load_target(args.target, args.dtype).model.to(device)
     head = None
-    if drafter is not None:
-        drafter = drafter.to(device=device, dtype=DTYPES[args.dtype]).eval()
+    drafters = [d.to(device=device, dtype=DTYPES[args.dtype]).eval() for d in drafters]
+    if drafters:
         head = model.get_output_embeddings().weight
     clock = StepClock(device)
     vocab = int(target.get("vocab_size") or model.config.vocab_size)
     for i, ctx in enumerate(contexts):
         if str(ctx) in state["verify"]:
             continue
-        rows, draft = measure_context(model, drafter, head, ctx, tokens, clock, repeats, device, vocab)
+        rows, drafts = measure_context(model, drafters, head, ctx, tokens, clock, repeats, device, vocab)
         state["verify"][str(ctx)] = rows
-        state["draft"][str(ctx)] = draft
+        state["draft"][str(ctx)] = drafts[0]
+        for other, sec in zip(state["others"], drafts[1:], strict=True):
+            other[str(ctx)] = sec
         _write(out, state)  # after every context: an interrupted run resumes here
         say(f"context {ctx} [{i + 1}/{len(contexts)}]: verify {rows[0][1] * 1e3:.2f} ms at {rows[0][0]} token(s), "
-            f"{rows[-1][1] * 1e3:.2f} ms at {rows[-1][0]}; drafter pass {draft * 1e3:.2f} ms")
+            f"{rows[-1][1] * 1e3:.2f} ms at {rows[-1][0]}; drafter pass " + ", ".join(f"{d * 1e3:.2f}" for d in drafts)
+            + " ms")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
+    others = tuple((who, {int(c): float(sec) for c, sec in d.items()})
+                   for who, d in zip(ids[1:], state.get("others") or [], strict=True))
     profile = CostProfile("measured", {int(c): tuple((int(n), float(s)) for n, s in r) for c, r in state["verify"].items()},
-                          {int(c): float(s) for c, s in state["draft"].items()}, target, drafter_id, name, args.dtype,
-                          1, today, command)
+                          {int(c): float(s) for c, s in state["draft"].items()}, target, ids[0] if ids else {}, name,
+                          args.dtype, 1, today, command, others)
     return _finish(out, profile, replace=True)
 
 

@@ -29,6 +29,7 @@ parameters (FSDP) are gathered with the loop's ``full_parameters``, by default
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Callable
@@ -52,7 +53,7 @@ from .distributed import full_parameters_of, world
 from .drafter_source import unwrap
 from .eval_state import EvalState, MalformedStateError, new_series_reason
 from .measure import FailedMeasurement, Measurer
-from .projection import checked_settings
+from .projection import checked_settings, drafter_identity
 from .publish import LastEvaluation, Publisher
 from .schedule import (
     Reason,
@@ -303,6 +304,10 @@ class LiveEvaluator:
         assert s is not None, "setup() first"
         fit = drafter_fit(s.cache, self.config, unwrap(drafter), model, self.name)
         if s.cost_profile is not None:  # every setting a pass scores within the profile's rows
+            own = s.cost_profile.for_drafter(drafter_identity(unwrap(drafter)))  # a profile of several: its passes
+            if own is not s.cost_profile:
+                s = self.session = dataclasses.replace(s, cost_profile=own)
+                self._publisher.session = s
             checked_settings(s.cost_profile, unwrap(drafter), fit.block_size,
                              sorted({*self.config.ddtree_budgets, *self.config.light_budgets}),
                              f"{self.name}: cost_profile={self.config.cost_profile}")
@@ -311,7 +316,10 @@ class LiveEvaluator:
         self._series = self._measurer.series(unwrap(drafter))
         for b in s.baselines:
             if b.kind == MEASURED:  # a reference measured with another block, tail convention or dtype
-                mismatch = series_mismatch([("this run", self._series), (f"baseline {b.details.get('path')}", b.series)])
+                theirs = b.series
+                if b.details.get("family") not in (None, fit.spec.family):  # another family drafts its own block
+                    theirs = {k: v for k, v in theirs.items() if k != "block_size"}
+                mismatch = series_mismatch([("this run", self._series), (f"baseline {b.details.get('path')}", theirs)])
                 if mismatch:
                     log.warn(f"{self.name}: {mismatch}")
         light = self.config.light_stride(fit.block_size)

@@ -22,12 +22,13 @@ from ...core.costs.serving import (
     project,
     serving_metrics,
 )
+from ...core.drafters.registry import family_named, spec_of
 
 
 def drafter_identity(drafter: Any) -> dict[str, Any]:
     spec = drafter.spec
     return {"family": spec.family, "hidden_size": int(drafter.config.hidden_size),
-            "num_layers": len(drafter.layers), "block_size": spec.block_size}
+            "num_layers": int(drafter.config.num_hidden_layers), "block_size": spec.block_size}
 
 
 def read_profile(path: str | os.PathLike, option: str = "--profile") -> CostProfile:
@@ -64,7 +65,8 @@ def checked_settings(profile: CostProfile, drafter: Any, block_size: int, budget
     if other:
         warnings.warn(f"{where}: its drafter pass was timed for another drafter ({'; '.join(other)}): "
                       "the projected draft cost is that drafter's", stacklevel=2)
-    settings = block_settings(block_size, budgets)
+    family = family_named(spec_of(drafter).family)
+    settings = block_settings(block_size, budgets, family.draft_passes(block_size), family.setting_label(block_size))
     for s in settings:
         if s.verified > profile.max_verified:
             raise ArgumentError(f"{where}: {s.label} verifies {s.verified} tokens a cycle, beyond the "
@@ -83,9 +85,12 @@ def add_projection(results: Any, report: Any, cache: Any, profile: CostProfile, 
 
 
 def projected_metrics(profile: CostProfile, cache: Any, samples: Sequence[Any], block_size: int,
-                      budgets: Sequence[int]) -> dict[str, float]:
-    """A live evaluation's projected figures (``serving/*``) from its scored samples."""
-    return serving_metrics(project(_cycles(cache, samples), block_settings(block_size, budgets), profile))
+                      budgets: Sequence[int], family: str) -> dict[str, float]:
+    """A live evaluation's projected figures (``serving/*``) from its scored samples (``family``: the drafter's,
+    whose ``draft_passes`` a cycle costs)."""
+    fam = family_named(family)
+    settings = block_settings(block_size, budgets, fam.draft_passes(block_size), fam.setting_label(block_size))
+    return serving_metrics(project(_cycles(cache, samples), settings, profile))
 
 
 def _cycles(cache: Any, samples: Sequence[Any]) -> list[SampleCycles]:

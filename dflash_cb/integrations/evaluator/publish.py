@@ -171,7 +171,8 @@ class Publisher:
             out = live_metrics(m.samples, budgets, s.categories, s.baselines, self.config.position_edges,
                                anchor_stride=stride)
             if s.cost_profile is not None:
-                out.update(projected_metrics(s.cost_profile, s.cache, m.samples, m.block_size, budgets))
+                out.update(projected_metrics(s.cost_profile, s.cache, m.samples, m.block_size, budgets,
+                                             next(iter(m.counts.values())).family))
             return out
         except Exception as e:  # an extra figure must not end the training
             if self.config.fail_on_error:

@@ -150,7 +150,8 @@ def drafter_fit(cache: StateCache, config: EvalConfig, drafter: nn.Module, model
     m = cache.manifest
     cache.check_fit(cache_needs(drafter, spec))  # the family's needs: layers, widths, target layers, filler token
     spelled = dict(names or {})
-    block = check_block_size(config.block_size, spec.block_size, spelled.get("block_size", "block_size"))
+    block = check_block_size(config.block_size, spec.block_size, spelled.get("block_size", "block_size"),
+                             cap=family_named(spec.family).block_cap(spec))
     for name, budgets in (("ddtree_budgets", config.ddtree_budgets), ("light_ddtree_budgets", config.light_budgets)):
         check_tree_support(spec, budgets, spelled.get(name, name))
         check_ddtree_budgets(budgets, block, m.vocab_size, spelled.get(name, name),  # before any evaluation

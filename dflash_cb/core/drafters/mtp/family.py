@@ -1,0 +1,37 @@
+"""The target's own MTP head (Qwen3.5 / Qwen3.6): a chain drafter read from the target's ``mtp.*`` weights."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from torch import nn
+
+from ..chain import ChainFamily
+from .model import ARCHITECTURE
+
+
+class MtpFamily(ChainFamily):
+    name = "mtp"
+    label = "MTP"
+    architecture = ARCHITECTURE
+
+    def module_class(self) -> type[nn.Module]:
+        from .model import MtpDrafter
+
+        return MtpDrafter
+
+    target_prefix = "mtp."
+    # vLLM's method "mtp"; SGLang serves Qwen3.5's head as NEXTN, which it runs (and may report) as EAGLE.
+    served_methods = ("MTP", "NEXTN", "EAGLE")
+
+    def config_from_target(self, target_config: dict[str, Any], speculative_tokens: int) -> dict[str, Any]:
+        from .model import mtp_config_from_target
+
+        return mtp_config_from_target(target_config, speculative_tokens)
+
+    def own_key(self, keys: Iterable[str]) -> str | None:
+        return next((k for k in keys if k.startswith("mtp.")), None)
+
+
+FAMILY = MtpFamily()

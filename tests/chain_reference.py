@@ -1,0 +1,128 @@
+"""An independent greedy speculative loop for the target's own MTP head (Qwen3.5 / Qwen3.6), wired as vLLM's
+``qwen3_5_mtp.py`` and its EAGLE proposer run it: the test oracle of the chain replay.
+
+No engine code. Every cycle: the target runs on the whole committed prefix (no caches); the MTP's context is
+rebuilt from the target's final-normed hidden states of the committed tokens (row t: the token at t + 1 and the
+state at t, position t), with transformers' own ``Qwen3_5DecoderLayer`` and a ``DynamicCache``; its last row is
+the first step; each later step is fed its own draft and the MTP's normed output one position further on. The
+target verifies the drafts and commits the accepted ones and its own next token. Slow; tiny models only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+class ReferenceMtp(torch.nn.Module):
+    """The ``mtp.*`` weights of a target checkpoint in transformers' modules (names as the checkpoint's)."""
+
+    def __init__(self, text_config, state: dict[str, torch.Tensor]):
+        from transformers.models.qwen3_5.modeling_qwen3_5 import (
+            Qwen3_5DecoderLayer,
+            Qwen3_5RMSNorm,
+            Qwen3_5TextRotaryEmbedding,
+        )
+
+        super().__init__()
+        cfg = type(text_config).from_dict({**text_config.to_dict(), "num_hidden_layers": 1,
+                                           "layer_types": ["full_attention"]})
+        h = cfg.hidden_size
+        self.fc = torch.nn.Linear(2 * h, h, bias=False)
+        self.pre_fc_norm_embedding = Qwen3_5RMSNorm(h, eps=cfg.rms_norm_eps)
+        self.pre_fc_norm_hidden = Qwen3_5RMSNorm(h, eps=cfg.rms_norm_eps)
+        self.layers = torch.nn.ModuleList([Qwen3_5DecoderLayer(cfg, 0)])
+        self.norm = Qwen3_5RMSNorm(h, eps=cfg.rms_norm_eps)
+        self.rotary = Qwen3_5TextRotaryEmbedding(cfg)
+        self.cfg = cfg
+        self.load_state_dict({k.removeprefix("mtp."): v for k, v in state.items()}, strict=True)
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
+        """[1, n, H] embeddings and fed states at ``positions`` [n] -> the normed outputs [1, n, H]."""
+        x = self.fc(torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], dim=-1))
+        pe = self.rotary(x, positions[None])
+        past = cache.get_seq_length()
+        n = x.shape[1]
+        # Causal over the cache's rows and these ones.
+        allowed = torch.arange(past + n)[None, :] <= (past + torch.arange(n))[:, None]
+        mask = torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))[None, None]
+        out = self.layers[0](x, position_embeddings=pe, attention_mask=mask, cache=cache)
+        return self.norm(out)
+
+
+@torch.no_grad()
+def mtp_generate(mtp: ReferenceMtp, target, prompt: Sequence[int], max_new_tokens: int,
+                 stop_token_ids: Sequence[int], steps: int, tail: str = "served") -> list[int]:
+    """Tokens committed per cycle (after the cut at a stop token or ``max_new_tokens``). ``tail``: "served"
+    drafts ``steps`` tokens every cycle; "reference" drafts no more than the completion has room for."""
+    return mtp_run(mtp, target, prompt, max_new_tokens, stop_token_ids, steps, tail)[1]
+
+
+@torch.no_grad()
+def mtp_run(mtp: ReferenceMtp, target, prompt: Sequence[int], max_new_tokens: int,
+            stop_token_ids: Sequence[int], steps: int, tail: str = "served") -> tuple[list[int], list[int], list[int]]:
+    """(the completion, prefill token first; tokens committed per cycle after the cut; drafts accepted per cycle
+    before the cut, as a server's counters count them)."""
+    from transformers import DynamicCache
+
+    text = getattr(target.model, "language_model", target.model)  # a vision-language target's text model
+    embed = text.embed_tokens.weight
+    ids = [int(t) for t in prompt]
+    end = len(ids) + max_new_tokens
+    stops = set(int(s) for s in stop_token_ids)
+
+    def target_pass(tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        out = text(input_ids=torch.tensor([tokens]), use_cache=False).last_hidden_state[0]
+        return out, target.lm_head(out).argmax(-1)
+
+    _, greedy = target_pass(ids)
+    ids.append(int(greedy[-1]))
+    lengths: list[int] = []
+    correct: list[int] = []
+    start = len(prompt)
+    while len(ids) < end and ids[-1] not in stops:
+        n = len(ids)
+        k = steps if tail == "served" else min(steps, end - n)
+        hidden, _ = target_pass(ids)
+        cache = DynamicCache(config=mtp.cfg)
+        rows = n - 1  # row t: the token at t + 1, the state at t
+        out = mtp(embed[torch.tensor(ids[1:n])][None], hidden[:rows][None], torch.arange(rows), cache)
+        carry = out[:, -1:]
+        drafts = [int(target.lm_head(carry[0, -1]).argmax())]
+        for step in range(1, k):
+            carry = mtp(embed[torch.tensor([drafts[-1]])][None], carry, torch.tensor([rows - 1 + step]), cache)
+            drafts.append(int(target.lm_head(carry[0, -1]).argmax()))
+        _, verify = target_pass(ids + drafts)
+        accepted = 0
+        while accepted < k and drafts[accepted] == int(verify[n - 1 + accepted]):
+            accepted += 1
+        correct.append(accepted)
+        new = drafts[:accepted] + [int(verify[n - 1 + accepted])]
+        for i, t in enumerate(new):  # the cut: a stop token or the end of the completion ends the run
+            if t in stops or n + i + 1 >= end:
+                new = new[:i + 1]
+                break
+        ids += new
+        lengths.append(len(new))
+    return ids[start:], lengths, correct
+
+
+def train_chain(drafter, cache, epochs: int = 6, lr: float = 1e-2):
+    """A few epochs of the package's first-step objective (``chain.first_step_loss``): partial acceptance, where
+    exactness checks carry information."""
+    from dflash_cb.core.drafters.chain import ChainRunner, first_step_loss
+
+    head = cache.load_head()
+    runner = ChainRunner(drafter, drafter.spec)
+    columns = cache.feature_columns(drafter.spec.target_layer_ids)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=lr)
+    data = [cache.load(e.id) for e in cache.samples]
+    for _ in range(epochs):
+        for s in data:
+            feats = (s.hidden if columns is None else s.hidden.index_select(1, columns)).float()
+            loss = first_step_loss(runner, feats, s.input_ids.long(), head.embed_tokens, head.lm_head)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return drafter.eval()
