@@ -6,7 +6,6 @@ cycle for cycle as an independent loop over transformers' ``Qwen3_5DecoderLayer`
 from __future__ import annotations
 
 import json
-from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -14,15 +13,6 @@ import torch
 
 MAX_NEW = 30
 LAYERS = [1, 3]  # a block drafter's layer and the last one (the MTP's: the target's final-normed state)
-
-
-def _precompute(target: Path, prompts: Path, out: Path, *extra: str) -> Path:
-    from dflash_cb.cache.precompute import main
-
-    assert main(["--target", str(target), "--prompts", str(prompts), "--out", str(out), "--layers",
-                 ",".join(map(str, LAYERS)), "--reference", "local", "--dtype", "float32", "--max-new-tokens",
-                 str(MAX_NEW), "--no-progress", *extra]) == 0
-    return out
 
 
 def train_mtp(drafter, cache, epochs: int = 6, lr: float = 1e-2):
@@ -52,21 +42,16 @@ def train_mtp(drafter, cache, epochs: int = 6, lr: float = 1e-2):
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    from chain_reference import chain_cache
     from safetensors.torch import load_file, save_file
-    from tiny_target import random_prompts, save_tiny_qwen3_5, write_prompts
+    from tiny_target import save_tiny_qwen3_5
 
-    from dflash_cb.cache.states import StateCache
     from dflash_cb.core.drafters.layouts import drafter_from_config
     from dflash_cb.core.drafters.mtp.model import mtp_config_from_target
 
     root = tmp_path_factory.mktemp("mtp")
     target_dir = save_tiny_qwen3_5(root / "target", seed=3, mtp_num_hidden_layers=1)
-    prompts = write_prompts(root / "prompts.jsonl", random_prompts(5, (4, 10), seed=5, vocab=120),
-                            categories=["math", "chat"])
-    first = StateCache(_precompute(target_dir, prompts, root / "plain"))
-    seen = [set(first.load(e.id).input_ids[e.prompt_len + 6:].tolist()) for e in first.samples]
-    stop = next(t for t, n in Counter(t for s in seen for t in s).most_common() if n == 2)
-    cache = StateCache(_precompute(target_dir, prompts, root / "cache", "--stop-token-ids", str(stop)))
+    cache, stop = chain_cache(root, target_dir, LAYERS, MAX_NEW)
     torch.manual_seed(0)
     cfg = mtp_config_from_target(json.loads((target_dir / "config.json").read_text()), 5)
     drafter = train_mtp(drafter_from_config(cfg), cache)

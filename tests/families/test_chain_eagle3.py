@@ -1,0 +1,246 @@
+"""EAGLE-3 as a chain drafter, against SpecForge 0.2.0's own ``LlamaForCausalLMEagle3``.
+
+A tiny 8-layer Qwen3 target, a cache of the three layers SpecForge's default reads ([1, L // 2 - 1, L - 4] =
+[1, 3, 4]: layer outputs) built by the real precompute, an EAGLE-3 drafter with a draft vocabulary smaller than
+the target's (one frequent completion token left out, so ``d2t`` maps ids that are not the identity), wider
+than the target (``target_hidden_size``), trained briefly (first step, teacher-forced) so that some cycles
+accept drafts and some do not.
+
+The oracle (``specforge_generate``) is SpecForge's module with our weights, driven in a per-cycle greedy loop
+(``chain_reference.greedy_loop``): each cycle the target runs over the whole committed sequence, its three
+states are captured as SGLang's ``set_eagle3_layers_to_capture`` captures them (the residual stream entering
+layer ``i + 1``, by forward pre-hooks), the drafter's context is rebuilt from them (row t: the state at t and
+the token at t + 1), and K steps run through SpecForge's own ``backbone`` / ``compute_logits`` with its
+test-time-training cache (the way its training unrolls; the last row carries the drafts), the draft mapped by
+``d2t``. SpecForge's rotary helpers and norms are ``torch.compile``d; the oracle runs them eagerly.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from oracles import require
+
+llama3_eagle = require("specforge.modeling.draft.llama3_eagle")  # a missing oracle fails, never skips
+
+MAX_NEW = 30
+TARGET_LAYERS = 8
+EAGLE_IDS = [1, 3, 4]  # SpecForge's default for an 8-layer target: outputs of layers 1, L // 2 - 1, L - 4
+DRAFT_VOCAB = 64
+
+
+def eagle_config(**extra) -> dict:
+    """A SpecForge draft config (``LlamaConfig`` fields, ``draft_vocab_size``, ``eagle_config``)."""
+    return dict(architectures=["LlamaForCausalLMEagle3"], model_type="llama", vocab_size=128,
+                draft_vocab_size=DRAFT_VOCAB, hidden_size=48, target_hidden_size=32, intermediate_size=64,
+                num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8, hidden_act="silu",
+                rms_norm_eps=1e-6, max_position_embeddings=512, pad_token_id=0, tie_word_embeddings=False,
+                rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
+                eagle_config={"eagle_aux_hidden_state_layer_ids": EAGLE_IDS}, **extra)
+
+
+def specforge_module(config: dict, state: dict[str, torch.Tensor]):
+    """SpecForge's ``LlamaForCausalLMEagle3`` built from its config (its ``from_pretrained`` leaves the rotary
+    caches unset under transformers 5) with ``state``."""
+    from transformers import LlamaConfig
+
+    sf = llama3_eagle.LlamaForCausalLMEagle3(LlamaConfig.from_dict(config)).eval()
+    sf.load_state_dict(state, strict=True)
+    return sf
+
+
+def draft_vocabulary(cache) -> list[int]:
+    """Target ids of the draft vocabulary: the completions' tokens but their fifth most common, then the lowest
+    unseen ids (SpecForge's mapping keeps the most frequent tokens; one left out makes some drafts impossible)."""
+    seen = Counter(t for e in cache.samples for t in cache.load(e.id).input_ids[e.prompt_len:].tolist())
+    common = [t for t, _ in seen.most_common()]
+    keep = [t for t in common if t != common[4]][:DRAFT_VOCAB]
+    rest = [t for t in range(128) if t not in seen]
+    return sorted(keep + rest[:DRAFT_VOCAB - len(keep)])
+
+
+def train_eagle3(drafter, cache, epochs: int = 8, lr: float = 1e-2):
+    """Teacher-forced first-step training (row t predicts the token at t + 2 in the draft vocabulary; tokens
+    outside it are not supervised), through the replay's own context pass."""
+    from dflash_cb.core.drafters.chain import ChainRunner
+
+    runner = ChainRunner(drafter, drafter.spec)
+    columns = cache.feature_columns(drafter.spec.target_layer_ids)
+    index = torch.full((128,), -100, dtype=torch.long)
+    index[torch.arange(DRAFT_VOCAB) + drafter.d2t] = torch.arange(DRAFT_VOCAB)
+    opt = torch.optim.AdamW([p for n, p in drafter.named_parameters() if n != "embed_tokens.weight"], lr=lr)
+    data = [cache.load(e.id) for e in cache.samples]
+    for _ in range(epochs):
+        for s in data:
+            ids = s.input_ids.long()
+            r = ids.numel() - 2
+            feats = (s.hidden if columns is None else s.hidden.index_select(1, columns))[:r].float()
+            ctx = runner.context(iter([(feats, drafter.embed(ids[1:r + 1], None))]), [r])
+            loss = torch.nn.functional.cross_entropy(drafter.lm_head(ctx.head_in), index[ids[2:r + 2]])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return drafter.eval()
+
+
+@torch.no_grad()
+def specforge_generate(sf, target, prompt: list[int], stop_token_ids, steps: int, tail: str) -> list[int]:
+    """Tokens committed per cycle with SpecForge's module drafting (module docstring)."""
+    from chain_reference import greedy_loop
+
+    captured: dict[int, torch.Tensor] = {}
+
+    def capture(i: int):
+        def hook(module, args, kwargs):
+            captured[i] = (args[0] if args else kwargs["hidden_states"])[0]
+        return hook
+
+    handles = [target.model.layers[i + 1].register_forward_pre_hook(capture(i), with_kwargs=True) for i in EAGLE_IDS]
+
+    def greedy(tokens: list[int]) -> torch.Tensor:
+        return target(input_ids=torch.tensor([tokens])).logits[0].argmax(-1)
+
+    def propose(ids: list[int], k: int) -> list[int]:
+        greedy(ids)
+        rows = len(ids) - 1  # row t: the target's states at t, the token at t + 1
+        aux = torch.cat([captured[i][:rows] for i in EAGLE_IDS], dim=-1)[None]
+        hidden = sf.project_hidden_states(aux)
+        mask = sf.prepare_decoder_attention_mask(torch.ones(1, rows), hidden, 1, rows, 0)
+        tokens = torch.tensor([ids[1:]])
+        cache_hidden: list[list[torch.Tensor]] = [[], []]
+        drafts: list[int] = []
+        for _ in range(k):
+            hidden = sf.backbone(input_embeds=sf.embed_input_ids(tokens), hidden_states=hidden,
+                                 cache_hidden=cache_hidden, attention_mask=mask,
+                                 position_ids=torch.arange(rows)[None])
+            d = int(sf.compute_logits(hidden)[0, -1].argmax())
+            drafts.append(d + int(sf.d2t[d]))
+            tokens = torch.cat([tokens[:, 1:], torch.tensor([[drafts[-1]]])], dim=1)  # TTT's shift
+        return drafts
+
+    try:
+        with torch._dynamo.config.patch(disable=True):
+            return greedy_loop(greedy, propose, prompt, MAX_NEW, stop_token_ids, steps, tail)
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    from chain_reference import chain_cache
+    from tiny_target import save_tiny_qwen3
+
+    from dflash_cb.core.checkpoints.load import load_drafter
+    from dflash_cb.core.drafters.layouts import drafter_from_config
+
+    root = tmp_path_factory.mktemp("eagle3")
+    target_dir = save_tiny_qwen3(root / "target", seed=3, num_hidden_layers=TARGET_LAYERS)
+    cache, stop = chain_cache(root, target_dir, EAGLE_IDS, MAX_NEW)
+    torch.manual_seed(0)
+    config = eagle_config()
+    drafter = drafter_from_config(config)
+    vocab = torch.tensor(draft_vocabulary(cache))
+    drafter.d2t.copy_(vocab - torch.arange(DRAFT_VOCAB))
+    drafter.t2d.zero_()
+    drafter.t2d[vocab] = True
+    drafter = train_eagle3(drafter, cache)
+    # The trained weights in SpecForge's module, saved as SpecForge saves a draft; the replay scores that folder.
+    sf = specforge_module(config, drafter.state_dict())
+    sf.save_pretrained(root / "specforge")
+    return dict(root=root, target_dir=target_dir, cache=cache, drafter=drafter, sf=sf, stop=stop,
+                loaded=load_drafter(root / "specforge"), config=config)
+
+
+def test_a_specforge_folder_loads_and_round_trips(world, tmp_path: Path) -> None:
+    """The folder SpecForge saves (``config.json`` + safetensors under its names) loads with ``load_drafter`` as
+    an EAGLE-3 chain of SpecForge's layers (unchanged) and K = 3; ours saves a folder SpecForge's module loads
+    back, strictly, to the same tensors."""
+    from safetensors.torch import load_file
+
+    from dflash_cb.core.checkpoints.load import load_drafter
+    from dflash_cb.core.drafters.eagle3.model import Eagle3Drafter
+
+    loaded, ours = world["loaded"], world["drafter"]
+    assert type(loaded) is Eagle3Drafter and loaded.spec.family == "eagle3" and loaded.spec.block_size == 4
+    assert loaded.spec.target_layer_ids == tuple(EAGLE_IDS) and loaded.spec.target_hidden_size == 32
+    sf_state = world["sf"].state_dict()
+    assert loaded.state_dict().keys() == sf_state.keys()
+    assert all(torch.equal(v, sf_state[k]) for k, v in loaded.state_dict().items())
+    assert not torch.equal(loaded.d2t, torch.zeros_like(loaded.d2t))  # a mapping that is not the identity
+    loaded.save_pretrained(tmp_path / "ours")
+    back = load_drafter(tmp_path / "ours")
+    assert back.spec == loaded.spec
+    saved = json.loads((tmp_path / "ours" / "config.json").read_text())
+    assert saved["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == EAGLE_IDS
+    again = specforge_module(saved, load_file(str(tmp_path / "ours" / "model.safetensors")))
+    assert all(torch.equal(v, ours.state_dict()[k]) for k, v in again.state_dict().items())
+
+
+@pytest.mark.parametrize("tail", ["served", "reference"])
+def test_the_replay_equals_specforge_driven_per_cycle(world, tail: str) -> None:
+    """Cycle for cycle at K = 1, 3 and 5 (blocks of 2, 4, 6), against SpecForge's module in a per-cycle loop;
+    some cycles accept drafts and some do not; samples end at the stop token or at max_new_tokens; tau > 1.5."""
+    from transformers import Qwen3ForCausalLM
+
+    from dflash_cb.core.replay.engine import evaluate
+
+    cache = world["cache"]
+    target = Qwen3ForCausalLM.from_pretrained(world["target_dir"], dtype=torch.float32).eval()
+    stops = cache.manifest.stop_token_ids
+    taus = {}
+    for k in (1, 3, 5):
+        want = {e.id: specforge_generate(world["sf"], target, cache.load(e.id).input_ids[: e.prompt_len].tolist(),
+                                         stops, k, tail) for e in cache.samples}
+        rep = evaluate(cache, world["loaded"], block_size=k + 1, tail_blocks=tail, budgets=())
+        assert {s.id: s.acceptance_lengths for s in rep.samples} == want, k
+        cycles = [n for v in want.values() for n in v]
+        assert any(n > 1 for n in cycles) and any(n == 1 for n in cycles)
+        taus[k] = rep.summary["tau"]
+    print(f"EAGLE-3 tau ({tail}):", {k: round(v, 4) for k, v in taus.items()})
+    assert taus[3] > 1.5
+    ends = [cache.load(e.id).input_ids[-1].item() == world["stop"] for e in cache.samples]
+    assert any(ends) and not all(ends)
+
+
+def test_a_live_specforge_module_is_adopted(world) -> None:
+    """SpecForge's module in a training loop is scored through ours sharing its weights (no copy), equal to the
+    loaded folder's figures."""
+    from dflash_cb.core.drafters.layouts import adopt_module
+    from dflash_cb.core.replay.engine import evaluate
+
+    sf = world["sf"]
+    ours = adopt_module(sf)
+    assert ours is not None and ours.spec == world["loaded"].spec
+    assert ours.midlayer.self_attn.q_proj.weight.data_ptr() == sf.midlayer.self_attn.q_proj.weight.data_ptr()
+    a = evaluate(world["cache"], ours, block_size=4, budgets=())
+    b = evaluate(world["cache"], world["loaded"], block_size=4, budgets=())
+    assert [s.acceptance_lengths for s in a.samples] == [s.acceptance_lengths for s in b.samples]
+
+
+def test_layer_ids_map_from_each_servers_field() -> None:
+    """SpecForge's / SGLang's ``eagle_config`` ids are layer outputs (a cache's ids, unchanged); vLLM's top-level
+    ids are layer inputs (one less); with neither, ``num_target_layers`` gives SpecForge's default; with none
+    of them, a message naming the field to add."""
+    from dflash_cb.core.drafters.registry import spec_from_config
+
+    base = {k: v for k, v in eagle_config().items() if k != "eagle_config"}
+    assert spec_from_config(eagle_config()).target_layer_ids == (1, 3, 4)
+    assert spec_from_config({**base, "eagle_aux_hidden_state_layer_ids": [2, 4, 5]}).target_layer_ids == (1, 3, 4)
+    assert spec_from_config({**base, "num_target_layers": 32}).target_layer_ids == (1, 15, 28)
+    with pytest.raises(ValueError, match="eagle_aux_hidden_state_layer_ids"):
+        spec_from_config(base)
+    with pytest.raises(ValueError, match="fc reads three"):
+        spec_from_config({**base, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 2]}})
+
+
+def test_a_chain_refuses_a_ddtree(world) -> None:
+    from dflash_cb.common.errors import DFlashCBError
+    from dflash_cb.core.replay.engine import evaluate
+
+    with pytest.raises(DFlashCBError, match="EAGLE-3 drafter"):
+        evaluate(world["cache"], world["loaded"], budgets=(4,))
