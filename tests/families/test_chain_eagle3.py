@@ -239,8 +239,10 @@ def test_layer_ids_map_from_each_servers_field() -> None:
 
 
 def test_a_chain_refuses_a_ddtree(world) -> None:
+    """DDTree budgets are refused in one line naming EAGLE's own tree (what a server verifies at topk > 1)."""
     from dflash_cb.common.errors import DFlashCBError
     from dflash_cb.core.replay.engine import evaluate
 
-    with pytest.raises(DFlashCBError, match="EAGLE-3 drafter"):
+    with pytest.raises(DFlashCBError, match=r"EAGLE's own top-k tree, reranked to num_draft_tokens, which is not "
+                                            r"replayed.*pass no budgets"):
         evaluate(world["cache"], world["loaded"], budgets=(4,))

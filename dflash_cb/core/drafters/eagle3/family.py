@@ -30,6 +30,12 @@ class Eagle3Family(ChainFamily):
 
         return eagle_layer_ids(config)
 
+    def tree_refusal(self) -> str:
+        return ("an EAGLE-3 drafter drafts each depth from its parent token: served with topk > 1 (SGLang's "
+                "--speculative-eagle-topk, vLLM's speculative_token_tree) it is verified as EAGLE's own top-k "
+                "tree, reranked to num_draft_tokens, which is not replayed, and a DDTree of per-depth top-K is no "
+                "tree a server verifies; what is scored is the chain (topk 1)")
+
     def own_key(self, keys: Iterable[str]) -> str | None:
         return next((k for k in keys if k.startswith("midlayer.")), None)
 
