@@ -13,12 +13,17 @@ layer ``i + 1``, by forward pre-hooks), the drafter's context is rebuilt from th
 the token at t + 1), and K steps run through SpecForge's own ``backbone`` / ``compute_logits`` with its
 test-time-training cache (the way its training unrolls; the last row carries the drafts), the draft mapped by
 ``d2t``. SpecForge's rotary helpers and norms are ``torch.compile``d; the oracle runs them eagerly.
+
+SpecForge's own per-position accuracy and ``simulated_acc_len`` come from its ``OnlineEagle3Model`` and
+``Evaluator`` over the target's states and logits (``test_simulated_acc_len_is_specforges``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -87,19 +92,29 @@ def train_eagle3(drafter, cache, epochs: int = 8, lr: float = 1e-2):
     return drafter.eval()
 
 
-@torch.no_grad()
-def specforge_generate(sf, target, prompt: list[int], stop_token_ids, steps: int, tail: str) -> list[int]:
-    """Tokens committed per cycle with SpecForge's module drafting (module docstring)."""
-    from chain_reference import greedy_loop
-
+@contextlib.contextmanager
+def sglang_capture(target) -> Iterator[dict[int, torch.Tensor]]:
+    """The target's EAGLE-3 states as SGLang's ``set_eagle3_layers_to_capture`` takes them: for each id ``i``, the
+    residual stream entering decoder layer ``i + 1`` (forward pre-hooks), [1, T, H] per id, of the last pass."""
     captured: dict[int, torch.Tensor] = {}
 
     def capture(i: int):
         def hook(module, args, kwargs):
-            captured[i] = (args[0] if args else kwargs["hidden_states"])[0]
+            captured[i] = args[0] if args else kwargs["hidden_states"]
         return hook
 
     handles = [target.model.layers[i + 1].register_forward_pre_hook(capture(i), with_kwargs=True) for i in EAGLE_IDS]
+    try:
+        yield captured
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@torch.no_grad()
+def specforge_generate(sf, target, prompt: list[int], stop_token_ids, steps: int, tail: str) -> list[int]:
+    """Tokens committed per cycle with SpecForge's module drafting (module docstring)."""
+    from chain_reference import greedy_loop
 
     def greedy(tokens: list[int]) -> torch.Tensor:
         return target(input_ids=torch.tensor([tokens])).logits[0].argmax(-1)
@@ -107,7 +122,7 @@ def specforge_generate(sf, target, prompt: list[int], stop_token_ids, steps: int
     def propose(ids: list[int], k: int) -> list[int]:
         greedy(ids)
         rows = len(ids) - 1  # row t: the target's states at t, the token at t + 1
-        aux = torch.cat([captured[i][:rows] for i in EAGLE_IDS], dim=-1)[None]
+        aux = torch.cat([captured[i][:, :rows] for i in EAGLE_IDS], dim=-1)
         hidden = sf.project_hidden_states(aux)
         mask = sf.prepare_decoder_attention_mask(torch.ones(1, rows), hidden, 1, rows, 0)
         tokens = torch.tensor([ids[1:]])
@@ -122,12 +137,8 @@ def specforge_generate(sf, target, prompt: list[int], stop_token_ids, steps: int
             tokens = torch.cat([tokens[:, 1:], torch.tensor([[drafts[-1]]])], dim=1)  # TTT's shift
         return drafts
 
-    try:
-        with torch._dynamo.config.patch(disable=True):
-            return greedy_loop(greedy, propose, prompt, MAX_NEW, stop_token_ids, steps, tail)
-    finally:
-        for h in handles:
-            h.remove()
+    with sglang_capture(target) as captured, torch._dynamo.config.patch(disable=True):
+        return greedy_loop(greedy, propose, prompt, MAX_NEW, stop_token_ids, steps, tail)
 
 
 @pytest.fixture(scope="module")
@@ -246,3 +257,75 @@ def test_a_chain_refuses_a_ddtree(world) -> None:
     with pytest.raises(DFlashCBError, match=r"EAGLE's own top-k tree, reranked to num_draft_tokens, which is not "
                                             r"replayed.*pass no budgets"):
         evaluate(world["cache"], world["loaded"], budgets=(4,))
+
+
+def specforge_eval(online, batches) -> tuple[dict, list[tuple[list[int], list[int]]]]:
+    """SpecForge's ``Evaluator`` over its ``OnlineEagle3Model`` ``online`` (as its EAGLE-3 strategy calls it),
+    and each batch's per-position (correct, counted)."""
+    from specforge.eval.evaluator import Evaluator
+    from specforge.training.strategies.base import StepOutput
+
+    seen: list[tuple[list[int], list[int]]] = []
+
+    def forward(batch) -> StepOutput:
+        t = batch.tensors
+        out = online(input_ids=t["input_ids"], attention_mask=t["attention_mask"], target=t["target"],
+                     loss_mask=t["loss_mask"], hidden_states=t["hidden_state"])
+        seen.append(([int(c) for c in out[3]], [int(d) for d in out[4]]))
+        return StepOutput(loss=sum(out[0]), metrics={"acc_corrects": out[3], "acc_denoms": out[4]})
+
+    with torch._dynamo.config.patch(disable=True), torch.no_grad():
+        return Evaluator().run(forward, batches), seen
+
+
+def test_simulated_acc_len_is_specforges(world, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SpecForge's per-position accuracy and ``eval/simulated_acc_len`` (its ``OnlineEagle3Model`` over the
+    target's own states and logits, as its offline strategy feeds it, summed by its ``Evaluator``) equal ours
+    from the cache, integer counts equal, at K = 3 and 5. Its KL loss is a Triton kernel (a GPU): here a plain
+    torch cross-entropy stands in for it; the counts compared do not read the loss."""
+    import importlib.util
+    import sys
+    import types
+
+    from specforge.runtime.contracts import TrainBatch
+    from specforge.utils import padding
+    from transformers import Qwen3ForCausalLM
+
+    from dflash_cb.core.drafters.eagle3.accuracy import cache_position_counts
+
+    class TorchLogSoftmaxLoss(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, logits, target, position_mask):
+            terms = -(target * torch.log_softmax(logits.float(), -1)).sum(-1, keepdim=True) * position_mask
+            return terms.mean()
+
+    # specforge.core.loss imports Triton at import time: SpecForge's EAGLE-3 model is loaded here, unregistered,
+    # over a stand-in of that one module.
+    monkeypatch.setitem(sys.modules, "specforge.core.loss", types.SimpleNamespace(LogSoftmaxLoss=TorchLogSoftmaxLoss))
+    found = importlib.util.find_spec("specforge.algorithms.eagle3.model")
+    sf_eagle3 = importlib.util.module_from_spec(found)
+    found.loader.exec_module(sf_eagle3)
+    cache = world["cache"]
+    target = Qwen3ForCausalLM.from_pretrained(world["target_dir"], dtype=torch.float32).eval()
+    batches = []
+    with torch.no_grad(), sglang_capture(target) as captured:
+        for e in cache.samples:
+            ids = cache.load(e.id).input_ids.long()[None]
+            logits = target(input_ids=ids).logits
+            loss_mask = torch.zeros_like(ids)
+            loss_mask[:, e.prompt_len:] = 1
+            loss_mask[:, -1] = 0  # SpecForge's offline reader
+            batches.append(TrainBatch([e.id], "eagle3", {
+                "input_ids": padding(ids, left=False), "target": padding(logits, left=False),
+                "loss_mask": loss_mask[..., None], "attention_mask": torch.ones_like(ids),
+                "hidden_state": torch.cat([captured[i] for i in EAGLE_IDS], dim=-1)}))
+    for k in (3, 5):
+        want, seen = specforge_eval(sf_eagle3.OnlineEagle3Model(world["sf"], length=k), batches)
+        ours = cache_position_counts(cache, world["loaded"], steps=k)
+        assert ours.correct.tolist() == [sum(c[j] for c, _ in seen) for j in range(k)]
+        assert ours.counted.tolist() == [sum(d[j] for _, d in seen) for j in range(k)]
+        assert ours.per_position_acc == pytest.approx(want["eval/per_position_acc"], abs=1e-12)
+        assert ours.simulated_acc_len == pytest.approx(want["eval/simulated_acc_len"], abs=1e-12)
+        assert 0 < want["eval/per_position_acc"][-1] < want["eval/per_position_acc"][0] < 1
+        print(f"EAGLE-3 K={k}: simulated_acc_len {ours.simulated_acc_len:.4f}, per position "
+              f"{[round(a, 4) for a in ours.per_position_acc]}")
