@@ -40,12 +40,12 @@ DRAFT_VOCAB = 64
 
 def eagle_config(**extra) -> dict:
     """A SpecForge draft config (``LlamaConfig`` fields, ``draft_vocab_size``, ``eagle_config``)."""
-    return dict(architectures=["LlamaForCausalLMEagle3"], model_type="llama", vocab_size=128,
-                draft_vocab_size=DRAFT_VOCAB, hidden_size=48, target_hidden_size=32, intermediate_size=64,
-                num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8, hidden_act="silu",
-                rms_norm_eps=1e-6, max_position_embeddings=512, pad_token_id=0, tie_word_embeddings=False,
-                rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
-                eagle_config={"eagle_aux_hidden_state_layer_ids": EAGLE_IDS}, **extra)
+    return {**dict(architectures=["LlamaForCausalLMEagle3"], model_type="llama", vocab_size=128,
+                   draft_vocab_size=DRAFT_VOCAB, hidden_size=48, target_hidden_size=32, intermediate_size=64,
+                   num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8, hidden_act="silu",
+                   rms_norm_eps=1e-6, max_position_embeddings=512, pad_token_id=0, tie_word_embeddings=False,
+                   rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
+                   eagle_config={"eagle_aux_hidden_state_layer_ids": EAGLE_IDS}), **extra}
 
 
 def specforge_module(config: dict, state: dict[str, torch.Tensor]):
@@ -90,6 +90,22 @@ def train_eagle3(drafter, cache, epochs: int = 8, lr: float = 1e-2):
             loss.backward()
             opt.step()
     return drafter.eval()
+
+
+def trained_drafter(config: dict, cache, embed: torch.Tensor | None = None, seed: int = 0):
+    """A drafter of ``config`` with the cache's draft vocabulary (``draft_vocabulary``), its embedding ``embed``
+    when given (SpecForge's frozen copy of the target's), trained briefly (``train_eagle3``)."""
+    from dflash_cb.core.drafters.layouts import drafter_from_config
+
+    torch.manual_seed(seed)
+    drafter = drafter_from_config(config)
+    vocab = torch.tensor(draft_vocabulary(cache))
+    drafter.d2t.copy_(vocab - torch.arange(DRAFT_VOCAB))
+    drafter.t2d.zero_()
+    drafter.t2d[vocab] = True
+    if embed is not None:
+        drafter.embed_tokens.weight.data.copy_(embed)
+    return train_eagle3(drafter, cache)
 
 
 @contextlib.contextmanager
@@ -147,19 +163,12 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict:
     from tiny_target import save_tiny_qwen3
 
     from dflash_cb.core.checkpoints.load import load_drafter
-    from dflash_cb.core.drafters.layouts import drafter_from_config
 
     root = tmp_path_factory.mktemp("eagle3")
     target_dir = save_tiny_qwen3(root / "target", seed=3, num_hidden_layers=TARGET_LAYERS)
     cache, stop = chain_cache(root, target_dir, EAGLE_IDS, MAX_NEW)
-    torch.manual_seed(0)
     config = eagle_config()
-    drafter = drafter_from_config(config)
-    vocab = torch.tensor(draft_vocabulary(cache))
-    drafter.d2t.copy_(vocab - torch.arange(DRAFT_VOCAB))
-    drafter.t2d.zero_()
-    drafter.t2d[vocab] = True
-    drafter = train_eagle3(drafter, cache)
+    drafter = trained_drafter(config, cache)
     # The trained weights in SpecForge's module, saved as SpecForge saves a draft; the replay scores that folder.
     sf = specforge_module(config, drafter.state_dict())
     sf.save_pretrained(root / "specforge")
@@ -190,6 +199,37 @@ def test_a_specforge_folder_loads_and_round_trips(world, tmp_path: Path) -> None
     assert saved["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == EAGLE_IDS
     again = specforge_module(saved, load_file(str(tmp_path / "ours" / "model.safetensors")))
     assert all(torch.equal(v, ours.state_dict()[k]) for k, v in again.state_dict().items())
+
+
+def test_a_folder_without_the_embedding_embeds_with_the_targets(world, tmp_path: Path) -> None:
+    """SpecForge's SGLang export (and published EAGLE-3 folders) leave out ``embed_tokens``: such a folder loads
+    and embeds with the target's table, as the servers do, and its replay equals SpecForge's module holding that
+    table; a drafter wider than the target, which cannot, is refused naming the fix."""
+    from transformers import Qwen3ForCausalLM
+
+    from dflash_cb.core.checkpoints.load import CheckpointError, load_drafter
+    from dflash_cb.core.replay.engine import evaluate
+
+    cache = world["cache"]
+    config = eagle_config(hidden_size=32)
+    drafter = trained_drafter(config, cache, embed=cache.load_head().embed_tokens, seed=1)
+    sf = specforge_module(config, drafter.state_dict())
+
+    def export(module, out: Path) -> Path:  # what SpecForge's export_to_sglang writes
+        module.save_pretrained(out, state_dict={k: v for k, v in module.state_dict().items()
+                                                if "embed" not in k.lower()})
+        return out
+
+    loaded = load_drafter(export(sf, tmp_path / "sglang"))
+    assert loaded.embed_tokens is None and "embed_tokens.weight" not in loaded.state_dict()
+    target = Qwen3ForCausalLM.from_pretrained(world["target_dir"], dtype=torch.float32).eval()
+    want = {e.id: specforge_generate(sf, target, cache.load(e.id).input_ids[: e.prompt_len].tolist(),
+                                     cache.manifest.stop_token_ids, 3, "served") for e in cache.samples}
+    rep = evaluate(cache, loaded, block_size=4, budgets=())
+    assert {s.id: s.acceptance_lengths for s in rep.samples} == want
+    assert any(n > 1 for v in want.values() for n in v)
+    with pytest.raises(CheckpointError, match="hidden_size is 48: add the drafter's own embed_tokens.weight"):
+        load_drafter(export(world["sf"], tmp_path / "wide"))
 
 
 @pytest.mark.parametrize("tail", ["served", "reference"])

@@ -159,8 +159,10 @@ class DrafterFamily:
     def module_class(self) -> type[nn.Module]:
         raise NotImplementedError
 
-    def build(self, config: dict[str, Any]) -> nn.Module:
-        """A freshly initialised drafter of this family from a ``config.json`` dict."""
+    def build(self, config: dict[str, Any], keys: Iterable[str] | None = None) -> nn.Module:
+        """A freshly initialised drafter of this family from a ``config.json`` dict; ``keys``, when known, are the
+        weight names of the checkpoint it will load (for a family whose checkpoints may leave out a part that is
+        the target's)."""
         return self.module_class().from_config_dict(config)
 
     def relabel(self, config: dict[str, Any]) -> dict[str, Any]:

@@ -25,6 +25,13 @@ class Eagle3Family(ChainFamily):
 
         return Eagle3Drafter
 
+    def build(self, config: dict[str, Any], keys: Iterable[str] | None = None) -> nn.Module:
+        """SGLang's export and published EAGLE-3 folders leave out ``embed_tokens``: the servers embed with the
+        target's table (SpecForge trains a frozen copy of it), and so does the drafter built for them."""
+        from .model import EMBED_KEY, Eagle3Drafter
+
+        return Eagle3Drafter(dict(config), own_embedding=keys is None or EMBED_KEY in set(keys))
+
     def target_layers(self, config: Any) -> list[int]:
         from .model import eagle_layer_ids
 

@@ -35,6 +35,7 @@ from ..spec import DrafterSpec, config_value, int_field, layer_id_list
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 FAMILY_NAME = "eagle3"
+EMBED_KEY = "embed_tokens.weight"
 
 
 def eagle_layer_ids(config: Any) -> list[int]:
@@ -134,14 +135,20 @@ class Eagle3Drafter(nn.Module):
 
     family = FAMILY_NAME
 
-    def __init__(self, config: Any):
+    def __init__(self, config: Any, own_embedding: bool = True):
         from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
 
         super().__init__()
         cfg = self.config = llama_config(config)
         self.spec = family_named(self.family).spec(cfg)
         h, t = cfg.hidden_size, self.spec.target_hidden_size
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, h, cfg.pad_token_id)
+        if own_embedding:
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, h, cfg.pad_token_id)
+        elif h != t:
+            raise ValueError(f"the weights hold no {EMBED_KEY}, so the drafter embeds with the target's table "
+                             f"(width {t}), but its hidden_size is {h}: add the drafter's own {EMBED_KEY}")
+        else:
+            self.embed_tokens = None  # the target's table, as SGLang and vLLM embed for it
         self.midlayer = _MidLayer(cfg)
         self.fc = nn.Linear(3 * t, h, bias=False)
         self.fc_norm = (nn.ModuleList([LlamaRMSNorm(t, eps=cfg.rms_norm_eps) for _ in range(3)])
@@ -163,6 +170,8 @@ class Eagle3Drafter(nn.Module):
         return self.fc(features)
 
     def embed(self, ids: torch.Tensor, target_embed: torch.Tensor) -> torch.Tensor:
+        if self.embed_tokens is None:
+            return nn.functional.embedding(ids, target_embed)
         return self.embed_tokens(ids)  # EAGLE-3's own table (SpecForge loads it from the target and freezes it)
 
     def step_qkv(self, embedded: torch.Tensor, carry: torch.Tensor, positions: torch.Tensor
