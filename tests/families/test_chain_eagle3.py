@@ -369,3 +369,67 @@ def test_simulated_acc_len_is_specforges(world, monkeypatch: pytest.MonkeyPatch)
         assert 0 < want["eval/per_position_acc"][-1] < want["eval/per_position_acc"][0] < 1
         print(f"EAGLE-3 K={k}: simulated_acc_len {ours.simulated_acc_len:.4f}, per position "
               f"{[round(a, 4) for a in ours.per_position_acc]}")
+
+
+def test_each_step_equals_specforges_unroll_under_its_options() -> None:
+    """SpecForge's options ``fc_norm`` (each target layer normed before ``fc``) and ``norm_output`` false (the
+    head reads the un-normed output): every step of every row equals SpecForge's own test-time-training unroll
+    (``backbone`` / ``compute_logits``, fed the data's tokens) to float rounding, and drafts the same tokens."""
+    from specforge.utils import padding
+    from transformers import LlamaConfig
+
+    from dflash_cb.core.drafters.chain import ChainRunner
+    from dflash_cb.core.drafters.layouts import adopt_module
+
+    config = eagle_config(fc_norm=True, norm_output=False)
+    torch.manual_seed(2)
+    sf = llama3_eagle.LlamaForCausalLMEagle3(LlamaConfig.from_dict(config)).eval()
+    with torch.no_grad():
+        for p in sf.parameters():  # norms too: none left at one
+            p.normal_(0.0, 0.2)
+    ours = adopt_module(sf)
+    assert ours is not None and ours.fc_norm is not None and not ours.norm_output
+    t, steps = 14, 4
+    aux, ids = torch.randn(1, t, 96), torch.randint(0, 128, (1, t))
+    with torch.no_grad(), torch._dynamo.config.patch(disable=True):
+        hidden = sf.project_hidden_states(aux)
+        mask = sf.prepare_decoder_attention_mask(torch.ones(1, t), hidden, 1, t, 0)
+        tokens, cache_hidden, want = padding(ids, left=False), [[], []], []
+        for _ in range(steps):
+            hidden = sf.backbone(input_embeds=sf.embed_input_ids(tokens), hidden_states=hidden,
+                                 cache_hidden=cache_hidden, attention_mask=mask, position_ids=torch.arange(t)[None])
+            want.append(sf.compute_logits(hidden)[0])
+            tokens = padding(tokens, left=False)
+        runner = ChainRunner(ours, ours.spec)
+        rows = t - 1
+        context = runner.context(iter([(aux[0, :rows], ours.embed(ids[0, 1:], None))]), [rows])
+        anchors = torch.arange(1, rows + 1)
+        blocks = runner.block_rows(context, runner.block_inputs(ids[0], anchors, steps + 1, None), anchors,
+                                   torch.zeros_like(anchors))
+    for j in range(steps):
+        fed = rows - j  # rows whose step j is fed a data token (SpecForge pads the rest)
+        got = ours.lm_head(blocks.hidden[:fed, j + 1])
+        assert torch.allclose(got, want[j][:fed], atol=1e-4, rtol=1e-4), j
+        assert torch.equal(got.argmax(-1), want[j][:fed].argmax(-1)), j
+
+
+def test_drafts_and_overlap_read_the_draft_vocabulary(world) -> None:
+    """The proposer drafts the target id ``d2t`` maps the draft head's argmax to, and with the target's stored
+    top-K its overlap ``sum_x min(p(x), q(x))`` takes q of a target token from its draft id, 0 outside the draft
+    vocabulary (-1: no stored token)."""
+    from dflash_cb.core.drafters.layouts import proposer_for
+
+    drafter = world["loaded"]
+    prop = proposer_for(drafter.spec, drafter, world["cache"].load_head().lm_head, 1 << 20)
+    hidden = torch.randn(5, 48)
+    with torch.no_grad():
+        q = torch.softmax(drafter.lm_head(hidden).double(), -1)
+    mapped = (torch.arange(DRAFT_VOCAB) + drafter.d2t).tolist()
+    outside = next(t for t in range(128) if t not in mapped)
+    ids = torch.tensor([[mapped[3], outside, mapped[7], -1]]).expand(5, 4)
+    logprobs = torch.log(torch.tensor([[0.5, 0.3, 0.1, 0.05]])).expand(5, 4)
+    none = torch.full((5,), -1)
+    out = prop.rows(hidden, none, none, target_topk=(ids, logprobs))
+    assert out.tokens.tolist() == [mapped[i] for i in q.argmax(-1).tolist()]
+    want = torch.minimum(q[:, 3], torch.tensor(0.5).double()) + torch.minimum(q[:, 7], torch.tensor(0.1).double())
+    assert torch.allclose(out.overlap, want, atol=1e-6)
