@@ -201,7 +201,21 @@ def test_a_specforge_folder_loads_and_round_trips(world, tmp_path: Path) -> None
     assert all(torch.equal(v, ours.state_dict()[k]) for k, v in again.state_dict().items())
 
 
-def test_a_folder_without_the_embedding_embeds_with_the_targets(world, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def narrow(world) -> dict:
+    """A drafter as wide as the target whose embedding is the target's (SpecForge's frozen copy), trained, in
+    SpecForge's module too."""
+    config = eagle_config(hidden_size=32)
+    drafter = trained_drafter(config, world["cache"], embed=world["cache"].load_head().embed_tokens, seed=1)
+    return dict(config=config, drafter=drafter, sf=specforge_module(config, drafter.state_dict()))
+
+
+def without_embedding(module) -> dict[str, torch.Tensor]:
+    """The weights SpecForge's ``export_to_sglang`` and its EAGLE-3 checkpoints keep: all but the embedding."""
+    return {k: v for k, v in module.state_dict().items() if "embed" not in k.lower()}
+
+
+def test_a_folder_without_the_embedding_embeds_with_the_targets(world, narrow, tmp_path: Path) -> None:
     """SpecForge's SGLang export (and published EAGLE-3 folders) leave out ``embed_tokens``: such a folder loads
     and embeds with the target's table, as the servers do, and its replay equals SpecForge's module holding that
     table; a drafter wider than the target, which cannot, is refused naming the fix."""
@@ -210,17 +224,9 @@ def test_a_folder_without_the_embedding_embeds_with_the_targets(world, tmp_path:
     from dflash_cb.core.checkpoints.load import CheckpointError, load_drafter
     from dflash_cb.core.replay.engine import evaluate
 
-    cache = world["cache"]
-    config = eagle_config(hidden_size=32)
-    drafter = trained_drafter(config, cache, embed=cache.load_head().embed_tokens, seed=1)
-    sf = specforge_module(config, drafter.state_dict())
-
-    def export(module, out: Path) -> Path:  # what SpecForge's export_to_sglang writes
-        module.save_pretrained(out, state_dict={k: v for k, v in module.state_dict().items()
-                                                if "embed" not in k.lower()})
-        return out
-
-    loaded = load_drafter(export(sf, tmp_path / "sglang"))
+    cache, sf = world["cache"], narrow["sf"]
+    sf.save_pretrained(tmp_path / "sglang", state_dict=without_embedding(sf))  # what export_to_sglang writes
+    loaded = load_drafter(tmp_path / "sglang")
     assert loaded.embed_tokens is None and "embed_tokens.weight" not in loaded.state_dict()
     target = Qwen3ForCausalLM.from_pretrained(world["target_dir"], dtype=torch.float32).eval()
     want = {e.id: specforge_generate(sf, target, cache.load(e.id).input_ids[: e.prompt_len].tolist(),
@@ -228,8 +234,36 @@ def test_a_folder_without_the_embedding_embeds_with_the_targets(world, tmp_path:
     rep = evaluate(cache, loaded, block_size=4, budgets=())
     assert {s.id: s.acceptance_lengths for s in rep.samples} == want
     assert any(n > 1 for v in want.values() for n in v)
+    world["sf"].save_pretrained(tmp_path / "wide", state_dict=without_embedding(world["sf"]))
     with pytest.raises(CheckpointError, match="hidden_size is 48: add the drafter's own embed_tokens.weight"):
-        load_drafter(export(world["sf"], tmp_path / "wide"))
+        load_drafter(tmp_path / "wide")
+
+
+def test_a_specforge_training_checkpoint_is_read(world, narrow, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """SpecForge's checkpoint folder (``{run}-step{N}/training_state.pt`` written by its ``CheckpointManager``, the
+    draft under ``draft_state_dict`` as its EAGLE-3 strategy filters it: the frozen embedding left out) is read
+    with the drafter's config, at its step, as the drafter the servers run, and extracted to a folder that loads."""
+    from specforge.training.checkpoint import CheckpointManager
+    from specforge.training.strategies.base import Eagle3TrainStrategy
+
+    from dflash_cb.core.checkpoints.load import drafter_in_checkpoint, extract_drafter, load_drafter
+    from dflash_cb.core.replay.engine import evaluate
+
+    sf = narrow["sf"]
+    sf.freeze_embedding()
+    strategy = Eagle3TrainStrategy(specforge_training_module(monkeypatch).OnlineEagle3Model(sf, length=3))
+    weights = strategy.checkpoint_state_filter(strategy.trainable_module().state_dict())
+    assert "embed_tokens.weight" not in weights and "midlayer.self_attn.q_proj.weight" in weights
+    folder = CheckpointManager(str(tmp_path), "run").save({"draft_state_dict": weights, "global_step": 6,
+                                                          "strategy": strategy.name}, 6)
+    found = drafter_in_checkpoint(folder, config=narrow["config"])
+    assert found.info["global_step"] == 6 and found.model.embed_tokens is None
+    extract_drafter(folder, tmp_path / "out", config=narrow["config"])
+    back = load_drafter(tmp_path / "out")
+    lengths = [[s.acceptance_lengths for s in evaluate(world["cache"], m, block_size=4, budgets=()).samples]
+               for m in (found.model, back, narrow["drafter"])]
+    assert lengths[0] == lengths[1] == lengths[2]
 
 
 @pytest.mark.parametrize("tail", ["served", "reference"])
@@ -299,6 +333,27 @@ def test_a_chain_refuses_a_ddtree(world) -> None:
         evaluate(world["cache"], world["loaded"], budgets=(4,))
 
 
+def specforge_training_module(monkeypatch: pytest.MonkeyPatch):
+    """SpecForge's ``specforge.algorithms.eagle3.model`` (``OnlineEagle3Model``), loaded unregistered: its
+    ``specforge.core.loss`` imports Triton (a GPU kernel) at import time, so a plain torch cross-entropy stands in
+    for that one module's ``LogSoftmaxLoss``; no figure compared here reads the loss."""
+    import importlib.util
+    import sys
+    import types
+
+    class TorchLogSoftmaxLoss(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, logits, target, position_mask):
+            terms = -(target * torch.log_softmax(logits.float(), -1)).sum(-1, keepdim=True) * position_mask
+            return terms.mean()
+
+    monkeypatch.setitem(sys.modules, "specforge.core.loss", types.SimpleNamespace(LogSoftmaxLoss=TorchLogSoftmaxLoss))
+    found = importlib.util.find_spec("specforge.algorithms.eagle3.model")
+    module = importlib.util.module_from_spec(found)
+    found.loader.exec_module(module)
+    return module
+
+
 def specforge_eval(online, batches) -> tuple[dict, list[tuple[list[int], list[int]]]]:
     """SpecForge's ``Evaluator`` over its ``OnlineEagle3Model`` ``online`` (as its EAGLE-3 strategy calls it),
     and each batch's per-position (correct, counted)."""
@@ -323,28 +378,13 @@ def test_simulated_acc_len_is_specforges(world, monkeypatch: pytest.MonkeyPatch)
     target's own states and logits, as its offline strategy feeds it, summed by its ``Evaluator``) equal ours
     from the cache, integer counts equal, at K = 3 and 5. Its KL loss is a Triton kernel (a GPU): here a plain
     torch cross-entropy stands in for it; the counts compared do not read the loss."""
-    import importlib.util
-    import sys
-    import types
-
     from specforge.runtime.contracts import TrainBatch
     from specforge.utils import padding
     from transformers import Qwen3ForCausalLM
 
     from dflash_cb.core.drafters.eagle3.accuracy import cache_position_counts
 
-    class TorchLogSoftmaxLoss(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, logits, target, position_mask):
-            terms = -(target * torch.log_softmax(logits.float(), -1)).sum(-1, keepdim=True) * position_mask
-            return terms.mean()
-
-    # specforge.core.loss imports Triton at import time: SpecForge's EAGLE-3 model is loaded here, unregistered,
-    # over a stand-in of that one module.
-    monkeypatch.setitem(sys.modules, "specforge.core.loss", types.SimpleNamespace(LogSoftmaxLoss=TorchLogSoftmaxLoss))
-    found = importlib.util.find_spec("specforge.algorithms.eagle3.model")
-    sf_eagle3 = importlib.util.module_from_spec(found)
-    found.loader.exec_module(sf_eagle3)
+    sf_eagle3 = specforge_training_module(monkeypatch)
     cache = world["cache"]
     target = Qwen3ForCausalLM.from_pretrained(world["target_dir"], dtype=torch.float32).eval()
     batches = []

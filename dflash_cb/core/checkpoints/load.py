@@ -35,7 +35,7 @@ from ...common.fileio import (
 )
 from ...common.tensorfile import write_safetensors
 from ..drafters.layouts import drafter_from_config, layout_keys, load_weights, published_spelling
-from ..drafters.registry import families, family_said, spec_from_config
+from ..drafters.registry import families, family_of, family_said, spec_from_config
 from ..loop.finite import check_finite_weights
 
 DRAFTER_FILES = ("config.json", "model.safetensors")
@@ -308,8 +308,9 @@ def locate_drafter(ckpt: dict[str, Any], expected: set[str], prefix: str | None,
 
 
 def expected_keys(config: dict[str, Any]) -> set[str]:
-    """The weight names of the drafter ``config`` describes (its family's: ``registry.family_of``)."""
-    return layout_keys(config)
+    """The weight names a checkpoint of the drafter ``config`` describes holds (its family's layout,
+    ``registry.family_of``, less what its checkpoints may leave out: ``DrafterFamily.optional_keys``)."""
+    return layout_keys(config) - set(family_of(config).optional_keys)
 
 
 def find_prefix(keys: set[str], expected: set[str]) -> str:

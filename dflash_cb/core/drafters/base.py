@@ -123,6 +123,9 @@ class DrafterFamily:
     # The prefix of this family's weights inside a target's own checkpoint, for a drafter the target ships (its
     # MTP head): ``checkpoints.load.extract_from_target`` reads them with ``config_from_target``'s config.
     target_prefix: ClassVar[str | None] = None
+    # Weights a checkpoint of this family may leave out, the drafter then taking the target's (``build`` sees the
+    # checkpoint's keys): a checkpoint is located by the rest.
+    optional_keys: ClassVar[tuple[str, ...]] = ()
     # Config fields only this family's configs carry (``config_hints``), and what to add to a config that lacks
     # them (messages).
     config_fields: ClassVar[tuple[str, ...]] = ()

@@ -12,13 +12,14 @@ from torch import nn
 from ..chain import ChainFamily
 from ..proposers import Proposer
 from ..spec import DrafterSpec
-from .model import ARCHITECTURE, FAMILY_NAME
+from .model import ARCHITECTURE, EMBED_KEY, FAMILY_NAME
 
 
 class Eagle3Family(ChainFamily):
     name = FAMILY_NAME
     label = "EAGLE-3"
     architecture = ARCHITECTURE
+    optional_keys = (EMBED_KEY,)  # SGLang's export, published folders and SpecForge's checkpoints leave it out
 
     def module_class(self) -> type[nn.Module]:
         from .model import Eagle3Drafter
@@ -28,7 +29,7 @@ class Eagle3Family(ChainFamily):
     def build(self, config: dict[str, Any], keys: Iterable[str] | None = None) -> nn.Module:
         """SGLang's export and published EAGLE-3 folders leave out ``embed_tokens``: the servers embed with the
         target's table (SpecForge trains a frozen copy of it), and so does the drafter built for them."""
-        from .model import EMBED_KEY, Eagle3Drafter
+        from .model import Eagle3Drafter
 
         return Eagle3Drafter(dict(config), own_embedding=keys is None or EMBED_KEY in set(keys))
 
