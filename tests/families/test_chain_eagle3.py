@@ -21,6 +21,7 @@ SpecForge's own per-position accuracy and ``simulated_acc_len`` come from its ``
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 from collections import Counter
 from collections.abc import Iterator
@@ -473,3 +474,7 @@ def test_drafts_and_overlap_read_the_draft_vocabulary(world) -> None:
     assert out.tokens.tolist() == [mapped[i] for i in q.argmax(-1).tolist()]
     want = torch.minimum(q[:, 3], torch.tensor(0.5).double()) + torch.minimum(q[:, 7], torch.tensor(0.1).double())
     assert torch.allclose(out.overlap, want, atol=1e-6)
+    broken = copy.deepcopy(drafter)
+    broken.d2t[1] = broken.d2t[0] - 1  # draft ids 0 and 1 on one target id
+    with pytest.raises(ValueError, match="d2t maps its 64 draft ids .* or to one id twice"):
+        proposer_for(broken.spec, broken, world["cache"].load_head().lm_head, 1 << 20)

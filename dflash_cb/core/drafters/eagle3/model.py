@@ -229,9 +229,14 @@ class DraftVocabProposer(Proposer):
         self.head = module.lm_head.weight
         self.d2t = module.d2t
         draft = torch.arange(self.d2t.numel(), device=self.d2t.device)
+        mapped = draft + self.d2t
+        if bool(((mapped < 0) | (mapped >= spec.vocab_size)).any()) or mapped.unique().numel() != mapped.numel():
+            raise ValueError(f"the drafter's d2t maps its {mapped.numel()} draft ids to target ids outside "
+                             f"[0, {spec.vocab_size}) or to one id twice: not a vocabulary mapping SpecForge writes "
+                             "(target id = draft id + d2t[draft id]); regenerate its vocab mapping")
         # target id -> draft id, -1 outside the draft vocabulary
         self.t2d_index = torch.full((spec.vocab_size,), -1, dtype=torch.long, device=self.d2t.device)
-        self.t2d_index[draft + self.d2t] = draft
+        self.t2d_index[mapped] = draft
 
     def rows(self, hidden: torch.Tensor, previous: torch.Tensor, target: torch.Tensor, *, tree_k: int = 0,
              parts: bool = False, target_topk: tuple[torch.Tensor, torch.Tensor] | None = None,
