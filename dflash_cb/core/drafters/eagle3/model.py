@@ -20,6 +20,7 @@ L-layer target (SGLang's ``[2, L // 2, L - 3]`` and vLLM's ``(2, L // 2, L - 3)`
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 from typing import Any
@@ -75,7 +76,7 @@ def llama_config(config: Any) -> Any:
     from transformers import LlamaConfig
 
     if isinstance(config, LlamaConfig):
-        cfg = config
+        cfg = copy.deepcopy(config)  # a live module's own: not to be changed here
     else:
         cfg = LlamaConfig.from_dict(dict(config) if isinstance(config, dict) else config.to_dict())
     layers = int(cfg.num_hidden_layers)
