@@ -24,9 +24,10 @@ from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 
+from ...common.fileio import atomic_paths
+from ...common.tensorfile import write_safetensors
 from ..loop.limits import DEFAULT_LIMITS, MemoryLimits
 from .base import DrafterFamily, _get
 from .proposers import ArgmaxProposer, Proposer
@@ -68,12 +69,13 @@ class ChainSteps(Protocol):
 
 def save_chain_folder(module: nn.Module, path: str | os.PathLike, config: dict[str, Any]) -> None:
     """A drafter folder of a chain module: ``model.safetensors`` under its own weight names, ``config`` as
-    ``config.json``."""
+    ``config.json``, the two renamed into place together."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().contiguous().cpu() for k, v in module.state_dict().items()}
-    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
-    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    with atomic_paths(path / "model.safetensors", path / "config.json") as (weights, config_file):
+        write_safetensors(weights, state, {"format": "pt"})
+        config_file.write_text(json.dumps(config, indent=2) + "\n")
 
 
 @dataclass
