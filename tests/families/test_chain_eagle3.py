@@ -311,7 +311,8 @@ def test_a_live_specforge_module_is_adopted(world) -> None:
 def test_layer_ids_map_from_each_servers_field() -> None:
     """SpecForge's / SGLang's ``eagle_config`` ids are layer outputs (a cache's ids, unchanged); vLLM's top-level
     ids are layer inputs (one less); with neither, ``num_target_layers`` gives SpecForge's default; with none
-    of them, a message naming the field to add."""
+    of them, a message naming the field to add. Variants SpecForge 0.2.0's model has not (vLLM's) are refused
+    naming the field."""
     from dflash_cb.core.drafters.registry import spec_from_config
 
     base = {k: v for k, v in eagle_config().items() if k != "eagle_config"}
@@ -322,6 +323,13 @@ def test_layer_ids_map_from_each_servers_field() -> None:
         spec_from_config(base)
     with pytest.raises(ValueError, match="fc reads three"):
         spec_from_config({**base, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 2]}})
+    from dflash_cb.core.drafters.layouts import drafter_from_config
+
+    for bad, field in (({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 4], "use_aux_hidden_state": False}},
+                        "use_aux_hidden_state is false"), ({"norm_before_residual": True}, "norm_before_residual"),
+                       ({"num_hidden_layers": 2}, "num_hidden_layers is 2")):
+        with pytest.raises(ValueError, match=field):
+            drafter_from_config({**eagle_config(), **bad})
 
 
 def test_a_chain_refuses_a_ddtree(world) -> None:

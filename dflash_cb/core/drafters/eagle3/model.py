@@ -83,6 +83,10 @@ def llama_config(config: Any) -> Any:
     if layers != 1:
         raise ValueError(f"num_hidden_layers is {layers}: the replay runs EAGLE-3's one layer (SpecForge's "
                          "midlayer); a drafter of several layers keeps a K/V cache per layer, not replayed")
+    eagle = getattr(cfg, "eagle_config", None) or {}
+    if isinstance(eagle, dict) and eagle.get("use_aux_hidden_state") is False:
+        raise ValueError("eagle_config.use_aux_hidden_state is false: vLLM's variant fed the target's last state "
+                         "without fc; SpecForge 0.2.0's EAGLE-3, the one replayed, reads three layers through fc")
     if getattr(cfg, "norm_before_residual", False):
         raise ValueError("norm_before_residual is true: vLLM's variant adds the normed state to the attention "
                          "output, SpecForge 0.2.0's layer the state itself; only SpecForge's is replayed")
