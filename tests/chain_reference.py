@@ -5,12 +5,17 @@ No engine code. Every cycle: the target runs on the whole committed prefix (no c
 rebuilt from the target's final-normed hidden states of the committed tokens (row t: the token at t + 1 and the
 state at t, position t), with transformers' own ``Qwen3_5DecoderLayer`` and a ``DynamicCache``; its last row is
 the first step; each later step is fed its own draft and the MTP's normed output one position further on. The
-target verifies the drafts and commits the accepted ones and its own next token. Slow; tiny models only.
+target verifies the drafts and commits the accepted ones and its own next token (``greedy_loop``, shared with
+the EAGLE-3 oracle in ``families/test_chain_eagle3.py``; ``chain_cache`` builds both tests' cache). Slow; tiny
+models only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -54,36 +59,25 @@ class ReferenceMtp(torch.nn.Module):
 @torch.no_grad()
 def mtp_generate(mtp: ReferenceMtp, target, prompt: Sequence[int], max_new_tokens: int,
                  stop_token_ids: Sequence[int], steps: int, tail: str = "served") -> list[int]:
-    """Tokens committed per cycle (after the cut at a stop token or ``max_new_tokens``). ``tail``: "served"
-    drafts ``steps`` tokens every cycle; "reference" drafts no more than the completion has room for."""
-    return mtp_run(mtp, target, prompt, max_new_tokens, stop_token_ids, steps, tail)[1]
+    """Tokens committed per cycle (``greedy_loop``) with the MTP head drafting."""
+    return mtp_run(mtp, target, prompt, max_new_tokens, stop_token_ids, steps, tail).lengths
 
 
 @torch.no_grad()
 def mtp_run(mtp: ReferenceMtp, target, prompt: Sequence[int], max_new_tokens: int,
-            stop_token_ids: Sequence[int], steps: int, tail: str = "served") -> tuple[list[int], list[int], list[int]]:
-    """(the completion, prefill token first; tokens committed per cycle after the cut; drafts accepted per cycle
-    before the cut, as a server's counters count them)."""
+            stop_token_ids: Sequence[int], steps: int, tail: str = "served") -> LoopRun:
+    """``greedy_run`` with the MTP head drafting."""
     from transformers import DynamicCache
 
     text = getattr(target.model, "language_model", target.model)  # a vision-language target's text model
     embed = text.embed_tokens.weight
-    ids = [int(t) for t in prompt]
-    end = len(ids) + max_new_tokens
-    stops = set(int(s) for s in stop_token_ids)
 
     def target_pass(tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         out = text(input_ids=torch.tensor([tokens]), use_cache=False).last_hidden_state[0]
         return out, target.lm_head(out).argmax(-1)
 
-    _, greedy = target_pass(ids)
-    ids.append(int(greedy[-1]))
-    lengths: list[int] = []
-    correct: list[int] = []
-    start = len(prompt)
-    while len(ids) < end and ids[-1] not in stops:
+    def propose(ids: list[int], k: int) -> list[int]:
         n = len(ids)
-        k = steps if tail == "served" else min(steps, end - n)
         hidden, _ = target_pass(ids)
         cache = DynamicCache(config=mtp.cfg)
         rows = n - 1  # row t: the token at t + 1, the state at t
@@ -93,7 +87,44 @@ def mtp_run(mtp: ReferenceMtp, target, prompt: Sequence[int], max_new_tokens: in
         for step in range(1, k):
             carry = mtp(embed[torch.tensor([drafts[-1]])][None], carry, torch.tensor([rows - 1 + step]), cache)
             drafts.append(int(target.lm_head(carry[0, -1]).argmax()))
-        _, verify = target_pass(ids + drafts)
+        return drafts
+
+    return greedy_run(lambda tokens: target_pass(tokens)[1], propose, prompt, max_new_tokens, stop_token_ids,
+                      steps, tail)
+
+
+@dataclass
+class LoopRun:
+    output: list[int]  # the completion, the prefill's token first
+    lengths: list[int]  # tokens committed per cycle, after the cut
+    correct: list[int]  # drafts accepted per cycle before the cut (what a server's counters count)
+
+
+def greedy_loop(greedy: Callable[[list[int]], torch.Tensor], propose: Callable[[list[int], int], list[int]],
+                prompt: Sequence[int], max_new_tokens: int, stop_token_ids: Sequence[int], steps: int,
+                tail: str = "served") -> list[int]:
+    """Tokens committed per cycle of ``greedy_run``."""
+    return greedy_run(greedy, propose, prompt, max_new_tokens, stop_token_ids, steps, tail).lengths
+
+
+def greedy_run(greedy: Callable[[list[int]], torch.Tensor], propose: Callable[[list[int], int], list[int]],
+               prompt: Sequence[int], max_new_tokens: int, stop_token_ids: Sequence[int], steps: int,
+               tail: str = "served") -> LoopRun:
+    """A greedy speculative loop (cut at a stop token or ``max_new_tokens``): ``greedy(tokens)`` is the target's
+    argmax at every position of a pass over ``tokens``, ``propose(committed, k)`` a chain's k drafts. ``tail``:
+    "served" drafts ``steps`` tokens every cycle; "reference" drafts no more than the completion has room for."""
+    ids = [int(t) for t in prompt]
+    start = len(ids)
+    end = len(ids) + max_new_tokens
+    stops = set(int(s) for s in stop_token_ids)
+    ids.append(int(greedy(ids)[-1]))
+    lengths: list[int] = []
+    correct: list[int] = []
+    while len(ids) < end and ids[-1] not in stops:
+        n = len(ids)
+        k = steps if tail == "served" else min(steps, end - n)
+        drafts = propose(ids, k)
+        verify = greedy(ids + drafts)
         accepted = 0
         while accepted < k and drafts[accepted] == int(verify[n - 1 + accepted]):
             accepted += 1
@@ -105,7 +136,34 @@ def mtp_run(mtp: ReferenceMtp, target, prompt: Sequence[int], max_new_tokens: in
                 break
         ids += new
         lengths.append(len(new))
-    return ids[start:], lengths, correct
+    return LoopRun(ids[start:], lengths, correct)
+
+
+def _precompute(target: Path, prompts: Path, out: Path, layers: Sequence[int], max_new_tokens: int, *extra: str
+                ) -> Path:
+    from dflash_cb.cache.precompute import main
+
+    assert main(["--target", str(target), "--prompts", str(prompts), "--out", str(out), "--layers",
+                 ",".join(map(str, layers)), "--reference", "local", "--dtype", "float32", "--max-new-tokens",
+                 str(max_new_tokens), "--no-progress", *extra]) == 0
+    return out
+
+
+def chain_cache(root: Path, target: Path, layers: Sequence[int], max_new_tokens: int):
+    """(a cache of ``layers`` of ``target`` over five tiny prompts, the stop token it was precomputed with): a
+    token two of the samples reach after six completion tokens, so some samples end at it and some at
+    ``max_new_tokens``."""
+    from tiny_target import random_prompts, write_prompts
+
+    from dflash_cb.cache.states import StateCache
+
+    prompts = write_prompts(root / "prompts.jsonl", random_prompts(5, (4, 10), seed=5, vocab=120),
+                            categories=["math", "chat"])
+    first = StateCache(_precompute(target, prompts, root / "plain", layers, max_new_tokens))
+    seen = [set(first.load(e.id).input_ids[e.prompt_len + 6:].tolist()) for e in first.samples]
+    stop = next(t for t, n in Counter(t for s in seen for t in s).most_common() if n == 2)
+    out = _precompute(target, prompts, root / "cache", layers, max_new_tokens, "--stop-token-ids", str(stop))
+    return StateCache(out), stop
 
 
 def train_chain(drafter, cache, epochs: int = 6, lr: float = 1e-2):

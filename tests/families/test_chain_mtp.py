@@ -276,8 +276,8 @@ def test_the_served_check_of_an_mtp_server(world, tmp_path: Path) -> None:
     ref = ReferenceMtp(target.config.text_config, world["drafter"].state_dict()).eval()
 
     def loop(prompt: list[int], max_tokens: int, stops: set[int]) -> Run:
-        out, _, correct = mtp_run(ref, target, prompt, max_tokens, sorted(stops), 3)
-        return Run(out, correct)
+        got = mtp_run(ref, target, prompt, max_tokens, sorted(stops), 3)
+        return Run(got.output, got.correct)
 
     fake = FakeVLLM(loop, served_name="tiny-target", root=str(world["target_dir"]), num_spec_tokens=3, method="mtp",
                     dev_mode=True)

@@ -35,7 +35,7 @@ from ...common.fileio import (
 )
 from ...common.tensorfile import write_safetensors
 from ..drafters.layouts import drafter_from_config, layout_keys, load_weights, published_spelling
-from ..drafters.registry import families, spec_from_config
+from ..drafters.registry import families, family_of, family_said, spec_from_config
 from ..loop.finite import check_finite_weights
 
 DRAFTER_FILES = ("config.json", "model.safetensors")
@@ -165,7 +165,7 @@ def read_drafter_config(path: str | os.PathLike) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise CheckpointError(f"{path}: expected a JSON object, got {type(config).__name__}")
     missing = [k for k in ("hidden_size", "vocab_size", "num_hidden_layers") if k not in config]
-    if not is_drafter_config(config):
+    if not is_drafter_config(config) and family_said(config) is None:  # a format naming its family by architecture only
         missing.append("dflash_config")
     if missing:
         raise CheckpointError(f"{path}: not a drafter config (missing {', '.join(missing)}); "
@@ -308,8 +308,9 @@ def locate_drafter(ckpt: dict[str, Any], expected: set[str], prefix: str | None,
 
 
 def expected_keys(config: dict[str, Any]) -> set[str]:
-    """The weight names of the drafter ``config`` describes (its family's: ``registry.family_of``)."""
-    return layout_keys(config)
+    """The weight names a checkpoint of the drafter ``config`` describes holds (its family's layout,
+    ``registry.family_of``, less what its checkpoints may leave out: ``DrafterFamily.optional_keys``)."""
+    return layout_keys(config) - set(family_of(config).optional_keys)
 
 
 def find_prefix(keys: set[str], expected: set[str]) -> str:

@@ -141,6 +141,9 @@ class DrafterFamily:
     # The prefix of this family's weights inside a target's own checkpoint, for a drafter the target ships (its
     # MTP head): ``checkpoints.load.extract_from_target`` reads them with ``config_from_target``'s config.
     target_prefix: ClassVar[str | None] = None
+    # Weights a checkpoint of this family may leave out, the drafter then taking the target's (``build`` sees the
+    # checkpoint's keys): a checkpoint is located by the rest.
+    optional_keys: ClassVar[tuple[str, ...]] = ()
     # Config fields only this family's configs carry (``config_hints``), and what to add to a config that lacks
     # them (messages).
     config_fields: ClassVar[tuple[str, ...]] = ()
@@ -177,8 +180,10 @@ class DrafterFamily:
     def module_class(self) -> type[nn.Module]:
         raise NotImplementedError
 
-    def build(self, config: dict[str, Any]) -> nn.Module:
-        """A freshly initialised drafter of this family from a ``config.json`` dict."""
+    def build(self, config: dict[str, Any], keys: Iterable[str] | None = None) -> nn.Module:
+        """A freshly initialised drafter of this family from a ``config.json`` dict; ``keys``, when known, are the
+        weight names of the checkpoint it will load (for a family whose checkpoints may leave out a part that is
+        the target's)."""
         return self.module_class().from_config_dict(config)
 
     def relabel(self, config: dict[str, Any]) -> dict[str, Any]:
@@ -217,6 +222,11 @@ class DrafterFamily:
     def setting_label(self, block_size: int) -> str:
         """The greedy setting at ``block_size`` as tables name it."""
         return f"block {block_size}"
+
+    def tree_refusal(self) -> str:
+        """Why DDTree budgets are refused for a family that drafts no DDTree (``supports_tree`` false)."""
+        return (f"a {self.label} drafter drafts each depth from its parent token, so a DDTree of per-depth top-K is "
+                "not what a server verifies")
 
     def tree_candidates(self, spec: DrafterSpec) -> int | None:
         """How many children a DDTree node may have per position when fewer than the vocabulary (a family whose

@@ -16,13 +16,18 @@ attention over a sample's context and a block's own steps) is here, once for eve
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
 import torch
 from torch import nn
 
+from ...common.fileio import atomic_paths
+from ...common.tensorfile import write_safetensors
 from ..loop.limits import DEFAULT_LIMITS, MemoryLimits
 from .base import DrafterFamily, _get
 from .proposers import ArgmaxProposer, Proposer
@@ -60,6 +65,17 @@ class ChainSteps(Protocol):
         """(the next step's carry [n, H], the hidden state the family's head drafts from [n, H']) from the
         attention's output [n, heads * d]."""
         ...
+
+
+def save_chain_folder(module: nn.Module, path: str | os.PathLike, config: dict[str, Any]) -> None:
+    """A drafter folder of a chain module: ``model.safetensors`` under its own weight names, ``config`` as
+    ``config.json``, the two renamed into place together."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous().cpu() for k, v in module.state_dict().items()}
+    with atomic_paths(path / "model.safetensors", path / "config.json") as (weights, config_file):
+        write_safetensors(weights, state, {"format": "pt"})
+        config_file.write_text(json.dumps(config, indent=2) + "\n")
 
 
 @dataclass
@@ -208,7 +224,7 @@ class ChainFamily(DrafterFamily):
         raise NotImplementedError
 
     def spec(self, config: Any) -> DrafterSpec:
-        ids = layer_id_list(config_value(config, "target_layer_ids"), "target_layer_ids")
+        ids = self.target_layers(config)
         k = int_field(config_value(config, "num_speculative_tokens", DEFAULT_SPECULATIVE_TOKENS),
                       "num_speculative_tokens")
         if not 1 <= k <= self.max_speculative_tokens:
@@ -222,6 +238,12 @@ class ChainFamily(DrafterFamily):
             family=self.name,
             options=self.spec_options(config),
         )
+
+    def target_layers(self, config: Any) -> list[int]:
+        """The cache layer ids (docs/cache-format.md, "Layer id convention") a config's drafter reads, in the
+        order its features are concatenated: ``target_layer_ids``; a family whose format names them otherwise
+        maps its own field here."""
+        return layer_id_list(config_value(config, "target_layer_ids"), "target_layer_ids")
 
     def spec_options(self, config: Any) -> tuple[tuple[str, Any], ...]:
         return ()

@@ -44,7 +44,7 @@ def drafter_from_config(config: dict[str, Any], keys: Iterable[str] | None = Non
         if owner is not None:
             raise ValueError(f"the weights are a {owner.label} drafter's ({owner.own_key(keys)}), but the config "
                              f"does not say so: set {owner.how_to_say()}")
-    return family_of(config, keys).build(config)
+    return family_of(config, keys).build(config, keys)
 
 
 def layout_keys(config: Any, family: str | None = None) -> set[str]:

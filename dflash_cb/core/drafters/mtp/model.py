@@ -10,15 +10,13 @@ MTP's own normed output.
 from __future__ import annotations
 
 import copy
-import json
 import os
-from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 
+from ..chain import save_chain_folder
 from ..registry import family_named
 
 ARCHITECTURE = "Qwen3_5MTPDrafter"
@@ -122,11 +120,7 @@ class MtpDrafter(nn.Module):
 
     def save_pretrained(self, path: str | os.PathLike) -> None:
         """``model.safetensors`` under the target checkpoint's ``mtp.*`` names and ``config.json``."""
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
-        save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
-        (path / "config.json").write_text(json.dumps(self.drafter_config(), indent=2) + "\n")
+        save_chain_folder(self, path, self.drafter_config())
 
     def family_config(self) -> Any:
         return copy.deepcopy(self.config)

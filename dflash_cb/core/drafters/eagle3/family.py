@@ -1,0 +1,77 @@
+"""EAGLE-3 (SpecForge 0.2.0's ``LlamaForCausalLMEagle3``, served by SGLang and vLLM as a chain at ``topk`` 1):
+a chain drafter over three target layers with its own embedding, head and draft vocabulary."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..chain import ChainFamily
+from ..proposers import Proposer
+from ..spec import DrafterSpec
+from .model import ARCHITECTURE, EMBED_KEY, FAMILY_NAME
+
+
+class Eagle3Family(ChainFamily):
+    name = FAMILY_NAME
+    label = "EAGLE-3"
+    architecture = ARCHITECTURE
+    optional_keys = (EMBED_KEY,)  # SGLang's export, published folders and SpecForge's checkpoints leave it out
+
+    def module_class(self) -> type[nn.Module]:
+        from .model import Eagle3Drafter
+
+        return Eagle3Drafter
+
+    def build(self, config: dict[str, Any], keys: Iterable[str] | None = None) -> nn.Module:
+        """SGLang's export and published EAGLE-3 folders leave out ``embed_tokens``: the servers embed with the
+        target's table (SpecForge trains a frozen copy of it), and so does the drafter built for them."""
+        from .model import Eagle3Drafter
+
+        return Eagle3Drafter(dict(config), own_embedding=keys is None or EMBED_KEY in set(keys))
+
+    def target_layers(self, config: Any) -> list[int]:
+        from .model import eagle_layer_ids
+
+        return eagle_layer_ids(config)
+
+    def tree_refusal(self) -> str:
+        return ("an EAGLE-3 drafter drafts each depth from its parent token: served with topk > 1 (SGLang's "
+                "--speculative-eagle-topk, vLLM's speculative_token_tree) it is verified as EAGLE's own top-k "
+                "tree, reranked to num_draft_tokens, which is not replayed, and a DDTree of per-depth top-K is no "
+                "tree a server verifies; what is scored is the chain (topk 1)")
+
+    def own_key(self, keys: Iterable[str]) -> str | None:
+        return next((k for k in keys if k.startswith("midlayer.")), None)
+
+    def adopt(self, module: nn.Module) -> nn.Module | None:
+        """Ours sharing the weights of a module in SpecForge's layout (its ``LlamaForCausalLMEagle3``)."""
+        config = getattr(module, "config", None)
+        if config is None or not self.config_says(config):
+            return None
+        state = module.state_dict()
+        try:
+            with torch.device("meta"):
+                ours = self.module_class()(config)
+        except (ValueError, KeyError, TypeError):  # e.g. a config naming no target layers
+            return None
+        if set(ours.state_dict()) != set(state):
+            return None
+        ours.load_state_dict(state, assign=True, strict=True)
+        # Non-persistent buffers (the rotary inv_freq) are not in a state dict: rebuild them for real.
+        ours.rotary_emb = type(ours.rotary_emb)(ours.config).to(next(iter(state.values())).device)
+        return ours
+
+    def proposer(self, spec: DrafterSpec, module: Any, lm_head: torch.Tensor, mem_bytes: int,
+                 embed: torch.Tensor | None = None) -> Proposer:
+        from .model import DraftVocabProposer
+
+        if getattr(module, "d2t", None) is None:
+            raise ValueError("an EAGLE-3 drafter is scored through its module (its lm_head and d2t)")
+        return DraftVocabProposer(spec, lm_head, mem_bytes, module, self.figures)
+
+
+FAMILY = Eagle3Family()

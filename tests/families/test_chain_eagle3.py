@@ -1,0 +1,488 @@
+"""EAGLE-3 as a chain drafter, against SpecForge 0.2.0's own ``LlamaForCausalLMEagle3``.
+
+A tiny 8-layer Qwen3 target, a cache of the three layers SpecForge's default reads ([1, L // 2 - 1, L - 4] =
+[1, 3, 4]: layer outputs) built by the real precompute, an EAGLE-3 drafter with a draft vocabulary smaller than
+the target's (one frequent completion token left out, so ``d2t`` maps ids that are not the identity), wider
+than the target (``target_hidden_size``), trained briefly (first step, teacher-forced) so that some cycles
+accept drafts and some do not.
+
+The oracle (``specforge_generate``) is SpecForge's module with our weights, driven in a per-cycle greedy loop
+(``chain_reference.greedy_loop``): each cycle the target runs over the whole committed sequence, its three
+states are captured as SGLang's ``set_eagle3_layers_to_capture`` captures them (the residual stream entering
+layer ``i + 1``, by forward pre-hooks), the drafter's context is rebuilt from them (row t: the state at t and
+the token at t + 1), and K steps run through SpecForge's own ``backbone`` / ``compute_logits`` with its
+test-time-training cache (the way its training unrolls; the last row carries the drafts), the draft mapped by
+``d2t``. SpecForge's rotary helpers and norms are ``torch.compile``d; the oracle runs them eagerly.
+
+SpecForge's own per-position accuracy and ``simulated_acc_len`` come from its ``OnlineEagle3Model`` and
+``Evaluator`` over the target's states and logits (``test_simulated_acc_len_is_specforges``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from oracles import require
+
+llama3_eagle = require("specforge.modeling.draft.llama3_eagle")  # a missing oracle fails, never skips
+
+MAX_NEW = 30
+TARGET_LAYERS = 8
+EAGLE_IDS = [1, 3, 4]  # SpecForge's default for an 8-layer target: outputs of layers 1, L // 2 - 1, L - 4
+DRAFT_VOCAB = 64
+
+
+def eagle_config(**extra) -> dict:
+    """A SpecForge draft config (``LlamaConfig`` fields, ``draft_vocab_size``, ``eagle_config``)."""
+    return {**dict(architectures=["LlamaForCausalLMEagle3"], model_type="llama", vocab_size=128,
+                   draft_vocab_size=DRAFT_VOCAB, hidden_size=48, target_hidden_size=32, intermediate_size=64,
+                   num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8, hidden_act="silu",
+                   rms_norm_eps=1e-6, max_position_embeddings=512, pad_token_id=0, tie_word_embeddings=False,
+                   rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
+                   eagle_config={"eagle_aux_hidden_state_layer_ids": EAGLE_IDS}), **extra}
+
+
+def specforge_module(config: dict, state: dict[str, torch.Tensor]):
+    """SpecForge's ``LlamaForCausalLMEagle3`` built from its config (its ``from_pretrained`` leaves the rotary
+    caches unset under transformers 5) with ``state``."""
+    from transformers import LlamaConfig
+
+    sf = llama3_eagle.LlamaForCausalLMEagle3(LlamaConfig.from_dict(config)).eval()
+    sf.load_state_dict(state, strict=True)
+    return sf
+
+
+def draft_vocabulary(cache) -> list[int]:
+    """Target ids of the draft vocabulary: the completions' tokens but their fifth most common, then the lowest
+    unseen ids (SpecForge's mapping keeps the most frequent tokens; one left out makes some drafts impossible)."""
+    seen = Counter(t for e in cache.samples for t in cache.load(e.id).input_ids[e.prompt_len:].tolist())
+    common = [t for t, _ in seen.most_common()]
+    keep = [t for t in common if t != common[4]][:DRAFT_VOCAB]
+    rest = [t for t in range(128) if t not in seen]
+    return sorted(keep + rest[:DRAFT_VOCAB - len(keep)])
+
+
+def train_eagle3(drafter, cache, epochs: int = 8, lr: float = 1e-2):
+    """Teacher-forced first-step training (row t predicts the token at t + 2 in the draft vocabulary; tokens
+    outside it are not supervised), through the replay's own context pass."""
+    from dflash_cb.core.drafters.chain import ChainRunner
+
+    runner = ChainRunner(drafter, drafter.spec)
+    columns = cache.feature_columns(drafter.spec.target_layer_ids)
+    index = torch.full((128,), -100, dtype=torch.long)
+    index[torch.arange(DRAFT_VOCAB) + drafter.d2t] = torch.arange(DRAFT_VOCAB)
+    opt = torch.optim.AdamW([p for n, p in drafter.named_parameters() if n != "embed_tokens.weight"], lr=lr)
+    data = [cache.load(e.id) for e in cache.samples]
+    for _ in range(epochs):
+        for s in data:
+            ids = s.input_ids.long()
+            r = ids.numel() - 2
+            feats = (s.hidden if columns is None else s.hidden.index_select(1, columns))[:r].float()
+            ctx = runner.context(iter([(feats, drafter.embed(ids[1:r + 1], None))]), [r])
+            loss = torch.nn.functional.cross_entropy(drafter.lm_head(ctx.head_in), index[ids[2:r + 2]])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return drafter.eval()
+
+
+def trained_drafter(config: dict, cache, embed: torch.Tensor | None = None, seed: int = 0):
+    """A drafter of ``config`` with the cache's draft vocabulary (``draft_vocabulary``), its embedding ``embed``
+    when given (SpecForge's frozen copy of the target's), trained briefly (``train_eagle3``)."""
+    from dflash_cb.core.drafters.layouts import drafter_from_config
+
+    torch.manual_seed(seed)
+    drafter = drafter_from_config(config)
+    vocab = torch.tensor(draft_vocabulary(cache))
+    drafter.d2t.copy_(vocab - torch.arange(DRAFT_VOCAB))
+    drafter.t2d.zero_()
+    drafter.t2d[vocab] = True
+    if embed is not None:
+        drafter.embed_tokens.weight.data.copy_(embed)
+    return train_eagle3(drafter, cache)
+
+
+@contextlib.contextmanager
+def sglang_capture(target) -> Iterator[dict[int, torch.Tensor]]:
+    """The target's EAGLE-3 states as SGLang's ``set_eagle3_layers_to_capture`` takes them: for each id ``i``, the
+    residual stream entering decoder layer ``i + 1`` (forward pre-hooks), [1, T, H] per id, of the last pass."""
+    captured: dict[int, torch.Tensor] = {}
+
+    def capture(i: int):
+        def hook(module, args, kwargs):
+            captured[i] = args[0] if args else kwargs["hidden_states"]
+        return hook
+
+    handles = [target.model.layers[i + 1].register_forward_pre_hook(capture(i), with_kwargs=True) for i in EAGLE_IDS]
+    try:
+        yield captured
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@torch.no_grad()
+def specforge_generate(sf, target, prompt: list[int], stop_token_ids, steps: int, tail: str) -> list[int]:
+    """Tokens committed per cycle with SpecForge's module drafting (module docstring)."""
+    from chain_reference import greedy_loop
+
+    def greedy(tokens: list[int]) -> torch.Tensor:
+        return target(input_ids=torch.tensor([tokens])).logits[0].argmax(-1)
+
+    def propose(ids: list[int], k: int) -> list[int]:
+        greedy(ids)
+        rows = len(ids) - 1  # row t: the target's states at t, the token at t + 1
+        aux = torch.cat([captured[i][:, :rows] for i in EAGLE_IDS], dim=-1)
+        hidden = sf.project_hidden_states(aux)
+        mask = sf.prepare_decoder_attention_mask(torch.ones(1, rows), hidden, 1, rows, 0)
+        tokens = torch.tensor([ids[1:]])
+        cache_hidden: list[list[torch.Tensor]] = [[], []]
+        drafts: list[int] = []
+        for _ in range(k):
+            hidden = sf.backbone(input_embeds=sf.embed_input_ids(tokens), hidden_states=hidden,
+                                 cache_hidden=cache_hidden, attention_mask=mask,
+                                 position_ids=torch.arange(rows)[None])
+            d = int(sf.compute_logits(hidden)[0, -1].argmax())
+            drafts.append(d + int(sf.d2t[d]))
+            tokens = torch.cat([tokens[:, 1:], torch.tensor([[drafts[-1]]])], dim=1)  # TTT's shift
+        return drafts
+
+    with sglang_capture(target) as captured, torch._dynamo.config.patch(disable=True):
+        return greedy_loop(greedy, propose, prompt, MAX_NEW, stop_token_ids, steps, tail)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    from chain_reference import chain_cache
+    from tiny_target import save_tiny_qwen3
+
+    from dflash_cb.core.checkpoints.load import load_drafter
+
+    root = tmp_path_factory.mktemp("eagle3")
+    target_dir = save_tiny_qwen3(root / "target", seed=3, num_hidden_layers=TARGET_LAYERS)
+    cache, stop = chain_cache(root, target_dir, EAGLE_IDS, MAX_NEW)
+    config = eagle_config()
+    drafter = trained_drafter(config, cache)
+    # The trained weights in SpecForge's module, saved as SpecForge saves a draft; the replay scores that folder.
+    sf = specforge_module(config, drafter.state_dict())
+    sf.save_pretrained(root / "specforge")
+    return dict(root=root, target_dir=target_dir, cache=cache, drafter=drafter, sf=sf, stop=stop,
+                loaded=load_drafter(root / "specforge"), config=config)
+
+
+def test_a_specforge_folder_loads_and_round_trips(world, tmp_path: Path) -> None:
+    """The folder SpecForge saves (``config.json`` + safetensors under its names) loads with ``load_drafter`` as
+    an EAGLE-3 chain of SpecForge's layers (unchanged) and K = 3; ours saves a folder SpecForge's module loads
+    back, strictly, to the same tensors."""
+    from safetensors.torch import load_file
+
+    from dflash_cb.core.checkpoints.load import load_drafter
+    from dflash_cb.core.drafters.eagle3.model import Eagle3Drafter
+
+    loaded, ours = world["loaded"], world["drafter"]
+    assert type(loaded) is Eagle3Drafter and loaded.spec.family == "eagle3" and loaded.spec.block_size == 4
+    assert loaded.spec.target_layer_ids == tuple(EAGLE_IDS) and loaded.spec.target_hidden_size == 32
+    sf_state = world["sf"].state_dict()
+    assert loaded.state_dict().keys() == sf_state.keys()
+    assert all(torch.equal(v, sf_state[k]) for k, v in loaded.state_dict().items())
+    assert not torch.equal(loaded.d2t, torch.zeros_like(loaded.d2t))  # a mapping that is not the identity
+    loaded.save_pretrained(tmp_path / "ours")
+    back = load_drafter(tmp_path / "ours")
+    assert back.spec == loaded.spec
+    saved = json.loads((tmp_path / "ours" / "config.json").read_text())
+    assert saved["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == EAGLE_IDS
+    again = specforge_module(saved, load_file(str(tmp_path / "ours" / "model.safetensors")))
+    assert all(torch.equal(v, ours.state_dict()[k]) for k, v in again.state_dict().items())
+
+
+@pytest.fixture(scope="module")
+def narrow(world) -> dict:
+    """A drafter as wide as the target whose embedding is the target's (SpecForge's frozen copy), trained, in
+    SpecForge's module too."""
+    config = eagle_config(hidden_size=32)
+    drafter = trained_drafter(config, world["cache"], embed=world["cache"].load_head().embed_tokens, seed=1)
+    return dict(config=config, drafter=drafter, sf=specforge_module(config, drafter.state_dict()))
+
+
+def without_embedding(module) -> dict[str, torch.Tensor]:
+    """The weights SpecForge's ``export_to_sglang`` and its EAGLE-3 checkpoints keep: all but the embedding."""
+    return {k: v for k, v in module.state_dict().items() if "embed" not in k.lower()}
+
+
+def test_a_folder_without_the_embedding_embeds_with_the_targets(world, narrow, tmp_path: Path) -> None:
+    """SpecForge's SGLang export (and published EAGLE-3 folders) leave out ``embed_tokens``: such a folder loads
+    and embeds with the target's table, as the servers do, and its replay equals SpecForge's module holding that
+    table; a drafter wider than the target, which cannot, is refused naming the fix."""
+    from transformers import Qwen3ForCausalLM
+
+    from dflash_cb.core.checkpoints.load import CheckpointError, load_drafter
+    from dflash_cb.core.replay.engine import evaluate
+
+    cache, sf = world["cache"], narrow["sf"]
+    sf.save_pretrained(tmp_path / "sglang", state_dict=without_embedding(sf))  # what export_to_sglang writes
+    loaded = load_drafter(tmp_path / "sglang")
+    assert loaded.embed_tokens is None and "embed_tokens.weight" not in loaded.state_dict()
+    target = Qwen3ForCausalLM.from_pretrained(world["target_dir"], dtype=torch.float32).eval()
+    want = {e.id: specforge_generate(sf, target, cache.load(e.id).input_ids[: e.prompt_len].tolist(),
+                                     cache.manifest.stop_token_ids, 3, "served") for e in cache.samples}
+    rep = evaluate(cache, loaded, block_size=4, budgets=())
+    assert {s.id: s.acceptance_lengths for s in rep.samples} == want
+    assert any(n > 1 for v in want.values() for n in v)
+    world["sf"].save_pretrained(tmp_path / "wide", state_dict=without_embedding(world["sf"]))
+    with pytest.raises(CheckpointError, match="hidden_size is 48: add the drafter's own embed_tokens.weight"):
+        load_drafter(tmp_path / "wide")
+
+
+def test_a_specforge_training_checkpoint_is_read(world, narrow, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """SpecForge's checkpoint folder (``{run}-step{N}/training_state.pt`` written by its ``CheckpointManager``, the
+    draft under ``draft_state_dict`` as its EAGLE-3 strategy filters it: the frozen embedding left out) is read
+    with the drafter's config, at its step, as the drafter the servers run, and extracted to a folder that loads."""
+    from specforge.training.checkpoint import CheckpointManager
+    from specforge.training.strategies.base import Eagle3TrainStrategy
+
+    from dflash_cb.core.checkpoints.load import drafter_in_checkpoint, extract_drafter, load_drafter
+    from dflash_cb.core.replay.engine import evaluate
+
+    sf = narrow["sf"]
+    sf.freeze_embedding()
+    strategy = Eagle3TrainStrategy(specforge_training_module(monkeypatch).OnlineEagle3Model(sf, length=3))
+    weights = strategy.checkpoint_state_filter(strategy.trainable_module().state_dict())
+    assert "embed_tokens.weight" not in weights and "midlayer.self_attn.q_proj.weight" in weights
+    folder = CheckpointManager(str(tmp_path), "run").save({"draft_state_dict": weights, "global_step": 6,
+                                                          "strategy": strategy.name}, 6)
+    found = drafter_in_checkpoint(folder, config=narrow["config"])
+    assert found.info["global_step"] == 6 and found.model.embed_tokens is None
+    extract_drafter(folder, tmp_path / "out", config=narrow["config"])
+    back = load_drafter(tmp_path / "out")
+    lengths = [[s.acceptance_lengths for s in evaluate(world["cache"], m, block_size=4, budgets=()).samples]
+               for m in (found.model, back, narrow["drafter"])]
+    assert lengths[0] == lengths[1] == lengths[2]
+
+
+@pytest.mark.parametrize("tail", ["served", "reference"])
+def test_the_replay_equals_specforge_driven_per_cycle(world, tail: str) -> None:
+    """Cycle for cycle at K = 1, 3 and 5 (blocks of 2, 4, 6), against SpecForge's module in a per-cycle loop;
+    some cycles accept drafts and some do not; samples end at the stop token or at max_new_tokens; tau > 1.5."""
+    from transformers import Qwen3ForCausalLM
+
+    from dflash_cb.core.replay.engine import evaluate
+
+    cache = world["cache"]
+    target = Qwen3ForCausalLM.from_pretrained(world["target_dir"], dtype=torch.float32).eval()
+    stops = cache.manifest.stop_token_ids
+    taus = {}
+    for k in (1, 3, 5):
+        want = {e.id: specforge_generate(world["sf"], target, cache.load(e.id).input_ids[: e.prompt_len].tolist(),
+                                         stops, k, tail) for e in cache.samples}
+        rep = evaluate(cache, world["loaded"], block_size=k + 1, tail_blocks=tail, budgets=())
+        assert {s.id: s.acceptance_lengths for s in rep.samples} == want, k
+        cycles = [n for v in want.values() for n in v]
+        assert any(n > 1 for n in cycles) and any(n == 1 for n in cycles)
+        taus[k] = rep.summary["tau"]
+    print(f"EAGLE-3 tau ({tail}):", {k: round(v, 4) for k, v in taus.items()})
+    assert taus[3] > 1.5
+    ends = [cache.load(e.id).input_ids[-1].item() == world["stop"] for e in cache.samples]
+    assert any(ends) and not all(ends)
+
+
+def test_a_live_specforge_module_is_adopted(world) -> None:
+    """SpecForge's module in a training loop is scored through ours sharing its weights (no copy), equal to the
+    loaded folder's figures."""
+    from dflash_cb.core.drafters.layouts import adopt_module
+    from dflash_cb.core.replay.engine import evaluate
+
+    sf = world["sf"]
+    ours = adopt_module(sf)
+    assert ours is not None and ours.spec == world["loaded"].spec
+    assert ours.midlayer.self_attn.q_proj.weight.data_ptr() == sf.midlayer.self_attn.q_proj.weight.data_ptr()
+    a = evaluate(world["cache"], ours, block_size=4, budgets=())
+    b = evaluate(world["cache"], world["loaded"], block_size=4, budgets=())
+    assert [s.acceptance_lengths for s in a.samples] == [s.acceptance_lengths for s in b.samples]
+
+
+def test_layer_ids_map_from_each_servers_field() -> None:
+    """SpecForge's / SGLang's ``eagle_config`` ids are layer outputs (a cache's ids, unchanged); vLLM's top-level
+    ids are layer inputs (one less); with neither, ``num_target_layers`` gives SpecForge's default; with none
+    of them, a message naming the field to add. Variants SpecForge 0.2.0's model has not (vLLM's) are refused
+    naming the field."""
+    from dflash_cb.core.drafters.registry import spec_from_config
+
+    base = {k: v for k, v in eagle_config().items() if k != "eagle_config"}
+    assert spec_from_config(eagle_config()).target_layer_ids == (1, 3, 4)
+    assert spec_from_config({**base, "eagle_aux_hidden_state_layer_ids": [2, 4, 5]}).target_layer_ids == (1, 3, 4)
+    assert spec_from_config({**base, "num_target_layers": 32}).target_layer_ids == (1, 15, 28)
+    with pytest.raises(ValueError, match="eagle_aux_hidden_state_layer_ids"):
+        spec_from_config(base)
+    with pytest.raises(ValueError, match="fc reads three"):
+        spec_from_config({**base, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 2]}})
+    from dflash_cb.core.drafters.layouts import drafter_from_config
+
+    for bad, field in (({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 4], "use_aux_hidden_state": False}},
+                        "use_aux_hidden_state is false"), ({"norm_before_residual": True}, "norm_before_residual"),
+                       ({"num_hidden_layers": 2}, "num_hidden_layers is 2")):
+        with pytest.raises(ValueError, match=field):
+            drafter_from_config({**eagle_config(), **bad})
+
+
+def test_a_chain_refuses_a_ddtree(world) -> None:
+    """DDTree budgets are refused in one line naming EAGLE's own tree (what a server verifies at topk > 1)."""
+    from dflash_cb.common.errors import DFlashCBError
+    from dflash_cb.core.replay.engine import evaluate
+
+    with pytest.raises(DFlashCBError, match=r"EAGLE's own top-k tree, reranked to num_draft_tokens, which is not "
+                                            r"replayed.*pass no budgets"):
+        evaluate(world["cache"], world["loaded"], budgets=(4,))
+
+
+def specforge_training_module(monkeypatch: pytest.MonkeyPatch):
+    """SpecForge's ``specforge.algorithms.eagle3.model`` (``OnlineEagle3Model``), loaded unregistered: its
+    ``specforge.core.loss`` imports Triton (a GPU kernel) at import time, so a plain torch cross-entropy stands in
+    for that one module's ``LogSoftmaxLoss``; no figure compared here reads the loss."""
+    import importlib.util
+    import sys
+    import types
+
+    class TorchLogSoftmaxLoss(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, logits, target, position_mask):
+            terms = -(target * torch.log_softmax(logits.float(), -1)).sum(-1, keepdim=True) * position_mask
+            return terms.mean()
+
+    monkeypatch.setitem(sys.modules, "specforge.core.loss", types.SimpleNamespace(LogSoftmaxLoss=TorchLogSoftmaxLoss))
+    found = importlib.util.find_spec("specforge.algorithms.eagle3.model")
+    module = importlib.util.module_from_spec(found)
+    found.loader.exec_module(module)
+    return module
+
+
+def specforge_eval(online, batches) -> tuple[dict, list[tuple[list[int], list[int]]]]:
+    """SpecForge's ``Evaluator`` over its ``OnlineEagle3Model`` ``online`` (as its EAGLE-3 strategy calls it),
+    and each batch's per-position (correct, counted)."""
+    from specforge.eval.evaluator import Evaluator
+    from specforge.training.strategies.base import StepOutput
+
+    seen: list[tuple[list[int], list[int]]] = []
+
+    def forward(batch) -> StepOutput:
+        t = batch.tensors
+        out = online(input_ids=t["input_ids"], attention_mask=t["attention_mask"], target=t["target"],
+                     loss_mask=t["loss_mask"], hidden_states=t["hidden_state"])
+        seen.append(([int(c) for c in out[3]], [int(d) for d in out[4]]))
+        return StepOutput(loss=sum(out[0]), metrics={"acc_corrects": out[3], "acc_denoms": out[4]})
+
+    with torch._dynamo.config.patch(disable=True), torch.no_grad():
+        return Evaluator().run(forward, batches), seen
+
+
+def test_simulated_acc_len_is_specforges(world, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SpecForge's per-position accuracy and ``eval/simulated_acc_len`` (its ``OnlineEagle3Model`` over the
+    target's own states and logits, as its offline strategy feeds it, summed by its ``Evaluator``) equal ours
+    from the cache, integer counts equal, at K = 3 and 5. Its KL loss is a Triton kernel (a GPU): here a plain
+    torch cross-entropy stands in for it; the counts compared do not read the loss."""
+    from specforge.runtime.contracts import TrainBatch
+    from specforge.utils import padding
+    from transformers import Qwen3ForCausalLM
+
+    from dflash_cb.core.drafters.eagle3.accuracy import cache_position_counts
+
+    sf_eagle3 = specforge_training_module(monkeypatch)
+    cache = world["cache"]
+    target = Qwen3ForCausalLM.from_pretrained(world["target_dir"], dtype=torch.float32).eval()
+    batches = []
+    with torch.no_grad(), sglang_capture(target) as captured:
+        for e in cache.samples:
+            ids = cache.load(e.id).input_ids.long()[None]
+            logits = target(input_ids=ids).logits
+            loss_mask = torch.zeros_like(ids)
+            loss_mask[:, e.prompt_len:] = 1
+            loss_mask[:, -1] = 0  # SpecForge's offline reader
+            batches.append(TrainBatch([e.id], "eagle3", {
+                "input_ids": padding(ids, left=False), "target": padding(logits, left=False),
+                "loss_mask": loss_mask[..., None], "attention_mask": torch.ones_like(ids),
+                "hidden_state": torch.cat([captured[i] for i in EAGLE_IDS], dim=-1)}))
+    for k in (3, 5):
+        want, seen = specforge_eval(sf_eagle3.OnlineEagle3Model(world["sf"], length=k), batches)
+        ours = cache_position_counts(cache, world["loaded"], steps=k)
+        assert ours.correct.tolist() == [sum(c[j] for c, _ in seen) for j in range(k)]
+        assert ours.counted.tolist() == [sum(d[j] for _, d in seen) for j in range(k)]
+        assert ours.per_position_acc == pytest.approx(want["eval/per_position_acc"], abs=1e-12)
+        assert ours.simulated_acc_len == pytest.approx(want["eval/simulated_acc_len"], abs=1e-12)
+        assert 0 < want["eval/per_position_acc"][-1] < want["eval/per_position_acc"][0] < 1
+        print(f"EAGLE-3 K={k}: simulated_acc_len {ours.simulated_acc_len:.4f}, per position "
+              f"{[round(a, 4) for a in ours.per_position_acc]}")
+
+
+def test_each_step_equals_specforges_unroll_under_its_options() -> None:
+    """SpecForge's options ``fc_norm`` (each target layer normed before ``fc``) and ``norm_output`` false (the
+    head reads the un-normed output): every step of every row equals SpecForge's own test-time-training unroll
+    (``backbone`` / ``compute_logits``, fed the data's tokens) to float rounding, and drafts the same tokens."""
+    from specforge.utils import padding
+    from transformers import LlamaConfig
+
+    from dflash_cb.core.drafters.chain import ChainRunner
+    from dflash_cb.core.drafters.layouts import adopt_module
+
+    config = eagle_config(fc_norm=True, norm_output=False)
+    torch.manual_seed(2)
+    sf = llama3_eagle.LlamaForCausalLMEagle3(LlamaConfig.from_dict(config)).eval()
+    with torch.no_grad():
+        for p in sf.parameters():  # norms too: none left at one
+            p.normal_(0.0, 0.2)
+    ours = adopt_module(sf)
+    assert ours is not None and ours.fc_norm is not None and not ours.norm_output
+    t, steps = 14, 4
+    aux, ids = torch.randn(1, t, 96), torch.randint(0, 128, (1, t))
+    with torch.no_grad(), torch._dynamo.config.patch(disable=True):
+        hidden = sf.project_hidden_states(aux)
+        mask = sf.prepare_decoder_attention_mask(torch.ones(1, t), hidden, 1, t, 0)
+        tokens, cache_hidden, want = padding(ids, left=False), [[], []], []
+        for _ in range(steps):
+            hidden = sf.backbone(input_embeds=sf.embed_input_ids(tokens), hidden_states=hidden,
+                                 cache_hidden=cache_hidden, attention_mask=mask, position_ids=torch.arange(t)[None])
+            want.append(sf.compute_logits(hidden)[0])
+            tokens = padding(tokens, left=False)
+        runner = ChainRunner(ours, ours.spec)
+        rows = t - 1
+        context = runner.context(iter([(aux[0, :rows], ours.embed(ids[0, 1:], None))]), [rows])
+        anchors = torch.arange(1, rows + 1)
+        blocks = runner.block_rows(context, runner.block_inputs(ids[0], anchors, steps + 1, None), anchors,
+                                   torch.zeros_like(anchors))
+    for j in range(steps):
+        fed = rows - j  # rows whose step j is fed a data token (SpecForge pads the rest)
+        got = ours.lm_head(blocks.hidden[:fed, j + 1])
+        assert torch.allclose(got, want[j][:fed], atol=1e-4, rtol=1e-4), j
+        assert torch.equal(got.argmax(-1), want[j][:fed].argmax(-1)), j
+
+
+def test_drafts_and_overlap_read_the_draft_vocabulary(world) -> None:
+    """The proposer drafts the target id ``d2t`` maps the draft head's argmax to, and with the target's stored
+    top-K its overlap ``sum_x min(p(x), q(x))`` takes q of a target token from its draft id, 0 outside the draft
+    vocabulary (-1: no stored token)."""
+    from dflash_cb.core.drafters.layouts import proposer_for
+
+    drafter = world["loaded"]
+    prop = proposer_for(drafter.spec, drafter, world["cache"].load_head().lm_head, 1 << 20)
+    hidden = torch.randn(5, 48)
+    with torch.no_grad():
+        q = torch.softmax(drafter.lm_head(hidden).double(), -1)
+    mapped = (torch.arange(DRAFT_VOCAB) + drafter.d2t).tolist()
+    outside = next(t for t in range(128) if t not in mapped)
+    ids = torch.tensor([[mapped[3], outside, mapped[7], -1]]).expand(5, 4)
+    logprobs = torch.log(torch.tensor([[0.5, 0.3, 0.1, 0.05]])).expand(5, 4)
+    none = torch.full((5,), -1)
+    out = prop.rows(hidden, none, none, target_topk=(ids, logprobs))
+    assert out.tokens.tolist() == [mapped[i] for i in q.argmax(-1).tolist()]
+    want = torch.minimum(q[:, 3], torch.tensor(0.5).double()) + torch.minimum(q[:, 7], torch.tensor(0.1).double())
+    assert torch.allclose(out.overlap, want, atol=1e-6)
+    broken = copy.deepcopy(drafter)
+    broken.d2t[1] = broken.d2t[0] - 1  # draft ids 0 and 1 on one target id
+    with pytest.raises(ValueError, match="d2t maps its 64 draft ids .* or to one id twice"):
+        proposer_for(broken.spec, broken, world["cache"].load_head().lm_head, 1 << 20)
