@@ -301,3 +301,26 @@ def test_the_served_check_of_an_mtp_server(world, tmp_path: Path) -> None:
     other = load_results(tmp_path / "d.json").breakdown["served_check"]
     assert not other["summary"]["comparable"]
     assert any("speculates with 'mtp', not DFlash" in w for w in other["not_comparable"]), other["not_comparable"]
+
+
+def test_the_default_ddtree_budgets_are_dropped_for_a_chain(world, tmp_path: Path) -> None:
+    """A chain drafts no DDTree: the tools' and the live evaluator's default budgets go without a word from the
+    user; budgets the user names are refused, naming why."""
+    from dflash_cb import LiveEvaluator
+    from dflash_cb.common.errors import DFlashCBError
+    from dflash_cb.integrations.cli import eval_drafter
+
+    cache = world["cache"]
+    world["drafter"].save_pretrained(tmp_path / "mtp")
+    assert eval_drafter.main(["--states", str(cache.path), "--drafter", str(tmp_path / "mtp"), "--out",
+                              str(tmp_path / "r.json")]) == 0
+    assert json.loads((tmp_path / "r.json").read_text())["meta"]["ddtree_budgets"] == []
+    with pytest.raises(DFlashCBError, match="--ddtree-budgets \\[4\\]: a MTP drafter drafts each depth"):
+        eval_drafter.main(["--states", str(cache.path), "--drafter", str(tmp_path / "mtp"), "--out",
+                           str(tmp_path / "s.json"), "--ddtree-budgets", "4"])
+    logged: dict[str, float] = {}
+    ev = LiveEvaluator(str(cache.path), every_n_train_steps=1, max_steps=1, console=False,
+                       log=lambda metrics, step: logged.update(metrics))
+    assert ev.start(0, world["drafter"]) is not None
+    assert logged["dflash_eval/tau"] == json.loads((tmp_path / "r.json").read_text())["metrics"]["tau"]
+    assert not any("ddtree" in k for k in logged)

@@ -110,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     fit = scorer.check(drafter, "--drafter")
     settings = None
     if profile is not None:  # every setting within the profile's rows, before any scoring
-        settings = checked_settings(profile, drafter, fit.block_size, options.budgets, f"--profile {args.profile}")
+        settings = checked_settings(profile, drafter, fit.block_size, scorer.options.budgets,
+                                    f"--profile {args.profile}")
     results, report = scorer.score(drafter, fit, drafter_provenance(args.drafter), progress=True)
     if profile is not None:
         add_projection(results, report, cache, profile, settings)

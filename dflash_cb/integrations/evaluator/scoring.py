@@ -185,9 +185,16 @@ class CacheScorer:
 
     def check(self, drafter: nn.Module, owner: str) -> DrafterFit:
         """The drafter against the cache and the options (``session.drafter_fit``: configs only, cheap)."""
-        from ...cache.manifest import CacheError
-        from .session import drafter_fit
+        import dataclasses
 
+        from ...cache.manifest import CacheError
+        from .session import drafter_fit, without_default_trees
+
+        config = without_default_trees(self.config, drafter)
+        if config is not self.config:  # a family without trees: the default --ddtree-budgets go, said once
+            self.config, self.options = config, dataclasses.replace(self.options, budgets=())
+            logger.info(f"{owner}: this drafter's family drafts no DDTree; scoring without the default "
+                        "--ddtree-budgets")
         if not self.options.target and not self.cache.has_head:
             raise CacheError(f"{self.cache.path} has no exported target head (built with --no-export-head); "
                              "pass --target <the target model folder>")

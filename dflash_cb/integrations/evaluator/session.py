@@ -28,6 +28,7 @@ from ...core.drafters.spec import DrafterSpec
 from ...core.loop.cycles import check_block_size
 from ...core.loop.ddtree import check_ddtree_budgets
 from ...core.replay.engine import check_tree_support
+from ...core.replay.request import DEFAULT_BUDGETS
 from ...core.results.baselines import Baseline, load_measured, load_published, load_served
 from ..tracking.sinks import MetricsSink
 from .across_ranks import SetupCheck, verify_across_ranks
@@ -129,6 +130,20 @@ def open_session(config: EvalConfig, loop: LoopContext, cache: StateCache | None
     return EvalSession(cache, eval_ids, selection_record(eval_ids, config.num_samples, config.sample_ids,
                                                          config.sample_seed),
                        table_ids, baselines, skipped, loop, verified, time.perf_counter() - started, profile)
+
+
+def without_default_trees(config: EvalConfig, drafter: Any) -> EvalConfig:
+    """``config`` with no DDTree budgets when the drafter's family drafts no DDTree (a chain, a head on the
+    backbone) and the budgets are the defaults, which the user did not choose; budgets the user set are kept
+    (``drafter_fit`` then refuses them, naming why). Anything that is not a drafter: ``config`` as it is."""
+    try:
+        spec = spec_of(drafter)
+    except TypeError:
+        return config
+    if family_named(spec.family).supports_tree or tuple(config.ddtree_budgets) != tuple(DEFAULT_BUDGETS) or \
+            not set(config.light_budgets) <= set(DEFAULT_BUDGETS):
+        return config
+    return config.replace(ddtree_budgets=(), light_ddtree_budgets=())
 
 
 def drafter_fit(cache: StateCache, config: EvalConfig, drafter: nn.Module, model: Any, owner: str,
