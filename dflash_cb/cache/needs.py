@@ -66,14 +66,25 @@ def fit_problems(manifest: Manifest, needs: CacheNeeds) -> list[str]:
     return problems
 
 
+# Where SpecForge's EAGLE-3 drafter config names its target layers (SGLang's ids: layer outputs, as ours).
+EAGLE_CONFIG = "eagle_config"
+EAGLE_LAYERS = "eagle_aux_hidden_state_layer_ids"
+
+
 def is_drafter_config(config: Any) -> bool:
     """Whether a ``config.json`` (a dict) is a drafter's rather than a model's: the published drafter formats
-    carry ``dflash_config`` (block drafters) or name a drafter family (``drafter_family``)."""
+    carry ``dflash_config`` (block drafters) or ``eagle_config`` (SpecForge's EAGLE-3), or name a drafter family
+    (``drafter_family``)."""
     return isinstance(config, Mapping) and (isinstance(config.get("dflash_config"), Mapping)
+                                            or isinstance(config.get(EAGLE_CONFIG), Mapping)
                                             or isinstance(config.get("drafter_family"), str))
 
 
 def config_layer_ids(config: Mapping[str, Any]) -> Any:
-    """The target layer ids a drafter ``config.json`` names (``dflash_config`` wins over the top level), as
-    written (None when it names none): the precompute plans its layers from this."""
-    return (config.get("dflash_config") or {}).get("target_layer_ids", config.get("target_layer_ids"))
+    """The target layer ids a drafter ``config.json`` names (``dflash_config`` wins over the top level; SpecForge's
+    EAGLE-3 names them in ``eagle_config``), as written (None when it names none): the precompute plans its
+    layers from this."""
+    ids = (config.get("dflash_config") or {}).get("target_layer_ids", config.get("target_layer_ids"))
+    if ids is None and isinstance(config.get(EAGLE_CONFIG), Mapping):
+        ids = config[EAGLE_CONFIG].get(EAGLE_LAYERS)
+    return ids

@@ -486,3 +486,27 @@ def test_drafts_and_overlap_read_the_draft_vocabulary(world) -> None:
     broken.d2t[1] = broken.d2t[0] - 1  # draft ids 0 and 1 on one target id
     with pytest.raises(ValueError, match="d2t maps its 64 draft ids .* or to one id twice"):
         proposer_for(broken.spec, broken, world["cache"].load_head().lm_head, 1 << 20)
+
+
+def test_the_precompute_plans_a_specforge_folders_layers(world, tmp_path: Path) -> None:
+    """``--drafter-config`` of the folder SpecForge saved (its layers in ``eagle_config``) gives a cache of those
+    layers, which the drafter fits; with a DFlash drafter's config beside it, the union of both."""
+    from tiny_target import random_prompts, write_prompts
+
+    from dflash_cb.cache.precompute import main
+    from dflash_cb.cache.states import StateCache
+    from dflash_cb.core.drafters.layouts import cache_needs
+
+    prompts = write_prompts(tmp_path / "p.jsonl", random_prompts(2, (4, 6), seed=1, vocab=120))
+    base = ["--target", str(world["target_dir"]), "--prompts", str(prompts), "--reference", "local", "--dtype",
+            "float32", "--max-new-tokens", "4", "--no-progress"]
+    assert main([*base, "--out", str(tmp_path / "c"), "--drafter-config",
+                 str(world["root"] / "specforge" / "config.json")]) == 0
+    cache = StateCache(tmp_path / "c")
+    assert cache.manifest.layer_ids == EAGLE_IDS
+    cache.check_fit(cache_needs(world["loaded"]))
+    (tmp_path / "dflash.json").write_text(json.dumps({"architectures": ["DFlashDraftModel"],
+                                                      "dflash_config": {"target_layer_ids": [2, 5]}}))
+    assert main([*base, "--out", str(tmp_path / "u"), "--drafter-config",
+                 f"{world['root'] / 'specforge' / 'config.json'},{tmp_path / 'dflash.json'}"]) == 0
+    assert StateCache(tmp_path / "u").manifest.layer_ids == sorted({*EAGLE_IDS, 2, 5})

@@ -136,7 +136,7 @@ class ChainRunner(DraftRunner):
 
     def state_bytes(self, tokens: int, dtype: torch.dtype) -> int:
         m = self.module
-        width = 2 * m.num_kv_heads * m.head_dim + 2 * int(self.spec.target_hidden_size)
+        width = 2 * m.num_kv_heads * m.head_dim + 2 * int(m.config.hidden_size)  # K/V, carry, head input
         return tokens * width * torch.finfo(dtype).bits // 8
 
     def _chunk(self, keys: int) -> int:
