@@ -39,7 +39,7 @@ def fit_problems(manifest: Manifest, needs: CacheNeeds) -> list[str]:
     """Every way ``needs`` does not fit the cache of ``manifest``, one line each (empty: it fits)."""
     m, who = manifest, "the drafter"
     problems = []
-    missing = [i for i in needs.layer_ids if i not in m.layer_ids]
+    missing = list(dict.fromkeys(i for i in needs.layer_ids if i not in m.layer_ids))
     if missing:  # a cache may hold more layers than a drafter reads (one cache for several drafters)
         problems.append(f"target_layer_ids: {who} reads layers {list(needs.layer_ids)}; the cache holds "
                         f"{m.layer_ids}, without {missing}")

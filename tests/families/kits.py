@@ -251,6 +251,41 @@ def _mtp_generate(ref: Any, target: Any, prompt: torch.Tensor, max_new: int, sto
     return mtp_generate(ref, target, prompt[0].tolist(), max_new, stops, block - 1)
 
 
+# EAGLE-3 reads layer outputs other than the last (whose cached state is the final-normed one a DFlash drafter
+# reads, not the residual stream SGLang captures for EAGLE-3): of the suite's layers, layer 1, three times.
+EAGLE_LAYERS = (1, 1, 1)
+
+
+def _eagle3_config(vocab: int, hidden: int, block: int, window: bool | None = None) -> dict:
+    from eagle3_reference import eagle_config
+
+    return eagle_config(list(EAGLE_LAYERS), vocab_size=vocab, target_hidden_size=hidden, num_target_layers=4,
+                        num_speculative_tokens=block - 1)
+
+
+def _eagle3_reference(ours: Any, cfg: dict) -> Any:
+    from eagle3_reference import specforge_module
+
+    return specforge_module(cfg, ours.state_dict())
+
+
+def _eagle3_generate(ref: Any, target: Any, prompt: torch.Tensor, max_new: int, stops: list[int],
+                     block: int) -> list[int]:
+    from eagle3_reference import specforge_generate
+
+    return specforge_generate(ref, target, prompt[0].tolist(), stops, block - 1, "served", max_new)
+
+
+def _train_eagle3(ours: Any, cache: Any) -> Any:
+    from eagle3_reference import DRAFT_VOCAB, draft_vocabulary, train_eagle3
+
+    vocab = torch.tensor(draft_vocabulary(cache))
+    ours.d2t.copy_(vocab - torch.arange(DRAFT_VOCAB))
+    ours.t2d.zero_()
+    ours.t2d[vocab] = True
+    return train_eagle3(ours, cache)
+
+
 def _train_chain(ours: Any, cache: Any) -> Any:
     from chain_reference import train_chain
 
@@ -275,6 +310,8 @@ KITS: dict[str, Kit] = {
                             Variant("window", sliding=True, loop=_spec_generate_on_dflash_backbone))),
     "mtp": Kit(_mtp_config, _mtp_reference, _mtp_generate, tail_blocks="served", train=_train_chain, adoptable=False,
                layers=(3,)),
+    "eagle3": Kit(_eagle3_config, _eagle3_reference, _eagle3_generate, tail_blocks="served", train=_train_eagle3,
+                  layers=EAGLE_LAYERS),
 }
 
 # (family, variant) pairs the suite replays: every family's kit, then its variants.

@@ -264,7 +264,8 @@ class ChainFamily(DrafterFamily):
     def runner(self, drafter: Any, limits: MemoryLimits) -> DraftRunner | None:
         if isinstance(drafter, self.module_class()):
             return ChainRunner(drafter, drafter.spec, limits)
-        return None
+        adopted = self.adopt(drafter) if isinstance(drafter, nn.Module) else None  # a training loop's module
+        return ChainRunner(adopted, adopted.spec, limits) if adopted is not None else None
 
     def proposer(self, spec: DrafterSpec, module: Any, lm_head: torch.Tensor, mem_bytes: int,
                  embed: torch.Tensor | None = None) -> Proposer:
