@@ -267,7 +267,7 @@ def specforge_eval(online, batches) -> tuple[dict, list[tuple[list[int], list[in
         return Evaluator().run(forward, batches), seen
 
 
-def test_simulated_acc_len_is_specforges(world, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_simulated_acc_len_is_specforges(world, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """SpecForge's per-position accuracy and ``eval/simulated_acc_len`` (its ``OnlineEagle3Model`` over the
     target's own states and logits, as its offline strategy feeds it, summed by its ``Evaluator``) equal ours
     from the cache, integer counts equal, at K = 3 and 5. Its KL loss is a Triton kernel (a GPU): here a plain
@@ -303,6 +303,20 @@ def test_simulated_acc_len_is_specforges(world, monkeypatch: pytest.MonkeyPatch)
         assert 0 < want["eval/per_position_acc"][-1] < want["eval/per_position_acc"][0] < 1
         print(f"EAGLE-3 K={k}: simulated_acc_len {ours.simulated_acc_len:.4f}, per position "
               f"{[round(a, 4) for a in ours.per_position_acc]}")
+        # eval_drafter records SpecForge's figures beside tau, at the K it scores, with a note saying what they are.
+        from dflash_cb.core.drafters.eagle3.figures import SIMULATED_ACC_LEN, position_acc_key
+        from dflash_cb.core.results.report import format_results
+        from dflash_cb.core.results.results_file import load_results
+        from dflash_cb.integrations.cli import eval_drafter
+
+        out = tmp_path / f"k{k}.json"
+        assert eval_drafter.main(["--states", str(cache.path), "--drafter", str(world["root"] / "specforge"),
+                                  "--out", str(out), "--block-size", str(k + 1)]) == 0
+        res = load_results(out)
+        assert res.metric(SIMULATED_ACC_LEN) == pytest.approx(want["eval/simulated_acc_len"], abs=1e-12)
+        assert [res.metric(position_acc_key(j + 1)) for j in range(k)] == pytest.approx(
+            want["eval/per_position_acc"], abs=1e-12)
+        assert "specforge_eagle3" in res.notes and "simulated_acc_len" in format_results(res)
 
 
 def test_each_step_equals_specforges_unroll_under_its_options() -> None:

@@ -92,6 +92,9 @@ class FamilyFigures:
     per_depth: tuple[DepthFigure, ...] = ()
     tables: tuple[FigureTable, ...] = ()
     section: str = ""
+    # Figures the family computes in a pass of its own over the cache (``DrafterFamily.own_figures``), beside the
+    # replay's: no interval (EAGLE-3: SpecForge's simulated_acc_len).
+    own_pass: tuple[Figure, ...] = ()
     note_key: str = ""
     note: str = ""
     specforge_scores: str = ""
@@ -253,6 +256,11 @@ class DrafterFamily:
         for a plain callable), with the target's head, its logits under ``mem_bytes``, and its input embedding
         ``embed`` (for a family that reads the tokens' embeddings)."""
         raise NotImplementedError
+
+    def own_figures(self, cache: Any, drafter: Any, block_size: int, sample_ids: Sequence[str]) -> dict[str, float]:
+        """The family's ``figures.own_pass`` on ``cache`` (the samples ``sample_ids``) for ``drafter`` drafting blocks
+        of ``block_size``: {} for a family without them."""
+        return {}
 
     def specforge_difference(self, config: Any, block_size: int) -> str | None:
         """Why SpecForge 0.2.0 trains a drafter of this config under other masks than it is served with."""

@@ -85,7 +85,7 @@ def format_results(res: Results) -> str:
     if res.metric(T1_TAU_ESTIMATE) is not None:
         lines.append(f"  tau at temperature 1         {_f(res.metric(T1_TAU_ESTIMATE))}  "
                      "(ESTIMATE from top-K target log-probs)")
-    shown = [f for f in (*figures.walks, *figures.pooled) if res.metric(f.key) is not None]
+    shown = [f for f in (*figures.walks, *figures.pooled, *figures.own_pass) if res.metric(f.key) is not None]
     if shown:  # the drafter family's own figures (DFlash 2: where tau is lost)
         lines.append(f"  {family.label} {figures.section}")
         lines += [f"    {f.label:<48} {metric_with_interval(res, f.key)}" for f in shown]

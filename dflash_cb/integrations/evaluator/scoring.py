@@ -21,6 +21,7 @@ from torch import nn
 from ...cache.states import StateCache, TargetHead
 from ...common.log import get_logger
 from ...common.threads import THREADS_HELP
+from ...core.drafters.registry import family_named
 from ...core.figures.positions import DEFAULT_POSITION_EDGES
 from ...core.replay.engine import EvalReport
 from ...core.results.results_file import Results
@@ -254,9 +255,13 @@ class CacheScorer:
                               anchor_seed=o.anchor_seed, block_size=fit.block_size, tail_blocks=o.tail_blocks,
                               device=o.device, autocast_dtype=autocast, verify=o.verify)
         report = evaluate(self.cache, drafter, self._load_head(head_dtype), request, progress=progress)
-        return report_to_results(report, self.cache, position_edges=o.position_edges, meta={
+        results = report_to_results(report, self.cache, position_edges=o.position_edges, meta={
             "drafter": provenance, "dtype": o.dtype_name, "head_dtype": report.head_dtype,
             "device": str(o.device), "threads": o.threads, "head_source": o.target or "cache",
             "verified": o.verify, "sample_selection": o.selection, **(meta or {}),
-        }), report
+        })
+        family = family_named(report.spec.family)
+        with torch.no_grad():  # the family's own pass (EAGLE-3: SpecForge's accuracy figures)
+            results.metrics.update(family.own_figures(self.cache, drafter, fit.block_size, self.ids))
+        return results, report
 

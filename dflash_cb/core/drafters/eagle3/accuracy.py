@@ -94,10 +94,10 @@ def position_counts(runner: ChainRunner, proposer: Proposer,
 
 
 def cache_position_counts(cache: StateCache, drafter: nn.Module, steps: int | None = None,
-                          mem_bytes: int = 512 << 20) -> PositionCounts:
+                          mem_bytes: int = 512 << 20, sample_ids: Iterable[str] | None = None) -> PositionCounts:
     """SpecForge's counts of an EAGLE-3 ``drafter`` over every sample of ``cache`` (the loss mask: each
     completion, all of it, as SpecForge's offline reader masks the assistant's tokens), over ``steps`` TTT
-    positions (default: the drafter's K)."""
+    positions (default: the drafter's K); ``sample_ids``: only those samples."""
     from ..registry import family_named
 
     spec = drafter.spec
@@ -108,8 +108,12 @@ def cache_position_counts(cache: StateCache, drafter: nn.Module, steps: int | No
     proposer = family_named(spec.family).proposer(spec, drafter, head.lm_head, mem_bytes, head.embed_tokens)
     columns = cache.feature_columns(spec.target_layer_ids)
 
+    chosen = None if sample_ids is None else set(sample_ids)
+
     def samples() -> Iterable[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]]:
         for e in cache.samples:
+            if chosen is not None and e.id not in chosen:
+                continue
             s = cache.load(e.id)
             yield (s.hidden if columns is None else s.hidden.index_select(1, columns), s.input_ids,
                    s.target_argmax, e.prompt_len)

@@ -3,7 +3,7 @@ a chain drafter over three target layers with its own embedding, head and draft 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -12,6 +12,7 @@ from torch import nn
 from ..chain import ChainFamily
 from ..proposers import Proposer
 from ..spec import DrafterSpec
+from .figures import FIGURES, SIMULATED_ACC_LEN, position_acc_key
 from .model import ARCHITECTURE, EMBED_KEY, FAMILY_NAME
 
 
@@ -20,6 +21,7 @@ class Eagle3Family(ChainFamily):
     label = "EAGLE-3"
     architecture = ARCHITECTURE
     optional_keys = (EMBED_KEY,)  # SGLang's export, published folders and SpecForge's checkpoints leave it out
+    figures = FIGURES
 
     def module_class(self) -> type[nn.Module]:
         from .model import Eagle3Drafter
@@ -37,6 +39,18 @@ class Eagle3Family(ChainFamily):
         from .model import eagle_layer_ids
 
         return eagle_layer_ids(config)
+
+    def own_figures(self, cache: Any, drafter: Any, block_size: int, sample_ids: Sequence[str]) -> dict[str, float]:
+        """SpecForge's ``simulated_acc_len`` and per-position accuracy over the chain's K = block - 1 steps."""
+        from .accuracy import cache_position_counts
+
+        module = drafter if isinstance(drafter, self.module_class()) else self.adopt(drafter)
+        if module is None:
+            return {}
+        counts = cache_position_counts(cache, module, block_size - 1, sample_ids=sample_ids)
+        out = {SIMULATED_ACC_LEN: counts.simulated_acc_len}
+        out.update({position_acc_key(k + 1): acc for k, acc in enumerate(counts.per_position_acc)})
+        return out
 
     def tree_refusal(self) -> str:
         return ("an EAGLE-3 drafter drafts each depth from its parent token: served with topk > 1 (SGLang's "
