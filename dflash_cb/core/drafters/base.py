@@ -95,9 +95,16 @@ class FamilyFigures:
     # Figures the family computes in a pass of its own over the cache (``DrafterFamily.own_figures``), beside the
     # replay's: no interval (EAGLE-3: SpecForge's simulated_acc_len).
     own_pass: tuple[Figure, ...] = ()
+    own_pass_prefix: str = ""  # the key prefix of the own pass's per-depth figures
     note_key: str = ""
     note: str = ""
     specforge_scores: str = ""
+
+    def from_own_pass(self, key: str) -> bool:
+        """Whether ``key`` is one of the figures of the family's own pass (the tools record them; a live
+        evaluation does not run that pass)."""
+        return any(f.key == key for f in self.own_pass) or bool(self.own_pass_prefix and
+                                                                 key.startswith(self.own_pass_prefix))
 
     @property
     def walk_keys(self) -> tuple[str, ...]:
