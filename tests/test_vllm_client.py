@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from local_http import quick_retries
 from tiny_target import random_prompts, save_tiny_qwen3, write_prompts
 from vllm_server import FakeVLLM, serve, simulated_drafts
 
@@ -365,11 +366,14 @@ def test_precompute_through_vllm(server, target_dir, prompts, tmp_path) -> None:
     assert fake.calls == calls
 
 
-def test_precompute_faults_lose_nothing(model, target_dir, prompts, tmp_path) -> None:
+def test_precompute_faults_lose_nothing(model, target_dir, prompts, tmp_path, monkeypatch) -> None:
     """503s, dropped connections and garbage JSON (after the server ran the request), an HTML /metrics:
     the precompute gets through; the cache, its counters and its journal are those of a clean run."""
+    from dflash_cb.cache import vllm_client
     from dflash_cb.cache.manifest import MANIFEST_NAME
     from dflash_cb.cache.precompute import JOURNAL_NAME
+
+    quick_retries(monkeypatch, vllm_client, "VLLMClient")  # the tool's 1 s doubling would idle 7 s here
 
     loop = simulated_drafts(model, K, _miss)
     clean = FakeVLLM(loop, served_name="Qwen/Qwen3-Tiny-Test", root=str(target_dir), num_spec_tokens=K)
