@@ -96,6 +96,15 @@ def drafter_dir(tiny_drafter_config: dict, tmp_path_factory: pytest.TempPathFact
     return out
 
 
+@pytest.fixture(scope="session")
+def served_world(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The served-check tests' world (tests/served_world.py), shared by the SGLang and vLLM ones: a tiny target, the
+    served drafter (trained) and another, and the reference loop's runs as the fake servers compute them."""
+    from served_world import build_world
+
+    return build_world(tmp_path_factory.mktemp("served"))
+
+
 @pytest.fixture
 def mlflow_store(tmp_path, monkeypatch) -> Iterator[str]:
     """A local MLflow file store in ``tmp_path``: its tracking URI, current (and in the environment, where Hugging
