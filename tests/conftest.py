@@ -97,6 +97,15 @@ def drafter_dir(tiny_drafter_config: dict, tmp_path_factory: pytest.TempPathFact
 
 
 @pytest.fixture(scope="session")
+def oracle_world(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The tiny target, prompts and caches the exactness tests against a reference loop share
+    (``tiny_target.build_oracle_world``). Read them, never change them."""
+    from tiny_target import build_oracle_world
+
+    return build_oracle_world(tmp_path_factory.mktemp("oracle_world"))
+
+
+@pytest.fixture(scope="session")
 def served_world(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The served-check tests' world (tests/served_world.py), shared by the SGLang and vLLM ones: a tiny target, the
     served drafter (trained) and another, and the reference loop's runs as the fake servers compute them."""
