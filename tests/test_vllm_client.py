@@ -177,8 +177,15 @@ def test_a_request_already_running(server) -> None:
     assert got.meta_info[V.ATTRIBUTABLE] is False
     assert "1 request(s) were running when it was sent" in got.meta_info[V.UNATTRIBUTABLE_REASON]
     fake.hold[(9, 9, 9)] = release2 = threading.Event()
-    fake.on_arrival[tuple(PROMPTS[2])] = lambda: threading.Thread(
-        target=client(url).generate, args=([9, 9, 9], 6, [2]), kwargs={"concurrency": 2}, daemon=True).start()
+
+    def another_one_running() -> None:  # before the sample runs: another request arrives, and is held
+        threading.Thread(target=client(url).generate, args=([9, 9, 9], 6, [2]), kwargs={"concurrency": 2},
+                         daemon=True).start()
+        deadline = time.monotonic() + 10
+        while sum(fake.running) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    fake.on_arrival[tuple(PROMPTS[2])] = another_one_running
     try:
         got = client(url).generate(PROMPTS[2], 12, [2])
     finally:
