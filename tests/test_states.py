@@ -85,6 +85,7 @@ def test_a_sample_is_checked_again_only_when_its_shard_changed(tiny_cache: Path,
     """Every evaluation of a run reads the same samples: each is checked against its manifest entry once per
     shard file (``integrity.file_identity``); a shard rewritten since is checked again, and a sample that no
     longer matches is refused."""
+    from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
     cache = StateCache(copy_cache(tiny_cache, tmp_path / "cache"))
@@ -99,10 +100,12 @@ def test_a_sample_is_checked_again_only_when_its_shard_changed(tiny_cache: Path,
     assert entry.valid_len > entry.prompt_len
     shard = cache.path / entry.shard
     tensors = load_file(str(shard))
+    with safe_open(str(shard), framework="pt") as f:
+        metadata = f.metadata()
     argmax = tensors["p001/target_argmax"]
     argmax[entry.prompt_len - 1] = (argmax[entry.prompt_len - 1] + 1) % cache.manifest.vocab_size
     size = shard.stat().st_size
-    save_file(tensors, str(shard))
+    save_file(tensors, str(shard), metadata=metadata)
     assert shard.stat().st_size == size  # the same tensors' shapes: only the new file identity tells
     checked.clear()
     cache.load("p000")
