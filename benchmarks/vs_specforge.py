@@ -36,6 +36,7 @@ One torch thread by default (``--threads``): on a shared machine more threads wa
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import inspect
 import json
 import statistics
@@ -102,7 +103,10 @@ class Ours:
         self.cache, self.drafter, self.device, self.out = cache, drafter, device, out
         self.budgets, self.light_stride = budgets, light_stride
         self.engine = engine
-        params = inspect.signature(engine.evaluate).parameters
+        params = set(inspect.signature(engine.evaluate).parameters)
+        request = getattr(engine, "EvalRequest", None)  # evaluate's options are its fields (``**options``)
+        if request is not None:
+            params |= {f.name for f in dataclasses.fields(request)}
         self.timed, self.extra = "timer" in params, "extra_anchor_strides" in params
         self.light_kw: dict[str, Any] = {}
         if "draft_all" in params:  # decided as the live evaluator does, from the taus it last measured

@@ -3,6 +3,7 @@ through the real precompute (``--reference local --dtype float32``)."""
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from collections.abc import Iterator
@@ -20,6 +21,17 @@ os.environ.setdefault("WANDB_SILENT", "true")
 # One thread everywhere (the session's torch, the tools' --threads default, subprocesses): the tests compare
 # tensors bit for bit across runs, which needs one reduction order, and tiny models gain nothing from more.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The cyclic collector walked every live object (millions once torch and transformers are imported) every few
+# seconds: about a tenth of the fast subset's time. Run it less often; reference counting frees as before, and
+# no test reads the collector.
+gc.set_threshold(20_000, 20, 20)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Once the test modules (and torch, transformers, ...) are imported, their long-lived objects leave the
+    cyclic collector's view (``gc.freeze``): its full collections stop walking them."""
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -82,6 +94,24 @@ def drafter_dir(tiny_drafter_config: dict, tmp_path_factory: pytest.TempPathFact
     out = tmp_path_factory.mktemp("drafter") / "drafter"
     DFlashDrafter.from_config_dict(tiny_drafter_config).save_pretrained(out)
     return out
+
+
+@pytest.fixture(scope="session")
+def oracle_world(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The tiny target, prompts and caches the exactness tests against a reference loop share
+    (``tiny_target.build_oracle_world``). Read them, never change them."""
+    from tiny_target import build_oracle_world
+
+    return build_oracle_world(tmp_path_factory.mktemp("oracle_world"))
+
+
+@pytest.fixture(scope="session")
+def served_world(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The served-check tests' world (tests/served_world.py), shared by the SGLang and vLLM ones: a tiny target, the
+    served drafter (trained) and another, and the reference loop's runs as the fake servers compute them."""
+    from served_world import build_world
+
+    return build_world(tmp_path_factory.mktemp("served"))
 
 
 @pytest.fixture

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import oracles
 import torch
+from full_block_loop import FullBlockRun, full_block_generate
 
 LAYERS = [1, 3]
 MAX_NEW = 40
@@ -60,7 +62,19 @@ def build_world(root: Path) -> dict[str, Any]:
     ref.load_state_dict(served.state_dict())
     target = Qwen3ForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     return dict(root=root, target_dir=target_dir, prompts=prompts, ref=ref, target=target, mask=m.vocab_size - 1,
-                stop=m.stop_token_ids, drafter=root / "drafter-served", other=root / "drafter-other")
+                stop=m.stop_token_ids, drafter=root / "drafter-served", other=root / "drafter-other", runs={})
+
+
+def served_run(world: dict[str, Any], prompt: Sequence[int], max_tokens: int, stops: Iterable[int],
+               block: int) -> FullBlockRun:
+    """What the fake servers run for a request: the reference full-block loop (tests/full_block_loop.py) with the
+    served drafter at ``block``. It is deterministic, and the tests send the same requests to many servers: each
+    request's run is computed once per session (``world["runs"]``). Read it, never change it."""
+    key = (tuple(prompt), int(max_tokens), frozenset(stops), int(block))
+    if key not in world["runs"]:
+        world["runs"][key] = full_block_generate(world["ref"], world["target"], list(prompt), max_tokens, sorted(key[2]),
+                                                 LAYERS, block, world["mask"])
+    return world["runs"][key]
 
 
 def edited_cache(src: Path, dst: Path, edit) -> Path:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections import Counter
 from pathlib import Path
 
 import oracles
@@ -59,15 +58,6 @@ def _drafter_config(vocab: int, hidden: int, **dflash) -> dict:
     )
 
 
-def _precompute(target: Path, prompts: Path, out: Path, *extra: str) -> Path:
-    from dflash_cb.cache.precompute import main
-
-    assert main(["--target", str(target), "--prompts", str(prompts), "--out", str(out), "--layers",
-                 ",".join(map(str, LAYERS)), "--reference", "local", "--dtype", "float32", "--max-new-tokens",
-                 str(MAX_NEW), "--no-progress", *extra]) == 0
-    return out
-
-
 def _reference(ours, cfg: dict):
     ref = dm.DFlash2DraftModel(Qwen3Config(**cfg)).eval()
     ref.load_state_dict({k + ".weight" if k.endswith("codebook") else k: v for k, v in ours.state_dict().items()})
@@ -101,37 +91,27 @@ def _run_loops(cache, ref, target, block: int, full: bool = True) -> tuple[dict,
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    from tiny_target import random_prompts, save_tiny_qwen3, selector_loss, train_briefly, write_prompts
-    from transformers import Qwen3ForCausalLM
+def world(oracle_world: dict) -> dict:
+    from tiny_target import ORACLE_LAYERS, ORACLE_MAX_NEW, selector_loss, train_briefly
 
-    from dflash_cb.cache.states import StateCache
     from dflash_cb.core.drafters.dflash2.model import DFlash2Drafter
 
-    root = tmp_path_factory.mktemp("dflash2_oracle")
-    target_dir = save_tiny_qwen3(root / "target", seed=3)
-    prompts = write_prompts(root / "prompts.jsonl", random_prompts(6, (4, 12), seed=5, vocab=120),
-                            categories=["math", "code", "chat"])
-    # The stop token: one found a few tokens into two completions, so that two samples stop and the others
-    # reach max_new_tokens (where the tail-block conventions part).
-    first = StateCache(_precompute(target_dir, prompts, root / "plain"))
-    seen = [set(first.load(e.id).input_ids[e.prompt_len + 6:].tolist()) for e in first.samples]
-    stop = next(t for t, n in Counter(t for s in seen for t in s).most_common() if n == 2)
-    cache = StateCache(_precompute(target_dir, prompts, root / "cache", "--stop-token-ids", str(stop),
-                                   "--topk-logprobs", "8"))
+    # The tiny target's cache with a stop token found a few tokens into two completions, so that two samples stop and
+    # the others reach max_new_tokens (where the tail-block conventions part); the target's top-K stored.
+    assert (LAYERS, MAX_NEW) == (ORACLE_LAYERS, ORACLE_MAX_NEW)
+    cache, target, stop = oracle_world["cache"], oracle_world["target"], oracle_world["stop"]
     m = cache.manifest
     cfg = _drafter_config(m.vocab_size, m.hidden_size)
     torch.manual_seed(0)
     ours = train_briefly(DFlash2Drafter.from_config_dict(cfg), cache, epochs=20, loss=selector_loss)
     ref = _reference(ours, cfg)
-    target = Qwen3ForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     runs = {block: _run_loops(cache, ref, target, block) for block in (BLOCK, SMALL)}
     # The same weights under a config that scales and caps the logits (unary scores and candidates change).
     scaled_cfg = _drafter_config(m.vocab_size, m.hidden_size, output_multiplier=0.4, final_logit_softcapping=2.5)
     scaled = DFlash2Drafter.from_config_dict(scaled_cfg).eval()
     scaled.load_state_dict(ours.state_dict())
     scaled_oracle, _ = _run_loops(cache, _reference(scaled, scaled_cfg), target, BLOCK, full=False)
-    return dict(root=root, cache=cache, cfg=cfg, ours=ours, ref=ref, target=target, runs=runs, stop=stop,
+    return dict(cache=cache, cfg=cfg, ours=ours, ref=ref, target=target, runs=runs, stop=stop,
                 scaled=scaled, scaled_oracle=scaled_oracle)
 
 

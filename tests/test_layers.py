@@ -8,6 +8,7 @@ that climbs a layer is caught too.
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -16,14 +17,21 @@ PACKAGE = Path(__file__).resolve().parents[1] / "dflash_cb"
 LAYERS = ("common", "cache", "core", "integrations", "demo")
 
 
-def _imports(path: Path) -> set[str]:
+@functools.cache
+def _tree(path: Path) -> ast.Module:
+    """``path``'s syntax tree, parsed once per session: the checks below read every module, several times."""
+    return ast.parse(path.read_text(), str(path))
+
+
+@functools.cache
+def _imports(path: Path) -> frozenset[str]:
     """Absolute names of the dflash_cb modules ``path`` imports."""
     module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
     package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
     if path.name == "__init__.py":
         package = module.removesuffix(".__init__")
     out: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(_tree(path)):
         if isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
@@ -34,7 +42,7 @@ def _imports(path: Path) -> set[str]:
             out.update(n for n in names if n == "dflash_cb" or n.startswith("dflash_cb."))
         elif isinstance(node, ast.Import):
             out.update(a.name for a in node.names if a.name.startswith("dflash_cb"))
-    return out
+    return frozenset(out)
 
 
 def _layer(name: str) -> str | None:
@@ -139,8 +147,7 @@ def test_no_generic_module_names_a_drafter_family():
             continue  # the family's own folder
         if rel.parts == ("__init__.py",):
             continue  # the public names: DFlashDrafter, DFlash2Drafter
-        tree = ast.parse(path.read_text())
-        for node in ast.walk(tree):
+        for node in ast.walk(_tree(path)):
             # A family's name as a value (a comparison, a default): the one default is drafters/spec.py's
             # DEFAULT_FAMILY; SpecForge's own strategy name "dflash" is SpecForge's, not a family of ours.
             if isinstance(node, ast.Constant) and node.value in families and rel.as_posix() not in (

@@ -75,10 +75,11 @@ def _bound_names(target: ast.AST) -> set[str]:
     return {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
 
 
-def _bindings(fn: ast.AST) -> list[tuple[set[str], ast.AST]]:
-    """(names bound, the expression they come from) for every assignment, loop and ``with`` in ``fn``."""
+def _bindings(nodes: list[ast.AST]) -> list[tuple[set[str], ast.AST]]:
+    """(names bound, the expression they come from) for every assignment, loop and ``with`` among a function's
+    ``nodes``."""
     out = []
-    for n in ast.walk(fn):
+    for n in nodes:
         if isinstance(n, ast.Assign):
             out.append((set().union(*map(_bound_names, n.targets)), n.value))
         elif isinstance(n, (ast.AugAssign, ast.AnnAssign)) and n.value is not None:
@@ -100,6 +101,11 @@ def timed_asserts(source: str, filename: str) -> list[str]:
     imported = {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
                 and n.module in CLOCK_MODULES for a in n.names if a.name in CLOCKS}
     functions = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    nodes = {fn: list(ast.walk(fn)) for fn in functions}  # each function read once, used on every pass below
+    bindings = {fn: _bindings(nodes[fn]) for fn in functions}
+    returns = {fn: [n.value for n in nodes[fn] if isinstance(n, ast.Return) and n.value is not None]
+               for fn in functions}
+    asserts = {fn: [n for n in nodes[fn] if isinstance(n, ast.Assert)] for fn in functions}
     helpers: set[str] = set()
     changed = True
     while changed:  # a helper that returns what a clock measured is a clock itself
@@ -108,15 +114,15 @@ def timed_asserts(source: str, filename: str) -> list[str]:
             if fn.name in helpers:
                 continue
             scope = _Scope(imported, helpers)
-            scope.learn(_bindings(fn))
-            if any(isinstance(n, ast.Return) and n.value is not None and scope.measures(n.value) for n in ast.walk(fn)):
+            scope.learn(bindings[fn])
+            if any(map(scope.measures, returns[fn])):
                 helpers.add(fn.name)
                 changed = True
     found = []
     for fn in functions:
         scope = _Scope(imported, helpers)
-        scope.learn(_bindings(fn))
-        found += [f"{filename}:{n.lineno}" for n in ast.walk(fn) if isinstance(n, ast.Assert) and scope.measures(n.test)]
+        scope.learn(bindings[fn])
+        found += [f"{filename}:{n.lineno}" for n in asserts[fn] if scope.measures(n.test)]
     return sorted(set(found))
 
 

@@ -72,25 +72,23 @@ def _run_loops(cache, ref, target, cfg: dict, block: int) -> tuple[dict, dict]:
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory: pytest.TempPathFactory):
-    from tiny_target import random_prompts, save_tiny_qwen3, train_briefly, write_prompts
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+def setup(oracle_world: dict, tmp_path_factory: pytest.TempPathFactory):
+    from tiny_target import ORACLE_LAYERS, ORACLE_MAX_NEW, train_briefly
+    from transformers import Qwen3Config
 
-    from dflash_cb.cache.states import StateCache
     from dflash_cb.core.drafters.dflash.model import DFlashDrafter
 
+    assert (LAYERS, MAX_NEW) == (ORACLE_LAYERS, ORACLE_MAX_NEW)
     root = tmp_path_factory.mktemp("oracle")
-    target_dir = save_tiny_qwen3(root / "target", seed=3)
-    prompts = write_prompts(root / "prompts.jsonl", random_prompts(6, (4, 12), seed=5, vocab=120),
-                            categories=["math", "code", "chat"])
-    cache = StateCache(_precompute(target_dir, prompts, root / "cache", LAYERS))
+    # the tiny target's plain cache (tiny_target.build_oracle_world)
+    target_dir, prompts, cache = oracle_world["target_dir"], oracle_world["prompts"], oracle_world["plain"]
     m = cache.manifest
     cfg = _drafter_config(m.vocab_size, m.hidden_size)
     torch.manual_seed(0)
     ours = train_briefly(DFlashDrafter.from_config_dict(cfg), cache)  # partial acceptance: the interesting regime
     ref = dm.DFlashDraftModel(Qwen3Config(**cfg)).eval()
     ref.load_state_dict(ours.state_dict())
-    target = Qwen3ForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    target = oracle_world["target"]
     oracle, full = _run_loops(cache, ref, target, cfg, BLOCK)
     return dict(root=root, target_dir=target_dir, prompts=prompts, cache=cache, ours=ours, ref=ref, oracle=oracle,
                 cfg=cfg, full=full, target=target)

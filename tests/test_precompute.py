@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from local_http import JSONHandler, serve
+from local_http import JSONHandler, quick_retries, serve
 from safetensors import safe_open
 from tiny_target import TINY_HIDDEN, TINY_VOCAB, random_prompts, save_tiny_qwen3, write_prompts
 
@@ -516,8 +516,11 @@ def test_completions_are_journaled_as_they_arrive(sglang, target_dir, prompts_fi
 
 
 def test_short_answer_is_refused_naming_the_prompt(sglang, local_cache, target_dir, prompts_file, tmp_path,
-                                                   capsys):
+                                                   capsys, monkeypatch):
     """A 'length' answer shorter than max_new_tokens is a server fault, never a cached sample."""
+    from dflash_cb.cache import sglang_client
+
+    quick_retries(monkeypatch, sglang_client, "SGLangClient")
     url, server = sglang
     local = StateCache(local_cache)
     victim = next(s for s in local.samples if s.completion_len > 3 and s.finish_reason == "length")

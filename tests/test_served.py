@@ -28,10 +28,9 @@ from typing import Any
 import local_http
 import pytest
 import torch
-from full_block_loop import full_block_generate
 from local_http import JSONHandler
 from processes import sigkill_when
-from served_world import BLOCK, LAYERS, MAX_NEW, N_PROMPTS, build_world, drafter_config, precompute
+from served_world import BLOCK, LAYERS, MAX_NEW, N_PROMPTS, drafter_config, precompute, served_run
 from served_world import edited_cache as _edited
 
 from dflash_cb.core.results.results_file import load_results
@@ -41,9 +40,9 @@ _drafter_config, _precompute = drafter_config, precompute
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def world(served_world: dict[str, Any]) -> dict[str, Any]:
     """Tiny target, a local cache to train on, the served drafter (trained) and another one (untrained)."""
-    return build_world(tmp_path_factory.mktemp("served"))
+    return served_world
 
 
 class SpecServer:
@@ -81,8 +80,7 @@ class SpecServer:
         with self.lock:
             self.calls[tuple(ids)] += 1
             time.sleep(self.delay)
-            run = full_block_generate(self.w["ref"], self.w["target"], ids, sp["max_new_tokens"], sp["stop_token_ids"],
-                                      LAYERS, self.block, self.w["mask"])
+            run = served_run(self.w, ids, sp["max_new_tokens"], sp["stop_token_ids"], self.block)
         out = run.output_ids
         rounds = len(run.acceptance_lengths)
         self.rounds[tuple(ids)] = rounds

@@ -15,8 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from full_block_loop import full_block_generate
-from served_world import BLOCK, LAYERS, N_PROMPTS, build_world, precompute
+from served_world import BLOCK, N_PROMPTS, precompute, served_run
 from served_world import edited_cache as _edited
 from vllm_server import FakeVLLM, Loop, Run, serve
 
@@ -27,14 +26,13 @@ SMALL = 4  # a served block shorter than the drafter's BLOCK
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory) -> dict[str, Any]:
-    return build_world(tmp_path_factory.mktemp("served_vllm"))
+def world(served_world: dict[str, Any]) -> dict[str, Any]:
+    return served_world
 
 
 def _loop(world: dict[str, Any], block: int) -> Loop:
     def loop(prompt: list[int], max_tokens: int, stops: set[int]) -> Run:
-        run = full_block_generate(world["ref"], world["target"], prompt, max_tokens, sorted(stops), LAYERS, block,
-                                  world["mask"])
+        run = served_run(world, prompt, max_tokens, stops, block)
         return Run(run.output_ids, run.correct_drafts)
 
     return loop

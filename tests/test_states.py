@@ -80,6 +80,40 @@ def test_changed_shard_is_hashed_again_unchanged_is_not(tiny_cache: Path, tmp_pa
     assert hashed[n:] == [shard.name]
 
 
+def test_a_sample_is_checked_again_only_when_its_shard_changed(tiny_cache: Path, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every evaluation of a run reads the same samples: each is checked against its manifest entry once per
+    shard file (``integrity.file_identity``); a shard rewritten since is checked again, and a sample that no
+    longer matches is refused."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    cache = StateCache(copy_cache(tiny_cache, tmp_path / "cache"))
+    checked: list[str] = []
+    real_check = StateCache._check_entry
+    monkeypatch.setattr(StateCache, "_check_entry", lambda self, e, *a: checked.append(e.id) or real_check(self, e, *a))
+    ids = [e.id for e in cache.samples]
+    for _ in range(3):
+        assert [s.entry.id for s in cache.load_many(ids)] == ids
+    assert checked == ids  # once each
+    entry = cache.entry("p001")
+    assert entry.valid_len > entry.prompt_len
+    shard = cache.path / entry.shard
+    tensors = load_file(str(shard))
+    with safe_open(str(shard), framework="pt") as f:
+        metadata = f.metadata()
+    argmax = tensors["p001/target_argmax"]
+    argmax[entry.prompt_len - 1] = (argmax[entry.prompt_len - 1] + 1) % cache.manifest.vocab_size
+    size = shard.stat().st_size
+    save_file(tensors, str(shard), metadata=metadata)
+    assert shard.stat().st_size == size  # the same tensors' shapes: only the new file identity tells
+    checked.clear()
+    cache.load("p000")
+    assert checked == ["p000"] * (cache.entry("p000").shard == entry.shard)  # its shard changed: checked again
+    with pytest.raises(CacheError, match=rf"'p001'.*the stored target_argmax gives {entry.prompt_len}"):
+        cache.load("p001")
+
+
 def test_token_ids_read_only_input_ids_and_check_the_shard(tiny_cache: Path, tmp_path: Path) -> None:
     """The W&B table's token ids: the same as a full load's, and a truncated shard is named."""
     cache = StateCache(copy_cache(tiny_cache, tmp_path / "cache"))

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from local_http import quick_retries
 from tiny_target import random_prompts, save_tiny_qwen3, write_prompts
 from vllm_server import FakeVLLM, serve, simulated_drafts
 
@@ -176,8 +177,15 @@ def test_a_request_already_running(server) -> None:
     assert got.meta_info[V.ATTRIBUTABLE] is False
     assert "1 request(s) were running when it was sent" in got.meta_info[V.UNATTRIBUTABLE_REASON]
     fake.hold[(9, 9, 9)] = release2 = threading.Event()
-    fake.on_arrival[tuple(PROMPTS[2])] = lambda: threading.Thread(
-        target=client(url).generate, args=([9, 9, 9], 6, [2]), kwargs={"concurrency": 2}, daemon=True).start()
+
+    def another_one_running() -> None:  # before the sample runs: another request arrives, and is held
+        threading.Thread(target=client(url).generate, args=([9, 9, 9], 6, [2]), kwargs={"concurrency": 2},
+                         daemon=True).start()
+        deadline = time.monotonic() + 10
+        while sum(fake.running) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    fake.on_arrival[tuple(PROMPTS[2])] = another_one_running
     try:
         got = client(url).generate(PROMPTS[2], 12, [2])
     finally:
@@ -365,11 +373,14 @@ def test_precompute_through_vllm(server, target_dir, prompts, tmp_path) -> None:
     assert fake.calls == calls
 
 
-def test_precompute_faults_lose_nothing(model, target_dir, prompts, tmp_path) -> None:
+def test_precompute_faults_lose_nothing(model, target_dir, prompts, tmp_path, monkeypatch) -> None:
     """503s, dropped connections and garbage JSON (after the server ran the request), an HTML /metrics:
     the precompute gets through; the cache, its counters and its journal are those of a clean run."""
+    from dflash_cb.cache import vllm_client
     from dflash_cb.cache.manifest import MANIFEST_NAME
     from dflash_cb.cache.precompute import JOURNAL_NAME
+
+    quick_retries(monkeypatch, vllm_client, "VLLMClient")  # the tool's 1 s doubling would idle 7 s here
 
     loop = simulated_drafts(model, K, _miss)
     clean = FakeVLLM(loop, served_name="Qwen/Qwen3-Tiny-Test", root=str(target_dir), num_spec_tokens=K)

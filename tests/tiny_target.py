@@ -235,3 +235,37 @@ def build_tiny_cache(root: Path, n_prompts: int = 6, max_new_tokens: int = 24, p
     run_precompute(PrecomputeArgs(target=str(target), prompts=str(prompts), out=str(out), layers=TINY_LAYER_IDS,
                                   reference="local", dtype="float32", max_new_tokens=max_new_tokens, progress=False))
     return out
+
+
+ORACLE_LAYERS = [1, 3]  # the oracle world's drafter layers: outputs of decoder layers 1 and 3 of the 4-layer target
+ORACLE_MAX_NEW = 40
+
+
+def build_oracle_world(root: Path) -> dict:
+    """What the exactness tests against a reference generate loop start from (test_oracle, test_dflash2_engine, the
+    families' conformance suite): a tiny target (seed 3) and six prompts in three categories, a plain cache of them
+    (``--reference local --dtype float32``, layers ``ORACLE_LAYERS``, ``ORACLE_MAX_NEW`` new tokens), and a second
+    cache with a stop token that two completions meet a few tokens in (so two samples stop and the others reach
+    max_new_tokens, where the tail-block conventions part) and the target's top-8 log-probs stored."""
+    from collections import Counter
+
+    from transformers import Qwen3ForCausalLM
+
+    from dflash_cb.cache.precompute import main
+    from dflash_cb.cache.states import StateCache
+
+    def precompute(out: Path, *extra: str) -> StateCache:
+        assert main(["--target", str(target_dir), "--prompts", str(prompts), "--out", str(out), "--layers",
+                     ",".join(map(str, ORACLE_LAYERS)), "--reference", "local", "--dtype", "float32",
+                     "--max-new-tokens", str(ORACLE_MAX_NEW), "--no-progress", *extra]) == 0
+        return StateCache(out)
+
+    target_dir = save_tiny_qwen3(root / "target", seed=3)
+    prompts = write_prompts(root / "prompts.jsonl", random_prompts(6, (4, 12), seed=5, vocab=120),
+                            categories=["math", "code", "chat"])
+    plain = precompute(root / "plain")
+    seen = [set(plain.load(e.id).input_ids[e.prompt_len + 6:].tolist()) for e in plain.samples]
+    stop = next(t for t, n in Counter(t for s in seen for t in s).most_common() if n == 2)
+    cache = precompute(root / "cache", "--stop-token-ids", str(stop), "--topk-logprobs", "8")
+    target = Qwen3ForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    return dict(target_dir=target_dir, prompts=prompts, plain=plain, stop=stop, cache=cache, target=target)

@@ -27,6 +27,7 @@ import contextlib
 import json
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -305,18 +306,26 @@ def serve(state: FakeVLLM) -> Iterator[str]:
 
 
 _lock = threading.Lock()
+# Per model, its greedy continuations already generated: the tests send the same prompts to many servers.
+_greedy: weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple[tuple[int, ...], int], list[int]]] = \
+    weakref.WeakKeyDictionary()
 
 
 def simulated_drafts(model: torch.nn.Module, num_spec_tokens: int, miss: Callable[[int], bool]) -> Loop:
     """A greedy target with a stand-in drafter: at absolute position t the drafter proposes the target's own
     token unless ``miss(t)``. The target's tokens past the cut are generated too, so a round's accepted
-    drafts are counted before the cut, as vLLM counts them."""
+    drafts are counted before the cut, as vLLM counts them. Each prompt's continuation is generated once per
+    model (greedy decoding is deterministic)."""
 
     def greedy(prompt: list[int], n: int) -> list[int]:
         with _lock, torch.no_grad():
-            out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                 do_sample=False, max_new_tokens=n, min_new_tokens=n, eos_token_id=None, pad_token_id=0)
-        return out[0, len(prompt):].tolist()
+            done = _greedy.setdefault(model, {})
+            if (tuple(prompt), n) not in done:
+                out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                     do_sample=False, max_new_tokens=n, min_new_tokens=n, eos_token_id=None,
+                                     pad_token_id=0)
+                done[tuple(prompt), n] = out[0, len(prompt):].tolist()
+        return list(done[tuple(prompt), n])
 
     def loop(prompt: list[int], max_tokens: int, stops: set[int]) -> Run:
         full = greedy(prompt, max_tokens + num_spec_tokens + 1)

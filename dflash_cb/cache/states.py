@@ -131,6 +131,9 @@ class StateCache:
         self.content_sha256 = content_sha256(self.identity)
         self._by_id = {s.id: s for s in self.manifest.samples}
         self._shards = {s.file: s for s in self.manifest.shards}
+        # Samples found to match their manifest entry, with their shard's file identity then: a repeated read of
+        # an unchanged shard (every evaluation of a training run) does not check them again.
+        self._matched: dict[str, tuple[int, ...]] = {}
         self.hashed: list[tuple[str, int]] = []  # (file, bytes) this instance actually hashed, in order
         for s in self.manifest.samples:
             if s.shard not in self._shards:
@@ -244,14 +247,16 @@ class StateCache:
                 entry = self.entry(sample_id)
                 if entry.shard not in opened:
                     path = self._check_shard_file(self._shards[entry.shard], hash_check=verify)
+                    seen = file_identity(path.stat())  # before the open: a file replaced later is checked again
                     try:
                         f = stack.enter_context(safe_open(str(path), framework="pt", device=str(device)))
-                        opened[entry.shard] = (path, f, set(f.keys()))
+                        opened[entry.shard] = (path, f, set(f.keys()), seen)
                     except Exception as e:  # safetensors raises its own error types on a corrupted header
                         raise CacheError(f"{path}: cannot read shard ({e}); {self._rebuild_fix}") from e
                 yield self._read_sample(entry, *opened[entry.shard])
 
-    def _read_sample(self, entry: SampleEntry, path: Path, f: Any, keys: set[str]) -> CachedSample:
+    def _read_sample(self, entry: SampleEntry, path: Path, f: Any, keys: set[str],
+                     seen: tuple[int, ...] | None = None) -> CachedSample:
         prefix = f"{entry.id}/"
 
         def get(name: str, required: bool = True) -> torch.Tensor | None:
@@ -268,9 +273,12 @@ class StateCache:
             raise
         except Exception as e:  # safetensors raises its own error types on a damaged tensor
             raise CacheError(f"{path}: cannot read shard ({e}); {self._rebuild_fix}") from e
-        shapes = {name: tuple(t.shape) for name in _SAMPLE_TENSORS
-                  if (t := getattr(sample, name)) is not None}
-        self._check_entry(entry, shapes, sample.input_ids, sample.target_argmax, path)
+        if seen is None or self._matched.get(entry.id) != seen:
+            shapes = {name: tuple(t.shape) for name in _SAMPLE_TENSORS
+                      if (t := getattr(sample, name)) is not None}
+            self._check_entry(entry, shapes, sample.input_ids, sample.target_argmax, path)
+            if seen is not None:
+                self._matched[entry.id] = seen
         return sample
 
     def token_ids(self, sample_id: str, verify: bool = False) -> list[int]:

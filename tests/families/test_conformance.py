@@ -7,12 +7,12 @@ what the tool computes. A family is added here by registering its kit (``kits.KI
 from __future__ import annotations
 
 import json
-from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
 from kits import CASES, KITS, LAYERS
+from tiny_target import ORACLE_LAYERS, ORACLE_MAX_NEW
 
 from dflash_cb.core.drafters.registry import family_named, family_names
 
@@ -25,34 +25,12 @@ def test_every_registered_family_has_a_kit():
     assert sorted(family_names()) == FAMILIES
 
 
-def _precompute(target: Path, prompts: Path, out: Path, *extra: str) -> Path:
-    from dflash_cb.cache.precompute import main
-
-    assert main(["--target", str(target), "--prompts", str(prompts), "--out", str(out), "--layers",
-                 ",".join(map(str, LAYERS)), "--reference", "local", "--dtype", "float32", "--max-new-tokens",
-                 str(MAX_NEW), "--no-progress", *extra]) == 0
-    return out
-
-
 @pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """One cache of a tiny target (a stop token two completions meet, top-K log-probs), its target."""
-    from tiny_target import random_prompts, save_tiny_qwen3, write_prompts
-    from transformers import Qwen3ForCausalLM
-
-    from dflash_cb.cache.states import StateCache
-
-    root = tmp_path_factory.mktemp("families")
-    target_dir = save_tiny_qwen3(root / "target", seed=3)
-    prompts = write_prompts(root / "prompts.jsonl", random_prompts(6, (4, 12), seed=5, vocab=120),
-                            categories=["math", "code", "chat"])
-    first = StateCache(_precompute(target_dir, prompts, root / "plain"))
-    seen = [set(first.load(e.id).input_ids[e.prompt_len + 6:].tolist()) for e in first.samples]
-    stop = next(t for t, n in Counter(t for s in seen for t in s).most_common() if n == 2)
-    cache = StateCache(_precompute(target_dir, prompts, root / "cache", "--stop-token-ids", str(stop),
-                                   "--topk-logprobs", "8"))
-    target = Qwen3ForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    return dict(root=root, cache=cache, target=target, stop=stop, drafters={})
+def world(oracle_world: dict) -> dict:
+    """One cache of a tiny target (a stop token two completions meet, top-K log-probs), its target
+    (``tiny_target.build_oracle_world``)."""
+    assert (LAYERS, MAX_NEW) == (ORACLE_LAYERS, ORACLE_MAX_NEW)
+    return dict(cache=oracle_world["cache"], target=oracle_world["target"], stop=oracle_world["stop"], drafters={})
 
 
 def _drafter(world: dict, family: str, variant: str = "") -> tuple:

@@ -70,25 +70,34 @@ def bucket_sums(lengths: Sequence[int], bucket: np.ndarray, n_buckets: int) -> t
     return produced, cycles
 
 
-def _bucket_table(samples: Sequence[Any], index_of: Any, labels: list[str],
+def _all_cycles(samples: Sequence[Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every sample's cycles end to end: their produced [C], each cycle's index within its sample [C] and its
+    anchor's completion position there (``anchor_positions``) [C]."""
+    counts = np.fromiter((len(s.acceptance_lengths) for s in samples), dtype=np.int64, count=len(samples))
+    lens = np.fromiter((n for s in samples for n in s.acceptance_lengths), dtype=np.int64, count=int(counts.sum()))
+    first = np.repeat(np.cumsum(counts) - counts, counts)  # each cycle's sample's first cycle
+    before = np.cumsum(lens) - lens  # tokens produced before each cycle, over all samples
+    return lens, np.arange(lens.size) - first, before - before[first]
+
+
+def _bucket_table(samples: Sequence[Any], bucket: np.ndarray, lens: np.ndarray, labels: list[str],
                   categories: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """The table of cycles ``lens`` (every sample's, end to end) in buckets ``bucket``. The sums are of whole
+    numbers, so summing all cycles at once gives what summing sample by sample gives."""
     n = len(labels)
-    total_p, total_c = np.zeros(n), np.zeros(n)
-    cat_p = {c: np.zeros(n) for c in categories}
-    cat_c = {c: np.zeros(n) for c in categories}
-    for s in samples:
-        p, c = bucket_sums(s.acceptance_lengths, index_of(s.acceptance_lengths), n)
-        total_p += p
-        total_c += c
-        if s.category in cat_p:
-            cat_p[s.category] += p
-            cat_c[s.category] += c
+    group = {c: i + 1 for i, c in enumerate(categories)}  # 0: a category the table does not show
+    of_cycle = np.repeat(np.fromiter((group.get(s.category, 0) for s in samples), dtype=np.int64, count=len(samples)),
+                         np.fromiter((len(s.acceptance_lengths) for s in samples), dtype=np.int64, count=len(samples)))
+    at = of_cycle * n + bucket
+    produced = np.bincount(at, weights=lens.astype(np.float64), minlength=(len(categories) + 1) * n).reshape(-1, n)
+    cycles = np.bincount(at, minlength=(len(categories) + 1) * n).astype(np.float64).reshape(-1, n)
+    total_p, total_c = produced.sum(axis=0), cycles.sum(axis=0)
     out: dict[str, dict[str, Any]] = {}
     for i, label in enumerate(labels):
         out[label] = {
             "cycles": int(total_c[i]), "tau": _ratio(total_p[i], total_c[i]),
-            "categories": {c: {"cycles": int(cat_c[c][i]), "tau": _ratio(cat_p[c][i], cat_c[c][i])}
-                           for c in categories},
+            "categories": {c: {"cycles": int(cycles[g][i]), "tau": _ratio(produced[g][i], cycles[g][i])}
+                           for c, g in group.items()},
         }
     return out
 
@@ -135,13 +144,17 @@ def position_table(samples: Sequence[Any], edges: Sequence[int] = DEFAULT_POSITI
     extent = completion_extent(samples)
     e = fitted_edges(edges, extent)
     kept = max(1, sum(1 for lo in e if lo < extent))
-    return _bucket_table(samples, lambda ls: position_index(ls, e), position_labels(e)[:kept], categories)
+    lens, _, position = _all_cycles(samples)
+    bucket = np.searchsorted(np.asarray(e, dtype=np.int64), position, side="right") - 1  # as position_index
+    return _bucket_table(samples, bucket, lens, position_labels(e)[:kept], categories)
 
 
 def cycle_table(samples: Sequence[Any], n_buckets: int = DEFAULT_CYCLE_BUCKETS,
                 categories: Sequence[str] = ()) -> dict[str, dict[str, Any]]:
     """The same over cycle-index buckets (0, 1, ..., ``<n-1>plus``)."""
-    return _bucket_table(samples, lambda ls: cycle_index(ls, n_buckets), cycle_labels(n_buckets), categories)
+    labels = cycle_labels(n_buckets)
+    lens, index, _ = _all_cycles(samples)
+    return _bucket_table(samples, np.minimum(index, n_buckets - 1), lens, labels, categories)  # as cycle_index
 
 
 def breakdown_metrics(position: dict[str, dict[str, Any]], cycle: dict[str, dict[str, Any]]) -> dict[str, float]:
