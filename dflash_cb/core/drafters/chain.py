@@ -182,7 +182,7 @@ class ChainRunner(DraftRunner):
             own_v.append(v)
             ok, ov = torch.stack(own_k, dim=1), torch.stack(own_v, dim=1)
             attended = torch.empty((n, m.num_heads * m.head_dim), dtype=q.dtype, device=q.device)
-            for s in torch.unique_consecutive(samples).tolist():
+            for s in torch.unique(samples).tolist():
                 idx = (samples == s).nonzero()[:, 0]
                 lo, r = int(ctx.start[s]), int(ctx.rows[s])
                 keys, values = ctx.keys[lo:lo + r], ctx.values[lo:lo + r]
