@@ -409,3 +409,32 @@ def test_the_precompute_plans_a_specforge_folders_layers(world, tmp_path: Path) 
     assert main([*base, "--out", str(tmp_path / "u"), "--drafter-config",
                  f"{world['root'] / 'specforge' / 'config.json'},{tmp_path / 'dflash.json'}"]) == 0
     assert StateCache(tmp_path / "u").manifest.layer_ids == sorted({*EAGLE_IDS, 2, 5})
+
+
+def test_the_sweep_reads_specforge_eagle3_checkpoints(world, narrow, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """``dflash-sweep`` over a SpecForge run's EAGLE-3 checkpoints (its ``CheckpointManager`` folders, the
+    strategy's filter) scores each at its step, each tau the tool's on the same weights."""
+    from specforge.training.checkpoint import CheckpointManager
+    from specforge.training.strategies.base import Eagle3TrainStrategy
+
+    from dflash_cb.core.replay.engine import evaluate
+    from dflash_cb.integrations.cli.sweep_cli import main as sweep
+
+    sf = copy.deepcopy(narrow["sf"])
+    sf.freeze_embedding()
+    strategy = Eagle3TrainStrategy(specforge_training_module(monkeypatch).OnlineEagle3Model(sf, length=3))
+    manager = CheckpointManager(str(tmp_path / "run"), "run")
+    taus = {}
+    for step in (3, 6):
+        with torch.no_grad():
+            sf.midlayer.mlp.down_proj.weight.mul_(0.5)  # another checkpoint, other weights
+        weights = strategy.checkpoint_state_filter(strategy.trainable_module().state_dict())
+        manager.save({"draft_state_dict": {k: v.clone() for k, v in weights.items()}, "global_step": step,
+                      "strategy": strategy.name}, step)
+        taus[step] = evaluate(world["cache"], sf, block_size=4, budgets=()).summary["tau"]
+    (tmp_path / "config.json").write_text(json.dumps(narrow["config"]))
+    assert sweep([str(tmp_path / "run"), "--states", str(world["cache"].path), "--config", str(tmp_path / "config.json"),
+                  "--out", str(tmp_path / "sweep"), "--block-size", "4"]) == 0
+    entries = json.loads((tmp_path / "sweep" / "sweep.json").read_text())["entries"]
+    assert {e["step"]: e["metrics"]["tau"] for e in entries} == taus
