@@ -235,9 +235,9 @@ def specforge_training_module(monkeypatch: pytest.MonkeyPatch):
     import sys
     import types
 
-    class TorchLogSoftmaxLoss(torch.autograd.Function):
+    class TorchLogSoftmaxLoss:  # the same cross-entropy in plain torch ops (autograd differentiates it)
         @staticmethod
-        def forward(ctx, logits, target, position_mask):
+        def apply(logits, target, position_mask):
             terms = -(target * torch.log_softmax(logits.float(), -1)).sum(-1, keepdim=True) * position_mask
             return terms.mean()
 
@@ -438,3 +438,64 @@ def test_the_sweep_reads_specforge_eagle3_checkpoints(world, narrow, tmp_path: P
                   "--out", str(tmp_path / "sweep"), "--block-size", "4"]) == 0
     entries = json.loads((tmp_path / "sweep" / "sweep.json").read_text())["entries"]
     assert {e["step"]: e["metrics"]["tau"] for e in entries} == taus
+
+
+@pytest.mark.e2e
+def test_an_eagle3_drafter_training_in_specforges_loop_is_scored_live(world, narrow, tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """SpecForge's own ``TrainerController`` training its ``LlamaForCausalLMEagle3`` with its EAGLE-3 strategy
+    (``OnlineEagle3Model`` over the target's states and logits, the batches its offline reader makes; its Triton
+    loss stood in for by torch, a GPU kernel), the live evaluation attached: the tau logged at step 0 and at fit
+    end equals the tool's on the weights of that step, and training moved it."""
+    import torch.distributed as dist
+    from specforge.optimizer import BF16Optimizer
+    from specforge.runtime.contracts import TrainBatch
+    from specforge.training.backend import FSDPTrainingBackend, ParallelConfig
+    from specforge.training.controller import TrainerController, TrainerCore
+    from specforge.training.strategies.base import Eagle3TrainStrategy
+    from specforge.utils import padding
+    from transformers import Qwen3ForCausalLM
+
+    from dflash_cb.core.replay.engine import evaluate
+    from dflash_cb.integrations.loops.specforge import attach
+
+    cache = world["cache"]
+    target = Qwen3ForCausalLM.from_pretrained(world["target_dir"], dtype=torch.float32).eval()
+    batches = []
+    with torch.no_grad(), sglang_capture(target) as captured:
+        for e in cache.samples:
+            ids = cache.load(e.id).input_ids.long()[None]
+            loss_mask = torch.zeros_like(ids)
+            loss_mask[:, e.prompt_len:-1] = 1  # SpecForge's offline reader: the completion but its last token
+            batches.append(TrainBatch([e.id], "eagle3", {
+                "input_ids": padding(ids, left=False), "target": padding(target(input_ids=ids).logits, left=False),
+                "loss_mask": loss_mask[..., None], "attention_mask": torch.ones_like(ids),
+                "hidden_state": torch.cat([captured[i] for i in EAGLE_IDS], dim=-1)}))
+    sf = copy.deepcopy(narrow["sf"])
+    sf.freeze_embedding()
+    model = specforge_training_module(monkeypatch).OnlineEagle3Model(sf, length=3)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        backend = FSDPTrainingBackend(ParallelConfig(), optimizer_factory=lambda m: BF16Optimizer(
+            m, lr=3e-2, total_steps=100, warmup_ratio=0.0, lr_scheduler="constant"))
+        backend.prepare_model(model, wrap=False, optimizer_target=sf)
+        logged: dict[int, float] = {}
+        weights: dict[int, dict[str, torch.Tensor]] = {}
+
+        def log(metrics: dict, step: int) -> None:
+            if "dflash_eval/tau" in metrics:
+                logged[step] = metrics["dflash_eval/tau"]
+                weights[step] = {k: v.detach().clone() for k, v in sf.state_dict().items()}
+
+        controller = TrainerController(TrainerCore(Eagle3TrainStrategy(model), backend), run_id="run",
+                                       output_dir=str(tmp_path / "out"), max_steps=4, num_epochs=50, log_interval=1,
+                                       logger=log)
+        attach(controller, cache.path, every_n_train_steps=4, target_embed=None, target_lm_head=None, console=False,
+               block_size=4)
+        assert controller.fit(batches) == 4
+    finally:
+        dist.destroy_process_group()
+    assert sorted(logged) == [0, 4] and logged[0] != logged[4]
+    for step, state in weights.items():
+        sf.load_state_dict(state)
+        assert logged[step] == evaluate(cache, sf, block_size=4, budgets=()).summary["tau"], step
