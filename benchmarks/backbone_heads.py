@@ -138,8 +138,8 @@ def real_width(args) -> None:
     print()
     print(f"{'part':<14}" + "".join(f"{k:>14}" for k in shapes))
     for part in [*dict.fromkeys(k for b in bounds.values() for k in b), "total"]:
-        cells = [sum(b.values()) if part == "total" else b.get(part, 0) for b in bounds.values()]
-        print(f"{part:<14}" + "".join(f"{c / GB:>14.2f}" for c in cells))
+        cells = [sum(b.values()) if part == "total" else b.get(part) for b in bounds.values()]
+        print(f"{part:<14}" + "".join(f"{'-' if c is None else f'{c / GB:.2f}':>14}" for c in cells))
 
 
 def main() -> None:

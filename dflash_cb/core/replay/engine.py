@@ -959,8 +959,7 @@ def check_tree_support(spec: DrafterSpec, budgets: Sequence[int], option: str = 
     """Refuse DDTree budgets for a family whose drafts make no DDTree (``DrafterFamily.supports_tree``)."""
     family = family_named(spec.family)
     if budgets and not family.supports_tree:
-        raise DFlashCBError(f"{option} {list(budgets)}: a {family.label} drafter drafts each depth from its parent "
-                            f"token, so a DDTree of per-depth top-K is not what a server verifies; pass no budgets "
+        raise DFlashCBError(f"{option} {list(budgets)}: {family.tree_refusal()}; pass no budgets "
                             "(--ddtree-budgets '' / ddtree_budgets=())")
 
 
