@@ -40,8 +40,8 @@ class DrafterShape:
     # that the input projection reads besides the features.
     carry_width: int = 0
     token_input: int = 0
-    # A family's own head over the logits (docs/method.md, "Drafter families": Domino's GRU correction, DSpark's
-    # Markov and confidence heads): its matmul weights, applied at every position read, and its lookup tables.
+    # A family's own head over the logits (``DrafterFamily.cost_fields``; docs/method.md, "Drafter families"): its
+    # matmul weights, applied at every position read, and its lookup tables.
     head_params: int = 0
     head_tables: int = 0
 
