@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import os
 from pathlib import Path
@@ -29,6 +30,15 @@ PRESETS = {
     "cpu": dict(hidden=256, layers=2, heads=4, kv=2, head_dim=64, inter=512, vocab=4096,
                 target_layers=[1, 3, 5], block=16),
 }
+
+
+def cache_arguments(ap: argparse.ArgumentParser, samples: int = 4) -> None:
+    """The options of a benchmark on a synthetic cache: the preset (the real width is not run on a CPU) and the
+    cache's samples and lengths."""
+    ap.add_argument("--preset", default="cpu", choices=[k for k in PRESETS if k != "qwen36-27b"])
+    ap.add_argument("--samples", type=int, default=samples)
+    ap.add_argument("--prompt", type=int, default=64)
+    ap.add_argument("--tokens", type=int, default=320, help="prompt + completion tokens per sample")
 
 
 def drafter_config(p: dict) -> Qwen3Config:

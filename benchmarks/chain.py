@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -34,7 +33,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _docs import report_to_docs  # noqa: E402
-from _synthetic import PRESETS, drafter_config, make_drafter, make_head, write_cache  # noqa: E402
+from _synthetic import PRESETS, cache_arguments, drafter_config, make_drafter, make_head, write_cache  # noqa: E402
+from _timing import fastest  # noqa: E402
 
 from dflash_cb.core.costs.evaluation import DrafterShape, memory_bound  # noqa: E402
 from dflash_cb.core.drafters.dflash.runner import FastRunner  # noqa: E402
@@ -71,18 +71,8 @@ def side_by_side(args, p: dict) -> str:
         runs = {f"DFlash, block {p['block']}": (dflash, {}), "MTP, K = 3": (mtp, dict(block_size=4)),
                 "MTP, K = 7": (mtp, dict(block_size=8))}
         profiles = {"full (stride 1)": dict(anchor_stride=1), "light (stride 16)": dict(anchor_stride=16)}
-        best: dict = {}
-        for rep in range(args.reps):
-            order = list(runs.items())
-            if rep % 2:
-                order.reverse()
-            for name, options in profiles.items():
-                for label, (drafter, extra) in order:
-                    t = time.perf_counter()
-                    report = evaluate(cache, drafter, head, budgets=(), **options, **extra)
-                    wall = time.perf_counter() - t
-                    if (name, label) not in best or wall < best[(name, label)][1]:
-                        best[(name, label)] = (report, wall)
+        best = fastest(args.reps, profiles, runs, lambda run, options, timer: evaluate(
+            cache, run[0], head, budgets=(), **options, **run[1]))
         anchors = sum(e.completion_len - 1 for e in cache.samples)
         lines.append(f"{args.preset}: {args.samples} samples x {args.prompt} + {args.tokens - args.prompt} tokens "
                      f"({anchors} anchors), hidden {p['hidden']}, vocabulary {p['vocab']:,}; DFlash {p['layers']} "
@@ -94,7 +84,7 @@ def side_by_side(args, p: dict) -> str:
         for name in profiles:
             base = best[(name, next(iter(runs)))][1]
             for label in runs:
-                report, wall = best[(name, label)]
+                report, wall, _ = best[(name, label)]
                 s = report.summary
                 lines.append(f"{name:<20}{label:<18}{wall:>8.3f}{wall / base:>10.2f}{report.passes:>8}"
                              f"{int(s['anchors_drafted']):>9}{s[TAU]:>7.3f}")
@@ -117,10 +107,7 @@ def real_width() -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default="cpu", choices=[k for k in PRESETS if k != "qwen36-27b"])
-    ap.add_argument("--samples", type=int, default=4)
-    ap.add_argument("--prompt", type=int, default=64)
-    ap.add_argument("--tokens", type=int, default=320, help="prompt + completion tokens per sample")
+    cache_arguments(ap)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--update-docs", action="store_true")
     args = ap.parse_args()

@@ -36,9 +36,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _docs import report_to_docs  # noqa: E402
-from _synthetic import PRESETS, drafter_config, make_drafter, make_head, write_cache  # noqa: E402
+from _synthetic import PRESETS, cache_arguments, drafter_config, make_drafter, make_head, write_cache  # noqa: E402
+from _timing import fastest  # noqa: E402
 
-from dflash_cb.common.timing import PhaseTimer  # noqa: E402
 from dflash_cb.core.costs.evaluation import DEFAULT_LIMITS, DrafterShape, block_gflop, memory_bound  # noqa: E402
 from dflash_cb.core.drafters.dflash.runner import FastRunner  # noqa: E402
 from dflash_cb.core.drafters.dflash2 import selector  # noqa: E402
@@ -74,13 +74,6 @@ def same_backbone(one: torch.nn.Module, rank: int, top_k: int, p: dict) -> DFlas
     return two
 
 
-def timed(fn):
-    timer = PhaseTimer()
-    t = time.perf_counter()
-    out = fn(timer)
-    return out, time.perf_counter() - t, timer.seconds
-
-
 def side_by_side(args, p: dict) -> None:
     head = make_head(p, seed=0, device="cpu", dtype=torch.float32)
     one = make_drafter(p, seed=0, device="cpu", dtype=torch.float32)
@@ -93,17 +86,8 @@ def side_by_side(args, p: dict) -> None:
                     "greedy + DDTree 64": dict(budgets=(64,), anchor_stride=block),
                     "full (stride 1, 16,32,64)": dict(budgets=(16, 32, 64), anchor_stride=1)}
         drafters = {"DFlash": one, "DFlash 2": two}
-        best: dict = {}
-        for rep in range(args.reps):
-            for name, options in profiles.items():
-                order = list(drafters.items())
-                if rep % 2:
-                    order.reverse()
-                for label, drafter in order:
-                    report, wall, phases = timed(lambda timer, d=drafter, o=options: evaluate(cache, d, head,
-                                                                                              timer=timer, **o))
-                    if (name, label) not in best or wall < best[(name, label)][1]:
-                        best[(name, label)] = (report, wall, phases)
+        best = fastest(args.reps, profiles, drafters, lambda drafter, options, timer: evaluate(
+            cache, drafter, head, timer=timer, **options))
         anchors = sum(e.completion_len - 1 for e in cache.samples)
         print(f"{args.preset}: {args.samples} samples x {args.prompt} + {args.tokens - args.prompt} tokens "
               f"({anchors} anchors), hidden {p['hidden']}, {p['layers']} layers, vocabulary {p['vocab']:,}, block "
@@ -216,10 +200,7 @@ def real_width(args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default="cpu", choices=[k for k in PRESETS if k != "qwen36-27b"])
-    ap.add_argument("--samples", type=int, default=8)
-    ap.add_argument("--prompt", type=int, default=64)
-    ap.add_argument("--tokens", type=int, default=320, help="tokens per sample, prompt included")
+    cache_arguments(ap, samples=8)
     ap.add_argument("--rank", type=int, default=256, help="the DFlash 2 selector's rank")
     ap.add_argument("--top-k", type=int, default=16, help="the DFlash 2 selector's candidates per position")
     ap.add_argument("--reps", type=int, default=3)

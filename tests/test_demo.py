@@ -101,6 +101,34 @@ def test_a_dflash2_drafter_trains_its_tau_rises_and_the_summary_says_where_it_is
 
 
 @pytest.mark.e2e
+@pytest.mark.parametrize(("family", "label", "untrained"), [("domino", "Domino", ["embed_proj.*", "prefix_gru.*"]),
+                                                             ("dspark", "DSpark", [])])
+def test_a_drafter_without_trees_runs_end_to_end_and_says_what_its_training_left_untrained(
+        tmp_path: Path, family: str, label: str, untrained: list[str]) -> None:
+    """``--drafter domino|dspark``: the same pipeline, scored without DDTree (said why in one line, no budget in the
+    summary); its tau rises, the extracted drafter's results equal the callback's last evaluation, the head's "off"
+    tau is printed, and the parts the demo's objective leaves at their init (Domino's GRU correction; DSpark's
+    Markov head has its own loss term) are named in the summary and the output."""
+    out = tmp_path / family
+    proc = _run("--quick", "--drafter", family, "--steps", "30", "--eval-every", "30", "--out", str(out), "--seed", "0")
+    assert proc.returncode == 0, f"demo failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["drafter"] == family and summary["tau_last"] > summary["tau_first"], summary["evaluations"]
+    assert summary["ddtree_budget"] is None and summary["ddtree_tau_last"] is None
+    assert not any(k.startswith("ddtree") for e in summary["evaluations"] for k in e)
+    assert f"DDTree: not scored (a {label} drafter drafts each depth from its parent token" in proc.stdout
+    results = json.loads(Path(summary["paths"]["results"]).read_text())
+    assert results["meta"]["drafter_family"] == family and results["meta"]["ddtree_budgets"] == []
+    assert results["metrics"]["tau"] == pytest.approx(summary["tau_last"], abs=1e-12)
+    off = "correction/off_tau" if family == "domino" else "markov/off_tau"
+    assert f"{label}: tau with the" in proc.stdout and results["metrics"][off] is not None
+    assert summary["untrained_parts"] == untrained
+    assert ("left at their initial weights" in proc.stdout) == bool(untrained)
+    for part in untrained:
+        assert part in proc.stdout
+
+
+@pytest.mark.e2e
 def test_printed_commands_paste_into_a_shell(demo: tuple[Path, subprocess.CompletedProcess]) -> None:
     """The follow-up commands are quoted: split as a shell splits them, each path is one argument, and
     the comparison command, run as printed, writes the demo's comparison again, byte for byte."""

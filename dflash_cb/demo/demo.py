@@ -5,7 +5,8 @@ In a few minutes on a laptop, the whole system at toy scale:
 1. train a tiny Qwen3 target on a synthetic language (``dflash_cb.demo.synthetic``) and save it;
 2. precompute its hidden states for a training and a held-out evaluation prompt set with the real
    tool (``tools/precompute_states.py --reference local --dtype float32``);
-3. train a DFlash (or, with ``--drafter dflash2``, a DFlash 2) drafter with Lightning (``DFlashDrafterModule``) while ``DFlashEvalCallback``
+3. train a DFlash drafter (``--drafter``: any block family, e.g. ``dflash2``, ``domino``, ``dspark``) with Lightning
+   (``DFlashDrafterModule``) while ``DFlashEvalCallback``
    replays the greedy speculative loop on the held-out cache every N steps (W&B offline by default,
    plus a CSVLogger), printing tau per evaluation;
 4. extract the drafter from the final checkpoint (``tools/extract_drafter.py``'s code), score it
@@ -106,6 +107,8 @@ class DemoConfig:
             raise ValueError(f"--wandb-mode must be offline or online, got {cfg.wandb_mode!r}")
         if cfg.drafter not in DRAFTERS:
             raise ValueError(f"--drafter must be one of {', '.join(DRAFTERS)}, got {cfg.drafter!r}")
+        if not family_named(cfg.drafter).supports_tree:
+            cfg.ddtree_budgets = ()  # its trees are not what a server verifies: the summary says why
         return cfg
 
 
@@ -145,9 +148,9 @@ class Paths:
         self.summary = o / "summary.json"
 
 
-# The drafter families the demo trains (--drafter: every block family whose figures include its DDTree taus, which
-# the demo plots and summarises), and how the summary names them.
-DRAFTERS = {f.name: f.label for f in families() if f.kind == "block" and f.supports_tree}
+# The drafter families the demo trains (--drafter: every block family; one without DDTree is scored without budgets),
+# and how the summary names them.
+DRAFTERS = {f.name: f.label for f in families() if f.kind == "block"}
 
 
 class DemoError(DFlashCBError, RuntimeError):
@@ -439,6 +442,21 @@ def compare_first_last(paths: Paths, first: Results, last: Results) -> dict[str,
             "high": d.interval.high, "markdown": md, "png": png, "command": command}
 
 
+def untrained_parts(first: Path, last: Path) -> list[str]:
+    """The drafter's submodules whose every weight is the same in the extracted first and last drafters (training
+    left them at their init: an objective without a term for them), as ``name.*``."""
+    import torch
+    from safetensors.torch import load_file
+
+    a = {k: v for f in sorted(first.glob("*.safetensors")) for k, v in load_file(f).items()}
+    b = {k: v for f in sorted(last.glob("*.safetensors")) for k, v in load_file(f).items()}
+    parts: dict[str, bool] = {}
+    for key in sorted(a.keys() & b.keys()):
+        part = key.split(".")[0]
+        parts[part] = parts.get(part, True) and a[key].shape == b[key].shape and torch.equal(a[key], b[key])
+    return [f"{part}.*" for part, same in parts.items() if same]
+
+
 def make_plots(history: list[dict[str, float]], block_size: int, budgets: Sequence[int], plots: Path,
                goal: float = TAU_GOAL, family: str = DEFAULT_FAMILY) -> dict[str, Path]:
     import matplotlib
@@ -548,7 +566,8 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     comparison = compare_first_last(paths, results_first, results)
     hist = tr["history"]
     first, last = hist[0], hist[-1]
-    top_budget = max(cfg.ddtree_budgets)
+    top_budget = max(cfg.ddtree_budgets, default=None)
+    untrained = untrained_parts(paths.drafter_first, paths.drafter)
     # The callback's last evaluation and the standalone scoring of the extracted weights must agree exactly.
     if results.tau is not None and abs(results.tau - last[TAU]) > 1e-9:
         raise DemoError(f"the extracted drafter scores tau {results.tau} but the callback logged {last['tau']} "
@@ -569,7 +588,8 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         "tau_first": first[TAU], "tau_last": last[TAU],
         "tau_last_interval": [last.get(ci_low(TAU)), last.get(ci_high(TAU))],
         "first_vs_last": {k: comparison[k] for k in ("text", "verdict", "delta", "low", "high", "command")},
-        "ddtree_tau_last": last.get(ddtree_tau(top_budget)), "ddtree_budget": top_budget,
+        "ddtree_tau_last": last.get(ddtree_tau(top_budget)) if top_budget else None, "ddtree_budget": top_budget,
+        "untrained_parts": untrained,
         "ddtree_tau_last_by_budget": {str(b): last.get(ddtree_tau(b)) for b in cfg.ddtree_budgets},
         "step_first": int(first["step"]), "step_last": int(last["step"]),
         "tau_goal": TAU_GOAL, "goal_reached": last[TAU] >= TAU_GOAL,
@@ -597,14 +617,18 @@ def _print_summary(s: dict[str, Any], results: Results, cfg: DemoConfig) -> None
     lo, hi = s["tau_last_interval"]
     _say(f"  last evaluation  (step {s['step_last']:>4}): {s['tau_last']:.3f} [{_fmt(lo, 2)}, {_fmt(hi, 2)}]"
          + ("" if cfg.quick else f"   (goal >= {TAU_GOAL}: {'reached' if s['goal_reached'] else 'NOT reached'})"))
-    _say(f"  DDTree tau, budget {s['ddtree_budget']}: {_fmt(s['ddtree_tau_last'])}   per category: "
-         + ", ".join(f"{k} {_fmt(v, 2)}" for k, v in sorted(s["category_tau_last"].items())))
+    family = family_named(results.family)
+    _say(f"  DDTree tau, budget {s['ddtree_budget']}: {_fmt(s['ddtree_tau_last'])}" if s["ddtree_budget"] else
+         f"  DDTree: not scored ({family.tree_refusal()})")
+    _say("  tau per category: " + ", ".join(f"{k} {_fmt(v, 2)}" for k, v in sorted(s["category_tau_last"].items())))
+    if s["untrained_parts"]:
+        _say(f"  {family.label}: {', '.join(s['untrained_parts'])} left at their initial weights: the demo's "
+             "training objective has no term for them, so every figure here scores them untrained")
     _say(f"  same replay, per-request means: tau {_fmt(results.metric(TAU_REQUEST_MEAN))}   served convention "
          f"(SGLang spec_accept_length) {_fmt(results.metric(ACCEPT_LENGTH_SERVED))}")
     _say(f"  all-anchor mean: {_fmt(results.metric(ALL_ANCHOR_TAU))}   SpecForge DFlash accuracy: "
          f"{_fmt(results.metric(SPECFORGE_ACC))}   independent-depth chain estimate: "
          f"{_fmt(results.metric(CHAIN_TAU_ESTIMATE))}")
-    family = family_named(results.family)
     own = [f for f in (*family.figures.walks, *family.figures.pooled) if results.metric(f.key) is not None]
     if own:  # the family's own figures (DFlash 2: where its tau is lost)
         _say(f"  {family.label}: " + ", ".join(f"{f.label} {_fmt(results.metric(f.key))}" for f in own))
@@ -654,7 +678,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", default=None, help=THREADS_HELP)
     p.add_argument("--drafter", choices=list(DRAFTERS), default=DEFAULT_FAMILY,
                    help=f"the drafter family to train: {', '.join(DRAFTERS)} (default {DEFAULT_FAMILY}); a family "
-                        "with figures of its own (DFlash 2's selector) adds them to the summary")
+                        "with figures of its own (DFlash 2's selector, a head's 'off' tau) adds them to the summary; "
+                        "one whose drafts make no DDTree is scored without budgets")
     return p
 
 

@@ -252,3 +252,29 @@ def test_the_confidence_heads_calibration_is_the_hand_computed_one(tiny_cache, t
     none = load_results(tmp_path / "none.json", cache)
     assert none.metric(f.CONFIDENCE_PREDICTED) is None and none.metric(f.bin_share(b)) is None
     assert none.metric(depth_acc(1)) is not None and "confidence head reliability" not in format_results(none)
+
+
+def test_the_cost_model_counts_each_heads_weights_by_hand():
+    """``DrafterShape`` of a Domino and a DSpark drafter: the head's weights counted by hand from the config (the
+    DSpark code table apart), in ``memory_bound``'s ``family head`` part and in each read position's GFLOP."""
+    from transformers import Qwen3Config
+
+    from dflash_cb.core.costs.evaluation import DrafterShape, block_gflop, memory_bound
+
+    v, h, g, e, r = 64, 32, 8, 16, 8
+    domino = Qwen3Config(**KITS["domino"].config(v, h, 6))
+    dspark = Qwen3Config(**KITS["dspark"].config(v, h, 6))  # gated, a confidence head without the Markov code
+    dflash = Qwen3Config(**KITS["dflash"].config(v, h, 6))
+    shapes = {name: DrafterShape.of(c, 6, 2 * h) for name, c in (("domino", domino), ("dspark", dspark),
+                                                                   ("dflash", dflash))}
+    gru, proj = 3 * g * (h + g), (h + g) * e + e * v
+    gate, confidence = (h + r) * r + r, h + 1
+    assert (shapes["domino"].head_params, shapes["domino"].head_tables) == (gru + proj, 0)
+    assert (shapes["dspark"].head_params, shapes["dspark"].head_tables) == (r * v + gate + confidence, v * r)
+    assert (shapes["dflash"].head_params, shapes["dflash"].head_tables) == (0, 0)
+    for name in ("domino", "dspark"):
+        s = shapes[name]
+        parts = memory_bound(s, 100, weight_itemsize=2, head_itemsize=2, state_itemsize=2)
+        assert parts["family head"] == 2 * (s.head_params + s.head_tables)
+        assert block_gflop(s, 50, 3) - block_gflop(shapes["dflash"], 50, 3) == pytest.approx(2 * 3 * s.head_params / 1e9)
+    assert "family head" not in memory_bound(shapes["dflash"], 100, weight_itemsize=2, head_itemsize=2, state_itemsize=2)

@@ -40,6 +40,10 @@ class DrafterShape:
     # that the input projection reads besides the features.
     carry_width: int = 0
     token_input: int = 0
+    # A family's own head over the logits (``DrafterFamily.cost_fields``; docs/method.md, "Drafter families"): its
+    # matmul weights, applied at every position read, and its lookup tables.
+    head_params: int = 0
+    head_tables: int = 0
 
     @classmethod
     def of(cls, config: Any, block_size: int, features: int) -> DrafterShape:
@@ -97,7 +101,7 @@ def block_gflop(shape: DrafterShape, context: int, positions: float, lattice: bo
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     qkv = shape.hidden * (q + 2 * kv)
     tail = shape.layer_params - qkv  # o_proj and the MLP
-    head = 2 * positions * shape.hidden * shape.vocab
+    head = 2 * positions * (shape.hidden * shape.vocab + shape.head_params)
     if not shape.selector_rank:
         tokenwise = 2 * b * (shape.layers - 1) * shape.layer_params + 2 * b * qkv + 2 * positions * tail
         return (tokenwise + head) / 1e9 + attention_gflop(shape, context)
@@ -297,6 +301,9 @@ def memory_bound(shape: DrafterShape, context_tokens: int, *, weight_itemsize: i
     - ``activations``: the token-wise pass of ``limits.max_blocks`` blocks (MLP input, gate and up);
     - ``head_logits`` and ``attention``: the chunked temporaries, ``limits.head_bytes`` and
       ``limits.attn_bytes``;
+    - ``family head``: the weights of a family's own head over the logits (``shape.head_params`` and
+      ``head_tables``), when it has one; its output at a chunk's rows is one of the [rows, vocab] buffers
+      ``limits.head_bytes`` bounds (``proposers.head_rows``);
     - DFlash 2 only: ``codebooks``, the selector's two [vocab, rank] codebooks in the weights' dtype, and
       ``selector``, the temporaries of its lattice (DDTree budgets; ``selector.transition_logprobs``), built
       ``shape.lattice_blocks`` blocks at a time: four float32 [blocks, depths, K, rank] tensors (the candidates'
@@ -315,6 +322,8 @@ def memory_bound(shape: DrafterShape, context_tokens: int, *, weight_itemsize: i
         "head_logits": limits.head_bytes,
         "attention": limits.attn_bytes,
     }
+    if shape.head_params or shape.head_tables:
+        parts["family head"] = (shape.head_params + shape.head_tables) * weight_itemsize
     if shape.selector_rank:
         k, d = shape.selector_top_k, shape.block_size - 1
         chunk = min(limits.max_blocks, shape.lattice_blocks) * d * k

@@ -158,6 +158,11 @@ class DrafterFamily:
     # them (messages).
     config_fields: ClassVar[tuple[str, ...]] = ()
 
+    def tree_refusal(self) -> str:
+        """Why a drafter of this family is scored without DDTree (``supports_tree`` false)."""
+        return (f"a {self.label} drafter drafts each depth from its parent token, so a DDTree of per-depth top-K is "
+                "not what a server verifies")
+
     # -- recognising ---------------------------------------------------------
     def config_says(self, config: Any) -> bool:
         """Whether ``config`` names this family in its ``architectures``."""

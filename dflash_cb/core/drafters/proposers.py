@@ -48,7 +48,8 @@ def head_rows(vocab: int, mem_bytes: int) -> int:
 
 def logit_chunks(hidden: torch.Tensor, lm_head: torch.Tensor, spec: DrafterSpec, mem_bytes: int
                  ) -> Iterator[tuple[slice, torch.Tensor]]:
-    """``(row slice, float32 logits)`` of ``hidden`` [N, H] in chunks of ``head_rows`` rows (``model.draft_logits``).
+    """``(row slice, float32 logits)`` of ``hidden`` [N, H] in chunks of ``head_rows`` rows (``model.draft_logits``);
+    each chunk's logits a tensor of its own, which the caller may change in place.
 
     The matmul runs in the head's own dtype, outside any autocast: autocast would otherwise cast the
     whole [vocab, hidden] head at every call (a transient copy of the largest tensor there is)."""

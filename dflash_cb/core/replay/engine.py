@@ -549,9 +549,10 @@ class _Scorer:
         anchor_tokens = tables.tokens[base + anchors]
         previous = predecessors(anchor_tokens, target)  # teacher forced: the target's own tokens
         every = torch.arange(len(slots), device=dev)[:, None]
-        hidden_rows = blocks.rows(every, read) if proposer.prefix_reads_hidden else None  # [N, D, H]
-        # [N, D, S] or None: what a family reads of a block's prefix
-        state = proposer.prefix_state(previous, hidden_rows)
+        with timer.phase(HEAD):  # a family's prefix scan is its head's work
+            hidden_rows = blocks.rows(every, read) if proposer.prefix_reads_hidden else None  # [N, D, H]
+            # [N, D, S] or None: what a family reads of a block's prefix
+            state = proposer.prefix_state(previous, hidden_rows)
         target_topk = None
         if tables.topk is not None:
             # The target's distribution for the token at p + k sits at position p + k - 1.

@@ -98,6 +98,25 @@ class HeadOnBackboneFamily(DFlashFamily):
         fields = {"projector_type": self.projector_type, **self.placeholders}
         return {**super().relabel(config), "dflash_config": {**fields, **(config.get("dflash_config") or {})}}
 
+    def cost_fields(self, config: Any) -> dict[str, int]:
+        """The head's weights, counted on a module built without memory: its lookup tables (embeddings) apart
+        from the weights it multiplies at every position read."""
+        if isinstance(config, dict):
+            from transformers import Qwen3Config
+
+            config = Qwen3Config(**config)
+        with torch.device("meta"):
+            module = self.module_class()(config)
+        tables = matmul = 0
+        for part in self.head_parts:
+            for sub in getattr(module, part, nn.Module()).modules():
+                n = sum(p.numel() for p in sub.parameters(recurse=False))
+                if isinstance(sub, nn.Embedding):
+                    tables += n
+                else:
+                    matmul += n
+        return dict(head_params=matmul, head_tables=tables)
+
     def published_state(self, state: dict[str, Any]) -> dict[str, Any]:
         out = {}
         for key, value in state.items():
