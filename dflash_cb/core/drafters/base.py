@@ -238,11 +238,6 @@ class DrafterFamily:
         """The greedy setting at ``block_size`` as tables name it."""
         return f"block {block_size}"
 
-    def tree_refusal(self) -> str:
-        """Why DDTree budgets are refused for a family that drafts no DDTree (``supports_tree`` false)."""
-        return (f"a {self.label} drafter drafts each depth from its parent token, so a DDTree of per-depth top-K is "
-                "not what a server verifies")
-
     def tree_candidates(self, spec: DrafterSpec) -> int | None:
         """How many children a DDTree node may have per position when fewer than the vocabulary (a family whose
         tree is over its own candidates), else None."""
