@@ -394,3 +394,50 @@ def test_specforge_command_line_refuses_what_it_cannot_do_in_one_line(tmp_path, 
     assert done.stderr.strip().splitlines()[-1].startswith("error: --keep-best-by-tau: ")
     assert "training.eval_interval=0" in done.stderr and "Loaded LM Head" not in done.stdout
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.e2e
+def test_a_domino_drafter_training_in_specforges_loop_is_scored_live(tmp_path, tiny_cache, tiny_drafter_config):
+    """SpecForge's ``TrainerController`` training its ``DominoDraftModel`` with its own Domino strategy
+    (``OnlineDominoModel``, ``DominoTrainStrategy``: the base loss blended in and decaying), the live evaluation
+    attached (the drafter adopted from SpecForge's module, sharing its weights): the tau logged at step 0 and at
+    fit end equals the tool's on that step's weights saved with SpecForge's ``save_pretrained``; training moved
+    it; the family's own walk (the correction off) is logged too."""
+    from specforge.algorithms.common.dflash_family_model import OnlineDominoModel
+    from specforge.modeling.draft.domino import DominoDraftModel
+    from specforge.training.strategies.base import DominoTrainStrategy
+    from transformers import Qwen3Config
+
+    from dflash_cb.core.drafters.domino.figures import FIGURES as DOMINO
+
+    cfg = {**tiny_drafter_config, "architectures": ["DominoDraftModel"],
+           "dflash_config": {**tiny_drafter_config["dflash_config"], "projector_type": "domino", "emb_dim": 16,
+                             "gru_hidden_dim": 8}}
+    torch.manual_seed(0)
+    sf_cfg = Qwen3Config(**cfg)
+    sf_cfg._attn_implementation = "sdpa"
+    draft = DominoDraftModel(sf_cfg)
+    from dflash_cb.cache.states import StateCache
+
+    head = StateCache(tiny_cache).load_head()
+    lm_head = nn.Linear(head.lm_head.shape[1], head.lm_head.shape[0], bias=False)
+    lm_head.weight.data.copy_(head.lm_head)
+    lm_head.requires_grad_(False)
+    embed = nn.Embedding.from_pretrained(head.embed_tokens.clone())
+    model = OnlineDominoModel(draft, lm_head, embed, cfg["dflash_config"]["mask_token_id"],
+                              block_size=cfg["block_size"], attention_backend="sdpa", num_anchors=64)
+    backend = FSDPTrainingBackend(ParallelConfig(), optimizer_factory=lambda m: BF16Optimizer(
+        m, lr=3e-2, total_steps=100, warmup_ratio=0.0, lr_scheduler="constant"))
+    backend.prepare_model(model, wrap=False, optimizer_target=draft)
+    log = Log(tmp_path, draft)
+    controller = TrainerController(TrainerCore(DominoTrainStrategy(model), backend), run_id=RUN,
+                                   output_dir=str(tmp_path / "out"), max_steps=4, num_epochs=50, log_interval=1,
+                                   logger=log)
+    attach(controller, tiny_cache, every_n_train_steps=4, console=False)
+    assert controller.fit(train_batches(tiny_cache)) == 4
+    logged = log.evaluations()
+    assert sorted(logged) == [0, 4] and logged[4][TAU] != logged[0][TAU]
+    for step in (0, 4):
+        assert all(PREFIX + w.key in logged[step] for w in DOMINO.walks)
+        assert tool_metrics(tiny_cache, tmp_path / f"drafter_{step}", tmp_path / f"r{step}.json", True,
+                            cfg["block_size"], ())["tau"] == logged[step][TAU]
