@@ -499,3 +499,13 @@ def test_an_eagle3_drafter_training_in_specforges_loop_is_scored_live(world, nar
     for step, state in weights.items():
         sf.load_state_dict(state)
         assert logged[step] == evaluate(cache, sf, block_size=4, budgets=()).summary["tau"], step
+
+
+def test_the_targets_last_layer_is_refused() -> None:
+    """A cache's last layer is the final-normed state; an EAGLE-3 server captures the stream before that norm."""
+    from dflash_cb.core.drafters.eagle3.model import eagle_layer_ids
+
+    with pytest.raises(ValueError, match=r"names the target's last layer \(7\): a cache holds its state after"):
+        eagle_layer_ids({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 7]}, "num_target_layers": 8})
+    assert eagle_layer_ids({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 6]}, "num_target_layers": 8}) \
+        == [1, 3, 6]

@@ -68,6 +68,12 @@ def eagle_layer_ids(config: Any) -> list[int]:
                          "L-layer target; the layers it was trained on) or \"num_target_layers\": L")
     if len(ids) != 3:
         raise ValueError(f"{field} names {len(ids)} target layers {ids}; an EAGLE-3 drafter's fc reads three")
+    last = _get(config, "num_target_layers")
+    if last is not None and int(last) - 1 in ids:
+        # A cache's last layer is the final-normed state (docs/cache-format.md); SGLang captures the stream
+        # entering the norm there, so the two differ.
+        raise ValueError(f"{field} {ids} names the target's last layer ({int(last) - 1}): a cache holds its state "
+                         "after the final norm, not the residual stream an EAGLE-3 server captures there")
     return ids
 
 
