@@ -441,3 +441,54 @@ def test_a_domino_drafter_training_in_specforges_loop_is_scored_live(tmp_path, t
         assert all(PREFIX + w.key in logged[step] for w in DOMINO.walks)
         assert tool_metrics(tiny_cache, tmp_path / f"drafter_{step}", tmp_path / f"r{step}.json", True,
                             cfg["block_size"], ())["tau"] == logged[step][TAU]
+
+
+@pytest.mark.e2e
+def test_a_dspark_drafter_training_in_specforges_loop_is_scored_live(tmp_path, oracle_world, tiny_cache):
+    """SpecForge's ``TrainerController`` training its ``DSparkDraftModel`` (a gated Markov head and a confidence
+    head) with its own DSpark strategy (``OnlineDSparkModel``: CE, L1 and confidence terms, which read the target's
+    final-normed state: the cache's last layer, in the batches), the live evaluation attached: the tau logged at
+    step 0 and at fit end equals the tool's on that step's weights; training moved it; the family's figures (the
+    Markov head off, the confidence head's calibration) are logged beside it."""
+    from specforge.algorithms.common.dflash_family_model import OnlineDSparkModel
+    from specforge.modeling.draft.dspark import DSparkDraftModel
+    from specforge.training.strategies.base import DSparkTrainStrategy
+    from transformers import Qwen3Config
+
+    from dflash_cb.cache.states import StateCache
+    from dflash_cb.core.drafters.dspark.figures import FIGURES as DSPARK
+    from dflash_cb.demo.lightning_module import tiny_drafter_config
+
+    cache = oracle_world["plain"]  # layers 1 and 3 of a 4-layer target: 3 is its final-normed state
+    m = cache.manifest
+    cfg = tiny_drafter_config(m.vocab_size, m.hidden_size, 4, [1], 127, block_size=6, family="dspark",
+                              markov_head_type="gated")
+    cfg["dflash_config"] = {**cfg["dflash_config"], "confidence_head_alpha": 0.5, "enable_confidence_head": True}
+    torch.manual_seed(0)
+    sf_cfg = Qwen3Config(**cfg)
+    sf_cfg._attn_implementation = "sdpa"
+    draft = DSparkDraftModel(sf_cfg)
+    head = StateCache(cache.path).load_head()
+    lm_head = nn.Linear(head.lm_head.shape[1], head.lm_head.shape[0], bias=False)
+    lm_head.weight.data.copy_(head.lm_head)
+    lm_head.requires_grad_(False)
+    embed = nn.Embedding.from_pretrained(head.embed_tokens.clone())
+    model = OnlineDSparkModel(draft, lm_head, embed, cfg["dflash_config"]["mask_token_id"],
+                              block_size=cfg["block_size"], attention_backend="sdpa", num_anchors=64)
+    backend = FSDPTrainingBackend(ParallelConfig(), optimizer_factory=lambda m: BF16Optimizer(
+        m, lr=3e-2, total_steps=100, warmup_ratio=0.0, lr_scheduler="constant"))
+    backend.prepare_model(model, wrap=False, optimizer_target=draft)
+    log = Log(tmp_path, draft)
+    controller = TrainerController(TrainerCore(DSparkTrainStrategy(model), backend), run_id=RUN,
+                                   output_dir=str(tmp_path / "out"), max_steps=4, num_epochs=50, log_interval=1,
+                                   logger=log)
+    attach(controller, cache.path, every_n_train_steps=4, console=False)
+    assert controller.fit(train_batches(cache, layer_ids=[1], strategy=DSparkTrainStrategy)) == 4
+    logged = log.evaluations()
+    assert sorted(logged) == [0, 4] and logged[4][TAU] != logged[0][TAU]
+    for step in (0, 4):
+        assert all(PREFIX + f.key in logged[step] for f in (*DSPARK.walks, *DSPARK.pooled))
+        assert tool_metrics(cache.path, tmp_path / f"drafter_{step}", tmp_path / f"r{step}.json", True,
+                            cfg["block_size"], ())["tau"] == logged[step][TAU]
+    with pytest.raises(ValueError, match=r"reads the target's final-normed state, the cache's layer 3, which it does"):
+        train_batches(tiny_cache, strategy=DSparkTrainStrategy)  # layers 0 and 2 of the same depth

@@ -33,18 +33,31 @@ def sample_features(cache: StateCache, sample_id: str, layer_ids: Sequence[int] 
 
 
 def train_batches(states: str | os.PathLike | StateCache, sample_ids: Sequence[str] | None = None,
-                  layer_ids: Sequence[int] | None = None) -> list[Any]:
-    """One SpecForge ``TrainBatch`` (strategy ``"dflash"``) per sample, for ``TrainerController.fit`` or its
-    ``eval_data_factory`` (``layer_ids``: ``sample_features``)."""
+                  layer_ids: Sequence[int] | None = None, strategy: Any = None) -> list[Any]:
+    """One SpecForge ``TrainBatch`` per sample, for ``TrainerController.fit`` or its ``eval_data_factory``
+    (``layer_ids``: ``sample_features``). ``strategy``: SpecForge's strategy (class or object; None: its DFlash
+    one), whose ``name`` the batches carry and whose ``required_features`` they hold: ``target_last_hidden_states``
+    (its DSpark strategy's) is the target's state after its final norm, the cache's last target layer, which the
+    cache must then hold (precompute it with that layer)."""
     from specforge.runtime.contracts import TrainBatch
 
     cache = states if isinstance(states, StateCache) else StateCache(states)
+    name = getattr(strategy, "name", "dflash")
+    last = None
+    if "target_last_hidden_states" in getattr(strategy, "required_features", ()):
+        last = int(cache.manifest.target["num_layers"]) - 1
+        if last not in cache.manifest.layer_ids:
+            raise ValueError(f"{cache.path}: SpecForge's {name} strategy reads the target's final-normed state, the "
+                             f"cache's layer {last}, which it does not hold (it holds {cache.manifest.layer_ids}); "
+                             f"precompute it with that layer too (--layers ...,{last})")
     out = []
     for i in sample_ids if sample_ids is not None else [e.id for e in cache.samples]:
         f = sample_features(cache, i, layer_ids)
-        out.append(TrainBatch([i], "dflash", {"input_ids": f["input_ids"][None],
-                                              "hidden_states": f["hidden_states"][None],
-                                              "loss_mask": f["loss_mask"][None].float()}))
+        tensors = {"input_ids": f["input_ids"][None], "hidden_states": f["hidden_states"][None],
+                   "loss_mask": f["loss_mask"][None].float()}
+        if last is not None:
+            tensors["target_last_hidden_states"] = sample_features(cache, i, [last])["hidden_states"][None]
+        out.append(TrainBatch([i], name, tensors))
     return out
 
 
