@@ -107,6 +107,7 @@ def test_the_replay_equals_a_vllm_wired_mtp_loop(world, tail: str) -> None:
         assert {s.id: s.acceptance_lengths for s in rep.samples} == want, k
         cycles = [n for v in want.values() for n in v]
         assert any(n > 1 for n in cycles) and any(n == 1 for n in cycles)
+        print(f"MTP K={k} ({tail}): tau {rep.summary['tau']:.4f}, {len(cycles)} cycles")
         if k == 3:
             assert rep.summary["tau"] > 1.5
     ends = [cache.load(e.id).input_ids[-1].item() == world["stop"] for e in cache.samples]
