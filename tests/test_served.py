@@ -739,3 +739,18 @@ def test_counter_rules_pure(served_cache) -> None:
     assert served_block_size({"algorithm": None, "num_draft_tokens": None}) is None
     assert served_block_size({"algorithm": "DFLASH", "num_draft_tokens": True}) is None
     assert served_block_size(None) is None and served_block_size([8]) is None
+
+
+def test_each_family_names_the_methods_a_server_serves_it_with():
+    """A server's speculative method must be one the drafter's family names (DSpark: vLLM's dspark; the MTP head:
+    mtp, or SGLang's NEXTN whose block is its steps + 1); another method is not the drafter's rounds."""
+    from dflash_cb.cache.served import incomparable_settings, served_block_size
+    from dflash_cb.core.drafters.registry import family_named
+
+    dspark, mtp = family_named("dspark").served_methods, family_named("mtp").served_methods
+    assert served_block_size({"server": "vllm", "algorithm": "dspark", "num_speculative_tokens": 7}, dspark) == 8
+    assert served_block_size({"server": "vllm", "algorithm": "dflash", "num_speculative_tokens": 7}, dspark) is None
+    said = incomparable_settings({"server": "vllm", "algorithm": "dflash"}, 10, methods=dspark, label="DSpark")
+    assert any("speculates with 'dflash', not DSpark" in w for w in said)
+    assert served_block_size({"algorithm": "NEXTN", "num_steps": 3, "num_draft_tokens": 4}, mtp) == 4
+    assert served_block_size({"algorithm": "DFLASH", "num_draft_tokens": 16}) == 16  # the block families' default

@@ -20,6 +20,7 @@ class DSparkFamily(HeadOnBackboneFamily):
     architecture = ARCHITECTURE
     projector_type = "dspark"
     figures = FIGURES
+    served_methods = ("DSPARK",)  # vLLM's speculative method "dspark" (a DFlash worker ignores the Markov head)
     head_parts = ("markov_head", "confidence_head")
     config_fields = ("markov_rank", "markov_head_type")
     placeholders = {"markov_rank": 1, "markov_head_type": "vanilla"}
