@@ -84,6 +84,27 @@ def tiny_dflash2_config(tiny_cache: Path) -> dict:
 
 
 @pytest.fixture(scope="session")
+def trained_tiny_drafter(tiny_cache: Path, tiny_drafter_config: dict):
+    """A maker of the tiny drafter (seed 0) after ``tiny_target.train_briefly`` on the tiny cache (partial
+    acceptance): trained once per session, each call a module of its own with those weights."""
+    import torch
+    from tiny_target import train_briefly
+
+    from dflash_cb.cache.states import StateCache
+    from dflash_cb.core.drafters.dflash.model import DFlashDrafter
+
+    torch.manual_seed(0)
+    state = train_briefly(DFlashDrafter.from_config_dict(tiny_drafter_config), StateCache(tiny_cache)).state_dict()
+
+    def make() -> DFlashDrafter:
+        drafter = DFlashDrafter.from_config_dict(tiny_drafter_config)
+        drafter.load_state_dict(state)
+        return drafter.eval()
+
+    return make
+
+
+@pytest.fixture(scope="session")
 def drafter_dir(tiny_drafter_config: dict, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A saved drafter folder (random weights, seed 0) for the tiny cache."""
     import torch
