@@ -24,7 +24,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # The cyclic collector walked every live object (millions once torch and transformers are imported) every few
 # seconds: about a tenth of the fast subset's time. Run it less often; reference counting frees as before, and
 # no test reads the collector.
-gc.set_threshold(20_000, 20, 20)
+gc.set_threshold(100_000, 50, 50)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
