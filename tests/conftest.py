@@ -24,7 +24,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # The cyclic collector walked every live object (millions once torch and transformers are imported) every few
 # seconds: about a tenth of the fast subset's time. Run it less often; reference counting frees as before, and
 # no test reads the collector.
-gc.set_threshold(20_000, 20, 20)
+gc.set_threshold(100_000, 50, 50)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -81,6 +81,27 @@ def tiny_dflash2_config(tiny_cache: Path) -> dict:
     m = StateCache(tiny_cache).manifest
     return tiny_drafter_config(m.vocab_size, m.hidden_size, int(m.target["num_layers"]), TINY_LAYER_IDS, TINY_MASK,
                                block_size=6, family="dflash2", selector_top_k=4, selector_rank=8)
+
+
+@pytest.fixture(scope="session")
+def trained_tiny_drafter(tiny_cache: Path, tiny_drafter_config: dict):
+    """A maker of the tiny drafter (seed 0) after ``tiny_target.train_briefly`` on the tiny cache (partial
+    acceptance): trained once per session, each call a module of its own with those weights."""
+    import torch
+    from tiny_target import train_briefly
+
+    from dflash_cb.cache.states import StateCache
+    from dflash_cb.core.drafters.dflash.model import DFlashDrafter
+
+    torch.manual_seed(0)
+    state = train_briefly(DFlashDrafter.from_config_dict(tiny_drafter_config), StateCache(tiny_cache)).state_dict()
+
+    def make() -> DFlashDrafter:
+        drafter = DFlashDrafter.from_config_dict(tiny_drafter_config)
+        drafter.load_state_dict(state)
+        return drafter.eval()
+
+    return make
 
 
 @pytest.fixture(scope="session")

@@ -55,22 +55,19 @@ def test_a_stride_past_most_completions_warns_naming_it() -> None:
     assert sparse_stride_warning(counts, 1, 0) is None
 
 
-def test_strided_figure_estimates_the_stride_1_figure_where_the_first_anchor_biased_it(tiny_cache, tiny_drafter_config):
+def test_strided_figure_estimates_the_stride_1_figure_where_the_first_anchor_biased_it(tiny_cache, trained_tiny_drafter):
     """A trained drafter on the tiny cache, stride 4. Per sample and per offset the engine's counts give the
     strided figure for any draw of offsets. Averaged over 400 seeds, the numerator and denominator of
     ``all_anchor_tau`` are the stride-1 ones over 4, and the figure is the stride-1 figure within a few
     thousandths; the old set (every sample at offset 0, its first anchor in) is far off."""
-    from tiny_target import train_briefly
 
     from dflash_cb.cache.states import StateCache
-    from dflash_cb.core.drafters.dflash.model import DFlashDrafter
     from dflash_cb.core.figures.metrics import ALL_ANCHOR_TAU
     from dflash_cb.core.replay.engine import evaluate
 
     stride = 4
     cache = StateCache(tiny_cache)
-    torch.manual_seed(0)
-    drafter = train_briefly(DFlashDrafter.from_config_dict(tiny_drafter_config), cache)
+    drafter = trained_tiny_drafter()
     ids = [e.id for e in cache.samples]
     every = evaluate(cache, drafter, budgets=(), anchor_stride=1)
     per_offset = [{s.id: s.anchor_counts[stride] for s in evaluate(cache, drafter, budgets=(), anchor_stride=stride,

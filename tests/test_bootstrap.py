@@ -283,3 +283,28 @@ def test_the_default_position_buckets_fit_short_completions(tiny_cache, tiny_dra
     assert fitted_edges(DEFAULT_POSITION_EDGES, 3) == (0, 1, 2, 4, 8)
     assert fitted_edges((0, 256), 20) == (0, 256)
     assert list(report_to_results(report, cache, position_edges=(0, 256)).breakdown["position"]) == ["0_256"]
+
+
+def test_intervals_are_the_gathered_resample_sums_to_the_last_bit():
+    """Every resample's sums, taken as written in the module docstring (gather the drawn samples, add them): the
+    intervals of counts (whole numbers, summed another way for speed) and of per-request means (fractions) are
+    exactly theirs, and so is a paired difference."""
+    from dflash_cb.core.figures.bootstrap import resample_indices
+
+    rng = np.random.default_rng(7)
+    counts = Sums.of(rng.integers(0, 900, 57).astype(float), rng.integers(0, 300, 57).astype(float))
+    means = Sums.of(rng.random(57) * 5, (rng.random(57) > 0.2).astype(float))
+    idx = resample_indices(57, 400, 3)
+
+    def gathered(s: Sums) -> np.ndarray:
+        num, den = s.produced[idx].sum(axis=1), s.cycles[idx].sum(axis=1)
+        return np.where(den > 0, num / np.where(den > 0, den, 1.0), np.nan)
+
+    a = (1.0 - 0.95) / 2.0  # the 95% interval's ends, as the module computes them
+    got = intervals({"counts": counts, "means": means}, n_resamples=400, seed=3)
+    for name, s in (("counts", counts), ("means", means)):
+        lo, hi = np.quantile(gathered(s)[np.isfinite(gathered(s))], [a, 1.0 - a])
+        assert (got[name].low, got[name].high) == (float(lo), float(hi)), name
+    lo, hi = np.quantile(gathered(means) - gathered(counts), [a, 1.0 - a])
+    diff = paired_difference(counts, means, n_resamples=400, seed=3)
+    assert (diff.low, diff.high) == (float(lo), float(hi))

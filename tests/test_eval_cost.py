@@ -112,12 +112,9 @@ def test_predicted_gflop_against_counted_flops(tiny_cache, tiny_drafter_config):
 # -- the cost in seconds -----------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def trained_toy(tiny_cache, tiny_drafter_config):
+def trained_toy(trained_tiny_drafter):
     """The tiny drafter after a few epochs: partial acceptance, so a light evaluation walks over many rounds."""
-    from tiny_target import train_briefly
-
-    torch.manual_seed(0)
-    return train_briefly(DFlashDrafter.from_config_dict(tiny_drafter_config), StateCache(tiny_cache))
+    return trained_tiny_drafter()
 
 
 # A machine unlike the reference one (``cost.REFERENCE_SECONDS``): its drafter 3x slower, its heaps twice as fast.

@@ -265,14 +265,9 @@ _OTHER_VALUES = {
 
 
 @pytest.fixture(scope="module")
-def trained(tiny_cache, tiny_drafter_config):
+def trained(trained_tiny_drafter):
     """The tiny drafter after a few epochs: partial acceptance, so the settings have figures to change."""
-    from tiny_target import train_briefly
-
-    from dflash_cb.cache.states import StateCache
-
-    torch.manual_seed(0)
-    return train_briefly(DFlashDrafter.from_config_dict(tiny_drafter_config), StateCache(tiny_cache))
+    return trained_tiny_drafter()
 
 
 def test_every_option_that_changes_a_logged_figure_identifies_the_series(tiny_cache, trained):

@@ -104,6 +104,30 @@ def test_checkpoint_round_trip_and_strict_loading(tmp_path) -> None:
         DFlashDrafter.from_pretrained(tmp_path / "d")
 
 
+def test_a_load_that_fits_builds_no_other_familys_layout(drafter_dir, tmp_path, monkeypatch) -> None:
+    """The other families' layouts (a module each) are built only to name the closest one when the keys differ:
+    a checkpoint that fits loads without them, one that does not still names its keys."""
+    from safetensors.torch import load_file, save_file
+
+    from dflash_cb.core.checkpoints.load import CheckpointError, load_drafter
+    from dflash_cb.core.drafters import layouts
+
+    built, real = [], layouts.layouts
+    monkeypatch.setattr(layouts, "layouts", lambda config: built.append(1) or real(config))
+    load_drafter(drafter_dir)
+    assert built == []
+    state = load_file(str(drafter_dir / "model.safetensors"))
+    dropped = sorted(state)[0]
+    del state[dropped]
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text((drafter_dir / "config.json").read_text())
+    save_file(state, str(broken / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=rf"missing \['{dropped}'\]"):
+        load_drafter(broken)
+    assert built == [1]
+
+
 def test_forward_compiles_as_one_graph() -> None:
     """The training path has no data-dependent branch: torch.compile(fullgraph=True) traces it whole."""
     torch.manual_seed(0)

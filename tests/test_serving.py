@@ -219,20 +219,16 @@ def test_a_roofline_profile_is_labelled_with_the_stated_numbers(tiny_cache, draf
         profile_cli.main(["--roofline", "--target", str(tiny_cache.parent / "target"), "--out", str(tmp_path / "x")])
 
 
-def test_serve_plan_across_drafters(tiny_cache, tiny_drafter_config, drafter_dir, tmp_path) -> None:
+def test_serve_plan_across_drafters(tiny_cache, trained_tiny_drafter, drafter_dir, tmp_path) -> None:
     """Two drafters scored with one profile on one cache: each one's settings, the best drafter at its best setting
     against the other paired, per category, a PNG; a file without a projection, or with another profile, refused."""
-    from tiny_target import train_briefly
 
-    from dflash_cb.cache.states import StateCache
-    from dflash_cb.core.drafters.dflash.model import DFlashDrafter
     from dflash_cb.integrations.cli import eval_drafter as eval_cli
     from dflash_cb.integrations.cli import profile_costs as profile_cli
     from dflash_cb.integrations.cli import serve_plan as serve_plan_cli
 
-    torch.manual_seed(0)
     trained = tmp_path / "trained"
-    train_briefly(DFlashDrafter.from_config_dict(tiny_drafter_config), StateCache(tiny_cache)).save_pretrained(trained)
+    trained_tiny_drafter().save_pretrained(trained)
     (tmp_path / "v.csv").write_text("verified_tokens,seconds\n1,0.02\n9,0.022\n")
     prof = tmp_path / "p.json"
     assert profile_cli.main(["--from-csv", str(tmp_path / "v.csv"), "--draft-seconds", "0.004", "--out", str(prof)]) == 0

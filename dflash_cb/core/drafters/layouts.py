@@ -109,10 +109,11 @@ def _listed(keys: list[str]) -> str:
 
 
 def load_state_dict_strict(model: nn.Module, state: dict[str, torch.Tensor], source: str,
-                           layouts: Callable[[], dict[str, set[str]]] | None = None) -> None:
+                           layouts: dict[str, set[str]] | Callable[[], dict[str, set[str]]] | None = None) -> None:
     """Load ``state`` into ``model`` when its keys and shapes are exactly the model's; else a ValueError naming
-    the missing and unexpected keys of the closest layout: the model's own, or one of ``layouts()`` (the key
-    names of the other families for the same config, ``layouts``; built only then: a module per family)."""
+    the missing and unexpected keys of the closest layout: the model's own, or one of ``layouts`` (the key
+    names of the other families for the same config, ``layouts``), whichever differs least. ``layouts`` may be a
+    function giving them: it is called only then (``load_weights``: building them takes a module per family)."""
     spec = getattr(model, "spec", None)
     own = family_named(spec.family if spec is not None else default_family().name)
     state = own.published_state(state)  # the family's key spellings (DFlash 2's codebooks, early heads' names)
@@ -121,7 +122,7 @@ def load_state_dict_strict(model: nn.Module, state: dict[str, torch.Tensor], sou
     unexpected = sorted(set(state) - expected)
     if missing or unexpected:
         best, best_missing, best_unexpected = own, missing, unexpected
-        for name, keys in (layouts() if layouts is not None else {}).items():
+        for name, keys in (layouts() if callable(layouts) else layouts or {}).items():
             m, u = sorted(keys - set(state)), sorted(set(state) - keys)
             if name != own.name and len(m) + len(u) < len(best_missing) + len(best_unexpected):
                 best, best_missing, best_unexpected = family_named(name), m, u
