@@ -66,25 +66,29 @@ def fit_problems(manifest: Manifest, needs: CacheNeeds) -> list[str]:
     return problems
 
 
-# Where SpecForge's EAGLE-3 drafter config names its target layers (SGLang's ids: layer outputs, as ours).
-EAGLE_CONFIG = "eagle_config"
-EAGLE_LAYERS = "eagle_aux_hidden_state_layer_ids"
+def _layer_sections(config: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """The sections of a drafter config that name its target layers: a top-level ``*_config`` mapping holding a
+    ``*layer_ids`` field (the block format's ``dflash_config``; SpecForge's drafters keep theirs likewise). Their
+    ids are layer outputs, as a cache's; a family with another convention reads its own (its ``spec``)."""
+    return [v for k, v in config.items() if isinstance(k, str) and k.endswith("_config") and isinstance(v, Mapping)
+            and any(isinstance(f, str) and f.endswith("layer_ids") for f in v)]
 
 
 def is_drafter_config(config: Any) -> bool:
     """Whether a ``config.json`` (a dict) is a drafter's rather than a model's: the published drafter formats
-    carry ``dflash_config`` (block drafters) or ``eagle_config`` (SpecForge's EAGLE-3), or name a drafter family
-    (``drafter_family``)."""
+    carry ``dflash_config`` (the block format) or another section naming target layers (``_layer_sections``), or
+    name a drafter family (``drafter_family``)."""
     return isinstance(config, Mapping) and (isinstance(config.get("dflash_config"), Mapping)
-                                            or isinstance(config.get(EAGLE_CONFIG), Mapping)
+                                            or bool(_layer_sections(config))
                                             or isinstance(config.get("drafter_family"), str))
 
 
 def config_layer_ids(config: Mapping[str, Any]) -> Any:
-    """The target layer ids a drafter ``config.json`` names (``dflash_config`` wins over the top level; SpecForge's
-    EAGLE-3 names them in ``eagle_config``), as written (None when it names none): the precompute plans its
-    layers from this."""
+    """The target layer ids a drafter ``config.json`` names (``dflash_config`` wins over the top level, which wins
+    over another section's ``*layer_ids``: ``_layer_sections``), as written (None when it names none): the
+    precompute plans its layers from this."""
     ids = (config.get("dflash_config") or {}).get("target_layer_ids", config.get("target_layer_ids"))
-    if ids is None and isinstance(config.get(EAGLE_CONFIG), Mapping):
-        ids = config[EAGLE_CONFIG].get(EAGLE_LAYERS)
+    sections = _layer_sections(config) if ids is None else []
+    if sections:
+        ids = next(v for f, v in sections[0].items() if isinstance(f, str) and f.endswith("layer_ids"))
     return ids

@@ -145,8 +145,8 @@ def draft_folder_settings(path: Any) -> dict[str, Any] | None:
 
 # -- the convention -------------------------------------------------------------------------------
 
-# The speculative methods a server names for a DFlash-format drafter (the block families'); a drafter family
-# declares its own (``DrafterFamily.served_methods``), e.g. the MTP head's "mtp" / "NEXTN".
+# The speculative methods a server names for a drafter of the block format; a drafter family declares its own
+# (``DrafterFamily.served_methods``).
 BLOCK_METHODS = ("DFLASH",)
 
 
