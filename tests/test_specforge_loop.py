@@ -64,9 +64,12 @@ def one_rank():
 
 
 def specforge_controller(cache_dir: Path, cfg: dict, out: Path, *, max_steps: int, logger: Any = None,
-                         resume: Path | None = None, **controller_args: Any) -> tuple[TrainerController, nn.Module]:
+                         resume: Path | None = None, draft_class: type = DFlashDraftModel,
+                         online_class: type = OnlineDFlashModel, strategy_class: type = DFlashTrainStrategy,
+                         **controller_args: Any) -> tuple[TrainerController, nn.Module]:
     """SpecForge's controller over its own pieces, built as its ``Trainer`` builds them (resume: the draft weights
-    before the backend, the optimizer and RNG state after, the position in the data from the checkpoint)."""
+    before the backend, the optimizer and RNG state after, the position in the data from the checkpoint); its
+    DFlash family by default, another (Domino, DSpark) by its draft model, online model and strategy classes."""
     from transformers import Qwen3Config
 
     from dflash_cb.cache.states import StateCache
@@ -74,14 +77,14 @@ def specforge_controller(cache_dir: Path, cfg: dict, out: Path, *, max_steps: in
     torch.manual_seed(0)
     sf_cfg = Qwen3Config(**cfg)
     sf_cfg._attn_implementation = "sdpa"
-    draft = DFlashDraftModel(sf_cfg)
+    draft = draft_class(sf_cfg)
     head = StateCache(cache_dir).load_head()
     lm_head = nn.Linear(head.lm_head.shape[1], head.lm_head.shape[0], bias=False)
     lm_head.weight.data.copy_(head.lm_head)
     lm_head.requires_grad_(False)
     embed = nn.Embedding.from_pretrained(head.embed_tokens.clone())
-    model = OnlineDFlashModel(draft, lm_head, embed, cfg["dflash_config"]["mask_token_id"],
-                              block_size=cfg["block_size"], attention_backend="sdpa", num_anchors=64)
+    model = online_class(draft, lm_head, embed, cfg["dflash_config"]["mask_token_id"],
+                         block_size=cfg["block_size"], attention_backend="sdpa", num_anchors=64)
     backend = FSDPTrainingBackend(ParallelConfig(), optimizer_factory=lambda m: BF16Optimizer(
         m, lr=3e-2, total_steps=100, warmup_ratio=0.0, lr_scheduler="constant"))
     position: dict[str, int] = {}
@@ -95,7 +98,7 @@ def specforge_controller(cache_dir: Path, cfg: dict, out: Path, *, max_steps: in
     backend.prepare_model(model, wrap=False, optimizer_target=draft)
     if state is not None:
         backend.load_state_dict(state["backend"])
-    core = TrainerCore(DFlashTrainStrategy(model), backend)
+    core = TrainerCore(strategy_class(model), backend)
     controller = TrainerController(core, run_id=RUN, output_dir=str(out), max_steps=max_steps, num_epochs=50,
                                    log_interval=1, logger=logger, **position, **controller_args)
     return controller, draft
@@ -406,33 +409,16 @@ def test_a_domino_drafter_training_in_specforges_loop_is_scored_live(tmp_path, t
     from specforge.algorithms.common.dflash_family_model import OnlineDominoModel
     from specforge.modeling.draft.domino import DominoDraftModel
     from specforge.training.strategies.base import DominoTrainStrategy
-    from transformers import Qwen3Config
 
     from dflash_cb.core.drafters.domino.figures import FIGURES as DOMINO
 
     cfg = {**tiny_drafter_config, "architectures": ["DominoDraftModel"],
            "dflash_config": {**tiny_drafter_config["dflash_config"], "projector_type": "domino", "emb_dim": 16,
                              "gru_hidden_dim": 8}}
-    torch.manual_seed(0)
-    sf_cfg = Qwen3Config(**cfg)
-    sf_cfg._attn_implementation = "sdpa"
-    draft = DominoDraftModel(sf_cfg)
-    from dflash_cb.cache.states import StateCache
-
-    head = StateCache(tiny_cache).load_head()
-    lm_head = nn.Linear(head.lm_head.shape[1], head.lm_head.shape[0], bias=False)
-    lm_head.weight.data.copy_(head.lm_head)
-    lm_head.requires_grad_(False)
-    embed = nn.Embedding.from_pretrained(head.embed_tokens.clone())
-    model = OnlineDominoModel(draft, lm_head, embed, cfg["dflash_config"]["mask_token_id"],
-                              block_size=cfg["block_size"], attention_backend="sdpa", num_anchors=64)
-    backend = FSDPTrainingBackend(ParallelConfig(), optimizer_factory=lambda m: BF16Optimizer(
-        m, lr=3e-2, total_steps=100, warmup_ratio=0.0, lr_scheduler="constant"))
-    backend.prepare_model(model, wrap=False, optimizer_target=draft)
-    log = Log(tmp_path, draft)
-    controller = TrainerController(TrainerCore(DominoTrainStrategy(model), backend), run_id=RUN,
-                                   output_dir=str(tmp_path / "out"), max_steps=4, num_epochs=50, log_interval=1,
-                                   logger=log)
+    log = Log(tmp_path)
+    controller, log.drafter = specforge_controller(tiny_cache, cfg, tmp_path / "out", max_steps=4, logger=log,
+                                                   draft_class=DominoDraftModel, online_class=OnlineDominoModel,
+                                                   strategy_class=DominoTrainStrategy)
     attach(controller, tiny_cache, every_n_train_steps=4, console=False)
     assert controller.fit(train_batches(tiny_cache)) == 4
     logged = log.evaluations()
@@ -453,9 +439,7 @@ def test_a_dspark_drafter_training_in_specforges_loop_is_scored_live(tmp_path, o
     from specforge.algorithms.common.dflash_family_model import OnlineDSparkModel
     from specforge.modeling.draft.dspark import DSparkDraftModel
     from specforge.training.strategies.base import DSparkTrainStrategy
-    from transformers import Qwen3Config
 
-    from dflash_cb.cache.states import StateCache
     from dflash_cb.core.drafters.dspark.figures import FIGURES as DSPARK
     from dflash_cb.demo.lightning_module import tiny_drafter_config
 
@@ -464,24 +448,10 @@ def test_a_dspark_drafter_training_in_specforges_loop_is_scored_live(tmp_path, o
     cfg = tiny_drafter_config(m.vocab_size, m.hidden_size, 4, [1], 127, block_size=6, family="dspark",
                               markov_head_type="gated")
     cfg["dflash_config"] = {**cfg["dflash_config"], "confidence_head_alpha": 0.5, "enable_confidence_head": True}
-    torch.manual_seed(0)
-    sf_cfg = Qwen3Config(**cfg)
-    sf_cfg._attn_implementation = "sdpa"
-    draft = DSparkDraftModel(sf_cfg)
-    head = StateCache(cache.path).load_head()
-    lm_head = nn.Linear(head.lm_head.shape[1], head.lm_head.shape[0], bias=False)
-    lm_head.weight.data.copy_(head.lm_head)
-    lm_head.requires_grad_(False)
-    embed = nn.Embedding.from_pretrained(head.embed_tokens.clone())
-    model = OnlineDSparkModel(draft, lm_head, embed, cfg["dflash_config"]["mask_token_id"],
-                              block_size=cfg["block_size"], attention_backend="sdpa", num_anchors=64)
-    backend = FSDPTrainingBackend(ParallelConfig(), optimizer_factory=lambda m: BF16Optimizer(
-        m, lr=3e-2, total_steps=100, warmup_ratio=0.0, lr_scheduler="constant"))
-    backend.prepare_model(model, wrap=False, optimizer_target=draft)
-    log = Log(tmp_path, draft)
-    controller = TrainerController(TrainerCore(DSparkTrainStrategy(model), backend), run_id=RUN,
-                                   output_dir=str(tmp_path / "out"), max_steps=4, num_epochs=50, log_interval=1,
-                                   logger=log)
+    log = Log(tmp_path)
+    controller, log.drafter = specforge_controller(cache.path, cfg, tmp_path / "out", max_steps=4, logger=log,
+                                                   draft_class=DSparkDraftModel, online_class=OnlineDSparkModel,
+                                                   strategy_class=DSparkTrainStrategy)
     attach(controller, cache.path, every_n_train_steps=4, console=False)
     assert controller.fit(train_batches(cache, layer_ids=[1], strategy=DSparkTrainStrategy)) == 4
     logged = log.evaluations()

@@ -248,6 +248,26 @@ def specforge_training_module(monkeypatch: pytest.MonkeyPatch):
     return module
 
 
+def eagle3_batches(cache, target) -> list:
+    """SpecForge's EAGLE-3 ``TrainBatch`` per sample, as its offline reader makes them: the tokens, the target's
+    logits and its three states (captured as SGLang captures them), the loss mask on the completion but its last
+    token."""
+    from specforge.runtime.contracts import TrainBatch
+    from specforge.utils import padding
+
+    batches = []
+    with torch.no_grad(), sglang_capture(target) as captured:
+        for e in cache.samples:
+            ids = cache.load(e.id).input_ids.long()[None]
+            loss_mask = torch.zeros_like(ids)
+            loss_mask[:, e.prompt_len:-1] = 1
+            batches.append(TrainBatch([e.id], "eagle3", {
+                "input_ids": padding(ids, left=False), "target": padding(target(input_ids=ids).logits, left=False),
+                "loss_mask": loss_mask[..., None], "attention_mask": torch.ones_like(ids),
+                "hidden_state": torch.cat([captured[i] for i in EAGLE_IDS], dim=-1)}))
+    return batches
+
+
 def specforge_eval(online, batches) -> tuple[dict, list[tuple[list[int], list[int]]]]:
     """SpecForge's ``Evaluator`` over its ``OnlineEagle3Model`` ``online`` (as its EAGLE-3 strategy calls it),
     and each batch's per-position (correct, counted)."""
@@ -272,8 +292,6 @@ def test_simulated_acc_len_is_specforges(world, monkeypatch: pytest.MonkeyPatch,
     target's own states and logits, as its offline strategy feeds it, summed by its ``Evaluator``) equal ours
     from the cache, integer counts equal, at K = 3 and 5. Its KL loss is a Triton kernel (a GPU): here a plain
     torch cross-entropy stands in for it; the counts compared do not read the loss."""
-    from specforge.runtime.contracts import TrainBatch
-    from specforge.utils import padding
     from transformers import Qwen3ForCausalLM
 
     from dflash_cb.core.drafters.eagle3.accuracy import cache_position_counts
@@ -281,18 +299,7 @@ def test_simulated_acc_len_is_specforges(world, monkeypatch: pytest.MonkeyPatch,
     sf_eagle3 = specforge_training_module(monkeypatch)
     cache = world["cache"]
     target = Qwen3ForCausalLM.from_pretrained(world["target_dir"], dtype=torch.float32).eval()
-    batches = []
-    with torch.no_grad(), sglang_capture(target) as captured:
-        for e in cache.samples:
-            ids = cache.load(e.id).input_ids.long()[None]
-            logits = target(input_ids=ids).logits
-            loss_mask = torch.zeros_like(ids)
-            loss_mask[:, e.prompt_len:] = 1
-            loss_mask[:, -1] = 0  # SpecForge's offline reader
-            batches.append(TrainBatch([e.id], "eagle3", {
-                "input_ids": padding(ids, left=False), "target": padding(logits, left=False),
-                "loss_mask": loss_mask[..., None], "attention_mask": torch.ones_like(ids),
-                "hidden_state": torch.cat([captured[i] for i in EAGLE_IDS], dim=-1)}))
+    batches = eagle3_batches(cache, target)
     for k in (3, 5):
         want, seen = specforge_eval(sf_eagle3.OnlineEagle3Model(world["sf"], length=k), batches)
         ours = cache_position_counts(cache, world["loaded"], steps=k)
@@ -449,11 +456,9 @@ def test_an_eagle3_drafter_training_in_specforges_loop_is_scored_live(world, nar
     end equals the tool's on the weights of that step, and training moved it."""
     import torch.distributed as dist
     from specforge.optimizer import BF16Optimizer
-    from specforge.runtime.contracts import TrainBatch
     from specforge.training.backend import FSDPTrainingBackend, ParallelConfig
     from specforge.training.controller import TrainerController, TrainerCore
     from specforge.training.strategies.base import Eagle3TrainStrategy
-    from specforge.utils import padding
     from transformers import Qwen3ForCausalLM
 
     from dflash_cb.core.replay.engine import evaluate
@@ -461,16 +466,7 @@ def test_an_eagle3_drafter_training_in_specforges_loop_is_scored_live(world, nar
 
     cache = world["cache"]
     target = Qwen3ForCausalLM.from_pretrained(world["target_dir"], dtype=torch.float32).eval()
-    batches = []
-    with torch.no_grad(), sglang_capture(target) as captured:
-        for e in cache.samples:
-            ids = cache.load(e.id).input_ids.long()[None]
-            loss_mask = torch.zeros_like(ids)
-            loss_mask[:, e.prompt_len:-1] = 1  # SpecForge's offline reader: the completion but its last token
-            batches.append(TrainBatch([e.id], "eagle3", {
-                "input_ids": padding(ids, left=False), "target": padding(target(input_ids=ids).logits, left=False),
-                "loss_mask": loss_mask[..., None], "attention_mask": torch.ones_like(ids),
-                "hidden_state": torch.cat([captured[i] for i in EAGLE_IDS], dim=-1)}))
+    batches = eagle3_batches(cache, target)
     sf = copy.deepcopy(narrow["sf"])
     sf.freeze_embedding()
     model = specforge_training_module(monkeypatch).OnlineEagle3Model(sf, length=3)
