@@ -136,7 +136,8 @@ class ChainRunner(DraftRunner):
 
     def state_bytes(self, tokens: int, dtype: torch.dtype) -> int:
         m = self.module
-        width = 2 * m.num_kv_heads * m.head_dim + 2 * int(m.config.hidden_size)  # K/V, carry, head input
+        # K/V, the carried state and the head's input (an upper bound: MTP's are one tensor)
+        width = 2 * m.num_kv_heads * m.head_dim + 2 * int(m.config.hidden_size)
         return tokens * width * torch.finfo(dtype).bits // 8
 
     def _chunk(self, keys: int) -> int:
@@ -162,9 +163,10 @@ class ChainRunner(DraftRunner):
         start = torch.cumsum(n_rows, 0) - n_rows
         if not parts:
             raise ValueError("a wave without samples")
-        cat = [torch.cat([p[i] for p in parts]) for i in range(4)]
-        dev = cat[0].device
-        return ChainContext(*cat, start.to(dev), n_rows.to(dev))
+        keys, values, carry = (torch.cat([p[i] for p in parts]) for i in range(3))
+        # One tensor when the next step is fed what the head drafts from (MTP's normed output).
+        head_in = carry if all(p[3] is p[2] for p in parts) else torch.cat([p[3] for p in parts])
+        return ChainContext(keys, values, carry, head_in, start.to(keys.device), n_rows.to(keys.device))
 
     def block_rows(self, context: ChainContext, noise_embedding: torch.Tensor, anchors: torch.Tensor,
                    samples: torch.Tensor, lengths: torch.Tensor | None = None) -> HiddenBlocks:

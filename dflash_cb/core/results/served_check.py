@@ -36,6 +36,7 @@ from ...cache.served import (
     trim_histogram,
     whole_count,
 )
+from ..drafters.base import DrafterFamily
 from ..drafters.registry import default_family, family_named
 from ..figures.bootstrap import Sums, paired_difference
 
@@ -225,9 +226,9 @@ def has_served_counters(entries: Sequence[Any]) -> bool:
                                                        or V.ATTRIBUTABLE in e.served_spec) for e in entries)
 
 
-def _methods(family: str | None) -> tuple[str, ...]:
-    """The speculative methods a server serving ``family`` names (the default family's when None)."""
-    return (family_named(family) if family else default_family()).served_methods
+def _family(name: str | None) -> DrafterFamily:
+    """The drafter family ``name`` (the default family when None), whose ``served_methods`` a server names."""
+    return family_named(name) if name else default_family()
 
 
 def replay_block_size(server: Mapping[str, Any] | None, drafter_block_size: int, requested: int | None = None,
@@ -236,7 +237,7 @@ def replay_block_size(server: Mapping[str, Any] | None, drafter_block_size: int,
     (:func:`served_block_size`) when the drafter can draft it, else the drafter's (a server block
     larger than the drafter's, or unknown: :func:`compare` says whether the check is comparable).
     A ``requested`` block other than the recorded server block is refused (``name`` names it)."""
-    served = served_block_size(server, _methods(family))
+    served = served_block_size(server, _family(family).served_methods)
     if requested is not None and served is not None and requested != served:
         raise ServedCheckError(f"{name} {requested} with --served-check: the server drafted blocks of {served} "
                                f"tokens (the cache's served_spec_config); drop {name}: the check replays at the "
@@ -297,8 +298,8 @@ def compare(entries: Sequence[Any], offline: Mapping[str, Sequence[int]], server
     (None: the default), whose speculative methods the server must name (``DrafterFamily.served_methods``).
     """
     block = block_size if block_size is not None else drafter_block_size
-    methods = _methods(family)
-    server_block = served_block_size(server, methods)
+    fam = _family(family)
+    server_block = served_block_size(server, fam.served_methods)
     vllm = any(V.is_vllm(e.served_spec) for e in entries if e.id in offline)
     counted_block = None  # vLLM: the block its counters show, when its configuration is not recorded
     if vllm and server_block is None:
@@ -381,9 +382,8 @@ def compare(entries: Sequence[Any], offline: Mapping[str, Sequence[int]], server
             warnings.append(f"the server's block is not recorded; no server round had more than {most_served} "
                             f"correct drafts, the replay's up to {most_offline}: if the server drafted blocks of "
                             f"{most_served + 1}, rerun with --block-size {most_served + 1}")
-    fam = family_named(family) if family else default_family()
     settings = incomparable_settings(server, longest, drafter_input_embedding_scale, drafter_path, block,
-                                     drafter_block_size, methods, fam.label)
+                                     drafter_block_size, fam.served_methods, fam.label)
     if counted_block is not None and block is not None and counted_block != block:
         drafter = (f", the drafter's trained block is {drafter_block_size}: the replay cannot draft that long"
                    if drafter_block_size is not None and counted_block > drafter_block_size
