@@ -264,6 +264,14 @@ class _Wave:
         want &= self.produced[:, 0] < 0
         return want.nonzero()[:, 0]
 
+    def tree_reachable(self, slots: torch.Tensor, tree_walks: range) -> torch.Tensor:
+        """[len(slots)] bool: a live walk of ``tree_walks`` may still visit the slot (its anchor is not behind the
+        walk: walks only move forward). A DDTree is built only there (``_Scorer.score``)."""
+        s, anchor = self.slot_sample[slots], self.slot_anchor[slots]
+        w = self.walks
+        pos, live = w.pos[s][:, tree_walks.start:tree_walks.stop], ~w.done[s][:, tree_walks.start:tree_walks.stop]
+        return (live & (anchor[:, None] >= pos)).any(dim=1)
+
     def record(self, slots: torch.Tensor, scored: _Scored) -> None:
         """Keep what a drafted chunk gave: per walk ``produced``, the greedy matches, the statistics rows."""
         table = scored.produced.cpu()
@@ -272,6 +280,7 @@ class _Wave:
         sample = self.slot_sample[slots]
         self.drafted.index_add_(0, sample, torch.ones_like(sample))
         self.walks.one_token.index_add_(0, sample, (table == 1).long())
+        self.walks.scored.index_add_(0, sample, (table >= 0).long())
         if self.drafts is not None and self.draft_depths is not None:
             self.drafts[slots] = scored.argmax.cpu()
             self.draft_depths[slots] = scored.depths.cpu()
@@ -417,6 +426,7 @@ class _Walks:
         self.lengths = torch.zeros((n, n_walks, max(longest, 1)), dtype=torch.long)  # a cycle moves >= 1 anchor
         self.window = torch.ones((n, n_walks), dtype=torch.long)
         self.one_token = torch.zeros((n, n_walks), dtype=torch.long)  # drafted anchors whose cycle produced one token
+        self.scored = torch.zeros((n, n_walks), dtype=torch.long)  # drafted anchors scored for the walk
 
     def advance(self, cap: int) -> None:
         """Move every walk as far as the drafted anchors allow; update its lookahead (``_grow``).
@@ -447,7 +457,7 @@ class _Walks:
             self.done[s, j] = stopped | (new + 1 >= wave.loop_end[s])
             self.pos[s, j] = new
             self.cycles[s, j] = c + 1
-        seen = wave.drafted.clamp(min=1)[:, None].double()
+        seen = self.scored.clamp(min=1).double()
         consumed = (self.pos - start_pos == self.window) & (self.cycles - start_cycles == self.window)
         self.window = _grow(self.window, self.one_token.double() / seen, consumed, cap)
 
@@ -475,6 +485,7 @@ class _DepthDrafts:
     specforge: torch.Tensor | None  # [N, D], None: ``tokens``
     overlap: torch.Tensor | None  # [N, D]
     parts: Any = None
+    full_rows: torch.Tensor | None = None  # the blocks read at every depth, whose ``parts`` these are (None: all)
 
     @classmethod
     def of(cls, out: RowDrafts, n: int, d: int) -> _DepthDrafts:
@@ -558,15 +569,20 @@ class _Scorer:
             # The target's distribution for the token at p + k sits at position p + k - 1.
             at = (base[:, None] + torch.minimum(pos - 1, last)).reshape(-1)
             target_topk = (tables.topk[0][at], tables.topk[1][at])
+        # Rows read at every depth: the statistics anchors, and with DDTree budgets the blocks a tree walk may
+        # still visit; the others only as deep as their walks read (``_greedy_head``).
+        full = in_stats
+        if self.budgets:
+            full = in_stats | wave.tree_reachable(slots, range(1, 1 + len(self.budgets))).to(dev)
+        tree_k = max(self.budgets, default=0)
         with timer.phase(HEAD):
-            if self.budgets or self.keep_drafts or bool(in_stats.all()):
+            if self.keep_drafts or bool(full.all()):
                 flat = (blocks.rows(every, read) if hidden_rows is None else hidden_rows).reshape(len(slots) * d, -1)
-                drafts = _DepthDrafts.of(proposer.rows(flat, previous.reshape(-1), target.reshape(-1),
-                                                       tree_k=max(self.budgets, default=0),
+                drafts = _DepthDrafts.of(proposer.rows(flat, previous.reshape(-1), target.reshape(-1), tree_k=tree_k,
                                                        parts=bool(self.budgets) or self.keep_drafts,
                                                        target_topk=target_topk, state=_flat(state)), len(slots), d)
             else:
-                drafts = self._greedy_head(blocks, target, previous, in_stats, target_topk, state, hidden_rows)
+                drafts = self._greedy_head(blocks, target, previous, full, target_topk, state, hidden_rows, tree_k)
         # Depths past a (tail) block's length get values that never match or score: -2, -inf, 0.
         inside = depth < lengths[:, None]
         known = inside & (target >= 0)
@@ -580,8 +596,17 @@ class _Scorer:
         produced = [cut_produced(accepted, anchors, loop_end, first_stop)]
         if self.budgets:
             with timer.phase(DDTREE):
-                tree = proposer.tree(drafts.parts, anchor_tokens, lengths - 1, target, inside, max(self.budgets))
-                produced += [cut_produced(tree[:, b - 1], anchors, loop_end, first_stop) for b in self.budgets]
+                at = drafts.full_rows  # None: every block has a tree; elsewhere no tree walk visits (-1)
+                if at is None:
+                    tree = proposer.tree(drafts.parts, anchor_tokens, lengths - 1, target, inside, tree_k)
+                else:
+                    tree = torch.zeros((len(slots), tree_k), dtype=torch.long, device=dev)
+                    if at.numel():
+                        tree[at] = proposer.tree(drafts.parts, anchor_tokens[at], lengths[at] - 1, target[at],
+                                                 inside[at], tree_k)
+                for b in self.budgets:
+                    cut = cut_produced(tree[:, b - 1], anchors, loop_end, first_stop)
+                    produced.append(cut if at is None else torch.where(full, cut, -1))
         for w in range(len(proposer.walks)):  # the family's own walks, under the loop's cut rules
             produced.append(cut_produced(_leading(drafts.hits[..., w] & known), anchors, loop_end, first_stop))
         shown = None
@@ -635,10 +660,12 @@ class _Scorer:
             out = apply_head(hid.reshape(idx.numel() * d, -1), self.head.lm_head, self.spec, 0, self.head_mem_bytes)
         return out.argmax.view(-1, d)
 
-    def _greedy_head(self, blocks: BlockRows, target: torch.Tensor, previous: torch.Tensor, in_stats: torch.Tensor,
+    def _greedy_head(self, blocks: BlockRows, target: torch.Tensor, previous: torch.Tensor, full: torch.Tensor,
                      target_topk: tuple[torch.Tensor, torch.Tensor] | None,
-                     state: torch.Tensor | None = None, hidden: torch.Tensor | None = None) -> _DepthDrafts:
-        """Greedy-only drafts [N, D]: every depth for the statistics rows; for the others only as deep as a walk
+                     state: torch.Tensor | None = None, hidden: torch.Tensor | None = None,
+                     tree_k: int = 0) -> _DepthDrafts:
+        """Drafts [N, D]: every depth for the rows ``full`` (the statistics rows, and the blocks a tree walk may
+        visit: with ``tree_k`` > 0 their DDTree ``parts`` too); for the others only as deep as a walk
         reads (the greedy walk reads depth k only when depths 1..k-1 matched; a family's own walks, by their
         own hits), -2 past that.
         The head (and the last layer's token-wise tail, ``model.DeferredBlocks``) is most of a block's cost,
@@ -656,23 +683,25 @@ class _Scorer:
                 return hidden[at, first - 1:first - 1 + count]
             return blocks.rows(at[:, None], torch.arange(first, first + count, device=dev)[None, :] - shift)
 
-        rows = in_stats.nonzero()[:, 0]
+        rows = full.nonzero()[:, 0]
         out = None
         if rows.numel():
             sub = None if target_topk is None else tuple(
                 t.view(n, d, -1)[rows].reshape(rows.numel() * d, -1) for t in target_topk)
             hid = hidden_at(rows, 1, d)
             out = proposer.rows(hid.reshape(rows.numel() * d, -1), previous[rows].reshape(-1),
-                                target[rows].reshape(-1), target_topk=sub,
+                                target[rows].reshape(-1), tree_k=tree_k, parts=tree_k > 0, target_topk=sub,
                                 state=None if state is None else _flat(state[rows]))
         walks, counts = len(proposer.walks), len(proposer.depth_counts)
         table = _DepthDrafts.unread(n, d, walks, counts, out is not None and out.specforge is not None, dev)
+        table.full_rows = rows
         if out is not None:
             table.put(rows, out)
+            table.parts = out.parts
             if out.overlap is not None:
                 table.overlap = torch.zeros((n, d), dtype=torch.float64, device=dev)
                 table.overlap[rows] = out.overlap.view(-1, d)
-        live = (~in_stats).nonzero()[:, 0]
+        live = (~full).nonzero()[:, 0]
         k = 0
         while k < d and live.numel():
             c = min(d - k, max(1, _HEAD_ROWS // live.numel()))

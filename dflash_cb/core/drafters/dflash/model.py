@@ -221,6 +221,11 @@ class _AttentionPart:
     masks: list[torch.Tensor | None]
 
 
+# Rows in order of their context are cut into parts that pad each row's keys by at most this share of the keys
+# they need, once a part holds more than ``_SMALL_PART`` rows (a kernel call has a fixed cost).
+_PADDING, _SMALL_PART = 1.25, 32
+
+
 class DeferredBlocks:
     """``BlockRows`` of blocks whose last layer stopped after attention (``DFlashDrafter.block_rows``).
 
@@ -228,12 +233,16 @@ class DeferredBlocks:
     states of any chosen (block, position) pairs alone, the same values a full pass gives them.
     """
 
-    def __init__(self, drafter: DFlashDrafter, residual: torch.Tensor, attended: torch.Tensor):
+    def __init__(self, drafter: DFlashDrafter, residual: torch.Tensor, attended: torch.Tensor,
+                 at: torch.Tensor | None = None):
         self.drafter = drafter
         self.residual = residual  # [A, L, hidden]: the last layer's input
         self.attended = attended  # [A, L, heads * head_dim]: its attention output before o_proj
+        self.at = at  # where block i's rows are held (None: at i), when the pass ran its blocks in another order
 
     def rows(self, block: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        if self.at is not None:
+            block = self.at[block]
         return self.drafter.norm(self.drafter.layers[-1].finish(self.residual[block, position],
                                                                 self.attended[block, position]))
 
@@ -448,9 +457,10 @@ class DFlashDrafter(nn.Module):
                         samples: torch.Tensor, lengths: torch.Tensor | None = None, attn_mem_bytes: int | None = None,
                         masks: str = "served") -> torch.Tensor:
         """Hidden states [N, L, hidden] of blocks of several samples in one pass (``block_rows``, every row)."""
-        h, attended, carry = self._through_last_attention(context, noise_embedding, anchors, samples, lengths,
-                                                          attn_mem_bytes, masks)
-        return self.norm(self.layers[-1].finish(h, attended, carry))
+        h, attended, carry, at = self._through_last_attention(context, noise_embedding, anchors, samples, lengths,
+                                                              attn_mem_bytes, masks)
+        out = self.norm(self.layers[-1].finish(h, attended, carry))
+        return out if at is None else out[at]
 
     def block_rows(self, context: ContextKV, noise_embedding: torch.Tensor, anchors: torch.Tensor,
                    samples: torch.Tensor, lengths: torch.Tensor | None = None, attn_mem_bytes: int | None = None,
@@ -465,18 +475,29 @@ class DFlashDrafter(nn.Module):
         under ``attn_mem_bytes`` (None: no limit). ``masks`` (``MASKS``): "specforge" runs the blocks under
         SpecForge's training masks instead.
         """
-        h, attended, _ = self._through_last_attention(context, noise_embedding, anchors, samples, lengths,
-                                                      attn_mem_bytes, masks)
-        return DeferredBlocks(self, h, attended)
+        h, attended, _, at = self._through_last_attention(context, noise_embedding, anchors, samples, lengths,
+                                                          attn_mem_bytes, masks)
+        return DeferredBlocks(self, h, attended, at)
 
     def _through_last_attention(self, context: ContextKV, noise_embedding: torch.Tensor, anchors: torch.Tensor,
                                 samples: torch.Tensor, lengths: torch.Tensor | None, attn_mem_bytes: int | None,
-                                masks: str) -> tuple[torch.Tensor, torch.Tensor, Any]:
+                                masks: str) -> tuple[torch.Tensor, torch.Tensor, Any, torch.Tensor | None]:
         """(the last layer's input, its attention output before ``o_proj``, what its ``finish`` needs
-        besides) of every block."""
+        besides) of every block, and where block i's rows are in them (None: at i; ``_context_order``)."""
         n = noise_embedding.shape[1]
-        parts = self._attention_parts(context, anchors, samples, lengths, n, attn_mem_bytes,
-                                      noise_embedding.element_size(), masks)
+        anchor_list, sample_list = anchors.tolist(), samples.tolist()  # one host sync: plans need the values
+        order = self._context_order(anchor_list, sample_list, n)
+        at = None
+        if order is not None:
+            at = torch.empty(len(order), dtype=torch.long)
+            at[torch.tensor(order)] = torch.arange(len(order))
+            at = at.to(anchors.device)
+            index = torch.tensor(order, device=anchors.device)
+            noise_embedding, anchors = noise_embedding[index], anchors[index]
+            lengths = None if lengths is None else lengths[index]
+            anchor_list, sample_list = [anchor_list[r] for r in order], [sample_list[r] for r in order]
+        parts = self._attention_parts(context, anchors, lengths, anchor_list, sample_list, n, attn_mem_bytes,
+                                      noise_embedding.element_size(), masks, by_context=order is not None)
         q_pos = anchors[:, None] + torch.arange(n, device=anchors.device)[None, :]
         cos, sin = self.rotary_emb(noise_embedding, q_pos)
         h = noise_embedding
@@ -501,24 +522,39 @@ class DFlashDrafter(nn.Module):
                 outs.append(o if part.keep is None else o[part.keep])
             a_out = torch.cat(outs) if len(outs) > 1 else outs[0]
             if li == last:
-                return h, a_out, carry
+                return h, a_out, carry, at
             h = layer.finish(h, a_out, carry)
         raise AssertionError("a drafter has at least one layer")
 
-    def _attention_parts(self, context: ContextKV, anchors: torch.Tensor, samples: torch.Tensor,
-                         lengths: torch.Tensor | None, n: int, mem_bytes: int | None, elem: int,
-                         masks: str) -> list[_AttentionPart]:
+    @staticmethod
+    def _context_order(anchor_list: list[int], sample_list: list[int], n: int) -> list[int] | None:
+        """The order a pass runs its blocks in, when not the given one (None): by context length, where the
+        blocks of a sample could not share one copy of its context anyway (``_attention_part``'s ``group``
+        would be 1: short contexts, or a few blocks per sample, as a light evaluation's rounds draft). Each
+        attention part then pads its rows' keys to a context close to their own (docs/method.md, "Batching
+        blocks")."""
+        runs = 1 + sum(a != b for a, b in zip(sample_list, sample_list[1:], strict=False))
+        if runs == 1 or not (max(anchor_list) < 8 * n or len(anchor_list) < 2 * runs):
+            return None
+        return sorted(range(len(anchor_list)), key=anchor_list.__getitem__)
+
+    def _attention_parts(self, context: ContextKV, anchors: torch.Tensor, lengths: torch.Tensor | None,
+                         anchor_list: list[int], sample_list: list[int], n: int, mem_bytes: int | None, elem: int,
+                         masks: str, by_context: bool = False) -> list[_AttentionPart]:
         """The rows cut into consecutive parts whose attention temporaries stay under ``mem_bytes``: per block,
-        its share of the copied context keys and values, its mask and the kernel's score rows."""
+        its share of the copied context keys and values, its mask and the kernel's score rows. Rows in order
+        of their context (``by_context``) are also cut where a part would pad its keys too much
+        (``_context_run``)."""
         total = anchors.shape[0]
         if total == 0:
             return []
         attn = self.layers[0].self_attn
         per_key = 2 * attn.num_kv_heads * attn.head_dim * elem + n + attn.num_heads * n * 4
-        anchor_list, sample_list = anchors.tolist(), samples.tolist()  # one host sync: plans need the values
         parts, i = [], 0
         while i < total:
-            if mem_bytes is None:
+            if by_context:
+                j = self._context_run(anchor_list, i, n, per_key, mem_bytes)
+            elif mem_bytes is None:
                 j = total
             else:  # the longest run from i whose blocks fit at the run's widest context (cost grows with j)
                 widest, j = anchor_list[i], i + 1
@@ -528,6 +564,24 @@ class DFlashDrafter(nn.Module):
             parts.append(self._attention_part(context, anchors, lengths, anchor_list, sample_list, i, j, n, masks))
             i = j
         return parts
+
+    @staticmethod
+    def _context_run(anchor_list: list[int], i: int, n: int, per_key: int, mem_bytes: int | None) -> int:
+        """End of the part that starts at row i (rows in order of their context): grown while its temporaries
+        fit and its padding (every row attends over the widest context of the part) stays under a quarter of
+        the keys its rows need, or the part is still small (a kernel call has a fixed cost)."""
+        total = len(anchor_list)
+        needed, j = anchor_list[i] + n, i + 1
+        while j < total:
+            keys = anchor_list[j] + n
+            rows = j - i + 1
+            if mem_bytes is not None and rows * keys * per_key > mem_bytes:
+                break
+            if rows > _SMALL_PART and rows * keys > _PADDING * (needed + keys):
+                break
+            needed += keys
+            j += 1
+        return j
 
     def _attention_part(self, context: ContextKV, anchors: torch.Tensor, lengths: torch.Tensor | None,
                         anchor_list: list[int], sample_list: list[int], i: int, j: int, n: int,
@@ -546,7 +600,9 @@ class DFlashDrafter(nn.Module):
         # keys cost at most a quarter of the context's, and the context keys are copied once per group.
         group = max(1, min(c // (4 * n), count // len(runs)))
         one = len(runs) == 1
-        start = context.starts[sample_list[i]]
+        rows: slice | torch.Tensor = slice(i, j)
+        set_samples = [sample_list[r] for r, m in runs for _ in range(0, m, group)]
+        start = context.starts[set_samples[0]]
         if count == 1 and lengths is None:
             # One whole block over its own prefix: everything is visible but for the layers' reach.
             if all(layer.self_attn.unrestricted_under(masks) for layer in self.layers):
@@ -555,10 +611,8 @@ class DFlashDrafter(nn.Module):
                 q_pos = anchors[i:j, None] + torch.arange(n, device=dev)[None, :]
                 k_pos = torch.cat([torch.arange(c, device=dev)[None, :], q_pos], dim=1)
                 layer_masks = self._layer_masks(None, q_pos, k_pos, masks, c)
-            return _AttentionPart(slice(i, j), None, c, 1, start, None, layer_masks)
-        rows: slice | torch.Tensor = slice(i, j)
+            return _AttentionPart(rows, None, c, 1, start, None, layer_masks)
         keep = None
-        set_samples = [sample_list[r] for r, m in runs for _ in range(0, m, group)]
         if group > 1 and any(m % group for _, m in runs):  # pad each run by repeating its last block
             packed, kept = [], []
             for r, m in runs:
