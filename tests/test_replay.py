@@ -111,3 +111,16 @@ def test_bounds() -> None:
     b = sample_bounds(4, 36, 20, 32, last_token=7, stop_token_ids=[2])
     assert (b.loop_end, b.known_end) == (20, 20)
     assert list(b.anchors) == list(range(4, 19))
+
+
+def test_next_stops_of_samples_end_to_end_are_each_samples_own() -> None:
+    """A wave's samples end to end (``lengths``): each position's first stop at or after it within its own sample,
+    from the sample's start (its length when none), as a literal scan gives; never a stop of the next sample."""
+    rng = random.Random(0)
+    for _ in range(200):
+        samples = [[rng.randrange(6) for _ in range(rng.randrange(0, 12))] for _ in range(rng.randrange(1, 6))]
+        stops = rng.choice([[], [2], [1, 4]])
+        want = [next((j for j in range(i, len(s)) if s[j] in stops), len(s)) for s in samples for i in range(len(s))]
+        got = next_stop_positions(torch.tensor([t for s in samples for t in s], dtype=torch.long), stops,
+                                  torch.tensor([len(s) for s in samples]))
+        assert got.tolist() == want, (samples, stops)

@@ -65,7 +65,8 @@ class CachedSample:
     entry: SampleEntry
     input_ids: torch.Tensor  # int64 [T]: prompt + reference completion
     hidden: torch.Tensor  # [T, len(layer_ids) * hidden]: concatenated target layer outputs
-    target_argmax: torch.Tensor  # int64 [T]: the target's argmax at every position (predicts t + 1)
+    # int64 [T]: the target's argmax at every position (predicts t + 1); None when not asked for (``load_many``)
+    target_argmax: torch.Tensor | None
     topk_ids: torch.Tensor | None = None  # int64 [T, K]
     topk_logprobs: torch.Tensor | None = None  # float [T, K]
 
@@ -238,9 +239,10 @@ class StateCache:
         return next(self.load_many([sample_id], device, verify))
 
     def load_many(self, sample_ids: Iterable[str], device: torch.device | str = "cpu",
-                  verify: bool = False) -> Iterator[CachedSample]:
+                  verify: bool = False, argmax: bool = True) -> Iterator[CachedSample]:
         """The samples in the order given, one at a time; each shard is checked (sha256 with ``verify``) and
-        opened once for all its samples (an open reads the shard's whole header)."""
+        opened once for all its samples (an open reads the shard's whole header). ``argmax`` False leaves
+        ``target_argmax`` out once a sample's fields were checked against it (an evaluation never reads it)."""
         with contextlib.ExitStack() as stack:
             opened: dict[str, tuple[Path, Any, set[str]]] = {}
             for sample_id in sample_ids:
@@ -253,11 +255,12 @@ class StateCache:
                         opened[entry.shard] = (path, f, set(f.keys()), seen)
                     except Exception as e:  # safetensors raises its own error types on a corrupted header
                         raise CacheError(f"{path}: cannot read shard ({e}); {self._rebuild_fix}") from e
-                yield self._read_sample(entry, *opened[entry.shard])
+                yield self._read_sample(entry, *opened[entry.shard], argmax=argmax)
 
     def _read_sample(self, entry: SampleEntry, path: Path, f: Any, keys: set[str],
-                     seen: tuple[int, ...] | None = None) -> CachedSample:
+                     seen: tuple[int, ...] | None = None, argmax: bool = True) -> CachedSample:
         prefix = f"{entry.id}/"
+        checked = seen is not None and self._matched.get(entry.id) == seen
 
         def get(name: str, required: bool = True) -> torch.Tensor | None:
             if prefix + name not in keys:
@@ -267,13 +270,14 @@ class StateCache:
             return f.get_tensor(prefix + name)
 
         try:
-            sample = CachedSample(entry, get("input_ids"), get("hidden"), get("target_argmax"),
+            sample = CachedSample(entry, get("input_ids"), get("hidden"),
+                                  get("target_argmax") if argmax or not checked else None,
                                   get("topk_ids", False), get("topk_logprobs", False))
         except CacheError:
             raise
         except Exception as e:  # safetensors raises its own error types on a damaged tensor
             raise CacheError(f"{path}: cannot read shard ({e}); {self._rebuild_fix}") from e
-        if seen is None or self._matched.get(entry.id) != seen:
+        if not checked:
             shapes = {name: tuple(t.shape) for name in _SAMPLE_TENSORS
                       if (t := getattr(sample, name)) is not None}
             self._check_entry(entry, shapes, sample.input_ids, sample.target_argmax, path)

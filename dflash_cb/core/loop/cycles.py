@@ -97,15 +97,24 @@ def leading_matches(draft: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return (draft == target).long().cumprod(dim=1).sum(dim=1)
 
 
-def next_stop_positions(tokens: torch.Tensor, stop_token_ids: Sequence[int]) -> torch.Tensor:
-    """[T]: the first stop-token position >= i for each i (T when there is none)."""
+def next_stop_positions(tokens: torch.Tensor, stop_token_ids: Sequence[int],
+                        lengths: torch.Tensor | None = None) -> torch.Tensor:
+    """[T]: the first stop-token position >= i for each i (T when there is none). With ``lengths`` [S],
+    ``tokens`` holds S samples end to end, and each position gets the first stop at or after it within its own
+    sample, counted from the sample's start (the sample's length when there is none)."""
     n = tokens.shape[0]
-    idx = torch.arange(n, device=tokens.device)
+    dev = tokens.device
+    lengths = torch.tensor([n], device=dev) if lengths is None else lengths.to(dev)
+    starts = torch.cumsum(lengths, 0) - lengths
+    start = torch.repeat_interleave(starts, lengths, output_size=n)
     if not stop_token_ids:
-        return torch.full_like(idx, n)
-    stops = torch.isin(tokens, torch.tensor(list(stop_token_ids), device=tokens.device))
-    cand = torch.where(stops, idx, torch.full_like(idx, n))
-    return torch.flip(torch.cummin(torch.flip(cand, [0]), 0).values, [0])  # reverse cumulative min
+        return torch.repeat_interleave(lengths, lengths, output_size=n)
+    idx = torch.arange(n, device=dev)
+    stops = torch.isin(tokens, torch.tensor(list(stop_token_ids), device=dev))
+    # Positions as flat indices, a sample's end where no stop is: a reverse cumulative min then never crosses
+    # into the sample before (every later sample's values are at least this one's end).
+    cand = torch.where(stops, idx, start + torch.repeat_interleave(lengths, lengths, output_size=n))
+    return torch.flip(torch.cummin(torch.flip(cand, [0]), 0).values, [0]) - start
 
 
 def cut_produced(accepted: torch.Tensor, anchors: torch.Tensor, loop_end: torch.Tensor | int,

@@ -204,7 +204,7 @@ class _Wave:
         lens = [t.shape[0] for t in tokens]
         # -- token tables (compute device) -------------------------------------------------------
         self.token_start = torch.tensor([0, *lens[:-1]]).cumsum(0)
-        self.next_stop = torch.cat([next_stop_positions(t, stop_token_ids) for t in tokens])
+        self.next_stop = next_stop_positions(torch.cat(tokens), stop_token_ids, torch.tensor(lens))
         self.loop_end = torch.tensor([b.loop_end for b in bounds])
         self.known_end = torch.tensor([b.known_end for b in bounds])
         self.prompt_len = torch.tensor([b.prompt_len for b in bounds])
@@ -1020,7 +1020,7 @@ def _load_wave(cache: StateCache, ids: list[str], runner: DraftRunner, plan: _Pl
     columns = cache.feature_columns(runner.spec.target_layer_ids)
 
     def features() -> Iterator[torch.Tensor]:
-        with contextlib.closing(cache.load_many(ids, verify=plan.verify)) as samples:
+        with contextlib.closing(cache.load_many(ids, verify=plan.verify, argmax=False)) as samples:
             for r in rows:
                 with timer.phase(LOAD):
                     sample = next(samples)

@@ -531,8 +531,8 @@ class DFlashDrafter(nn.Module):
         """The order a pass runs its blocks in, when not the given one (None): by context length, where the
         blocks of a sample could not share one copy of its context anyway (``_attention_part``'s ``group``
         would be 1: short contexts, or a few blocks per sample, as a light evaluation's rounds draft). Each
-        attention part then pads its rows' keys to a context close to their own (docs/method.md, "Batching
-        blocks")."""
+        attention part then pads its rows' keys to a context close to their own (docs/method.md, "Drafting
+        only where the metrics look")."""
         runs = 1 + sum(a != b for a, b in zip(sample_list, sample_list[1:], strict=False))
         if runs == 1 or not (max(anchor_list) < 8 * n or len(anchor_list) < 2 * runs):
             return None
