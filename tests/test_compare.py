@@ -699,3 +699,20 @@ def test_results_written_before_the_identity_still_compare_by_the_manifest_hash(
     assert code == 0, err
     code, _, err = _run_here(capsys, str(old), str(c["b.json"]), "--out", str(tmp_path / "elsewhere"))
     assert code == 2 and "written before dflash-cb recorded the cache's content identity" in err, err
+
+
+def test_a_results_file_reads_back_as_written_one_sample_a_line(two_results) -> None:
+    """results.json: the figures indented, each sample on a line of its own; it reads back to what was written."""
+    import json
+
+    from dflash_cb.core.results.results_file import results_text
+
+    a, _ = two_results
+    text = a.read_text()
+    res = load_results(a)
+    assert json.loads(text) == res.to_dict() and results_text(res.to_dict()) == text
+    lines = text.splitlines()
+    first = lines.index(' "samples": [')
+    assert [json.loads(line.rstrip(",")) for line in lines[first + 1:-2]] == [s.to_dict() for s in res.samples]
+    assert lines[-2:] == [" ]", "}"] and len(res.samples) > 1
+    assert '\n "metrics": {\n  "' in text  # the figures stay one a line
