@@ -160,3 +160,29 @@ def test_threads_default_to_the_usable_cores_and_are_recorded(tiny_cache, tiny_d
         assert json.loads(out.read_text())["meta"]["threads"] == 1 and torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(n)
+
+
+@pytest.mark.parametrize("size", ["6 samples", "30 samples"])
+def test_rounds_build_a_tree_only_where_a_tree_walk_may_still_go(caches, tiny_drafter_config, size, monkeypatch):
+    """Drafting round by round, a block gets the head's top-K and a DDTree only where a tree walk may still visit
+    it (or it is a statistics anchor): fewer heaps than blocks drafted, the cost model's count of them
+    (``cost.tree_share``) close to the count, and every replay, tree included, the one drafting every anchor at
+    once gives (a tree for every block)."""
+    cache = StateCache(caches[size])
+    drafter = drafter_at(tiny_drafter_config, cache, True)
+    spec = drafter.spec
+    shape = DrafterShape.of(drafter.config, spec.block_size, len(spec.target_layer_ids) * spec.target_hidden_size)
+    pops = counting_heap_pops(monkeypatch)
+    budget, stride = BUDGETS[-1], spec.block_size
+    rounds = evaluate(cache, drafter, budgets=(budget,), anchor_stride=stride)
+    heaps, pops[0] = pops[0] // budget, 0
+    at_once = evaluate(cache, drafter, budgets=(budget,), anchor_stride=stride, draft_all=True)
+    drafted = int(rounds.counts.data["anchors_drafted"].item())
+    assert rounds.passes > 2 and heaps < drafted and pops[0] // budget == at_once.counts.data["anchors_drafted"].item()
+    assert [(s.acceptance_lengths, s.ddtree) for s in rounds.samples] == [
+        (s.acceptance_lengths, s.ddtree) for s in at_once.samples]
+    samples = [(e.prompt_len, e.valid_len - e.prompt_len) for e in cache.samples]
+    model = evaluation_cost(shape, samples, rounds.tau, (budget,), stride,
+                            tree_taus={budget: rounds.summary[ddtree_tau(budget)]})
+    print(f"{size}: {drafted} blocks drafted, {heaps} trees built, {model.tree_pops // budget:.0f} predicted")
+    assert abs(model.tree_pops / budget - heaps) <= 0.25 * heaps

@@ -147,8 +147,8 @@ class EvalCost:
     waves: int = 0  # groups of samples evaluated together (``MemoryLimits.context_bytes``)
     passes: float = 0.0  # drafter passes: a wave's rounds (at most ``max_blocks`` blocks a pass), summed
     topk_values: float = 0.0  # the head's top-K: tree positions x min(largest budget, vocab); DFlash 2: read x K
-    tree_pops: float = 0.0  # DDTree heap pops: drafted anchors x the largest budget
-    tree_slots: float = 0.0  # candidate slots those pops scan: drafted anchors x the largest budget squared
+    tree_pops: float = 0.0  # DDTree heap pops: anchors with a tree (``tree_share``) x the largest budget
+    tree_slots: float = 0.0  # candidate slots those pops scan: those anchors x the largest budget squared
     tree_steps: float = 0.0  # pops made for every anchor of a pass at once: passes x the largest budget
 
     def seconds(self, tflops: float) -> float:
@@ -202,6 +202,18 @@ def missed_share(tau: float, tree_taus: Sequence[float], anchor_stride: int) -> 
     return share
 
 
+def tree_share(taus: Sequence[float], anchor_stride: int, draft_all: bool) -> float:
+    """The share of a sample's anchors that get a DDTree (``_Scorer.score``: the statistics anchors and the
+    blocks a tree walk may still visit): every drafted anchor when they are all drafted in one round; otherwise
+    the statistics set and the tree walks' own anchors (the greedy walk, slower, drafts behind them)."""
+    if anchor_stride == 1 or draft_all:
+        return 1.0
+    share = 1 - 1 / anchor_stride
+    for t in taus:
+        share *= 1 - 1 / max(1.0, t)
+    return 1 - share
+
+
 def drafting_passes(completions: Sequence[int], taus: Sequence[float], anchor_stride: int, draft_all: bool,
                     drafted: float, max_blocks: int) -> float:
     """Drafter passes of one wave: its rounds, each cut into passes of at most ``max_blocks`` blocks.
@@ -233,10 +245,10 @@ def evaluation_cost(shape: DrafterShape, samples: Sequence[tuple[int, int]], tau
     walk: at its budget's tau, ``tree_taus``, else ``tau``); the walks and the anchor-statistics set (``C /
     anchor_stride`` anchors) share anchors (``missed_share``), and an untrained drafter, tau 1, drafts every
     anchor. A statistics anchor reads every depth; a greedy walk anchor reads about
-    ``tau`` depths, and with DDTree budgets every drafted anchor reads every depth (its top-K tree).
-    With budgets, every drafted anchor also runs the heap to the largest budget ``B`` (docs/method.md,
-    "DDTree"): ``B`` pops, which scan ``B**2`` candidate slots in all, the pops of a pass made together
-    (``tree_steps``: one per pass and pop). Samples are evaluated in waves whose context K/V fits
+    ``tau`` depths, and with DDTree budgets an anchor with a tree (``tree_share``) reads every depth (its top-K).
+    Each of those also runs the heap to the largest budget ``B`` (docs/method.md, "DDTree"): ``B`` pops, which
+    scan ``B**2`` candidate slots in all, the pops of a pass made together (``tree_steps``: one per pass and
+    pop). Samples are evaluated in waves whose context K/V fits
     ``limits.context_bytes`` (at ``state_itemsize`` bytes a value); each wave makes its own passes
     (``drafting_passes``; ``draft_all``: every anchor in the first round). ``counted``: (anchors drafted,
     passes) as an evaluation counted them (``EvalReport``), in place of the predicted ones: the work of an
@@ -251,7 +263,8 @@ def evaluation_cost(shape: DrafterShape, samples: Sequence[tuple[int, int]], tau
         scale = counted[0] / predicted.anchors if predicted.anchors else 1.0
     d = shape.block_size - 1
     top = max(budgets, default=0)
-    anchors, gflop, attention, passes, waves, read = 0, 0.0, 0.0, 0.0, 1, 0.0
+    anchors, gflop, attention, passes, waves, read, trees = 0, 0.0, 0.0, 0.0, 1, 0.0, 0.0
+    with_tree = tree_share(taus, anchor_stride, draft_all) if budgets else 0.0
     wave: list[int] = []
     wave_bytes, wave_drafted = 0, 0.0
     for prompt, scored in samples:
@@ -268,12 +281,13 @@ def evaluation_cost(shape: DrafterShape, samples: Sequence[tuple[int, int]], tau
         drafted = float(completion) if draft_all else max(float(stats),
                                                       completion * (1 - missed_share(tau, taus, anchor_stride)))
         drafted = min(float(completion), drafted * scale)
-        if budgets:
-            positions = drafted * d
-        else:
-            positions = stats * d + max(0.0, drafted - stats) * min(d, tau)
+        full = min(drafted, max(float(stats), completion * with_tree)) if budgets else float(stats)
+        positions = full * d + max(0.0, drafted - full) * min(d, tau)
+        trees += full if budgets else 0.0
         mid = prompt + completion // 2  # the average anchor's context
-        gflop += drafted * block_gflop(shape, mid, positions / drafted, lattice=bool(budgets))
+        gflop += drafted * block_gflop(shape, mid, positions / drafted)
+        if budgets and shape.selector_rank:  # DFlash 2's lattice: at every depth of an anchor with a tree
+            gflop += full * (block_gflop(shape, mid, d, lattice=True) - block_gflop(shape, mid, d))
         read += positions
         attention += drafted * attention_gflop(shape, mid)
         anchors += math.ceil(drafted)
@@ -282,10 +296,13 @@ def evaluation_cost(shape: DrafterShape, samples: Sequence[tuple[int, int]], tau
     passes += drafting_passes(wave, [tau, *taus], anchor_stride, draft_all, wave_drafted, limits.max_blocks)
     if counted is not None:
         anchors, passes = counted
-    # The head's top-K: for the trees at every depth of every drafted anchor; a DFlash 2 drafter takes its
+        if with_tree == 1.0:
+            trees = float(anchors)
+    trees = round(trees)
+    # The head's top-K: for the trees at every depth of every anchor with one; a DFlash 2 drafter takes its
     # selector's K candidates at every position read, with or without trees.
-    topk = read * shape.selector_top_k if shape.selector_rank else anchors * d * min(top, shape.vocab)
-    return EvalCost(anchors, gflop, attention, len(samples), waves, passes, topk, anchors * top, anchors * top * top,
+    topk = read * shape.selector_top_k if shape.selector_rank else trees * d * min(top, shape.vocab)
+    return EvalCost(anchors, gflop, attention, len(samples), waves, passes, topk, trees * top, trees * top * top,
                     passes * top)
 
 
