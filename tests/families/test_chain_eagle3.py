@@ -7,7 +7,8 @@ than the target (``target_hidden_size``), trained briefly (first step, teacher-f
 accept drafts and some do not.
 
 The oracle (``specforge_generate``) is SpecForge's module with our weights, driven in a per-cycle greedy loop
-(``chain_reference.greedy_loop``): each cycle the target runs over the whole committed sequence, its three
+(``chain_reference.greedy_loop``): each cycle the target runs over the whole sequence (the verify pass, whose
+states of the committed tokens are the next cycle's context), its three
 states are captured as SGLang's ``set_eagle3_layers_to_capture`` captures them (the residual stream entering
 layer ``i + 1``, by forward pre-hooks), the drafter's context is rebuilt from them (row t: the state at t and
 the token at t + 1), and K steps run through SpecForge's own ``backbone`` / ``compute_logits`` with its
