@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from weakref import WeakKeyDictionary
 
 import torch
 
@@ -57,17 +58,34 @@ class ReferenceMtp(torch.nn.Module):
         return self.norm(out)
 
 
+# target module -> {(what a pass keeps, its tokens): the pass}: a pass is a function of the target's weights and the
+# tokens, so loops over one target in a session (the same prompts at another tail convention or chain length) share
+# their passes instead of running them again. Weak: a target no test holds drops its passes.
+_PASSES: WeakKeyDictionary = WeakKeyDictionary()
+
+
 class LastPass:
     """The target's last pass over a token list (no caches), kept: its states at positions before t are those of a
     pass over the first t of its tokens, as attention is causal (later tokens change no earlier state). A loop's
-    verify pass so gives the next cycle's context, as a server's does, and the target runs once a cycle."""
+    verify pass so gives the next cycle's context, as a server's does, and the target runs once a cycle. Given
+    the ``target`` module and ``what`` the pass keeps, a pass over the same tokens is run once a session
+    (``_PASSES``); ``forward`` must then return all it reads (no side effect)."""
 
-    def __init__(self, forward: Callable[[list[int]], Any]):
+    def __init__(self, forward: Callable[[list[int]], Any], target: torch.nn.Module | None = None,
+                 what: Any = None):
         self.forward, self.tokens, self.out = forward, [], None
+        self.memo, self.what = (None if target is None else _PASSES.setdefault(target, {})), what
 
     def run(self, tokens: list[int]) -> Any:
-        self.tokens, self.out = list(tokens), self.forward(tokens)
-        return self.out
+        key = (self.what, tuple(tokens))
+        if self.memo is None:
+            out = self.forward(tokens)
+        elif key in self.memo:
+            out = self.memo[key]
+        else:
+            out = self.memo[key] = self.forward(tokens)
+        self.tokens, self.out = list(tokens), out
+        return out
 
     def over(self, prefix: list[int]) -> Any:
         """The last pass if it began with ``prefix`` (read its states up to ``len(prefix)``), else a pass over it."""
@@ -94,7 +112,7 @@ def mtp_run(mtp: ReferenceMtp, target, prompt: Sequence[int], max_new_tokens: in
         out = text(input_ids=torch.tensor([tokens]), use_cache=False).last_hidden_state[0]
         return out, target.lm_head(out).argmax(-1)
 
-    passes = LastPass(target_pass)
+    passes = LastPass(target_pass, target, "mtp")
 
     def propose(ids: list[int], k: int) -> list[int]:
         n = len(ids)

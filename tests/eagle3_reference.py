@@ -125,13 +125,17 @@ def specforge_generate(sf, target, prompt: list[int], stop_token_ids, steps: int
     layer_ids = list(sf.config.eagle_config["eagle_aux_hidden_state_layer_ids"])
     from chain_reference import LastPass, greedy_loop
 
-    # ``captured`` holds the states of the last pass (the last verify pass: ``LastPass``)
-    passes = LastPass(lambda tokens: target(input_ids=torch.tensor([tokens])).logits[0].argmax(-1))
+    def target_pass(tokens: list[int]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """The target's argmax at every position and the states ``captured`` in that pass."""
+        argmax = target(input_ids=torch.tensor([tokens])).logits[0].argmax(-1)
+        return argmax, {i: captured[i] for i in layer_ids}
+
+    passes = LastPass(target_pass, target, ("eagle3", tuple(layer_ids)))  # the last verify pass's states
 
     def propose(ids: list[int], k: int) -> list[int]:
         rows = len(ids) - 1  # row t: the target's states at t, the token at t + 1
-        passes.over(ids[:rows])
-        aux = torch.cat([captured[i][:, :rows] for i in layer_ids], dim=-1)
+        states = passes.over(ids[:rows])[1]
+        aux = torch.cat([states[i][:, :rows] for i in layer_ids], dim=-1)
         hidden = sf.project_hidden_states(aux)
         mask = sf.prepare_decoder_attention_mask(torch.ones(1, rows), hidden, 1, rows, 0)
         tokens = torch.tensor([ids[1:]])
@@ -147,4 +151,4 @@ def specforge_generate(sf, target, prompt: list[int], stop_token_ids, steps: int
         return drafts
 
     with sglang_capture(target, layer_ids) as captured, torch._dynamo.config.patch(disable=True):
-        return greedy_loop(passes.run, propose, prompt, max_new_tokens, stop_token_ids, steps, tail)
+        return greedy_loop(lambda tokens: passes.run(tokens)[0], propose, prompt, max_new_tokens, stop_token_ids, steps, tail)
