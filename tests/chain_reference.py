@@ -3,11 +3,11 @@
 
 No engine code. Every cycle: the target runs on the whole sequence (no caches), and the MTP's context is rebuilt
 from that pass's final-normed hidden states of the committed tokens (row t: the token at t + 1 and the state at t,
-position t; the last verify pass's, as a server's, ``LastPass``), with transformers' own ``Qwen3_5DecoderLayer`` and a ``DynamicCache``; its last row is
-the first step; each later step is fed its own draft and the MTP's normed output one position further on. The
-target verifies the drafts and commits the accepted ones and its own next token (``greedy_loop``, shared with
-the EAGLE-3 oracle in ``families/test_chain_eagle3.py``; ``chain_cache`` builds both tests' cache). Slow; tiny
-models only.
+position t; the last verify pass's, as a server's: ``LastPass``), with transformers' own ``Qwen3_5DecoderLayer``
+and a ``DynamicCache``; its last row is the first step; each later step is fed its own draft and the MTP's normed
+output one position further on. The target verifies the drafts and commits the accepted ones and its own next
+token (``greedy_loop``, shared with the EAGLE-3 oracle in ``families/test_chain_eagle3.py``; ``chain_cache``
+builds both tests' cache). Slow; tiny models only.
 """
 
 from __future__ import annotations

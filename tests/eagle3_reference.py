@@ -151,4 +151,5 @@ def specforge_generate(sf, target, prompt: list[int], stop_token_ids, steps: int
         return drafts
 
     with sglang_capture(target, layer_ids) as captured, torch._dynamo.config.patch(disable=True):
-        return greedy_loop(lambda tokens: passes.run(tokens)[0], propose, prompt, max_new_tokens, stop_token_ids, steps, tail)
+        return greedy_loop(lambda tokens: passes.run(tokens)[0], propose, prompt, max_new_tokens, stop_token_ids,
+                           steps, tail)
