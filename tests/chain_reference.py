@@ -1,13 +1,13 @@
 """An independent greedy speculative loop for the target's own MTP head (Qwen3.5 / Qwen3.6), wired as vLLM's
 ``qwen3_5_mtp.py`` and its EAGLE proposer run it: the test oracle of the chain replay.
 
-No engine code. Every cycle: the target runs on the whole committed prefix (no caches); the MTP's context is
-rebuilt from the target's final-normed hidden states of the committed tokens (row t: the token at t + 1 and the
-state at t, position t), with transformers' own ``Qwen3_5DecoderLayer`` and a ``DynamicCache``; its last row is
-the first step; each later step is fed its own draft and the MTP's normed output one position further on. The
-target verifies the drafts and commits the accepted ones and its own next token (``greedy_loop``, shared with
-the EAGLE-3 oracle in ``families/test_chain_eagle3.py``; ``chain_cache`` builds both tests' cache). Slow; tiny
-models only.
+No engine code. Every cycle: the target runs on the whole sequence (no caches), and the MTP's context is rebuilt
+from that pass's final-normed hidden states of the committed tokens (row t: the token at t + 1 and the state at t,
+position t; the last verify pass's, as a server's: ``LastPass``), with transformers' own ``Qwen3_5DecoderLayer``
+and a ``DynamicCache``; its last row is the first step; each later step is fed its own draft and the MTP's normed
+output one position further on. The target verifies the drafts and commits the accepted ones and its own next
+token (``greedy_loop``, shared with the EAGLE-3 oracle in ``families/test_chain_eagle3.py``; ``chain_cache``
+builds both tests' cache). Slow; tiny models only.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+from weakref import WeakKeyDictionary
 
 import torch
 
@@ -56,6 +58,40 @@ class ReferenceMtp(torch.nn.Module):
         return self.norm(out)
 
 
+# target module -> {(what a pass keeps, its tokens): the pass}: a pass is a function of the target's weights and the
+# tokens, so loops over one target in a session (the same prompts at another tail convention or chain length) share
+# their passes instead of running them again. Weak: a target no test holds drops its passes.
+_PASSES: WeakKeyDictionary = WeakKeyDictionary()
+
+
+class LastPass:
+    """The target's last pass over a token list (no caches), kept: its states at positions before t are those of a
+    pass over the first t of its tokens, as attention is causal (later tokens change no earlier state). A loop's
+    verify pass so gives the next cycle's context, as a server's does, and the target runs once a cycle. Given
+    the ``target`` module and ``what`` the pass keeps, a pass over the same tokens is run once a session
+    (``_PASSES``); ``forward`` must then return all it reads (no side effect)."""
+
+    def __init__(self, forward: Callable[[list[int]], Any], target: torch.nn.Module | None = None,
+                 what: Any = None):
+        self.forward, self.tokens, self.out = forward, [], None
+        self.memo, self.what = (None if target is None else _PASSES.setdefault(target, {})), what
+
+    def run(self, tokens: list[int]) -> Any:
+        key = (self.what, tuple(tokens))
+        if self.memo is None:
+            out = self.forward(tokens)
+        elif key in self.memo:
+            out = self.memo[key]
+        else:
+            out = self.memo[key] = self.forward(tokens)
+        self.tokens, self.out = list(tokens), out
+        return out
+
+    def over(self, prefix: list[int]) -> Any:
+        """The last pass if it began with ``prefix`` (read its states up to ``len(prefix)``), else a pass over it."""
+        return self.out if self.tokens[:len(prefix)] == list(prefix) else self.run(prefix)
+
+
 @torch.no_grad()
 def mtp_generate(mtp: ReferenceMtp, target, prompt: Sequence[int], max_new_tokens: int,
                  stop_token_ids: Sequence[int], steps: int, tail: str = "served") -> list[int]:
@@ -76,11 +112,13 @@ def mtp_run(mtp: ReferenceMtp, target, prompt: Sequence[int], max_new_tokens: in
         out = text(input_ids=torch.tensor([tokens]), use_cache=False).last_hidden_state[0]
         return out, target.lm_head(out).argmax(-1)
 
+    passes = LastPass(target_pass, target, "mtp")
+
     def propose(ids: list[int], k: int) -> list[int]:
         n = len(ids)
-        hidden, _ = target_pass(ids)
-        cache = DynamicCache(config=mtp.cfg)
         rows = n - 1  # row t: the token at t + 1, the state at t
+        hidden, _ = passes.over(ids[:rows])
+        cache = DynamicCache(config=mtp.cfg)
         out = mtp(embed[torch.tensor(ids[1:n])][None], hidden[:rows][None], torch.arange(rows), cache)
         carry = out[:, -1:]
         drafts = [int(target.lm_head(carry[0, -1]).argmax())]
@@ -89,7 +127,7 @@ def mtp_run(mtp: ReferenceMtp, target, prompt: Sequence[int], max_new_tokens: in
             drafts.append(int(target.lm_head(carry[0, -1]).argmax()))
         return drafts
 
-    return greedy_run(lambda tokens: target_pass(tokens)[1], propose, prompt, max_new_tokens, stop_token_ids,
+    return greedy_run(lambda tokens: passes.run(tokens)[1], propose, prompt, max_new_tokens, stop_token_ids,
                       steps, tail)
 
 

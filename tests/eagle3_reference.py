@@ -2,7 +2,8 @@
 our weights, driven in a per-cycle greedy loop (``specforge_generate``), and the small helpers that make and train
 a tiny EAGLE-3 drafter for a cache (shared by ``families/test_chain_eagle3.py`` and the conformance kit).
 
-The loop: each cycle the target runs over the whole committed sequence, its states captured as SGLang's
+The loop: each cycle the target runs over the whole sequence (no caches; the verify pass, whose states of the
+committed tokens are the next cycle's context, ``chain_reference.LastPass``), its states captured as SGLang's
 ``set_eagle3_layers_to_capture`` captures them (the residual stream entering layer ``i + 1``, by forward
 pre-hooks), the drafter's context rebuilt from them (row t: the state at t and the token at t + 1), and K steps
 run through SpecForge's own ``backbone`` / ``compute_logits`` with its test-time-training cache, the draft mapped
@@ -122,15 +123,19 @@ def specforge_generate(sf, target, prompt: list[int], stop_token_ids, steps: int
     """Tokens committed per cycle with SpecForge's module drafting (module docstring), its layers the ones its
     config names."""
     layer_ids = list(sf.config.eagle_config["eagle_aux_hidden_state_layer_ids"])
-    from chain_reference import greedy_loop
+    from chain_reference import LastPass, greedy_loop
 
-    def greedy(tokens: list[int]) -> torch.Tensor:
-        return target(input_ids=torch.tensor([tokens])).logits[0].argmax(-1)
+    def target_pass(tokens: list[int]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """The target's argmax at every position and the states ``captured`` in that pass."""
+        argmax = target(input_ids=torch.tensor([tokens])).logits[0].argmax(-1)
+        return argmax, {i: captured[i] for i in layer_ids}
+
+    passes = LastPass(target_pass, target, ("eagle3", tuple(layer_ids)))  # the last verify pass's states
 
     def propose(ids: list[int], k: int) -> list[int]:
-        greedy(ids)
         rows = len(ids) - 1  # row t: the target's states at t, the token at t + 1
-        aux = torch.cat([captured[i][:, :rows] for i in layer_ids], dim=-1)
+        states = passes.over(ids[:rows])[1]
+        aux = torch.cat([states[i][:, :rows] for i in layer_ids], dim=-1)
         hidden = sf.project_hidden_states(aux)
         mask = sf.prepare_decoder_attention_mask(torch.ones(1, rows), hidden, 1, rows, 0)
         tokens = torch.tensor([ids[1:]])
@@ -146,4 +151,5 @@ def specforge_generate(sf, target, prompt: list[int], stop_token_ids, steps: int
         return drafts
 
     with sglang_capture(target, layer_ids) as captured, torch._dynamo.config.patch(disable=True):
-        return greedy_loop(greedy, propose, prompt, max_new_tokens, stop_token_ids, steps, tail)
+        return greedy_loop(lambda tokens: passes.run(tokens)[0], propose, prompt, max_new_tokens, stop_token_ids,
+                           steps, tail)

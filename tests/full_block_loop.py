@@ -4,10 +4,12 @@
 Written from the serving side's description (docs/method.md, "Tail blocks"): every cycle drafts
 ``block_size - 1`` tokens after the last verified one, the target verifies them all, and the
 committed run (accepted drafts, then the target's bonus token) is cut afterwards, at a stop token
-or at ``max_new_tokens``. No key/value caches, no engine code: the target runs on the whole prefix
-each cycle and the drafter module (``dflash.model.DFlashDraftModel``) sees the context features
-and one full block; its drafts are the head's argmax, or what ``propose`` makes of the block's hidden
-states (a DFlash 2 drafter: its ``propose``, the selector's walk). Slow, and only meant for tiny models.
+or at ``max_new_tokens``. No key/value caches, no engine code: the target runs on the whole sequence
+(the committed tokens and the block) once a cycle, and that pass's states of the tokens the cycle
+commits are the next cycle's context, as a server's verify pass gives them (``chain_reference.LastPass``);
+the drafter module (``dflash.model.DFlashDraftModel``) sees the context features and one full block;
+its drafts are the head's argmax, or what ``propose`` makes of the block's hidden states (a DFlash 2
+drafter: its ``propose``, the selector's walk). Slow, and only meant for tiny models.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+from chain_reference import LastPass
 
 
 @dataclass
@@ -38,8 +41,8 @@ def full_block_generate(draft: torch.nn.Module, target: torch.nn.Module, prompt:
     embed = target.get_input_embeddings().weight
     head = target.lm_head
 
-    def target_pass(tokens: list[int]):
-        return target(torch.tensor([tokens]), output_hidden_states=True)
+    passes = LastPass(lambda tokens: target(torch.tensor([tokens]), output_hidden_states=True))
+    target_pass = passes.run
 
     ids.append(int(target_pass(ids).logits[0, -1].argmax()))
     lengths: list[int] = []
@@ -47,8 +50,8 @@ def full_block_generate(draft: torch.nn.Module, target: torch.nn.Module, prompt:
     drafted: list[list[int]] = []
     while len(ids) < end and ids[-1] not in stops:
         p = len(ids) - 1  # the anchor: the last verified token
-        hs = target_pass(ids[:p]).hidden_states
-        context = torch.cat([hs[i + 1] for i in layer_ids], dim=-1)  # output of decoder layer i
+        hs = passes.over(ids[:p]).hidden_states
+        context = torch.cat([hs[i + 1][:, :p] for i in layer_ids], dim=-1)  # output of decoder layer i
         block = torch.tensor([[ids[p]] + [mask_token_id] * (block_size - 1)])
         noise = torch.nn.functional.embedding(block, embed)  # no input_embedding_scale: the server ignores it
         hidden = draft(target_hidden=context, noise_embedding=noise,

@@ -117,6 +117,22 @@ def trained_toy(trained_tiny_drafter):
     return trained_tiny_drafter()
 
 
+@pytest.fixture(scope="module")
+def toy_evaluation(tiny_cache, trained_toy):
+    """``evaluate(cache, trained_toy, **options)``, each set of options run once in this module: the sequences
+    below repeat evaluations with the same options (as the live evaluator does), and an evaluation is a function
+    of its inputs (the tests only read its report)."""
+    cache, reports = StateCache(tiny_cache), {}
+
+    def run(**options):
+        key = tuple(sorted(options.items()))
+        if key not in reports:
+            reports[key] = evaluate(cache, trained_toy, **options)
+        return reports[key]
+
+    return run
+
+
 # A machine unlike the reference one (``cost.REFERENCE_SECONDS``): its drafter 3x slower, its heaps twice as fast.
 MACHINE_RATES = {"drafter": 3.0, "ddtree": 0.5, "other": 2.0}
 
@@ -132,7 +148,7 @@ def seconds_of_counted_work(shape, samples, report, budgets, stride, draft_all) 
 
 @pytest.mark.parametrize("rounds", [False, True], ids=["as decided", "in rounds"])
 @pytest.mark.parametrize("budget", [None, 16, 64, 256, 1024])
-def test_predicted_seconds_follow_the_counted_work(tiny_cache, trained_toy, budget, rounds):
+def test_predicted_seconds_follow_the_counted_work(tiny_cache, trained_toy, toy_evaluation, budget, rounds):
     """The live evaluator's sequence on the toy: a warm-up sample gives the taus, then light evaluations
     (statistics every block-th anchor, the budget's tree) and full ones (stride 1). Each evaluation is
     predicted from those before it (``SecondsPredictor``): a profile measured before by its own calibration, the
@@ -147,7 +163,7 @@ def test_predicted_seconds_follow_the_counted_work(tiny_cache, trained_toy, budg
     shape = DrafterShape.of(trained_toy.config, spec.block_size, len(spec.target_layer_ids) * spec.target_hidden_size)
     everything = [(e.prompt_len, e.valid_len - e.prompt_len) for e in cache.samples]
     longest = max(cache.samples, key=lambda e: e.valid_len - e.prompt_len).id
-    warm = evaluate(cache, trained_toy, sample_ids=[longest], budgets=budgets, anchor_stride=1)
+    warm = toy_evaluation(sample_ids=(longest,), budgets=budgets, anchor_stride=1)
     sequence = (("light", spec.block_size), ("light", spec.block_size), ("full", 1), ("full", 1),
                 ("light", spec.block_size))
     tau, taus = warm.tau, {b: warm.summary[ddtree_tau(b)] for b in budgets}
@@ -157,7 +173,7 @@ def test_predicted_seconds_follow_the_counted_work(tiny_cache, trained_toy, budg
         draft_all = not rounds and draft_all_is_cheaper(shape, everything, tau, budgets, stride, taus)
         predicted = predictor.predict(kind, budgets, stride, tau, taus, draft_all)
         expected = evaluation_cost(shape, everything, tau, budgets, stride, tree_taus=taus, draft_all=draft_all)
-        report = evaluate(cache, trained_toy, budgets=budgets, anchor_stride=stride, draft_all=draft_all)
+        report = toy_evaluation(budgets=budgets, anchor_stride=stride, draft_all=draft_all)
         groups = seconds_of_counted_work(shape, everything, report, budgets, stride, draft_all)
         if i:  # the first is predicted at the warm-up sample's tau, the others at the whole cache's
             ratios[f"{i} {kind}"] = predicted / sum(groups.values())

@@ -42,6 +42,8 @@ def caches(tiny_cache, tmp_path_factory) -> dict[str, Path]:
 
 
 def drafter_at(cfg: dict, cache: StateCache, trained: bool) -> DFlashDrafter:
+    """The tiny drafter (seed 0), trained briefly on ``cache`` or not (on the tiny cache the session's
+    ``trained_tiny_drafter`` is that training, done once)."""
     from tiny_target import train_briefly
 
     torch.manual_seed(0)
@@ -64,8 +66,8 @@ def counting_heap_pops(monkeypatch) -> list[int]:
 
 @pytest.mark.parametrize("trained", [False, True])
 @pytest.mark.parametrize("size", ["6 samples", "30 samples"])
-def test_the_light_evaluation_costs_no_more_than_the_full_one(caches, tiny_drafter_config, size, trained,
-                                                              monkeypatch):
+def test_the_light_evaluation_costs_no_more_than_the_full_one(caches, tiny_drafter_config, trained_tiny_drafter,
+                                                              size, trained, monkeypatch):
     """As the live evaluator runs them: the light evaluation decides from a warm-up sample's taus whether to
     draft every anchor at once; the full one has the light stride's statistics too. An untrained drafter
     (tau 1: the walks visit every anchor, both draft everything) and a briefly trained one. Counted work: the
@@ -73,7 +75,8 @@ def test_the_light_evaluation_costs_no_more_than_the_full_one(caches, tiny_draft
     and so is the cost model's price of that counted work (``cost.evaluation_cost(counted=...)``) at its
     reference rates; the pops counted are the ones the model prices."""
     cache = StateCache(caches[size])
-    drafter = drafter_at(tiny_drafter_config, cache, trained)
+    tiny_trained = trained and size == "6 samples"  # the tiny cache: trained_tiny_drafter is drafter_at's training
+    drafter = trained_tiny_drafter() if tiny_trained else drafter_at(tiny_drafter_config, cache, trained)
     spec = drafter.spec
     block = spec.block_size
     shape = DrafterShape.of(drafter.config, block, len(spec.target_layer_ids) * spec.target_hidden_size)
@@ -103,10 +106,10 @@ def test_the_light_evaluation_costs_no_more_than_the_full_one(caches, tiny_draft
     assert [s.acceptance_lengths for s in one.samples] == [s.acceptance_lengths for s in every.samples]
 
 
-def test_drafting_every_anchor_at_once_changes_only_what_is_drafted(tiny_cache, tiny_drafter_config):
+def test_drafting_every_anchor_at_once_changes_only_what_is_drafted(tiny_cache, trained_tiny_drafter):
     """draft_all: one round instead of one per cycle, every figure of the evaluation equal."""
     cache = StateCache(tiny_cache)
-    drafter = drafter_at(tiny_drafter_config, cache, True)
+    drafter = trained_tiny_drafter()
     rounds = evaluate(cache, drafter, budgets=BUDGETS, anchor_stride=3)
     at_once = evaluate(cache, drafter, budgets=BUDGETS, anchor_stride=3, draft_all=True)
     assert rounds.passes > 2 and at_once.passes == 1
@@ -118,11 +121,11 @@ def test_drafting_every_anchor_at_once_changes_only_what_is_drafted(tiny_cache, 
         (s.acceptance_lengths, s.ddtree) for s in rounds.samples]
 
 
-def test_phase_timers_account_for_the_evaluation(tiny_cache, tiny_drafter_config):
+def test_phase_timers_account_for_the_evaluation(tiny_cache, trained_tiny_drafter):
     """Every engine phase is timed, each tick of the clock at most once (nested phases exclusive): on a clock
     that counts its own reads, the phases' total is within the ticks between the first and the last read."""
     cache = StateCache(tiny_cache)
-    drafter = drafter_at(tiny_drafter_config, cache, True)
+    drafter = trained_tiny_drafter()
     reads = itertools.count()
     timer = PhaseTimer(clock=lambda: float(next(reads)))
     evaluate(cache, drafter, budgets=BUDGETS, anchor_stride=3, timer=timer)

@@ -196,9 +196,9 @@ def train_briefly(drafter, cache, epochs: int = 6, lr: float = 3e-3, seed: int =
     head = cache.load_head()
     opt = torch.optim.AdamW(drafter.parameters(), lr=lr)
     g = torch.Generator().manual_seed(seed)
+    data = list(zip(cache.samples, cache.load_many([e.id for e in cache.samples]), strict=True))  # read once
     for _ in range(epochs):
-        for e in cache.samples:
-            s = cache.load(e.id)
+        for e, s in data:
             anchors = sample_anchors(e.prompt_len, e.valid_len, 16, g)
             if anchors.numel() == 0:
                 continue

@@ -7,7 +7,8 @@ than the target (``target_hidden_size``), trained briefly (first step, teacher-f
 accept drafts and some do not.
 
 The oracle (``specforge_generate``) is SpecForge's module with our weights, driven in a per-cycle greedy loop
-(``chain_reference.greedy_loop``): each cycle the target runs over the whole committed sequence, its three
+(``chain_reference.greedy_loop``): each cycle the target runs over the whole sequence (the verify pass, whose
+states of the committed tokens are the next cycle's context), its three
 states are captured as SGLang's ``set_eagle3_layers_to_capture`` captures them (the residual stream entering
 layer ``i + 1``, by forward pre-hooks), the drafter's context is rebuilt from them (row t: the state at t and
 the token at t + 1), and K steps run through SpecForge's own ``backbone`` / ``compute_logits`` with its
@@ -62,6 +63,15 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict:
                 loaded=load_drafter(root / "specforge"), config=config)
 
 
+@pytest.fixture(scope="module")
+def target(world):
+    """The target, loaded once: the reference loops over it share its passes (``chain_reference.LastPass``). Read
+    it, never change it."""
+    from transformers import Qwen3ForCausalLM
+
+    return Qwen3ForCausalLM.from_pretrained(world["target_dir"], dtype=torch.float32).eval()
+
+
 def test_a_specforge_folder_loads_and_round_trips(world, tmp_path: Path) -> None:
     """The folder SpecForge saves (``config.json`` + safetensors under its names) loads with ``load_drafter`` as
     an EAGLE-3 chain of SpecForge's layers (unchanged) and K = 3; ours saves a folder SpecForge's module loads
@@ -101,12 +111,10 @@ def without_embedding(module) -> dict[str, torch.Tensor]:
     return {k: v for k, v in module.state_dict().items() if "embed" not in k.lower()}
 
 
-def test_a_folder_without_the_embedding_embeds_with_the_targets(world, narrow, tmp_path: Path) -> None:
+def test_a_folder_without_the_embedding_embeds_with_the_targets(world, narrow, target, tmp_path: Path) -> None:
     """SpecForge's SGLang export (and published EAGLE-3 folders) leave out ``embed_tokens``: such a folder loads
     and embeds with the target's table, as the servers do, and its replay equals SpecForge's module holding that
     table; a drafter wider than the target, which cannot, is refused naming the fix."""
-    from transformers import Qwen3ForCausalLM
-
     from dflash_cb.core.checkpoints.load import CheckpointError, load_drafter
     from dflash_cb.core.replay.engine import evaluate
 
@@ -114,7 +122,6 @@ def test_a_folder_without_the_embedding_embeds_with_the_targets(world, narrow, t
     sf.save_pretrained(tmp_path / "sglang", state_dict=without_embedding(sf))  # what export_to_sglang writes
     loaded = load_drafter(tmp_path / "sglang")
     assert loaded.embed_tokens is None and "embed_tokens.weight" not in loaded.state_dict()
-    target = Qwen3ForCausalLM.from_pretrained(world["target_dir"], dtype=torch.float32).eval()
     want = {e.id: specforge_generate(sf, target, cache.load(e.id).input_ids[: e.prompt_len].tolist(),
                                      cache.manifest.stop_token_ids, 3, "served") for e in cache.samples}
     rep = evaluate(cache, loaded, block_size=4, budgets=())
@@ -153,15 +160,12 @@ def test_a_specforge_training_checkpoint_is_read(world, narrow, tmp_path: Path,
 
 
 @pytest.mark.parametrize("tail", ["served", "reference"])
-def test_the_replay_equals_specforge_driven_per_cycle(world, tail: str) -> None:
+def test_the_replay_equals_specforge_driven_per_cycle(world, target, tail: str) -> None:
     """Cycle for cycle at K = 1, 3 and 5 (blocks of 2, 4, 6), against SpecForge's module in a per-cycle loop;
     some cycles accept drafts and some do not; samples end at the stop token or at max_new_tokens; tau > 1.5."""
-    from transformers import Qwen3ForCausalLM
-
     from dflash_cb.core.replay.engine import evaluate
 
     cache = world["cache"]
-    target = Qwen3ForCausalLM.from_pretrained(world["target_dir"], dtype=torch.float32).eval()
     stops = cache.manifest.stop_token_ids
     taus = {}
     for k in (1, 3, 5):

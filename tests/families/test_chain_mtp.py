@@ -64,6 +64,15 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return dict(root=root, target_dir=target_dir, cache=cache, drafter=drafter, stop=stop)
 
 
+@pytest.fixture(scope="module")
+def target(world):
+    """The target with its MTP head, loaded once: the reference loops over it share its passes
+    (``chain_reference.LastPass``). Read it, never change it."""
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    return Qwen3_5ForConditionalGeneration.from_pretrained(world["target_dir"], dtype=torch.float32).eval()
+
+
 def test_the_mtp_head_is_extracted_from_the_target_checkpoint(world, tmp_path: Path) -> None:
     """``--mtp-from`` writes the mtp.* weights as a drafter folder that loads wherever a drafter loads; a target
     without them is refused naming why."""
@@ -87,17 +96,15 @@ def test_the_mtp_head_is_extracted_from_the_target_checkpoint(world, tmp_path: P
 
 
 @pytest.mark.parametrize("tail", ["served", "reference"])
-def test_the_replay_equals_a_vllm_wired_mtp_loop(world, tail: str) -> None:
+def test_the_replay_equals_a_vllm_wired_mtp_loop(world, target, tail: str) -> None:
     """Cycle for cycle at K = 1, 3 and 5 (blocks of 2, 4, 6), against transformers' own decoder layer in a
     per-cycle loop; some cycles accept drafts and some do not; samples end at the stop token or at
     max_new_tokens; tau > 1.5."""
     from chain_reference import ReferenceMtp, mtp_generate
-    from transformers import Qwen3_5ForConditionalGeneration
 
     from dflash_cb.core.replay.engine import evaluate
 
     cache = world["cache"]
-    target = Qwen3_5ForConditionalGeneration.from_pretrained(world["target_dir"], dtype=torch.float32).eval()
     ref = ReferenceMtp(target.config.text_config, world["drafter"].state_dict()).eval()
     stops = cache.manifest.stop_token_ids
     for k in (1, 3, 5):
@@ -257,14 +264,13 @@ def test_eval_drafter_scores_several_chain_lengths(world, tmp_path: Path, caplog
                            str(tmp_path / "d.json"), "--speculative-tokens", "3"])
 
 
-def test_the_served_check_of_an_mtp_server(world, tmp_path: Path) -> None:
+def test_the_served_check_of_an_mtp_server(world, target, tmp_path: Path) -> None:
     """A real HTTP server on 127.0.0.1 speaking vLLM's API, serving the target with ``method: mtp`` and
     ``num_speculative_tokens`` 3, its rounds those of the vLLM-wired MTP loop: the precompute records each
     request's counters; the replay of the extracted head at the server's block (K + 1 = 4, read from the server's
     configuration) counts the same rounds and per-position acceptance on every sample; a DFlash drafter's check of
     the same cache says the server speculates with another method."""
     from chain_reference import ReferenceMtp, mtp_run
-    from transformers import Qwen3_5ForConditionalGeneration
     from vllm_server import FakeVLLM, Run, serve
 
     from dflash_cb.common.cli import run
@@ -273,7 +279,6 @@ def test_the_served_check_of_an_mtp_server(world, tmp_path: Path) -> None:
     from dflash_cb.integrations.cli import eval_drafter
     from dflash_cb.integrations.cli.extract import main as extract
 
-    target = Qwen3_5ForConditionalGeneration.from_pretrained(world["target_dir"], dtype=torch.float32).eval()
     ref = ReferenceMtp(target.config.text_config, world["drafter"].state_dict()).eval()
 
     def loop(prompt: list[int], max_tokens: int, stops: set[int]) -> Run:
