@@ -114,6 +114,31 @@ def test_a_sample_is_checked_again_only_when_its_shard_changed(tiny_cache: Path,
         cache.load("p001")
 
 
+def test_an_evaluation_reads_no_argmax_of_a_checked_sample_but_checks_a_changed_one(tiny_cache: Path,
+                                                                                      tmp_path: Path) -> None:
+    """``load_many(argmax=False)`` (the engine's read) reads ``target_argmax`` only to check a sample not yet checked
+    against it: the first read of a shard file has it, later reads of the same file leave it out; a shard rewritten
+    since is read and checked again, and a changed argmax is refused."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    cache = StateCache(copy_cache(tiny_cache, tmp_path / "cache"))
+    ids = [e.id for e in cache.samples]
+    assert all(s.target_argmax is not None for s in cache.load_many(ids, argmax=False))
+    assert all(s.target_argmax is None for s in cache.load_many(ids, argmax=False))
+    assert all(s.target_argmax is not None for s in cache.load_many(ids))  # asked for: always read
+    entry = cache.entry("p001")
+    shard = cache.path / entry.shard
+    tensors = load_file(str(shard))
+    with safe_open(str(shard), framework="pt") as f:
+        metadata = f.metadata()
+    argmax = tensors["p001/target_argmax"]
+    argmax[entry.prompt_len - 1] = (argmax[entry.prompt_len - 1] + 1) % cache.manifest.vocab_size
+    save_file(tensors, str(shard), metadata=metadata)
+    with pytest.raises(CacheError, match=r"'p001'.*the stored target_argmax gives"):
+        list(cache.load_many(["p001"], argmax=False))
+
+
 def test_token_ids_read_only_input_ids_and_check_the_shard(tiny_cache: Path, tmp_path: Path) -> None:
     """The W&B table's token ids: the same as a full load's, and a truncated shard is named."""
     cache = StateCache(copy_cache(tiny_cache, tmp_path / "cache"))

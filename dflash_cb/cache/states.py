@@ -244,7 +244,7 @@ class StateCache:
         opened once for all its samples (an open reads the shard's whole header). ``argmax`` False leaves
         ``target_argmax`` out once a sample's fields were checked against it (an evaluation never reads it)."""
         with contextlib.ExitStack() as stack:
-            opened: dict[str, tuple[Path, Any, set[str]]] = {}
+            opened: dict[str, tuple[Path, Any, set[str], tuple[int, ...]]] = {}  # path, file, keys, identity
             for sample_id in sample_ids:
                 entry = self.entry(sample_id)
                 if entry.shard not in opened:

@@ -105,15 +105,14 @@ def next_stop_positions(tokens: torch.Tensor, stop_token_ids: Sequence[int],
     n = tokens.shape[0]
     dev = tokens.device
     lengths = torch.tensor([n], device=dev) if lengths is None else lengths.to(dev)
-    starts = torch.cumsum(lengths, 0) - lengths
-    start = torch.repeat_interleave(starts, lengths, output_size=n)
+    own_length = torch.repeat_interleave(lengths, lengths, output_size=n)  # each position's sample's length
     if not stop_token_ids:
-        return torch.repeat_interleave(lengths, lengths, output_size=n)
-    idx = torch.arange(n, device=dev)
+        return own_length
+    start = torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths, output_size=n)
     stops = torch.isin(tokens, torch.tensor(list(stop_token_ids), device=dev))
     # Positions as flat indices, a sample's end where no stop is: a reverse cumulative min then never crosses
     # into the sample before (every later sample's values are at least this one's end).
-    cand = torch.where(stops, idx, start + torch.repeat_interleave(lengths, lengths, output_size=n))
+    cand = torch.where(stops, torch.arange(n, device=dev), start + own_length)
     return torch.flip(torch.cummin(torch.flip(cand, [0]), 0).values, [0]) - start
 
 

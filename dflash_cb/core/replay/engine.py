@@ -671,7 +671,7 @@ class _Scorer:
         The head (and the last layer's token-wise tail, ``model.DeferredBlocks``) is most of a block's cost,
         and tau ~ 4 reads about a third of it. The live rows go a few depths per head call, about
         ``_HEAD_ROWS`` rows a call: a call on a handful of rows costs as much as reading the head matrix
-        once. For the statistics rows, when ``target_topk`` is given, the temperature-1 overlap too."""
+        once. For the rows ``full``, when ``target_topk`` is given, the temperature-1 overlap too."""
         n, d = target.shape
         proposer, shift = self.proposer, self.proposer.position_shift
         dev = target.device
