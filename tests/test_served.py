@@ -743,7 +743,8 @@ def test_counter_rules_pure(served_cache) -> None:
 
 def test_each_family_names_the_methods_a_server_serves_it_with():
     """A server's speculative method must be one the drafter's family names (DSpark: vLLM's dspark; the MTP head:
-    mtp, or SGLang's NEXTN whose block is its steps + 1); another method is not the drafter's rounds."""
+    mtp, or SGLang's NEXTN whose block is its steps + 1; EAGLE-3: EAGLE3); another method is not the drafter's
+    rounds."""
     from dflash_cb.cache.served import incomparable_settings, served_block_size
     from dflash_cb.core.drafters.registry import family_named
 
@@ -752,5 +753,13 @@ def test_each_family_names_the_methods_a_server_serves_it_with():
     assert served_block_size({"server": "vllm", "algorithm": "dflash", "num_speculative_tokens": 7}, dspark) is None
     said = incomparable_settings({"server": "vllm", "algorithm": "dflash"}, 10, methods=dspark, label="DSpark")
     assert any("speculates with 'dflash', not DSpark" in w for w in said)
-    assert served_block_size({"algorithm": "NEXTN", "num_steps": 3, "num_draft_tokens": 4}, mtp) == 4
+    assert served_block_size({"algorithm": "NEXTN", "num_steps": 3, "num_draft_tokens": 5}, mtp, chain=True) == 4
     assert served_block_size({"algorithm": "DFLASH", "num_draft_tokens": 16}) == 16  # the block families' default
+    # A block family with methods of its own is still a block family: its draft tokens are its block.
+    assert served_block_size({"num_steps": 3, "num_draft_tokens": 8}, dspark) == 8
+    eagle3 = family_named("eagle3")
+    assert eagle3.kind == "chain"
+    record = {"algorithm": "EAGLE3", "num_steps": 3, "num_draft_tokens": 4}
+    assert served_block_size(record, eagle3.served_methods, chain=True) == 4
+    assert incomparable_settings(record, 10, block_size=4, methods=eagle3.served_methods, label=eagle3.label,
+                                 chain=True) == []

@@ -150,14 +150,15 @@ def draft_folder_settings(path: Any) -> dict[str, Any] | None:
 BLOCK_METHODS = ("DFLASH",)
 
 
-def served_block_size(server: Mapping[str, Any] | None, methods: Sequence[str] = BLOCK_METHODS) -> int | None:
+def served_block_size(server: Mapping[str, Any] | None, methods: Sequence[str] = BLOCK_METHODS,
+                      chain: bool = False) -> int | None:
     """The block the server drafted with (anchor included), from the recorded ``/get_server_info``, or None.
 
     SGLang's DFlash worker drafts blocks of ``speculative_num_draft_tokens``; ``--speculative-dflash-block-size``
     sets it too (SGLang refuses the two set apart, and resolves an unset one from the draft model's
     config, so a DFlash server reports the block it drafts with). For another algorithm than ``methods`` (the
     evaluated drafter family's) the draft tokens are not its block: None, as for an old manifest that recorded
-    neither. A chain drafter's (``num_speculative_tokens`` K, SGLang's ``num_steps``) block is K + 1.
+    neither. A ``chain`` drafter's (``num_speculative_tokens`` K, SGLang's ``num_steps``) block is K + 1.
 
     vLLM drafts ``num_speculative_tokens`` tokens a round after the anchor: its block is that + 1, from
     ``/server_info`` where the server serves it, else from the positions of its per-position counter
@@ -171,7 +172,7 @@ def served_block_size(server: Mapping[str, Any] | None, methods: Sequence[str] =
         said, counted = V.drafts_per_round(server)
         k = said or counted
         return k + 1 if k else None
-    if tuple(methods) != BLOCK_METHODS:  # a chain: SGLang's --speculative-num-steps drafts a token each
+    if chain:  # SGLang's --speculative-num-steps drafts a token each
         steps = server.get("num_steps")
         return steps + 1 if isinstance(steps, int) and not isinstance(steps, bool) and steps > 0 else None
     for key in ("dflash_block_size", "num_draft_tokens"):
@@ -386,7 +387,8 @@ def comparable_entries(entries: Sequence[Any], sample_ids: Sequence[str] | None 
 # -- settings that make the server's drafts differ from the replay --------------------------------
 
 def block_size_settings(server: Mapping[str, Any] | None, block_size: int | None,
-                        drafter_block_size: int | None, methods: Sequence[str] = BLOCK_METHODS) -> list[str]:
+                        drafter_block_size: int | None, methods: Sequence[str] = BLOCK_METHODS,
+                        chain: bool = False) -> list[str]:
     """One line when the recorded server block (:func:`served_block_size`) is not the block the replay
     drafted (``block_size``; the drafter's trained block is ``drafter_block_size``), naming both."""
     server = server or {}
@@ -397,7 +399,7 @@ def block_size_settings(server: Mapping[str, Any] | None, block_size: int | None
             out.append(f"the server's settings disagree: /server_info says num_speculative_tokens {said}, its "
                        f"per-position counter has {counted} positions: which block it drafted is unknown")
         setting = f"num_speculative_tokens {said or counted}"
-    elif tuple(methods) != BLOCK_METHODS:
+    elif chain:
         setting = "speculative_num_steps + 1"
     else:
         both = [server.get(k) for k in ("dflash_block_size", "num_draft_tokens")]
@@ -406,7 +408,7 @@ def block_size_settings(server: Mapping[str, Any] | None, block_size: int | None
                        f"speculative_num_draft_tokens {both[1]} (SGLang refuses that): which block it drafted is "
                        "unknown")
         setting = "speculative_num_draft_tokens"
-    served = served_block_size(server, methods)
+    served = served_block_size(server, methods, chain)
     if served is None or block_size is None or served == block_size:
         return out
     drafter = f" (the drafter's block is {drafter_block_size})" if drafter_block_size not in (None, block_size) else ""
@@ -424,11 +426,12 @@ def incomparable_settings(server: Mapping[str, Any] | None, longest_context: int
                           drafter_input_embedding_scale: float = 1.0,
                           drafter_path: str | os.PathLike | None = None, block_size: int | None = None,
                           drafter_block_size: int | None = None, methods: Sequence[str] = BLOCK_METHODS,
-                          label: str = "DFlash") -> list[str]:
+                          label: str = "DFlash", chain: bool = False) -> list[str]:
     """One line per recorded server setting under which the server drafts differently from the replay
     (SGLang 0.5.23's DFlash worker; docs/method.md, "Tail blocks" and "Check against the server"),
     the block size included (:func:`block_size_settings`). A server speculating with another method than
-    DFlash (``methods``: the evaluated drafter family's, named ``label``) is named too. For vLLM only those two
+    DFlash (``methods``: the evaluated drafter family's, named ``label``; ``chain``: a chain drafter's) is named
+    too. For vLLM only those two
     are known (docs/served-check.md, "vLLM")."""
     server = server or {}
     out = []
@@ -436,7 +439,7 @@ def incomparable_settings(server: Mapping[str, Any] | None, longest_context: int
     if isinstance(method, str) and method.upper() not in (*methods, "NONE"):
         out.append(f"the server speculates with {method!r}, not {label}: its rounds are not the replay's cycles")
     if server.get("server") == "vllm" or tuple(methods) != BLOCK_METHODS:  # the settings below are DFlash's
-        return out + block_size_settings(server, block_size, drafter_block_size, methods)
+        return out + block_size_settings(server, block_size, drafter_block_size, methods, chain)
     window = server.get("draft_window_size")
     if isinstance(window, int) and not isinstance(window, bool) and window > 0 and longest_context > window:
         page = server.get("page_size")
@@ -450,7 +453,7 @@ def incomparable_settings(server: Mapping[str, Any] | None, longest_context: int
     if folder.get("mask_embedding") or (local or {}).get("mask_embedding"):
         out.append(f"{MASK_EMBEDDING_FILE} in the draft folder: the server replaces the mask token's embedding row "
                    "with it, the replay uses the target's row: every draft can differ")
-    out += block_size_settings(server, block_size, drafter_block_size, methods)
+    out += block_size_settings(server, block_size, drafter_block_size, methods, chain)
     scales = {float(drafter_input_embedding_scale)}
     if isinstance(folder.get("input_embedding_scale"), (int, float)):
         scales.add(float(folder["input_embedding_scale"]))

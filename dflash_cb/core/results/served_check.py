@@ -237,7 +237,8 @@ def replay_block_size(server: Mapping[str, Any] | None, drafter_block_size: int,
     (:func:`served_block_size`) when the drafter can draft it, else the drafter's (a server block
     larger than the drafter's, or unknown: :func:`compare` says whether the check is comparable).
     A ``requested`` block other than the recorded server block is refused (``name`` names it)."""
-    served = served_block_size(server, _family(family).served_methods)
+    fam = _family(family)
+    served = served_block_size(server, fam.served_methods, fam.kind == "chain")
     if requested is not None and served is not None and requested != served:
         raise ServedCheckError(f"{name} {requested} with --served-check: the server drafted blocks of {served} "
                                f"tokens (the cache's served_spec_config); drop {name}: the check replays at the "
@@ -299,7 +300,7 @@ def compare(entries: Sequence[Any], offline: Mapping[str, Sequence[int]], server
     """
     block = block_size if block_size is not None else drafter_block_size
     fam = _family(family)
-    server_block = served_block_size(server, fam.served_methods)
+    server_block = served_block_size(server, fam.served_methods, fam.kind == "chain")
     vllm = any(V.is_vllm(e.served_spec) for e in entries if e.id in offline)
     counted_block = None  # vLLM: the block its counters show, when its configuration is not recorded
     if vllm and server_block is None:
@@ -383,7 +384,7 @@ def compare(entries: Sequence[Any], offline: Mapping[str, Sequence[int]], server
                             f"correct drafts, the replay's up to {most_offline}: if the server drafted blocks of "
                             f"{most_served + 1}, rerun with --block-size {most_served + 1}")
     settings = incomparable_settings(server, longest, drafter_input_embedding_scale, drafter_path, block,
-                                     drafter_block_size, fam.served_methods, fam.label)
+                                     drafter_block_size, fam.served_methods, fam.label, fam.kind == "chain")
     if counted_block is not None and block is not None and counted_block != block:
         drafter = (f", the drafter's trained block is {drafter_block_size}: the replay cannot draft that long"
                    if drafter_block_size is not None and counted_block > drafter_block_size

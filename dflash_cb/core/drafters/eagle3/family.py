@@ -20,6 +20,7 @@ class Eagle3Family(ChainFamily):
     name = FAMILY_NAME
     label = "EAGLE-3"
     architecture = ARCHITECTURE
+    served_methods = ("EAGLE3",)  # SGLang's --speculative-algorithm EAGLE3, vLLM's method "eagle3"
     optional_keys = (EMBED_KEY,)  # SGLang's export, published folders and SpecForge's checkpoints leave it out
     figures = FIGURES
 
