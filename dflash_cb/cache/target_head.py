@@ -25,7 +25,8 @@ _EMBED_SUFFIX = "embed_tokens.weight"
 _HEAD_KEYS = ("lm_head.weight",)
 
 
-def _weight_map(folder: Path) -> dict[str, str]:
+def weight_map(folder: Path) -> dict[str, str]:
+    """{tensor name: the safetensors file in ``folder`` that holds it}, from the index or the files' headers."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         try:
@@ -61,7 +62,7 @@ def load_target_head(path: str | os.PathLike, device: torch.device | str = "cpu"
     """The target's embedding and head in ``dtype`` (as stored if None) on ``device``, each read
     straight into its destination (no float32 copy of a bf16 checkpoint, or the reverse)."""
     folder = Path(path)
-    wmap = _weight_map(folder)
+    wmap = weight_map(folder)
     # Text embeddings only: a vision-language target also has vision-tower embeddings.
     embeds = sorted(k for k in wmap if k.endswith(_EMBED_SUFFIX) and not is_vision_key(k))
     if not embeds:

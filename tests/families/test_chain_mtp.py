@@ -236,6 +236,12 @@ def test_a_profile_times_one_chain_step(world, tmp_path: Path, monkeypatch) -> N
                                "--bandwidth-gbs", "1", "--peak-tflops", "1", "--contexts", "8", "--out",
                                str(roof)]) == 0
     assert json.loads(roof.read_text())["draft"]["8"] > 0
+    # A chain of one step is still a chain: a pass is a step, not its whole block of two.
+    from dflash_cb.core.checkpoints.load import load_drafter
+
+    assert extract(["--mtp-from", str(world["target_dir"]), "--out", str(tmp_path / "mtp1"),
+                    "--speculative-tokens", "1"]) == 0
+    assert profile_costs._pass_tokens(load_drafter(tmp_path / "mtp1")) == 1
 
 
 def test_eval_drafter_scores_several_chain_lengths(world, tmp_path: Path, caplog) -> None:

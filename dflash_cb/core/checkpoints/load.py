@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from ...cache.needs import is_drafter_config
+from ...cache.target_head import weight_map
 from ...common.arguments import is_int
 from ...common.cli import describe_os_error
 from ...common.errors import DFlashCBError
@@ -34,6 +35,7 @@ from ...common.fileio import (
     output_path,
 )
 from ...common.tensorfile import write_safetensors
+from ..drafters.chain import DEFAULT_SPECULATIVE_TOKENS
 from ..drafters.layouts import drafter_from_config, layout_keys, load_weights, published_spelling
 from ..drafters.registry import families, family_of, family_said, spec_from_config
 from ..loop.finite import check_finite_weights
@@ -417,7 +419,14 @@ def extract_drafter(ckpt_path: str | os.PathLike, out_dir: str | os.PathLike,
     overwrite_into = check_drafter_out(out, ckpt_path, overwrite)  # before any reading
     found = drafter_in_checkpoint(ckpt_path, config, prefix)
     weights = {k: v.detach().contiguous().clone() for k, v in found.weights.items()}
-    config_text = json.dumps(found.config, indent=2) + "\n"
+    _write_out(out, overwrite_into, weights, found.config)
+    return found.info
+
+
+def _write_out(out: Path, overwrite_into: bool, weights: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
+    """The drafter's two files into ``out`` as ``check_drafter_out`` allowed: a fresh folder renamed into place, or
+    the two files written into a foreign folder (``overwrite_into``)."""
+    config_text = json.dumps(config, indent=2) + "\n"
     try:
         if overwrite_into:
             _write_drafter_files(out, weights, config_text)
@@ -426,10 +435,10 @@ def extract_drafter(ckpt_path: str | os.PathLike, out_dir: str | os.PathLike,
     except OSError as e:  # names the file (fileio.naming_failures), e.g. a full disk
         kept = "" if overwrite_into else f"; --out {out} is as it was"
         raise CheckpointError(f"{describe_os_error(e)}: the drafter could not be written{kept}") from None
-    return found.info
 
 
-def extract_from_target(target_dir: str | os.PathLike, out_dir: str | os.PathLike, speculative_tokens: int = 3,
+def extract_from_target(target_dir: str | os.PathLike, out_dir: str | os.PathLike,
+                        speculative_tokens: int = DEFAULT_SPECULATIVE_TOKENS,
                         overwrite: bool = False) -> dict[str, Any]:
     """Write the drafter a target ships inside its own checkpoint (a family's ``target_prefix``: Qwen3.5 /
     Qwen3.6's MTP head under ``mtp.*``, which transformers drops when it loads the model) as a drafter folder
@@ -456,18 +465,12 @@ def extract_from_target(target_dir: str | os.PathLike, out_dir: str | os.PathLik
     if config is None or family is None:
         raise CheckpointError(f"{cfg_path}: {reason if shipped else 'no drafter family reads a target checkpoint'}")
     prefix = family.target_prefix
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted({name for key, name in json.loads(index.read_text())["weight_map"].items()
-                        if key.startswith(prefix)})
-    else:
-        files = sorted(p.name for p in folder.glob("*.safetensors"))
+    wanted = {k: name for k, name in weight_map(folder).items() if k.startswith(prefix)}
+    files = sorted(set(wanted.values()))
     weights: dict[str, torch.Tensor] = {}
     for name in files:
         with safe_open(str(folder / name), framework="pt") as f:
-            for key in f.keys():
-                if key.startswith(prefix):
-                    weights[key] = f.get_tensor(key).contiguous()
+            weights.update({k: f.get_tensor(k).contiguous() for k, file in wanted.items() if file == name})
     if not weights:
         raise CheckpointError(f"--mtp-from {folder}: its config says it ships a {family.label} drafter but no "
                               f"safetensors file holds {prefix}* weights (a checkpoint re-saved by transformers "
@@ -478,15 +481,7 @@ def extract_from_target(target_dir: str | os.PathLike, out_dir: str | os.PathLik
     except ValueError as e:
         raise CheckpointError(str(e)) from None
     check_finite_weights(weights.items(), str(folder))
-    config_text = json.dumps(config, indent=2) + "\n"
-    try:
-        if overwrite_into:
-            _write_drafter_files(out, weights, config_text)
-        else:
-            _write_drafter_folder(out, weights, config_text)
-    except OSError as e:
-        kept = "" if overwrite_into else f"; --out {out} is as it was"
-        raise CheckpointError(f"{describe_os_error(e)}: the drafter could not be written{kept}") from None
+    _write_out(out, overwrite_into, weights, config)
     return {"tensors": len(weights), "params": sum(v.numel() for v in weights.values()), "files": files,
             "family": family.label}
 

@@ -27,9 +27,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     source.add_argument("--mtp-from", default=None, metavar="TARGET",
                         help="the target's model folder (Qwen3.5 / Qwen3.6): write its own MTP head (mtp.* weights) "
                              "as a drafter folder; only those tensors are read")
-    p.add_argument("--speculative-tokens", type=int, default=3,
-                   help="with --mtp-from: the chain length K the drafter's config records (default 3; the replay "
-                        "takes any K with --block-size K+1)")
+    p.add_argument("--speculative-tokens", type=int, default=None,
+                   help="with --mtp-from: the chain length K the drafter's config records (default 3, the servers' "
+                        "common one; the replay takes any K with --block-size K+1)")
     p.add_argument("--out", required=True,
                    help="drafter folder to write: new, empty, or an earlier drafter folder (replaced atomically)")
     p.add_argument("--overwrite", action="store_true",
@@ -49,7 +49,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
 
     if args.mtp_from:
-        info = extract_from_target(args.mtp_from, args.out, args.speculative_tokens, overwrite=args.overwrite)
+        chain = {} if args.speculative_tokens is None else {"speculative_tokens": args.speculative_tokens}
+        info = extract_from_target(args.mtp_from, args.out, overwrite=args.overwrite, **chain)
         print(f"wrote {args.out}: the target's {info['family']} head, {info['tensors']} tensors, {info['params'] / 1e6:.2f}M "
               f"parameters (from {', '.join(info['files'])})")
         return 0

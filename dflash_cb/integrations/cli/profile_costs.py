@@ -235,8 +235,7 @@ def measure_context(model: Any, drafters: list[Any], head: Any, ctx: int, tokens
                                                                           use_cache=True, **{name: cache}),
                                  lambda: copy.deepcopy(past), repeats)
             rows.append((n, secs))
-        drafts = [clock.seconds(lambda _, d=d: _drafter_pass(d, head, ctx, device), repeats=repeats)
-                  for d in drafters] or [0.0]
+        drafts = [clock.seconds(_drafter_pass(d, head, ctx, device), repeats=repeats) for d in drafters] or [0.0]
     return rows, drafts
 
 
@@ -244,14 +243,14 @@ def _pass_tokens(drafter: Any) -> int:
     """Tokens one timed drafter pass drafts: a block drafter's whole block; a chain drafter's one step."""
     from ...core.drafters.registry import family_named
 
-    block = drafter.spec.block_size
-    return 1 if family_named(drafter.spec.family).draft_passes(block) > 1 else block
+    return 1 if family_named(drafter.spec.family).kind == "chain" else drafter.spec.block_size
 
 
-def _drafter_pass(drafter: Any, head: Any, ctx: int, device: Any) -> Any:
-    """One drafter pass at position ``ctx`` through the replay's own runner (``drafters.runners.as_runner``):
-    a block drafter's block, or one step of a chain drafter (its first draft comes from the context pass, so a
-    step is the second), and the head on its drafts."""
+def _drafter_pass(drafter: Any, head: Any, ctx: int, device: Any) -> Callable[[Any], Any]:
+    """One drafter pass at position ``ctx`` through the replay's own runner (``drafters.runners.as_runner``),
+    ready to time: a block drafter's block, or one step of a chain drafter (its first draft comes from the context
+    pass, so a step is the second), and the head on its drafts. The runner and the context are built here, once:
+    a server builds the context once per committed token, not per pass."""
     import torch
 
     from ...core.drafters.runners import as_runner
@@ -263,12 +262,16 @@ def _drafter_pass(drafter: Any, head: Any, ctx: int, device: Any) -> Any:
     hidden = int(drafter.config.hidden_size)
     feats = torch.randn(ctx, len(spec.target_layer_ids) * spec.target_hidden_size, generator=g).to(device, dtype)
     item = (feats, torch.randn(ctx, hidden, generator=g).to(device, dtype)) if runner.context_reads_tokens else feats
-    context = runner.context(iter([item]), [ctx])  # built once per committed token when serving: not a pass's cost
-    length = spec.block_size if _pass_tokens(drafter) > 1 else 3
+    context = runner.context(iter([item]), [ctx])
+    length = 3 if _pass_tokens(drafter) == 1 else spec.block_size  # a chain: its context row, then one step
     emb = torch.randn(1, length, hidden, generator=g).to(device, dtype)
     one = torch.zeros(1, dtype=torch.long, device=device)
-    rows = runner.block_rows(context, emb, one + ctx, one)
-    return rows.rows(one[:, None], torch.arange(1, length, device=device)[None])[0] @ head.T
+    read = torch.arange(1, length, device=device)[None]
+
+    def one_pass(_: Any) -> torch.Tensor:
+        return runner.block_rows(context, emb, one + ctx, one).rows(one[:, None], read)[0] @ head.T
+
+    return one_pass
 
 
 def main(argv: Sequence[str] | None = None) -> int:
