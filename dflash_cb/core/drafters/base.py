@@ -264,9 +264,11 @@ class DrafterFamily:
         ``embed`` (for a family that reads the tokens' embeddings)."""
         raise NotImplementedError
 
-    def own_figures(self, cache: Any, drafter: Any, block_size: int, sample_ids: Sequence[str]) -> dict[str, float]:
+    def own_figures(self, cache: Any, drafter: Any, block_size: int, sample_ids: Sequence[str],
+                    head: Any = None) -> dict[str, float]:
         """The family's ``figures.own_pass`` on ``cache`` (the samples ``sample_ids``) for ``drafter`` drafting blocks
-        of ``block_size``: {} for a family without them."""
+        of ``block_size``, with the target ``head`` the evaluation holds (None: the cache's, loaded): {} for a
+        family without them."""
         return {}
 
     def specforge_difference(self, config: Any, block_size: int) -> str | None:

@@ -262,6 +262,7 @@ class CacheScorer:
         })
         family = family_named(report.spec.family)
         with torch.no_grad():  # the family's own pass (EAGLE-3: SpecForge's accuracy figures)
-            results.metrics.update(family.own_figures(self.cache, drafter, fit.block_size, self.ids))
+            results.metrics.update(family.own_figures(self.cache, drafter, fit.block_size, self.ids,
+                                                      self._load_head(head_dtype)))
         return results, report
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ....cache.states import StateCache
+from ....cache.states import StateCache, TargetHead
 from ..chain import ChainRunner
 from ..proposers import Proposer
 
@@ -94,28 +94,28 @@ def position_counts(runner: ChainRunner, proposer: Proposer,
 
 
 def cache_position_counts(cache: StateCache, drafter: nn.Module, steps: int | None = None,
-                          mem_bytes: int = 512 << 20, sample_ids: Iterable[str] | None = None) -> PositionCounts:
+                          mem_bytes: int = 512 << 20, sample_ids: Iterable[str] | None = None,
+                          head: TargetHead | None = None) -> PositionCounts:
     """SpecForge's counts of an EAGLE-3 ``drafter`` over every sample of ``cache`` (the loss mask: each
     completion, all of it, as SpecForge's offline reader masks the assistant's tokens), over ``steps`` TTT
-    positions (default: the drafter's K); ``sample_ids``: only those samples."""
+    positions (default: the drafter's K); ``sample_ids``: only those samples; ``head``: the target head the
+    evaluation holds (None: the cache's), where the samples are read to."""
     from ..registry import family_named
 
     spec = drafter.spec
     steps = spec.block_size - 1 if steps is None else steps
     cache.check_fit(family_named(spec.family).cache_needs(spec, drafter.config))
-    head = cache.load_head()
+    head = head if head is not None else cache.load_head()
     runner = ChainRunner(drafter, spec)
     proposer = family_named(spec.family).proposer(spec, drafter, head.lm_head, mem_bytes, head.embed_tokens)
     columns = cache.feature_columns(spec.target_layer_ids)
 
     chosen = None if sample_ids is None else set(sample_ids)
+    ids = [e.id for e in cache.samples if chosen is None or e.id in chosen]
 
     def samples() -> Iterable[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]]:
-        for e in cache.samples:
-            if chosen is not None and e.id not in chosen:
-                continue
-            s = cache.load(e.id)
-            yield (s.hidden if columns is None else s.hidden.index_select(1, columns), s.input_ids,
-                   s.target_argmax, e.prompt_len)
+        for s in cache.load_many(ids, device=head.lm_head.device):  # each shard opened once
+            yield (s.hidden if columns is None else s.hidden.index_select(1, columns.to(s.hidden.device)),
+                   s.input_ids, s.target_argmax, s.entry.prompt_len)
 
     return position_counts(runner, proposer, samples(), steps, head.embed_tokens)

@@ -41,14 +41,15 @@ class Eagle3Family(ChainFamily):
 
         return eagle_layer_ids(config)
 
-    def own_figures(self, cache: Any, drafter: Any, block_size: int, sample_ids: Sequence[str]) -> dict[str, float]:
+    def own_figures(self, cache: Any, drafter: Any, block_size: int, sample_ids: Sequence[str],
+                    head: Any = None) -> dict[str, float]:
         """SpecForge's ``simulated_acc_len`` and per-position accuracy over the chain's K = block - 1 steps."""
         from .accuracy import cache_position_counts
 
         module = drafter if isinstance(drafter, self.module_class()) else self.adopt(drafter)
         if module is None:
             return {}
-        counts = cache_position_counts(cache, module, block_size - 1, sample_ids=sample_ids)
+        counts = cache_position_counts(cache, module, block_size - 1, sample_ids=sample_ids, head=head)
         out = {SIMULATED_ACC_LEN: counts.simulated_acc_len}
         out.update({position_acc_key(k + 1): acc for k, acc in enumerate(counts.per_position_acc)})
         return out
