@@ -19,6 +19,10 @@ from dflash_cb.core.figures.metrics import T1_TAU_ESTIMATE
 
 # The forward's batch-shape rounding (~1e-9 per anchor) averaged over a sample's anchors, with room to spare.
 T1_RTOL = 1e-6
+# Two evaluations of the same drafter whose blocks sit in other passes (another statistics stride, every anchor at
+# once): only the attention's padding and the matmuls' batch shapes differ, about 1e-9 relative (docs/metrics.md,
+# "Floats"): ten times that, a hundredth of T1_RTOL.
+SAME_DRAFTS_T1_RTOL = 1e-8
 T1_COUNT = "t1_sum"
 
 
