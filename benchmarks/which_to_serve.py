@@ -6,7 +6,7 @@ projected to tokens per second from one cost profile measured on the demo's targ
     OMP_NUM_THREADS=1 python benchmarks/which_to_serve.py --demo demo_out [--out demo_out/serve] [--update-docs]
 
 The demo's target is a tiny Qwen3 that ships no MTP head, so this script trains one for it (a Qwen3.5 MTP layer,
-its first step on the demo's training cache, ``chain.first_step_loss``): a stand-in for Qwen3.6's own ``mtp.*``
+its first step on the demo's training cache, ``chain.train_first_step``): a stand-in for Qwen3.6's own ``mtp.*``
 head, which ``tools/extract_drafter.py --mtp-from`` reads. It reads the demo's last layer, which the demo's caches
 already hold (layer id ``num_layers - 1``: docs/method.md, "Chain drafters"). Then, each with the repository's
 own command line:
@@ -39,42 +39,36 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _docs import report_to_docs  # noqa: E402
 
 from dflash_cb.cache.states import StateCache  # noqa: E402
-from dflash_cb.core.drafters.chain import ChainRunner, first_step_loss  # noqa: E402
+from dflash_cb.core.drafters.chain import train_first_step  # noqa: E402
 from dflash_cb.core.drafters.layouts import drafter_from_config  # noqa: E402
+from dflash_cb.core.drafters.mtp.model import mtp_config_from_target  # noqa: E402
 from dflash_cb.integrations.cli import eval_drafter, profile_costs, serve_plan  # noqa: E402
 
 
 def train_mtp(demo: Path, out: Path, epochs: int, seed: int) -> Path:
     """A Qwen3.5 MTP layer for the demo's target, trained on its training cache; saved as a drafter folder."""
     target = json.loads((demo / "target" / "config.json").read_text())
-    config = {"architectures": ["Qwen3_5MTPDrafter"], "drafter_family": "mtp", "model_type": "qwen3_5_text",
-              "mtp_num_hidden_layers": 1, "num_hidden_layers": 1,
-              **{k: target[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
-                                        "num_key_value_heads", "head_dim", "rms_norm_eps", "max_position_embeddings")},
-              "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
-              "target_layer_ids": [target["num_hidden_layers"] - 1], "num_target_layers": target["num_hidden_layers"],
-              "num_speculative_tokens": 3}
+    # The demo's Qwen3 target as a Qwen3.5 one with a single MTP layer (partial rotary, as Qwen3.5's).
+    config = mtp_config_from_target({**target, "mtp_num_hidden_layers": 1, "rope_parameters": {
+        "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}}, 3)
     torch.manual_seed(seed)
-    mtp = drafter_from_config(config)
-    cache = StateCache(demo / "cache" / "train")
-    head = cache.load_head()
-    runner = ChainRunner(mtp, mtp.spec)
-    columns = cache.feature_columns(mtp.spec.target_layer_ids)
-    opt = torch.optim.AdamW(mtp.parameters(), lr=3e-3)
-    for epoch in range(epochs):
-        total = 0.0
-        for e in cache.samples:
-            s = cache.load(e.id)
-            feats = (s.hidden if columns is None else s.hidden.index_select(1, columns)).float()
-            loss = first_step_loss(runner, feats, s.input_ids.long(), head.embed_tokens, head.lm_head)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            total += float(loss)
-        print(f"MTP epoch {epoch + 1}/{epochs}: first-step loss {total / len(cache.samples):.3f}")
+    mtp = train_first_step(drafter_from_config(config), StateCache(demo / "cache" / "train"), epochs, 3e-3)
     folder = out / "mtp"
-    mtp.eval().save_pretrained(folder)
+    mtp.save_pretrained(folder)
     return folder
+
+
+def print_profile(path: Path) -> None:
+    """The measured step times the projection prices cycles with: the target's verify step at the token counts the
+    settings verify, and each drafter's pass (a chain's one step)."""
+    data = json.loads(path.read_text())
+    for ctx, rows in data["verify"].items():
+        verify = dict(rows)
+        shown = ", ".join(f"{n} token{'s' if n > 1 else ''} {1e3 * verify[n]:.2f} ms" for n in (1, 2, 4, 6, 8, 9, 33) if n in verify)
+        print(f"Target verify step at context {ctx}: {shown}")
+        for d in (data, *data.get("others", [])):
+            print(f"Drafter pass at context {ctx}: {d['drafter']['family']} {1e3 * d['draft'][ctx]:.2f} ms")
+    print()
 
 
 def main() -> None:
@@ -115,6 +109,7 @@ def main() -> None:
     print("python tools/serve_plan.py " + " ".join(cmd))
     assert serve_plan.main(cmd) == 0
     with report_to_docs(args.update_docs, "serving.md", "which-to-serve"):
+        print_profile(profile)
         # The plan without its image line: the page shows the plot itself, below the table.
         print("\n".join(line for line in plan.with_suffix(".md").read_text().splitlines()
                         if not line.startswith("![")).rstrip())

@@ -205,20 +205,8 @@ def chain_cache(root: Path, target: Path, layers: Sequence[int], max_new_tokens:
 
 
 def train_chain(drafter, cache, epochs: int = 6, lr: float = 1e-2):
-    """A few epochs of the package's first-step objective (``chain.first_step_loss``): partial acceptance, where
+    """A few epochs of the package's first-step objective (``chain.train_first_step``): partial acceptance, where
     exactness checks carry information."""
-    from dflash_cb.core.drafters.chain import ChainRunner, first_step_loss
+    from dflash_cb.core.drafters.chain import train_first_step
 
-    head = cache.load_head()
-    runner = ChainRunner(drafter, drafter.spec)
-    columns = cache.feature_columns(drafter.spec.target_layer_ids)
-    opt = torch.optim.AdamW(drafter.parameters(), lr=lr)
-    data = [cache.load(e.id) for e in cache.samples]
-    for _ in range(epochs):
-        for s in data:
-            feats = (s.hidden if columns is None else s.hidden.index_select(1, columns)).float()
-            loss = first_step_loss(runner, feats, s.input_ids.long(), head.embed_tokens, head.lm_head)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-    return drafter.eval()
+    return train_first_step(drafter, cache, epochs, lr)

@@ -208,6 +208,24 @@ def first_step_loss(runner: ChainRunner, features: torch.Tensor, ids: torch.Tens
     return nn.functional.cross_entropy((ctx.head_in @ lm_head.T.to(ctx.head_in.dtype)).float(), ids[2:r + 2])
 
 
+def train_first_step(module: nn.Module, cache: Any, epochs: int, lr: float) -> nn.Module:
+    """AdamW on ``first_step_loss`` over every sample of ``cache`` (read once), one step a sample, for ``epochs``:
+    a small chain drafter for a demo or a test (a stand-in for a target's own head)."""
+    head = cache.load_head()
+    runner = ChainRunner(module, module.spec)
+    columns = cache.feature_columns(module.spec.target_layer_ids)
+    data = [((s.hidden if columns is None else s.hidden.index_select(1, columns)).float(), s.input_ids.long())
+            for s in cache.load_many([e.id for e in cache.samples])]
+    opt = torch.optim.AdamW(module.parameters(), lr=lr)
+    for _ in range(epochs):
+        for feats, ids in data:
+            loss = first_step_loss(runner, feats, ids, head.embed_tokens, head.lm_head)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return module.eval()
+
+
 class ChainFamily(DrafterFamily):
     """A family of chain drafters (module docstring). Its configs say ``drafter_family`` and name the target
     layers they read (``target_layer_ids``) and the chain's length (``num_speculative_tokens``, K: a block of

@@ -9,7 +9,6 @@ MTP's own normed output.
 
 from __future__ import annotations
 
-import copy
 import os
 from typing import Any
 
@@ -121,9 +120,6 @@ class MtpDrafter(nn.Module):
     def save_pretrained(self, path: str | os.PathLike) -> None:
         """``model.safetensors`` under the target checkpoint's ``mtp.*`` names and ``config.json``."""
         save_chain_folder(self, path, self.drafter_config())
-
-    def family_config(self) -> Any:
-        return copy.deepcopy(self.config)
 
 
 def mtp_config_from_target(target_config: dict[str, Any], speculative_tokens: int) -> dict[str, Any]:
