@@ -41,14 +41,27 @@ def caches(tiny_cache, tmp_path_factory) -> dict[str, Path]:
             "30 samples": build_tiny_cache(tmp_path_factory.mktemp("thirty"), n_prompts=30, max_new_tokens=40)}
 
 
-def drafter_at(cfg: dict, cache: StateCache, trained: bool) -> DFlashDrafter:
-    """The tiny drafter (seed 0), trained briefly on ``cache`` or not (on the tiny cache the session's
-    ``trained_tiny_drafter`` is that training, done once)."""
+@pytest.fixture(scope="module")
+def drafter_at(caches, tiny_drafter_config, trained_tiny_drafter):
+    """A maker of the tiny drafter (seed 0) for a cache of ``caches``, trained briefly on it or not: each made once
+    in the module (the tests only evaluate it); on the tiny cache the training is the session's
+    ``trained_tiny_drafter``."""
     from tiny_target import train_briefly
 
-    torch.manual_seed(0)
-    drafter = DFlashDrafter.from_config_dict(cfg)
-    return train_briefly(drafter, cache) if trained else drafter.eval()
+    made: dict[tuple[str, bool], DFlashDrafter] = {}
+
+    def make(size: str, trained: bool) -> DFlashDrafter:
+        if (size, trained) not in made:
+            if trained and size == "6 samples":
+                made[size, trained] = trained_tiny_drafter()
+            else:
+                torch.manual_seed(0)
+                drafter = DFlashDrafter.from_config_dict(tiny_drafter_config)
+                made[size, trained] = (train_briefly(drafter, StateCache(caches[size])) if trained
+                                       else drafter.eval())
+        return made[size, trained]
+
+    return make
 
 
 def counting_heap_pops(monkeypatch) -> list[int]:
@@ -66,8 +79,7 @@ def counting_heap_pops(monkeypatch) -> list[int]:
 
 @pytest.mark.parametrize("trained", [False, True])
 @pytest.mark.parametrize("size", ["6 samples", "30 samples"])
-def test_the_light_evaluation_costs_no_more_than_the_full_one(caches, tiny_drafter_config, trained_tiny_drafter,
-                                                              size, trained, monkeypatch):
+def test_the_light_evaluation_costs_no_more_than_the_full_one(caches, drafter_at, size, trained, monkeypatch):
     """As the live evaluator runs them: the light evaluation decides from a warm-up sample's taus whether to
     draft every anchor at once; the full one has the light stride's statistics too. An untrained drafter
     (tau 1: the walks visit every anchor, both draft everything) and a briefly trained one. Counted work: the
@@ -75,8 +87,7 @@ def test_the_light_evaluation_costs_no_more_than_the_full_one(caches, tiny_draft
     and so is the cost model's price of that counted work (``cost.evaluation_cost(counted=...)``) at its
     reference rates; the pops counted are the ones the model prices."""
     cache = StateCache(caches[size])
-    tiny_trained = trained and size == "6 samples"  # the tiny cache: trained_tiny_drafter is drafter_at's training
-    drafter = trained_tiny_drafter() if tiny_trained else drafter_at(tiny_drafter_config, cache, trained)
+    drafter = drafter_at(size, trained)
     spec = drafter.spec
     block = spec.block_size
     shape = DrafterShape.of(drafter.config, block, len(spec.target_layer_ids) * spec.target_hidden_size)
@@ -166,13 +177,13 @@ def test_threads_default_to_the_usable_cores_and_are_recorded(tiny_cache, tiny_d
 
 
 @pytest.mark.parametrize("size", ["6 samples", "30 samples"])
-def test_rounds_build_a_tree_only_where_a_tree_walk_may_still_go(caches, tiny_drafter_config, size, monkeypatch):
+def test_rounds_build_a_tree_only_where_a_tree_walk_may_still_go(caches, drafter_at, size, monkeypatch):
     """Drafting round by round, a block gets the head's top-K and a DDTree only where a tree walk may still visit
     it (or it is a statistics anchor): fewer heaps than blocks drafted, the cost model's count of them
     (``cost.tree_share``) close to the count, and every replay, tree included, the one drafting every anchor at
     once gives (a tree for every block)."""
     cache = StateCache(caches[size])
-    drafter = drafter_at(tiny_drafter_config, cache, True)
+    drafter = drafter_at(size, True)
     spec = drafter.spec
     shape = DrafterShape.of(drafter.config, spec.block_size, len(spec.target_layer_ids) * spec.target_hidden_size)
     pops = counting_heap_pops(monkeypatch)

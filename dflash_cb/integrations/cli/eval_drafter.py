@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         why = nothing_selected(cache.path, [e for e in cache.samples if e.id in chosen])
         if why is not None:
             raise why  # the selection holds no sample with comparable counters: before any weights are read
-    chain = _chain_lengths(args, options)
+    chain = _chain_lengths(args)
     drafter = load_drafter(args.drafter, device=options.device)
     if profile is not None:  # a profile timing several drafters: this one's passes
         profile = profile.for_drafter(drafter_identity(drafter))
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _chain_lengths(args: argparse.Namespace, options: object) -> list[int]:
+def _chain_lengths(args: argparse.Namespace) -> list[int]:
     """``--speculative-tokens`` as a list of K (empty when not given), checked before any weights are read."""
     from ...common.arguments import ArgumentError, parse_int_list
 
