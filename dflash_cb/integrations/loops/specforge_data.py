@@ -19,17 +19,23 @@ from ...cache.states import StateCache
 from ...common.fileio import atomic_path
 
 
-def sample_features(cache: StateCache, sample_id: str, layer_ids: Sequence[int] | None = None) -> dict[str, torch.Tensor]:
+def sample_features(cache: StateCache, sample_id: str, layer_ids: Sequence[int] | None = None,
+                    last_layer: int | None = None) -> dict[str, torch.Tensor]:
     """One sample's SpecForge features, unbatched: ``input_ids`` and ``loss_mask`` ``[seq]``, ``hidden_states``
     ``[seq, layers * hidden]`` (float32). ``layer_ids``: the drafter's target layers, when the cache holds more
-    (None: all of the cache's)."""
+    (None: all of the cache's). ``last_layer``: also ``target_last_hidden_states``, that cache layer's features,
+    from the same read."""
     e = cache.entry(sample_id)
     s = cache.load(sample_id)
     loss_mask = torch.zeros(e.total_len, dtype=torch.long)
     loss_mask[e.prompt_len:e.valid_len] = 1
     columns = None if layer_ids is None else cache.feature_columns(layer_ids)
     hidden = s.hidden if columns is None else s.hidden.index_select(1, columns)
-    return {"input_ids": s.input_ids.long(), "loss_mask": loss_mask, "hidden_states": hidden.float()}
+    out = {"input_ids": s.input_ids.long(), "loss_mask": loss_mask, "hidden_states": hidden.float()}
+    if last_layer is not None:
+        last = cache.feature_columns([last_layer])
+        out["target_last_hidden_states"] = (s.hidden if last is None else s.hidden.index_select(1, last)).float()
+    return out
 
 
 def train_batches(states: str | os.PathLike | StateCache, sample_ids: Sequence[str] | None = None,
@@ -52,11 +58,11 @@ def train_batches(states: str | os.PathLike | StateCache, sample_ids: Sequence[s
                              f"precompute it with that layer too (--layers ...,{last})")
     out = []
     for i in sample_ids if sample_ids is not None else [e.id for e in cache.samples]:
-        f = sample_features(cache, i, layer_ids)
+        f = sample_features(cache, i, layer_ids, last)
         tensors = {"input_ids": f["input_ids"][None], "hidden_states": f["hidden_states"][None],
                    "loss_mask": f["loss_mask"][None].float()}
         if last is not None:
-            tensors["target_last_hidden_states"] = sample_features(cache, i, [last])["hidden_states"][None]
+            tensors["target_last_hidden_states"] = f["target_last_hidden_states"][None]
         out.append(TrainBatch([i], name, tensors))
     return out
 
