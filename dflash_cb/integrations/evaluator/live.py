@@ -41,7 +41,6 @@ from torch import nn
 from ...common import arguments as check
 from ...common import log
 from ...common.errors import DFlashCBError
-from ...core.drafters.registry import family_named, spec_of
 from ...core.figures.metrics import TAU
 from ...core.loop.anchor_sets import sparse_stride_warning
 from ...core.replay.engine import anchors_per_sample
@@ -303,10 +302,9 @@ class LiveEvaluator:
         """Cache vs drafter (and head) compatibility; raises CacheMismatchError naming every field."""
         s = self.session
         assert s is not None, "setup() first"
-        config = without_default_trees(self.config, unwrap(drafter))
-        if config is not self.config:  # a family without trees: the default budgets go, said once
-            self._publisher.say(f"(a {family_named(spec_of(unwrap(drafter)).family).label} drafter drafts no DDTree: "
-                                "evaluating without the default DDTree budgets)")
+        config, note = without_default_trees(self.config, unwrap(drafter))
+        if note is not None:  # a family without trees: the default budgets go, said once
+            self._publisher.say(f"({note})")
             self.config = self._publisher.config = config
         fit = drafter_fit(s.cache, self.config, unwrap(drafter), model, self.name)
         if s.cost_profile is not None:  # every setting a pass scores within the profile's rows

@@ -191,11 +191,10 @@ class CacheScorer:
         from ...cache.manifest import CacheError
         from .session import drafter_fit, without_default_trees
 
-        config = without_default_trees(self.config, drafter)
-        if config is not self.config:  # a family without trees: the default --ddtree-budgets go, said once
+        config, note = without_default_trees(self.config, drafter)
+        if note is not None:  # a family without trees: the default --ddtree-budgets go, said once
             self.config, self.options = config, dataclasses.replace(self.options, budgets=())
-            logger.info(f"{owner}: this drafter's family drafts no DDTree; scoring without the default "
-                        "--ddtree-budgets")
+            logger.info(f"{owner}: {note}")
         if not self.options.target and not self.cache.has_head:
             raise CacheError(f"{self.cache.path} has no exported target head (built with --no-export-head); "
                              "pass --target <the target model folder>")

@@ -132,18 +132,21 @@ def open_session(config: EvalConfig, loop: LoopContext, cache: StateCache | None
                        table_ids, baselines, skipped, loop, verified, time.perf_counter() - started, profile)
 
 
-def without_default_trees(config: EvalConfig, drafter: Any) -> EvalConfig:
+def without_default_trees(config: EvalConfig, drafter: Any) -> tuple[EvalConfig, str | None]:
     """``config`` with no DDTree budgets when the drafter's family drafts no DDTree (a chain, a head on the
-    backbone) and the budgets are the defaults, which the user did not choose; budgets the user set are kept
-    (``drafter_fit`` then refuses them, naming why). Anything that is not a drafter: ``config`` as it is."""
+    backbone) and the budgets are the defaults, which the user did not choose, and the line that says so (None:
+    ``config`` as it is); budgets the user set are kept (``drafter_fit`` then refuses them, naming why). Anything
+    that is not a drafter: ``config`` as it is."""
     try:
         spec = spec_of(drafter)
     except TypeError:
-        return config
-    if family_named(spec.family).supports_tree or tuple(config.ddtree_budgets) != tuple(DEFAULT_BUDGETS) or \
+        return config, None
+    family = family_named(spec.family)
+    if family.supports_tree or tuple(config.ddtree_budgets) != tuple(DEFAULT_BUDGETS) or \
             not set(config.light_budgets) <= set(DEFAULT_BUDGETS):
-        return config
-    return config.replace(ddtree_budgets=(), light_ddtree_budgets=())
+        return config, None
+    return (config.replace(ddtree_budgets=(), light_ddtree_budgets=()),
+            f"a {family.label} drafter drafts no DDTree: evaluating without the default DDTree budgets")
 
 
 def drafter_fit(cache: StateCache, config: EvalConfig, drafter: nn.Module, model: Any, owner: str,
