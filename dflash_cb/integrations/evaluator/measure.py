@@ -73,6 +73,11 @@ class Measurement:
     def block_size(self) -> int:
         return next(iter(self.counts.values())).block_size
 
+    @property
+    def family(self) -> str:
+        """The evaluated drafter's family (``registry.family_names``)."""
+        return next(iter(self.counts.values())).family
+
 
 @dataclass(frozen=True)
 class FailedMeasurement:

@@ -65,8 +65,7 @@ def checked_settings(profile: CostProfile, drafter: Any, block_size: int, budget
     if other:
         warnings.warn(f"{where}: its drafter pass was timed for another drafter ({'; '.join(other)}): "
                       "the projected draft cost is that drafter's", stacklevel=2)
-    family = family_named(spec_of(drafter).family)
-    settings = block_settings(block_size, budgets, family.draft_passes(block_size), family.setting_label(block_size))
+    settings = family_settings(spec_of(drafter).family, block_size, budgets)
     for s in settings:
         if s.verified > profile.max_verified:
             raise ArgumentError(f"{where}: {s.label} verifies {s.verified} tokens a cycle, beyond the "
@@ -88,9 +87,14 @@ def projected_metrics(profile: CostProfile, cache: Any, samples: Sequence[Any], 
                       budgets: Sequence[int], family: str) -> dict[str, float]:
     """A live evaluation's projected figures (``serving/*``) from its scored samples (``family``: the drafter's,
     whose ``draft_passes`` a cycle costs)."""
+    return serving_metrics(project(_cycles(cache, samples), family_settings(family, block_size, budgets), profile))
+
+
+def family_settings(family: str, block_size: int, budgets: Sequence[int]) -> list[Setting]:
+    """The settings a drafter of ``family`` is served at: its block (a cycle's drafter passes and its label are the
+    family's) and each DDTree budget."""
     fam = family_named(family)
-    settings = block_settings(block_size, budgets, fam.draft_passes(block_size), fam.setting_label(block_size))
-    return serving_metrics(project(_cycles(cache, samples), settings, profile))
+    return block_settings(block_size, budgets, fam.draft_passes(block_size), fam.setting_label(block_size))
 
 
 def _cycles(cache: Any, samples: Sequence[Any]) -> list[SampleCycles]:

@@ -172,7 +172,7 @@ class Publisher:
                                anchor_stride=stride)
             if s.cost_profile is not None:
                 out.update(projected_metrics(s.cost_profile, s.cache, m.samples, m.block_size, budgets,
-                                             next(iter(m.counts.values())).family))
+                                             m.family))
             return out
         except Exception as e:  # an extra figure must not end the training
             if self.config.fail_on_error:
