@@ -88,14 +88,19 @@ def trained_drafter(config: dict, cache, embed: torch.Tensor | None = None, seed
     from dflash_cb.core.drafters.layouts import drafter_from_config
 
     torch.manual_seed(seed)
-    drafter = drafter_from_config(config)
+    drafter = with_draft_vocabulary(drafter_from_config(config), cache)
+    if embed is not None:
+        drafter.embed_tokens.weight.data.copy_(embed)
+    return train_eagle3(drafter, cache)
+
+
+def with_draft_vocabulary(drafter, cache):
+    """``drafter`` with the cache's draft vocabulary (``draft_vocabulary``) in its ``d2t`` / ``t2d`` tables."""
     vocab = torch.tensor(draft_vocabulary(cache))
     drafter.d2t.copy_(vocab - torch.arange(DRAFT_VOCAB))
     drafter.t2d.zero_()
     drafter.t2d[vocab] = True
-    if embed is not None:
-        drafter.embed_tokens.weight.data.copy_(embed)
-    return train_eagle3(drafter, cache)
+    return drafter
 
 
 @contextlib.contextmanager

@@ -277,13 +277,9 @@ def _eagle3_generate(ref: Any, target: Any, prompt: torch.Tensor, max_new: int, 
 
 
 def _train_eagle3(ours: Any, cache: Any) -> Any:
-    from eagle3_reference import DRAFT_VOCAB, draft_vocabulary, train_eagle3
+    from eagle3_reference import train_eagle3, with_draft_vocabulary
 
-    vocab = torch.tensor(draft_vocabulary(cache))
-    ours.d2t.copy_(vocab - torch.arange(DRAFT_VOCAB))
-    ours.t2d.zero_()
-    ours.t2d[vocab] = True
-    return train_eagle3(ours, cache)
+    return train_eagle3(with_draft_vocabulary(ours, cache), cache)
 
 
 def _train_chain(ours: Any, cache: Any) -> Any:
