@@ -72,7 +72,7 @@ def side_by_side(args, p: dict) -> str:
                 "MTP, K = 7": (mtp, dict(block_size=8))}
         profiles = {"full (stride 1)": dict(anchor_stride=1), "light (stride 16)": dict(anchor_stride=16)}
         best = fastest(args.reps, profiles, runs, lambda run, options, timer: evaluate(
-            cache, run[0], head, budgets=(), **options, **run[1]))
+            cache, run[0], head, budgets=(), timer=timer, **options, **run[1]))
         anchors = sum(e.completion_len - 1 for e in cache.samples)
         lines.append(f"{args.preset}: {args.samples} samples x {args.prompt} + {args.tokens - args.prompt} tokens "
                      f"({anchors} anchors), hidden {p['hidden']}, vocabulary {p['vocab']:,}; DFlash {p['layers']} "
