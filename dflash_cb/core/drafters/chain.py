@@ -112,6 +112,13 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: 
     return out.reshape(n, heads * d).to(q.dtype)
 
 
+def attend_steps(module: Any, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor,
+                 own_k: torch.Tensor | None = None, own_v: torch.Tensor | None = None) -> torch.Tensor:
+    """A chain module's attention of steps ``q`` over shared context keys and, per step, its own earlier steps'
+    (the replay's unroll and a serving loop's, ``decode.loops``)."""
+    return _attend(q, keys, values, visible, own_k, own_v, module.scaling)
+
+
 class ChainRunner(DraftRunner):
     """Drives any ``ChainSteps`` module: the context pass (one causal pass of the chain's layer over each
     sample's rows), then per block the K-step unroll, each step batched over all the blocks (module docstring)."""

@@ -142,6 +142,9 @@ class Proposer:
         """The family's per-depth anchor counts besides the served match and SpecForge's."""
         return self.figures.depth_counts
 
+    # Whether a row's draft may depend on ``previous`` (the token above its depth): a serving loop then drafts
+    # a block one depth at a time, each fed the draft above it (``decode.loops.block_drafts``).
+    reads_previous: bool = True
     # Whether ``prefix_state`` reads the block's hidden rows of every depth besides the tokens.
     prefix_reads_hidden: bool = False
     # The block position the draft at depth k reads is k - ``position_shift``: 0, its own; 1, the one before it
@@ -181,6 +184,8 @@ class ArgmaxProposer(Proposer):
     """The draft at a depth is the target head's argmax of the drafter's hidden state there (no predecessor),
     DDTree over the head's top-K per depth (``ddtree.ddtree_accepted``): DFlash's, and any block family's that
     drafts the argmax."""
+
+    reads_previous = False
 
     def rows(self, hidden: torch.Tensor, previous: torch.Tensor, target: torch.Tensor, *, tree_k: int = 0,
              parts: bool = False, target_topk: tuple[torch.Tensor, torch.Tensor] | None = None,

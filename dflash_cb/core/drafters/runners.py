@@ -88,6 +88,11 @@ class DraftRunner:
         """Memory one sample's share of a wave's state of ``tokens`` positions holds (for evaluation waves)."""
         return 0
 
+    def extend(self, context: Any, features: torch.Tensor) -> Any | None:
+        """One sample's ``context`` with rows appended after its own (``features`` [r, F]: a serving loop's newly
+        committed rows, ``decode.loops``), or None when this runner can only build a context whole."""
+        return None
+
     def block_rows(self, context: Any, noise_embedding: torch.Tensor, anchors: torch.Tensor, samples: torch.Tensor,
                    lengths: torch.Tensor | None = None) -> BlockRows:
         """Blocks [N, L]: block ``i`` anchored at ``anchors[i]`` over the context of wave sample ``samples[i]``

@@ -438,6 +438,20 @@ class DFlashDrafter(nn.Module):
                       for _ in self.layers]
         return ContextKV(layers, starts, list(rows))
 
+    def extend_context(self, context: ContextKV, features: torch.Tensor) -> ContextKV:
+        """One sample's context K/V with the rows ``features`` [r, F] appended at the positions after its own: the
+        token-wise projection of those rows alone, as a server projects each committed token once."""
+        if len(context.rows) != 1:
+            raise ValueError("extend_context appends to one sample's context")
+        start = context.rows[0]
+        ctx = self.hidden_norm(self.fc(features))
+        cos, sin = self.rotary_emb(ctx, torch.arange(start, start + features.shape[0], device=features.device))
+        layers = []
+        for (old_k, old_v), layer in zip(context.layers, self.layers, strict=True):
+            k, v = layer.self_attn.project_kv(ctx, cos, sin)
+            layers.append((torch.cat([old_k, k], dim=1), torch.cat([old_v, v], dim=1)))
+        return ContextKV(layers, [0], [start + features.shape[0]])
+
     def context_bytes_per_token(self, dtype: torch.dtype) -> int:
         """Bytes of context K/V one cached position costs (all layers, keys and values)."""
         attn = self.layers[0].self_attn

@@ -39,6 +39,9 @@ class FastRunner(DraftRunner):
     def state_bytes(self, tokens: int, dtype: torch.dtype) -> int:
         return tokens * self.drafter.context_bytes_per_token(dtype)
 
+    def extend(self, context: ContextKV, features: torch.Tensor) -> ContextKV:
+        return self.drafter.extend_context(context, features)
+
     def block_rows(self, context: ContextKV, noise_embedding: torch.Tensor, anchors: torch.Tensor,
                    samples: torch.Tensor, lengths: torch.Tensor | None = None) -> DeferredBlocks:
         # The last layer's o_proj, MLP and norms run later, on the positions read.
