@@ -23,7 +23,9 @@ from typing import Any, Literal
 from ..figures.bootstrap import DEFAULT_RESAMPLES, DEFAULT_SEED, Interval, Sums, intervals, paired_difference
 
 PROFILE_FORMAT = "dflash-cb-cost-profile"
-PROFILE_VERSION = 1
+# 2: the per-cycle overhead, the rows' spread and flags. A version-1 file reads as one without them.
+PROFILE_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 ProfileKind = Literal["measured", "roofline", "user"]
 PROFILE_KINDS: tuple[ProfileKind, ...] = ("measured", "roofline", "user")
 # What a projection is, said beside every projected figure.
@@ -32,6 +34,8 @@ PROJECTION_NOTE = ("projection: the exact replay's cycles priced with the cost p
 # The identity fields a profile records; a target field that differs from the cache's refuses the profile.
 TARGET_FIELDS = ("hidden_size", "num_layers", "vocab_size")
 DRAFTER_FIELDS = ("family", "hidden_size", "num_layers", "block_size")
+# What a cycle of each kind of setting pays besides the two models' calls (``CostProfile.overhead``).
+CYCLE_KINDS = ("block", "ddtree", "chain")
 
 
 class ProfileError(ValueError):
@@ -48,7 +52,13 @@ class CostProfile:
     ``target`` / ``drafter``: what it was measured for (``TARGET_FIELDS`` / ``DRAFTER_FIELDS``, any subset).
     ``source``: the command that measured it, the roofline's stated numbers, or the user's file. ``others``:
     more drafters timed against the same target steps, as (identity, draft seconds per context): one profile
-    serves drafters of several families side by side (``for_drafter`` picks a drafter's own)."""
+    serves drafters of several families side by side (``for_drafter`` picks a drafter's own).
+
+    ``overhead``: per kind of setting (``CYCLE_KINDS``), the seconds a cycle pays outside the target's verify
+    and the drafter's passes (acceptance, cache cuts, a tree's heap and mask), measured from real cycles by the
+    speed check (``tools/speed_check.py --profile-out``) or stated; absent: none. ``spread``: per context, each
+    verify row's (tokens, relative spread of its repeats: (max - min) / median); ``flags``: rows that stayed
+    unstable or broke monotonicity after being measured again, in words."""
 
     kind: ProfileKind
     verify: dict[int, tuple[tuple[int, float], ...]]
@@ -61,6 +71,9 @@ class CostProfile:
     date: str = ""
     source: str = ""
     others: tuple[tuple[dict[str, Any], dict[int, float]], ...] = ()
+    overhead: dict[str, float] = field(default_factory=dict)
+    spread: dict[int, tuple[tuple[int, float], ...]] = field(default_factory=dict)
+    flags: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in PROFILE_KINDS:
@@ -78,6 +91,14 @@ class CostProfile:
         for draft in (self.draft, *(d for _, d in self.others)):
             if not draft or any(c < 0 or not (math.isfinite(s) and s >= 0) for c, s in draft.items()):
                 raise ProfileError("the profile's draft seconds must be non-negative numbers per context (0: any)")
+        for kind, sec in self.overhead.items():
+            if kind not in CYCLE_KINDS or not (isinstance(sec, (int, float)) and math.isfinite(sec) and sec >= 0):
+                raise ProfileError(f"overhead {kind!r}: {sec!r}; a non-negative number of seconds per cycle for each "
+                                   f"of {', '.join(CYCLE_KINDS)}")
+
+    def overhead_seconds(self, kind: str) -> float:
+        """The seconds a cycle of a setting of ``kind`` pays outside the two models' calls (0: not measured)."""
+        return float(self.overhead.get(kind, 0.0))
 
     def for_drafter(self, identity: Mapping[str, Any]) -> CostProfile:
         """This profile with the draft seconds of the drafter it timed that is ``identity`` (its family, widths
@@ -101,6 +122,10 @@ class CostProfile:
         """What the projected figures rest on, in one line."""
         what = {"measured": "measured", "roofline": "roofline estimate", "user": "user's own measurement"}[self.kind]
         parts = [p for p in (self.device, self.dtype, f"batch {self.batch_size}", self.date) if p]
+        if self.overhead:
+            parts.append("per-cycle overhead " + ", ".join(f"{k} {1e3 * v:.3g} ms" for k, v in sorted(self.overhead.items())))
+        if self.flags:
+            parts.append(f"{len(self.flags)} unstable row(s) flagged")
         # A measured profile's command stays in the file; a roofline's numbers and the user's file are the figure.
         said = f": {self.source}" if self.source and self.kind != "measured" else ""
         return f"{what} ({', '.join(parts)}){said}"
@@ -118,6 +143,8 @@ class CostProfile:
         d["draft"] = {str(c): s for c, s in sorted(self.draft.items())}
         d["others"] = [{"drafter": who, "draft": {str(c): s for c, s in sorted(draft.items())}}
                        for who, draft in self.others]
+        d["spread"] = {str(c): [list(r) for r in rows] for c, rows in sorted(self.spread.items())}
+        d["flags"] = list(self.flags)
         return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, **d}
 
     @classmethod
@@ -126,7 +153,7 @@ class CostProfile:
             raise ProfileError(f"{where}: not a dflash-cb cost profile (format "
                                f"{data.get('format') if isinstance(data, dict) else None!r}); write one with "
                                "tools/profile_costs.py")
-        if data.get("version") != PROFILE_VERSION:
+        if data.get("version") not in READABLE_VERSIONS:
             raise ProfileError(f"{where}: profile version {data.get('version')!r}; this dflash-cb reads version "
                                f"{PROFILE_VERSION}: measure it again with tools/profile_costs.py")
         try:
@@ -137,7 +164,10 @@ class CostProfile:
             return cls(str(data["kind"]), verify, draft, dict(data.get("target") or {}),  # type: ignore[arg-type]
                        dict(data.get("drafter") or {}), str(data.get("device", "")), str(data.get("dtype", "")),
                        int(data.get("batch_size", 1)), str(data.get("date", "")), str(data.get("source", "")),
-                       others)
+                       others, {str(k): v for k, v in (data.get("overhead") or {}).items()},
+                       {int(c): tuple((int(n), float(x)) for n, x in rows)
+                        for c, rows in (data.get("spread") or {}).items()},
+                       tuple(str(f) for f in data.get("flags") or ()))
         except ProfileError as e:
             raise ProfileError(f"{where}: {e}") from e
         except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -181,6 +211,43 @@ def identity_mismatches(profile: CostProfile, target: Mapping[str, Any],
     return differ(TARGET_FIELDS, profile.target, target), differ(DRAFTER_FIELDS, profile.drafter, drafter)
 
 
+# -- a measured profile's rows -------------------------------------------------------------------------------
+
+# A verify row cheaper than a row of fewer tokens by more than this share breaks monotonicity (more tokens never
+# cost less, beyond noise); a row whose repeats spread (max - min) by more than MAX_SPREAD of its median is
+# unstable. Either is measured again, then flagged in the profile.
+MONOTONE_TOLERANCE = 0.10
+MAX_SPREAD = 0.5
+
+
+def row_spread(times: Sequence[float]) -> float:
+    """(max - min) / median of one row's repeats."""
+    ordered = sorted(times)
+    median = ordered[len(ordered) // 2] if len(ordered) % 2 else (ordered[len(ordered) // 2 - 1]
+                                                                  + ordered[len(ordered) // 2]) / 2
+    return (ordered[-1] - ordered[0]) / median if median > 0 else math.inf
+
+
+def suspicious_rows(samples: Mapping[int, Sequence[float]], tolerance: float = MONOTONE_TOLERANCE,
+                    max_spread: float = MAX_SPREAD) -> dict[int, str]:
+    """Verify rows (verified tokens -> the seconds of each repeat) that break monotonicity or spread too wide,
+    each with the reason in words."""
+    med = {n: sorted(v)[len(v) // 2] for n, v in samples.items() if v}
+    out: dict[int, str] = {}
+    for n in sorted(med):
+        cheaper = [m for m in med if m < n and med[n] < med[m] * (1 - tolerance)]
+        if cheaper:
+            m = max(cheaper, key=lambda x: med[x])
+            why = (f"{n} tokens ({1e3 * med[n]:.3g} ms) cheaper than {m} tokens ({1e3 * med[m]:.3g} ms) by more "
+                   f"than {tolerance:.0%}")
+            out[n] = why
+            out.setdefault(m, why)
+        spread = row_spread(samples[n])
+        if spread > max_spread and n not in out:
+            out[n] = f"{n} tokens: repeats spread {spread:.0%} of the median (more than {max_spread:.0%})"
+    return out
+
+
 # -- settings and the projection ----------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -192,16 +259,18 @@ class Setting:
     verified: int
     draft_passes: int
     label: str
+    kind: str = "block"  # ``CYCLE_KINDS``: which per-cycle overhead of the profile a cycle pays
 
 
-def block_settings(block_size: int, budgets: Sequence[int] = (), passes: int = 1, label: str | None = None
-                   ) -> list[Setting]:
+def block_settings(block_size: int, budgets: Sequence[int] = (), passes: int = 1, label: str | None = None,
+                   kind: str = "block") -> list[Setting]:
     """A drafter's settings from one evaluation: the greedy block (its ``block_size`` tokens verified: the anchor
     and the drafts) and a DDTree per budget (its nodes and the root). ``passes``: drafter passes per cycle (a
     block drafter's one; a chain drafter's one step per draft, ``DrafterFamily.draft_passes``); ``label``: the
-    greedy setting's name in tables (``DrafterFamily.setting_label``)."""
-    out = [Setting("greedy", block_size, passes, label or f"block {block_size}")]
-    out += [Setting(f"ddtree_b{b}", b + 1, 1, f"DDTree {b}") for b in budgets]
+    greedy setting's name in tables (``DrafterFamily.setting_label``); ``kind``: the greedy setting's kind of cycle
+    (``DrafterFamily.kind``: a block or a chain)."""
+    out = [Setting("greedy", block_size, passes, label or f"block {block_size}", kind)]
+    out += [Setting(f"ddtree_b{b}", b + 1, 1, f"DDTree {b}", "ddtree") for b in budgets]
     return out
 
 
@@ -220,8 +289,10 @@ def sample_seconds(sample: SampleCycles, setting: Setting, profile: CostProfile)
     """(tokens committed, seconds speculating, seconds plain decoding would take for those tokens)."""
     tokens, spec, plain = 0, 0.0, 0.0
     p = sample.prompt_len
+    overhead = profile.overhead_seconds(setting.kind)
     for produced in sample.produced.get(setting.name, ()):
-        spec += setting.draft_passes * profile.draft_seconds(p) + profile.verify_seconds(setting.verified, p)
+        spec += (setting.draft_passes * profile.draft_seconds(p) + profile.verify_seconds(setting.verified, p)
+                 + overhead)
         for j in range(produced):
             plain += profile.verify_seconds(1, p + j)
         tokens += produced
@@ -268,7 +339,7 @@ class Projection:
     def to_dict(self) -> dict[str, Any]:
         return {"profile": self.profile, "note": PROJECTION_NOTE, "best": self.best.setting.name, "settings": [
             {"name": s.setting.name, "label": s.setting.label, "verified_tokens": s.setting.verified,
-             "draft_passes": s.setting.draft_passes, "tau": s.tau,
+             "draft_passes": s.setting.draft_passes, "kind": s.setting.kind, "tau": s.tau,
              "tokens_per_second": _interval(s.tokens_per_second), "speedup": _interval(s.speedup),
              "breakeven_tau": s.breakeven_tau, "per_sample": [list(x) for x in s.per_sample],
              "ids": list(s.ids), "categories": list(s.categories)}
@@ -278,7 +349,8 @@ class Projection:
     def from_dict(cls, data: Mapping[str, Any]) -> Projection:
         out = []
         for s in data["settings"]:
-            setting = Setting(str(s["name"]), int(s["verified_tokens"]), int(s["draft_passes"]), str(s["label"]))
+            setting = Setting(str(s["name"]), int(s["verified_tokens"]), int(s["draft_passes"]), str(s["label"]),
+                              str(s.get("kind", "ddtree" if str(s["name"]).startswith("ddtree_") else "block")))
             out.append(SettingProjection(setting, float(s["tau"]), Interval(*s["tokens_per_second"]),
                                          Interval(*s["speedup"]), float(s["breakeven_tau"]),
                                          tuple((int(a), float(b), float(c)) for a, b, c in s["per_sample"]),
@@ -309,7 +381,8 @@ def project(samples: Sequence[SampleCycles], settings: Sequence[Setting], profil
         found = intervals({"tps": Sums.of([r[0] for r in rows], [r[1] for r in rows]),
                            "speedup": Sums.of([r[2] for r in rows], [r[1] for r in rows])}, n_resamples, seed)
         context = _mean_context(samples, s.name)
-        cost = s.draft_passes * profile.draft_seconds(context) + profile.verify_seconds(s.verified, context)
+        cost = (s.draft_passes * profile.draft_seconds(context) + profile.verify_seconds(s.verified, context)
+                + profile.overhead_seconds(s.kind))
         out.append(SettingProjection(s, tokens / cycles if cycles else math.nan, found["tps"], found["speedup"],
                                      cost / profile.verify_seconds(1, context), rows,
                                      tuple(x.id for x in samples), tuple(x.category for x in samples)))

@@ -190,7 +190,7 @@ class ChainDrafter(LoopDrafter):
         self.head_in: torch.Tensor | None = None
 
     def start(self, features: torch.Tensor, ids: Sequence[int]) -> None:
-        self.features = [features]
+        self.features, self.rows, self.keys, self.values = [features], 0, None, None
         self._rows_to(ids, len(ids) - 1)  # the prefill's rows: all of the prompt's (the first token is known)
 
     def commit(self, features: torch.Tensor) -> None:

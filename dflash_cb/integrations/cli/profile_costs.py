@@ -17,7 +17,6 @@ import argparse
 import copy
 import csv
 import datetime
-import inspect
 import json
 import shlex
 import sys
@@ -194,49 +193,120 @@ class StepClock:
         self.cuda = torch.device(device).type == "cuda"
         self.torch = torch
 
-    def seconds(self, fn: Callable[[], Any], prepare: Callable[[], Any] = lambda: None, repeats: int = 5) -> float:
-        times = []
-        for i in range(repeats + 1):  # the first run warms up
-            arg = prepare()
-            if self.cuda:
-                start, end = self.torch.cuda.Event(enable_timing=True), self.torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn(arg)
-                end.record()
-                end.synchronize()
-                t = start.elapsed_time(end) / 1000
-            else:
-                t0 = time.monotonic()
-                fn(arg)
-                t = time.monotonic() - t0
-            if i:
-                times.append(t)
-        times.sort()
-        return times[len(times) // 2]
+    def once(self, fn: Callable[[Any], Any], prepare: Callable[[], Any] = lambda: None) -> float:
+        """One timed call of ``fn`` on what ``prepare`` (untimed) returns."""
+        arg = prepare()
+        if self.cuda:
+            start, end = self.torch.cuda.Event(enable_timing=True), self.torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn(arg)
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1000
+        t0 = time.monotonic()
+        fn(arg)
+        return time.monotonic() - t0
+
+    def seconds(self, fn: Callable[[Any], Any], prepare: Callable[[], Any] = lambda: None, repeats: int = 5) -> float:
+        """The median of ``repeats`` timed calls after one warm-up."""
+        runs = sorted([self.once(fn, prepare) for _ in range(repeats + 1)][1:])  # the first warms up
+        return runs[len(runs) // 2]
+
+
+Row = tuple[str, int]  # ("verify", tokens) or ("draft", drafter index)
+
+
+def interleaved(calls: dict[Row, tuple[Callable[[Any], Any], Callable[[], Any]]], clock: StepClock, repeats: int,
+                rounds_done: int = 0) -> dict[Row, list[float]]:
+    """Every row timed once per round, ``repeats`` rounds (a first, untimed one warms up when nothing was timed
+    yet), the rows' order rotated each round: a preemption on a shared core moves one repeat of a few rows, not a
+    whole row."""
+    rows = list(calls)
+    out: dict[Row, list[float]] = {r: [] for r in rows}
+    for r in range(repeats + (0 if rounds_done else 1)):
+        shift = (r + rounds_done) % len(rows)
+        for row in rows[shift:] + rows[:shift]:
+            t = clock.once(*calls[row])
+            if r or rounds_done:
+                out[row].append(t)
+    return out
 
 
 def measure_context(model: Any, drafters: list[Any], head: Any, ctx: int, tokens: list[int], clock: StepClock,
-                    repeats: int, device: Any, vocab: int) -> tuple[list[tuple[int, float]], list[float]]:
-    """(verify rows, each drafter's pass seconds: 0 when none is named) at one context length."""
+                    repeats: int, device: Any, vocab: int, embed: Any = None
+                    ) -> tuple[list[tuple[int, float]], list[float], list[tuple[int, float]], list[str]]:
+    """(verify rows, each drafter's pass seconds: 0 when none is named, each verify row's spread, flags) at one
+    context length. The calls are a serving loop's (``core.decode``): a verify pass returns the drafter's
+    features and the argmax and is cut back to one accepted token; a block drafter's pass appends a committed
+    row to its context, drafts its block and runs the head. Rows are timed interleaved; a row that breaks
+    monotonicity or spreads too wide is measured again, then flagged."""
     import torch
 
+    from ...core.costs.serving import row_spread, suspicious_rows
+    from ...core.decode.target_steps import TargetSteps
+
     g = torch.Generator().manual_seed(ctx)
-    ids = torch.randint(0, vocab, (1, ctx + max(tokens)), generator=g).to(device)
-    # transformers 5 names the K/V cache argument ``cache`` (``past_key_values`` before, deprecated since).
-    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    with torch.no_grad():
-        first = model(input_ids=ids[:, :ctx], use_cache=True)
-        past = first.cache if "cache" in first else first.past_key_values
-        rows = []
+    ids = torch.randint(0, vocab, (ctx + max(tokens),), generator=g).tolist()
+    layer_ids = drafters[0].spec.target_layer_ids if drafters else [int(model.config.num_hidden_layers) - 1]
+    calls: dict[Row, tuple[Callable[[Any], Any], Callable[[], Any]]] = {}
+    with torch.inference_mode():
+        base = TargetSteps(model, layer_ids)
+        base.forward(ids[:ctx])
+
+        def copy_of_base() -> TargetSteps:
+            steps = copy.copy(base)
+            steps.cache = copy.deepcopy(base.cache)
+            return steps
+
         for n in tokens:
-            step = ids[:, ctx:ctx + n]
-            pos = torch.arange(ctx, ctx + n, device=device)[None]
-            secs = clock.seconds(lambda cache, step=step, pos=pos: model(input_ids=step, position_ids=pos,
-                                                                          use_cache=True, **{name: cache}),
-                                 lambda: copy.deepcopy(past), repeats)
-            rows.append((n, secs))
-        drafts = [clock.seconds(_drafter_pass(d, head, ctx, device), repeats=repeats) for d in drafters] or [0.0]
-    return rows, drafts
+            def verify(steps: TargetSteps, n: int = n) -> None:
+                steps.forward(ids[ctx:ctx + n])
+                steps.keep(ctx + 1)
+
+            calls["verify", n] = (verify, copy_of_base)
+        for j, d in enumerate(drafters):
+            calls["draft", j] = _drafter_call(d, head, embed, ctx, ids, device)
+        samples = interleaved(calls, clock, repeats)
+        flags: list[str] = []
+        verify_rows = {n: samples["verify", n] for n in tokens}
+        again = suspicious_rows(verify_rows)
+        if again:  # measured again, all the suspicious rows interleaved, and pooled with the first repeats
+            more = interleaved({("verify", n): calls["verify", n] for n in again}, clock, repeats, repeats)
+            for n in again:
+                verify_rows[n] = verify_rows[n] + more["verify", n]
+            flags = [f"context {ctx}: {why}, after measuring again" for why in suspicious_rows(verify_rows).values()]
+    rows = [(n, sorted(verify_rows[n])[len(verify_rows[n]) // 2]) for n in tokens]
+    drafts = [sorted(samples["draft", j])[len(samples["draft", j]) // 2] for j in range(len(drafters))] or [0.0]
+    spread = [(n, row_spread(verify_rows[n])) for n in tokens]
+    return rows, drafts, spread, sorted(set(flags))
+
+
+def _drafter_call(drafter: Any, head: Any, embed: Any, ctx: int, ids: list[int], device: Any
+                  ) -> tuple[Callable[[Any], Any], Callable[[], Any]]:
+    """A drafter's timed call at context ``ctx``: a block drafter's pass as a serving loop makes it (a committed
+    row appended to its context, the block, the head: ``decode.loops.BlockDrafter``); a chain drafter's one step
+    (``_drafter_pass``)."""
+    if _pass_tokens(drafter) == 1 or embed is None:
+        return _drafter_pass(drafter, head, ctx, device), lambda: None
+    import torch
+
+    from ...core.decode.loops import loop_drafter
+
+    spec = drafter.spec
+    g = torch.Generator().manual_seed(0)
+    width = len(spec.target_layer_ids) * spec.target_hidden_size
+    feats = torch.randn(ctx + 1, width, generator=g).to(device)
+    loop = loop_drafter(drafter, head, embed)
+
+    def started() -> Any:
+        loop.start(feats[:ctx], ids[:ctx + 1])
+        return loop
+
+    def one_pass(state: Any) -> None:
+        state.commit(feats[ctx:ctx + 1])
+        state.propose(ids[:ctx + 2])
+
+    return one_pass, started
 
 
 def _pass_tokens(drafter: Any) -> int:
@@ -346,7 +416,7 @@ def _measure(args: argparse.Namespace, out: Path, target: dict[str, Any], drafte
     if len(ids) > 1:
         settings["others"] = ids[1:]
     state: dict[str, Any] = {"partial": True, "settings": settings, "verify": {}, "draft": {},
-                             "others": [{} for _ in ids[1:]]}
+                             "others": [{} for _ in ids[1:]], "spread": {}, "flags": []}
     if out.exists():
         try:
             old = json.loads(out.read_text())
@@ -361,17 +431,22 @@ def _measure(args: argparse.Namespace, out: Path, target: dict[str, Any], drafte
         elif old is not None:
             raise ArgumentError(f"--out {out} exists: give another path (a finished profile is never overwritten)")
     model = load_target(args.target, args.dtype).model.to(device)
-    head = None
+    head = embed = None
     drafters = [d.to(device=device, dtype=DTYPES[args.dtype]).eval() for d in drafters]
     if drafters:
-        head = model.get_output_embeddings().weight
+        head, embed = model.get_output_embeddings().weight, model.get_input_embeddings().weight
     clock = StepClock(device)
     vocab = int(target.get("vocab_size") or model.config.vocab_size)
     for i, ctx in enumerate(contexts):
         if str(ctx) in state["verify"]:
             continue
-        rows, drafts = measure_context(model, drafters, head, ctx, tokens, clock, repeats, device, vocab)
+        rows, drafts, spread, flags = measure_context(model, drafters, head, ctx, tokens, clock, repeats, device,
+                                                      vocab, embed)
         state["verify"][str(ctx)] = rows
+        state.setdefault("spread", {})[str(ctx)] = spread
+        state["flags"] = [*state.get("flags", []), *flags]
+        for flag in flags:
+            say(f"flagged: {flag}")
         state["draft"][str(ctx)] = drafts[0]
         for other, sec in zip(state["others"], drafts[1:], strict=True):
             other[str(ctx)] = sec
@@ -384,7 +459,9 @@ def _measure(args: argparse.Namespace, out: Path, target: dict[str, Any], drafte
                    for who, d in zip(ids[1:], state.get("others") or [], strict=True))
     profile = CostProfile("measured", {int(c): tuple((int(n), float(s)) for n, s in r) for c, r in state["verify"].items()},
                           {int(c): float(s) for c, s in state["draft"].items()}, target, ids[0] if ids else {}, name,
-                          args.dtype, 1, today, command, others)
+                          args.dtype, 1, today, command, others,
+                          spread={int(c): tuple((int(n), float(x)) for n, x in r) for c, r in state["spread"].items()},
+                          flags=tuple(state["flags"]))
     return _finish(out, profile, replace=True)
 
 

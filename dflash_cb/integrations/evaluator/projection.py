@@ -77,7 +77,7 @@ def checked_settings(profile: CostProfile, drafter: Any, block_size: int, budget
 def add_projection(results: Any, report: Any, cache: Any, profile: CostProfile, settings: list[Setting]) -> None:
     """The projection of a scored evaluation into ``results``: the figures under ``serving/`` beside tau, the
     per-sample accounting and the profile's label in ``breakdown['serving']``."""
-    projection = project(_cycles(cache, report.samples), settings, profile)
+    projection = project(sample_cycles(cache, report.samples), settings, profile)
     results.metrics.update(serving_metrics(projection))
     results.breakdown["serving"] = projection.to_dict()
     results.notes["serving"] = f"{PROJECTION_NOTE}: {projection.profile}"
@@ -87,17 +87,18 @@ def projected_metrics(profile: CostProfile, cache: Any, samples: Sequence[Any], 
                       budgets: Sequence[int], family: str) -> dict[str, float]:
     """A live evaluation's projected figures (``serving/*``) from its scored samples (``family``: the drafter's,
     whose ``draft_passes`` a cycle costs)."""
-    return serving_metrics(project(_cycles(cache, samples), family_settings(family, block_size, budgets), profile))
+    return serving_metrics(project(sample_cycles(cache, samples), family_settings(family, block_size, budgets), profile))
 
 
 def family_settings(family: str, block_size: int, budgets: Sequence[int]) -> list[Setting]:
     """The settings a drafter of ``family`` is served at: its block (a cycle's drafter passes and its label are the
     family's) and each DDTree budget."""
     fam = family_named(family)
-    return block_settings(block_size, budgets, fam.draft_passes(block_size), fam.setting_label(block_size))
+    return block_settings(block_size, budgets, fam.draft_passes(block_size), fam.setting_label(block_size), fam.kind)
 
 
-def _cycles(cache: Any, samples: Sequence[Any]) -> list[SampleCycles]:
+def sample_cycles(cache: Any, samples: Sequence[Any]) -> list[SampleCycles]:
+    """What the projection prices of scored ``samples``: each one's prompt length and every setting's cycles."""
     return [SampleCycles(cache.entry(s.id).prompt_len, {"greedy": s.acceptance_lengths,
                                                         **{f"ddtree_b{b}": v for b, v in s.ddtree.items()}},
                          s.id, s.category) for s in samples]
