@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -64,6 +65,87 @@ def test_flat_verify_and_free_drafting_project_the_pooled_tau() -> None:
             assert s.speedup.value == pytest.approx(factor * tokens / cycles, rel=1e-12)
             assert s.speedup.low <= s.speedup.value <= s.speedup.high
             assert s.breakeven_tau == pytest.approx(1 / factor)
+
+
+def test_the_per_cycle_overhead_enters_as_the_identities_say() -> None:
+    """Flat verify, free drafting: no overhead projects each setting's pooled tau; an overhead of one verify step per
+    cycle of its kind is priced as one more verify step (the speedup halves), and a kind's overhead touches only the
+    settings of that kind; the break-even tau counts it; a profile written with it reads back with it."""
+    settings = block_settings(6, (4,))
+    none = project(SAMPLES, settings, flat(0.02, 0.0))
+    with_block = replace(flat(0.02, 0.0), overhead={"block": 0.02})
+    both = replace(flat(0.02, 0.0), overhead={"block": 0.02, "ddtree": 0.02})
+    for p_none, p_block, p_both in zip(none.settings, project(SAMPLES, settings, with_block).settings,
+                                       project(SAMPLES, settings, both).settings, strict=True):
+        pooled = sum(sum(x.produced[p_none.setting.name]) for x in SAMPLES) / sum(
+            len(x.produced[p_none.setting.name]) for x in SAMPLES)
+        assert p_none.speedup.value == pytest.approx(pooled, rel=1e-12)
+        assert p_both.speedup.value == pytest.approx(pooled / 2, rel=1e-12)
+        assert p_both.breakeven_tau == pytest.approx(2 * p_none.breakeven_tau, rel=1e-12)
+        want = pooled / 2 if p_none.setting.kind == "block" else pooled
+        assert p_block.speedup.value == pytest.approx(want, rel=1e-12), p_none.setting.name
+    assert [s.kind for s in settings] == ["block", "ddtree"]
+    back = CostProfile.from_dict(json.loads(json.dumps(both.to_dict())))
+    assert back.overhead == {"block": 0.02, "ddtree": 0.02} and "per-cycle overhead" in back.label()
+    with pytest.raises(ProfileError, match="overhead 'tree'"):
+        replace(flat(0.02, 0.0), overhead={"tree": 0.01})
+    with pytest.raises(ProfileError, match="overhead 'block'"):
+        replace(flat(0.02, 0.0), overhead={"block": -1.0})
+
+
+def test_a_version_1_profile_still_reads() -> None:
+    """Profiles written before the overhead, the spread and the flags read as profiles without them."""
+    old = {k: v for k, v in flat(0.02, 0.001).to_dict().items() if k not in ("overhead", "spread", "flags")}
+    old["version"] = 1
+    back = CostProfile.from_dict(old)
+    assert back.overhead == {} and back.flags == () and back.verify == flat(0.02, 0.001).verify
+
+
+def test_a_planted_unstable_row_is_flagged() -> None:
+    """Rows that break monotonicity beyond the stated tolerance, or whose repeats spread too wide, are named with
+    the reason; steady monotone rows and noise within the tolerance are not."""
+    from dflash_cb.core.costs.serving import MONOTONE_TOLERANCE, suspicious_rows
+
+    steady = {1: [1.0, 1.01, 0.99], 2: [1.05, 1.06, 1.04], 4: [1.1, 1.12, 1.11], 8: [1.3, 1.31, 1.29]}
+    assert suspicious_rows(steady) == {}
+    noisy = {**steady, 4: [1.0, 1.01, 1.0]}  # 4 tokens a hair below 2 tokens: within the tolerance
+    assert suspicious_rows(noisy) == {}
+    planted = {**steady, 2: [5.0, 5.1, 4.9]}  # a preemption moved a whole row
+    flagged = suspicious_rows(planted)
+    assert set(flagged) == {2, 4, 8} and f"by more than {MONOTONE_TOLERANCE:.0%}" in flagged[4]
+    spread = {**steady, 8: [1.3, 3.0, 1.31]}
+    assert list(suspicious_rows(spread)) == [8] and "spread" in suspicious_rows(spread)[8]
+
+
+def test_a_profile_measured_beside_a_planted_preemption_flags_it(tiny_cache, drafter_dir, tmp_path) -> None:
+    """On the real tiny target: a clock that turns every timing of the 3-token verify row into a long pause (a
+    process sharing the core) makes that row non-monotone; the row is measured again (more calls than the other
+    rows), then flagged in the written profile, and its spread recorded per row. Counted work, no real time."""
+    from dflash_cb.integrations.cli import profile_costs as profile_cli
+
+    calls: dict[object, int] = {}
+
+    class Planted(profile_cli.StepClock):
+        def once(self, fn, prepare=lambda: None):
+            n = (getattr(fn, "__defaults__", None) or (None,))[0]
+            calls[n] = calls.get(n, 0) + 1
+            real = super().once(fn, prepare)
+            return real + 1.0 if n == 3 else real
+
+    real_clock = profile_cli.StepClock
+    profile_cli.StepClock = Planted
+    try:
+        out = tmp_path / "p.json"
+        assert profile_cli.main(["--target", str(tiny_cache.parent / "target"), "--drafter", str(drafter_dir),
+                                 "--out", str(out), "--dtype", "float32", "--contexts", "12", "--tokens", "1-6",
+                                 "--repeats", "3"]) == 0
+    finally:
+        profile_cli.StepClock = real_clock
+    prof = read_profile(out)
+    assert any("context 12: 3 tokens" in f or "than 3 tokens" in f for f in prof.flags), prof.flags
+    assert "unstable row(s) flagged" in prof.label()
+    assert calls[3] == 1 + 3 + 3 and calls[1] >= 1 + 3  # warm-up, repeats, measured again
+    assert [n for n, _ in prof.spread[12]] == list(range(1, 7)) and all(x >= 0 for _, x in prof.spread[12])
 
 
 def test_the_best_setting_follows_the_profile() -> None:

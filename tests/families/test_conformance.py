@@ -89,6 +89,55 @@ def test_the_replay_equals_the_familys_own_generate_loop(world, family: str, var
         assert rep.summary[walks[0].key] != rep.summary["tau"], walks[0].key
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_speed_checks_loops_decode_as_plain_greedy_decoding_and_the_replay(world, family: str) -> None:
+    """The speed check's serving loops (``core.decode``: the target's and the drafter's caches kept across cycles)
+    decode every prompt token for token as plain greedy decoding, and commit per cycle what the replay's cycles
+    commit (full blocks, ``tail_blocks="served"``): the block or chain, and a DDTree where the family's tree is
+    over the head's top-K. The loop drafts with its own state, not the cache's features: a drafter whose first
+    layer is shifted by one proposes other drafts, and the comparison catches it."""
+    from dflash_cb.core.decode.loops import BlockDrafter, Clock, loop_drafter, plain_decode, speculative_decode
+    from dflash_cb.core.decode.target_steps import DecodeError, TargetSteps
+    from dflash_cb.core.drafters.proposers import ArgmaxProposer
+    from dflash_cb.core.replay.engine import evaluate
+
+    cache, target = world["cache"], world["target"]
+    ours, _, _ = _drafter(world, family)
+    fam = family_named(family)
+    head, embed = target.lm_head.weight, target.get_input_embeddings().weight
+    proposer = fam.proposer(ours.spec, ours, head, 1 << 24, embed)
+    tree = fam.supports_tree and type(proposer).tree is ArgmaxProposer.tree
+    rep = evaluate(cache, ours, budgets=(4,) if tree else (), tail_blocks="served")
+    layers, stops, clock = ours.spec.target_layer_ids, cache.manifest.stop_token_ids, Clock(torch.device("cpu"))
+    loops = {"greedy": loop_drafter(ours, head, embed)}
+    if tree:
+        loops["ddtree"] = loop_drafter(ours, head, embed, tree_budget=4)
+    elif fam.supports_tree:  # a tree of the family's own (DFlash 2's selector lattice): refused, not guessed
+        with pytest.raises(DecodeError, match="builds DDTrees over the head's top-K"):
+            BlockDrafter(loops["greedy"].runner, proposer, embed, ours.spec.block_size, 4)
+    for s in rep.samples:
+        prompt = cache.load(s.id).input_ids[: cache.entry(s.id).prompt_len].tolist()
+        plain = plain_decode(TargetSteps(target, layers), prompt, MAX_NEW, stops, clock)
+        assert plain.tokens == cache.load(s.id).input_ids[len(prompt):].tolist()  # the cache's greedy completion
+        for name, drafter in loops.items():
+            run = speculative_decode(TargetSteps(target, layers), drafter, prompt, MAX_NEW, stops, clock)
+            assert run.tokens == plain.tokens, (name, s.id)
+            assert run.accepted == (s.ddtree[4] if name == "ddtree" else s.acceptance_lengths), (name, s.id)
+            assert run.seconds >= run.verify_seconds + run.draft_seconds - 1e-9 and run.verify_seconds > 0
+    cycles = [n for s in rep.samples for n in s.acceptance_lengths]
+    assert any(n > 1 for n in cycles)
+    # Features of the wrong layers: the loop's drafts change, the tokens stay the target's own.
+    wrong = [max(0, i - 1) for i in layers]
+    s = rep.samples[0]
+    prompt = cache.load(s.id).input_ids[: cache.entry(s.id).prompt_len].tolist()
+    runs = [speculative_decode(TargetSteps(target, ids), loop_drafter(ours, head, embed), prompt, MAX_NEW, stops,
+                               clock) for ids in (layers, wrong)]
+    assert runs[0].tokens == runs[1].tokens
+    assert any(speculative_decode(TargetSteps(target, wrong), loop_drafter(ours, head, embed),
+                                  cache.load(x.id).input_ids[: cache.entry(x.id).prompt_len].tolist(), MAX_NEW,
+                                  stops, clock).accepted != x.acceptance_lengths for x in rep.samples)
+
+
 @pytest.mark.parametrize(("family", "variant"), CASES)
 def test_a_checkpoint_round_trips_in_every_form(world, family: str, variant: str, tmp_path: Path) -> None:
     """The published folder and a plain loop's checkpoint load into the family's class with the same weights; a
