@@ -93,8 +93,9 @@ def test_integrations_are_their_layers_and_none_imports_a_layer_above_its_own():
 
 
 # The core's own layers, lowest first: the loop's pure arithmetic; the drafter families (models, runners,
-# proposers); the figures (names, counts, intervals); the replay; then checkpoints, costs and results.
-CORE_LAYERS = ("loop", "drafters", "figures", "replay", "checkpoints", "costs", "results")
+# proposers); the figures (names, counts, intervals); the replay; real decoding (the speed check's loops); then
+# checkpoints, costs and results.
+CORE_LAYERS = ("loop", "drafters", "figures", "replay", "decode", "checkpoints", "costs", "results")
 
 
 def _core_layer(name: str) -> str | None:
