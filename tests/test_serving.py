@@ -326,6 +326,12 @@ def test_serve_plan_across_drafters(tiny_cache, trained_tiny_drafter, drafter_di
     assert "| untrained | block 6" in md and "| trained | DDTree 8" in md and "per category" in md
     assert "**Serve trained at" in md and "trained is faster" in md  # the trained drafter is the faster one
     assert "not a measured serving speed" in md
+    # The same drafter twice: the paired difference is zero, its interval holds zero, so no setting is named.
+    same = tmp_path / "same"
+    assert serve_plan_cli.main([str(files["trained"]), str(files["trained"]), "--labels", "a,b", "--out",
+                                str(same)]) == 0
+    md = same.with_suffix(".md").read_text()
+    assert "**Serve" not in md and "are within noise" in md and "tools/speed_check.py" in md
     plain = tmp_path / "plain.json"
     assert eval_cli.main(["--states", str(tiny_cache), "--drafter", str(trained), "--out", str(plain)]) == 0
     with pytest.raises(Exception, match="no serving projection"):

@@ -97,10 +97,16 @@ def format_plan(p: Plan) -> str:
     if p.best_pair is not None and p.difference is not None:
         a, b = p.best_pair
         d = p.difference
-        verdict = f"{p.labels[a]} is faster" if d.low > 0 else "no difference detectable"
-        lines += ["", f"**Serve {p.labels[a]} at {p.projections[a].best.setting.label}.** Against "
-                  f"{p.labels[b]} at {p.projections[b].best.setting.label} (paired over the same resampled "
-                  f"prompts): {d.value:+.3f}x [{d.low:+.3f}, {d.high:+.3f}], {verdict}."]
+        first = f"{p.labels[a]} at {p.projections[a].best.setting.label}"
+        second = f"{p.labels[b]} at {p.projections[b].best.setting.label}"
+        paired = f"(paired over the same resampled prompts): {d.value:+.3f}x [{d.low:+.3f}, {d.high:+.3f}]"
+        # A verdict only where the difference is beyond the interval: otherwise the two are within noise.
+        if d.low > 0:
+            lines += ["", f"**Serve {first}.** Against {second} {paired}, {p.labels[a]} is faster."]
+        else:
+            lines += ["", f"**{first} and {second} are within noise.** Projected difference "
+                      f"{paired}: the interval holds zero, so no setting is named; check both with "
+                      "tools/speed_check.py."]
     elif p.projections:
         lines += ["", f"**Best setting: {p.projections[0].best.setting.label}.**"]
     if p.categories:
