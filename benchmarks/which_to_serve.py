@@ -15,7 +15,13 @@ own command line:
    at 1 .. 33 tokens and each drafter's pass (the MTP's one step) on this machine, one profile;
 2. ``tools/eval_drafter.py --profile``: the demo's first and last DFlash drafters (block 8, DDTree 32) and the
    MTP head at K = 1, 3 and 5 (``--speculative-tokens``), on the demo's held-out cache;
-3. ``tools/serve_plan.py``: the table and the plot.
+3. ``tools/serve_plan.py``: the table and the plot;
+4. ``tools/speed_check.py``: real greedy speculative decoding of every setting beside plain greedy decoding on this
+   machine (K/V caches as a server keeps them, settings interleaved, ``--repeats`` each after a warm-up), its
+   per-cycle overhead measured first on the demo's *training* prompts (``--profile-out``) and the projection on
+   the held-out prompts priced with it, so the projected column is not fitted to the prompts it is compared on;
+5. ``--reruns N``: the profile measured N more times, each priced with the same overhead, and the best setting of
+   each rerun (a profile that flips the best setting between reruns is too noisy to act on).
 
 ``--update-docs`` writes the plan into docs/serving.md (``<!-- table:which-to-serve -->``) and the plot into
 docs/img/which_to_serve.png. The figures are a CPU projection for a model of a few thousand parameters: what they
@@ -42,7 +48,7 @@ from dflash_cb.cache.states import StateCache  # noqa: E402
 from dflash_cb.core.drafters.chain import train_first_step  # noqa: E402
 from dflash_cb.core.drafters.layouts import drafter_from_config  # noqa: E402
 from dflash_cb.core.drafters.mtp.model import mtp_config_from_target  # noqa: E402
-from dflash_cb.integrations.cli import eval_drafter, profile_costs, serve_plan  # noqa: E402
+from dflash_cb.integrations.cli import eval_drafter, profile_costs, serve_plan, speed_check  # noqa: E402
 
 
 def train_mtp(demo: Path, out: Path, epochs: int, seed: int) -> Path:
@@ -71,12 +77,99 @@ def print_profile(path: Path) -> None:
     print()
 
 
+def measured_checks(demo: Path, out: Path, profile: Path, drafters: dict[str, tuple[Path, list[str]]], prompts: int,
+                    repeats: int) -> dict[str, dict]:
+    """Per drafter: the per-cycle overhead measured on the training prompts, then the speed check on the held-out
+    prompts with the projection priced with that overhead (the speed check's report, read back)."""
+    out_checks = {}
+    for name, (folder, extra) in drafters.items():
+        common = ["--target", str(demo / "target"), "--drafter", str(folder), "--no-progress", *extra]
+        calibrated = out / f"profile.{name}.json"
+        cmd = [*common, "--states", str(demo / "cache" / "train"), "--prompts", "4", "--repeats", "3", "--profile",
+               str(profile), "--profile-out", str(calibrated), "--out", str(out / f"overhead.{name}.json")]
+        print("python tools/speed_check.py " + " ".join(cmd))
+        assert speed_check.main(cmd) == 0
+        report = out / f"check.{name}.json"
+        cmd = [*common, "--states", str(demo / "cache" / "eval"), "--prompts", str(prompts), "--repeats",
+               str(repeats), "--profile", str(calibrated), "--out", str(report)]
+        print("python tools/speed_check.py " + " ".join(cmd))
+        assert speed_check.main(cmd) == 0
+        out_checks[name] = json.loads(report.read_text())
+    return out_checks
+
+
+def profile_reruns(demo: Path, out: Path, cmd_profile: list[str], checks: dict[str, dict],
+                   drafters: dict[str, tuple[Path, list[str]]], reruns: int) -> list[tuple[str, float]]:
+    """The profile measured ``reruns`` more times; each priced with the checks' overhead, the projection of every
+    setting on the held-out prompts; per rerun the best setting and its projected speedup."""
+    import dataclasses
+
+    from dflash_cb.core.costs.serving import CostProfile
+    from dflash_cb.integrations.evaluator.projection import read_profile
+
+    overhead: dict[str, float] = {}
+    for report in checks.values():
+        overhead.update(report["overhead_seconds_per_cycle"])
+    best = []
+    for r in range(reruns):
+        raw = out / f"rerun{r}.json"
+        assert profile_costs.main([*cmd_profile, "--out", str(raw)]) == 0
+        priced = out / f"rerun{r}.priced.json"
+        priced.write_text(json.dumps(CostProfile.to_dict(dataclasses.replace(read_profile(raw), overhead=overhead))))
+        found = []
+        for name, (folder, extra) in drafters.items():
+            res = out / f"rerun{r}.{name}.json"
+            opts = ["--ddtree-budgets", "32"] if "--ddtree-budgets" in extra else ["--speculative-tokens", "1,3,5",
+                                                                                   "--ddtree-budgets", ""]
+            assert eval_drafter.main(["--states", str(demo / "cache" / "eval"), "--drafter", str(folder), "--out",
+                                      str(res), "--profile", str(priced), "--sample-ids", ",".join(checks[name]["prompts"]),
+                                      *opts]) == 0
+            for f in sorted(out.glob(f"rerun{r}.{name}*.json")):
+                serving = json.loads(f.read_text())["breakdown"]["serving"]
+                for s in serving["settings"]:
+                    found.append((f"{name} {s['label']}", s["speedup"][0]))
+        best.append(max(found, key=lambda x: x[1]))
+    return best
+
+
+def print_measured(checks: dict[str, dict], reruns: list[tuple[str, float]]) -> None:
+    """Projected beside measured per setting, the measured verdict, and the profile reruns' best settings."""
+    print("Measured with tools/speed_check.py on the held-out prompts (projection priced with the per-cycle overhead "
+          "measured on the training prompts):\n")
+    print("| drafter | setting | tau | projected | measured | repeats range | projected / measured |")
+    print("|---|---|---|---|---|---|---|")
+    rows = []
+    for name, report in checks.items():
+        for s in report["settings"]:
+            p, m = s["projected"], s["speedup"]
+            rows.append((name, s, m))
+            print(f"| {name} | {s['label']} | {s['tau']:.3f} | {p[0]:.2f}x [{p[1]:.2f}, {p[2]:.2f}] | "
+                  f"{m[0]:.2f}x [{m[1]:.2f}, {m[2]:.2f}] | [{s['repeat_range'][0]:.2f}, {s['repeat_range'][1]:.2f}] "
+                  f"| {s['ratio']:.2f} |")
+    rows.sort(key=lambda r: -r[2][0])
+    if len(rows) > 1:
+        (a, s1, m1), (b, s2, m2) = rows[:2]
+        if m1[1] > m2[2]:
+            print(f"\n**Measured fastest: {a} at {s1['label']}** ({m1[0]:.2f}x), beyond {b} at {s2['label']} "
+                  f"({m2[0]:.2f}x): their intervals do not overlap.")
+        else:
+            print(f"\n**{a} at {s1['label']} ({m1[0]:.2f}x) and {b} at {s2['label']} ({m2[0]:.2f}x) are within "
+                  "noise** of each other (their intervals overlap).")
+    if reruns:
+        print(f"\nBest projected setting in {len(reruns)} reruns of the profile command: "
+              + ", ".join(f"{label} ({v:.2f}x)" for label, v in reruns) + ".")
+    print()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--demo", required=True, help="a finished demo's output folder (python tools/demo.py --out DIR)")
     ap.add_argument("--out", default=None, help="where to write (default: DEMO/serve; must not exist)")
     ap.add_argument("--epochs", type=int, default=20, help="the MTP head's training epochs")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--prompts", type=int, default=8, help="the speed check's held-out prompts")
+    ap.add_argument("--repeats", type=int, default=5, help="the speed check's timed decodes per prompt and setting")
+    ap.add_argument("--reruns", type=int, default=5, help="profile reruns for the best setting's stability")
     ap.add_argument("--update-docs", action="store_true")
     args = ap.parse_args()
     demo = Path(args.demo)
@@ -84,8 +177,9 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=False)
     mtp = train_mtp(demo, out, args.epochs, args.seed)
     profile = out / "profile.json"
-    cmd = ["--target", str(demo / "target"), "--drafter", f"{demo / 'drafter'},{mtp}", "--out", str(profile),
-           "--dtype", "float32", "--contexts", "32", "--tokens", "1-33", "--repeats", "5"]
+    cmd_profile = ["--target", str(demo / "target"), "--drafter", f"{demo / 'drafter'},{mtp}", "--dtype", "float32",
+                   "--contexts", "32", "--tokens", "1-33", "--repeats", "5"]
+    cmd = [*cmd_profile, "--out", str(profile)]
     print("python tools/profile_costs.py " + " ".join(cmd))
     assert profile_costs.main(cmd) == 0
     states = str(demo / "cache" / "eval")
@@ -108,8 +202,14 @@ def main() -> None:
     cmd = [*map(str, files), "--labels", ",".join(labels), "--out", str(plan)]
     print("python tools/serve_plan.py " + " ".join(cmd))
     assert serve_plan.main(cmd) == 0
+    drafters = {"dflash-first": (demo / "drafter_first", ["--ddtree-budgets", "32"]),
+                "dflash-last": (demo / "drafter", ["--ddtree-budgets", "32"]),
+                "mtp": (mtp, ["--speculative-tokens", "1,3,5"])}
+    checks = measured_checks(demo, out, profile, drafters, args.prompts, args.repeats)
+    reruns = profile_reruns(demo, out, cmd_profile, checks, drafters, args.reruns)
     with report_to_docs(args.update_docs, "serving.md", "which-to-serve"):
         print_profile(profile)
+        print_measured(checks, reruns)
         # The plan without its image line: the page shows the plot itself, below the table.
         print("\n".join(line for line in plan.with_suffix(".md").read_text().splitlines()
                         if not line.startswith("![")).rstrip())
