@@ -40,12 +40,16 @@ def check_croppable(model: nn.Module, where: str = "--target") -> None:
 
 
 class TargetSteps:
-    """The target's K/V cache over the committed tokens; ``length`` positions are held."""
+    """The target's K/V cache over the committed tokens; ``length`` positions are held.
 
-    def __init__(self, model: nn.Module, layer_ids: Sequence[int]):
+    ``timing_only``: a target whose layers keep a recurrent state is stepped too, its recurrent layers left as they
+    are by ``keep`` (a cost profile times the calls and throws the cache away; a decode needs ``check_croppable``)."""
+
+    def __init__(self, model: nn.Module, layer_ids: Sequence[int], timing_only: bool = False):
         from transformers import DynamicCache
 
-        check_croppable(model)
+        if not timing_only:
+            check_croppable(model)
         self.model, self.layer_ids = model, [int(i) for i in layer_ids]
         self.cache = DynamicCache(config=model.config)
         self.length = 0
@@ -84,6 +88,8 @@ class TargetSteps:
         # The layers' tensors are cut directly: ``DynamicCache.crop``'s argument changed meaning across
         # transformers releases (a length, then a count to remove).
         for layer in self.cache.layers:
+            if getattr(layer, "keys", None) is None:  # a recurrent layer (timing only) or one not filled yet
+                continue
             if extra:
                 idx = torch.tensor(list(range(length)) + list(extra), device=self.device)
                 layer.keys, layer.values = layer.keys.index_select(2, idx), layer.values.index_select(2, idx)

@@ -250,7 +250,7 @@ def measure_context(model: Any, drafters: list[Any], head: Any, ctx: int, tokens
     layer_ids = drafters[0].spec.target_layer_ids if drafters else [int(model.config.num_hidden_layers) - 1]
     calls: dict[Row, tuple[Callable[[Any], Any], Callable[[], Any]]] = {}
     with torch.inference_mode():
-        base = TargetSteps(model, layer_ids)
+        base = TargetSteps(model, layer_ids, timing_only=True)
         base.forward(ids[:ctx])
 
         def copy_of_base() -> TargetSteps:
