@@ -182,13 +182,17 @@ def test_eval_drafter_projects_with_a_profile(tiny_cache, drafter_dir, tmp_path)
     res = load_results(out)
     assert res.metrics["serving/speedup_greedy"] == pytest.approx(res.metrics["tau"], rel=1e-12)
     assert res.metrics["serving/speedup_ddtree_b8"] == pytest.approx(res.metrics["ddtree/tau_b8"], rel=1e-12)
-    assert res.breakdown["serving"]["profile"].startswith("user's own measurement")
+    label = res.breakdown["serving"]["profile"]  # what the projection rests on, each part said once
+    assert label.startswith("user's own measurement (") and label.endswith(f"): --from-csv {csv}"), label
+    assert label.count("measurement") == 1
     assert "projection" in res.notes["serving"]
     few = tmp_path / "few.csv"
     few.write_text("verified_tokens,seconds\n1,0.02\n6,0.03\n")
     short = tmp_path / "short.json"
     assert profile_cli.main(["--from-csv", str(few), "--draft-seconds", "0", "--out", str(short)]) == 0
-    with pytest.raises(ArgumentError, match="DDTree 8 verifies 9 tokens"):
+    # A CSV too short for a budget: the fix is the user's own file, rows up to the tokens that budget verifies.
+    with pytest.raises(ArgumentError, match=f"DDTree 8 verifies 9 tokens.*add rows up to 9 verified tokens to your "
+                                            f"CSV \\({few}\\)"):
         eval_cli.main(["--states", str(tiny_cache), "--drafter", str(drafter_dir), "--out", str(tmp_path / "x.json"),
                        "--ddtree-budgets", "4,8", "--profile", str(short)])
     other = json.loads(prof.read_text())
