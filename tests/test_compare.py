@@ -729,10 +729,14 @@ def _as_chain(src: Path, dst: Path, k: int) -> Path:
     return _edited(src, dst, edit)
 
 
-def test_a_chain_drafter_beside_block_drafters_keeps_their_ddtree_rows(two_results, tmp_path, capsys):
+def test_a_chain_drafter_beside_block_drafters_keeps_their_ddtree_rows(two_results, tmp_path, capsys, monkeypatch):
     """A DDTree budget some files lack is a row with "n/a" where a file lacks it (as a family's walks are), not a
     row dropped for every file; the paired difference on it is between the files that have it; a chain drafter
-    is named by its family and K, not by its block."""
+    is named by its family and K, not by its block. In the plot's tau by position, the cycle counts of three
+    evaluations at one point do not overlap."""
+    from drawn import overlapping, saved_figures
+
+    figures = saved_figures(monkeypatch)
     a, b = two_results
     mtp = _as_chain(a, tmp_path / "mtp.json", 1)
     code, out, err = _run_here(capsys, str(a), str(b), str(mtp), "--labels", "dflash,dflash2,mtp-k1", "--out",
@@ -748,3 +752,6 @@ def test_a_chain_drafter_beside_block_drafters_keeps_their_ddtree_rows(two_resul
     evaluations = md.split("### Evaluations", 1)[1]
     assert "mtp-k1: drafter" in evaluations and "MTP, K = 1 (block 2)" in evaluations
     assert "block 2," not in evaluations
+    by_position = figures[0].axes[2]
+    assert by_position.get_title() == "tau by position" and len(by_position.texts) == 9
+    assert not overlapping(list(by_position.texts), figures[0])

@@ -366,6 +366,7 @@ def plot_comparison(c: Comparison, path: str | Path) -> Path:
         ax.plot(range(1, len(ys) + 1), ys, "o-", label=label)
     ax.set(xlabel="depth in the block", ylabel="acceptance (unconditional)", title="acceptance per depth",
            ylim=(0, 1.02))
+    ax.xaxis.get_major_locator().set_params(integer=True)  # depths are whole numbers
     ax.legend(fontsize=8)
     ax = axes[1]
     names = [TAU] + [category_tau(x) for x in c.categories]
@@ -381,17 +382,19 @@ def plot_comparison(c: Comparison, path: str | Path) -> Path:
     ax.set(ylabel="tau (95% interval)", title="tau per category")
     ax.legend(fontsize=8)
     ax = axes[2]
-    for label, s in zip(c.labels, c.samples, strict=True):
+    for i, (label, s) in enumerate(zip(c.labels, c.samples, strict=True)):
         t = position_table(s, c.position_edges)
         ys = [math.nan if v["tau"] is None else v["tau"] for v in t.values()]
-        ax.plot(list(t), ys, "o-", label=label)
+        ax.plot(list(t), ys, "o-", color=f"C{i}", label=label)
         for k, (v, y) in enumerate(zip(t.values(), ys, strict=True)):  # what each point rests on
-            if math.isfinite(y):
-                ax.annotate(f"{v['cycles']}", (k, y), textcoords="offset points", xytext=(0, 4), fontsize=7,
-                            ha="center")
-    ax.set(xlabel="anchor position in the completion", ylabel="tau (cycles at each point)", title="tau by position")
-    ax.tick_params(axis="x", rotation=20)
-    ax.legend(fontsize=8)
+            if math.isfinite(y):  # each evaluation's counts on their own row below its points: none overlap
+                ax.annotate(f"{v['cycles']}", (k, y), textcoords="offset points", xytext=(0, -11 - 9 * i),
+                            fontsize=7, ha="center", color=f"C{i}")
+    ax.set(xlabel="anchor position in the completion (numbers: cycles at each point)", ylabel="tau",
+           title="tau by position")
+    ax.margins(y=0.25)
+    ax.tick_params(axis="x", rotation=30, labelsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     fig.tight_layout()
     path = Path(path)
     try:
