@@ -24,7 +24,11 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from .common.moved import install as _install_moved
 from .common.version import __version__
+from .old_paths import MODULES as _OLD_MODULES
+
+_install_moved(_OLD_MODULES)  # last release's module paths still import, with a DeprecationWarning naming the new one
 
 # name -> (module, attribute): what ``from dflash_cb import name`` gives.
 _EXPORTS = {

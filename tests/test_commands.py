@@ -98,6 +98,23 @@ def test_library_messages_are_shown_while_a_tool_runs(capsys):
     assert capsys.readouterr().err == ""
 
 
+def test_a_python_warning_in_a_tool_is_one_line_without_a_source_line(capsys):
+    """A warning the package raises while a tool runs (a cost profile timed for another drafter) is its message
+    on one line: Python's own format would print the package's internal source line beneath it."""
+    import warnings
+
+    def tool(argv):
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.warn("--profile p.json: timed for another drafter (hidden_size 64 vs 32)", stacklevel=1)
+        assert warnings.showwarning is not shown  # the edge's own format, while the tool runs
+
+    shown = warnings.showwarning
+    assert run(tool) == 0
+    assert capsys.readouterr().err == "UserWarning: --profile p.json: timed for another drafter (hidden_size 64 vs 32)\n"
+    assert warnings.showwarning is shown  # the program's own format is back
+
+
 # -- Ctrl-C while a tool starts -------------------------------------------------------------------------------------
 
 def _interrupted_while_starting(argv: list[str]) -> tuple[int, str, str]:

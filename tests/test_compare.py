@@ -716,3 +716,42 @@ def test_a_results_file_reads_back_as_written_one_sample_a_line(two_results) -> 
     assert [json.loads(line.rstrip(",")) for line in lines[first + 1:-2]] == [s.to_dict() for s in res.samples]
     assert lines[-2:] == [" ]", "}"] and len(res.samples) > 1
     assert '\n "metrics": {\n  "' in text  # the figures stay one a line
+
+
+def _as_chain(src: Path, dst: Path, k: int) -> Path:
+    """``src`` as a chain drafter's file would be: the MTP head at K = ``k`` (a block of K + 1), no DDTree."""
+    def edit(data: dict) -> None:
+        data["meta"].update(drafter_family="mtp", block_size=k + 1, ddtree_budgets=[])
+        data["metrics"] = {m: v for m, v in data["metrics"].items() if not m.startswith("ddtree/")}
+        for s in data["samples"]:
+            s["ddtree"] = {}
+
+    return _edited(src, dst, edit)
+
+
+def test_a_chain_drafter_beside_block_drafters_keeps_their_ddtree_rows(two_results, tmp_path, capsys, monkeypatch):
+    """A DDTree budget some files lack is a row with "n/a" where a file lacks it (as a family's walks are), not a
+    row dropped for every file; the paired difference on it is between the files that have it; a chain drafter
+    is named by its family and K, not by its block. In the plot's tau by position, the cycle counts of three
+    evaluations at one point do not overlap."""
+    from drawn import overlapping, saved_figures
+
+    figures = saved_figures(monkeypatch)
+    a, b = two_results
+    mtp = _as_chain(a, tmp_path / "mtp.json", 1)
+    code, out, err = _run_here(capsys, str(a), str(b), str(mtp), "--labels", "dflash,dflash2,mtp-k1", "--out",
+                               str(tmp_path / "cmp"), "--resamples", "200")
+    assert code == 0, err
+    md = (tmp_path / "cmp.md").read_text()
+    for budget in (4, 8):
+        row = next(line for line in md.splitlines() if line.startswith(f"| DDTree tau, budget {budget} |"))
+        cells = [c.strip() for c in row.strip("|").split("|")][1:]
+        assert cells[2] == "n/a" and all(c != "n/a" and c[0].isdigit() for c in cells[:2]), row
+        assert f"| dflash2 - dflash | DDTree tau, budget {budget} |" in md
+        assert f"| mtp-k1 - dflash | DDTree tau, budget {budget} |" not in md
+    evaluations = md.split("### Evaluations", 1)[1]
+    assert "mtp-k1: drafter" in evaluations and "MTP, K = 1 (block 2)" in evaluations
+    assert "block 2," not in evaluations
+    by_position = figures[0].axes[2]
+    assert by_position.get_title() == "tau by position" and len(by_position.texts) == 9
+    assert not overlapping(list(by_position.texts), figures[0])

@@ -379,3 +379,26 @@ def test_the_selector_section_is_built_from_the_metric_names():
         <= keys and not any(k.endswith("_08") for k in keys)
     logged = ["dflash_eval/tau", "dflash_eval/acceptance/depth_07", "dflash_eval/" + SELECTOR_UNARY_TAU]
     assert layout_from_keys(logged).family == "dflash2" and layout_from_keys(logged[:2]).family is None
+
+
+@pytest.mark.e2e
+def test_a_local_run_is_inspected_whole_and_its_panels_cover_what_the_readme_argues(offline_run, capsys):
+    """``--run DIR --show`` lists every key the run logged (not only the series table's columns); ``--dry-run``
+    needs no --entity/--project; the plan has panels for the training's accuracy against tau, the all-anchor
+    figures, the evaluation's overhead and the committed-tokens histogram."""
+    from dflash_cb.common.cli import run
+    from dflash_cb.integrations.tracking.panels import main
+
+    assert run(main, ["--run", str(offline_run["run_dir"]), "--show"]) == 0
+    shown = capsys.readouterr().out
+    logged = set().union(*offline_run["history"])
+    listed = shown.split("every key logged (", 1)[1].splitlines()[1:]
+    assert {line.split()[0] for line in listed} == logged and len(logged) > 100
+    assert run(main, ["--run", str(offline_run["run_dir"]), "--dry-run"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    keys = {k for panels in plan.values() for p in panels for k in p["keys"]}
+    wanted = {"dflash_eval/specforge/acc", "dflash_eval/all_anchor_tau", "dflash_eval/eval_overhead",
+              "dflash_eval/produced_frac/01", "dflash_eval/chain_tau_estimate"}
+    assert wanted <= keys
+    assert wanted - {"dflash_eval/chain_tau_estimate"} <= logged  # a block drafter's run: no chain estimate
+    assert run(main, ["--budgets", "4", "--dry-run"]) == 0 and capsys.readouterr().out.startswith("{")

@@ -438,6 +438,18 @@ def test_the_precompute_builds_a_preset_itself_as_the_tool_builds_it(offline_hub
     assert shards and any(".t2" in line for line in (tmp_path / "a" / "manifest.json").read_text().split('"'))
     assert all(a[n] == b[n] for n in shards)
     capsys.readouterr()
+    import datasets
+
+    def unreachable(*args, **kwargs):  # what this machine's hub answers (it has no network)
+        raise ConnectionError("Name or service not known")
+
+    with pytest.MonkeyPatch.context() as mp:  # without the hub, the precompute names its own option for saved sets
+        mp.setattr(PS, "hub_revision", unreachable)
+        mp.setattr(datasets, "load_dataset", unreachable)
+        assert precompute_main([*common, "--prompt-set", "dflash-0.1", "--prompt-max-samples", "1",
+                                "--out", str(tmp_path / "c")]) != 0
+    err = capsys.readouterr().err
+    assert "build with --prompt-data-dir DIR" in err and " --data-dir" not in err, err
     assert precompute_main([*common, "--prompt-set", "dflash-0.1", "--prompts", str(built),
                             "--out", str(tmp_path / "c")]) == 2
     assert "--prompt-set dflash-0.1 and --prompts" in capsys.readouterr().err and not (tmp_path / "c").exists()

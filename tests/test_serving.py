@@ -264,13 +264,17 @@ def test_eval_drafter_projects_with_a_profile(tiny_cache, drafter_dir, tmp_path)
     res = load_results(out)
     assert res.metrics["serving/speedup_greedy"] == pytest.approx(res.metrics["tau"], rel=1e-12)
     assert res.metrics["serving/speedup_ddtree_b8"] == pytest.approx(res.metrics["ddtree/tau_b8"], rel=1e-12)
-    assert res.breakdown["serving"]["profile"].startswith("user's own measurement")
+    label = res.breakdown["serving"]["profile"]  # what the projection rests on, each part said once
+    assert label.startswith("user's own measurement (") and label.endswith(f"): --from-csv {csv}"), label
+    assert label.count("measurement") == 1
     assert "projection" in res.notes["serving"]
     few = tmp_path / "few.csv"
     few.write_text("verified_tokens,seconds\n1,0.02\n6,0.03\n")
     short = tmp_path / "short.json"
     assert profile_cli.main(["--from-csv", str(few), "--draft-seconds", "0", "--out", str(short)]) == 0
-    with pytest.raises(ArgumentError, match="DDTree 8 verifies 9 tokens"):
+    # A CSV too short for a budget: the fix is the user's own file, rows up to the tokens that budget verifies.
+    with pytest.raises(ArgumentError, match=f"DDTree 8 verifies 9 tokens.*add rows up to 9 verified tokens to your "
+                                            f"CSV \\({few}\\)"):
         eval_cli.main(["--states", str(tiny_cache), "--drafter", str(drafter_dir), "--out", str(tmp_path / "x.json"),
                        "--ddtree-budgets", "4,8", "--profile", str(short)])
     other = json.loads(prof.read_text())
@@ -301,9 +305,11 @@ def test_a_roofline_profile_is_labelled_with_the_stated_numbers(tiny_cache, draf
         profile_cli.main(["--roofline", "--target", str(tiny_cache.parent / "target"), "--out", str(tmp_path / "x")])
 
 
-def test_serve_plan_across_drafters(tiny_cache, trained_tiny_drafter, drafter_dir, tmp_path) -> None:
+def test_serve_plan_across_drafters(tiny_cache, trained_tiny_drafter, drafter_dir, tmp_path, monkeypatch) -> None:
     """Two drafters scored with one profile on one cache: each one's settings, the best drafter at its best setting
-    against the other paired, per category, a PNG; a file without a projection, or with another profile, refused."""
+    against the other paired, per category, a PNG whose every point is named by its setting; a file without a
+    projection, or with another profile, refused."""
+    from drawn import overlapping, saved_figures
 
     from dflash_cb.integrations.cli import eval_drafter as eval_cli
     from dflash_cb.integrations.cli import profile_costs as profile_cli
@@ -320,9 +326,14 @@ def test_serve_plan_across_drafters(tiny_cache, trained_tiny_drafter, drafter_di
         assert eval_cli.main(["--states", str(tiny_cache), "--drafter", str(d), "--out", str(files[name]),
                               "--ddtree-budgets", "8", "--profile", str(prof)]) == 0
     out = tmp_path / "plan"
+    figures = saved_figures(monkeypatch)
     assert serve_plan_cli.main([str(files["untrained"]), str(files["trained"]), "--out", str(out)]) == 0
     md = out.with_suffix(".md").read_text()
     assert out.with_suffix(".png").stat().st_size > 0
+    (ax,) = figures[0].axes
+    names = list(ax.texts)
+    assert sorted(t.get_text() for t in names) == ["DDTree 8", "DDTree 8", "block 6", "block 6"]
+    assert not overlapping(names, figures[0])
     assert "| untrained | block 6" in md and "| trained | DDTree 8" in md and "per category" in md
     assert "**Serve trained at" in md and "trained is faster" in md  # the trained drafter is the faster one
     assert "not a measured serving speed" in md

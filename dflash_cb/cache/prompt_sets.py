@@ -224,8 +224,9 @@ def hub_revision(dataset: str) -> str:
     return str(HfApi().dataset_info(dataset).sha)
 
 
-def _from_hub(s: PromptSet) -> tuple[Any, str]:
-    """The rows of ``s`` from the hub and the revision read: the pinned one, else the current one."""
+def _from_hub(s: PromptSet, data_flag: str = "--data-dir") -> tuple[Any, str]:
+    """The rows of ``s`` from the hub and the revision read: the pinned one, else the current one. ``data_flag``:
+    the caller's option that reads saved sets instead, named in the error."""
     try:
         revision = s.revision or hub_revision(s.dataset)
         return _hub_rows(s, revision), revision
@@ -233,10 +234,11 @@ def _from_hub(s: PromptSet) -> tuple[Any, str]:
         raise PromptSetError(
             f"{s.dataset} ({s.category}): cannot read it from the Hugging Face hub ({type(e).__name__}: {e}); "
             "where the hub cannot be reached, save the sets on a machine that reaches it "
-            "(tools/build_prompts.py --save-data DIR) and build with --data-dir DIR") from e
+            f"(tools/build_prompts.py --save-data DIR) and build with {data_flag} DIR") from e
 
 
-def load_set(s: PromptSet, data_dir: str | Path | None = None) -> tuple[Any, str | None]:
+def load_set(s: PromptSet, data_dir: str | Path | None = None,
+             data_flag: str = "--data-dir") -> tuple[Any, str | None]:
     """The rows of ``s`` (a ``datasets.Dataset``) and the revision they are at.
 
     From ``data_dir/<category>`` when given (saved by ``save_set``, its revision in ``source.json``),
@@ -244,7 +246,7 @@ def load_set(s: PromptSet, data_dir: str | Path | None = None) -> tuple[Any, str
     import datasets
 
     if data_dir is None:
-        rows, revision = _from_hub(s)
+        rows, revision = _from_hub(s, data_flag)
     else:
         folder = Path(data_dir) / s.category
         if not (folder / SOURCE_FILE).is_file():
@@ -328,13 +330,14 @@ def answer_text(tokenizer: Any, completion_ids: Sequence[int]) -> str:
 
 
 def build_records(p: Preset, tokenizer: Any, *, data_dir: str | Path | None = None, max_samples: int | None = None,
-                  categories: Sequence[str] | None = None) -> list[dict[str, Any]]:
-    """One prompt record per selected row of every set (turn 1's token ids; all turns kept in ``turns``)."""
+                  categories: Sequence[str] | None = None, data_flag: str = "--data-dir") -> list[dict[str, Any]]:
+    """One prompt record per selected row of every set (turn 1's token ids; all turns kept in ``turns``);
+    ``data_flag``: the caller's option for ``data_dir``, named where the hub cannot be reached."""
     identity = tokenizer_identity(tokenizer)
     chosen = [p.set(c) for c in categories] if categories else list(p.sets)
     records: list[dict[str, Any]] = []
     for s in chosen:
-        rows, revision = load_set(s, data_dir)
+        rows, revision = load_set(s, data_dir, data_flag)
         count = max_samples if max_samples is not None else s.samples
         for row in selected_rows(p, len(rows), count):
             turns = s.format(rows[row])

@@ -25,6 +25,7 @@ import os
 import signal
 import sys
 import threading
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -57,19 +58,30 @@ def describe_os_error(err: OSError) -> str:
     return f"{text} ({fix})" if fix else text
 
 
+def _one_line(message: Warning | str, category: type[Warning], filename: str, lineno: int, file: Any = None,
+              line: str | None = None) -> None:
+    """A Python warning in a tool: ``<Category>: <message>`` on stderr, without the package's source line that
+    ``warnings`` prints beneath it (the message names the file and the fix; our code line says nothing)."""
+    print(f"{category.__name__}: {message}", file=file if file is not None else sys.stderr)
+
+
 @contextlib.contextmanager
 def _messages_shown() -> Iterator[None]:
     """Show the package's messages for the duration (``log.ConsoleLines``: the tool's output on stdout, its
-    notes and warnings on stderr); once, however nested."""
+    notes and warnings on stderr, Python warnings one line each); once, however nested."""
     package = logging.getLogger(log.PACKAGE)
     level = package.level
     handler = log.install_console()
+    shown = warnings.showwarning
+    if handler is not None:
+        warnings.showwarning = _one_line
     try:
         yield
     finally:
         if handler is not None:
             package.removeHandler(handler)
             package.setLevel(level)
+            warnings.showwarning = shown
 
 
 Main = Callable[[Sequence[str] | None], int | None]

@@ -468,15 +468,18 @@ def make_plots(history: list[dict[str, float]], block_size: int, budgets: Sequen
     steps = [h["step"] for h in history]
     out: dict[str, Path] = {}
 
-    def save(fig: Any, ax: Any, name: str) -> None:
-        ax.legend(fontsize=8)
+    def save(fig: Any, ax: Any, name: str, outside: bool = False) -> None:
+        if outside:  # many lines: the legend beside the axes, never over the band or the lines
+            ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+        else:
+            ax.legend(fontsize=8)
         out[name] = plots / f"{name}.png"
         fig.tight_layout()
         with atomic_path(out[name]) as tmp:
             fig.savefig(tmp, format="png", dpi=110)
         plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig, ax = plt.subplots(figsize=(10, 4.2))
     ax.plot(steps, [h[TAU] for h in history], "o-", lw=2, label="tau (greedy replay)")
     ax.fill_between(steps, [h.get(ci_low(TAU), math.nan) for h in history],
                     [h.get(ci_high(TAU), math.nan) for h in history], color="C0", alpha=0.2,
@@ -492,7 +495,7 @@ def make_plots(history: list[dict[str, float]], block_size: int, budgets: Sequen
     ax.axhline(goal, color="red", lw=0.8, alpha=0.6, label=f"the demo's goal: tau {goal:g}")
     ax.set(xlabel="training step", ylabel="tokens per drafter call", title=f"{fam.label} drafter: tau while it trains")
     ax.grid(alpha=0.3)
-    save(fig, ax, "tau_over_steps")
+    save(fig, ax, "tau_over_steps", outside=True)
 
     depths = list(range(1, block_size))
     fig, ax = plt.subplots(figsize=(7, 4.2))
@@ -513,9 +516,9 @@ def make_plots(history: list[dict[str, float]], block_size: int, budgets: Sequen
         ax.bar([n + off for n in ns], [h.get(hist_frac(n), 0.0) or 0.0 for n in ns], width=w, color=color,
                label=f"step {int(h['step'])} (tau {h[TAU]:.2f})")
     ax.set(xlabel="tokens committed per cycle (accepted + 1)", ylabel="fraction of cycles", xticks=ns,
-           title="accepted lengths per speculative cycle")
+           title="tokens committed per speculative cycle (accepted + 1)")
     ax.grid(alpha=0.3, axis="y")
-    save(fig, ax, "accepted_lengths_hist")
+    save(fig, ax, "accepted_lengths_hist", outside=True)
     return out
 
 

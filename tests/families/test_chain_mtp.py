@@ -246,7 +246,7 @@ def test_a_profile_times_one_chain_step(world, tmp_path: Path, monkeypatch) -> N
 
 def test_eval_drafter_scores_several_chain_lengths(world, tmp_path: Path, caplog) -> None:
     """``--speculative-tokens 1,3`` writes one results file per K, each the evaluation at block K + 1; a block
-    drafter is refused before any scoring, naming --block-size."""
+    drafter is refused before any scoring, naming --block-size. One K writes --out itself, as named, and says so."""
     from dflash_cb.common.arguments import ArgumentError
     from dflash_cb.core.drafters.layouts import drafter_from_config
     from dflash_cb.core.replay.engine import evaluate
@@ -263,6 +263,12 @@ def test_eval_drafter_scores_several_chain_lengths(world, tmp_path: Path, caplog
         assert got["metrics"]["tau"] == evaluate(cache, world["drafter"], block_size=k + 1, budgets=()).summary["tau"]
         assert f"-> {tmp_path / f'r.k{k}.json'}" in said
     assert not (tmp_path / "r.json").exists()
+    caplog.clear()
+    assert eval_drafter.main(["--states", str(cache.path), "--drafter", str(tmp_path / "mtp"), "--out",
+                              str(tmp_path / "one.json"), "--speculative-tokens", "3", "--ddtree-budgets", ""]) == 0
+    assert json.loads((tmp_path / "one.json").read_text())["metrics"]["tau"] == json.loads(
+        (tmp_path / "r.k3.json").read_text())["metrics"]["tau"]
+    assert f"-> {tmp_path / 'one.json'}" in caplog.text and not (tmp_path / "one.k3.json").exists()
     torch.manual_seed(0)
     drafter_from_config(_dflash_config(cache.manifest)).save_pretrained(tmp_path / "dflash")
     with pytest.raises(ArgumentError, match="drafts a block in one pass; score another block with --block-size"):

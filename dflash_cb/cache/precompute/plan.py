@@ -579,7 +579,8 @@ def built_prompt_set(a: PrecomputeArgs) -> str:
 
     tokenizer = AutoTokenizer.from_pretrained(a.tokenizer or a.target, trust_remote_code=False)
     try:
-        records = build_records(p, tokenizer, data_dir=a.prompt_data_dir, max_samples=a.prompt_max_samples)
+        records = build_records(p, tokenizer, data_dir=a.prompt_data_dir, max_samples=a.prompt_max_samples,
+                                data_flag="--prompt-data-dir")
     except PromptSetError as e:
         raise PrecomputeError(f"--prompt-set {a.prompt_set}: {e}") from None
     out = output_path(a.out)

@@ -130,6 +130,15 @@ class CostProfile:
         said = f": {self.source}" if self.source and self.kind != "measured" else ""
         return f"{what} ({', '.join(parts)}){said}"
 
+    def reach(self, n: int) -> str:
+        """How to give this profile verify rows up to ``n`` tokens: a CSV is the user's to extend, a measured or
+        roofline profile is measured again."""
+        if self.kind == "user":
+            return (f"add rows up to {n} verified tokens to your CSV ({self.source.removeprefix('--from-csv ')}) "
+                    "and write the profile again (tools/profile_costs.py --from-csv)")
+        again = "--roofline " if self.kind == "roofline" else ""
+        return f"measure up to {n} tokens (tools/profile_costs.py {again}--tokens 1-{n})"
+
     def verify_seconds(self, n: int, context: int) -> float:
         """The target's verify step at ``n`` tokens after ``context`` committed ones."""
         return _across_contexts(self.verify, context, lambda rows: _between_rows(rows, n))
@@ -179,7 +188,7 @@ class CostProfile:
 def _between_rows(rows: Sequence[tuple[int, float]], n: int) -> float:
     if n < rows[0][0] or n > rows[-1][0]:
         raise ProfileError(f"{n} verified tokens is outside the profile's rows ({rows[0][0]} to {rows[-1][0]}): "
-                           "measure that many (tools/profile_costs.py --tokens) or score a smaller setting")
+                           "give the profile rows that reach it or score a smaller setting")
     i = bisect.bisect_left([r[0] for r in rows], n)
     if rows[i][0] == n:
         return rows[i][1]
@@ -371,8 +380,7 @@ def project(samples: Sequence[SampleCycles], settings: Sequence[Setting], profil
     for s in settings:
         if s.verified > profile.max_verified:
             raise ProfileError(f"{s.label} verifies {s.verified} tokens a cycle, beyond the profile's rows (up to "
-                               f"{profile.max_verified}): measure more (tools/profile_costs.py --tokens) or leave "
-                               "that setting out")
+                               f"{profile.max_verified}): {profile.reach(s.verified)}, or leave that setting out")
     out = []
     for s in settings:
         rows = tuple(sample_seconds(x, s, profile) for x in samples)

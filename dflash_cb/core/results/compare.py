@@ -127,7 +127,7 @@ class Comparison:
     labels: list[str]
     results: list[Results]
     samples: list[list[Any]]  # per evaluation, the samples every evaluation scored, aligned
-    budgets: list[int]  # DDTree budgets every evaluation has
+    budgets: list[int]  # DDTree budgets some evaluation has ("n/a" for the others: a chain drafter has no tree)
     categories: list[str]
     intervals: list[dict[str, Interval]]  # per evaluation, on the shared samples
     differences: dict[tuple[int, int], dict[str, Difference]]  # (i, j) -> j - i
@@ -174,6 +174,11 @@ def shared_budgets(results: Sequence[Results]) -> list[int]:
     return sorted(set.intersection(*(set(r.budgets) for r in results)))
 
 
+def any_budgets(results: Sequence[Results]) -> list[int]:
+    """The DDTree budgets some evaluation has: each is a row, "n/a" where a file lacks it (a chain drafter's)."""
+    return sorted(set().union(*(r.budgets for r in results)))
+
+
 def like_for_like(results: Sequence[Results]) -> list[dict[str, Any]]:
     """Each evaluation's series as compared side by side: drafters of several families draft their own blocks
     (a DFlash block of 16 beside the MTP head's chain of 3), so the block is compared only within one family."""
@@ -197,14 +202,14 @@ def compare(labels: Sequence[str], results: Sequence[Results], n_resamples: int 
         by_id = {s.id: s for s in r.samples}
         aligned.append([by_id[i] for i in ids])
     check_same_categories(labels, aligned)
-    budgets = shared_budgets(results)
     categories = sorted({s.category for s in aligned[0]})
-    ivs = [intervals(metric_sums(s, budgets, categories), n_resamples, seed) for s in aligned]
+    ivs = [intervals(metric_sums(s, r.budgets, categories), n_resamples, seed) for s, r in zip(aligned, results, strict=True)]
     diffs = {}
-    for i, j in combinations(range(len(results)), 2):
-        diffs[(i, j)] = paired(aligned[i], aligned[j], labels[i], labels[j], budgets, categories, n_resamples, seed)
+    for i, j in combinations(range(len(results)), 2):  # a pair differs on the budgets both have
+        diffs[(i, j)] = paired(aligned[i], aligned[j], labels[i], labels[j], shared_budgets([results[i], results[j]]),
+                               categories, n_resamples, seed)
     notes = [m for m in [series_mismatch(list(zip(labels, like_for_like(results), strict=True)))] if m]
-    return Comparison(list(labels), list(results), aligned, budgets, categories, ivs, diffs,
+    return Comparison(list(labels), list(results), aligned, any_budgets(results), categories, ivs, diffs,
                       check_edges(position_edges), notes)
 
 
@@ -329,11 +334,19 @@ def render_markdown(c: Comparison, plot_path: str | None = None, published: Sequ
     for label, r in zip(c.labels, c.results, strict=True):
         step = r.drafter_step
         lines.append(f"- {label}: drafter `{r.drafter_path}`" + (f" (global step {step})" if step is not None else "")
-                     + f", {len(r.samples)} samples, block {r.block_size or 'not recorded'}, dtype "
+                     + f", {len(r.samples)} samples, {drafted(r)}, dtype "
                      + f"{r.meta.get('dtype')}, tail blocks " + (r.tail_blocks or "not recorded"))
     if plot_path:
         lines += ["", f"![comparison]({plot_path})"]
     return "\n".join(lines) + "\n"
+
+
+def drafted(r: Results) -> str:
+    """What an evaluation drafted: a chain drafter by its family and chain length K, a block drafter by its block."""
+    family = family_named(r.family)
+    if family.kind == "chain" and r.block_size:
+        return f"{family.label}, K = {r.block_size - 1} (block {r.block_size})"
+    return f"{family.label}, block {r.block_size or 'not recorded'}"
 
 
 def plot_comparison(c: Comparison, path: str | Path) -> Path:
@@ -353,6 +366,7 @@ def plot_comparison(c: Comparison, path: str | Path) -> Path:
         ax.plot(range(1, len(ys) + 1), ys, "o-", label=label)
     ax.set(xlabel="depth in the block", ylabel="acceptance (unconditional)", title="acceptance per depth",
            ylim=(0, 1.02))
+    ax.xaxis.get_major_locator().set_params(integer=True)  # depths are whole numbers
     ax.legend(fontsize=8)
     ax = axes[1]
     names = [TAU] + [category_tau(x) for x in c.categories]
@@ -368,17 +382,19 @@ def plot_comparison(c: Comparison, path: str | Path) -> Path:
     ax.set(ylabel="tau (95% interval)", title="tau per category")
     ax.legend(fontsize=8)
     ax = axes[2]
-    for label, s in zip(c.labels, c.samples, strict=True):
+    for i, (label, s) in enumerate(zip(c.labels, c.samples, strict=True)):
         t = position_table(s, c.position_edges)
         ys = [math.nan if v["tau"] is None else v["tau"] for v in t.values()]
-        ax.plot(list(t), ys, "o-", label=label)
+        ax.plot(list(t), ys, "o-", color=f"C{i}", label=label)
         for k, (v, y) in enumerate(zip(t.values(), ys, strict=True)):  # what each point rests on
-            if math.isfinite(y):
-                ax.annotate(f"{v['cycles']}", (k, y), textcoords="offset points", xytext=(0, 4), fontsize=7,
-                            ha="center")
-    ax.set(xlabel="anchor position in the completion", ylabel="tau (cycles at each point)", title="tau by position")
-    ax.tick_params(axis="x", rotation=20)
-    ax.legend(fontsize=8)
+            if math.isfinite(y):  # each evaluation's counts on their own row below its points: none overlap
+                ax.annotate(f"{v['cycles']}", (k, y), textcoords="offset points", xytext=(0, -11 - 9 * i),
+                            fontsize=7, ha="center", color=f"C{i}")
+    ax.set(xlabel="anchor position in the completion (numbers: cycles at each point)", ylabel="tau",
+           title="tau by position")
+    ax.margins(y=0.25)
+    ax.tick_params(axis="x", rotation=30, labelsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     fig.tight_layout()
     path = Path(path)
     try:

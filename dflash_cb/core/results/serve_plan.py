@@ -131,6 +131,9 @@ def plot_plan(p: Plan, path: str | Path) -> None:
         err = [[max(0.0, s.speedup.value - s.speedup.low) for s in proj.settings],
                [max(0.0, s.speedup.high - s.speedup.value) for s in proj.settings]]
         ax.errorbar(xs, ys, yerr=err, fmt="o-", color=f"C{k}", capsize=3, label=label)
+        for i, (x, y, setting) in enumerate(zip(xs, ys, proj.settings, strict=True)):  # which setting each is
+            ax.annotate(setting.setting.label, (x, y), textcoords="offset points", fontsize=7, color=f"C{k}",
+                        xytext=(5, 6 if (i + k) % 2 == 0 else -11))
         best = proj.best
         ax.plot([best.setting.verified], [best.speedup.value], marker="*", markersize=16, color="gold",
                 markeredgecolor="black", linestyle="none")

@@ -13,7 +13,7 @@ from ...common.fileio import check_outputs_apart
 from ...common.threads import THREADS_HELP
 from ...core.figures.bootstrap import DEFAULT_RESAMPLES, DEFAULT_SEED
 from ...core.figures.positions import DEFAULT_POSITION_EDGES
-from ...core.results.compare import CompareError, compare, shared_budgets, write_comparison
+from ...core.results.compare import CompareError, any_budgets, compare, write_comparison
 from ...core.results.results_file import check_results_path, load_results
 
 
@@ -87,7 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from ...core.results.baselines import load_published
 
         try:  # a DDTree figure must stand beside a budget every evaluation has
-            published = load_published(args.published, budgets=shared_budgets(results)).baselines
+            published = load_published(args.published, budgets=any_budgets(results)).baselines
         except (OSError, ValueError) as e:
             raise CompareError(f"--published: {e}") from None
     c = compare(labels, results, args.resamples, args.seed, edges)

@@ -47,8 +47,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "over plain decoding of every scored setting (block, DDTree budgets)")
     p.add_argument("--speculative-tokens", default=None, metavar="K,K,...",
                    help="a chain drafter (the target's MTP head, EAGLE-3): score each chain length K (e.g. 1,3,5; "
-                        "the servers' num_speculative_tokens), one results file each: --out with .kK before its "
-                        "suffix (results.k3.json); a block drafter takes --block-size instead")
+                        "the servers' num_speculative_tokens), one results file each: one K writes --out itself, "
+                        "several write --out with .kK before its suffix (results.k1.json, results.k3.json); a "
+                        "block drafter takes --block-size instead")
     p.add_argument("--wandb-project", default=None, help="also log the evaluation to this W&B project")
     p.add_argument("--wandb-name", default=None, help="W&B run name")
     return p.parse_args(argv)
@@ -163,9 +164,10 @@ def _chain_lengths(args: argparse.Namespace) -> list[int]:
     return ks
 
 
-def chain_output(out: Path, k: int) -> Path:
-    """Where ``--speculative-tokens`` writes the results of chain length ``k``: ``.kK`` before the suffix."""
-    return out.with_name(f"{out.stem}.k{k}{out.suffix or '.json'}")
+def chain_output(out: Path, k: int, ks: list[int]) -> Path:
+    """Where ``--speculative-tokens`` writes the results of chain length ``k`` of ``ks``: ``--out`` itself for one K,
+    ``.kK`` before the suffix for several (one file each)."""
+    return out if len(ks) == 1 else out.with_name(f"{out.stem}.k{k}{out.suffix or '.json'}")
 
 
 def _score_chain_lengths(args: argparse.Namespace, scorer: object, drafter: object, ks: list[int], out: Path,
@@ -179,7 +181,7 @@ def _score_chain_lengths(args: argparse.Namespace, scorer: object, drafter: obje
     if family.kind != "chain":
         raise ArgumentError(f"--speculative-tokens: a {family.label} drafter drafts a block in one pass; score "
                             "another block with --block-size")
-    outs = [check_results_path(chain_output(out, k)) for k in ks]
+    outs = [check_results_path(chain_output(out, k, ks)) for k in ks]
     rows = []
     base = scorer.config
     for k, path in zip(ks, outs, strict=True):

@@ -380,7 +380,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         verify, draft = from_csv(args.from_csv, seconds[0] if seconds else None)
         others = tuple((who, {0: sec}) for who, sec in zip(ids[1:], (seconds or [])[1:], strict=True))
         profile = CostProfile("user", verify, draft, target, ids[0] if ids else {}, "", "", args.batch_size, today,
-                              f"your own measurement: {args.from_csv}", others)
+                              f"--from-csv {args.from_csv}", others)
         return _finish(out, profile)
     if not args.target:
         raise ArgumentError("--target TARGET_DIR is needed to measure (or --roofline); --from-csv needs none")

@@ -69,8 +69,8 @@ def checked_settings(profile: CostProfile, drafter: Any, block_size: int, budget
     for s in settings:
         if s.verified > profile.max_verified:
             raise ArgumentError(f"{where}: {s.label} verifies {s.verified} tokens a cycle, beyond the "
-                                f"profile's rows (up to {profile.max_verified}); measure more (tools/profile_costs.py "
-                                "--tokens or --max-budget) or lower --ddtree-budgets")
+                                f"profile's rows (up to {profile.max_verified}); {profile.reach(s.verified)}, or "
+                                "lower --ddtree-budgets")
     return settings
 
 

@@ -38,9 +38,11 @@ from ...core.figures.metrics import (
     ANCHORS_NEEDED,
     BEST_STEP,
     BEST_TAU,
+    CHAIN_TAU_ESTIMATE,
     CYCLES,
     DEFAULT_PREFIX,
     DELTA_TAU,
+    EVAL_OVERHEAD,
     EVAL_STEP,
     EVAL_TIME,
     FULL_PREFIX,
@@ -57,6 +59,7 @@ from ...core.figures.metrics import (
     ddtree_tau,
     depth_acc,
     depth_acc_cond,
+    hist_frac,
     position_cycles,
     position_tau,
     serving_key,
@@ -71,7 +74,7 @@ from ...core.results.baselines import CONVENTIONS
 from ...core.results.compare import family_walks
 
 SAMPLE_TABLE = "sample_table"
-COST_KEYS = (EVAL_TIME, CYCLES, TOKENS, ANCHORS_DRAFTED, ANCHORS_NEEDED)
+COST_KEYS = (EVAL_TIME, EVAL_OVERHEAD, CYCLES, TOKENS, ANCHORS_DRAFTED, ANCHORS_NEEDED)
 SECTIONS = ("Headline", "Uncertainty", "Per category", "Per depth", "Drafter family", "Serving (projected)", "By position",
             "Cost", "Samples")
 
@@ -154,6 +157,10 @@ def panel_plan(layout: PanelLayout) -> dict[str, list[PanelSpec]]:
                              + [f"{r}/{ddtree_tau(b)}" for r in refs for b in layout.reference_budgets.get(r, ())]))
     if layout.baselines:
         headline.append(line("live minus baseline (tau, paired)", [f"{b}/{DELTA_TAU}" for b in layout.baselines]))
+    # The README's argument: the training's own accuracy (SpecForge's acc) beside tau, and tau beside the anchor
+    # statistics (every anchor scored, not only the replay's cycles; a chain drafter's estimate from them).
+    headline.append(line("training's accuracy (specforge/acc) against tau", [TAU, SPECFORGE_ACC]))
+    headline.append(line("tau beside the all-anchor figures", [TAU, ALL_ANCHOR_TAU, CHAIN_TAU_ESTIMATE]))
     headline.append(PanelSpec("scalar", "best tau", (p + BEST_TAU,)))
     headline.append(PanelSpec("scalar", "step of the best tau", (p + BEST_STEP,)))
 
@@ -172,7 +179,9 @@ def panel_plan(layout: PanelLayout) -> dict[str, list[PanelSpec]]:
 
     depths = range(1, layout.block_size)
     per_depth = [line("acceptance per depth (unconditional)", [depth_acc(k) for k in depths]),
-                 line("acceptance per depth (given the previous depths matched)", [depth_acc_cond(k) for k in depths])]
+                 line("acceptance per depth (given the previous depths matched)", [depth_acc_cond(k) for k in depths]),
+                 line("fraction of cycles committing n tokens (accepted + 1)",
+                      [hist_frac(n) for n in range(1, layout.block_size + 1)])]
 
     selector = family_panels(layout.family, depths, line) if layout.family else []
 
@@ -401,6 +410,19 @@ def series_table(rows: Iterable[Mapping[str, Any]], prefix: str = DEFAULT_PREFIX
     return "\n".join(lines)
 
 
+def every_key(rows: Sequence[Mapping[str, Any]]) -> str:
+    """Every key the run logged, one a line: how many of its rows hold it and its last value (``--show``: the
+    series table shows the headline; this, the rest)."""
+    seen: dict[str, tuple[int, Any]] = {}
+    for row in rows:
+        for key, value in row.items():
+            seen[key] = (seen.get(key, (0, None))[0] + 1, value)
+    lines = [f"every key logged ({len(seen)}; rows holding it; last value):"]
+    lines += [f"  {key}  {count}  {json.dumps(_brief(value), sort_keys=True, default=str)[:200]}"
+              for key, (count, value) in sorted(seen.items())]
+    return "\n".join(lines)
+
+
 def _brief(value: Any, limit: int = 300) -> Any:
     """A config for one printed line: an entry longer than ``limit`` characters (the cache's identity) is named
     by its size, so the entries after it are still shown."""
@@ -503,9 +525,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.show and not args.run:
         raise PanelsError("--show prints the series of a run: give --run (a local offline run folder, or a run id "
                           "with --entity and --project)")
-    if not args.show and not (args.entity and args.project):
+    if not (args.show or args.dry_run) and not (args.entity and args.project):
         raise PanelsError("--entity and --project are required to build the panels (the W&B project the runs log "
-                          "to); --show --run <folder> needs neither")
+                          "to); --show --run <folder> and --dry-run need neither")
     logged: set[str] | None = None
     if args.run:
         rows, summary_keys = _run_history(args.run, args.entity, args.project)
@@ -518,6 +540,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     if key.startswith(ours):
                         print(f"config {key}: {json.dumps(_brief(value), sort_keys=True)[:2000]}")
             print(series_table(rows, args.prefix))
+            print(every_key(rows))
             return 0
         logged = {k for row in rows for k in row} | summary_keys
         layout = layout_from_keys(logged, args.prefix, light_budgets(rows, args.prefix))
@@ -546,11 +569,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif empty:
             print(f"warning: run {args.run} logged none of the keys of {len(empty)} panel(s): "
                   f"{'; '.join(empty)}", file=sys.stderr)
-    view = (build_report if args.report else build_workspace)(args.entity, args.project, layout, args.name)
     if args.dry_run:
         print(json.dumps({s: [{"kind": p.kind, "title": p.title, "keys": list(p.keys)} for p in panels]
                           for s, panels in plan.items()}, indent=1))
+        if args.entity and args.project:  # building the view checks it against wandb-workspaces; nothing is saved
+            (build_report if args.report else build_workspace)(args.entity, args.project, layout, args.name)
         return 0
+    view = (build_report if args.report else build_workspace)(args.entity, args.project, layout, args.name)
     if args.url:
         import wandb_workspaces.workspaces as ws
 
