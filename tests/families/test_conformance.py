@@ -96,7 +96,13 @@ def test_the_speed_checks_loops_decode_as_plain_greedy_decoding_and_the_replay(w
     commit (full blocks, ``tail_blocks="served"``): the block or chain, and a DDTree where the family's tree is
     over the head's top-K. The loop drafts with its own state, not the cache's features: a drafter whose first
     layer is shifted by one proposes other drafts, and the comparison catches it."""
-    from dflash_cb.core.decode.loops import BlockDrafter, Clock, loop_drafter, plain_decode, speculative_decode
+    from dflash_cb.core.decode.loops import (
+        BlockDrafter,
+        Clock,
+        loop_drafter,
+        plain_decode,
+        speculative_decode,
+    )
     from dflash_cb.core.decode.target_steps import DecodeError, TargetSteps
     from dflash_cb.core.drafters.proposers import ArgmaxProposer
     from dflash_cb.core.replay.engine import evaluate
