@@ -178,7 +178,7 @@ def main() -> None:
     mtp = train_mtp(demo, out, args.epochs, args.seed)
     profile = out / "profile.json"
     cmd_profile = ["--target", str(demo / "target"), "--drafter", f"{demo / 'drafter'},{mtp}", "--dtype", "float32",
-                   "--contexts", "32", "--tokens", "1-33", "--repeats", "5"]
+                   "--contexts", "8,24,40", "--tokens", "1-33", "--repeats", "5"]
     cmd = [*cmd_profile, "--out", str(profile)]
     print("python tools/profile_costs.py " + " ".join(cmd))
     assert profile_costs.main(cmd) == 0
