@@ -93,6 +93,23 @@ def test_the_per_cycle_overhead_enters_as_the_identities_say() -> None:
         replace(flat(0.02, 0.0), overhead={"block": -1.0})
 
 
+def test_a_measured_profiles_own_noise_widens_the_interval() -> None:
+    """A profile that keeps its rows' repeats: repeats that agree leave the interval over prompts as it is; repeats
+    that spread widen it, the point estimate (the rows' medians) unchanged; the repeats survive the file."""
+    settings = block_settings(6, (4,))
+    base = CostProfile("measured", {0: ((1, 0.02), (5, 0.03), (64, 0.04))}, {0: 0.005})
+    steady = replace(base, repeats={0: ((1, (0.02,) * 5), (5, (0.03,) * 5), (64, (0.04,) * 5))})
+    noisy = replace(base, repeats={0: ((1, (0.012, 0.02, 0.02, 0.03, 0.035)), (5, (0.02, 0.03, 0.03, 0.03, 0.05)),
+                                       (64, (0.04,) * 5))})
+    plain, same, wide = (project(SAMPLES, settings, x) for x in (base, steady, noisy))
+    for a, b, c in zip(plain.settings, same.settings, wide.settings, strict=True):
+        assert (a.speedup.low, a.speedup.high) == pytest.approx((b.speedup.low, b.speedup.high), rel=1e-12)
+        assert c.speedup.value == pytest.approx(a.speedup.value, rel=1e-12)
+        assert c.speedup.high - c.speedup.low > a.speedup.high - a.speedup.low
+        assert c.speedup.low <= a.speedup.low and c.speedup.high >= a.speedup.high
+    assert CostProfile.from_dict(json.loads(json.dumps(noisy.to_dict()))).repeats == noisy.repeats
+
+
 def test_a_version_1_profile_still_reads() -> None:
     """Profiles written before the overhead, the spread and the flags read as profiles without them."""
     old = {k: v for k, v in flat(0.02, 0.001).to_dict().items() if k not in ("overhead", "spread", "flags")}

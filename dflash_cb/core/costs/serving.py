@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
@@ -74,6 +74,9 @@ class CostProfile:
     overhead: dict[str, float] = field(default_factory=dict)
     spread: dict[int, tuple[tuple[int, float], ...]] = field(default_factory=dict)
     flags: tuple[str, ...] = ()
+    # Per context, each verify row's repeats (verified tokens, seconds of every timed run): a measured profile's
+    # own noise, resampled into the projection's interval (``project``).
+    repeats: dict[int, tuple[tuple[int, tuple[float, ...]], ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.kind not in PROFILE_KINDS:
@@ -154,6 +157,7 @@ class CostProfile:
                        for who, draft in self.others]
         d["spread"] = {str(c): [list(r) for r in rows] for c, rows in sorted(self.spread.items())}
         d["flags"] = list(self.flags)
+        d["repeats"] = {str(c): [[n, list(t)] for n, t in rows] for c, rows in sorted(self.repeats.items())}
         return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, **d}
 
     @classmethod
@@ -176,7 +180,9 @@ class CostProfile:
                        others, {str(k): v for k, v in (data.get("overhead") or {}).items()},
                        {int(c): tuple((int(n), float(x)) for n, x in rows)
                         for c, rows in (data.get("spread") or {}).items()},
-                       tuple(str(f) for f in data.get("flags") or ()))
+                       tuple(str(f) for f in data.get("flags") or ()),
+                       {int(c): tuple((int(n), tuple(float(x) for x in t)) for n, t in rows)
+                        for c, rows in (data.get("repeats") or {}).items()})
         except ProfileError as e:
             raise ProfileError(f"{where}: {e}") from e
         except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -374,7 +380,8 @@ def _interval(i: Interval) -> list[float]:
 def project(samples: Sequence[SampleCycles], settings: Sequence[Setting], profile: CostProfile,
             n_resamples: int = DEFAULT_RESAMPLES, seed: int = DEFAULT_SEED) -> Projection:
     """Every setting's projected tokens per second and speedup over plain decoding, per-cycle priced, with
-    intervals over the samples; refuses a setting the profile's verify rows do not reach, before pricing."""
+    intervals over the samples (and, for a profile that keeps its rows' repeats, over draws of the profile from
+    them: ``profile_draws``); refuses a setting the profile's verify rows do not reach, before pricing."""
     if not samples:
         raise ProfileError("nothing to project: no scored sample")
     for s in settings:
@@ -382,12 +389,16 @@ def project(samples: Sequence[SampleCycles], settings: Sequence[Setting], profil
             raise ProfileError(f"{s.label} verifies {s.verified} tokens a cycle, beyond the profile's rows (up to "
                                f"{profile.max_verified}): {profile.reach(s.verified)}, or leave that setting out")
     out = []
+    draws = profile_draws(profile, seed=seed)
     for s in settings:
         rows = tuple(sample_seconds(x, s, profile) for x in samples)
         cycles = sum(len(x.produced.get(s.name, ())) for x in samples)
         tokens = sum(r[0] for r in rows)
         found = intervals({"tps": Sums.of([r[0] for r in rows], [r[1] for r in rows]),
                            "speedup": Sums.of([r[2] for r in rows], [r[1] for r in rows])}, n_resamples, seed)
+        if draws:  # a measured profile's repeats: its noise enters the interval beside the prompts'
+            found = {"tps": _with_profile_noise(found["tps"], samples, s, draws, n_resamples, seed, tps=True),
+                     "speedup": _with_profile_noise(found["speedup"], samples, s, draws, n_resamples, seed)}
         context = _mean_context(samples, s.name)
         cost = (s.draft_passes * profile.draft_seconds(context) + profile.verify_seconds(s.verified, context)
                 + profile.overhead_seconds(s.kind))
@@ -395,6 +406,86 @@ def project(samples: Sequence[SampleCycles], settings: Sequence[Setting], profil
                                      cost / profile.verify_seconds(1, context), rows,
                                      tuple(x.id for x in samples), tuple(x.category for x in samples)))
     return Projection(profile.label(), tuple(out))
+
+
+# How many profiles a projection draws from a measured profile's repeats (each row the median of a resample of
+# its own repeats); the interval's resamples take them in turn, each with its own resample of the prompts.
+PROFILE_DRAWS = 40
+
+
+def profile_draws(profile: CostProfile, draws: int = PROFILE_DRAWS, seed: int = DEFAULT_SEED) -> list[CostProfile]:
+    """Profiles as the measurement could have come out: every verify row with repeats replaced by the median of a
+    resample (with replacement) of them; none when the profile keeps no repeats (a CSV, a roofline)."""
+    if not profile.repeats:
+        return []
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(draws):
+        verify = {}
+        for ctx, rows in profile.verify.items():
+            times = dict(profile.repeats.get(ctx, ()))
+            verify[ctx] = tuple((n, float(np.median(rng.choice(times[n], size=len(times[n]))))
+                                 if len(times.get(n, ())) > 1 else sec) for n, sec in rows)
+        out.append(replace(profile, verify=verify, repeats={}))
+    return out
+
+
+def _with_profile_noise(found: Interval, samples: Sequence[SampleCycles], setting: Setting,
+                        draws: Sequence[CostProfile], n_resamples: int, seed: int, tps: bool = False) -> Interval:
+    """``found`` (an interval over prompts) widened by the profile's own noise: resample i prices the prompts of
+    the i-th prompt resample with draw ``i mod len(draws)``."""
+    import numpy as np
+
+    from ..figures.bootstrap import DEFAULT_LEVEL, resample_indices
+
+    anchors = [_anchors(x, setting) for x in samples]
+    priced = np.stack([_priced(samples, anchors, setting, d) for d in draws])  # [D, S, 3]
+    idx = resample_indices(len(samples), n_resamples, seed)
+    d = np.arange(n_resamples) % len(draws)
+    picked = priced[d[:, None], idx]  # [R, S, 3]
+    num = picked[..., 0] if tps else picked[..., 2]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        ratios = num.sum(axis=1) / picked[..., 1].sum(axis=1)
+    ratios = ratios[np.isfinite(ratios)]
+    if not ratios.size:
+        return found
+    a = (1 - DEFAULT_LEVEL) / 2
+    lo, hi = np.quantile(ratios, [a, 1 - a])
+    return Interval(found.value, float(min(found.low, lo)), float(max(found.high, hi)))
+
+
+def _anchors(sample: SampleCycles, setting: Setting) -> Any:
+    """A sample's cycle anchors (the position each cycle is priced at) and its committed tokens' positions' end."""
+    import numpy as np
+
+    produced = np.asarray(sample.produced.get(setting.name, ()), dtype=np.int64)
+    starts = sample.prompt_len + np.concatenate([[0], np.cumsum(produced)[:-1]]) if produced.size else produced
+    return starts, int(produced.sum())
+
+
+def _priced(samples: Sequence[SampleCycles], anchors: Sequence[Any], setting: Setting, profile: CostProfile) -> Any:
+    """``sample_seconds`` of every sample at once [S, 3] (tokens, speculative, plain): the same prices, linear
+    in the context between the profile's contexts and the nearest outside them, summed in array order (a draw's
+    figures, not the reported ones, so the last bits of rounding do not matter)."""
+    import numpy as np
+
+    def curve(table: Mapping[int, Any], at: Callable[[Any], float]) -> tuple[Any, Any]:
+        ctxs = sorted(table)
+        return np.asarray(ctxs, dtype=np.float64), np.asarray([at(table[c]) for c in ctxs], dtype=np.float64)
+
+    vx, vy = curve(profile.verify, lambda rows: _between_rows(rows, setting.verified))
+    px, py = curve(profile.verify, lambda rows: _between_rows(rows, 1))
+    dx, dy = curve(profile.draft, lambda sec: sec)
+    overhead = profile.overhead_seconds(setting.kind)
+    out = np.zeros((len(samples), 3))
+    for i, (x, (starts, tokens)) in enumerate(zip(samples, anchors, strict=True)):
+        p = starts.astype(np.float64)
+        spec = (setting.draft_passes * np.interp(p, dx, dy) + np.interp(p, vx, vy) + overhead).sum()
+        plain = np.interp(np.arange(x.prompt_len, x.prompt_len + tokens, dtype=np.float64), px, py).sum()
+        out[i] = (tokens, spec, plain)
+    return out
 
 
 def _mean_context(samples: Sequence[SampleCycles], name: str) -> int:

@@ -233,8 +233,10 @@ def interleaved(calls: dict[Row, tuple[Callable[[Any], Any], Callable[[], Any]]]
 
 def measure_context(model: Any, drafters: list[Any], head: Any, ctx: int, tokens: list[int], clock: StepClock,
                     repeats: int, device: Any, vocab: int, embed: Any = None
-                    ) -> tuple[list[tuple[int, float]], list[float], list[tuple[int, float]], list[str]]:
-    """(verify rows, each drafter's pass seconds: 0 when none is named, each verify row's spread, flags) at one
+                    ) -> tuple[list[tuple[int, float]], list[float], list[tuple[int, float]], list[str],
+                               list[tuple[int, list[float]]]]:
+    """(verify rows, each drafter's pass seconds: 0 when none is named, each verify row's spread, flags, each
+    verify row's repeats) at one
     context length. The calls are a serving loop's (``core.decode``): a verify pass returns the drafter's
     features and the argmax and is cut back to one accepted token; a block drafter's pass appends a committed
     row to its context, drafts its block and runs the head. Rows are timed interleaved; a row that breaks
@@ -285,7 +287,7 @@ def measure_context(model: Any, drafters: list[Any], head: Any, ctx: int, tokens
     rows = [(n, sorted(verify_rows[n])[len(verify_rows[n]) // 2]) for n in tokens]
     drafts = [sorted(samples["draft", j])[len(samples["draft", j]) // 2] for j in range(len(drafters))] or [0.0]
     spread = [(n, row_spread(verify_rows[n])) for n in tokens]
-    return rows, drafts, spread, sorted(set(flags))
+    return rows, drafts, spread, sorted(set(flags)), [(n, list(verify_rows[n])) for n in tokens]
 
 
 def _drafter_call(drafter: Any, head: Any, embed: Any, ctx: int, ids: list[int], device: Any
@@ -447,9 +449,10 @@ def _measure(args: argparse.Namespace, out: Path, target: dict[str, Any], drafte
     for i, ctx in enumerate(contexts):
         if str(ctx) in state["verify"]:
             continue
-        rows, drafts, spread, flags = measure_context(model, drafters, head, ctx, tokens, clock, repeats, device,
-                                                      vocab, embed)
+        rows, drafts, spread, flags, timed = measure_context(model, drafters, head, ctx, tokens, clock, repeats,
+                                                             device, vocab, embed)
         state["verify"][str(ctx)] = rows
+        state.setdefault("repeats", {})[str(ctx)] = timed
         state.setdefault("spread", {})[str(ctx)] = spread
         state["flags"] = [*state.get("flags", []), *flags]
         for flag in flags:
@@ -468,7 +471,9 @@ def _measure(args: argparse.Namespace, out: Path, target: dict[str, Any], drafte
                           {int(c): float(s) for c, s in state["draft"].items()}, target, ids[0] if ids else {}, name,
                           args.dtype, 1, today, command, others,
                           spread={int(c): tuple((int(n), float(x)) for n, x in r) for c, r in state["spread"].items()},
-                          flags=tuple(state["flags"]))
+                          flags=tuple(state["flags"]),
+                          repeats={int(c): tuple((int(n), tuple(map(float, t))) for n, t in r)
+                                   for c, r in state.get("repeats", {}).items()})
     return _finish(out, profile, replace=True)
 
 
