@@ -75,6 +75,11 @@ def test_measured_speed_beside_the_projection(world: dict, tmp_path: Path, monke
         assert lo <= v <= hi and v > 0 and s["repeat_range"][0] <= s["repeat_range"][1]
         assert s["ratio"] == pytest.approx(s["projected"][0] / v)
         assert set(s["per_cycle_seconds"]) == {"verify", "draft", "overhead"}
+        # The CSV profile's prices of a cycle: flat verify rows 1 -> 9 tokens, 2 ms a pass, no overhead.
+        priced = s["priced_per_cycle_seconds"]
+        n = 6 if name == "greedy" else 5
+        assert priced["verify"] == pytest.approx(0.004 + 0.001 * (n - 1) / 8) and priced["draft"] == pytest.approx(0.002)
+        assert priced["overhead"] == 0.0
     assert set(report["overhead_seconds_per_cycle"]) == {"block", "ddtree"}
     assert world["profile"].read_bytes() == before
     from dflash_cb.integrations.evaluator.projection import read_profile

@@ -315,6 +315,22 @@ def sample_seconds(sample: SampleCycles, setting: Setting, profile: CostProfile)
     return tokens, spec, plain
 
 
+def priced_per_cycle(samples: Sequence[SampleCycles], setting: Setting, profile: CostProfile) -> dict[str, float]:
+    """What the profile prices a cycle of ``setting`` at, on average over the samples' cycles: its verify pass,
+    its drafter passes (or steps) and its overhead (the speed check shows them beside the measured split)."""
+    verify = draft = 0.0
+    cycles = 0
+    for x in samples:
+        p = x.prompt_len
+        for produced in x.produced.get(setting.name, ()):
+            verify += profile.verify_seconds(setting.verified, p)
+            draft += setting.draft_passes * profile.draft_seconds(p)
+            cycles, p = cycles + 1, p + produced
+    if not cycles:
+        return {}
+    return {"verify": verify / cycles, "draft": draft / cycles, "overhead": profile.overhead_seconds(setting.kind)}
+
+
 @dataclass(frozen=True)
 class SettingProjection:
     setting: Setting

@@ -106,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ...common.threads import parse_threads, set_threads
     from ...core.checkpoints.load import load_drafter
     from ...core.costs import measured
-    from ...core.costs.serving import project
+    from ...core.costs.serving import priced_per_cycle, project
     from ...core.decode.loops import Clock, loop_drafter, plain_decode, speculative_decode
     from ...core.decode.target_steps import TargetSteps, check_croppable
     from ...core.drafters.registry import family_named, spec_of
@@ -162,6 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # The replay's cycles on the same prompts (it refuses a drafter the cache does not fit, before the target loads).
     replay: dict[str, dict[str, list[int]]] = {}
     projected: dict[str, measured.Interval] = {}
+    priced: dict[str, dict[str, float]] = {}  # what the profile prices a cycle's parts at, beside the measured
     for block in sorted({s.block for s in settings}):
         mine = [s for s in settings if s.block == block]
         budgets = tuple(s.budget for s in mine if s.budget)
@@ -170,9 +171,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             replay[s.name] = {r.id: list(r.ddtree[s.budget] if s.budget else r.acceptance_lengths)
                               for r in report.samples}
         if profile is not None:
-            proj = project(sample_cycles(cache, report.samples), family_settings(spec.family, block, budgets), profile)
+            cycles = sample_cycles(cache, report.samples)
+            proj = project(cycles, family_settings(spec.family, block, budgets), profile)
             for s in mine:
-                projected[s.name] = next(x.speedup for x in proj.settings if x.setting.name == s.projected_as)
+                at = next(x for x in proj.settings if x.setting.name == s.projected_as)
+                projected[s.name] = at.speedup
+                priced[s.name] = priced_per_cycle(cycles, at.setting, profile)
 
     target = load_target(args.target, args.dtype, device=device)
     check_croppable(target.model)
@@ -247,7 +251,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               "torch": torch.__version__, "prompts": ids, "repeats": repeats,
               "exact": not problems, "first_difference": problems[0] if problems else None,
               "plain_seconds_per_token": results[0].plain_step if results else None,
-              "settings": [r.to_dict() for r in results], "overhead_seconds_per_cycle": terms,
+              "settings": [{**r.to_dict(), "priced_per_cycle_seconds": priced.get(r.name)} for r in results],
+              "overhead_seconds_per_cycle": terms,
               "verdict": verdict, "profile": profile.label() if profile is not None else None}
     atomic_write_json(out, report)
     print(format_report(report))
@@ -285,6 +290,11 @@ def format_report(report: dict[str, Any]) -> str:
                      f"{ratio:>10}"
                      + "".join(f"{1e3 * pc.get(k, 0):>{w}.2f}" for k, w in (("verify", 9), ("draft", 8),
                                                                             ("overhead", 8))))
+    priced = [s for s in report["settings"] if s.get("priced_per_cycle_seconds")]
+    if priced:
+        lines.append("    the profile prices a cycle at (ms, verify / draft / other): " + "; ".join(
+            f"{s['label']} " + " / ".join(f"{1e3 * s['priced_per_cycle_seconds'][k]:.2f}"
+                                          for k in ("verify", "draft", "overhead")) for s in priced))
     lines.append(f"  {report['verdict']}")
     lines.append("  exact: every decode equals plain greedy decoding and the replay's cycles" if report["exact"]
                  else f"  NOT EXACT: {report['first_difference']}")
