@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
+from ...common.errors import DFlashCBError
 from ..figures.bootstrap import DEFAULT_RESAMPLES, DEFAULT_SEED, Interval, Sums, intervals, paired_difference
 
 PROFILE_FORMAT = "dflash-cb-cost-profile"
@@ -36,9 +37,11 @@ TARGET_FIELDS = ("hidden_size", "num_layers", "vocab_size")
 DRAFTER_FIELDS = ("family", "hidden_size", "num_layers", "block_size")
 # What a cycle of each kind of setting pays besides the two models' calls (``CostProfile.overhead``).
 CYCLE_KINDS = ("block", "ddtree", "chain")
+# No step of a served model takes an hour: a larger figure is a unit or a typing mistake.
+MAX_STEP_SECONDS = 3600.0
 
 
-class ProfileError(ValueError):
+class ProfileError(DFlashCBError, ValueError):
     """A cost profile that cannot be used: unreadable, or measured for something else."""
 
 
@@ -86,11 +89,19 @@ class CostProfile:
             if ctx < 0 or not rows or ns != sorted(set(ns)) or ns[0] < 1:
                 raise ProfileError(f"verify rows at context {ctx}: verified token counts must be distinct integers "
                                    f">= 1 in increasing order, got {ns}")
-            if any(not (math.isfinite(s) and s > 0) for _, s in rows):
-                raise ProfileError(f"verify rows at context {ctx}: every time must be a positive number of seconds")
+            if any(not (math.isfinite(s) and 0 < s <= MAX_STEP_SECONDS) for _, s in rows):
+                raise ProfileError(f"verify rows at context {ctx}: every time must be a positive number of seconds "
+                                   f"up to {MAX_STEP_SECONDS:g}")
         for draft in (self.draft, *(d for _, d in self.others)):
-            if not draft or any(c < 0 or not (math.isfinite(s) and s >= 0) for c, s in draft.items()):
+            if not draft or any(c < 0 or not (math.isfinite(s) and 0 <= s <= MAX_STEP_SECONDS) for c, s in draft.items()):
                 raise ProfileError("the profile's draft seconds must be non-negative numbers per context (0: any)")
+        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
+            raise ProfileError(f"batch_size {self.batch_size!r}: the batch the times are for, an integer >= 1")
+        for what, fields, have in (("target", TARGET_FIELDS, self.target), ("drafter", DRAFTER_FIELDS, self.drafter)):
+            for f in fields:  # compared with a cache's and a drafter's integers: "64" would never match 64
+                v = have.get(f)
+                if v is not None and f != "family" and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                    raise ProfileError(f"{what} {f} {v!r}: an integer >= 1 (as the model's config.json says)")
         for kind, sec in self.overhead.items():
             if kind not in CYCLE_KINDS or not (isinstance(sec, (int, float)) and math.isfinite(sec) and sec >= 0):
                 raise ProfileError(f"overhead {kind!r}: {sec!r}; a non-negative number of seconds per cycle for each "
@@ -166,13 +177,16 @@ class CostProfile:
             raise ProfileError(f"{where}: profile version {data.get('version')!r}; this dflash-cb reads version "
                                f"{PROFILE_VERSION}: measure it again with tools/profile_costs.py")
         try:
-            verify = {int(c): tuple((int(n), float(s)) for n, s in rows) for c, rows in data["verify"].items()}
-            draft = {int(c): float(s) for c, s in data["draft"].items()}
-            others = tuple((dict(o["drafter"]), {int(c): float(s) for c, s in o["draft"].items()})
+            verify = {int(c): tuple((_count(n), _seconds(s)) for n, s in rows) for c, rows in data["verify"].items()}
+            draft = {int(c): _seconds(s) for c, s in data["draft"].items()}
+            others = tuple((dict(o["drafter"]), {int(c): _seconds(s) for c, s in o["draft"].items()})
                            for o in data.get("others") or ())
+            batch = data.get("batch_size", 1)
+            if isinstance(batch, bool) or not isinstance(batch, int):
+                raise ProfileError(f"batch_size {batch!r}: an integer >= 1")
             return cls(str(data["kind"]), verify, draft, dict(data.get("target") or {}),  # type: ignore[arg-type]
                        dict(data.get("drafter") or {}), str(data.get("device", "")), str(data.get("dtype", "")),
-                       int(data.get("batch_size", 1)), str(data.get("date", "")), str(data.get("source", "")),
+                       batch, str(data.get("date", "")), str(data.get("source", "")),
                        others, {str(k): v for k, v in (data.get("overhead") or {}).items()},
                        {int(c): tuple((int(n), float(x)) for n, x in rows)
                         for c, rows in (data.get("spread") or {}).items()},
@@ -183,6 +197,19 @@ class CostProfile:
             what = f"missing field {e}" if isinstance(e, KeyError) else str(e)
             raise ProfileError(f"{where}: damaged cost profile ({what}); write it again with "
                                "tools/profile_costs.py") from e
+
+
+def _seconds(value: Any) -> float:
+    """A profile file's time: a JSON number (``true`` or ``"0.02"`` is a damaged file, not 1 s or 0.02 s)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ProfileError(f"a time of {value!r}, not a number of seconds")
+    return float(value)
+
+
+def _count(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ProfileError(f"a verified token count of {value!r}, not an integer")
+    return value
 
 
 def _between_rows(rows: Sequence[tuple[int, float]], n: int) -> float:

@@ -21,6 +21,8 @@ from ..figures.bootstrap import DEFAULT_RESAMPLES, DEFAULT_SEED, Interval, inter
 from .compare import check_same_cache
 from .results_file import Results
 
+PLAN_HEADER = "# Which drafter to serve (projected)"  # a plan's first line: how an earlier one is known
+
 
 class ServePlanError(DFlashCBError, ValueError):
     """Results files that cannot be planned from together."""
@@ -85,7 +87,7 @@ def _iv(i: Interval, digits: int = 2, unit: str = "x") -> str:
 
 
 def format_plan(p: Plan) -> str:
-    lines = ["# Which drafter to serve (projected)", "",
+    lines = [PLAN_HEADER, "",
              f"Profile: {p.profile}. {PROJECTION_NOTE[0].upper() + PROJECTION_NOTE[1:]}.", "",
              "| drafter | setting | tau | speedup | tokens/s | break-even tau |", "|---|---|---|---|---|---|"]
     for label, proj in zip(p.labels, p.projections, strict=True):

@@ -75,8 +75,12 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     # Cheap checks first, then the files, so nothing is computed for a run that cannot finish.
-    check_outputs_apart([("--states", args.states), ("--drafter", args.drafter), ("--target", args.target)],
-                        files=[("--out", args.out)])
+    chain = _chain_lengths(args)
+    # Every file this run writes (each K's own with several), apart from every file it reads: the profile too,
+    # often the only copy of a measurement.
+    outs = [("--out", args.out)] + [("--out", chain_output(Path(args.out), k, chain)) for k in chain]
+    check_outputs_apart([("--states", args.states), ("--drafter", args.drafter), ("--target", args.target),
+                         ("--profile", args.profile)], files=outs)
     out = check_results_path(args.out)
     # One rule with the callback's arguments (dflash_cb.common.arguments): a bad value is one line naming the option.
     options = ScoringOptions.from_args(args)
@@ -96,7 +100,6 @@ def main(argv: list[str] | None = None) -> int:
         why = nothing_selected(cache.path, [e for e in cache.samples if e.id in chosen])
         if why is not None:
             raise why  # the selection holds no sample with comparable counters: before any weights are read
-    chain = _chain_lengths(args)
     drafter = load_drafter(args.drafter, device=options.device)
     if profile is not None:  # a profile timing several drafters: this one's passes
         profile = profile.for_drafter(drafter_identity(drafter))

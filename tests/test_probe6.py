@@ -1,0 +1,222 @@
+"""The sixth probe's findings (issue 53): cost profiles, the projection, chain lengths, MTP and EAGLE-3 folders.
+Each case ends as a clear error before any work (naming the input and the fix), a warning where the input is
+legal but suspicious, or a correct answer; nothing written is lost."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_cb.common.cli import run
+from dflash_cb.core.costs.serving import CostProfile, ProfileError
+
+
+def _error(code: int, capsys, *words: str) -> str:
+    """A one-line user error (exit code 2) holding every word."""
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert all(w in err for w in words), err
+    return err
+
+
+def _csv(tmp_path: Path, text: str | bytes, name: str = "v.csv") -> Path:
+    path = tmp_path / name
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    return path
+
+
+def _profile(tmp_path: Path, rows: str = "1,0.02\n9,0.022\n", name: str = "p.json", *extra: str) -> Path:
+    from dflash_cb.integrations.cli import profile_costs as profile_cli
+
+    out = tmp_path / name
+    csv_path = _csv(tmp_path, "verified_tokens,seconds\n" + rows, name + ".csv")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert profile_cli.main(["--from-csv", str(csv_path), "--draft-seconds", "0.004", *extra,
+                                 "--out", str(out)]) == 0
+    return out
+
+
+# -- data loss ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("how", ["same", "symlink", "chain_k1"])
+def test_eval_drafter_never_writes_over_its_profile(tiny_cache, drafter_dir, tmp_path, capsys, how) -> None:
+    """--out the profile itself, a link to it, or one K's .kK file that is the profile: refused, the profile kept."""
+    from dflash_cb.integrations.cli import eval_drafter as eval_cli
+
+    prof = _profile(tmp_path, name="r.k1.json" if how == "chain_k1" else "p.json")
+    before = prof.read_bytes()
+    out = prof
+    extra: list[str] = []
+    if how == "symlink":
+        out = tmp_path / "link.json"
+        out.symlink_to(prof)
+    elif how == "chain_k1":
+        out = tmp_path / "r.json"
+        extra = ["--speculative-tokens", "1,3"]
+    code = run(eval_cli.main, ["--states", str(tiny_cache), "--drafter", str(drafter_dir), "--out", str(out),
+                               "--profile", str(prof), *extra])
+    _error(code, capsys, "--profile", "somewhere else")
+    assert prof.read_bytes() == before
+
+
+def test_profile_costs_never_writes_into_the_model_folders(tiny_cache, drafter_dir, tmp_path, capsys) -> None:
+    """A new file inside the target's (or a drafter's) folder would be read by the next loader: refused."""
+    from dflash_cb.integrations.cli import profile_costs as profile_cli
+
+    target = tmp_path / "target"
+    shutil.copytree(tiny_cache.parent / "target", target)
+    before = sorted(p.name for p in target.iterdir())
+    for out in (target / "model.safetensors.index.json", target / "sub" / "p.json"):
+        code = run(profile_cli.main, ["--roofline", "--bandwidth-gbs", "100", "--peak-tflops", "1", "--target",
+                                      str(target), "--drafter", str(drafter_dir), "--out", str(out)])
+        _error(code, capsys, "--target", "model folder", "outside it")
+    code = run(profile_cli.main, ["--roofline", "--bandwidth-gbs", "100", "--peak-tflops", "1", "--target",
+                                  str(target), "--drafter", str(drafter_dir), "--out", str(drafter_dir / "p.json")])
+    _error(code, capsys, "--drafter", "model folder")
+    assert sorted(p.name for p in target.iterdir()) == before and not (drafter_dir / "p.json").exists()
+
+
+@pytest.mark.parametrize("tool", ["serve_plan", "compare"])
+def test_a_report_never_replaces_a_users_markdown(tmp_path, capsys, tool) -> None:
+    """--out report.final writes report.final.md (not report.md); a report.md that is not this tool's own earlier
+    output is never replaced; '.' and '' are refused in one line."""
+    from dflash_cb.core.results.results_file import ResultsError, report_paths
+    from dflash_cb.integrations.cli import compare as compare_cli
+    from dflash_cb.integrations.cli import serve_plan as serve_plan_cli
+
+    main = serve_plan_cli.main if tool == "serve_plan" else compare_cli.main
+    notes = tmp_path / "report.md"
+    notes.write_text("# my notes\n")
+    (tmp_path / "a.json").write_text("{}")
+    (tmp_path / "b.json").write_text("{}")
+    for out in ("report", "report.md", ".", "", str(tmp_path) + "/"):
+        code = run(main, [str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--out",
+                          str(tmp_path / out) if out in ("report", "report.md") else out])
+        _error(code, capsys, "--out")
+    assert notes.read_text() == "# my notes\n"
+    md, png = report_paths(str(tmp_path / "report.final"), "# x", "plan")
+    assert md == tmp_path / "report.final.md" and png == tmp_path / "report.final.png"
+    (tmp_path / "own.md").write_text("# x\nearlier\n")
+    assert report_paths(str(tmp_path / "own"), "# x", "plan")[0] == tmp_path / "own.md"  # its own: replaced
+    with pytest.raises(ResultsError, match="not an earlier report"):
+        report_paths(str(tmp_path / "report"), "# x", "plan")
+
+
+# -- profile_costs: a CSV checked as a whole, the arguments before any work ------------------------------------
+
+BAD_CSVS = {  # rows after the header -> words of the one-line error
+    "negative": ("1,0.02\n4,-0.03\n", ["line 3", "positive number of seconds"]),
+    "zero": ("1,0\n4,0.03\n", ["line 2", "positive number of seconds"]),
+    "nan": ("1,nan\n4,0.03\n", ["line 2", "positive"]),
+    "inf": ("1,0.02\n4,inf\n", ["line 3", "positive"]),
+    "huge": ("1,0.02\n4,1e300\n", ["line 3", "up to 3600"]),
+    "zero_tokens": ("0,0.02\n1,0.02\n4,0.03\n", ["line 2", "1 token or more"]),
+    "negative_tokens": ("1,0.02\n-4,0.03\n", ["line 3", "1 token or more"]),
+    "text": ("1,fast\n4,0.03\n", ["line 2", "'fast' is not a number"]),
+    "non_monotone": ("1,0.02\n9,0.0002\n", ["not monotone", "10%", "9 tokens"]),
+    "one_row": ("1,0.02\n", ["only the 1-token row", "add rows"]),
+    "no_one": ("2,0.02\n9,0.03\n", ["verified_tokens 1"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CSVS))
+def test_a_bad_csv_is_one_line_naming_the_row(tmp_path, capsys, case) -> None:
+    from dflash_cb.integrations.cli import profile_costs as profile_cli
+
+    rows, words = BAD_CSVS[case]
+    path = _csv(tmp_path, "verified_tokens,seconds\n" + rows)
+    code = run(profile_cli.main, ["--from-csv", str(path), "--draft-seconds", "0.004", "--out", str(tmp_path / "p")])
+    _error(code, capsys, f"--from-csv {path}", *words)
+    assert not (tmp_path / "p").exists()
+
+
+def test_csv_encodings_bom_accepted_latin1_named(tmp_path, capsys) -> None:
+    from dflash_cb.integrations.cli import profile_costs as profile_cli
+
+    bom = _csv(tmp_path, b"\xef\xbb\xbfverified_tokens,seconds\r\n1,0.02\r\n9,0.03\r\n", "excel.csv")
+    assert run(profile_cli.main, ["--from-csv", str(bom), "--draft-seconds", "0", "--out", str(tmp_path / "a")]) == 0
+    assert CostProfile.from_dict(json.loads((tmp_path / "a").read_text())).verify[0] == ((1, 0.02), (9, 0.03))
+    latin = _csv(tmp_path, "verified_tokens,seconds\n1,0.02\n9,0.03 # caf\xe9\n".encode("latin-1"), "l.csv")
+    code = run(profile_cli.main, ["--from-csv", str(latin), "--draft-seconds", "0", "--out", str(tmp_path / "b")])
+    _error(code, capsys, "line 3", "0xe9", "UTF-8")
+
+
+def test_a_csv_in_milliseconds_is_warned_about_and_no_target_identity_too(tmp_path) -> None:
+    from dflash_cb.integrations.cli import profile_costs as profile_cli
+
+    path = _csv(tmp_path, "verified_tokens,seconds\n1,20\n9,22\n")
+    with pytest.warns(UserWarning) as caught:
+        assert profile_cli.main(["--from-csv", str(path), "--draft-seconds", "0", "--out", str(tmp_path / "p")]) == 0
+    said = " ".join(str(w.message) for w in caught)
+    assert "milliseconds" in said and "no --target or --states" in said
+
+
+@pytest.mark.parametrize("seconds,words", [
+    ("inf", ["--draft-seconds inf", "between 0 and"]),
+    ("0.004,-1", ["value 2", "between 0 and"]),
+    ("0.004,nan", ["value 2", "between 0 and"]),
+])
+def test_draft_seconds_are_finite_for_every_drafter(tmp_path, drafter_dir, capsys, seconds, words) -> None:
+    from dflash_cb.integrations.cli import profile_costs as profile_cli
+
+    path = _csv(tmp_path, "verified_tokens,seconds\n1,0.02\n9,0.03\n")
+    drafters = f"{drafter_dir},{drafter_dir}" if "," in seconds else str(drafter_dir)
+    code = run(profile_cli.main, ["--from-csv", str(path), "--draft-seconds", seconds, "--drafter", drafters,
+                                  "--out", str(tmp_path / "p")])
+    _error(code, capsys, *words)
+
+
+@pytest.mark.parametrize("extra,words", [
+    (["--tokens", "2-9"], ["--tokens 2-9", "needs 1"]),
+    (["--device", "banana"], ["--device 'banana'"]),
+    (["--batch-size", "8"], ["--batch-size 8", "batch 1"]),
+    (["--no-drafter"], ["--drafter DRAFTER_DIR is needed", "0 s"]),
+    (["--roofline", "--bandwidth-gbs", "inf", "--peak-tflops", "1"], ["--bandwidth-gbs inf", "range"]),
+    (["--roofline", "--bandwidth-gbs", "1e-300", "--peak-tflops", "1"], ["--bandwidth-gbs 1e-300", "range"]),
+    (["--roofline", "--bandwidth-gbs", "100", "--peak-tflops", "inf"], ["--peak-tflops inf", "range"]),
+])
+def test_measuring_arguments_are_checked_before_any_model_is_read(tiny_cache, drafter_dir, tmp_path, capsys,
+                                                                  monkeypatch, extra, words) -> None:
+    from dflash_cb.cache import target as target_mod
+    from dflash_cb.integrations.cli import profile_costs as profile_cli
+
+    def no_loading(*a, **k):
+        raise AssertionError("a model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(target_mod, "load_target", no_loading)
+    drafter = [] if "--no-drafter" in extra else ["--drafter", str(drafter_dir)]
+    extra = [e for e in extra if e != "--no-drafter"]
+    code = run(profile_cli.main, ["--target", str(tiny_cache.parent / "target"), *drafter, *extra,
+                                  "--out", str(tmp_path / "p.json")])
+    _error(code, capsys, *words)
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_device_cuda_without_a_gpu_is_refused_before_work(tiny_cache, drafter_dir, tmp_path, capsys,
+                                                          monkeypatch) -> None:
+    from dflash_cb.integrations.cli import profile_costs as profile_cli
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code = run(profile_cli.main, ["--target", str(tiny_cache.parent / "target"), "--drafter", str(drafter_dir),
+                                  "--device", "cuda", "--out", str(tmp_path / "p.json")])
+    _error(code, capsys, "--device cuda", "no CUDA device")
+
+
+@pytest.mark.parametrize("edit,words", [
+    (lambda d: d["verify"]["0"][0].__setitem__(1, True), ["a time of True"]),
+    (lambda d: d.__setitem__("batch_size", 0), ["batch_size 0"]),
+    (lambda d: d["target"].__setitem__("hidden_size", "64"), ["target hidden_size '64'", "integer"]),
+    (lambda d: d["verify"]["0"][1].__setitem__(1, 1e300), ["up to 3600"]),
+])
+def test_a_damaged_profile_file_is_refused(tmp_path, tiny_cache, edit, words) -> None:
+    data = json.loads(_profile(tmp_path, "1,0.02\n9,0.03\n", "p.json", "--states", str(tiny_cache)).read_text())
+    edit(data)
+    with pytest.raises(ProfileError) as e:
+        CostProfile.from_dict(data, "--profile p.json")
+    assert all(w in str(e.value) for w in ["--profile p.json", *words]), str(e.value)
