@@ -220,3 +220,87 @@ def test_a_damaged_profile_file_is_refused(tmp_path, tiny_cache, edit, words) ->
     with pytest.raises(ProfileError) as e:
         CostProfile.from_dict(data, "--profile p.json")
     assert all(w in str(e.value) for w in ["--profile p.json", *words]), str(e.value)
+
+
+# -- extract_drafter --mtp-from ----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def mtp_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen3.5 target whose checkpoint ships a (random) one-layer MTP head under mtp.*."""
+    from safetensors.torch import load_file, save_file
+    from tiny_target import save_tiny_qwen3_5
+
+    from dflash_cb.core.drafters.layouts import drafter_from_config
+    from dflash_cb.core.drafters.mtp.model import mtp_config_from_target
+
+    target = save_tiny_qwen3_5(tmp_path_factory.mktemp("mtp6") / "target", seed=3, mtp_num_hidden_layers=1)
+    torch.manual_seed(0)
+    head = drafter_from_config(mtp_config_from_target(json.loads((target / "config.json").read_text()), 3))
+    shard = target / "model.safetensors"
+    save_file({**load_file(str(shard)), **{k: v.detach().clone() for k, v in head.state_dict().items()}}, str(shard),
+              metadata={"format": "pt"})
+    return target
+
+
+def _damaged(mtp_target: Path, tmp_path: Path, how: str) -> Path:
+    from safetensors import safe_open
+
+    target = tmp_path / "target"
+    shutil.copytree(mtp_target, target)
+    if how == "layers":
+        cfg = json.loads((target / "config.json").read_text())
+        (cfg.get("text_config") or cfg)["mtp_num_hidden_layers"] = 2
+        (target / "config.json").write_text(json.dumps(cfg))
+    elif how == "not_json":
+        (target / "config.json").write_text("{ not json")
+    elif how == "truncated":
+        shard = target / "model.safetensors"
+        shard.write_bytes(shard.read_bytes()[:-100])
+    elif how == "index_lies":
+        with safe_open(str(target / "model.safetensors"), framework="pt") as f:
+            names = {k: "model.safetensors" for k in f.keys()}
+        (target / "model.safetensors.index.json").write_text(json.dumps(
+            {"weight_map": {**names, "mtp.fc.extra": "model.safetensors"}}))
+    return target
+
+
+@pytest.mark.parametrize("how,extra,words", [
+    ("layers", [], ["mtp_num_hidden_layers 2", "one-layer"]),
+    ("not_json", [], ["config.json", "not a readable config.json"]),
+    ("truncated", [], ["model.safetensors", "copy"]),
+    ("index_lies", [], ["mtp.fc.extra", "lacks"]),
+    ("", ["--speculative-tokens", "0"], ["--speculative-tokens 0", "1 to 15"]),
+    ("", ["--speculative-tokens", "-1"], ["--speculative-tokens -1", "1 to 15"]),
+    ("", ["--speculative-tokens", "100"], ["--speculative-tokens 100", "1 to 15"]),
+    ("", ["--config", "c.json"], ["drop --config and --prefix"]),
+    ("", ["--prefix", "mtp."], ["drop --config and --prefix"]),
+])
+def test_mtp_from_refuses_in_one_line(mtp_target, tmp_path, capsys, how, extra, words) -> None:
+    from dflash_cb.integrations.cli import extract as extract_cli
+
+    target = _damaged(mtp_target, tmp_path, how) if how else mtp_target
+    code = run(extract_cli.main, ["--mtp-from", str(target), "--out", str(tmp_path / "mtp"), *extra])
+    _error(code, capsys, *words)
+    assert not (tmp_path / "mtp").exists()
+
+
+def test_speculative_tokens_with_ckpt_is_refused_not_ignored(tmp_path, capsys) -> None:
+    from dflash_cb.integrations.cli import extract as extract_cli
+
+    code = run(extract_cli.main, ["--ckpt", str(tmp_path / "x.ckpt"), "--speculative-tokens", "5", "--out",
+                                  str(tmp_path / "out")])
+    _error(code, capsys, "--speculative-tokens is for --mtp-from")
+
+
+def test_an_mtp_config_edited_to_read_a_middle_layer_is_refused(mtp_target, tmp_path) -> None:
+    from dflash_cb.core.checkpoints.load import load_drafter
+    from dflash_cb.integrations.cli import extract as extract_cli
+
+    out = tmp_path / "mtp"
+    assert extract_cli.main(["--mtp-from", str(mtp_target), "--out", str(out)]) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert load_drafter(out).spec.target_layer_ids == (cfg["num_target_layers"] - 1,)
+    cfg["target_layer_ids"] = [1]
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(Exception, match=r"target_layer_ids is \[1\]: an MTP head reads the target's last layer"):
+        load_drafter(out)
