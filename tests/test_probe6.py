@@ -304,3 +304,51 @@ def test_an_mtp_config_edited_to_read_a_middle_layer_is_refused(mtp_target, tmp_
     (out / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(Exception, match=r"target_layer_ids is \[1\]: an MTP head reads the target's last layer"):
         load_drafter(out)
+
+
+# -- EAGLE-3 folders ----------------------------------------------------------------------------------------------
+
+def _eagle3_folder(tmp_path: Path, edit=None, **extra) -> Path:
+    from eagle3_reference import eagle_config
+
+    from dflash_cb.core.drafters.layouts import drafter_from_config
+
+    torch.manual_seed(0)
+    drafter = drafter_from_config(eagle_config(**extra))
+    with torch.no_grad():
+        drafter.d2t.copy_(torch.arange(drafter.d2t.numel()) % 3)  # a real mapping, not the identity
+        if edit is not None:
+            edit(drafter.d2t)
+    out = tmp_path / "eagle3"
+    drafter.save_pretrained(out)
+    return out
+
+
+@pytest.mark.parametrize("edit,words", [
+    (lambda d: d.__setitem__(63, 1000), ["draft id 63", "outside the target's vocabulary"]),
+    (lambda d: d.__setitem__(5, -100), ["draft id 5", "outside"]),
+    (lambda d: d.__setitem__(1, d[0] - 1), ["draft ids 0 and 1 onto one target id"]),
+])
+def test_an_eagle3_d2t_that_is_no_mapping_is_refused_at_load(tmp_path, edit, words) -> None:
+    from dflash_cb.core.checkpoints.load import CheckpointError, load_drafter
+
+    folder = _eagle3_folder(tmp_path, edit)
+    with pytest.raises(CheckpointError) as e:
+        load_drafter(folder)
+    assert all(w in str(e.value) for w in [str(folder), *words]), str(e.value)
+
+
+def test_eagle3_configs_that_contradict_themselves_are_refused() -> None:
+    from eagle3_reference import eagle_config
+
+    from dflash_cb.core.drafters.layouts import drafter_from_config
+    from dflash_cb.core.drafters.registry import spec_from_config
+
+    with pytest.raises(ValueError, match="draft_vocab_size is 500, the target's vocab_size 128"):
+        drafter_from_config(eagle_config(draft_vocab_size=500))
+    with pytest.raises(ValueError, match=r"target_layer_ids \[1, 2, 3\] and eagle_config.* \[1, 3, 4\] disagree"):
+        spec_from_config(eagle_config(target_layer_ids=[1, 2, 3]))
+    base = {k: v for k, v in eagle_config().items() if k != "eagle_config"}
+    with pytest.raises(ValueError, match=r"num_target_layers 3: too few.*gives \[1, 0, -1\]"):
+        spec_from_config({**base, "num_target_layers": 3})
+    assert spec_from_config(eagle_config(target_layer_ids=[1, 3, 4])).target_layer_ids == (1, 3, 4)

@@ -139,8 +139,11 @@ def load_drafter(path: str | os.PathLike, device: torch.device | str = "cpu") ->
     model = _drafter_for(config, state, str(cfg_path))
     try:
         load_weights(model, state, source=str(folder))
+        check = getattr(model, "check_loaded", None)  # a family's own check of what the weights say (EAGLE-3's d2t)
+        if check is not None:
+            check()
     except ValueError as e:
-        raise CheckpointError(str(e)) from None
+        raise CheckpointError(f"{folder}: {e}" if str(folder) not in str(e) else str(e)) from None
     check_finite_weights(state.items(), str(folder))
     return model.to(device=device)
 
