@@ -352,3 +352,65 @@ def test_eagle3_configs_that_contradict_themselves_are_refused() -> None:
     with pytest.raises(ValueError, match=r"num_target_layers 3: too few.*gives \[1, 0, -1\]"):
         spec_from_config({**base, "num_target_layers": 3})
     assert spec_from_config(eagle_config(target_layer_ids=[1, 3, 4])).target_layer_ids == (1, 3, 4)
+
+
+# -- serve_plan: profiles compared by identity, damaged files, labels, like for like --------------------------------
+
+@pytest.fixture(scope="module")
+def planned(tiny_cache, drafter_dir, tmp_path_factory) -> dict:
+    """Results files of one drafter projected with: a CSV profile; the same CSV (one name) with other draft seconds;
+    the first profile again but with --tail-blocks reference."""
+    from dflash_cb.integrations.cli import eval_drafter as eval_cli
+    from dflash_cb.integrations.cli import profile_costs as profile_cli
+
+    root = tmp_path_factory.mktemp("plan6")
+    csv_path = _csv(root, "verified_tokens,seconds\n1,0.02\n9,0.022\n")
+    out = {}
+    for name, seconds in (("p", "0.004"), ("q", "0.001")):
+        assert profile_cli.main(["--from-csv", str(csv_path), "--draft-seconds", seconds, "--states", str(tiny_cache),
+                                 "--out", str(root / f"{name}.json")]) == 0
+    for name, prof, extra in (("a", "p", []), ("b", "q", []), ("c", "p", ["--tail-blocks", "reference"])):
+        out[name] = root / name / "r.json"
+        assert eval_cli.main(["--states", str(tiny_cache), "--drafter", str(drafter_dir), "--out", str(out[name]),
+                              "--ddtree-budgets", "8", "--profile", str(root / f"{prof}.json"), *extra]) == 0
+    return out
+
+
+def test_serve_plan_compares_profiles_by_identity_not_by_label(planned, tmp_path, capsys) -> None:
+    from dflash_cb.integrations.cli import serve_plan as serve_plan_cli
+
+    a, b = json.loads(planned["a"].read_text()), json.loads(planned["b"].read_text())
+    assert a["breakdown"]["serving"]["profile"] == b["breakdown"]["serving"]["profile"]  # the labels read the same
+    code = run(serve_plan_cli.main, [str(planned["a"]), str(planned["b"]), "--out", str(tmp_path / "plan")])
+    _error(code, capsys, "different profiles", "hold other numbers")
+    assert not (tmp_path / "plan.md").exists()
+
+
+def test_serve_plan_warns_where_compare_results_does(planned, tmp_path) -> None:
+    from dflash_cb.integrations.cli import serve_plan as serve_plan_cli
+
+    with pytest.warns(UserWarning, match="tail_blocks differ"):
+        assert serve_plan_cli.main([str(planned["a"]), str(planned["c"]), "--out", str(tmp_path / "plan")]) == 0
+    assert "tail_blocks differ" in (tmp_path / "plan.md").read_text()
+
+
+@pytest.mark.parametrize("case,words", [
+    ("damaged", ["damaged", "score it again"]),
+    ("blank_label", ["blank"]),
+    ("same_file", ["given twice"]),
+])
+def test_serve_plan_refuses_in_one_line(planned, tmp_path, capsys, case, words) -> None:
+    from dflash_cb.integrations.cli import serve_plan as serve_plan_cli
+
+    files, extra = [str(planned["a"]), str(planned["c"])], []
+    if case == "damaged":
+        data = json.loads(planned["a"].read_text())
+        del data["breakdown"]["serving"]["settings"][0]["speedup"]
+        (tmp_path / "bad.json").write_text(json.dumps(data))
+        files[0] = str(tmp_path / "bad.json")
+    elif case == "blank_label":
+        extra = ["--labels", "a,"]
+    else:
+        files[1] = files[0]
+    code = run(serve_plan_cli.main, [*files, *extra, "--out", str(tmp_path / "plan")])
+    _error(code, capsys, *words)

@@ -119,10 +119,28 @@ class CostProfile:
             return all(have.get(f) == identity.get(f) for f in DRAFTER_FIELDS if f != "block_size"
                        and have.get(f) is not None and identity.get(f) is not None)
 
-        for who, draft in ((self.drafter, self.draft), *self.others):
-            if who and same(who):
-                return replace(self, drafter=dict(who), draft=dict(draft))
+        pairs = ((self.drafter, self.draft), *self.others)
+        for i, (who, draft) in enumerate(pairs):
+            if who and same(who):  # the others keep every other drafter's pass: the profile stays the same one
+                rest = tuple((dict(w), dict(d)) for j, (w, d) in enumerate(pairs) if j != i)
+                return replace(self, drafter=dict(who), draft=dict(draft), others=rest)
         return self
+
+    def identity(self) -> dict[str, Any]:
+        """What makes two profiles one: where and how it was measured and every number in it (each drafter's
+        pass whichever drafter it was picked for), as ``{"fields": ..., "digest": sha256}``; two files projected
+        with profiles of different identities price differently even when their labels read the same."""
+        import hashlib
+        import json
+
+        data = self.to_dict()
+        pairs = sorted(json.dumps([who, {str(c): s for c, s in sorted(d.items())}], sort_keys=True)
+                       for who, d in ((self.drafter, self.draft), *self.others))
+        for k in ("drafter", "draft", "others"):
+            data.pop(k)
+        digest = hashlib.sha256(json.dumps([data, pairs], sort_keys=True).encode()).hexdigest()
+        fields = {k: data[k] for k in ("kind", "target", "device", "dtype", "batch_size", "date", "source")}
+        return {"fields": fields, "digest": digest}
 
     @property
     def max_verified(self) -> int:
@@ -358,6 +376,7 @@ class SettingProjection:
 class Projection:
     profile: str  # CostProfile.label()
     settings: tuple[SettingProjection, ...]
+    profile_identity: dict[str, Any] = field(default_factory=dict)  # CostProfile.identity(); {} in older files
 
     @property
     def best(self) -> SettingProjection:
@@ -373,7 +392,8 @@ class Projection:
         return ranked[1], paired_difference(ranked[1].sums(), ranked[0].sums(), n_resamples, seed)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"profile": self.profile, "note": PROJECTION_NOTE, "best": self.best.setting.name, "settings": [
+        return {"profile": self.profile, "profile_identity": self.profile_identity, "note": PROJECTION_NOTE,
+                "best": self.best.setting.name, "settings": [
             {"name": s.setting.name, "label": s.setting.label, "verified_tokens": s.setting.verified,
              "draft_passes": s.setting.draft_passes, "kind": s.setting.kind, "tau": s.tau,
              "tokens_per_second": _interval(s.tokens_per_second), "speedup": _interval(s.speedup),
@@ -391,7 +411,7 @@ class Projection:
                                          Interval(*s["speedup"]), float(s["breakeven_tau"]),
                                          tuple((int(a), float(b), float(c)) for a, b, c in s["per_sample"]),
                                          tuple(map(str, s.get("ids", ()))), tuple(map(str, s.get("categories", ())))))
-        return cls(str(data["profile"]), tuple(out))
+        return cls(str(data["profile"]), tuple(out), dict(data.get("profile_identity") or {}))
 
 
 def _interval(i: Interval) -> list[float]:
@@ -421,7 +441,7 @@ def project(samples: Sequence[SampleCycles], settings: Sequence[Setting], profil
         out.append(SettingProjection(s, tokens / cycles if cycles else math.nan, found["tps"], found["speedup"],
                                      cost / profile.verify_seconds(1, context), rows,
                                      tuple(x.id for x in samples), tuple(x.category for x in samples)))
-    return Projection(profile.label(), tuple(out))
+    return Projection(profile.label(), tuple(out), profile.identity())
 
 
 def _mean_context(samples: Sequence[SampleCycles], name: str) -> int:

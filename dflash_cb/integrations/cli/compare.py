@@ -16,7 +16,7 @@ from ...core.results.compare import COMPARISON_HEADER, CompareError, any_budgets
 from ...core.results.results_file import load_results, report_paths
 
 
-def _labels(paths: Sequence[str], given: str | None) -> list[str]:
+def file_labels(paths: Sequence[str], given: str | None) -> list[str]:
     if given is not None:
         labels = [x.strip() for x in given.split(",")]
         if len(labels) != len(paths):
@@ -76,7 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                            f"{DEFAULT_SEED})")
     threads = set_threads(parse_threads(args.threads))
     md_path, png_path = report_paths(args.out, COMPARISON_HEADER, "comparison", [("results file", r) for r in args.results])
-    labels = _labels(args.results, args.labels)
+    labels = file_labels(args.results, args.labels)
     results = [load_results(p) for p in args.results]  # ResultsError names the file and the fix
     published = []
     if args.published:
