@@ -414,3 +414,52 @@ def test_serve_plan_refuses_in_one_line(planned, tmp_path, capsys, case, words) 
         files[1] = files[0]
     code = run(serve_plan_cli.main, [*files, *extra, "--out", str(tmp_path / "plan")])
     _error(code, capsys, *words)
+
+
+# -- eval_drafter --speculative-tokens: the cap and the profile's rows named rightly ----------------------------------
+
+@pytest.fixture(scope="module")
+def mtp_world(mtp_target, tmp_path_factory) -> dict:
+    """A cache of the MTP target's last layer and its head extracted as a drafter folder."""
+    from tiny_target import random_prompts, write_prompts
+
+    from dflash_cb.cache.precompute import main as precompute
+    from dflash_cb.integrations.cli import extract as extract_cli
+
+    root = tmp_path_factory.mktemp("mtpworld6")
+    prompts = write_prompts(root / "prompts.jsonl", random_prompts(3, (4, 8), seed=5, vocab=120))
+    n = json.loads((mtp_target / "config.json").read_text())
+    layers = int((n.get("text_config") or n)["num_hidden_layers"])
+    assert precompute(["--target", str(mtp_target), "--prompts", str(prompts), "--out", str(root / "cache"),
+                       "--reference", "local", "--dtype", "float32", "--max-new-tokens", "12", "--no-progress",
+                       "--layers", str(layers - 1)]) == 0
+    assert extract_cli.main(["--mtp-from", str(mtp_target), "--out", str(root / "mtp")]) == 0
+    return {"cache": root / "cache", "drafter": root / "mtp", "root": root}
+
+
+@pytest.mark.parametrize("ks,rows,words", [
+    ("16", "1,0.02\n20,0.03\n", ["--speculative-tokens 16", "1 to 15"]),
+    ("1,16", "1,0.02\n20,0.03\n", ["--speculative-tokens 1,16", "1 to 15"]),
+    ("1,3", "1,0.02\n2,0.021\n", ["chain K=3 verifies 4 tokens", "up to 2", "smaller --speculative-tokens"]),
+])
+def test_chain_lengths_refused_naming_the_right_cap(mtp_world, tmp_path, capsys, ks, rows, words) -> None:
+    from dflash_cb.integrations.cli import eval_drafter as eval_cli
+
+    prof = _profile(tmp_path, rows, "p.json", "--states", str(mtp_world["cache"]))
+    code = run(eval_cli.main, ["--states", str(mtp_world["cache"]), "--drafter", str(mtp_world["drafter"]), "--out",
+                               str(tmp_path / "r.json"), "--speculative-tokens", ks, "--ddtree-budgets", "",
+                               "--profile", str(prof)])
+    err = _error(code, capsys, *words)
+    assert "--ddtree-budgets" not in err and "--block-size" not in err
+    assert not list(tmp_path.glob("r*.json"))
+
+
+def test_a_profile_without_a_target_or_of_another_batch_is_warned_about(tiny_cache, drafter_dir, tmp_path) -> None:
+    from dflash_cb.integrations.cli import eval_drafter as eval_cli
+
+    prof = _profile(tmp_path, "1,0.02\n9,0.022\n", "p.json", "--batch-size", "8")
+    with pytest.warns(UserWarning) as caught:
+        assert eval_cli.main(["--states", str(tiny_cache), "--drafter", str(drafter_dir), "--out",
+                              str(tmp_path / "r.json"), "--ddtree-budgets", "8", "--profile", str(prof)]) == 0
+    said = " ".join(str(w.message) for w in caught)
+    assert "records no target" in said and "batch of 8" in said

@@ -184,6 +184,14 @@ def _score_chain_lengths(args: argparse.Namespace, scorer: object, drafter: obje
     if family.kind != "chain":
         raise ArgumentError(f"--speculative-tokens: a {family.label} drafter drafts a block in one pass; score "
                             "another block with --block-size")
+    cap = family.block_cap(drafter.spec) - 1
+    if ks[-1] > cap:
+        raise ArgumentError(f"--speculative-tokens {args.speculative_tokens}: a {family.label} chain drafts 1 to "
+                            f"{cap} tokens a cycle (K); give chain lengths up to {cap}")
+    if profile is not None:  # every K within the profile's rows, before the first is scored
+        for k in ks:
+            checked_settings(profile, drafter, k + 1, (), f"--profile {args.profile}",
+                             "smaller --speculative-tokens")
     outs = [check_results_path(chain_output(out, k, ks)) for k in ks]
     rows = []
     base = scorer.config
@@ -192,7 +200,8 @@ def _score_chain_lengths(args: argparse.Namespace, scorer: object, drafter: obje
         fit = scorer.check(drafter, "--drafter")
         settings = None
         if profile is not None:
-            settings = checked_settings(profile, drafter, fit.block_size, (), f"--profile {args.profile}")
+            settings = checked_settings(profile, drafter, fit.block_size, (), f"--profile {args.profile}",
+                                        "smaller --speculative-tokens")
         results, report = scorer.score(drafter, fit, drafter_provenance(args.drafter), progress=True)
         if profile is not None:
             add_projection(results, report, scorer.cache, profile, settings)
