@@ -463,3 +463,33 @@ def test_a_profile_without_a_target_or_of_another_batch_is_warned_about(tiny_cac
                               str(tmp_path / "r.json"), "--ddtree-budgets", "8", "--profile", str(prof)]) == 0
     said = " ".join(str(w.message) for w in caught)
     assert "records no target" in said and "batch of 8" in said
+
+
+# -- vLLM's per-request counters: consistent with one another --------------------------------------------------------
+
+def _answer(**edit) -> dict:
+    spec = {"num_spec_steps": 3, "num_draft_tokens": 9, "num_accepted_draft_tokens": 4, "num_spec_tokens": 3,
+            "acceptance_histogram": [1, 1, 0, 1], "per_step_accepted": [0, 1, 3]}
+    spec.update(edit)
+    return {"metrics": {"speculative_decoding": spec}}
+
+
+@pytest.mark.parametrize("edit,words", [
+    ({"per_step_accepted": [0, 3, 3]}, ["per_step_accepted sums to 6", "num_accepted_draft_tokens is 4"]),
+    ({"per_step_accepted": [0, 0, 4], "acceptance_histogram": [2, 0, 0, 0, 1], "num_spec_tokens": 3},
+     ["accepts 4, above num_spec_tokens 3"]),
+    ({"acceptance_histogram": [1, 0, 2]}, ["acceptance_histogram has 3 entries", "needs 4"]),
+    ({"num_spec_tokens": 2}, ["num_draft_tokens 9 above num_spec_steps 3 x num_spec_tokens 2"]),
+    ({"num_accepted_draft_tokens": 12, "per_step_accepted": None}, ["above num_draft_tokens 9"]),
+])
+def test_per_request_counters_that_contradict_themselves_are_refused(edit, words) -> None:
+    from dflash_cb.cache.vllm_counters import answer_counters
+
+    assert answer_counters(_answer())["per_step_accepted"] == [0, 1, 3]  # a consistent answer reads
+    body = _answer(**edit)
+    spec = body["metrics"]["speculative_decoding"]
+    for k in [k for k, v in spec.items() if v is None]:
+        del spec[k]
+    with pytest.raises(ValueError) as e:
+        answer_counters(body)
+    assert all(w in str(e.value) for w in words), str(e.value)
