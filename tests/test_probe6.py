@@ -493,3 +493,19 @@ def test_per_request_counters_that_contradict_themselves_are_refused(edit, words
     with pytest.raises(ValueError) as e:
         answer_counters(body)
     assert all(w in str(e.value) for w in words), str(e.value)
+
+
+# -- build_prompts ---------------------------------------------------------------------------------------------------
+
+def test_build_prompts_refuses_a_damaged_source_record_and_a_set_named_twice(tmp_path, capsys) -> None:
+    from dflash_cb.cache import prompt_sets as PS
+    from dflash_cb.cache.build_prompts import main as build_main
+
+    folder = tmp_path / "data" / "gsm8k"
+    folder.mkdir(parents=True)
+    (folder / PS.SOURCE_FILE).write_text("{ not json")
+    with pytest.raises(PS.PromptSetError, match=r"source.json: not a readable saved set's record.*save the set again"):
+        PS.load_set(PS.PAPER.set("gsm8k"), tmp_path / "data")
+    code = build_main(["--preset", "dflash-paper", "--sets", "gsm8k,gsm8k", "--save-data", str(tmp_path / "d2")])
+    _error(code, capsys, "--sets gsm8k,gsm8k", "more than once")
+    assert not (tmp_path / "d2").exists()
