@@ -47,6 +47,9 @@ def _build(argv: Sequence[str] | None) -> int:
     ns = build_parser().parse_args(argv)
     p = preset(ns.preset)
     sets = parse_str_list("--sets", ns.sets) if ns.sets else None
+    if sets and len(set(sets)) != len(sets):  # a set twice would be built twice: every prompt in it duplicated
+        twice = sorted({c for c in sets if sets.count(c) > 1})
+        raise PromptSetError(f"--sets {ns.sets}: {', '.join(twice)} given more than once; name each set once")
     chosen = [p.set(c) for c in sets] if sets else list(p.sets)
     if ns.save_data:
         for s in chosen:

@@ -253,7 +253,13 @@ def load_set(s: PromptSet, data_dir: str | Path | None = None,
             raise PromptSetError(
                 f"{folder}: no saved set here ({SOURCE_FILE} missing); prepare it on a machine with the hub: "
                 f"tools/build_prompts.py --preset <name> --save-data {data_dir}")
-        source = json.loads((folder / SOURCE_FILE).read_text())
+        try:
+            source = json.loads((folder / SOURCE_FILE).read_text())
+            if not isinstance(source, dict):
+                raise ValueError(f"a JSON {type(source).__name__}, not an object")
+        except (OSError, ValueError) as e:
+            raise PromptSetError(f"{folder}/{SOURCE_FILE}: not a readable saved set's record ({e}); save the set "
+                                 f"again: tools/build_prompts.py --preset <name> --save-data {data_dir}") from None
         if source.get("dataset") != s.dataset or source.get("split") != s.split or source.get("config") != s.config:
             raise PromptSetError(
                 f"{folder}/{SOURCE_FILE}: holds {source.get('dataset')} {source.get('config')} "

@@ -211,9 +211,39 @@ def answer_counters(body: Any) -> dict[str, Any] | None:
             raise ValueError(f"metrics.speculative_decoding.per_step_accepted is {clip(steps)}, expected one count "
                              f"per verify step ({out[DRAFTS]})")
         out[PER_STEP_ACCEPTED] = counts
+    why = _inconsistent(spec, out, hist)
+    if why is not None:
+        raise ValueError(f"metrics.speculative_decoding: {why}: the counters do not describe one request's "
+                         "verify steps; check the server's version (vLLM's per-request metrics)")
     out[ATTRIBUTABLE] = True
     out[PER_REQUEST] = True
     return {k: out[k] for k in sorted(out)}
+
+
+def _inconsistent(spec: Mapping[str, Any], out: Mapping[str, Any], hist: Any) -> str | None:
+    """Where a request's counters contradict one another (each is well formed): the accepted tokens against the
+    drafted ones, the per-step counts and the histogram; the chain length ``num_spec_tokens`` bounds a step."""
+    steps, accepted, drafted = out[DRAFTS], out[ACCEPTED], out[DRAFT_TOKENS]
+    k = whole_count(spec.get("num_spec_tokens")) if spec.get("num_spec_tokens") is not None else None
+    if accepted > drafted:
+        return f"num_accepted_draft_tokens {accepted} above num_draft_tokens {drafted}"
+    if k is not None and drafted > steps * k:
+        return f"num_draft_tokens {drafted} above num_spec_steps {steps} x num_spec_tokens {k}"
+    per_step = out.get(PER_STEP_ACCEPTED)
+    if per_step is not None:
+        if sum(per_step) != accepted:
+            return f"per_step_accepted sums to {sum(per_step)}, num_accepted_draft_tokens is {accepted}"
+        if k is not None and per_step and max(per_step) > k:
+            return f"a step of per_step_accepted accepts {max(per_step)}, above num_spec_tokens {k}"
+    if isinstance(hist, list):
+        if k is not None and len(hist) != k + 1:
+            return f"acceptance_histogram has {len(hist)} entries, num_spec_tokens {k} needs {k + 1} (0 to {k})"
+        if sum(hist) != steps:
+            return f"acceptance_histogram counts {sum(hist)} steps, num_spec_steps is {steps}"
+        if sum(j * c for j, c in enumerate(hist)) != accepted:
+            return (f"acceptance_histogram accepts {sum(j * c for j, c in enumerate(hist))} tokens, "
+                    f"num_accepted_draft_tokens is {accepted}")
+    return None
 
 
 def per_step_accepted(counters: Mapping[str, Any]) -> list[int] | None:

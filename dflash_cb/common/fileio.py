@@ -216,16 +216,27 @@ def _inside(path: str, folder: str) -> bool:
 
 
 def check_outputs_apart(inputs: Iterable[PathArg], files: Iterable[PathArg] = (),
-                        folders: Iterable[PathArg] = ()) -> None:
+                        folders: Iterable[PathArg] = (), models: Iterable[PathArg] = ()) -> None:
     """Refuse, before any work, an output that would write over something the same run reads.
 
     Each argument is ``(option name, path)``; ``None`` paths are ignored. Paths are compared
     resolved (``realpath``: symbolic links, ``..`` and relative paths all followed). An output
     *file* is refused when it is an input, or an existing file inside an input folder (a cache's
     manifest or shard, a drafter's weights). An output *folder* (created, filled or replaced by the
-    run) is refused when it is an input or contains one.
+    run) is refused when it is an input or contains one. ``models``: input folders (a target's, a drafter's)
+    that no output file may land in at all, not even a new one: a stray file in a model folder is read by the
+    next loader (an index, a config) or shipped with the weights.
     """
-    ins = [(name, _real(p)) for name, p in inputs if p is not None]
+    models = [(name, p) for name, p in models if p is not None]
+    ins = [(name, _real(p)) for name, p in [*inputs, *models] if p is not None]
+    for name, p in files:
+        if p is None:
+            continue
+        out = _real(p)
+        for in_name, src in ((n, _real(m)) for n, m in models):
+            if _inside(out, src) and out != src and os.path.isdir(src):
+                raise OverwritesInputError(f"{name} {p}: is inside {in_name} {src}, a model folder this run "
+                                           f"reads; write {name} outside it")
     for name, p in files:
         if p is None:
             continue

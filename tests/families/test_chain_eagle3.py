@@ -394,7 +394,7 @@ def test_drafts_and_overlap_read_the_draft_vocabulary(world) -> None:
     assert torch.allclose(out.overlap, want, atol=1e-6)
     broken = copy.deepcopy(drafter)
     broken.d2t[1] = broken.d2t[0] - 1  # draft ids 0 and 1 on one target id
-    with pytest.raises(ValueError, match="d2t maps its 64 draft ids .* or to one id twice"):
+    with pytest.raises(ValueError, match="d2t maps draft ids 0 and 1 onto one target id"):
         proposer_for(broken.spec, broken, world["cache"].load_head().lm_head, 1 << 20)
 
 

@@ -139,8 +139,11 @@ def load_drafter(path: str | os.PathLike, device: torch.device | str = "cpu") ->
     model = _drafter_for(config, state, str(cfg_path))
     try:
         load_weights(model, state, source=str(folder))
+        check = getattr(model, "check_loaded", None)  # a family's own check of what the weights say (EAGLE-3's d2t)
+        if check is not None:
+            check()
     except ValueError as e:
-        raise CheckpointError(str(e)) from None
+        raise CheckpointError(f"{folder}: {e}" if str(folder) not in str(e) else str(e)) from None
     check_finite_weights(state.items(), str(folder))
     return model.to(device=device)
 
@@ -451,9 +454,21 @@ def extract_from_target(target_dir: str | os.PathLike, out_dir: str | os.PathLik
     if not cfg_path.is_file():
         raise CheckpointError(f"--mtp-from {folder}: no config.json; point it at the target's model folder (the one "
                               "holding config.json and *.safetensors)")
+    from ..drafters.chain import ChainFamily
+
+    cap = ChainFamily.max_speculative_tokens
+    if isinstance(speculative_tokens, bool) or not 1 <= int(speculative_tokens) <= cap:
+        raise CheckpointError(f"--speculative-tokens {speculative_tokens}: a chain drafts 1 to {cap} tokens a cycle "
+                              "(the servers' num_speculative_tokens, commonly 3)")
     out = output_path(out_dir)
     overwrite_into = check_drafter_out(out, folder, overwrite)
-    target_config = json.loads(cfg_path.read_text())
+    try:
+        target_config = json.loads(cfg_path.read_text())
+        if not isinstance(target_config, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"--mtp-from {cfg_path}: not a readable config.json ({e}); copy the target's "
+                              "config.json again") from None
     shipped = [f for f in families() if f.target_prefix is not None]
     config, family = None, None
     for family in shipped:
@@ -469,8 +484,20 @@ def extract_from_target(target_dir: str | os.PathLike, out_dir: str | os.PathLik
     files = sorted(set(wanted.values()))
     weights: dict[str, torch.Tensor] = {}
     for name in files:
-        with safe_open(str(folder / name), framework="pt") as f:
-            weights.update({k: f.get_tensor(k).contiguous() for k, file in wanted.items() if file == name})
+        try:  # a truncated shard, or an index naming a tensor its shard lacks: the file named, not a traceback
+            with safe_open(str(folder / name), framework="pt") as f:
+                held = set(f.keys())
+                lacking = sorted(k for k, file in wanted.items() if file == name and k not in held)
+                if lacking:
+                    raise CheckpointError(f"--mtp-from {folder / name}: the index names {lacking[0]} (and "
+                                          f"{len(lacking) - 1} more) in this file but it lacks them; copy the "
+                                          "target's files again")
+                weights.update({k: f.get_tensor(k).contiguous() for k, file in wanted.items() if file == name})
+        except CheckpointError:
+            raise
+        except Exception as e:  # safetensors' own error type, OSError
+            raise CheckpointError(f"--mtp-from {folder / name}: not a readable safetensors file ({e}); copy it "
+                                  "again") from None
     if not weights:
         raise CheckpointError(f"--mtp-from {folder}: its config says it ships a {family.label} drafter but no "
                               f"safetensors file holds {prefix}* weights (a checkpoint re-saved by transformers "

@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
+from ...common.errors import DFlashCBError
 from ..figures.bootstrap import DEFAULT_RESAMPLES, DEFAULT_SEED, Interval, Sums, intervals, paired_difference
 
 PROFILE_FORMAT = "dflash-cb-cost-profile"
@@ -36,9 +37,11 @@ TARGET_FIELDS = ("hidden_size", "num_layers", "vocab_size")
 DRAFTER_FIELDS = ("family", "hidden_size", "num_layers", "block_size")
 # What a cycle of each kind of setting pays besides the two models' calls (``CostProfile.overhead``).
 CYCLE_KINDS = ("block", "ddtree", "chain")
+# No step of a served model takes an hour: a larger figure is a unit or a typing mistake.
+MAX_STEP_SECONDS = 3600.0
 
 
-class ProfileError(ValueError):
+class ProfileError(DFlashCBError, ValueError):
     """A cost profile that cannot be used: unreadable, or measured for something else."""
 
 
@@ -89,11 +92,19 @@ class CostProfile:
             if ctx < 0 or not rows or ns != sorted(set(ns)) or ns[0] < 1:
                 raise ProfileError(f"verify rows at context {ctx}: verified token counts must be distinct integers "
                                    f">= 1 in increasing order, got {ns}")
-            if any(not (math.isfinite(s) and s > 0) for _, s in rows):
-                raise ProfileError(f"verify rows at context {ctx}: every time must be a positive number of seconds")
+            if any(not (math.isfinite(s) and 0 < s <= MAX_STEP_SECONDS) for _, s in rows):
+                raise ProfileError(f"verify rows at context {ctx}: every time must be a positive number of seconds "
+                                   f"up to {MAX_STEP_SECONDS:g}")
         for draft in (self.draft, *(d for _, d in self.others)):
-            if not draft or any(c < 0 or not (math.isfinite(s) and s >= 0) for c, s in draft.items()):
+            if not draft or any(c < 0 or not (math.isfinite(s) and 0 <= s <= MAX_STEP_SECONDS) for c, s in draft.items()):
                 raise ProfileError("the profile's draft seconds must be non-negative numbers per context (0: any)")
+        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
+            raise ProfileError(f"batch_size {self.batch_size!r}: the batch the times are for, an integer >= 1")
+        for what, fields, have in (("target", TARGET_FIELDS, self.target), ("drafter", DRAFTER_FIELDS, self.drafter)):
+            for f in fields:  # compared with a cache's and a drafter's integers: "64" would never match 64
+                v = have.get(f)
+                if v is not None and f != "family" and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                    raise ProfileError(f"{what} {f} {v!r}: an integer >= 1 (as the model's config.json says)")
         for kind, sec in self.overhead.items():
             if kind not in CYCLE_KINDS or not (isinstance(sec, (int, float)) and math.isfinite(sec) and sec >= 0):
                 raise ProfileError(f"overhead {kind!r}: {sec!r}; a non-negative number of seconds per cycle for each "
@@ -111,10 +122,28 @@ class CostProfile:
             return all(have.get(f) == identity.get(f) for f in DRAFTER_FIELDS if f != "block_size"
                        and have.get(f) is not None and identity.get(f) is not None)
 
-        for who, draft in ((self.drafter, self.draft), *self.others):
-            if who and same(who):
-                return replace(self, drafter=dict(who), draft=dict(draft))
+        pairs = ((self.drafter, self.draft), *self.others)
+        for i, (who, draft) in enumerate(pairs):
+            if who and same(who):  # the others keep every other drafter's pass: the profile stays the same one
+                rest = tuple((dict(w), dict(d)) for j, (w, d) in enumerate(pairs) if j != i)
+                return replace(self, drafter=dict(who), draft=dict(draft), others=rest)
         return self
+
+    def identity(self) -> dict[str, Any]:
+        """What makes two profiles one: where and how it was measured and every number in it (each drafter's
+        pass whichever drafter it was picked for), as ``{"fields": ..., "digest": sha256}``; two files projected
+        with profiles of different identities price differently even when their labels read the same."""
+        import hashlib
+        import json
+
+        data = self.to_dict()
+        pairs = sorted(json.dumps([who, {str(c): s for c, s in sorted(d.items())}], sort_keys=True)
+                       for who, d in ((self.drafter, self.draft), *self.others))
+        for k in ("drafter", "draft", "others"):
+            data.pop(k)
+        digest = hashlib.sha256(json.dumps([data, pairs], sort_keys=True).encode()).hexdigest()
+        fields = {k: data[k] for k in ("kind", "target", "device", "dtype", "batch_size", "date", "source")}
+        return {"fields": fields, "digest": digest}
 
     @property
     def max_verified(self) -> int:
@@ -170,13 +199,16 @@ class CostProfile:
             raise ProfileError(f"{where}: profile version {data.get('version')!r}; this dflash-cb reads version "
                                f"{PROFILE_VERSION}: measure it again with tools/profile_costs.py")
         try:
-            verify = {int(c): tuple((int(n), float(s)) for n, s in rows) for c, rows in data["verify"].items()}
-            draft = {int(c): float(s) for c, s in data["draft"].items()}
-            others = tuple((dict(o["drafter"]), {int(c): float(s) for c, s in o["draft"].items()})
+            verify = {int(c): tuple((_count(n), _seconds(s)) for n, s in rows) for c, rows in data["verify"].items()}
+            draft = {int(c): _seconds(s) for c, s in data["draft"].items()}
+            others = tuple((dict(o["drafter"]), {int(c): _seconds(s) for c, s in o["draft"].items()})
                            for o in data.get("others") or ())
+            batch = data.get("batch_size", 1)
+            if isinstance(batch, bool) or not isinstance(batch, int):
+                raise ProfileError(f"batch_size {batch!r}: an integer >= 1")
             return cls(str(data["kind"]), verify, draft, dict(data.get("target") or {}),  # type: ignore[arg-type]
                        dict(data.get("drafter") or {}), str(data.get("device", "")), str(data.get("dtype", "")),
-                       int(data.get("batch_size", 1)), str(data.get("date", "")), str(data.get("source", "")),
+                       batch, str(data.get("date", "")), str(data.get("source", "")),
                        others, {str(k): v for k, v in (data.get("overhead") or {}).items()},
                        {int(c): tuple((int(n), float(x)) for n, x in rows)
                         for c, rows in (data.get("spread") or {}).items()},
@@ -189,6 +221,19 @@ class CostProfile:
             what = f"missing field {e}" if isinstance(e, KeyError) else str(e)
             raise ProfileError(f"{where}: damaged cost profile ({what}); write it again with "
                                "tools/profile_costs.py") from e
+
+
+def _seconds(value: Any) -> float:
+    """A profile file's time: a JSON number (``true`` or ``"0.02"`` is a damaged file, not 1 s or 0.02 s)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ProfileError(f"a time of {value!r}, not a number of seconds")
+    return float(value)
+
+
+def _count(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ProfileError(f"a verified token count of {value!r}, not an integer")
+    return value
 
 
 def _between_rows(rows: Sequence[tuple[int, float]], n: int) -> float:
@@ -353,6 +398,7 @@ class SettingProjection:
 class Projection:
     profile: str  # CostProfile.label()
     settings: tuple[SettingProjection, ...]
+    profile_identity: dict[str, Any] = field(default_factory=dict)  # CostProfile.identity(); {} in older files
 
     @property
     def best(self) -> SettingProjection:
@@ -368,7 +414,8 @@ class Projection:
         return ranked[1], paired_difference(ranked[1].sums(), ranked[0].sums(), n_resamples, seed)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"profile": self.profile, "note": PROJECTION_NOTE, "best": self.best.setting.name, "settings": [
+        return {"profile": self.profile, "profile_identity": self.profile_identity, "note": PROJECTION_NOTE,
+                "best": self.best.setting.name, "settings": [
             {"name": s.setting.name, "label": s.setting.label, "verified_tokens": s.setting.verified,
              "draft_passes": s.setting.draft_passes, "kind": s.setting.kind, "tau": s.tau,
              "tokens_per_second": _interval(s.tokens_per_second), "speedup": _interval(s.speedup),
@@ -386,7 +433,7 @@ class Projection:
                                          Interval(*s["speedup"]), float(s["breakeven_tau"]),
                                          tuple((int(a), float(b), float(c)) for a, b, c in s["per_sample"]),
                                          tuple(map(str, s.get("ids", ()))), tuple(map(str, s.get("categories", ())))))
-        return cls(str(data["profile"]), tuple(out))
+        return cls(str(data["profile"]), tuple(out), dict(data.get("profile_identity") or {}))
 
 
 def _interval(i: Interval) -> list[float]:
@@ -421,7 +468,7 @@ def project(samples: Sequence[SampleCycles], settings: Sequence[Setting], profil
         out.append(SettingProjection(s, tokens / cycles if cycles else math.nan, found["tps"], found["speedup"],
                                      cost / profile.verify_seconds(1, context), rows,
                                      tuple(x.id for x in samples), tuple(x.category for x in samples)))
-    return Projection(profile.label(), tuple(out))
+    return Projection(profile.label(), tuple(out), profile.identity())
 
 
 # How many profiles a projection draws from a measured profile's repeats (each row the median of a resample of

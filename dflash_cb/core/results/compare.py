@@ -286,9 +286,12 @@ def published_rows(c: Comparison, published: Sequence[Any]) -> list[str]:
     return rows
 
 
+COMPARISON_HEADER = "## Drafter comparison"  # a comparison's first line: how an earlier one is known
+
+
 def render_markdown(c: Comparison, plot_path: str | None = None, published: Sequence[Any] = ()) -> str:
     r0 = c.results[0]
-    lines = ["## Drafter comparison", ""]
+    lines = [COMPARISON_HEADER, ""]
     lines.append(f"Cache `{r0.meta.get('cache_path')}` (manifest `{str(r0.manifest_sha256)[:12]}`), "
                  f"{c.n} prompts scored by every evaluation. Intervals: 95%, cluster bootstrap over prompts "
                  "(uncertainty from the choice of prompts); differences are paired on the same prompts.")

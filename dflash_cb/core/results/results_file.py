@@ -37,7 +37,7 @@ from ...cache.states import StateCache
 from ...common.arguments import is_int
 from ...common.cli import describe_os_error
 from ...common.errors import DFlashCBError
-from ...common.fileio import atomic_write_text, output_path
+from ...common.fileio import atomic_write_text, check_outputs_apart, output_path
 from ...common.version import __version__
 from ..drafters.registry import family_named, family_names
 from ..drafters.spec import DEFAULT_FAMILY
@@ -487,6 +487,35 @@ def check_results_path(path: str | os.PathLike, option: str = "--out", example: 
     except OSError as e:
         raise ResultsError(f"{option} {path}: cannot write there ({describe_os_error(e)})") from None
     return path
+
+
+def report_paths(out: str, header: str, example: str, inputs: Sequence[tuple[str, Any]] = (),
+                 option: str = "--out") -> tuple[Path, Path]:
+    """A report tool's ``OUT.md`` and ``OUT.png``, checked before any work: ``out`` names a file stem (``.md`` or
+    ``.png`` at its end dropped; any other suffix kept, so ``report.final`` writes ``report.final.md``, never
+    ``report.md``), and an existing ``.md`` is replaced only when it is this tool's own earlier report (its first
+    line is ``header``): a user's notes of the same name are never overwritten. Neither may be one of ``inputs``
+    (``check_outputs_apart``)."""
+    text = str(out).strip()
+    if not text or Path(text).name in ("", ".", "..") or text.endswith(("/", os.sep)):
+        raise ResultsError(f"{option} {out!r}: a file stem is needed (OUT.md and OUT.png are written), e.g. "
+                           f"{option} {example}")
+    base = Path(text)
+    if base.suffix in (".md", ".png"):
+        base = base.with_suffix("")
+    md, png = Path(f"{base}.md"), Path(f"{base}.png")
+    check_outputs_apart(inputs, files=[(option, md), (option, png)])
+    real = output_path(md)
+    if real.is_file():
+        try:
+            with open(real, encoding="utf-8", errors="replace") as f:
+                first = f.readline().rstrip("\n")
+        except OSError:
+            first = ""
+        if first != header:
+            raise ResultsError(f"{option} {out}: {md} exists and is not an earlier report of this tool (its first "
+                               f"line is not {header!r}); give another {option}, or move that file")
+    return (check_results_path(md, option, f"{example}.md"), check_results_path(png, option, f"{example}.png"))
 
 
 def write_results(results: Results, path: str | os.PathLike) -> None:

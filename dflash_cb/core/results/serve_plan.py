@@ -19,7 +19,9 @@ from ...common.fileio import atomic_write_text, naming_failures
 from ..costs.serving import PROJECTION_NOTE, Projection, SettingProjection
 from ..figures.bootstrap import DEFAULT_RESAMPLES, DEFAULT_SEED, Interval, intervals, paired_difference
 from .compare import check_same_cache
-from .results_file import Results
+from .results_file import Results, series_mismatch
+
+PLAN_HEADER = "# Which drafter to serve (projected)"  # a plan's first line: how an earlier one is known
 
 
 class ServePlanError(DFlashCBError, ValueError):
@@ -34,6 +36,7 @@ class Plan:
     best_pair: tuple[int, int] | None  # (best drafter, runner-up) by their best settings' speedup
     difference: Interval | None  # the best's best speedup minus the runner-up's, paired over resampled prompts
     by_category: dict[str, list[Interval]]  # category -> each drafter's best setting's speedup there
+    warnings: tuple[str, ...] = ()  # why the files' figures may not be like for like (compare_results' rule)
 
     @property
     def profile(self) -> str:
@@ -48,12 +51,13 @@ def plan(labels: Sequence[str], results: Sequence[Results], n_resamples: int = D
         if not r.breakdown.get("serving"):
             raise ServePlanError(f"{label}: no serving projection; score it with tools/eval_drafter.py --profile "
                                  "PROFILE (the same profile for every drafter)")
-        projections.append(Projection.from_dict(r.breakdown["serving"]))
-    profiles = {p.profile for p in projections}
-    if len(profiles) > 1:
-        raise ServePlanError("the files were projected with different profiles (" + "; ".join(
-            f"{label}: {p.profile}" for label, p in zip(labels, projections, strict=True)) + "): score every "
-            "drafter with one --profile")
+        try:
+            projections.append(Projection.from_dict(r.breakdown["serving"]))
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            what = f"missing field {e}" if isinstance(e, KeyError) else f"{type(e).__name__}: {e}"
+            raise ServePlanError(f"{label}: its serving projection is damaged ({what}); score it again with "
+                                 "tools/eval_drafter.py --profile PROFILE") from None
+    check_same_profile(labels, projections)
     ids = [p.settings[0].ids for p in projections]
     if any(set(i) != set(ids[0]) for i in ids[1:]):
         raise ServePlanError("the files scored different samples (--samples / --sample-ids): score every drafter "
@@ -67,7 +71,31 @@ def plan(labels: Sequence[str], results: Sequence[Results], n_resamples: int = D
         diff = paired_difference(aligned[ranked[1]].sums(), aligned[ranked[0]].sums(), n_resamples, seed)
     categories = tuple(sorted(set(aligned[0].categories) - {""}))
     by_category = {c: [intervals({"s": a.sums(c)}, n_resamples, seed)["s"] for a in aligned] for c in categories}
-    return Plan(tuple(labels), tuple(projections), categories, pair, diff, by_category)
+    # The block differs between drafters by design (each is served at its own); a tail convention or a dtype
+    # does not, and compare_results warns about it: so does the plan.
+    series = [{k: v for k, v in r.series.items() if k != "block_size"} for r in results]
+    mismatch = series_mismatch(list(zip(labels, series, strict=True)))
+    return Plan(tuple(labels), tuple(projections), categories, pair, diff, by_category,
+                (mismatch,) if mismatch else ())
+
+
+def check_same_profile(labels: Sequence[str], projections: Sequence[Projection]) -> None:
+    """Two files are planned together only when projected with one profile: by identity (where and how it was
+    measured and every number in it, ``CostProfile.identity``), not by its label, which two CSVs of one name
+    with other draft seconds, or two measurements of one day and machine, share."""
+    ids = [p.profile_identity for p in projections]
+    known = all(i.get("digest") for i in ids)
+    if (known and len({i["digest"] for i in ids}) == 1) or (not known and len({p.profile for p in projections}) == 1
+                                                            and not any(ids)):
+        return
+    fields = [i.get("fields") or {} for i in ids]
+    differ = sorted(k for k in set().union(*fields) if len({repr(f.get(k)) for f in fields}) > 1)
+    why = (f"their profiles differ in {', '.join(differ)}" if differ
+           else "their profiles read the same but hold other numbers" if known
+           else "some were projected before profiles recorded their identity")
+    raise ServePlanError(f"the files were projected with different profiles ({why}: " + "; ".join(
+        f"{label}: {p.profile}" for label, p in zip(labels, projections, strict=True)) + "): score every drafter "
+        "with one --profile")
 
 
 def _aligned(s: SettingProjection, index: list[int]) -> SettingProjection:
@@ -85,7 +113,7 @@ def _iv(i: Interval, digits: int = 2, unit: str = "x") -> str:
 
 
 def format_plan(p: Plan) -> str:
-    lines = ["# Which drafter to serve (projected)", "",
+    lines = [PLAN_HEADER, "",
              f"Profile: {p.profile}. {PROJECTION_NOTE[0].upper() + PROJECTION_NOTE[1:]}.", "",
              "| drafter | setting | tau | speedup | tokens/s | break-even tau |", "|---|---|---|---|---|---|"]
     for label, proj in zip(p.labels, p.projections, strict=True):
@@ -109,6 +137,7 @@ def format_plan(p: Plan) -> str:
                       "tools/speed_check.py."]
     elif p.projections:
         lines += ["", f"**Best setting: {p.projections[0].best.setting.label}.**"]
+    lines += [f"\n**Warning:** {w}" for w in p.warnings]
     if p.categories:
         lines += ["", "Best setting's speedup per category:", "",
                   "| category | " + " | ".join(p.labels) + " |", "|---|" + "---|" * len(p.labels)]

@@ -9,15 +9,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ...common import cli
-from ...common.fileio import check_outputs_apart
 from ...common.threads import THREADS_HELP
 from ...core.figures.bootstrap import DEFAULT_RESAMPLES, DEFAULT_SEED
 from ...core.figures.positions import DEFAULT_POSITION_EDGES
-from ...core.results.compare import CompareError, any_budgets, compare, write_comparison
-from ...core.results.results_file import check_results_path, load_results
+from ...core.results.compare import COMPARISON_HEADER, CompareError, any_budgets, compare, write_comparison
+from ...core.results.results_file import load_results, report_paths
 
 
-def _labels(paths: Sequence[str], given: str | None) -> list[str]:
+def file_labels(paths: Sequence[str], given: str | None) -> list[str]:
     if given is not None:
         labels = [x.strip() for x in given.split(",")]
         if len(labels) != len(paths):
@@ -76,11 +75,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise CompareError(f"--seed {args.seed}: expected an integer >= 0 (the bootstrap's seed, default "
                            f"{DEFAULT_SEED})")
     threads = set_threads(parse_threads(args.threads))
-    out = Path(args.out)
-    check_outputs_apart([("results file", p) for p in args.results],
-                        files=[("--out", out.with_suffix(".md")), ("--out", out.with_suffix(".png"))])
-    labels = _labels(args.results, args.labels)
-    md_path, png_path = (check_results_path(out.with_suffix(x), "--out", f"comparison{x}") for x in (".md", ".png"))
+    md_path, png_path = report_paths(args.out, COMPARISON_HEADER, "comparison", [("results file", r) for r in args.results])
+    labels = file_labels(args.results, args.labels)
     results = [load_results(p) for p in args.results]  # ResultsError names the file and the fix
     published = []
     if args.published:

@@ -75,8 +75,12 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     # Cheap checks first, then the files, so nothing is computed for a run that cannot finish.
-    check_outputs_apart([("--states", args.states), ("--drafter", args.drafter), ("--target", args.target)],
-                        files=[("--out", args.out)])
+    chain = _chain_lengths(args)
+    # Every file this run writes (each K's own with several), apart from every file it reads: the profile too,
+    # often the only copy of a measurement.
+    outs = [("--out", args.out)] + [("--out", chain_output(Path(args.out), k, chain)) for k in chain]
+    check_outputs_apart([("--states", args.states), ("--drafter", args.drafter), ("--target", args.target),
+                         ("--profile", args.profile)], files=outs)
     out = check_results_path(args.out)
     # One rule with the callback's arguments (dflash_cb.common.arguments): a bad value is one line naming the option.
     options = ScoringOptions.from_args(args)
@@ -96,7 +100,6 @@ def main(argv: list[str] | None = None) -> int:
         why = nothing_selected(cache.path, [e for e in cache.samples if e.id in chosen])
         if why is not None:
             raise why  # the selection holds no sample with comparable counters: before any weights are read
-    chain = _chain_lengths(args)
     drafter = load_drafter(args.drafter, device=options.device)
     if profile is not None:  # a profile timing several drafters: this one's passes
         profile = profile.for_drafter(drafter_identity(drafter))
@@ -181,6 +184,14 @@ def _score_chain_lengths(args: argparse.Namespace, scorer: object, drafter: obje
     if family.kind != "chain":
         raise ArgumentError(f"--speculative-tokens: a {family.label} drafter drafts a block in one pass; score "
                             "another block with --block-size")
+    cap = family.block_cap(drafter.spec) - 1
+    if ks[-1] > cap:
+        raise ArgumentError(f"--speculative-tokens {args.speculative_tokens}: a {family.label} chain drafts 1 to "
+                            f"{cap} tokens a cycle (K); give chain lengths up to {cap}")
+    if profile is not None:  # every K within the profile's rows, before the first is scored
+        for k in ks:
+            checked_settings(profile, drafter, k + 1, (), f"--profile {args.profile}",
+                             "smaller --speculative-tokens")
     outs = [check_results_path(chain_output(out, k, ks)) for k in ks]
     rows = []
     base = scorer.config
@@ -189,7 +200,8 @@ def _score_chain_lengths(args: argparse.Namespace, scorer: object, drafter: obje
         fit = scorer.check(drafter, "--drafter")
         settings = None
         if profile is not None:
-            settings = checked_settings(profile, drafter, fit.block_size, (), f"--profile {args.profile}")
+            settings = checked_settings(profile, drafter, fit.block_size, (), f"--profile {args.profile}",
+                                        "smaller --speculative-tokens")
         results, report = scorer.score(drafter, fit, drafter_provenance(args.drafter), progress=True)
         if profile is not None:
             add_projection(results, report, scorer.cache, profile, settings)

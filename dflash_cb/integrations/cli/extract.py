@@ -39,6 +39,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="drafter config.json (default: hyper_parameters.drafter_config in the checkpoint)")
     p.add_argument("--prefix", default=None, help="key prefix of the drafter in the checkpoint (default: found)")
     args = p.parse_args(argv)
+    from ...common.arguments import ArgumentError
     from ...common.fileio import check_outputs_apart
     from ...core.checkpoints.load import (
         describe_dropped,
@@ -48,6 +49,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         read_drafter_config,
     )
 
+    # Options of the other source would be silently ignored: refused, naming them.
+    if args.mtp_from and (args.config or args.prefix):
+        raise ArgumentError("--mtp-from reads the target's own config and mtp.* weights: drop --config and "
+                            "--prefix (they are for --ckpt)")
+    if args.ckpt and args.speculative_tokens is not None:
+        raise ArgumentError("--speculative-tokens is for --mtp-from (the chain length its config records); a "
+                            "--ckpt drafter's config says its own: drop it, or score another K with "
+                            "tools/eval_drafter.py --speculative-tokens")
     if args.mtp_from:
         chain = {} if args.speculative_tokens is None else {"speculative_tokens": args.speculative_tokens}
         info = extract_from_target(args.mtp_from, args.out, overwrite=args.overwrite, **chain)

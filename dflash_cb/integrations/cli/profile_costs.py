@@ -17,9 +17,11 @@ import argparse
 import csv
 import datetime
 import json
+import math
 import shlex
 import sys
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -28,7 +30,7 @@ from ...common import cli
 from ...common.arguments import ArgumentError, parse_int, parse_int_list
 from ...common.errors import DFlashCBError
 from ...common.log import say
-from ...core.costs.serving import CostProfile, ProfileError
+from ...core.costs.serving import MAX_STEP_SECONDS, CostProfile, ProfileError
 from ..evaluator.projection import drafter_identity
 
 USAGE = """Measure (or state) the step costs the serving projection prices a replay with.
@@ -97,7 +99,7 @@ def target_identity(config: Any) -> dict[str, Any]:
 # -- --from-csv --------------------------------------------------------------------------------------------
 
 def draft_seconds_list(text: str | None, drafters: int) -> list[float] | None:
-    """``--draft-seconds``: one value per drafter (one when no drafter is named)."""
+    """``--draft-seconds``: one value per drafter (one when no drafter is named), each finite and >= 0."""
     if text is None:
         return None
     try:
@@ -107,34 +109,92 @@ def draft_seconds_list(text: str | None, drafters: int) -> list[float] | None:
     if len(values) != max(1, drafters):
         raise ArgumentError(f"--draft-seconds {text}: {len(values)} value(s) for {max(1, drafters)} drafter(s); give "
                             "one per --drafter, in their order")
+    for i, v in enumerate(values):
+        if not (math.isfinite(v) and 0 <= v <= MAX_STEP_SECONDS):
+            which = f"value {i + 1} ({v!r})" if len(values) > 1 else repr(v)
+            raise ArgumentError(f"--draft-seconds {text}: {which} is not a drafter pass's time; give seconds "
+                                f"between 0 and {MAX_STEP_SECONDS:g}, e.g. 0.004")
     return values
 
 
+# A one-token verify step above this is likelier milliseconds written as seconds than a real step: warned.
+SUSPICIOUS_ONE_TOKEN_SECONDS = 1.0
+
+
+def read_csv_rows(path: str) -> dict[int, float]:
+    """``--from-csv``: the user's rows (verified tokens -> seconds), checked as a whole before any work: the
+    encoding (UTF-8, an Excel BOM accepted), the header, each row's types, finiteness and range, a 1-token row,
+    at least one more, and monotonicity within ``MONOTONE_TOLERANCE``; a 1-token step above a second is warned
+    about (milliseconds by mistake?)."""
+    from ...core.costs.serving import MONOTONE_TOLERANCE, suspicious_rows
+
+    where = f"--from-csv {path}"
+    try:
+        raw = Path(path).read_bytes()
+    except FileNotFoundError:
+        raise ArgumentError(f"{where}: no such file") from None
+    except IsADirectoryError:
+        raise ArgumentError(f"{where}: is a folder; give the CSV file") from None
+    try:
+        text = raw.decode("utf-8-sig")  # a BOM (Excel's "CSV UTF-8") is not part of the header
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        raise ArgumentError(f"{where}, line {line}: byte 0x{raw[e.start]:02x} is not UTF-8 (a Latin-1 or Windows "
+                            "export?); save the file as UTF-8 (plain ASCII digits suffice)") from None
+    reader = csv.DictReader(text.splitlines())
+    names = [n.strip() for n in reader.fieldnames or []]
+    if not {"verified_tokens", "seconds"} <= set(names):
+        raise ArgumentError(f"{where}: the header must name verified_tokens,seconds (got {reader.fieldnames})")
+    reader.fieldnames = names
+    rows: dict[int, float] = {}
+    problems: list[str] = []
+    for i, row in enumerate(reader, start=2):
+        tokens, seconds = (str(row.get(k) or "").strip() for k in ("verified_tokens", "seconds"))
+        try:
+            n = int(tokens)
+        except ValueError:
+            problems.append(f"line {i}: verified_tokens {tokens!r} is not an integer")
+            continue
+        try:
+            sec = float(seconds)
+        except ValueError:
+            problems.append(f"line {i}: seconds {seconds!r} is not a number")
+            continue
+        if n < 1:
+            problems.append(f"line {i}: verified_tokens {n}; a verify step checks 1 token or more")
+        elif not (math.isfinite(sec) and 0 < sec <= MAX_STEP_SECONDS):
+            problems.append(f"line {i}: seconds {seconds}; a step's time is a positive number of seconds up to "
+                            f"{MAX_STEP_SECONDS:g}")
+        elif n in rows:
+            problems.append(f"line {i}: verified_tokens {n} given twice")
+        else:
+            rows[n] = sec
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise ArgumentError(f"{where}: {'; '.join(problems[:3])}{more}; fix these rows and run again")
+    if 1 not in rows:
+        raise ArgumentError(f"{where}: needs a row for verified_tokens 1 (plain decoding's step, the "
+                            "speedup's baseline)")
+    if len(rows) < 2:
+        raise ArgumentError(f"{where}: only the 1-token row; a speculative cycle verifies more (a block drafter its "
+                            "block, a chain K + 1, a DDTree its budget + 1): add rows up to the most tokens a cycle "
+                            "verifies")
+    broken = suspicious_rows({n: [s] for n, s in rows.items()}, max_spread=math.inf)
+    if broken:
+        raise ArgumentError(f"{where}: not monotone: {next(iter(broken.values()))} (the tolerance is "
+                            f"{MONOTONE_TOLERANCE:.0%}: verifying more tokens never costs less beyond noise); check "
+                            "the rows' units and order")
+    if rows[1] > SUSPICIOUS_ONE_TOKEN_SECONDS:
+        warnings.warn(f"{where}: a 1-token verify step of {rows[1]:g} s is slow for a served model: are the times "
+                      "in milliseconds? The CSV's seconds column is in seconds (0.02 for 20 ms)", stacklevel=2)
+    return rows
+
+
 def from_csv(path: str, draft_seconds: float | None) -> tuple[dict[int, tuple[tuple[int, float], ...]], dict[int, float]]:
-    if draft_seconds is None or not draft_seconds >= 0:
+    if draft_seconds is None or not (math.isfinite(draft_seconds) and draft_seconds >= 0):
         raise ArgumentError("--from-csv needs --draft-seconds S: one drafter pass (block drafters) or one step "
                             "(chain drafters) on your serving stack, in seconds (>= 0)")
-    rows: dict[int, float] = {}
-    try:
-        with open(path, newline="") as f:
-            reader = csv.DictReader(f)
-            if not reader.fieldnames or not {"verified_tokens", "seconds"} <= set(reader.fieldnames):
-                raise ArgumentError(f"--from-csv {path}: the header must name verified_tokens,seconds "
-                                    f"(got {reader.fieldnames})")
-            for i, row in enumerate(reader, start=2):
-                try:
-                    n, s = int(row["verified_tokens"]), float(row["seconds"])
-                except (TypeError, ValueError):
-                    raise ArgumentError(f"--from-csv {path}, line {i}: verified_tokens must be an integer and "
-                                        f"seconds a number, got {row}") from None
-                if n in rows:
-                    raise ArgumentError(f"--from-csv {path}, line {i}: verified_tokens {n} given twice")
-                rows[n] = s
-    except FileNotFoundError:
-        raise ArgumentError(f"--from-csv {path}: no such file") from None
-    if 1 not in rows:
-        raise ArgumentError(f"--from-csv {path}: needs a row for verified_tokens 1 (plain decoding's step, the "
-                            "speedup's baseline)")
+    rows = read_csv_rows(path)
     return {0: tuple(sorted(rows.items()))}, {0: float(draft_seconds)}
 
 
@@ -356,14 +416,25 @@ def _drafter_pass(drafter: Any, head: Any, ctx: int, device: Any) -> Callable[[A
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
+    from ...common.fileio import check_outputs_apart
     from ...core.results.results_file import check_results_path
 
+    # The profile never lands on an input, nor anywhere in a model folder (a new file there is read by the next
+    # loader, e.g. a stray *.index.json), before any work.
+    drafter_paths = [d for d in (args.drafter or "").split(",") if d]
+    check_outputs_apart([("--from-csv", args.from_csv), ("--states", args.states)], files=[("--out", args.out)],
+                        models=[("--target", args.target), *(("--drafter", d) for d in drafter_paths)])
     out = check_results_path(args.out, "--out", "profile.json")
     modes = sum(bool(x) for x in (args.roofline, args.from_csv))
     if modes > 1:
         raise ArgumentError("--roofline and --from-csv are two ways to one profile: give one")
     if args.batch_size < 1:
         raise ArgumentError(f"--batch-size {args.batch_size}: must be >= 1")
+    if args.batch_size != 1 and not args.from_csv:
+        raise ArgumentError(f"--batch-size {args.batch_size}: measured and roofline profiles time one sequence "
+                            "(batch 1); drop --batch-size")
+    if not args.from_csv:
+        _check_measuring(args, drafter_paths)
     contexts = sorted(set(parse_int_list("--contexts", args.contexts, 1)))
     repeats = parse_int("--repeats", args.repeats, 1)
     command = "python tools/profile_costs.py " + " ".join(shlex.quote(a) for a in argv)
@@ -387,6 +458,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.from_csv:
         seconds = draft_seconds_list(args.draft_seconds, len(drafters))
         verify, draft = from_csv(args.from_csv, seconds[0] if seconds else None)
+        if not target:
+            warnings.warn(f"--from-csv {args.from_csv}: no --target or --states, so the profile records no target "
+                          "and no cache can check it was measured for its own; give --states CACHE (or --target)",
+                          stacklevel=2)
         others = tuple((who, {0: sec}) for who, sec in zip(ids[1:], (seconds or [])[1:], strict=True))
         profile = CostProfile("user", verify, draft, target, ids[0] if ids else {}, "", "", args.batch_size, today,
                               f"--from-csv {args.from_csv}", others)
@@ -410,6 +485,38 @@ def main(argv: Sequence[str] | None = None) -> int:
     return _measure(args, out, target, drafters, ids, contexts, tokens, repeats, command, today)
 
 
+def _check_measuring(args: argparse.Namespace, drafter_paths: list[str]) -> None:
+    """What measuring (or a roofline) needs, refused before any model is read: a drafter (without one every
+    drafter pass would be priced at 0 s), a device this machine has, a dtype, a 1-token row (plain decoding's
+    step, the speedup's baseline) and a roofline's figures in a device's range."""
+    from ...cache.target import DTYPES
+
+    if args.dtype not in DTYPES:
+        raise ArgumentError(f"--dtype {args.dtype}: one of {', '.join(DTYPES)}")
+    if args.tokens and 1 not in _tokens(args, None):
+        raise ArgumentError(f"--tokens {args.tokens}: needs 1 (plain decoding's step, the speedup's baseline), "
+                            "e.g. --tokens 1-9")
+    if args.roofline:
+        if args.bandwidth_gbs is None or args.peak_tflops is None:
+            raise ArgumentError("--roofline needs the device's --bandwidth-gbs and --peak-tflops (your numbers: "
+                                "the estimate is labelled with them)")
+        for option, value, lo, hi in (("--bandwidth-gbs", args.bandwidth_gbs, 0.1, 1e6),
+                                      ("--peak-tflops", args.peak_tflops, 1e-3, 1e6)):
+            if value is not None and not (math.isfinite(value) and lo <= value <= hi):
+                raise ArgumentError(f"{option} {value:g}: outside any device's range ({lo:g} to {hi:g}); give "
+                                    "your device's figure, e.g. --bandwidth-gbs 3350 --peak-tflops 989")
+    else:
+        from ...cache.target import TargetError, check_device
+
+        try:
+            check_device(args.device)
+        except TargetError as e:
+            raise ArgumentError(str(e)) from None
+    if not drafter_paths:
+        raise ArgumentError("--drafter DRAFTER_DIR is needed to measure or estimate a profile: without it every "
+                            "drafter pass would be priced at 0 s (free drafting); name the drafter(s) to be served")
+
+
 def _measure(args: argparse.Namespace, out: Path, target: dict[str, Any], drafters: list[Any],
              ids: list[dict[str, Any]], contexts: list[int], tokens: list[int], repeats: int, command: str,
              today: str) -> int:
@@ -417,8 +524,6 @@ def _measure(args: argparse.Namespace, out: Path, target: dict[str, Any], drafte
 
     from ...cache.target import DTYPES, load_target
 
-    if args.dtype not in DTYPES:
-        raise ArgumentError(f"--dtype {args.dtype}: one of {', '.join(DTYPES)}")
     device = torch.device(args.device)
     settings = {"tokens": tokens, "dtype": args.dtype, "device": str(device), "target": target,
                 "drafter": ids[0] if ids else {}, "repeats": repeats}

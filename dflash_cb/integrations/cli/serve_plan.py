@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -29,21 +30,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     from ...common.arguments import ArgumentError
-    from ...common.fileio import check_outputs_apart
-    from ...core.results.results_file import check_results_path, load_results
-    from ...core.results.serve_plan import plan, write_plan
+    from ...core.results.results_file import load_results, report_paths
+    from ...core.results.serve_plan import PLAN_HEADER, plan, write_plan
+    from .compare import file_labels
 
-    labels = args.labels.split(",") if args.labels else [Path(r).stem for r in args.results]
-    if len(labels) != len(args.results) or len(set(labels)) != len(labels):
-        raise ArgumentError(f"--labels {args.labels}: one distinct name per results file ({len(args.results)})")
+    # compare_results' rule: a blank or repeated --label, the same file twice, stems told apart by their folders.
+    if args.labels is not None or len(args.results) > 1:
+        labels = file_labels(args.results, args.labels)
+    else:
+        labels = [Path(args.results[0]).stem]
     if args.resamples < 1 or args.seed < 0:
         raise ArgumentError("--resamples must be >= 1 and --seed >= 0")
-    out = Path(args.out)
-    check_outputs_apart([("results file", r) for r in args.results],
-                        files=[("--out", out.with_suffix(".md")), ("--out", out.with_suffix(".png"))])
-    md_path, png_path = (check_results_path(out.with_suffix(x), "--out", f"plan{x}") for x in (".md", ".png"))
+    md_path, png_path = report_paths(args.out, PLAN_HEADER, "plan", [("results file", r) for r in args.results])
     results = [load_results(r) for r in args.results]
-    md = write_plan(plan(labels, results, args.resamples, args.seed), md_path, png_path)
+    the_plan = plan(labels, results, args.resamples, args.seed)
+    for w in the_plan.warnings:
+        warnings.warn(w, stacklevel=1)
+    md = write_plan(the_plan, md_path, png_path)
     say(md)
     say(f"wrote {md_path} and {png_path}")
     return 0

@@ -13,6 +13,7 @@ from typing import Any
 from ...common.arguments import ArgumentError
 from ...core.costs.serving import (
     PROJECTION_NOTE,
+    TARGET_FIELDS,
     CostProfile,
     ProfileError,
     SampleCycles,
@@ -55,10 +56,16 @@ def refuse_other_target(profile: CostProfile, target: dict[str, Any], where: str
     if wrong:
         raise ArgumentError(f"{where}: measured for another target ({'; '.join(wrong)}); measure this "
                             "cache's target with tools/profile_costs.py --target")
+    if not any(profile.target.get(f) is not None for f in TARGET_FIELDS):
+        warnings.warn(f"{where}: records no target, so nothing shows it was measured for this cache's; write it "
+                      "again with --states CACHE (or --target) to have it checked", stacklevel=2)
+    if profile.batch_size != 1:
+        warnings.warn(f"{where}: its times are for a batch of {profile.batch_size}; the projection prices one "
+                      "sequence's cycles, so its tokens per second are per sequence at that batch", stacklevel=2)
 
 
 def checked_settings(profile: CostProfile, drafter: Any, block_size: int, budgets: Sequence[int],
-                     where: str) -> list[Setting]:
+                     where: str, smaller: str = "lower --ddtree-budgets") -> list[Setting]:
     """The evaluation's settings, each within the profile's rows (else refused); a profile timed with another
     drafter is warned about, naming the fields."""
     _, other = identity_mismatches(profile, {}, drafter_identity(drafter))
@@ -70,7 +77,7 @@ def checked_settings(profile: CostProfile, drafter: Any, block_size: int, budget
         if s.verified > profile.max_verified:
             raise ArgumentError(f"{where}: {s.label} verifies {s.verified} tokens a cycle, beyond the "
                                 f"profile's rows (up to {profile.max_verified}); {profile.reach(s.verified)}, or "
-                                "lower --ddtree-budgets")
+                                f"{smaller}")
     return settings
 
 

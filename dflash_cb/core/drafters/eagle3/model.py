@@ -51,6 +51,11 @@ def eagle_layer_ids(config: Any) -> list[int]:
     n = _get(config, "num_target_layers")
     if ours is not None:
         ids, field = layer_id_list(ours, "target_layer_ids"), "target_layer_ids"
+        named = layer_id_list(sglang, "eagle_config.eagle_aux_hidden_state_layer_ids") if sglang is not None else None
+        if named is not None and named != ids:  # both are layer outputs, a cache's ids: one must be stale
+            raise ValueError(f"target_layer_ids {ids} and eagle_config.eagle_aux_hidden_state_layer_ids {named} "
+                             "disagree (a server reads eagle_config's): make them the same layers, the ones it was "
+                             "trained on")
     elif sglang is not None:
         ids, field = layer_id_list(sglang, "eagle_config.eagle_aux_hidden_state_layer_ids"), "eagle_config"
     elif vllm is not None:
@@ -62,6 +67,10 @@ def eagle_layer_ids(config: Any) -> list[int]:
     elif n is not None:
         n = int_field(n, "num_target_layers")
         ids, field = [1, n // 2 - 1, n - 4], "num_target_layers"
+        if not 1 < n // 2 - 1 < n - 4:  # too few layers for SpecForge's default: it would name [1, 0, -1]
+            raise ValueError(f"num_target_layers {n}: too few layers for SpecForge's default [1, L // 2 - 1, L - 4] "
+                             f"(it gives {ids}); name the three layers the drafter was trained on in \"eagle_config\": "
+                             "{\"eagle_aux_hidden_state_layer_ids\": [...]}")
     else:
         raise ValueError("an EAGLE-3 config names no target layers: add \"eagle_config\": "
                          "{\"eagle_aux_hidden_state_layer_ids\": [1, L // 2 - 1, L - 4]} (SpecForge's default for an "
@@ -98,6 +107,9 @@ def llama_config(config: Any) -> Any:
                          "output, SpecForge 0.2.0's layer the state itself; only SpecForge's is replayed")
     if getattr(cfg, "draft_vocab_size", None) is None:
         cfg.draft_vocab_size = cfg.vocab_size  # the servers' default: the target's vocabulary
+    if not 1 <= int(cfg.draft_vocab_size) <= int(cfg.vocab_size):
+        raise ValueError(f"draft_vocab_size is {cfg.draft_vocab_size}, the target's vocab_size {cfg.vocab_size}: a "
+                         "draft vocabulary is a subset of the target's (1 to vocab_size ids); fix config.json")
     return cfg
 
 
@@ -174,6 +186,12 @@ class Eagle3Drafter(nn.Module):
         self.head_dim = self.midlayer.self_attn.q_proj.out_features // self.num_heads
         self.scaling = 1.0 / math.sqrt(self.head_dim)
 
+    def check_loaded(self) -> None:
+        """The loaded ``d2t`` is a vocabulary mapping (``d2t_problem``): refused at load, before any scoring."""
+        why = d2t_problem(self.d2t, int(self.spec.vocab_size))
+        if why is not None:
+            raise ValueError(why)
+
     # -- chain.ChainSteps ----------------------------------------------------
     def first_carry(self, features: torch.Tensor) -> torch.Tensor:
         if self.fc_norm is not None:
@@ -229,6 +247,25 @@ class Eagle3Drafter(nn.Module):
         save_chain_folder(self, path, self.drafter_config())
 
 
+def d2t_problem(d2t: torch.Tensor, vocab_size: int) -> str | None:
+    """Why ``d2t`` is not a vocabulary mapping SpecForge writes (target id = draft id + d2t[draft id], each in the
+    target's vocabulary, no two onto one), naming the first bad draft id; None when it is one."""
+    draft = torch.arange(d2t.numel(), device=d2t.device)
+    mapped = draft + d2t.to(torch.long)
+    fix = "regenerate the drafter's vocab mapping (SpecForge's d2t)"
+    outside = ((mapped < 0) | (mapped >= vocab_size)).nonzero()
+    if outside.numel():
+        i = int(outside[0, 0])
+        return (f"d2t maps draft id {i} to target id {int(mapped[i])}, outside the target's vocabulary "
+                f"[0, {vocab_size}) ({outside.shape[0]} such ids); {fix}")
+    values, counts = mapped.unique(return_counts=True)
+    if bool((counts > 1).any()):
+        t = int(values[counts > 1][0])
+        ids = (mapped == t).nonzero().flatten()[:2].tolist()
+        return f"d2t maps draft ids {ids[0]} and {ids[1]} onto one target id {t}; {fix}"
+    return None
+
+
 class DraftVocabProposer(Proposer):
     """The draft at a depth: the argmax of the drafter's own head over its draft vocabulary, mapped to the
     target's by ``d2t`` (as SpecForge's accuracy, SGLang and vLLM map it). Its overlap with the target's stored
@@ -241,10 +278,9 @@ class DraftVocabProposer(Proposer):
         self.d2t = module.d2t
         draft = torch.arange(self.d2t.numel(), device=self.d2t.device)
         mapped = draft + self.d2t
-        if bool(((mapped < 0) | (mapped >= spec.vocab_size)).any()) or mapped.unique().numel() != mapped.numel():
-            raise ValueError(f"the drafter's d2t maps its {mapped.numel()} draft ids to target ids outside "
-                             f"[0, {spec.vocab_size}) or to one id twice: not a vocabulary mapping SpecForge writes "
-                             "(target id = draft id + d2t[draft id]); regenerate its vocab mapping")
+        why = d2t_problem(self.d2t, int(spec.vocab_size))
+        if why is not None:
+            raise ValueError(why)
         # target id -> draft id, -1 outside the draft vocabulary
         self.t2d_index = torch.full((spec.vocab_size,), -1, dtype=torch.long, device=self.d2t.device)
         self.t2d_index[mapped] = draft

@@ -8,6 +8,7 @@ from typing import Any
 from torch import nn
 
 from ..chain import ChainFamily
+from ..spec import config_value
 from .model import ARCHITECTURE
 
 
@@ -24,6 +25,16 @@ class MtpFamily(ChainFamily):
     target_prefix = "mtp."
     # vLLM's method "mtp"; SGLang serves Qwen3.5's head as NEXTN, which it runs (and may report) as EAGLE.
     served_methods = ("MTP", "NEXTN", "EAGLE")
+
+    def target_layers(self, config: Any) -> list[int]:
+        """The head reads the target's last layer (the hidden state before the final norm), as the server feeds
+        it; a config naming another layer would score a drafter no server runs."""
+        ids = super().target_layers(config)
+        n = config_value(config, "num_target_layers")
+        if n is not None and ids != [int(n) - 1]:
+            raise ValueError(f"target_layer_ids is {ids}: an MTP head reads the target's last layer, [{int(n) - 1}] "
+                             f"of {int(n)}; write the folder again with tools/extract_drafter.py --mtp-from TARGET")
+        return ids
 
     def config_from_target(self, target_config: dict[str, Any], speculative_tokens: int) -> dict[str, Any]:
         from .model import mtp_config_from_target

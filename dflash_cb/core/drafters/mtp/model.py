@@ -129,6 +129,9 @@ def mtp_config_from_target(target_config: dict[str, Any], speculative_tokens: in
     layers = text.get("mtp_num_hidden_layers")
     if not layers:
         raise ValueError("the target's config has no mtp_num_hidden_layers: it ships no MTP head")
+    if int(layers) != 1:
+        raise ValueError(f"the target's MTP head has mtp_num_hidden_layers {layers}; dflash-cb reads a one-layer "
+                         "head (Qwen3.5 / Qwen3.6's); a deeper one is not supported yet")
     n = int(text["num_hidden_layers"])
     keep = {k: text[k] for k in TEXT_FIELDS if k in text}
     return {"architectures": [ARCHITECTURE], "drafter_family": "mtp", "model_type": "qwen3_5_text",
