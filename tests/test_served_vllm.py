@@ -321,3 +321,74 @@ def test_a_vllm_without_metrics_still_gives_completions(world, tmp_path, capsys)
     with serve(_fake(world, serves_metrics=False, per_request="summary")) as url:
         assert precompute(*_vllm_args(world, url, tmp_path / "b")) == 0
     assert all(e.served_spec[V.PER_REQUEST] for e in StateCache(tmp_path / "b").samples)
+
+
+def test_served_speed_beside_the_projection(world, tmp_path, capsys) -> None:
+    """The precompute keeps each request's wall time (one in flight) and what the server says of it; with
+    --baseline-server every prompt goes to a plain server too, one at a time, its completion checked against the
+    speculative one's, and both times are journaled; a rerun asks neither server again; the served check puts the
+    served speedup per prompt and pooled beside the projection on the same prompts."""
+    from dflash_cb.cache.precompute import JOURNAL_NAME
+    from dflash_cb.cache.precompute.journal import read_journal
+    from dflash_cb.cache.served_speed import TIMING_NAME, read_timings
+    from dflash_cb.integrations.cli import profile_costs
+
+    spec = _fake(world, per_request="summary", reports_timing={"tokens_per_second": 123.0, "generation_time_ms": 45.0,
+                                                               "first_token_ms": None})
+    plain = FakeVLLM(_loop(world, BLOCK), served_name="tiny-target", root=str(world["target_dir"]),
+                     num_spec_tokens=None)
+    out = tmp_path / "cache"
+    with serve(spec) as url, serve(plain) as base:
+        assert precompute(*_vllm_args(world, url, out, "--baseline-server", base)) == 0
+        assert (spec.calls, plain.calls) == (N_PROMPTS, N_PROMPTS)
+        assert precompute(*_vllm_args(world, url, out, "--baseline-server", base)) == 0
+        assert (spec.calls, plain.calls) == (N_PROMPTS, N_PROMPTS)  # resumed: nothing asked again
+    completions, _ = read_journal(out / JOURNAL_NAME)
+    assert all("served_timing" not in e for e in completions.values())  # the journal holds the completions alone
+    journal = read_timings(out / TIMING_NAME)
+    assert sorted(journal) == sorted(completions)
+    for e in journal.values():
+        t = e["served_timing"]
+        assert t["in_flight"] == 1 and t["wall_seconds"] > 0
+        assert t["server"] == {"tokens_per_second": 123.0, "generation_time_ms": 45.0}  # numbers only
+        assert t["baseline"]["url"] == base and t["baseline"]["wall_seconds"] > 0
+    csv = tmp_path / "v.csv"
+    csv.write_text(f"verified_tokens,seconds\n1,0.01\n{BLOCK + 1},0.012\n")
+    assert profile_costs.main(["--from-csv", str(csv), "--draft-seconds", "0.002", "--states", str(out), "--out",
+                               str(tmp_path / "p.json")]) == 0
+    capsys.readouterr()
+    assert _eval(out, world["drafter"], tmp_path / "r.json", "--profile", str(tmp_path / "p.json")) == 0
+    speed = load_results(tmp_path / "r.json").breakdown["served_speed"]
+    ids = speed["ids"]
+    assert sorted(ids) == sorted(journal) and speed["in_flight"] == 1
+    want = [journal[i]["served_timing"]["baseline"]["wall_seconds"] / journal[i]["served_timing"]["wall_seconds"]
+            for i in ids]
+    assert speed["per_prompt"] == pytest.approx(want, rel=1e-12)
+    total = sum(journal[i]["served_timing"]["baseline"]["wall_seconds"] for i in ids) / sum(
+        journal[i]["served_timing"]["wall_seconds"] for i in ids)
+    lo, hi = speed["served_speedup"][1:]
+    assert speed["served_speedup"][0] == pytest.approx(total) and lo <= total <= hi
+    assert speed["setting"] == f"block {BLOCK}" and len(speed["projected_per_prompt"]) == N_PROMPTS
+    text = capsys.readouterr().out
+    assert "SERVED speed" in text and f"projected (block {BLOCK}) on the same prompts" in text
+
+
+def test_a_baseline_server_of_another_model_or_speculating_is_refused(world, tmp_path, capfd) -> None:
+    """A plain server whose greedy completion differs names the prompt and token, before the prefill; a baseline
+    server that speculates is refused at the start; --baseline-server needs a served reference."""
+
+    def shifted(prompt: list[int], max_tokens: int, stops: set[int]) -> Run:
+        run = _loop(world, BLOCK)(prompt, max_tokens, stops)
+        return Run([(run.output_ids[0] + 1) % 100] + run.output_ids[1:], run.accepted)
+
+    other = FakeVLLM(shifted, served_name="tiny-target", root=str(world["target_dir"]), num_spec_tokens=None)
+    with serve(_fake(world, per_request="summary")) as url, serve(other) as base:
+        assert precompute(*_vllm_args(world, url, tmp_path / "a", "--baseline-server", base)) == 2
+        assert "its greedy completion differs from the speculative server's at token 0" in capfd.readouterr().err
+        assert not (tmp_path / "a" / "manifest.json").exists()
+    with serve(_fake(world, per_request="summary")) as url, serve(_fake(world)) as base:
+        assert precompute(*_vllm_args(world, url, tmp_path / "b", "--baseline-server", base)) == 2
+        assert f"runs speculative decoding (metrics_positions {BLOCK - 1})" in capfd.readouterr().err
+    assert precompute("--target", str(world["target_dir"]), "--prompts", str(world["prompts"]), "--out",
+                      str(tmp_path / "c"), "--baseline-server", "http://127.0.0.1:9") == 2
+    assert "--baseline-server times the same prompts" in capfd.readouterr().err

@@ -70,6 +70,9 @@ class FakeVLLM:
     # --per-request-spec-decode-metrics: "summary" or "detailed" (with per_step_accepted); None: off (the default)
     per_request: str | None = None
     serves_metrics: bool = True  # False: no /metrics endpoint at all (404)
+    # the request's own time in the answer's ``metrics`` (tokens_per_second, generation_time_ms), as vLLM fills
+    # them when enabled; None: not sent
+    reports_timing: dict[str, Any] | None = None
     # fault and traffic knobs
     fail_first: int = 0  # this many /v1/completions answered 503 without running
     drop_first: int = 0  # this many run, then the connection is closed without an answer
@@ -235,6 +238,8 @@ class FakeVLLM:
             if self.per_request == "detailed":
                 spec["per_step_accepted"] = list(run.accepted)
             answer["metrics"] = {"speculative_decoding": spec}
+        if self.reports_timing is not None:
+            answer.setdefault("metrics", {}).update(self.reports_timing)
         return 200, answer, lambda: self._count(engine, prompt, run, reason)
 
 

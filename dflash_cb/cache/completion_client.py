@@ -41,6 +41,10 @@ class Completion:
     finish_reason: str  # "stop" | "length"
     # SGLang: the answer's meta_info; vLLM: the request's served counters (vllm_counters.request_counters)
     meta_info: dict[str, Any] = field(default_factory=dict)
+    # The answered attempt's wall time at the client, from sending the request to the whole answer.
+    wall_seconds: float | None = None
+    # What the server says of the request's time, where it says anything (``served_speed.SERVER_TIMING``).
+    server_timing: dict[str, float] = field(default_factory=dict)
 
 
 def server_root(url: str) -> str:
@@ -151,7 +155,8 @@ class CompletionClient:
         ``parse`` raises RetryableAnswer for a malformed answer and ``self.error`` for a fatal one.
         """
         endpoint = f"{self.url}{path}"
-        deadline = time.monotonic() + self.timeout
+        start = time.monotonic()
+        deadline = start + self.timeout
         response = self.session.request(method, endpoint, json=payload, timeout=self.timeout, stream=True)
         if responses is not None:
             responses.append(response)
@@ -172,7 +177,10 @@ class CompletionClient:
             body = json.loads(data)
         except ValueError as exc:
             raise RetryableAnswer(f"invalid JSON in the answer ({exc}): {text[:200]!r}") from None
-        return parse(body)
+        result = parse(body)
+        if isinstance(result, Completion):
+            result.wall_seconds = time.monotonic() - start
+        return result
 
     def _request(self, method: str, path: str, parse: Callable[[Any], T], payload: dict[str, Any] | None = None,
                  cancel: threading.Event | None = None, raw: bool = False) -> T:

@@ -125,7 +125,10 @@ class SGLangClient(CompletionClient):
                 raise RetryableAnswer(f"/generate answer has unexpected finish_reason {reason!r}")
             ids = self.whole_completion(endpoint, output_ids, reason, max_new_tokens, stop_token_ids,
                                         vocab_size, _FIX_MALFORMED)
-            return Completion(output_ids=ids, finish_reason=kind, meta_info=meta)
+            from .served_speed import server_timing
+
+            return Completion(output_ids=ids, finish_reason=kind, meta_info=meta,
+                              server_timing=server_timing(body, "sglang"))
 
         return self._request("POST", "/generate", parse, payload=payload, cancel=cancel)
 

@@ -184,7 +184,10 @@ class VLLMClient(CompletionClient):
                 own = V.answer_counters(body)  # the request's own, when the server reports per request
             except ValueError as e:
                 raise RetryableAnswer(f"/v1/completions answer: {e}") from None
-            return Completion(output_ids=ids, finish_reason=reason, meta_info=own or {})
+            from .served_speed import server_timing
+
+            return Completion(output_ids=ids, finish_reason=reason, meta_info=own or {},
+                              server_timing=server_timing(body, "vllm"))
 
         if concurrency > 1 or self._per_request:
             # Per-request metrics need no quiet server and no /metrics: any --max-in-flight, other traffic.

@@ -188,10 +188,16 @@ def test_the_cache_fit_is_the_familys_needs(world, family: str) -> None:
         other["dflash_config"] = {**cfg["dflash_config"], "target_layer_ids": [1, 2]}
     else:  # as many layers as the family reads
         other["target_layer_ids"] = [1, 2] + [2] * max(0, len(KITS[family].layers) - 2)
+        if "eagle_config" in cfg:  # EAGLE-3 names its layers twice, and the two must agree
+            other["eagle_config"] = {**cfg["eagle_config"],
+                                     "eagle_aux_hidden_state_layer_ids": other["target_layer_ids"]}
+    missing = 2
+    if family == "mtp":  # an MTP head reads the target's last layer only: of 6 layers, layer 5
+        other["target_layer_ids"], missing = [5], 5
     with pytest.raises(CacheMismatchError) as err:
         cache.check_fit(cache_needs(drafter_from_config(other)))
     said = str(err.value)
-    assert f"does not fit the drafter ({fam.label})" in said and "without [2]" in said
+    assert f"does not fit the drafter ({fam.label})" in said and f"without [{missing}]" in said
     assert "num_target_layers: drafter was made for a 6-layer target" in said and str(m.layer_ids) in said
 
 

@@ -102,6 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-in-flight", type=int, default=S,
                    help="concurrent server requests (default 8 for SGLang; 1 for vLLM, whose speculative counters "
                         "are per request only one at a time)")
+    p.add_argument("--baseline-server", default=S, metavar="URL",
+                   help="a plain (non-speculative) server of the same target, of the --reference kind: every prompt "
+                        "is sent there too, one at a time, and both wall times kept (the served speed; "
+                        "docs/served-check.md)")
     p.add_argument("--server-timeout", "--sglang-timeout", dest="sglang_timeout", type=float, default=S,
                    metavar="SECONDS",
                    help="seconds per SGLang or vLLM request, whole answer included (default 600)")
@@ -145,7 +149,7 @@ def args_from_cli(argv: Sequence[str] | None = None) -> PrecomputeArgs:
         values["chat_template_kwargs"] = _json_dict(values["chat_template_kwargs"] or {})
     if isinstance(values.get("drafter_config"), list):  # a YAML list of configs
         values["drafter_config"] = ",".join(str(v) for v in values["drafter_config"])
-    for k in ("target", "prompts", "out", "drafter_config", "sglang_url", "vllm_url", "completions", "tokenizer",
+    for k in ("target", "prompts", "out", "drafter_config", "sglang_url", "vllm_url", "baseline_server", "completions", "tokenizer",
               "prompt_data_dir"):
         if values.get(k) is not None:
             values[k] = str(values[k])

@@ -27,6 +27,7 @@ from ..needs import config_layer_ids
 from ..prompt_sets import PromptSetError, check_tokenizer, later_turns
 from ..prompts import PromptRecord
 from ..served import served_counters
+from ..served_speed import TIMING_NAME
 from ..target import TargetConfig
 from .compute_dtype import (
     COMPUTE_DTYPE_NAMES,
@@ -53,7 +54,7 @@ SERVED_SOURCES = ("sglang", "vllm")  # the completion sources that are servers (
 DEFAULT_IN_FLIGHT = {"sglang": 8, "vllm": 1}
 DTYPE_NAMES = ("bfloat16", "float32")
 # Files a cache folder may hold; anything else means --out points at the wrong folder.
-_OWN_FILES = {MANIFEST_NAME, PROGRESS_NAME, LOG_NAME, JOURNAL_NAME, HEAD_NAME}
+_OWN_FILES = {MANIFEST_NAME, PROGRESS_NAME, LOG_NAME, JOURNAL_NAME, HEAD_NAME, TIMING_NAME}
 # Manifest fields filled by the run itself, not by the arguments.
 _RESULT_FIELDS = ("shards", "samples", "agreement", "target_head")
 
@@ -91,6 +92,7 @@ class PrecomputeArgs:
     export_head: bool = True
     overwrite: bool = False
     max_in_flight: int | None = None  # None: DEFAULT_IN_FLIGHT of the --reference server
+    baseline_server: str | None = None  # a plain (non-speculative) server of the same target: served speed
     sglang_timeout: float = 600.0  # per served request (SGLang or vLLM); --server-timeout too
     sglang_retries: int = 5  # --server-retries too
     progress: bool = True
@@ -116,6 +118,7 @@ class CompletionSource:
     completions: dict[str, dict[str, Any]] = field(default_factory=dict)  # file: every completion, by id
     server_spec: dict[str, Any] | None = None  # a server: its speculative configuration
     max_in_flight: int = 1  # a server: requests in flight
+    baseline: CompletionClient | None = None  # --baseline-server: the same prompts, plain, one at a time
 
     @property
     def served(self) -> bool:
@@ -243,6 +246,9 @@ def check_args(a: PrecomputeArgs) -> None:
         raise PrecomputeError("--reference vllm needs --vllm-url (e.g. http://127.0.0.1:8000)")
     if a.reference == "file" and not a.completions:
         raise PrecomputeError("--reference file needs --completions FILE (JSONL of {\"id\", \"output_ids\"})")
+    if a.baseline_server and a.reference not in SERVED_SOURCES:
+        raise PrecomputeError(f"--baseline-server times the same prompts on a plain server beside the speculative one "
+                              f"of --reference sglang or vllm; --reference {a.reference} serves nothing to compare")
     if a.completions_only and a.reference not in SERVED_SOURCES:
         raise PrecomputeError(f"--completions-only journals a server's completions; --reference {a.reference} has none "
                               "to take (use --reference sglang or vllm)")
@@ -522,19 +528,51 @@ def _completion_source(a: PrecomputeArgs, tcfg: TargetConfig, prompts: _Prompts,
         logger.warning(f"warning: {w}")
     in_flight = a.max_in_flight if a.max_in_flight is not None else DEFAULT_IN_FLIGHT[a.reference]
     record.update(url=client.url, served_model=info, sampling_params=client.sampling_params(a.max_new_tokens, stop))
+    baseline = None
+    if a.baseline_server:
+        baseline, said = _baseline_client(a, in_flight)
+        warnings += said
     return CompletionSource(a.reference, record, client=client, server_spec=server_spec,
-                            max_in_flight=in_flight), warnings
+                            max_in_flight=in_flight, baseline=baseline), warnings
 
 
-def served_client(a: PrecomputeArgs) -> CompletionClient:
-    """The client of ``--reference sglang`` or ``--reference vllm``."""
+def _baseline_client(a: PrecomputeArgs, in_flight: int) -> tuple[CompletionClient, list[str]]:
+    """``--baseline-server``: a client of the same kind, checked healthy, serving the target, not speculating; and
+    a warning when the speculative server's requests run several at a time (then their wall times are not one
+    request's)."""
+    from ..completion_client import ServerError, served_model_mismatch
+
+    client = served_client(a, a.baseline_server)
+    try:
+        client.health()
+        info = client.model_info()
+        spec = client.speculative_config()
+    except ServerError as e:
+        raise PrecomputeError(f"--baseline-server {a.baseline_server}: {e}") from e
+    from ..served_speed import speculating
+
+    if speculating(spec):  # a plain server still describes itself (no algorithm, no draft length)
+        raise PrecomputeError(f"--baseline-server {a.baseline_server}: it runs speculative decoding "
+                              f"({speculating(spec)}); the "
+                              "baseline is plain greedy decoding: start the same target without a drafter")
+    warnings = [w for w in [served_model_mismatch(info, a.target, client.name, "--baseline-server")] if w]
+    if in_flight > 1:
+        warnings.append(f"--baseline-server with --max-in-flight {in_flight}: the speculative requests share the "
+                        "server, so their wall times are not one request's; --max-in-flight 1 for a served speed")
+    for w in warnings:
+        logger.warning(f"warning: {w}")
+    return client, warnings
+
+
+def served_client(a: PrecomputeArgs, url: str | None = None) -> CompletionClient:
+    """The client of ``--reference sglang`` or ``--reference vllm`` (at ``url``: another server of that kind)."""
     if a.reference == "vllm":
         from ..vllm_client import VLLMClient
 
-        return VLLMClient(a.vllm_url, timeout=a.sglang_timeout, max_retries=a.sglang_retries)
+        return VLLMClient(url or a.vllm_url, timeout=a.sglang_timeout, max_retries=a.sglang_retries)
     from ..sglang_client import SGLangClient
 
-    return SGLangClient(a.sglang_url, timeout=a.sglang_timeout, max_retries=a.sglang_retries)
+    return SGLangClient(url or a.sglang_url, timeout=a.sglang_timeout, max_retries=a.sglang_retries)
 
 
 def _concurrency_warning(a: PrecomputeArgs, server_spec: dict[str, Any] | None) -> str | None:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ...common.fileio import atomic_path, atomic_write_json
+from ...common.fileio import append_line_durably, atomic_path, atomic_write_json
 from ...common.tensorfile import write_safetensors
 from ..integrity import sha256_file
 from ..manifest import (
@@ -42,6 +42,7 @@ from ..manifest import (
 )
 from ..prompts import PromptRecord
 from ..served import served_counters
+from ..served_speed import TIMING_KEY, TIMING_NAME, read_timings, timing_line, timing_record, with_baseline
 from .errors import PrecomputeError
 from .journal import append_entry, drop_torn_tail, journal_entry, read_journal, request_key, write_in_order
 from .plan import (
@@ -232,11 +233,41 @@ def _served_completions(plan: Plan, todo: list[PromptRecord]) -> Completions:
         def on_result(sid: str, c: Any) -> None:
             have[sid] = journal_entry(sid, keys[sid], c.output_ids, c.finish_reason, served_counters(c.meta_info))
             append_entry(journal, have[sid])
+            timing = timing_record(c.wall_seconds, plan.source.max_in_flight, c.server_timing)
+            if timing is not None:  # a measurement: beside the journal, whose bytes are the completions'
+                append_line_durably(plan.out / TIMING_NAME, timing_line(sid, keys[sid], timing))
 
         client.generate_many(need, plan.args.max_new_tokens, plan.stop_token_ids,
                              max_in_flight=plan.source.max_in_flight, on_result=on_result,
                              vocab_size=plan.target.vocab_size)
+    if plan.source.baseline is not None:
+        _baseline_timings(plan, have, keys)
     return have
+
+
+def _baseline_timings(plan: Plan, have: Completions, keys: dict[str, str]) -> None:
+    """``--baseline-server``: each served prompt without a plain server's time is sent there, one at a time; the
+    completion must be the speculative server's (the same target, greedy), and its wall time joins the prompt's
+    timing (a later line of ``TIMING_NAME`` replaces the earlier one)."""
+    client = plan.source.baseline
+    assert client is not None
+    timed = read_timings(plan.out / TIMING_NAME, keys)
+    need = [sid for sid in plan.prompt_ids if sid in have
+            and not isinstance((timed.get(sid, {}).get(TIMING_KEY) or {}).get("baseline"), dict)]
+    if not need:
+        return
+    logger.info(f"timing {len(need)} prompt(s) on the plain server {client.url} (--baseline-server, one at a time)")
+    for sid in need:
+        c = client.generate(plan.prompt_ids[sid], plan.args.max_new_tokens, plan.stop_token_ids,
+                            vocab_size=plan.target.vocab_size)
+        want = list(have[sid]["output_ids"])
+        if c.output_ids != want:
+            at = next((i for i, (x, y) in enumerate(zip(c.output_ids, want, strict=False)) if x != y),
+                      min(len(c.output_ids), len(want)))
+            raise PrecomputeError(f"--baseline-server {client.url}: prompt {sid!r}: its greedy completion differs from "
+                                  f"the speculative server's at token {at}; both must serve the same target, greedily")
+        timing = with_baseline(timed.get(sid, {}).get(TIMING_KEY), c.wall_seconds, client.url, c.server_timing)
+        append_line_durably(plan.out / TIMING_NAME, timing_line(sid, keys[sid], timing))
 
 
 # --------------------------------------------------------------------------------------------

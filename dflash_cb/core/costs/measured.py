@@ -139,3 +139,68 @@ def verdict(settings: Sequence[MeasuredSetting], runs: Mapping[str, SettingRuns]
                 f"{diff.value:+.2f}x [{diff.low:+.2f}, {diff.high:+.2f}]")
     return (f"{best.label} ({best.speedup.value:.2f}x) and {second.label} ({second.speedup.value:.2f}x) are within "
             f"noise: {diff.value:+.2f}x [{diff.low:+.2f}, {diff.high:+.2f}] over the same prompts")
+
+
+@dataclass(frozen=True)
+class ServedComparison:
+    """The served speedup over prompts timed on both servers, beside the projection on the same prompts."""
+
+    ids: tuple[str, ...]
+    served: Interval  # plain server's seconds over the speculative server's, pooled over prompts
+    per_prompt: tuple[float, ...]
+    in_flight: int  # the speculative requests' concurrency (1: one request's own time)
+    projected: Interval | None = None
+    projected_per_prompt: tuple[float, ...] = ()
+    setting: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"ids": list(self.ids), "served_speedup": [self.served.value, self.served.low,
+                                                                        self.served.high],
+                               "per_prompt": list(self.per_prompt), "in_flight": self.in_flight}
+        if self.projected is not None:
+            out.update(projected_speedup=[self.projected.value, self.projected.low, self.projected.high],
+                       projected_per_prompt=list(self.projected_per_prompt), setting=self.setting)
+        return out
+
+
+def served_comparison(ids: Sequence[str], seconds: Sequence[float], baseline: Sequence[float], in_flight: int,
+                      projection: Mapping[str, Any] | None = None, setting: str = "greedy",
+                      n_resamples: int = DEFAULT_RESAMPLES, seed: int = DEFAULT_SEED) -> ServedComparison:
+    """Served speedup per prompt and pooled (summed plain seconds over summed speculative seconds, the cluster
+    bootstrap over prompts); with a projection (``serving.Projection.to_dict``), its ``setting`` on the same
+    prompts (their per-sample seconds), from the same resamples."""
+    sums = {"served": Sums.of(list(baseline), list(seconds))}
+    proj_rows: list[list[float]] = []
+    label = ""
+    if projection is not None:
+        chosen = next((s for s in projection["settings"] if s["name"] == setting), None)
+        if chosen is not None:
+            rows = dict(zip(chosen["ids"], chosen["per_sample"], strict=True))
+            if all(i in rows for i in ids):
+                proj_rows = [rows[i] for i in ids]
+                label = chosen["label"]
+                sums["projected"] = Sums.of([r[2] for r in proj_rows], [r[1] for r in proj_rows])
+    found = intervals(sums, n_resamples, seed)
+    return ServedComparison(tuple(ids), found["served"], tuple(b / s for b, s in zip(baseline, seconds, strict=True)),
+                            in_flight, found.get("projected"),
+                            tuple(r[2] / r[1] for r in proj_rows if r[1] > 0), label)
+
+
+def format_served(c: ServedComparison, url: str = "") -> str:
+    """The served speed in a few lines (``eval_drafter --served-check``)."""
+    lines = [f"  SERVED speed (the client's wall time per request, {len(c.ids)} prompt(s) timed on both servers"
+             + (f"; plain server {url}" if url else "") + "):"]
+    s = c.served
+    line = f"    served speedup {s.value:.2f}x [{s.low:.2f}, {s.high:.2f}]"
+    if c.projected is not None:
+        p = c.projected
+        line += (f"; projected ({c.setting}) on the same prompts {p.value:.2f}x [{p.low:.2f}, {p.high:.2f}], "
+                 f"projected / served {p.value / s.value:.2f}")
+    lines.append(line)
+    if c.in_flight > 1:
+        lines.append(f"    the speculative requests ran {c.in_flight} at a time: their wall times are not one "
+                     "request's (precompute with --max-in-flight 1 for a served speed)")
+    shown = [f"{i} {x:.2f}x" + (f" (proj {c.projected_per_prompt[k]:.2f}x)" if c.projected_per_prompt else "")
+             for k, (i, x) in enumerate(zip(c.ids, c.per_prompt, strict=True))]
+    lines.append("    per prompt: " + ", ".join(shown[:12]) + (" ..." if len(shown) > 12 else ""))
+    return "\n".join(lines)

@@ -9,6 +9,7 @@ import os
 import shlex
 import sys
 from pathlib import Path
+from typing import Any
 
 from ...common import cli
 from ...common.log import say
@@ -53,6 +54,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--wandb-project", default=None, help="also log the evaluation to this W&B project")
     p.add_argument("--wandb-name", default=None, help="W&B run name")
     return p.parse_args(argv)
+
+
+def _served_speed(cache: Any, ids: list[str], projection: dict[str, Any] | None) -> tuple[Any, str] | None:
+    """The served speedup of the prompts the precompute timed on a plain server too (``--baseline-server``), beside
+    the projection on the same prompts; None when none was timed there."""
+    from ...cache.served_speed import TIMING_KEY, TIMING_NAME, read_timings, served_speeds
+    from ...core.costs.measured import format_served, served_comparison
+
+    journal = read_timings(Path(cache.path) / TIMING_NAME)
+    rows = served_speeds(journal, ids)
+    if not rows:
+        return None
+    first = (journal[rows[0].id].get(TIMING_KEY) or {}).get("baseline") or {}
+    c = served_comparison([r.id for r in rows], [r.seconds for r in rows], [r.baseline_seconds for r in rows],
+                          max(r.in_flight for r in rows), projection)
+    return c, format_served(c, str(first.get("url") or ""))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -128,6 +145,11 @@ def main(argv: list[str] | None = None) -> int:
                         family=drafter.spec.family)
         results.breakdown["served_check"] = check.to_dict()
     lines = [format_results(results)] + (["\n" + format_check(check)] if check is not None else [])
+    if args.served_check:
+        served = _served_speed(cache, [s.id for s in report.samples], results.breakdown.get("serving"))
+        if served is not None:
+            results.breakdown["served_speed"] = served[0].to_dict()
+            lines.append("\n" + served[1])
     # Written before the summary is printed, so a closed pipe (``eval_drafter ... | head``) cannot lose the
     # results; a write that fails (a full disk) still shows the numbers, then names the file.
     try:
