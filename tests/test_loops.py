@@ -358,6 +358,7 @@ def test_hf_run_reporting_to_wandb_gets_working_panels_and_one_console_line(tmp_
     shown = capsys.readouterr().out.splitlines()
     assert shown[0].startswith("config dflash_eval_config: ") and str(tiny_cache) in shown[0]
     shown = [ln for ln in shown if not ln.startswith("config ")]
+    shown = shown[:next(i for i, ln in enumerate(shown) if ln.startswith("every key logged"))]  # the series table
     assert shown[0].split()[:2] == ["step", "tau"] and [ln.split()[0] for ln in shown[1:]] == ["0", "3", "6"]
     assert shown[1].split()[1] == f"{taus[0][PREFIX + 'tau']:.4f}"
 

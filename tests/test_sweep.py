@@ -648,6 +648,7 @@ def test_the_wandb_run_has_the_live_keys_and_step_axis_and_the_panels(tiny_cache
     capsys.readouterr()
     assert panels.main(["--run", str(run_dir), "--show"]) == 0
     shown = capsys.readouterr().out.splitlines()
+    shown = shown[:next(i for i, ln in enumerate(shown) if ln.startswith("every key logged"))]  # the series table
     assert [line.split()[:2] for line in shown[-3:]] == [[str(e["step"]), f"{e['metrics']['tau']:.4f}"]
                                                          for e in rec["entries"]]
     keys = {k for row in history for k in row} | set(summary)
