@@ -60,7 +60,7 @@ def test_the_oracles_this_suite_compares_against_are_installed_at_their_pins() -
 
 def test_unknown_command_is_refused_with_the_usage(capsys) -> None:
     assert dev.main(["tests"]) == 2
-    assert "usage: python dev.py {demo|test|setup}" in capsys.readouterr().err
+    assert "usage: python dev.py {demo|test|setup|test-engine}" in capsys.readouterr().err
 
 
 @pytest.mark.e2e
