@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -86,9 +87,9 @@ def server_command(model: Path, port: int, *extra: str) -> list[str]:
             "--port", str(port), *extra]
 
 
-def server_env() -> dict[str, str]:
+def server_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    return {**env, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+    return {**env, **extra, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
             "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "OMP_NUM_THREADS": os.environ.get("ENGINE_OMP", "2")}
 
 
@@ -140,20 +141,22 @@ def stop(server: Server) -> None:
         break
 
 
-def start(model: Path, log: Path, *extra: str, port: int | None = None) -> Server:
+def start(model: Path, log: Path, *extra: str, port: int | None = None, env: dict[str, str] | None = None) -> Server:
+    """vLLM serving ``model`` started (not yet ready), in a process group of its own; ``env`` adds variables."""
     port = port or free_port()
     command = server_command(model, port, *extra)
     with open(log, "ab") as f:
         proc = subprocess.Popen(command, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=server_env(), cwd=log.parent, start_new_session=True)
+                                env=server_env(**(env or {})), cwd=log.parent, start_new_session=True)
     return Server(f"http://127.0.0.1:{port}", proc, log, command)
 
 
 @contextlib.contextmanager
-def vllm_server(model: Path, log: Path, *extra: str, port: int | None = None) -> Iterator[Server]:
+def vllm_server(model: Path, log: Path, *extra: str, port: int | None = None,
+                env: dict[str, str] | None = None) -> Iterator[Server]:
     """A ready vLLM serving ``model`` (its output in ``log``); on an error in the body its log is printed (pytest
     shows it with the failure); nothing of it runs afterwards."""
-    server = start(model, log, *extra, port=port)
+    server = start(model, log, *extra, port=port, env=env)
     try:
         wait_ready(server)
         yield server
@@ -185,10 +188,12 @@ def refusal(model: Path, log: Path, *extra: str, timeout: float = READY_TIMEOUT_
 
 
 def error_lines(log: str) -> str:
-    """The lines that say why a server exited: the last traceback's final exception line(s)."""
-    lines = [ln for ln in log.splitlines() if ln.strip()]
-    errors = [ln for ln in lines if "Error" in ln or "error" in ln]
-    return "\n".join(errors[-3:]) if errors else "\n".join(lines[-3:])
+    """The lines that say why a server exited: its last exception lines (``SomeError: ...`` and pydantic's
+    ``Value error, ...``), else its last lines."""
+    lines = [ln.strip() for ln in log.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if re.match(r"^[\w.]*(Error|Exception)\b", ln) or ln.startswith("Value error,")]
+    picked = list(dict.fromkeys(errors[-4:]))  # a traceback printed twice (API server, engine) names it once
+    return "\n".join(picked) if picked else "\n".join(lines[-3:])
 
 
 def spec_args(config: dict, detail: str | None = "detailed") -> list[str]:

@@ -237,3 +237,102 @@ def test_ngram_counters_per_request_and_on_metrics(world, ngram, tmp_path) -> No
     assert [after.per_position[j] - before.per_position.get(j, 0) for j in range(k)] == per_pos
     ngram_cache = {e.id: e.served_spec for e in m.samples}
     world["ngram_counters"] = ngram_cache
+
+
+# -- speculative decoding: DFlash, and the served check against it -------------------------------------------------
+
+DFLASH_BLOCK = 4
+
+
+@pytest.fixture(scope="module")
+def dflash_drafter(world) -> Path:
+    """A DFlash drafter for the served target (head_dim 64, reading the outputs of its layers 0 and 1), trained
+    briefly on the local cache (partial acceptance: the rounds carry information), saved as servers load it."""
+    import torch
+    from tiny_target import train_briefly
+
+    from dflash_cb.cache.states import StateCache
+    from dflash_cb.core.drafters.dflash.model import DFlashDrafter
+    from dflash_cb.demo.lightning_module import tiny_drafter_config
+
+    cfg = tiny_drafter_config(R.ENGINE_VOCAB, 128, R.ENGINE_LAYERS, [0, 1], R.ENGINE_VOCAB - 1,
+                              block_size=DFLASH_BLOCK, heads=2, kv_heads=1, head_dim=64)
+    torch.manual_seed(0)
+    drafter = train_briefly(DFlashDrafter.from_config_dict(cfg), StateCache(world["local"]), epochs=10)
+    drafter.save_pretrained(world["root"] / "dflash")
+    return world["root"] / "dflash"
+
+
+@pytest.fixture(scope="module")
+def dflash(world, dflash_drafter) -> Any:
+    """vLLM speculating with the DFlash drafter at its block, per-request metrics ``detailed``, /server_info on."""
+    config = {"method": "dflash", "model": str(dflash_drafter), "num_speculative_tokens": DFLASH_BLOCK - 1}
+    with R.vllm_server(world["target"], world["root"] / "dflash.log", *R.spec_args(config),
+                       env={"VLLM_SERVER_DEV_MODE": "1"}) as server:
+        yield server
+
+
+def _served_check(cache: Path, drafter: Path, out: Path) -> int:
+    from dflash_cb.common.cli import run
+    from dflash_cb.integrations.cli import eval_drafter
+
+    return run(eval_drafter.main, ["--states", str(cache), "--drafter", str(drafter), "--out", str(out),
+                                   "--ddtree-budgets", "", "--served-check"])
+
+
+def test_dflash_served_check_against_the_engine(world, dflash_drafter, dflash, tmp_path, capsys) -> None:
+    """The precompute records vLLM's own configuration (/server_info) and every request's verify steps; the replay
+    of the same drafter counts, sample for sample, the server's rounds, per-position acceptance and accepted drafts
+    at every verify step."""
+    from dflash_cb.cache.states import StateCache
+    from dflash_cb.core.results.results_file import load_results
+
+    out = tmp_path / "dflash"
+    assert _precompute(world, out, *_via(dflash.url)) == 0
+    assert _shards(out) == _shards(world["local"])  # speculation leaves the greedy completions as they are
+    m = StateCache(out).manifest
+    cfg = m.served_spec_config
+    assert (cfg["algorithm"], cfg["draft_model_path"], cfg["num_speculative_tokens"]) == (
+        "dflash", str(dflash_drafter), DFLASH_BLOCK - 1)
+    assert all(e.served_spec[V.PER_REQUEST] and V.PER_STEP_ACCEPTED in e.served_spec for e in m.samples)
+    capsys.readouterr()
+    assert _served_check(out, dflash_drafter, tmp_path / "r.json") == 0
+    text = capsys.readouterr().out
+    res = load_results(tmp_path / "r.json")
+    check = res.breakdown["served_check"]
+    s = check["summary"]
+    assert s["comparable"], check["not_comparable"]
+    assert check["blocks"]["replay"] == check["blocks"]["server"] == DFLASH_BLOCK
+    cycles = [n for x in res.samples for n in x.acceptance_lengths]
+    assert any(n > 1 for n in cycles) and any(n < DFLASH_BLOCK for n in cycles)  # partial acceptance
+    assert not check["skipped"] and not check["flagged"], (check["skipped"], check["flagged"])
+    assert s["samples_compared"] == s["samples_equal_rounds"] == N_PROMPTS, text
+    assert s["samples_with_per_step"] == s["samples_equal_per_step"] == N_PROMPTS, text
+    assert s["samples_equal_per_position"] == N_PROMPTS and s["tau_diff_interval"] == [0.0, 0.0, 0.0]
+    assert f"every verify step equal {N_PROMPTS}/{N_PROMPTS}" in text and "differs" not in text
+
+
+@pytest.fixture(scope="module")
+def ngram_server_wide(world) -> Any:
+    """The same ngram speculation without per-request metrics: only the server-wide /metrics counters."""
+    with R.vllm_server(world["target"], world["root"] / "ngram-wide.log", *R.spec_args(NGRAM, None)) as server:
+        yield server
+
+
+def test_ngram_counters_from_metrics_deltas_are_each_requests_own(world, ngram, ngram_server_wide, tmp_path) -> None:
+    """At one request in flight the precompute reads /metrics before and after every request: each sample's counter
+    changes are attributed to it and equal what the server reported per request (the same greedy ngram rounds)."""
+    from dflash_cb.cache.states import StateCache
+
+    out = tmp_path / "wide"
+    assert _precompute(world, out, *_via(ngram_server_wide.url)) == 0
+    per_request = world.get("ngram_counters")
+    if per_request is None:
+        assert _precompute(world, tmp_path / "own", *_via(ngram.url)) == 0
+        per_request = {e.id: e.served_spec for e in StateCache(tmp_path / "own").samples}
+    names = (V.DRAFTS, V.DRAFT_TOKENS, V.ACCEPTED, V.PER_POSITION)
+    for e in StateCache(out).samples:
+        s = e.served_spec
+        assert s[V.ATTRIBUTABLE] is True and not s.get(V.PER_REQUEST), s
+        assert s[V.GENERATION_TOKENS] == e.completion_len
+        assert {n: s[n] for n in names} == {n: per_request[e.id][n] for n in names}, e.id
