@@ -32,7 +32,7 @@ import dev  # noqa: E402
 
 READY_TIMEOUT_S = 300.0  # about 55 s on 2 cores for the tiny target; a speculative one takes longer
 ENGINE_VOCAB = 128
-ENGINE_LAYERS = 3
+ENGINE_LAYERS = 4
 
 
 def engine_python() -> Path:
@@ -51,7 +51,7 @@ def engine_version() -> str:
 
 
 def save_engine_target(folder: Path, seed: int = 0, **overrides) -> Path:
-    """A tiny Qwen3 (vocab 128, hidden 128, 2 heads of 64, 1 KV head, 3 layers, float32) with a tokenizer, saved to
+    """A tiny Qwen3 (vocab 128, hidden 128, 2 heads of 64, 1 KV head, 4 layers, float32) with a tokenizer, saved to
     ``folder`` with ``save_pretrained``: small enough to serve in seconds per request on a CPU."""
     from tiny_target import save_tiny_qwen3
 

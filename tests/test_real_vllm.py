@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 TOOL = REPO / "tools" / "precompute_states.py"
 N_PROMPTS = 8
 MAX_NEW = 24
-LAYERS = "0,1"
+LAYERS = "0,1,2"  # what the DFlash drafter (0, 1) and the EAGLE-3 one (0, 1, 2) read
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
 
@@ -386,7 +386,7 @@ def test_families_the_cpu_build_refuses(world, family, request) -> None:
 
 # -- speculative decoding: EAGLE-3 ----------------------------------------------------------------------------------
 
-EAGLE_LAYERS = [0, 1, 1]  # outputs of the target's layers 0, 1 and 1 (SpecForge's convention), never its last
+EAGLE_LAYERS = [0, 1, 2]  # outputs of the target's layers 0, 1, 2 (SpecForge's convention): three, never its last
 
 
 @pytest.fixture(scope="module")
