@@ -217,3 +217,15 @@ def hf_greedy(model_dir: Path, prompts: Sequence[Sequence[int]], n: int) -> list
                 ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
             out.append(ids[len(p):])
     return out
+
+
+def timed_completion(url: str, model: str, prompt: Sequence[int], n: int) -> tuple[float, dict]:
+    """One greedy completion of ``n`` tokens (``ignore_eos``): the client's wall time in seconds and the answer's
+    ``metrics`` (vLLM fills its timing fields only when started with ``--enable-per-request-metrics``)."""
+    body = {"model": model, "prompt": list(prompt), "max_tokens": n, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    start = time.perf_counter()
+    answer = requests.post(url + "/v1/completions", json=body, timeout=300)
+    wall = time.perf_counter() - start
+    answer.raise_for_status()
+    return wall, answer.json().get("metrics") or {}

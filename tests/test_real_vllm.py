@@ -12,6 +12,7 @@ test_served_vllm.py stand for is checked here against the engine itself:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import signal
@@ -19,6 +20,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -196,7 +198,8 @@ def test_a_server_restarted_mid_run(world, plain, tmp_path) -> None:
 
 @pytest.fixture(scope="module")
 def ngram(world) -> Any:
-    with R.vllm_server(world["target"], world["root"] / "ngram.log", *R.spec_args(NGRAM)) as server:
+    with R.vllm_server(world["target"], world["root"] / "ngram.log", *R.spec_args(NGRAM),
+                       "--enable-per-request-metrics") as server:
         yield server
 
 
@@ -270,8 +273,14 @@ def dflash_drafter(world) -> Path:
 @pytest.fixture(scope="module")
 def dflash(world, dflash_drafter) -> Any:
     """vLLM speculating with the DFlash drafter at its block, per-request metrics ``detailed``, /server_info on."""
-    config = {"method": "dflash", "model": str(dflash_drafter), "num_speculative_tokens": DFLASH_BLOCK - 1}
-    with R.vllm_server(world["target"], world["root"] / "dflash.log", *R.spec_args(config),
+    with _speculating(world, "dflash", dflash_drafter) as server:
+        yield server
+
+
+@contextlib.contextmanager
+def _speculating(world: dict[str, Any], method: str, drafter: Path) -> Iterator[R.Server]:
+    config = {"method": method, "model": str(drafter), "num_speculative_tokens": DFLASH_BLOCK - 1}
+    with R.vllm_server(world["target"], world["root"] / f"{method}.log", *R.spec_args(config),
                        env={"VLLM_SERVER_DEV_MODE": "1"}) as server:
         yield server
 
@@ -284,23 +293,19 @@ def _served_check(cache: Path, drafter: Path, out: Path) -> int:
                                    "--ddtree-budgets", "", "--served-check"])
 
 
-def test_dflash_served_check_against_the_engine(world, dflash_drafter, dflash, tmp_path, capsys) -> None:
-    """The precompute records vLLM's own configuration (/server_info) and every request's verify steps; the replay
-    of the same drafter counts, sample for sample, the server's rounds, per-position acceptance and accepted drafts
-    at every verify step."""
+def _every_step_agrees(world: dict[str, Any], server: R.Server, drafter: Path, tmp_path: Path, capsys) -> Any:
+    """Precompute through ``server``, then the served check of ``drafter``: comparable, partial acceptance, every
+    sample's rounds and accepted drafts at every verify step the server's. Returns the cache's manifest and the check."""
     from dflash_cb.cache.states import StateCache
     from dflash_cb.core.results.results_file import load_results
 
-    out = tmp_path / "dflash"
-    assert _precompute(world, out, *_via(dflash.url)) == 0
+    out = tmp_path / "served"
+    assert _precompute(world, out, *_via(server.url)) == 0
     assert _shards(out) == _shards(world["local"])  # speculation leaves the greedy completions as they are
     m = StateCache(out).manifest
-    cfg = m.served_spec_config
-    assert (cfg["algorithm"], cfg["draft_model_path"], cfg["num_speculative_tokens"]) == (
-        "dflash", str(dflash_drafter), DFLASH_BLOCK - 1)
-    assert all(e.served_spec[V.PER_REQUEST] and V.PER_STEP_ACCEPTED in e.served_spec for e in m.samples)
+    assert all(e.served_spec[V.PER_REQUEST] for e in m.samples)
     capsys.readouterr()
-    assert _served_check(out, dflash_drafter, tmp_path / "r.json") == 0
+    assert _served_check(out, drafter, tmp_path / "r.json") == 0
     text = capsys.readouterr().out
     res = load_results(tmp_path / "r.json")
     check = res.breakdown["served_check"]
@@ -312,34 +317,19 @@ def test_dflash_served_check_against_the_engine(world, dflash_drafter, dflash, t
     assert not check["skipped"] and not check["flagged"], (check["skipped"], check["flagged"])
     assert s["samples_compared"] == s["samples_equal_rounds"] == N_PROMPTS, text
     assert s["samples_with_per_step"] == s["samples_equal_per_step"] == N_PROMPTS, text
-    assert s["samples_equal_per_position"] == N_PROMPTS and s["tau_diff_interval"] == [0.0, 0.0, 0.0]
     assert f"every verify step equal {N_PROMPTS}/{N_PROMPTS}" in text and "differs" not in text
+    return m, s
 
 
-@pytest.fixture(scope="module")
-def ngram_server_wide(world) -> Any:
-    """The same ngram speculation without per-request metrics: only the server-wide /metrics counters."""
-    with R.vllm_server(world["target"], world["root"] / "ngram-wide.log", *R.spec_args(NGRAM, None)) as server:
-        yield server
-
-
-def test_ngram_counters_from_metrics_deltas_are_each_requests_own(world, ngram, ngram_server_wide, tmp_path) -> None:
-    """At one request in flight the precompute reads /metrics before and after every request: each sample's counter
-    changes are attributed to it and equal what the server reported per request (the same greedy ngram rounds)."""
-    from dflash_cb.cache.states import StateCache
-
-    out = tmp_path / "wide"
-    assert _precompute(world, out, *_via(ngram_server_wide.url)) == 0
-    per_request = world.get("ngram_counters")
-    if per_request is None:
-        assert _precompute(world, tmp_path / "own", *_via(ngram.url)) == 0
-        per_request = {e.id: e.served_spec for e in StateCache(tmp_path / "own").samples}
-    names = (V.DRAFTS, V.DRAFT_TOKENS, V.ACCEPTED, V.PER_POSITION)
-    for e in StateCache(out).samples:
-        s = e.served_spec
-        assert s[V.ATTRIBUTABLE] is True and not s.get(V.PER_REQUEST), s
-        assert s[V.GENERATION_TOKENS] == e.completion_len
-        assert {n: s[n] for n in names} == {n: per_request[e.id][n] for n in names}, e.id
+def test_dflash_served_check_against_the_engine(world, dflash_drafter, dflash, tmp_path, capsys) -> None:
+    """The precompute records vLLM's own configuration (/server_info) and every request's verify steps; the replay
+    of the same drafter counts, sample for sample, the server's rounds, per-position acceptance and accepted drafts
+    at every verify step."""
+    m, s = _every_step_agrees(world, dflash, dflash_drafter, tmp_path, capsys)
+    cfg = m.served_spec_config
+    assert (cfg["algorithm"], cfg["draft_model_path"], cfg["num_speculative_tokens"]) == (
+        "dflash", str(dflash_drafter), DFLASH_BLOCK - 1)
+    assert s["samples_equal_per_position"] == N_PROMPTS and s["tau_diff_interval"] == [0.0, 0.0, 0.0]
 
 
 # -- families the CPU build does not serve ------------------------------------------------------------------------
@@ -416,28 +406,28 @@ def eagle3_drafter(world) -> Path:
 
 @pytest.fixture(scope="module")
 def eagle3(world, eagle3_drafter) -> Any:
-    config = {"method": "eagle3", "model": str(eagle3_drafter), "num_speculative_tokens": DFLASH_BLOCK - 1}
-    with R.vllm_server(world["target"], world["root"] / "eagle3.log", *R.spec_args(config),
-                       env={"VLLM_SERVER_DEV_MODE": "1"}) as server:
+    with _speculating(world, "eagle3", eagle3_drafter) as server:
         yield server
 
 
 def test_eagle3_served_check_against_the_engine(world, eagle3_drafter, eagle3, tmp_path, capsys) -> None:
     """The chain replay of the EAGLE-3 drafter counts the server's rounds and accepted drafts at every verify step."""
-    from dflash_cb.core.results.results_file import load_results
+    m, _ = _every_step_agrees(world, eagle3, eagle3_drafter, tmp_path, capsys)
+    assert m.served_spec_config["algorithm"] == "eagle3"
 
-    out = tmp_path / "eagle3"
-    assert _precompute(world, out, *_via(eagle3.url)) == 0
-    assert _shards(out) == _shards(world["local"])
-    capsys.readouterr()
-    assert _served_check(out, eagle3_drafter, tmp_path / "r.json") == 0
-    text = capsys.readouterr().out
-    res = load_results(tmp_path / "r.json")
-    check = res.breakdown["served_check"]
-    s = check["summary"]
-    assert s["comparable"], check["not_comparable"]
-    cycles = [n for x in res.samples for n in x.acceptance_lengths]
-    assert any(n > 1 for n in cycles) and any(n < DFLASH_BLOCK for n in cycles)  # partial acceptance
-    assert not check["skipped"] and not check["flagged"], (check["skipped"], check["flagged"])
-    assert s["samples_compared"] == s["samples_equal_rounds"] == N_PROMPTS, text
-    assert s["samples_with_per_step"] == s["samples_equal_per_step"] == N_PROMPTS, text
+
+# -- per-request timing ---------------------------------------------------------------------------------------------
+
+TIMING = ("time_to_first_token_ms", "generation_time_ms", "queue_time_ms", "mean_itl_ms", "tokens_per_second")
+
+
+def test_per_request_timing_is_reported_only_when_asked(world, plain, ngram) -> None:
+    """``--enable-per-request-metrics`` fills each answer's timing fields (vLLM's ``PerRequestMetrics``: the time to
+    the first token, the decode time after it, the queue time, the mean inter-token latency, tokens per second of
+    inference); a server started without it answers ``metrics`` null. What they measure is not asserted."""
+    prompt = world["prompt_ids"][0]
+    _, none = R.timed_completion(plain["server"].url, str(world["target"]), prompt, MAX_NEW)
+    assert none == {}
+    _, metrics = R.timed_completion(ngram.url, str(world["target"]), prompt, MAX_NEW)
+    assert all(isinstance(metrics[k], float) and metrics[k] >= 0 for k in TIMING), metrics
+    assert metrics["speculative_decoding"]["num_spec_steps"] >= 1
