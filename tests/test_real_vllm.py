@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -37,9 +38,11 @@ pytestmark = pytest.mark.engine
 
 REPO = Path(__file__).resolve().parents[1]
 TOOL = REPO / "tools" / "precompute_states.py"
+# The tool as a process runs this checkout's package, whichever checkout the environment has installed.
+_TOOL_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))}
 N_PROMPTS = 8
 MAX_NEW = 24
-LAYERS = "0,1,2"  # what the DFlash drafter (0, 1) and the EAGLE-3 one (0, 1, 2) read
+LAYERS = "0,1,2"  # what the DFlash drafter and the EAGLE-3 one read (outputs of layers 0, 1, 2 of 4)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
 
@@ -146,7 +149,7 @@ def test_sigkilled_precompute_resumes_to_the_same_cache(world, plain, tmp_path, 
     out = tmp_path / "killed"
     url = plain["server"].url
     proc = subprocess.Popen([sys.executable, str(TOOL), *_common(world, out), *_via(url)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=REPO)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=REPO, env=_TOOL_ENV)
     sigkill_when(proc, lambda: _answers(out) >= 3, timeout=300)
     assert proc.returncode == -signal.SIGKILL and not (out / MANIFEST_NAME).exists()
     kept = len(_journal(out))
@@ -172,7 +175,7 @@ def test_a_server_restarted_mid_run(world, plain, tmp_path) -> None:
     whole = plain.get("whole") or _whole(world, server.url, tmp_path)
     out = tmp_path / "restarted"
     proc = subprocess.Popen([sys.executable, str(TOOL), *_common(world, out), *_via(server.url),
-                             "--server-retries", "12"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=REPO)
+                             "--server-retries", "12"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=REPO, env=_TOOL_ENV)
     try:
         deadline = time.monotonic() + 300
         while _answers(out) < 3:
@@ -246,14 +249,41 @@ def test_ngram_counters_per_request_and_on_metrics(world, ngram, tmp_path) -> No
     world["ngram_counters"] = ngram_cache
 
 
+@pytest.fixture(scope="module")
+def ngram_server_wide(world) -> Any:
+    """The same ngram speculation without per-request metrics: only the server-wide /metrics counters."""
+    with R.vllm_server(world["target"], world["root"] / "ngram-wide.log", *R.spec_args(NGRAM, None)) as server:
+        yield server
+
+
+def test_ngram_counters_from_metrics_deltas_are_each_requests_own(world, ngram, ngram_server_wide, tmp_path) -> None:
+    """At one request in flight the precompute reads /metrics before and after every request: each sample's counter
+    changes are attributed to it and equal what the server reported per request (the same greedy ngram rounds)."""
+    from dflash_cb.cache.states import StateCache
+
+    out = tmp_path / "wide"
+    assert _precompute(world, out, *_via(ngram_server_wide.url)) == 0
+    per_request = world.get("ngram_counters")
+    if per_request is None:
+        assert _precompute(world, tmp_path / "own", *_via(ngram.url)) == 0
+        per_request = {e.id: e.served_spec for e in StateCache(tmp_path / "own").samples}
+    names = (V.DRAFTS, V.DRAFT_TOKENS, V.ACCEPTED, V.PER_POSITION)
+    for e in StateCache(out).samples:
+        s = e.served_spec
+        assert s[V.ATTRIBUTABLE] is True and not s.get(V.PER_REQUEST), s
+        assert s[V.GENERATION_TOKENS] == e.completion_len
+        assert {n: s[n] for n in names} == {n: per_request[e.id][n] for n in names}, e.id
+
+
 # -- speculative decoding: DFlash, and the served check against it -------------------------------------------------
 
 DFLASH_BLOCK = 4
+DFLASH_LAYERS = [0, 1, 2]  # the cache's layers: train_briefly feeds a drafter every layer of the cache
 
 
 @pytest.fixture(scope="module")
 def dflash_drafter(world) -> Path:
-    """A DFlash drafter for the served target (head_dim 64, reading the outputs of its layers 0 and 1), trained
+    """A DFlash drafter for the served target (head_dim 64, reading the outputs of its layers 0, 1, 2), trained
     briefly on the local cache (partial acceptance: the rounds carry information), saved as servers load it."""
     import torch
     from tiny_target import train_briefly
@@ -262,7 +292,7 @@ def dflash_drafter(world) -> Path:
     from dflash_cb.core.drafters.dflash.model import DFlashDrafter
     from dflash_cb.demo.lightning_module import tiny_drafter_config
 
-    cfg = tiny_drafter_config(R.ENGINE_VOCAB, 128, R.ENGINE_LAYERS, [0, 1], R.ENGINE_VOCAB - 1,
+    cfg = tiny_drafter_config(R.ENGINE_VOCAB, 128, R.ENGINE_LAYERS, DFLASH_LAYERS, R.ENGINE_VOCAB - 1,
                               block_size=DFLASH_BLOCK, heads=2, kv_heads=1, head_dim=64)
     torch.manual_seed(0)
     drafter = train_briefly(DFlashDrafter.from_config_dict(cfg), StateCache(world["local"]), epochs=10)
@@ -351,7 +381,7 @@ def dflash2_drafter(world) -> Path:
     from dflash_cb.core.drafters.dflash2.model import DFlash2Drafter
     from dflash_cb.demo.lightning_module import tiny_drafter_config
 
-    cfg = tiny_drafter_config(R.ENGINE_VOCAB, 128, R.ENGINE_LAYERS, [0, 1], R.ENGINE_VOCAB - 1, block_size=DFLASH_BLOCK,
+    cfg = tiny_drafter_config(R.ENGINE_VOCAB, 128, R.ENGINE_LAYERS, DFLASH_LAYERS, R.ENGINE_VOCAB - 1, block_size=DFLASH_BLOCK,
                               heads=2, kv_heads=1, head_dim=64, family="dflash2", selector_top_k=4, selector_rank=8)
     torch.manual_seed(0)
     drafter = DFlash2Drafter(Qwen3Config.from_dict(cfg))
