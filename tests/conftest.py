@@ -34,6 +34,18 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     gc.freeze()
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The tests marked ``engine`` start a real vLLM from its own venv (``python dev.py test-engine`` makes it): a run
+    whose ``-m`` does not name them leaves them out (deselected, not skipped), so ``python dev.py test`` and a plain
+    ``pytest`` never need that venv."""
+    if "engine" in (config.getoption("markexpr", "") or ""):
+        return
+    engine = [item for item in items if item.get_closest_marker("engine")]
+    if engine:
+        config.hook.pytest_deselected(items=engine)
+        items[:] = [item for item in items if not item.get_closest_marker("engine")]
+
+
 @pytest.fixture(scope="session", autouse=True)
 def one_thread():
     """Tiny models gain nothing from threads, and on a busy CI box spinning OpenMP threads cost seconds."""

