@@ -461,3 +461,27 @@ def test_per_request_timing_is_reported_only_when_asked(world, plain, ngram) -> 
     _, metrics = R.timed_completion(ngram.url, str(world["target"]), prompt, MAX_NEW)
     assert all(isinstance(metrics[k], float) and metrics[k] >= 0 for k in TIMING), metrics
     assert metrics["speculative_decoding"]["num_spec_steps"] >= 1
+
+
+def test_served_speed_through_a_speculative_and_a_plain_engine(world, plain, ngram, tmp_path) -> None:
+    """The precompute through the speculating engine, with the plain engine as --baseline-server: every request
+    timed at the client (one in flight), the speculating engine's own timing fields kept (it was started with
+    --enable-per-request-metrics; the plain one was not, so its record has none), every prompt sent to the plain
+    engine once and its completion the same; the served speedup per prompt and pooled follows. What the times
+    are is not asserted."""
+    from dflash_cb.cache.served_speed import TIMING_KEY, TIMING_NAME, read_timings, served_speeds
+    from dflash_cb.core.costs.measured import served_comparison
+
+    out = tmp_path / "timed"
+    assert _precompute(world, out, *_via(ngram.url, "--baseline-server", plain["server"].url)) == 0
+    assert _shards(out) == _shards(world["local"])
+    timed = read_timings(out / TIMING_NAME)
+    assert len(timed) == N_PROMPTS
+    for record in timed.values():
+        t = record[TIMING_KEY]
+        assert t["in_flight"] == 1 and t["wall_seconds"] > 0 and set(t["server"]) == set(TIMING)
+        assert t["baseline"]["url"] == plain["server"].url.rstrip("/") and t["baseline"]["wall_seconds"] > 0
+        assert "server" not in t["baseline"]
+    rows = served_speeds(timed, sorted(timed))
+    c = served_comparison([r.id for r in rows], [r.seconds for r in rows], [r.baseline_seconds for r in rows], 1)
+    assert len(c.per_prompt) == N_PROMPTS and c.served.low <= c.served.value <= c.served.high

