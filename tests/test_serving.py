@@ -402,3 +402,27 @@ def test_the_live_evaluation_logs_the_projection(tiny_cache, tiny_drafter_config
     assert profile_cli.main(["--from-csv", str(tmp_path / "few.csv"), "--draft-seconds", "0", "--out", str(few)]) == 0
     with pytest.raises(ArgumentError, match="verifies 6 tokens"):
         plain_loop(str(tiny_cache), tiny_drafter_config, steps=2, every=2, cost_profile=str(few))
+
+
+def test_a_user_states_the_per_cycle_overhead(tmp_path) -> None:
+    """--overhead KIND=SECONDS writes the per-cycle overhead into any profile (here a CSV one), and a projection
+    prices it; a kind that is not one, a number that is not finite, or a kind given twice is refused before any
+    work, naming the option."""
+    from dflash_cb.integrations.cli import profile_costs as profile_cli
+
+    csv = tmp_path / "v.csv"
+    csv.write_text("verified_tokens,seconds\n1,0.02\n9,0.02\n")
+    out = tmp_path / "p.json"
+    assert profile_cli.main(["--from-csv", str(csv), "--draft-seconds", "0", "--out", str(out), "--overhead",
+                             "block=0.02,ddtree=0.01"]) == 0
+    prof = read_profile(out)
+    assert prof.overhead == {"block": 0.02, "ddtree": 0.01}
+    p = project(SAMPLES, block_settings(6, (4,)), prof)
+    pooled = {s.setting.name: s.tau for s in p.settings}
+    assert p.settings[0].speedup.value == pytest.approx(pooled["greedy"] / 2, rel=1e-12)
+    assert p.settings[1].speedup.value == pytest.approx(pooled["ddtree_b4"] / 1.5, rel=1e-12)
+    for bad in ("tree=0.01", "block=nan", "block=1,block=2", "block"):
+        with pytest.raises(ArgumentError, match="--overhead"):
+            profile_cli.main(["--from-csv", str(csv), "--draft-seconds", "0", "--out", str(tmp_path / "q.json"),
+                              "--overhead", bad])
+    assert not (tmp_path / "q.json").exists()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import datetime
 import json
 import math
@@ -69,6 +70,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="--from-csv: one drafter pass (block drafters) or one step (chain drafters), seconds; with "
                         "several --drafter, one value per drafter, comma-separated, in their order")
     p.add_argument("--batch-size", type=int, default=1, help="the batch the times are for (measured: 1)")
+    p.add_argument("--overhead", default=None, metavar="KIND=SECONDS,...",
+                   help="the seconds a cycle pays outside the two models' calls, per kind of setting (block, ddtree, "
+                        "chain), e.g. block=0.0002,ddtree=0.0005: your own measurement (tools/speed_check.py "
+                        "--profile-out measures it)")
     return p.parse_args(argv)
 
 
@@ -438,6 +443,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     contexts = sorted(set(parse_int_list("--contexts", args.contexts, 1)))
     repeats = parse_int("--repeats", args.repeats, 1)
     command = "python tools/profile_costs.py " + " ".join(shlex.quote(a) for a in argv)
+    overhead = parse_overhead(args.overhead)
     today = datetime.date.today().isoformat()
     target: dict[str, Any] = {}
     drafters: list[Any] = []
@@ -465,7 +471,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         others = tuple((who, {0: sec}) for who, sec in zip(ids[1:], (seconds or [])[1:], strict=True))
         profile = CostProfile("user", verify, draft, target, ids[0] if ids else {}, "", "", args.batch_size, today,
                               f"--from-csv {args.from_csv}", others)
-        return _finish(out, profile)
+        return _finish(out, profile, overhead=overhead)
     if not args.target:
         raise ArgumentError("--target TARGET_DIR is needed to measure (or --roofline); --from-csv needs none")
     if out.exists() and not _partial(out):
@@ -481,7 +487,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                           args.bandwidth_gbs, args.peak_tflops)
         profile = CostProfile("roofline", verify, drafts[0], target, ids[0] if ids else {}, "", args.dtype,
                               args.batch_size, today, stated, tuple(zip(ids[1:], drafts[1:], strict=True)))
-        return _finish(out, profile)
+        return _finish(out, profile, overhead=overhead)
     return _measure(args, out, target, drafters, ids, contexts, tokens, repeats, command, today)
 
 
@@ -579,7 +585,7 @@ def _measure(args: argparse.Namespace, out: Path, target: dict[str, Any], drafte
                           flags=tuple(state["flags"]),
                           repeats={int(c): tuple((int(n), tuple(map(float, t))) for n, t in r)
                                    for c, r in state.get("repeats", {}).items()})
-    return _finish(out, profile, replace=True)
+    return _finish(out, profile, replace=True, overhead=parse_overhead(args.overhead))
 
 
 def _partial(path: Path) -> bool:
@@ -589,7 +595,29 @@ def _partial(path: Path) -> bool:
         return False
 
 
-def _finish(out: Path, profile: CostProfile, replace: bool = False) -> int:
+def parse_overhead(text: str | None) -> dict[str, float]:
+    """``--overhead block=S,ddtree=S,chain=S``: seconds per cycle by kind of setting, checked before any work."""
+    from ...core.costs.serving import CYCLE_KINDS
+
+    if text is None:
+        return {}
+    out: dict[str, float] = {}
+    for part in (x.strip() for x in str(text).split(",") if x.strip()):
+        kind, _, value = part.partition("=")
+        try:
+            sec = float(value)
+        except ValueError:
+            sec = math.nan
+        if kind.strip() not in CYCLE_KINDS or not (math.isfinite(sec) and 0 <= sec <= 3600) or kind.strip() in out:
+            raise ArgumentError(f"--overhead {text}: give KIND=SECONDS once per kind, KIND one of "
+                                f"{', '.join(CYCLE_KINDS)}, seconds a finite number from 0 to 3600 (got {part!r})")
+        out[kind.strip()] = sec
+    return out
+
+
+def _finish(out: Path, profile: CostProfile, replace: bool = False, overhead: dict[str, float] | None = None) -> int:
+    if overhead:
+        profile = dataclasses.replace(profile, overhead=dict(overhead))
     if out.exists() and not replace:
         raise ArgumentError(f"--out {out} exists: give another path (a profile is never overwritten)")
     try:
