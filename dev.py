@@ -127,6 +127,24 @@ def pip_commands(torch_installed: bool, oracles_missing: list[str], stamp_ok: bo
     return cmds
 
 
+def pip_noise(line: str) -> bool:
+    """A line of pip's that says nothing about this install: a configured index location that does not exist
+    (``WARNING: Location '...' is ignored: it is neither a file nor a directory``, one per package looked up)."""
+    return line.startswith("WARNING: Location '") and "is ignored" in line
+
+
+def run_pip(cmd: list[str], env: dict[str, str]) -> None:
+    """Run pip, its output shown as it comes but for ``pip_noise``; a failure raises ``CalledProcessError``."""
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if not pip_noise(line):
+            sys.stdout.write(line)
+            sys.stdout.flush()
+    if proc.wait():
+        raise subprocess.CalledProcessError(proc.returncode, cmd)
+
+
 def _read_stamp() -> dict:
     try:
         return json.loads(STAMP.read_text())
@@ -146,8 +164,7 @@ def setup() -> None:
     cmds = pip_commands(has_torch, _oracle_missing(ORACLE_PINS), stamp_ok, index)
     for args in cmds:
         print("dev.py: pip " + " ".join(args), flush=True)
-        subprocess.run([sys.executable, "-m", "pip", "-q", *args], check=True,
-                       env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"})
+        run_pip([sys.executable, "-m", "pip", "-q", *args], {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"})
     if cmds or not stamp_ok:
         stamps = _read_stamp()
         stamps[sys.executable] = key

@@ -142,3 +142,24 @@ def test_a_run_whose_marks_do_not_name_the_engine_tests_deselects_them() -> None
     assert "test_real_vllm.py::" not in plain and "deselected" in plain
     assert "test_real_vllm.py::" not in fast and "deselected" in fast
     assert "test_real_vllm.py::test_dflash_served_check_against_the_engine" in engine
+
+
+def test_pip_noise_is_left_out_and_the_rest_shown(tmp_path, capsys) -> None:
+    """A configured index location that does not exist makes pip say so once per package looked up: those lines
+    are left out of the setup's output, everything else pip says is shown, and a failed pip still fails."""
+    import subprocess
+
+    script = tmp_path / "fake_pip.py"
+    script.write_text("import sys\n"
+                      "print(\"WARNING: Location 'file:///opt/pypi/simple/torch/' is ignored: it is neither a file nor "
+                      "a directory.\")\n"
+                      "print('Successfully installed x-1.0')\n"
+                      "print('ERROR: something real', file=sys.stderr)\n"
+                      "sys.exit(int(sys.argv[1]))\n")
+    dev.run_pip([sys.executable, str(script), "0"], {})
+    out = capsys.readouterr().out
+    assert "is ignored" not in out and "Successfully installed x-1.0" in out and "ERROR: something real" in out
+    with pytest.raises(subprocess.CalledProcessError):
+        dev.run_pip([sys.executable, str(script), "3"], {})
+    assert dev.pip_noise("WARNING: Location 'file:///x/' is ignored: it is neither a file nor a directory.\n")
+    assert not dev.pip_noise("WARNING: Retrying (Retry(total=4)) after connection broken\n")
