@@ -163,3 +163,13 @@ def test_pip_noise_is_left_out_and_the_rest_shown(tmp_path, capsys) -> None:
         dev.run_pip([sys.executable, str(script), "3"], {})
     assert dev.pip_noise("WARNING: Location 'file:///x/' is ignored: it is neither a file nor a directory.\n")
     assert not dev.pip_noise("WARNING: Retrying (Retry(total=4)) after connection broken\n")
+
+
+def test_a_demo_on_a_loaded_machine_is_told_to_use_one_thread() -> None:
+    """Threads that would join a load already filling the cores are named with the fix; one thread, or a machine
+    with room, says nothing."""
+    from dflash_cb.common.threads import oversubscribed
+
+    said = oversubscribed(2, load=2.3, cpus=2)
+    assert said is not None and "--threads 1" in said and "(2.3)" in said
+    assert oversubscribed(1, load=8.0, cpus=2) is None and oversubscribed(2, load=0.2, cpus=2) is None

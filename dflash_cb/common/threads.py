@@ -65,3 +65,19 @@ def set_threads(threads: int) -> int:
 
     torch.set_num_threads(threads)
     return threads
+
+
+def oversubscribed(threads: int, load: float | None = None, cpus: int | None = None) -> str | None:
+    """A line saying that ``threads`` torch threads join a machine whose load already fills its cores (each
+    thread then waits its turn, and two spinning threads take longer than one), or None. ``load``: the 1-minute
+    load average (read here when None); ``cpus``: the cores this process may use."""
+    if load is None:
+        try:
+            load = os.getloadavg()[0]
+        except (OSError, AttributeError):
+            return None
+    cpus = cpus or len(usable_cpus())
+    if threads <= 1 or load + threads <= cpus + 0.5:
+        return None
+    return (f"the machine's load ({load:.1f}) and {threads} torch threads exceed its {cpus} core(s): each thread "
+            "waits its turn; --threads 1 is faster while other work runs")

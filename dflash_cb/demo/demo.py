@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 from ..common import cli
 from ..common.errors import DFlashCBError
 from ..common.fileio import atomic_path, atomic_write_json, atomic_write_text, naming_failures, output_path
-from ..common.threads import THREADS_HELP, parse_threads, set_threads
+from ..common.threads import THREADS_HELP, oversubscribed, parse_threads, set_threads
 from ..core.drafters.registry import families, family_named
 from ..core.drafters.spec import DEFAULT_FAMILY
 from ..core.figures.metrics import (
@@ -201,6 +201,9 @@ def _setup_torch(cfg: DemoConfig) -> None:
     import torch
 
     set_threads(max(1, cfg.threads))
+    busy = oversubscribed(max(1, cfg.threads))
+    if busy:
+        print(f"note: {busy}", flush=True)
     torch.manual_seed(cfg.seed)
     torch.use_deterministic_algorithms(True)
 
