@@ -207,7 +207,7 @@ def engine_setup() -> Path:
     for args in cmds:
         exe = sys.executable if args[:2] == ["-m", "venv"] else str(python)
         print(f"dev.py: {Path(exe).name} " + " ".join(args), flush=True)
-        subprocess.run([exe, *args], check=True, env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"})
+        run_pip([exe, *args], {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"})
     if cmds:
         ENGINE_STAMP.write_text(json.dumps({"key": engine_key(), "pins": list(ENGINE_PINS)}) + "\n")
     return python

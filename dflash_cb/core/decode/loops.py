@@ -23,9 +23,6 @@ from ..drafters.runners import DraftRunner
 from .target_steps import DecodeError, TargetSteps
 from .tree import Tree, build_tree, walk
 
-# What a loop proposes per cycle: a run of tokens (a block or a chain) or a tree.
-Proposal = Tree
-
 
 @dataclass
 class DecodeRun:
@@ -92,8 +89,8 @@ class LoopDrafter:
         """The features of the rows a cycle committed (the anchor and the accepted drafts)."""
         raise NotImplementedError
 
-    def propose(self, ids: Sequence[int]) -> Proposal:
-        """The proposal anchored at the last of ``ids`` (the verified token)."""
+    def propose(self, ids: Sequence[int]) -> Tree:
+        """The proposal (a block or a chain is a tree of one branch) anchored at the last of ``ids`` (the verified token)."""
         raise NotImplementedError
 
 
@@ -130,7 +127,7 @@ class BlockDrafter(LoopDrafter):
         self.context = grown if grown is not None else self.runner.context(iter([self.features]),
                                                                            [self.features.shape[0]])
 
-    def propose(self, ids: Sequence[int]) -> Proposal:
+    def propose(self, ids: Sequence[int]) -> Tree:
         p = len(ids) - 1
         d = self.block - 1
         anchors, dev = torch.tensor([p], device=self.dev), self.dev
@@ -221,7 +218,7 @@ class ChainDrafter(LoopDrafter):
         out = self.proposer.rows(head_in, torch.tensor([previous], device=dev), torch.tensor([-1], device=dev))
         return int(out.tokens[0])
 
-    def propose(self, ids: Sequence[int]) -> Proposal:
+    def propose(self, ids: Sequence[int]) -> Tree:
         p = len(ids) - 1
         self._rows_to(ids, p)  # the rows up to the anchor's: the last one drafts depth 1
         assert self.keys is not None and self.values is not None and self.carry is not None

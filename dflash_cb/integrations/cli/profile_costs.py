@@ -271,11 +271,6 @@ class StepClock:
         fn(arg)
         return time.monotonic() - t0
 
-    def seconds(self, fn: Callable[[Any], Any], prepare: Callable[[], Any] = lambda: None, repeats: int = 5) -> float:
-        """The median of ``repeats`` timed calls after one warm-up."""
-        runs = sorted([self.once(fn, prepare) for _ in range(repeats + 1)][1:])  # the first warms up
-        return runs[len(runs) // 2]
-
 
 Row = tuple[str, int]  # ("verify", tokens) or ("draft", drafter index)
 
@@ -333,13 +328,19 @@ def measure_context(model: Any, drafters: list[Any], head: Any, ctx: int, tokens
             # In a loop the two models alternate, each call finding the other's weights in the caches: before a
             # timed verify the first drafter runs (untimed), before a timed drafter pass a 1-token verify does.
             first_pass, first_prepare = calls["draft", 0]
+            one_token = calls["verify", min(tokens)][0]
+
+            def after_the_drafter() -> TargetSteps:
+                first_pass(first_prepare())
+                return base
+
+            def after_a_verify(prepare: Callable[[], Any]) -> Callable[[], Any]:
+                return lambda: (one_token(base), prepare())[1]
+
             for n in tokens:
-                fn, _ = calls["verify", n]
-                calls["verify", n] = (fn, lambda: (first_pass(first_prepare()), base)[1])
+                calls["verify", n] = (calls["verify", n][0], after_the_drafter)
             for j in range(len(drafters)):
-                fn, prepare = calls["draft", j]
-                calls["draft", j] = (fn, lambda prepare=prepare: (calls["verify", 1][0](base), prepare())[1]
-                                     if ("verify", 1) in calls else prepare())
+                calls["draft", j] = (calls["draft", j][0], after_a_verify(calls["draft", j][1]))
         samples = interleaved(calls, clock, repeats)
         flags: list[str] = []
         verify_rows = {n: samples["verify", n] for n in tokens}

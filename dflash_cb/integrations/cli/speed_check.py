@@ -106,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ...common.threads import parse_threads, set_threads
     from ...core.checkpoints.load import load_drafter
     from ...core.costs import measured
-    from ...core.costs.serving import priced_per_cycle, project
+    from ...core.costs.serving import TARGET_FIELDS, priced_per_cycle, project
     from ...core.decode.loops import Clock, loop_drafter, plain_decode, speculative_decode
     from ...core.decode.target_steps import TargetSteps, check_croppable
     from ...core.drafters.registry import family_named, spec_of
@@ -142,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cache = StateCache(args.states)
     target_cfg = read_target_config(args.target)
     have, want = target_identity(target_cfg), cache.manifest.target
-    wrong = [f"{k}: --target {have[k]}, cache {want.get(k)}" for k in ("hidden_size", "num_layers", "vocab_size")
+    wrong = [f"{k}: --target {have[k]}, cache {want.get(k)}" for k in TARGET_FIELDS
              if want.get(k) is not None and have[k] != want.get(k)]
     if wrong:
         raise ArgumentError(f"--target {args.target}: not the target of --states {args.states} ({'; '.join(wrong)})")
@@ -150,11 +150,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     spec = spec_of(drafter)
     family = family_named(spec.family)
     settings = _settings(family, spec, args)
-    profile = None
+    profile = stated = None
     if args.profile:
-        profile = read_profile(args.profile)
-        refuse_other_target(profile, cache.manifest.target, f"--profile {args.profile}")
-        profile = profile.for_drafter(drafter_identity(drafter))
+        stated = read_profile(args.profile)  # as written: --profile-out writes it again, with the overhead
+        refuse_other_target(stated, cache.manifest.target, f"--profile {args.profile}")
+        profile = stated.for_drafter(drafter_identity(drafter))
     ids = [e.id for e in cache.samples][:n_prompts]
     if len(ids) < n_prompts:
         say(f"--prompts {n_prompts}: the cache holds {len(ids)}; decoding them all")
@@ -256,12 +256,11 @@ def main(argv: Sequence[str] | None = None) -> int:
               "verdict": verdict, "profile": profile.label() if profile is not None else None}
     atomic_write_json(out, report)
     print(format_report(report))
-    if args.profile_out is not None and profile is not None:
+    if args.profile_out is not None and stated is not None:
         from ...core.costs.serving import CostProfile
 
-        base = read_profile(args.profile)
-        checked_profile = dataclasses.replace(base, overhead=dict(terms),
-                                              source=base.source or f"speed check: {command}")
+        checked_profile = dataclasses.replace(stated, overhead=dict(terms),
+                                              source=stated.source or f"speed check: {command}")
         atomic_write_json(args.profile_out, CostProfile.to_dict(checked_profile))
         say(f"wrote {args.profile_out}: {checked_profile.label()}")
     if problems:
