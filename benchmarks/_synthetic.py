@@ -16,8 +16,8 @@ from dflash_cb.cache.states import StateCache, TargetHead
 from dflash_cb.common.fileio import atomic_write_bytes
 from dflash_cb.core.drafters.dflash.model import DFlashDrafter
 from dflash_cb.core.drafters.dflash.runner import FastRunner
+from dflash_cb.core.drafters.proposers import apply_head
 from dflash_cb.core.drafters.runners import block_embeddings
-from dflash_cb.core.replay.engine import apply_head
 
 PRESETS = {
     # The Qwen3.6-27B drafter's shape: 5 layers, hidden 5120, 32/8 heads of 128, vocab 248,320.

@@ -30,7 +30,7 @@ from dflash_cb.cache.states import StateCache  # noqa: E402
 from dflash_cb.core.drafters.dflash.model import DFlashDrafter  # noqa: E402
 from dflash_cb.core.drafters.dflash.runner import FastRunner  # noqa: E402
 from dflash_cb.core.figures.metrics import ddtree_tau  # noqa: E402
-from dflash_cb.core.replay.engine import evaluate  # noqa: E402
+from dflash_cb.core.replay import evaluate  # noqa: E402
 
 
 def _cycles(lengths: list[int], start: int) -> set[tuple[int, int]]:

@@ -41,7 +41,7 @@ from dflash_cb import DFlashEvalCallback  # noqa: E402
 from dflash_cb.cache.states import StateCache, TargetHead  # noqa: E402
 from dflash_cb.core.drafters.dflash.runner import FastRunner  # noqa: E402
 from dflash_cb.core.figures.metrics import EVAL_TIME  # noqa: E402
-from dflash_cb.core.replay.engine import evaluate  # noqa: E402
+from dflash_cb.core.replay import evaluate  # noqa: E402
 from dflash_cb.demo.lightning_module import CachedStatesDataModule, DFlashDrafterModule  # noqa: E402
 
 

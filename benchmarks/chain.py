@@ -40,7 +40,7 @@ from dflash_cb.core.costs.evaluation import DrafterShape, memory_bound  # noqa: 
 from dflash_cb.core.drafters.dflash.runner import FastRunner  # noqa: E402
 from dflash_cb.core.drafters.layouts import drafter_from_config  # noqa: E402
 from dflash_cb.core.figures.metrics import TAU  # noqa: E402
-from dflash_cb.core.replay.engine import evaluate  # noqa: E402
+from dflash_cb.core.replay import evaluate  # noqa: E402
 
 GB = 1e9
 

@@ -47,7 +47,7 @@ from dflash_cb.core.drafters.dflash2.model import PICK_ROWS, DFlash2Drafter  # n
 from dflash_cb.core.drafters.proposers import predecessors  # noqa: E402
 from dflash_cb.core.drafters.runners import block_embeddings  # noqa: E402
 from dflash_cb.core.figures.metrics import TAU  # noqa: E402
-from dflash_cb.core.replay.engine import PHASES, evaluate  # noqa: E402
+from dflash_cb.core.replay import PHASES, evaluate  # noqa: E402
 
 GB = 1e9
 

@@ -46,8 +46,9 @@ from _synthetic import PRESETS, make_drafter, make_head, write_cache  # noqa: E4
 
 from dflash_cb.cache.states import StateCache, TargetHead  # noqa: E402
 from dflash_cb.core.drafters.dflash.runner import FastRunner  # noqa: E402
-from dflash_cb.core.drafters.runners import block_embeddings  # noqa: E402
-from dflash_cb.core.replay.engine import apply_head, as_runner, bounds_for, evaluate  # noqa: E402
+from dflash_cb.core.drafters.proposers import apply_head  # noqa: E402
+from dflash_cb.core.drafters.runners import as_runner, block_embeddings  # noqa: E402
+from dflash_cb.core.replay import bounds_for, evaluate  # noqa: E402
 
 
 def replay_per_cycle(cache: StateCache, drafter: torch.nn.Module, head: TargetHead, sample_id: str) -> list[int]:

@@ -39,7 +39,7 @@ from dflash_cb.common.timing import PhaseTimer  # noqa: E402
 from dflash_cb.core.costs.evaluation import DrafterShape, SecondsPredictor, draft_all_is_cheaper  # noqa: E402
 from dflash_cb.core.drafters.dflash.model import DFlashDrafter  # noqa: E402
 from dflash_cb.core.figures.metrics import ddtree_tau  # noqa: E402
-from dflash_cb.core.replay.engine import evaluate, group_seconds  # noqa: E402
+from dflash_cb.core.replay import evaluate, group_seconds  # noqa: E402
 from dflash_cb.demo.lightning_module import tiny_drafter_config  # noqa: E402
 
 

@@ -111,7 +111,7 @@ def run_case(case: str, folder: Path, p: dict, device: str) -> dict:
     from dflash_cb.cache.states import StateCache
     from dflash_cb.core.costs.evaluation import DrafterShape, memory_bound
     from dflash_cb.core.drafters.dflash.model import DFlashDrafter
-    from dflash_cb.core.replay.engine import evaluate
+    from dflash_cb.core.replay import evaluate
 
     torch.set_num_threads(2)
     base, anon_base = _status("VmRSS"), _status("RssAnon")

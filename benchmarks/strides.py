@@ -44,7 +44,7 @@ from dflash_cb.core.figures.metrics import (  # noqa: E402
     summarize,
 )
 from dflash_cb.core.loop.anchor_sets import offsets_for  # noqa: E402
-from dflash_cb.core.replay.engine import EvalReport, evaluate  # noqa: E402
+from dflash_cb.core.replay import EvalReport, evaluate  # noqa: E402
 
 FIGURES = [SPECFORGE_ACC, depth_acc(1), depth_acc(2), depth_acc(3), ALL_ANCHOR_TAU]
 HEADER = ["specforge/acc", "depth 1", "depth 2", "depth 3", "all_anchor_tau"]

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dflash_cb.cache.states import StateCache  # noqa: E402
 from dflash_cb.core.checkpoints.load import load_drafter  # noqa: E402
 from dflash_cb.core.figures.metrics import ALL_ANCHOR_TAU, SPECFORGE_ACC, depth_acc  # noqa: E402
-from dflash_cb.core.replay.engine import evaluate  # noqa: E402
+from dflash_cb.core.replay import evaluate  # noqa: E402
 
 BUDGETS = (16, 32, 64)
 

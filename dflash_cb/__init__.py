@@ -80,8 +80,7 @@ if TYPE_CHECKING:  # what editors and type checkers see; at run time each name i
         ddtree_tau,
         metric_key,
     )
-    from .core.replay.engine import evaluate
-    from .core.replay.request import EvalRequest
+    from .core.replay import EvalRequest, evaluate
     from .integrations.evaluator.config import EvalConfig
     from .integrations.evaluator.live import LiveEvaluator
     from .integrations.loops.hf import DFlashEvalTrainerCallback

@@ -18,7 +18,7 @@ import torch
 from dflash_cb.cache.states import StateCache
 from dflash_cb.core.costs.evaluation import MemoryLimits
 from dflash_cb.core.figures.metrics import summarize
-from dflash_cb.core.replay import engine
+from dflash_cb.core.replay import engine, scoring
 
 BUDGETS = (3, 8)
 STRIDE = 2
@@ -36,12 +36,12 @@ def figures(cache: StateCache, drafter: Any) -> dict[str, dict[str, float]]:
         "seven_blocks_one_head_row": dict(limits=MemoryLimits(max_blocks=7, head_bytes=vocab_row)),
     }
     out = {name: engine.evaluate(cache, drafter, **run, **kw).summary for name, kw in ways.items()}
-    rows = engine._HEAD_ROWS
+    rows = scoring._HEAD_ROWS
     try:
-        engine._HEAD_ROWS = 1  # the greedy head one row a call
+        scoring._HEAD_ROWS = 1  # the greedy head one row a call
         out["one_row_a_head_call"] = engine.evaluate(cache, drafter, **run).summary
     finally:
-        engine._HEAD_ROWS = rows
+        scoring._HEAD_ROWS = rows
     alone = [engine.evaluate(cache, drafter, **run, sample_ids=[e.id]).counts for e in cache.samples]
     for c in alone[1:]:
         alone[0].merge_(c)

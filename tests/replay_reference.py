@@ -1,5 +1,5 @@
 """The replay walk one cycle at a time, in plain Python: the reference the engine's batched walks
-(``engine._Walks``) and the position bookkeeping are tested against (docs/method.md, "The loop")."""
+(``dflash_cb.core.replay.walks.Walks``) and the position bookkeeping are tested against (docs/method.md, "The loop")."""
 
 from __future__ import annotations
 

@@ -63,7 +63,7 @@ def test_strided_figure_estimates_the_stride_1_figure_where_the_first_anchor_bia
 
     from dflash_cb.cache.states import StateCache
     from dflash_cb.core.figures.metrics import ALL_ANCHOR_TAU
-    from dflash_cb.core.replay.engine import evaluate
+    from dflash_cb.core.replay import evaluate
 
     stride = 4
     cache = StateCache(tiny_cache)

@@ -134,7 +134,7 @@ def test_results_schema_round_trip_partition_and_refusals(tmp_path, tiny_cache, 
 
     from dflash_cb.cache.states import StateCache
     from dflash_cb.core.drafters.dflash.model import DFlashDrafter
-    from dflash_cb.core.replay.engine import evaluate
+    from dflash_cb.core.replay import evaluate
     from dflash_cb.core.results.results_file import (
         ResultsError,
         load_results,
@@ -259,7 +259,7 @@ def test_the_default_position_buckets_fit_short_completions(tiny_cache, tiny_dra
     from dflash_cb.core.drafters.dflash.model import DFlashDrafter
     from dflash_cb.core.figures.metrics import position_cycles
     from dflash_cb.core.figures.positions import DEFAULT_POSITION_EDGES, completion_extent, fitted_edges
-    from dflash_cb.core.replay.engine import evaluate
+    from dflash_cb.core.replay import evaluate
     from dflash_cb.core.results.compare import live_metrics
     from dflash_cb.core.results.results_file import report_to_results
 

@@ -14,7 +14,7 @@ from wandb_runs import history_and_summary, write_published
 from dflash_cb import DFlashEvalCallback
 from dflash_cb.cache.states import StateCache
 from dflash_cb.core.drafters.dflash.model import DFlashDrafter
-from dflash_cb.core.replay.engine import evaluate
+from dflash_cb.core.replay import evaluate
 from dflash_cb.core.results.baselines import load_measured, load_published
 from dflash_cb.core.results.results_file import load_results, report_to_results, write_results
 from dflash_cb.demo.lightning_module import CachedStatesDataModule

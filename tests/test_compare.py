@@ -48,7 +48,7 @@ def _run_here(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str, str]
 def two_results(tiny_cache, tiny_drafter_config, tmp_path_factory) -> tuple[Path, Path]:
     from dflash_cb.cache.states import StateCache
     from dflash_cb.core.drafters.dflash.model import DFlashDrafter
-    from dflash_cb.core.replay.engine import evaluate
+    from dflash_cb.core.replay import evaluate
 
     cache = StateCache(tiny_cache)
     out = tmp_path_factory.mktemp("cmp")
@@ -639,7 +639,7 @@ def caches_in_two_folders(tiny_drafter_config, tmp_path_factory) -> dict[str, Pa
 
     from dflash_cb.cache.states import StateCache
     from dflash_cb.core.drafters.dflash.model import DFlashDrafter
-    from dflash_cb.core.replay.engine import evaluate
+    from dflash_cb.core.replay import evaluate
 
     root = tmp_path_factory.mktemp("identity")
     out = {"a": build_tiny_cache(root / "demo_out"), "b": build_tiny_cache(root / "demo2_out"),

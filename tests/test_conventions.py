@@ -35,7 +35,7 @@ def scored(tiny_cache, tiny_drafter_config):
 
     from dflash_cb.cache.states import StateCache
     from dflash_cb.core.drafters.dflash.model import DFlashDrafter
-    from dflash_cb.core.replay.engine import evaluate
+    from dflash_cb.core.replay import evaluate
 
     cache = StateCache(tiny_cache)
     torch.manual_seed(3)

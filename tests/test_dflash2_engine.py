@@ -123,7 +123,7 @@ def _lists(report) -> dict[str, list[int]]:
 
 def test_generic_runner_reads_the_selector_from_the_module(world) -> None:
     from dflash_cb.core.drafters.dflash.runner import PerAnchorRunner
-    from dflash_cb.core.replay.engine import evaluate
+    from dflash_cb.core.replay import evaluate
 
     cache, ref = world["cache"], world["ref"]
     runner = PerAnchorRunner(ref, spec_from_config(ref.config))
@@ -139,7 +139,7 @@ def test_served_tail_blocks_equal_a_full_block_loop_of_selector_walks(world, blo
     """``tail_blocks="served"`` reproduces a loop that drafts a full block every cycle, the block being the
     reference's selector walk: the cycles, every cycle's block (the walk, not the teacher-forced draft), and the
     correct-draft counts wherever the cache knows the target's tokens."""
-    from dflash_cb.core.replay.engine import evaluate
+    from dflash_cb.core.replay import evaluate
 
     rep = evaluate(world["cache"], world["ours"], budgets=(4,), keep_drafts=MAX_NEW, block_size=block)
     _, loop = world["runs"][block]
@@ -160,7 +160,7 @@ def test_served_tail_blocks_equal_a_full_block_loop_of_selector_walks(world, blo
 def test_scaled_and_capped_logits(world) -> None:
     """``output_multiplier`` and ``final_logit_softcapping`` set: the unary scores the selector adds to its pair
     scores are the scaled, capped logits, as in the reference; the same weights without them draft otherwise."""
-    from dflash_cb.core.replay.engine import evaluate
+    from dflash_cb.core.replay import evaluate
 
     cache = world["cache"]
     scaled = evaluate(cache, world["scaled"], budgets=(), tail_blocks="reference", keep_drafts=MAX_NEW)
@@ -249,7 +249,7 @@ def test_selector_diagnostics_and_lattice_tree_equal_a_plain_replay(world) -> No
     """At every anchor: the unary top-K recall, the selector's pick given the target's predecessors, the
     temperature-1 estimate of its candidate softmax, and the cycles of the selector's loop, of the unary argmax's
     (the selector off), of a perfect selector's and of DDTree over the lattice at two budgets."""
-    from dflash_cb.core.replay.engine import evaluate
+    from dflash_cb.core.replay import evaluate
 
     want = _plain_replay(world, TREE_BUDGETS)
     rep = evaluate(world["cache"], world["ours"], budgets=TREE_BUDGETS, tail_blocks="reference")
@@ -276,7 +276,7 @@ def test_drafting_choices_change_no_figure(world) -> None:
     """What is drafted (every anchor at once or round by round, the statistics stride, passes cut small, one
     sample at a time) changes no replay, and at one stride no statistic: every walk, the selector's included."""
     from dflash_cb.core.costs.evaluation import MemoryLimits
-    from dflash_cb.core.replay.engine import evaluate
+    from dflash_cb.core.replay import evaluate
 
     cache, ours = world["cache"], world["ours"]
     runs = {(stride, draft_all): evaluate(cache, ours, budgets=(4,), anchor_stride=stride, draft_all=draft_all)
@@ -310,7 +310,7 @@ def test_counts_are_one_flat_vector_of_a_fixed_shape(world) -> None:
     """A DFlash 2 evaluation's counts travel as one float64 vector (the single all_reduce): its shape follows from
     (block, budgets, categories, family) alone, and loading it back gives the same figures."""
     from dflash_cb.core.figures.metrics import EvalCounts, summarize
-    from dflash_cb.core.replay.engine import evaluate
+    from dflash_cb.core.replay import evaluate
 
     cache = world["cache"]
     rep = evaluate(cache, world["ours"], budgets=(4, 8), anchor_stride=8)
@@ -361,7 +361,7 @@ def test_eval_tool_writes_the_selector_figures_and_compares_with_dflash(world, t
 
     from dflash_cb.common.cli import run
     from dflash_cb.core.drafters.dflash.model import DFlashDrafter
-    from dflash_cb.core.replay.engine import evaluate
+    from dflash_cb.core.replay import evaluate
     from dflash_cb.core.results.compare import compare, render_markdown
     from dflash_cb.core.results.results_file import load_results, report_to_results, write_results
     from dflash_cb.integrations.cli import eval_drafter as eval_cli

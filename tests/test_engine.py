@@ -35,12 +35,12 @@ from dflash_cb.core.costs.evaluation import MemoryLimits
 from dflash_cb.core.drafters import proposers
 from dflash_cb.core.drafters.dflash.model import DFlashDrafter
 from dflash_cb.core.drafters.dflash.runner import PerAnchorRunner
+from dflash_cb.core.drafters.proposers import apply_head
 from dflash_cb.core.drafters.registry import spec_from_config
 from dflash_cb.core.drafters.runners import block_embeddings
 from dflash_cb.core.figures.metrics import SPECFORGE_ACC
 from dflash_cb.core.loop.anchor_sets import anchor_offset
-from dflash_cb.core.replay import engine
-from dflash_cb.core.replay.engine import apply_head, evaluate
+from dflash_cb.core.replay import engine, evaluate, scoring
 
 dm = oracles.require("dflash.model")
 
@@ -257,7 +257,7 @@ def test_greedy_head_depth_chunks_equal_brute_force(planted, monkeypatch, head_r
     """Greedy-only walk rows run the last layer's tail and the head a few depths per call: one depth
     per call, several (4 and 8 rows a call: walks go on past a chunk), or every depth at once give the
     brute-force lists and counts."""
-    monkeypatch.setattr(engine, "_HEAD_ROWS", head_rows)
+    monkeypatch.setattr(scoring, "_HEAD_ROWS", head_rows)
     brute = planted["brute"]
     rep = evaluate(planted["cache"], planted["drafter"], budgets=(), anchor_stride=3)
     for s in rep.samples:

@@ -29,7 +29,7 @@ from dflash_cb.core.costs.evaluation import (
 )
 from dflash_cb.core.drafters.dflash.model import DFlashDrafter
 from dflash_cb.core.figures.metrics import ddtree_tau
-from dflash_cb.core.replay.engine import evaluate
+from dflash_cb.core.replay import evaluate
 
 
 def count_hashes(monkeypatch) -> list[str]:

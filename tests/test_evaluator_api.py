@@ -176,7 +176,7 @@ def test_lightning_cli_refuses_an_unknown_tail_mode_in_a_few_lines(tmp_path):
 def test_a_baseline_replayed_with_other_tail_blocks_is_warned_about_at_setup(tiny_cache, tiny_drafter_config,
                                                                              tmp_path):
     from dflash_cb.cache.states import StateCache
-    from dflash_cb.core.replay.engine import evaluate
+    from dflash_cb.core.replay import evaluate
     from dflash_cb.core.results.results_file import report_to_results, write_results
 
     cache = StateCache(tiny_cache)

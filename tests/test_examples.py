@@ -43,7 +43,7 @@ def test_the_lightning_cli_example_trains_and_keeps_the_checkpoint_of_the_best_t
 
     from dflash_cb.cache.states import StateCache
     from dflash_cb.core.checkpoints.load import extract_drafter, load_drafter
-    from dflash_cb.core.replay.engine import evaluate
+    from dflash_cb.core.replay import evaluate
 
     overrides = [f"--model.drafter_config={json.dumps(tiny_drafter_config)}", f"--model.states={tiny_cache}",
                  f"--data.states={tiny_cache}", f"--trainer.callbacks.init_args.states={tiny_cache}",

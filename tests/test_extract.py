@@ -39,7 +39,7 @@ def test_extract_loads_in_both_and_scores_identically(lightning_ckpt: Path, tiny
     DFlashDraftModel = oracles.require("dflash.model").DFlashDraftModel
     from dflash_cb.cache.states import StateCache
     from dflash_cb.core.drafters.dflash.model import DFlashDrafter
-    from dflash_cb.core.replay.engine import evaluate
+    from dflash_cb.core.replay import evaluate
 
     out = tmp_path / "drafter"
     assert extract_drafter.main(["--ckpt", str(lightning_ckpt), "--out", str(out)]) == 0

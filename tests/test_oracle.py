@@ -119,7 +119,7 @@ def test_eval_tool_matches_oracle(setup, tmp_path: Path) -> None:
 
 def test_generic_runner_matches(setup) -> None:
     from dflash_cb.core.drafters.dflash.runner import PerAnchorRunner
-    from dflash_cb.core.replay.engine import evaluate
+    from dflash_cb.core.replay import evaluate
 
     runner = PerAnchorRunner(setup["ref"], spec_from_config(setup["ref"].config))
     sub = [e.id for e in setup["cache"].samples[:3]]
@@ -131,7 +131,7 @@ def test_wrong_layer_offset_is_caught(setup) -> None:
     """A cache that read hidden_states[i] instead of hidden_states[i + 1] must not reproduce the loop."""
     from dflash_cb.cache.manifest import MANIFEST_NAME
     from dflash_cb.cache.states import StateCache
-    from dflash_cb.core.replay.engine import evaluate
+    from dflash_cb.core.replay import evaluate
 
     out = _precompute(setup["target_dir"], setup["prompts"], setup["root"] / "cache_offset",
                       [i - 1 for i in LAYERS])
@@ -147,7 +147,7 @@ def test_temperature_one_estimate_with_stored_topk(setup) -> None:
     from dflash_cb.cache.precompute import main
     from dflash_cb.cache.states import StateCache
     from dflash_cb.core.figures.metrics import T1_TAU_ESTIMATE
-    from dflash_cb.core.replay.engine import evaluate
+    from dflash_cb.core.replay import evaluate
 
     out = setup["root"] / "cache_topk"
     assert main(["--target", str(setup["target_dir"]), "--prompts", str(setup["prompts"]), "--out", str(out),
@@ -160,8 +160,8 @@ def test_temperature_one_estimate_with_stored_topk(setup) -> None:
 
 
 def test_overlap_is_sum_of_min_p_q() -> None:
+    from dflash_cb.core.drafters.proposers import apply_head
     from dflash_cb.core.drafters.spec import DrafterSpec
-    from dflash_cb.core.replay.engine import apply_head
 
     torch.manual_seed(0)
     hidden, head = torch.randn(5, 8), torch.randn(11, 8)
@@ -188,7 +188,7 @@ def test_disagreement_truncates_scoring(setup, tmp_path: Path, tail_blocks: str)
     from dflash_cb.cache.integrity import sha256_file
     from dflash_cb.cache.manifest import MANIFEST_NAME
     from dflash_cb.cache.states import StateCache
-    from dflash_cb.core.replay.engine import evaluate
+    from dflash_cb.core.replay import evaluate
 
     src = setup["cache"].path
     dst = tmp_path / "cut"
@@ -229,7 +229,7 @@ def test_served_tail_blocks_match_a_full_block_loop(setup) -> None:
     and cuts after verification, cycle for cycle, with the sliding-window layer in the drafter; the
     correct-draft counts agree wherever the cache knows the target's tokens (the loop's last cycle
     may match past the end of the completion, which the cache cannot see)."""
-    from dflash_cb.core.replay.engine import evaluate
+    from dflash_cb.core.replay import evaluate
 
     rep = evaluate(setup["cache"], setup["ours"], budgets=(4,), keep_drafts=MAX_NEW)
     assert rep.tail_blocks == "served"
@@ -251,7 +251,7 @@ def test_served_tail_blocks_match_a_full_block_loop(setup) -> None:
 def test_tail_blocks_do_not_matter_for_causal_layers(setup) -> None:
     """With every drafter layer causal (sliding window), a shorter block cannot change earlier drafts."""
     from dflash_cb.core.drafters.dflash.model import DFlashDrafter
-    from dflash_cb.core.replay.engine import evaluate
+    from dflash_cb.core.replay import evaluate
 
     cfg = dict(setup["cfg"], layer_types=["sliding_attention", "sliding_attention"], sliding_window=64)
     causal = DFlashDrafter.from_config_dict(cfg).eval()
@@ -281,8 +281,9 @@ def test_smaller_block_matches_both_loops_at_that_block(setup, small_block) -> N
     of a sample in one packed pass) gives the reference ``DFlashDraftModel``'s drafts at that length at
     every anchor; at some anchors those are not the first depths of its BLOCK-long drafts (the
     bidirectional layer sees fewer mask positions), so the comparisons are not blind to the length."""
+    from dflash_cb.core.drafters.proposers import apply_head
     from dflash_cb.core.drafters.runners import block_embeddings
-    from dflash_cb.core.replay.engine import apply_head, evaluate
+    from dflash_cb.core.replay import evaluate
 
     cache, ours, ref = setup["cache"], setup["ours"], setup["ref"]
     reference = evaluate(cache, ours, budgets=(4,), tail_blocks="reference", block_size=SMALL)

@@ -39,7 +39,7 @@ def offline_run(tiny_cache, tiny_drafter_config, tmp_path_factory) -> dict:
     from wandb_runs import history_and_summary, write_published
 
     from dflash_cb.core.drafters.dflash.model import DFlashDrafter
-    from dflash_cb.core.replay.engine import evaluate
+    from dflash_cb.core.replay import evaluate
     from dflash_cb.core.results.results_file import report_to_results, write_results
 
     tmp = tmp_path_factory.mktemp("panels")

@@ -27,7 +27,7 @@ from dflash_cb.core.costs.evaluation import (
 from dflash_cb.core.drafters import proposers
 from dflash_cb.core.drafters.dflash.model import DFlashDrafter
 from dflash_cb.core.figures.metrics import ddtree_tau
-from dflash_cb.core.replay.engine import PHASES, evaluate
+from dflash_cb.core.replay import PHASES, evaluate
 
 BUDGETS = (4, 8)
 

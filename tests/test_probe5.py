@@ -90,7 +90,7 @@ def test_non_finite_logits_from_finite_weights_are_an_overflow(drafter, tiny_cac
     import copy
 
     from dflash_cb.cache.states import StateCache
-    from dflash_cb.core.replay.engine import evaluate
+    from dflash_cb.core.replay import evaluate
 
     big = copy.deepcopy(drafter)
     with torch.no_grad():

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from dflash_cb.core.figures.metrics import AnchorCounts, EvalCounts, summarize
-from dflash_cb.core.replay.engine import SampleResult
+from dflash_cb.core.replay import SampleResult
 from dflash_cb.integrations.evaluator.config import EvalConfig
 from dflash_cb.integrations.evaluator.measure import Measurement
 from dflash_cb.integrations.evaluator.publish import Publisher

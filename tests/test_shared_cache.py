@@ -17,7 +17,7 @@ from tiny_target import TINY_MASK, random_prompts, save_tiny_qwen3, write_prompt
 from dflash_cb.cache.states import CacheMismatchError, StateCache
 from dflash_cb.common.cli import run
 from dflash_cb.core.drafters.dflash.model import DFlashDrafter
-from dflash_cb.core.replay.engine import evaluate
+from dflash_cb.core.replay import evaluate
 from dflash_cb.demo.lightning_module import CachedStatesDataset, tiny_drafter_config
 
 

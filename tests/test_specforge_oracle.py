@@ -92,7 +92,7 @@ def _specforge(cache, drafter, cfg: dict, ids: list[str]) -> tuple[dict, torch.T
 def _check_parity(cache, drafter, cfg: dict, ids: list[str], tail_blocks: str = "served") -> dict:
     """Our ``specforge/acc`` and its per-position counts equal SpecForge's; the per-depth acceptance equals
     them too exactly when the served masks and blocks are SpecForge's."""
-    from dflash_cb.core.replay.engine import evaluate
+    from dflash_cb.core.replay import evaluate
 
     block = cfg["block_size"]
     report = evaluate(cache, drafter, sample_ids=ids, budgets=[], anchor_stride=1, tail_blocks=tail_blocks)

@@ -41,7 +41,7 @@ def test_measured_speed_beside_the_projection(world: dict, tmp_path: Path, monke
     from dflash_cb.cache.states import StateCache
     from dflash_cb.core.checkpoints.load import load_drafter
     from dflash_cb.core.decode import loops
-    from dflash_cb.core.replay.engine import evaluate
+    from dflash_cb.core.replay import evaluate
 
     counted = {"plain": 0, "spec": 0}
     plain, spec = loops.plain_decode, loops.speculative_decode

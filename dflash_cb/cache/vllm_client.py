@@ -6,7 +6,7 @@ comes back as ids (the choice's ``token_ids``) and the prompt the server used be
 stop set exactly ``--stop-token-ids`` (vLLM would otherwise stop at its tokenizer's EOS as well).
 
 A vLLM started with ``--per-request-spec-decode-metrics summary|detailed`` reports speculation in each answer
-(``metrics.speculative_decoding``): the client keeps those (``vllm_counters.answer_counters``), at any number
+(``body["metrics"]["speculative_decoding"]``): the client keeps those (``vllm_counters.answer_counters``), at any number
 of requests in flight and with other clients on the server, and reads no ``/metrics``. Older servers report
 only server-wide counters: at one request in flight the client reads ``/metrics`` before and after each attempt
 and keeps the change across it (``vllm_counters.request_counters``: the request's own only when it ran alone),

@@ -40,7 +40,7 @@ PREFIX = "vllm:"
 # Ours, beside vLLM's names in a sample's served_spec.
 ATTRIBUTABLE = "attributable"
 UNATTRIBUTABLE_REASON = "unattributable_reason"
-# Counters from the answer's own ``metrics.speculative_decoding`` (a vLLM started with
+# Counters from the answer's own ``body["metrics"]["speculative_decoding"]`` (a vLLM started with
 # ``--per-request-spec-decode-metrics summary|detailed``), not from /metrics deltas; with ``detailed``, the
 # drafts accepted at each verify step, in order.
 PER_REQUEST = "per_request"
@@ -179,7 +179,7 @@ def request_counters(before: Snapshot, after: Snapshot, completion_tokens: int) 
 
 
 def answer_counters(body: Any) -> dict[str, Any] | None:
-    """A request's own served counters from vLLM's per-request metrics (``metrics.speculative_decoding`` of the
+    """A request's own served counters from vLLM's per-request metrics (``body["metrics"]["speculative_decoding"]`` of the
     answer), under the names of the /metrics counters: verify steps as ``num_drafts``, drafted and accepted
     tokens, the accepted count per position from ``acceptance_histogram`` (index j: steps that accepted exactly
     j drafts), and ``per_step_accepted`` when the server reports it (``detailed``). None when the answer carries

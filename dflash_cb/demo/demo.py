@@ -409,7 +409,7 @@ def extract_and_score(cfg: DemoConfig, paths: Paths, checkpoint: Path | None = N
 
     from ..cache.states import StateCache
     from ..core.checkpoints.load import extract_drafter, load_drafter
-    from ..core.replay.engine import evaluate
+    from ..core.replay import evaluate
     from ..core.results.results_file import drafter_provenance, report_to_results, write_results
 
     checkpoint, drafter_dir = checkpoint or paths.checkpoint, drafter_dir or paths.drafter

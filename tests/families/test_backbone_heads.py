@@ -101,7 +101,7 @@ def _trained(family: str, cache, block: int = 6, train: bool = False, **fields):
 def test_the_head_changes_the_drafts(tiny_cache, family, fields):
     """With the head's own weights zeroed the drafts are the backbone's argmax: other cycles than with them."""
     from dflash_cb.cache.states import StateCache
-    from dflash_cb.core.replay.engine import evaluate
+    from dflash_cb.core.replay import evaluate
 
     cache = StateCache(tiny_cache)
     drafter, _ = _trained(family, cache, **fields)
@@ -124,7 +124,7 @@ def test_blocks_drafted_only_as_deep_as_read_give_the_same_cycles(tiny_cache, fa
     (the engine's greedy head): the same cycles, and the same head-off walk, as with every block drafted whole, for
     a head whose state is scanned over the block and for one reading the position before each depth."""
     from dflash_cb.cache.states import StateCache
-    from dflash_cb.core.replay.engine import evaluate
+    from dflash_cb.core.replay import evaluate
 
     cache = StateCache(tiny_cache)
     drafter, _ = _trained(family, cache, train=True, **fields)
@@ -143,7 +143,7 @@ def test_dominos_uncorrected_first_depths_equal_specforges_loop(tiny_cache, shif
     from transformers import Qwen3ForCausalLM
 
     from dflash_cb.cache.states import StateCache
-    from dflash_cb.core.replay.engine import evaluate
+    from dflash_cb.core.replay import evaluate
 
     cache = StateCache(tiny_cache)
     drafter, cfg = _trained("domino", cache, pure_draft_prefix_len=2, shift_label=shift)
@@ -171,7 +171,7 @@ def test_the_confidence_heads_calibration_is_the_hand_computed_one(tiny_cache, t
     from dflash_cb.core.drafters.dspark import figures as f
     from dflash_cb.core.drafters.layouts import drafter_from_config
     from dflash_cb.core.figures.metrics import depth_acc
-    from dflash_cb.core.replay.engine import evaluate
+    from dflash_cb.core.replay import evaluate
     from dflash_cb.core.results.report import format_results
     from dflash_cb.core.results.results_file import load_results, report_to_results, write_results
     from dflash_cb.integrations.tracking.panels import PanelLayout, panel_plan

@@ -116,7 +116,7 @@ def test_a_folder_without_the_embedding_embeds_with_the_targets(world, narrow, t
     and embeds with the target's table, as the servers do, and its replay equals SpecForge's module holding that
     table; a drafter wider than the target, which cannot, is refused naming the fix."""
     from dflash_cb.core.checkpoints.load import CheckpointError, load_drafter
-    from dflash_cb.core.replay.engine import evaluate
+    from dflash_cb.core.replay import evaluate
 
     cache, sf = world["cache"], narrow["sf"]
     sf.save_pretrained(tmp_path / "sglang", state_dict=without_embedding(sf))  # what export_to_sglang writes
@@ -141,7 +141,7 @@ def test_a_specforge_training_checkpoint_is_read(world, narrow, tmp_path: Path,
     from specforge.training.strategies.base import Eagle3TrainStrategy
 
     from dflash_cb.core.checkpoints.load import drafter_in_checkpoint, extract_drafter, load_drafter
-    from dflash_cb.core.replay.engine import evaluate
+    from dflash_cb.core.replay import evaluate
 
     sf = narrow["sf"]
     sf.freeze_embedding()
@@ -163,7 +163,7 @@ def test_a_specforge_training_checkpoint_is_read(world, narrow, tmp_path: Path,
 def test_the_replay_equals_specforge_driven_per_cycle(world, target, tail: str) -> None:
     """Cycle for cycle at K = 1, 3 and 5 (blocks of 2, 4, 6), against SpecForge's module in a per-cycle loop;
     some cycles accept drafts and some do not; samples end at the stop token or at max_new_tokens; tau > 1.5."""
-    from dflash_cb.core.replay.engine import evaluate
+    from dflash_cb.core.replay import evaluate
 
     cache = world["cache"]
     stops = cache.manifest.stop_token_ids
@@ -186,7 +186,7 @@ def test_a_live_specforge_module_is_adopted(world) -> None:
     """SpecForge's module in a training loop is scored through ours sharing its weights (no copy), equal to the
     loaded folder's figures."""
     from dflash_cb.core.drafters.layouts import adopt_module
-    from dflash_cb.core.replay.engine import evaluate
+    from dflash_cb.core.replay import evaluate
 
     sf = world["sf"]
     ours = adopt_module(sf)
@@ -224,7 +224,7 @@ def test_layer_ids_map_from_each_servers_field() -> None:
 def test_a_chain_refuses_a_ddtree(world) -> None:
     """DDTree budgets are refused in one line naming EAGLE's own tree (what a server verifies at topk > 1)."""
     from dflash_cb.common.errors import DFlashCBError
-    from dflash_cb.core.replay.engine import evaluate
+    from dflash_cb.core.replay import evaluate
 
     with pytest.raises(DFlashCBError, match=r"EAGLE's own top-k tree, reranked to num_draft_tokens, which is not "
                                             r"replayed.*pass no budgets"):
@@ -429,7 +429,7 @@ def test_the_sweep_reads_specforge_eagle3_checkpoints(world, narrow, tmp_path: P
     from specforge.training.checkpoint import CheckpointManager
     from specforge.training.strategies.base import Eagle3TrainStrategy
 
-    from dflash_cb.core.replay.engine import evaluate
+    from dflash_cb.core.replay import evaluate
     from dflash_cb.integrations.cli.sweep_cli import main as sweep
 
     sf = copy.deepcopy(narrow["sf"])
@@ -465,7 +465,7 @@ def test_an_eagle3_drafter_training_in_specforges_loop_is_scored_live(world, nar
     from specforge.training.strategies.base import Eagle3TrainStrategy
     from transformers import Qwen3ForCausalLM
 
-    from dflash_cb.core.replay.engine import evaluate
+    from dflash_cb.core.replay import evaluate
     from dflash_cb.integrations.loops.specforge import attach
 
     cache = world["cache"]

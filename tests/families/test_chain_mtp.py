@@ -102,7 +102,7 @@ def test_the_replay_equals_a_vllm_wired_mtp_loop(world, target, tail: str) -> No
     max_new_tokens; tau > 1.5."""
     from chain_reference import ReferenceMtp, mtp_generate
 
-    from dflash_cb.core.replay.engine import evaluate
+    from dflash_cb.core.replay import evaluate
 
     cache = world["cache"]
     ref = ReferenceMtp(target.config.text_config, world["drafter"].state_dict()).eval()
@@ -123,7 +123,7 @@ def test_the_replay_equals_a_vllm_wired_mtp_loop(world, target, tail: str) -> No
 
 def test_a_chain_refuses_a_ddtree(world) -> None:
     from dflash_cb.common.errors import DFlashCBError
-    from dflash_cb.core.replay.engine import evaluate
+    from dflash_cb.core.replay import evaluate
 
     with pytest.raises(DFlashCBError, match="MTP drafter drafts each depth from its parent token"):
         evaluate(world["cache"], world["drafter"], budgets=(4,))
@@ -249,7 +249,7 @@ def test_eval_drafter_scores_several_chain_lengths(world, tmp_path: Path, caplog
     drafter is refused before any scoring, naming --block-size. One K writes --out itself, as named, and says so."""
     from dflash_cb.common.arguments import ArgumentError
     from dflash_cb.core.drafters.layouts import drafter_from_config
-    from dflash_cb.core.replay.engine import evaluate
+    from dflash_cb.core.replay import evaluate
     from dflash_cb.integrations.cli import eval_drafter
 
     cache = world["cache"]

@@ -61,7 +61,7 @@ def test_the_replay_equals_the_familys_own_generate_loop(world, family: str, var
     do not; samples stop at the stop token or at max_new_tokens. The reference module itself (adopted,
     zero-copy) gives the same lengths. A family's head walks (the head off) are replayed too, and the head
     changes tau."""
-    from dflash_cb.core.replay.engine import evaluate
+    from dflash_cb.core.replay import evaluate
 
     cache, target = world["cache"], world["target"]
     ours, _, ref = _drafter(world, family, variant)
@@ -105,7 +105,7 @@ def test_the_speed_checks_loops_decode_as_plain_greedy_decoding_and_the_replay(w
     )
     from dflash_cb.core.decode.target_steps import DecodeError, TargetSteps
     from dflash_cb.core.drafters.proposers import ArgmaxProposer
-    from dflash_cb.core.replay.engine import evaluate
+    from dflash_cb.core.replay import evaluate
 
     cache, target = world["cache"], world["target"]
     ours, _, _ = _drafter(world, family)
@@ -205,7 +205,7 @@ def test_the_cache_fit_is_the_familys_needs(world, family: str) -> None:
 def test_the_familys_figures_reach_every_output(world, family: str, tmp_path: Path) -> None:
     """results.json holds every figure the family declares (with intervals), its per-depth lists and its note;
     the printed report and the comparison table show them under the family's label."""
-    from dflash_cb.core.replay.engine import evaluate
+    from dflash_cb.core.replay import evaluate
     from dflash_cb.core.results.compare import compare, render_markdown
     from dflash_cb.core.results.report import format_results
     from dflash_cb.core.results.results_file import load_results, report_to_results, write_results

@@ -328,7 +328,7 @@ def memory_bound(shape: DrafterShape, context_tokens: int, *, weight_itemsize: i
       and three 8-byte [blocks, depths, K, K] ones (the edge scores, in float32 and float64, and their
       log-softmax), plus the lattice's log-probabilities of the pass (float64 [max_blocks, depths, K, K]) that
       the tree reads. The selector's pick makes its candidates' codes a few hundred rows at a time
-      (``dflash2.PICK_ROWS``): megabytes, not counted.
+      (``dflash2.model.PICK_ROWS``): megabytes, not counted.
     """
     b = limits.max_blocks * shape.block_size
     parts = {

@@ -243,6 +243,11 @@ class DrafterFamily:
         tree is over its own candidates), else None."""
         return None
 
+    def tree_candidates_why(self, spec: DrafterSpec, block_size: int) -> str:
+        """The words a budget above the tree's node limit is refused with, when ``tree_candidates`` sets it
+        ("": the generic words)."""
+        return ""
+
     def cost_fields(self, config: Any) -> dict[str, int]:
         """The evaluation cost model's fields this family adds (``costs.evaluation.DrafterShape``)."""
         return {}

@@ -9,8 +9,9 @@ its extra replay walks accepts the depth, and its extra per-depth statistics (``
 builds the DDTree its family verifies and the block a server proposes (for the drafts shown in tables).
 
 ``ArgmaxProposer`` here is DFlash's: the target head's argmax, DDTree over the head's top-K. DFlash 2's is
-``dflash2.SelectorProposer``; ``drafters.PROPOSERS`` registers one per family (``drafters.proposer_for``).
-What a family adds to the counts (its walks and per-depth columns) is named once in ``metrics.FAMILY_COUNTS``.
+``dflash2.model.SelectorProposer``; each family gives its own (``DrafterFamily.proposer``). What a family adds to
+the counts (its walks and per-depth columns) it names once, on its proposer (``Proposer.walks``,
+``Proposer.depth_counts``).
 No I/O, no modules beyond the weights they are given.
 """
 

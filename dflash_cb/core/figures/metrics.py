@@ -74,7 +74,7 @@ KEY_NAMESPACES = ("acceptance", "acceptance_cond", "baseline", "best", "category
                   "position", "predicted", "produced_frac", "published", "selector", "serving", "specforge",
                   "charts")
 
-# The seconds the evaluation was predicted to take before it ran (``cost.SecondsPredictor``: calibrated by the
+# The seconds the evaluation was predicted to take before it ran (``costs.evaluation.SecondsPredictor``: calibrated by the
 # evaluations measured before it), logged beside its measured ``eval_time_s``.
 PREDICTED_SECONDS = "predicted/seconds"
 
@@ -86,7 +86,7 @@ def serving_key(what: str, setting: str | None = None) -> str:
 
 
 def predicted_anchors(kind: str) -> str:
-    """Anchors one ``kind`` ("light" / "full") evaluation is expected to draft (``cost.evaluation_cost``)."""
+    """Anchors one ``kind`` ("light" / "full") evaluation is expected to draft (``costs.evaluation.evaluation_cost``)."""
     return f"predicted/{kind}_anchors"
 
 

@@ -3,7 +3,7 @@
 Each replayed cycle has an anchor: the position whose token the block starts from (the token
 the target committed last). The first cycle anchors at ``prompt_len``, on the token the prefill
 produced (that token belongs to no cycle); cycle ``i`` anchors ``sum(produced[:i])`` tokens later
-(``replay.replay_walk``: ``p += produced``). So the anchor's *completion position*, counted from
+(the loop's walk, docs/method.md "The loop": ``p += produced``). So the anchor's *completion position*, counted from
 the prefill's token at 0, is the running sum of the earlier cycles' ``produced``: it follows from
 ``acceptance_lengths`` alone, with no need for the prompt length.
 

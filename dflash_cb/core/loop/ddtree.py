@@ -50,10 +50,11 @@ def max_ddtree_budget(block_size: int | None = None, vocab_size: int | None = No
 
 
 def check_ddtree_budgets(budgets: Iterable[int], block_size: int | None, vocab_size: int | None, name: str,
-                         candidates: int | None = None) -> None:
+                         candidates: int | None = None, candidates_why: str = "") -> None:
     """Refuse budgets above ``max_ddtree_budget`` (the tools and the callback, before any work). ``candidates``:
-    the children a node may have per position when fewer than the vocabulary (``DrafterSpec.selector_top_k``
-    of a DFlash 2 drafter, whose tree is over its selector's lattice)."""
+    the children a node may have per position when fewer than the vocabulary (a family whose tree is over its
+    own candidates, ``DrafterFamily.tree_candidates``), and ``candidates_why`` the family's words for that
+    limit (``DrafterFamily.tree_candidates_why``)."""
     limit = max_ddtree_budget(block_size, vocab_size, candidates)
     over = sorted(b for b in budgets if b > limit)
     if over:
@@ -61,9 +62,8 @@ def check_ddtree_budgets(budgets: Iterable[int], block_size: int | None, vocab_s
             why = ("the documented maximum (dflash_cb.core.loop.ddtree.DDTREE_MAX_BUDGET: the cost grows with the square "
                    "of the budget)")
         elif candidates is not None:
-            why = (f"the nodes of a DFlash 2 drafter's selector lattice with block size {block_size} and "
-                   f"selector_top_k {candidates} ({' + '.join(f'{candidates}^{d}' for d in range(1, block_size))}; "
-                   "its tree is over the selector's candidates, docs/method.md \"DFlash 2\")")
+            why = candidates_why or (f"the most distinct nodes a tree of {candidates} candidates per position can "
+                                     f"have with block size {block_size}")
         else:
             why = f"the most distinct nodes a tree can have with block size {block_size} and vocabulary {vocab_size}"
         raise DDTreeBudgetError(f"{name} {over}: above {limit}, {why}; use budgets of at most {limit}")

@@ -71,7 +71,7 @@ class Baseline:
     source: str = ""
     details: dict[str, Any] = field(default_factory=dict)
     # Measured baselines: the per-sample lengths (restricted to the live evaluation's samples), for
-    # the paired difference ``live - baseline`` (``compare.paired_delta``).
+    # the paired difference ``live - baseline`` (``compare.delta_metrics``).
     samples: list[SampleRecord] | None = None
     budgets: tuple[int, ...] = ()
     series: dict[str, Any] = field(default_factory=dict)  # what identifies a measured file's figures (Results.series)

@@ -67,8 +67,7 @@ from ..figures.positions import (
     position_table,
 )
 from ..loop.cycles import TAIL_BLOCKS
-from ..replay.engine import EvalReport
-from ..replay.request import QUANTITY, series_names
+from ..replay import QUANTITY, EvalReport, series_names
 
 RESULTS_FORMAT = "dflash-cb-results"
 RESULTS_VERSION = 5

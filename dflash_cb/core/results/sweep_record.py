@@ -4,7 +4,7 @@ One typed, versioned schema (``SweepRecord``), written by ``save`` (atomically, 
 by ``load_sweep``, nowhere else. ``settings`` hold what every entry shares (the cache's manifest hash, the
 evaluated block, the sample selection, every evaluation option): a sweep resumed with other settings is refused,
 naming the option, rather than mixing two series in one curve. ``entries`` are the scored checkpoints in step
-order, each with its checkpoint's path and file identity (``checkpoint_files.FoundCheckpoint.identity``: a
+order, each with its checkpoint's path and file identity (``checkpoints.files.FoundCheckpoint.identity``: a
 checkpoint written again is scored again), its step and where the step came from, its ``results.json`` (the
 format of ``results.py``) and its metrics; ``best`` is the entry with the largest tau; ``failed`` the
 checkpoints that could not be scored, with why.
@@ -24,7 +24,7 @@ from typing import Any
 from ...common.errors import DFlashCBError
 from ...common.fileio import atomic_write_json
 from ..figures.metrics import TAU
-from ..replay.request import series_differences
+from ..replay import series_differences
 
 SWEEP_FORMAT = "dflash-cb-sweep"
 SWEEP_VERSION = 1

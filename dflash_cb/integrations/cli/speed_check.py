@@ -110,7 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ...core.decode.loops import Clock, loop_drafter, plain_decode, speculative_decode
     from ...core.decode.target_steps import TargetSteps, check_croppable
     from ...core.drafters.registry import family_named, spec_of
-    from ...core.replay.engine import evaluate
+    from ...core.replay import evaluate
     from ...core.results.results_file import check_results_path
     from ..evaluator.projection import (
         drafter_identity,

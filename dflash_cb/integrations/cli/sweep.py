@@ -490,7 +490,7 @@ class Sweep:
 
 def adopt_verified(cache: StateCache) -> None:
     """Every rank scores every sample of its checkpoints, but opening the session hashed only this rank's share of
-    the shards (``live_eval.verify_across_ranks``): a shard another rank hashed counts as verified here when this
+    the shards (``across_ranks.verify_across_ranks``): a shard another rank hashed counts as verified here when this
     rank sees the very same file (the same ``integrity.file_identity``: one copy on a shared filesystem), so each
     shard is hashed once over all ranks; a copy of its own (another node's disk) is hashed here when first read.
     A collective: every rank calls it."""

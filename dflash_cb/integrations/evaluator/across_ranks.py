@@ -25,8 +25,7 @@ from ...cache.manifest import CacheError
 from ...cache.states import StateCache, TargetHead
 from ...common.timing import PhaseTimer
 from ...core.figures.metrics import EvalCounts
-from ...core.replay.engine import EvalReport, SampleResult, evaluate
-from ...core.replay.request import EvalRequest
+from ...core.replay import EvalReport, EvalRequest, FittedDrafter, SampleResult, evaluate
 from .distributed import all_gather, all_reduce_sum, gather_to_zero, world
 
 
@@ -73,8 +72,9 @@ def verify_across_ranks(cache: StateCache, ids: Sequence[str], head: bool) -> Se
 
 
 def score_untouched(cache: StateCache, drafter: nn.Module, head: TargetHead, request: EvalRequest, *,
-                    timer: PhaseTimer | None = None) -> EvalReport:
-    """``engine.evaluate`` of ``drafter`` for ``request`` (its device set), leaving the training state as it was.
+                    timer: PhaseTimer | None = None, fit: FittedDrafter | None = None) -> EvalReport:
+    """``replay.evaluate`` of ``drafter`` for ``request`` (its device set; ``fit``: the drafter as checked once),
+    leaving the training state as it was.
 
     The drafter runs in eval mode (each submodule's mode is restored afterwards, whatever happens),
     under ``torch.no_grad``, and the CPU (and this CUDA device's) RNG state is restored afterwards.
@@ -86,7 +86,7 @@ def score_untouched(cache: StateCache, drafter: nn.Module, head: TargetHead, req
     try:
         # fork_rng: the CPU (and this CUDA device's) RNG state is restored afterwards, whatever happens.
         with torch.random.fork_rng(devices=cuda), torch.no_grad():
-            return evaluate(cache, drafter, head, request, timer=timer)
+            return evaluate(cache, drafter, head, request, timer=timer, fit=fit)
     finally:
         for m, was_training in modes:
             m.training = was_training

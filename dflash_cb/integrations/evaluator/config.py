@@ -23,8 +23,7 @@ from ...common import arguments as check
 from ...core.figures.metrics import DEFAULT_PREFIX, KEY_NAMESPACES
 from ...core.figures.positions import DEFAULT_POSITION_EDGES
 from ...core.loop.cycles import TAIL_BLOCKS
-from ...core.replay.engine import AUTOCAST_NAMES
-from ...core.replay.request import DEFAULT_BUDGETS
+from ...core.replay import AUTOCAST_NAMES, DEFAULT_BUDGETS
 
 # The target's embedding or head: an attribute path on the training model, a module, or the matrix itself.
 WeightSource = str | nn.Module | torch.Tensor

@@ -43,7 +43,7 @@ from ...common import log
 from ...common.errors import DFlashCBError
 from ...core.figures.metrics import TAU
 from ...core.loop.anchor_sets import sparse_stride_warning
-from ...core.replay.engine import anchors_per_sample
+from ...core.replay import anchors_per_sample
 from ...core.results.baselines import MEASURED
 from ...core.results.results_file import series_mismatch
 from ..tracking.sinks import MetricsSink
@@ -283,7 +283,7 @@ class LiveEvaluator:
 
     def report_setup(self, global_step: int, drafter: nn.Module) -> None:
         """Once per session, on rank zero: the setup's console line (time, hashing, predicted cost of a
-        light and a full evaluation, ``cost.predict``), and the predicted figures logged."""
+        light and a full evaluation, ``costs.evaluation.predict``), and the predicted figures logged."""
         p = self._publisher
         if self._measurer is None or p is None or p.setup_reported or world()[0] != 0:
             return

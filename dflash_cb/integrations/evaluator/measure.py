@@ -4,7 +4,7 @@
 frozen ``DrafterFit``); it owns what measuring needs across a run: the target head, the cost tracking and
 the seconds predicted for the next evaluation, the first evaluation's warm-up, and the clock between
 evaluations. ``measure`` hands the engine one frozen ``EvalRequest`` per evaluation, runs it across every
-rank (``live_eval.evaluate_across_ranks``) and returns a ``Measurement`` (or a ``FailedMeasurement``):
+rank (``across_ranks.evaluate_across_ranks``) and returns a ``Measurement`` (or a ``FailedMeasurement``):
 what the publishing side (``publish.Publisher``) turns into keys, history and sinks. Nothing here logs.
 """
 
@@ -34,14 +34,14 @@ from ...core.costs.evaluation import (
 from ...core.drafters.registry import spec_of
 from ...core.drafters.spec import DrafterSpec
 from ...core.figures.metrics import ANCHORS_DRAFTED, TAU, EvalCounts, ddtree_tau, summarize
-from ...core.replay.engine import (
+from ...core.replay import (
     EvalReport,
+    EvalRequest,
     SampleResult,
     anchors_per_sample,
     group_seconds,
     resolve_autocast,
 )
-from ...core.replay.request import EvalRequest
 from .across_ranks import evaluate_across_ranks, rank_share, score_untouched
 from .config import EvalConfig
 from .drafter_source import target_weight, unwrap
@@ -94,7 +94,7 @@ class FailedMeasurement:
 class CostTracking:
     """What a session learns of its evaluations' time: the first evaluation's warm-up, the drafter's last taus
     (counts summed over every rank: what decides ``EvalRequest.draft_all``), and the model that predicts the
-    next evaluation's seconds (``cost.SecondsPredictor``, this rank's samples)."""
+    next evaluation's seconds (``costs.evaluation.SecondsPredictor``, this rank's samples)."""
 
     predictor: SecondsPredictor | None = None
     everything: list[tuple[int, int]] = field(default_factory=list)  # every evaluated sample's (prompt, scored)
@@ -124,7 +124,7 @@ class CostTracking:
         return self.predictor
 
     def draft_all_is_cheaper(self, profile: Profile) -> bool:
-        """Whether an evaluation of ``profile`` drafts every anchor at once (``cost.draft_all_is_cheaper``):
+        """Whether an evaluation of ``profile`` drafts every anchor at once (``costs.evaluation.draft_all_is_cheaper``):
         from every sample and the taus the last evaluation measured (tau 1 before the first), so every rank
         decides alike."""
         return self.predictor is not None and draft_all_is_cheaper(
@@ -133,7 +133,7 @@ class CostTracking:
 
     def measured(self, summary: dict[str, float], profile: Profile) -> None:
         """What an evaluation (its ``summary`` at its own stride) says of the next one: the drafter's taus,
-        and the rates the cost model is calibrated by (``cost.SecondsPredictor``, per profile)."""
+        and the rates the cost model is calibrated by (``costs.evaluation.SecondsPredictor``, per profile)."""
         if math.isfinite(summary[TAU]):
             self.tau = summary[TAU]
         self.tree_taus = {b: summary[ddtree_tau(b)] for b in profile.budgets
@@ -188,7 +188,7 @@ class Measurer:
         self._clock = (time.perf_counter(), step)
 
     def setup_costs(self, drafter: nn.Module, tau: float) -> dict[str, EvalCost]:
-        """The predicted work of one light and one full evaluation at ``tau`` (``cost.predict``)."""
+        """The predicted work of one light and one full evaluation at ``tau`` (``costs.evaluation.predict``)."""
         s, cfg, fit = self.session, self.config, self.fit
         samples = [(e.prompt_len, e.valid_len - e.prompt_len) for e in map(s.cache.entry, s.eval_ids)]
         return predict(unwrap(drafter), fit.block_size, len(fit.spec.target_layer_ids) * fit.spec.target_hidden_size,
@@ -263,7 +263,8 @@ class Measurer:
         timer = PhaseTimer(sync=torch.cuda.synchronize if param.device.type == "cuda" else None)
         started = time.perf_counter()
         # verify: only a shard whose file identity changed since it was hashed is hashed again.
-        report = score_untouched(s.cache, module, head, request.replace(sample_ids=tuple(ids)), timer=timer)
+        report = score_untouched(s.cache, module, head, request.replace(sample_ids=tuple(ids)), timer=timer,
+                                 fit=self.fit)
         c.groups = group_seconds(timer.seconds, time.perf_counter() - started)
         c.counted = (int(report.counts.data[ANCHORS_DRAFTED].item()), report.passes)
         for r in report.samples:
@@ -280,7 +281,7 @@ class Measurer:
             longest = max(lengths, key=lengths.__getitem__)
             score_untouched(self.session.cache, module, head,
                             request.replace(sample_ids=(longest,), anchor_stride=1, extra_anchor_strides=(),
-                                            keep_drafts=0, draft_all=False))
+                                            keep_drafts=0, draft_all=False), fit=self.fit)
         self.cost.warm_up_seconds = time.perf_counter() - started
 
     def check_same_drafter(self, drafter: nn.Module) -> DrafterSpec:

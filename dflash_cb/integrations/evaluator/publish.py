@@ -31,7 +31,7 @@ from ...core.figures.metrics import (
     predicted_anchors,
     predicted_gflop,
 )
-from ...core.replay.engine import SampleResult
+from ...core.replay import SampleResult
 from ...core.results.baselines import baseline_scalars
 from ...core.results.compare import live_metrics
 from ...core.results.report import evaluation_line

@@ -21,9 +21,8 @@ from torch import nn
 from ...cache.states import StateCache, TargetHead
 from ...common.log import get_logger
 from ...common.threads import THREADS_HELP
-from ...core.drafters.registry import family_named
 from ...core.figures.positions import DEFAULT_POSITION_EDGES
-from ...core.replay.engine import EvalReport
+from ...core.replay import EvalReport
 from ...core.results.results_file import Results
 from .config import EvalConfig
 from .session import DrafterFit
@@ -169,7 +168,7 @@ class CacheScorer:
 
     def __init__(self, options: ScoringOptions, table_samples: int = 0) -> None:
         from ...core.loop.anchor_sets import sparse_stride_warning
-        from ...core.replay.engine import anchors_per_sample
+        from ...core.replay import anchors_per_sample
         from .session import chosen_samples
 
         self.options = options
@@ -204,7 +203,7 @@ class CacheScorer:
     def _dtypes(self, weights: torch.dtype) -> tuple[torch.dtype | None, torch.dtype]:
         """(autocast dtype, the head's dtype) for drafter parameters of dtype ``weights``: the head is held in the
         dtype it computes in (bf16 for a bf16 evaluation, float32 only when asked)."""
-        from ...core.replay.engine import resolve_autocast
+        from ...core.replay import resolve_autocast
 
         autocast = resolve_autocast(self.options.dtype_name, self.options.device, weights)
         return autocast, autocast or weights
@@ -241,8 +240,7 @@ class CacheScorer:
         """``drafter`` (checked: ``check``) scored on the chosen samples: a ``results.json``'s content whose meta
         names the drafter (``provenance``, ``results.drafter_provenance``), the settings, and ``meta``; and the
         engine's report it was made from."""
-        from ...core.replay.engine import evaluate
-        from ...core.replay.request import EvalRequest
+        from ...core.replay import EvalRequest, evaluate
         from ...core.results.results_file import report_to_results
 
         weights = next(drafter.parameters()).dtype
@@ -253,13 +251,13 @@ class CacheScorer:
         request = EvalRequest(sample_ids=tuple(self.ids), budgets=o.budgets, anchor_stride=o.anchor_stride,
                               anchor_seed=o.anchor_seed, block_size=fit.block_size, tail_blocks=o.tail_blocks,
                               device=o.device, autocast_dtype=autocast, verify=o.verify)
-        report = evaluate(self.cache, drafter, self._load_head(head_dtype), request, progress=progress)
+        report = evaluate(self.cache, drafter, self._load_head(head_dtype), request, progress=progress, fit=fit)
         results = report_to_results(report, self.cache, position_edges=o.position_edges, meta={
             "drafter": provenance, "dtype": o.dtype_name, "head_dtype": report.head_dtype,
             "device": str(o.device), "threads": o.threads, "head_source": o.target or "cache",
             "verified": o.verify, "sample_selection": o.selection, **(meta or {}),
         })
-        family = family_named(report.spec.family)
+        family = fit.family
         with torch.no_grad():  # the family's own pass (EAGLE-3: SpecForge's accuracy figures)
             results.metrics.update(family.own_figures(self.cache, drafter, fit.block_size, self.ids,
                                                       self._load_head(head_dtype)))

@@ -22,13 +22,8 @@ from ...cache.selection import select_sample_ids, stratified_ids
 from ...cache.states import CacheMismatchError, StateCache
 from ...common import log
 from ...core.costs.serving import CostProfile
-from ...core.drafters.layouts import cache_needs
 from ...core.drafters.registry import family_named, spec_of
-from ...core.drafters.spec import DrafterSpec
-from ...core.loop.cycles import check_block_size
-from ...core.loop.ddtree import check_ddtree_budgets
-from ...core.replay.engine import check_tree_support
-from ...core.replay.request import DEFAULT_BUDGETS
+from ...core.replay import DEFAULT_BUDGETS, FittedDrafter, fit_drafter
 from ...core.results.baselines import Baseline, load_measured, load_published, load_served
 from ..tracking.sinks import MetricsSink
 from .across_ranks import SetupCheck, verify_across_ranks
@@ -48,12 +43,8 @@ class LoopContext:
     full_parameters: Callable[[], AbstractContextManager[Any]] | None = None
 
 
-@dataclass(frozen=True)
-class DrafterFit:
-    """The drafter as checked against the session's cache (``drafter_fit``), set once per session."""
-
-    spec: DrafterSpec  # the drafter's own
-    block_size: int  # the block evaluated: EvalConfig.block_size, or the drafter's
+# The drafter as checked against the session's cache (``drafter_fit``), set once per session: the replay's fit.
+DrafterFit = FittedDrafter
 
 
 @dataclass(frozen=True)
@@ -159,21 +150,16 @@ def drafter_fit(cache: StateCache, config: EvalConfig, drafter: nn.Module, model
     so a caller runs it before hashing or loading anything large. The one check of the live evaluator and of
     ``eval_drafter.py``."""
     try:
-        spec = spec_of(drafter)
+        spec_of(drafter)
     except TypeError:
         raise NotADrafterError(
             f"{owner}: the drafter is a {type(drafter).__name__} with neither a .spec nor a drafter .config "
             "(block size, target layers); point drafter= at the drafter module inside it (an "
             "attribute path or a function model -> drafter)") from None
     m = cache.manifest
-    cache.check_fit(cache_needs(drafter, spec))  # the family's needs: layers, widths, target layers, filler token
-    spelled = dict(names or {})
-    block = check_block_size(config.block_size, spec.block_size, spelled.get("block_size", "block_size"),
-                             cap=family_named(spec.family).block_cap(spec))
-    for name, budgets in (("ddtree_budgets", config.ddtree_budgets), ("light_ddtree_budgets", config.light_budgets)):
-        check_tree_support(spec, budgets, spelled.get(name, name))
-        check_ddtree_budgets(budgets, block, m.vocab_size, spelled.get(name, name),  # before any evaluation
-                             family_named(spec.family).tree_candidates(spec))
+    # The replay's own checks, once (layers, widths, block, DDTree budgets); the session adds the head's.
+    fit = fit_drafter(cache, drafter, block_size=config.block_size, names=names,
+                      budgets={"ddtree_budgets": config.ddtree_budgets, "light_ddtree_budgets": config.light_budgets})
     problems = []
     if head_given:
         pass
@@ -190,4 +176,4 @@ def drafter_fit(cache: StateCache, config: EvalConfig, drafter: nn.Module, model
                         "target_embed/target_lm_head were given")
     if problems:
         raise CacheMismatchError(f"cache {cache.path} does not fit the drafter:\n  - " + "\n  - ".join(problems))
-    return DrafterFit(spec, block)
+    return fit

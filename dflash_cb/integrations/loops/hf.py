@@ -40,7 +40,7 @@ from transformers.trainer_callback import ExportableState
 
 from ...common import arguments as check
 from ...core.figures.positions import DEFAULT_POSITION_EDGES
-from ...core.replay.request import DEFAULT_BUDGETS
+from ...core.replay import DEFAULT_BUDGETS
 from ..evaluator.config import (
     DEFAULT_PREFIX,
     AutocastName,

@@ -57,7 +57,7 @@ from ...common import arguments as check
 from ...common import log
 from ...core.figures.metrics import TAU
 from ...core.figures.positions import DEFAULT_POSITION_EDGES
-from ...core.replay.request import DEFAULT_BUDGETS
+from ...core.replay import DEFAULT_BUDGETS
 from ..evaluator.config import DEFAULT_PREFIX, AutocastName, EvalConfig, TailBlocks, config_from
 from ..evaluator.distributed import full_parameters, sharding_kind
 from ..evaluator.drafter_source import find_drafter

@@ -11,7 +11,7 @@ A sink gets three calls, each optional but ``log``:
 
 Implementations: a plain function ``log(metrics, step)`` (``CallableSink``); each tracker's own
 (``trackers/``: a W&B run, a TensorBoard writer, an MLflow run; one file per tracker); the Lightning loggers
-(``callback.LightningLoggers``); the Hugging Face trainer's own log (``hf_callback.TrainerLog``). A sink of a
+(``loops.lightning.LightningLoggers``); the Hugging Face trainer's own log (``loops.hf.TrainerLog``). A sink of a
 user's own is any object with these methods (``MetricsSink`` need not be its base), passed as ``sinks=``.
 """
 

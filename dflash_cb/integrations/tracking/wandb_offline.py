@@ -113,7 +113,7 @@ def offline_history(run_dir: str | os.PathLike) -> tuple[list[dict[str, Any]], d
 
 
 def offline_config(run_dir: str | os.PathLike) -> dict[str, Any]:
-    """The run's configuration (``wandb.init(config=...)`` and later ``run.config.update``), as logged."""
+    """The run's configuration (``wandb.init(config=...)`` and later ``Run.config.update``), as logged."""
     config: dict[str, Any] = {}
     for r in offline_records(run_dir):
         kind = r.WhichOneof("record_type")

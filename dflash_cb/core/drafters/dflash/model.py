@@ -663,7 +663,7 @@ class DFlashDrafter(nn.Module):
     def from_pretrained(cls, path: str | os.PathLike, device: torch.device | str = "cpu",
                         dtype: torch.dtype | None = None) -> DFlashDrafter:
         """Load a drafter folder (``config.json`` + safetensors) into this class; missing or unexpected keys
-        are errors (``drafters.load_pretrained`` picks the class from the folder)."""
+        are errors (``checkpoints.load.load_drafter`` picks the class from the folder)."""
         path = Path(path)
         cfg_path = path / "config.json"
         if not cfg_path.is_file():

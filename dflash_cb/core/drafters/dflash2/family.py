@@ -54,6 +54,12 @@ class DFlash2Family(DFlashFamily):
     def tree_candidates(self, spec: DrafterSpec) -> int | None:
         return int(spec.option("selector_top_k"))  # its tree is over the selector's lattice
 
+    def tree_candidates_why(self, spec: DrafterSpec, block_size: int) -> str:
+        k = self.tree_candidates(spec)
+        return (f"the nodes of a DFlash 2 drafter's selector lattice with block size {block_size} and "
+                f"selector_top_k {k} ({' + '.join(f'{k}^{d}' for d in range(1, block_size))}; "
+                "its tree is over the selector's candidates, docs/method.md \"DFlash 2\")")
+
     def proposer(self, spec: DrafterSpec, module: Any, lm_head: torch.Tensor, mem_bytes: int,
                  embed: torch.Tensor | None = None) -> Proposer:
         from .model import SelectorProposer, SelectorWeights

@@ -106,7 +106,7 @@ def _active_run() -> Target | None:
 
 def _from_hf(trainer: Any) -> MetricsSink | None:
     # Hugging Face's MLflowCallback starts the active run at on_train_begin and sends the scalars it gets from
-    # the Trainer's log (``hf_callback.TrainerLog``): the sink adds the artifacts.
+    # the Trainer's log (``loops.hf.TrainerLog``): the sink adds the artifacts.
     from transformers.integrations import MLflowCallback
 
     callbacks = getattr(getattr(trainer, "callback_handler", None), "callbacks", [])

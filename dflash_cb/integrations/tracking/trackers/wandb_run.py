@@ -78,7 +78,7 @@ def _current_run() -> Any | None:
 
 def _from_hf(trainer: Any) -> MetricsSink:
     # Straight into the run, under the evaluator's own names and step axis (trainer/global_step), as Lightning's
-    # WandbLogger and a plain loop log them: the same panels fit every loop (``hf_callback.TrainerLog`` skips
+    # WandbLogger and a plain loop log them: the same panels fit every loop (``loops.hf.TrainerLog`` skips
     # the Trainer's own W&B integration, which would rename the keys).
     return WandbSink(_current_run)
 
