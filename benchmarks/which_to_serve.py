@@ -7,7 +7,7 @@ projected to tokens per second from one cost profile measured on the demo's targ
 
 The demo's target is a tiny Qwen3 that ships no MTP head, so this script trains one for it (a Qwen3.5 MTP layer,
 its first step on the demo's training cache, ``chain.train_first_step``): a stand-in for Qwen3.6's own ``mtp.*``
-head, which ``tools/extract_drafter.py --mtp-from`` reads. It reads the demo's last layer, which the demo's caches
+head, which ``tools/extract_drafter.py --from-target`` reads. It reads the demo's last layer, which the demo's caches
 already hold (layer id ``num_layers - 1``: docs/method.md, "Chain drafters"). Then, each with the repository's
 own command line:
 

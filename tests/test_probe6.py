@@ -289,7 +289,7 @@ def test_speculative_tokens_with_ckpt_is_refused_not_ignored(tmp_path, capsys) -
 
     code = run(extract_cli.main, ["--ckpt", str(tmp_path / "x.ckpt"), "--speculative-tokens", "5", "--out",
                                   str(tmp_path / "out")])
-    _error(code, capsys, "--speculative-tokens is for --mtp-from")
+    _error(code, capsys, "--speculative-tokens is for --from-target / --mtp-from")
 
 
 def test_an_mtp_config_edited_to_read_a_middle_layer_is_refused(mtp_target, tmp_path) -> None:

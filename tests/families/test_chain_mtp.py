@@ -141,7 +141,7 @@ def test_the_targets_mtp_is_the_line_to_beat_in_the_callback(world, tmp_path: Pa
 
     cache = world["cache"]
     m = cache.manifest
-    assert extract(["--mtp-from", str(world["target_dir"]), "--out", str(tmp_path / "mtp")]) == 0
+    assert extract(["--from-target", str(world["target_dir"]), "--out", str(tmp_path / "mtp")]) == 0
     assert eval_drafter.main(["--states", str(cache.path), "--drafter", str(tmp_path / "mtp"), "--out",
                               str(tmp_path / "mtp.json"), "--ddtree-budgets", "", "--device", "cpu"]) == 0
     mtp = json.loads((tmp_path / "mtp.json").read_text())

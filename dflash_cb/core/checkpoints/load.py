@@ -452,13 +452,13 @@ def extract_from_target(target_dir: str | os.PathLike, out_dir: str | os.PathLik
     folder = Path(target_dir)
     cfg_path = folder / "config.json"
     if not cfg_path.is_file():
-        raise CheckpointError(f"--mtp-from {folder}: no config.json; point it at the target's model folder (the one "
+        raise CheckpointError(f"target folder {folder}: no config.json; point it at the target's model folder (the one "
                               "holding config.json and *.safetensors)")
     from ..drafters.chain import ChainFamily
 
     cap = ChainFamily.max_speculative_tokens
     if isinstance(speculative_tokens, bool) or not 1 <= int(speculative_tokens) <= cap:
-        raise CheckpointError(f"--speculative-tokens {speculative_tokens}: a chain drafts 1 to {cap} tokens a cycle "
+        raise CheckpointError(f"speculative_tokens {speculative_tokens}: a chain drafts 1 to {cap} tokens a cycle "
                               "(the servers' num_speculative_tokens, commonly 3)")
     out = output_path(out_dir)
     overwrite_into = check_drafter_out(out, folder, overwrite)
@@ -467,7 +467,7 @@ def extract_from_target(target_dir: str | os.PathLike, out_dir: str | os.PathLik
         if not isinstance(target_config, dict):
             raise ValueError("not a JSON object")
     except (OSError, ValueError) as e:
-        raise CheckpointError(f"--mtp-from {cfg_path}: not a readable config.json ({e}); copy the target's "
+        raise CheckpointError(f"{cfg_path}: not a readable config.json ({e}); copy the target's "
                               "config.json again") from None
     shipped = [f for f in families() if f.target_prefix is not None]
     config, family = None, None
@@ -489,17 +489,17 @@ def extract_from_target(target_dir: str | os.PathLike, out_dir: str | os.PathLik
                 held = set(f.keys())
                 lacking = sorted(k for k, file in wanted.items() if file == name and k not in held)
                 if lacking:
-                    raise CheckpointError(f"--mtp-from {folder / name}: the index names {lacking[0]} (and "
+                    raise CheckpointError(f"{folder / name}: the index names {lacking[0]} (and "
                                           f"{len(lacking) - 1} more) in this file but it lacks them; copy the "
                                           "target's files again")
                 weights.update({k: f.get_tensor(k).contiguous() for k, file in wanted.items() if file == name})
         except CheckpointError:
             raise
         except Exception as e:  # safetensors' own error type, OSError
-            raise CheckpointError(f"--mtp-from {folder / name}: not a readable safetensors file ({e}); copy it "
+            raise CheckpointError(f"{folder / name}: not a readable safetensors file ({e}); copy it "
                                   "again") from None
     if not weights:
-        raise CheckpointError(f"--mtp-from {folder}: its config says it ships a {family.label} drafter but no "
+        raise CheckpointError(f"target folder {folder}: its config says it ships a {family.label} drafter but no "
                               f"safetensors file holds {prefix}* weights (a checkpoint re-saved by transformers "
                               "loses them: use the original files)")
     model = drafter_from_config(config)

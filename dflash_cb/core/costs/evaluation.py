@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..drafters.cost_terms import NO_COST_TERMS, CostTerms
 from ..drafters.registry import family_of
 from ..loop.limits import COST_GROUPS, DEFAULT_LIMITS, MemoryLimits
 
@@ -29,12 +30,6 @@ class DrafterShape:
     block_size: int
     vocab: int
     features: int  # context width: target layers x target hidden size
-    # DFlash 2 (docs/method.md, "DFlash 2"); all 0 for a DFlash drafter.
-    conv_taps: int = 0  # taps of each grouped causal convolution (two per layer)
-    conv_groups: int = 0  # channel groups of each: hidden / conv_group_size
-    selector_rank: int = 0
-    selector_top_k: int = 0
-    lattice_blocks: int = 0  # blocks whose selector lattice is built at once (its temporaries' bound)
     # Chain drafters (docs/method.md, "Chain drafters"): per context position, the state carried to the next step
     # and the head's input besides the K/V (``carry_width`` values); ``token_input``: the token embedding's width
     # that the input projection reads besides the features.
@@ -44,14 +39,17 @@ class DrafterShape:
     # matmul weights, applied at every position read, and its lookup tables.
     head_params: int = 0
     head_tables: int = 0
+    # Whatever else the family's drafter costs (``drafters.cost_terms.CostTerms``), asked through its hooks: the
+    # formulas below never ask which family it is.
+    own: CostTerms = NO_COST_TERMS
 
     @classmethod
     def of(cls, config: Any, block_size: int, features: int) -> DrafterShape:
         """From a Qwen3-style drafter config (``num_hidden_layers``, ``hidden_size`` ...; its family adds its own
-        fields, ``DrafterFamily.cost_fields``: a DFlash 2 one's convolutions and selector)."""
+        fields and its own terms, ``DrafterFamily.cost_fields``)."""
         heads = int(config.num_attention_heads)
         head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
-        extra = family_of(config).cost_fields(config)  # what the drafter's family adds (DFlash 2's)
+        extra = family_of(config).cost_fields(config)  # what the drafter's family adds
         return cls(int(config.num_hidden_layers), int(config.hidden_size), int(config.intermediate_size), heads,
                    int(getattr(config, "num_key_value_heads", None) or heads), head_dim, int(block_size),
                    int(config.vocab_size), int(features), **extra)
@@ -64,21 +62,10 @@ class DrafterShape:
 
     @property
     def weight_params(self) -> int:
-        """Matmul weights of the drafter: its layers and the context projection (fc); for DFlash 2 also the
-        convolutions and the selector's hidden projection (its codebooks: ``codebook_params``)."""
+        """Matmul weights of the drafter: its layers, the context projection (fc) and what its family adds
+        (``CostTerms.weight_params``)."""
         return self.layers * self.layer_params + (self.features + self.token_input) * self.hidden + \
-            self.conv_params + self.hidden * self.selector_rank
-
-    @property
-    def conv_params(self) -> int:
-        """The DFlash 2 convolutions, two per layer: ``base_kernel`` [2, taps, hidden] and ``kernel_projection``
-        [2 x taps x groups, hidden] each."""
-        return self.layers * 2 * (2 * self.conv_taps * self.hidden + 2 * self.conv_taps * self.conv_groups * self.hidden)
-
-    @property
-    def codebook_params(self) -> int:
-        """The DFlash 2 selector's predecessor and successor codebooks, [vocab, rank] each."""
-        return 2 * self.vocab * self.selector_rank
+            self.own.weight_params(self)
 
     def kv_bytes_per_position(self, itemsize: int) -> int:
         """Context state one position holds: every layer's keys and values (and a chain's carried state)."""
@@ -91,28 +78,20 @@ def block_gflop(shape: DrafterShape, context: int, positions: float, lattice: bo
     only at the positions read: they are token-wise, docs/method.md), attention over context + block,
     and the output head at the positions read.
 
-    A DFlash 2 drafter (``shape.selector_rank``) also pays: its last layer at every position (its convolutions
-    mix neighbouring positions, so nothing of it is deferred), each layer's two convolutions at every position
-    (their kernel projections and the two stages of taps), and at every position read the selector (the hidden
-    projection and the K candidates' pair scores given one predecessor); with ``lattice`` (DDTree budgets) the
-    pair scores of every candidate given each of the K candidates one depth up (``selector.transition_logprobs``).
+    A family whose block costs otherwise says so (``CostTerms.block_work``: its token-wise pass and its work per
+    position read; ``lattice``: with DDTree budgets).
     """
+    head = 2 * positions * (shape.hidden * shape.vocab + shape.head_params)
+    own = shape.own.block_work(shape, lattice)
+    if own is not None:
+        tokenwise, per_position = own
+        return (tokenwise + head + positions * per_position) / 1e9 + attention_gflop(shape, context)
     b = shape.block_size
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     qkv = shape.hidden * (q + 2 * kv)
     tail = shape.layer_params - qkv  # o_proj and the MLP
-    head = 2 * positions * (shape.hidden * shape.vocab + shape.head_params)
-    if not shape.selector_rank:
-        tokenwise = 2 * b * (shape.layers - 1) * shape.layer_params + 2 * b * qkv + 2 * positions * tail
-        return (tokenwise + head) / 1e9 + attention_gflop(shape, context)
-    h, r, k, taps = shape.hidden, shape.selector_rank, shape.selector_top_k, shape.conv_taps
-    # Per position and layer, two convolutions: a kernel projection (h -> 2 x taps x groups) and two stages of
-    # taps multiply-adds with the per-group offset added to the base kernel.
-    conv = shape.layers * 2 * (2 * h * 2 * taps * shape.conv_groups + 2 * 3 * taps * h)
-    tokenwise = 2 * b * shape.layers * shape.layer_params + b * conv
-    pick = 2 * h * r + r + 2 * k * r  # H(h), A[previous] * H(h), its product with the K successor codes
-    tree = (k * r + 2 * k * k * r) if lattice else 0
-    return (tokenwise + head + positions * (pick + tree)) / 1e9 + attention_gflop(shape, context)
+    tokenwise = 2 * b * (shape.layers - 1) * shape.layer_params + 2 * b * qkv + 2 * positions * tail
+    return (tokenwise + head) / 1e9 + attention_gflop(shape, context)
 
 
 def attention_gflop(shape: DrafterShape, context: int) -> float:
@@ -146,7 +125,7 @@ class EvalCost:
     samples: int = 0
     waves: int = 0  # groups of samples evaluated together (``MemoryLimits.context_bytes``)
     passes: float = 0.0  # drafter passes: a wave's rounds (at most ``max_blocks`` blocks a pass), summed
-    topk_values: float = 0.0  # the head's top-K: tree positions x min(largest budget, vocab); DFlash 2: read x K
+    topk_values: float = 0.0  # the head's top-K: tree positions x min(largest budget, vocab), or the family's own
     tree_pops: float = 0.0  # DDTree heap pops: anchors with a tree (``tree_share``) x the largest budget
     tree_slots: float = 0.0  # candidate slots those pops scan: those anchors x the largest budget squared
     tree_steps: float = 0.0  # pops made for every anchor of a pass at once: passes x the largest budget
@@ -286,7 +265,8 @@ def evaluation_cost(shape: DrafterShape, samples: Sequence[tuple[int, int]], tau
         trees += full if budgets else 0.0
         mid = prompt + completion // 2  # the average anchor's context
         gflop += drafted * block_gflop(shape, mid, positions / drafted)
-        if budgets and shape.selector_rank:  # DFlash 2's lattice: at every depth of an anchor with a tree
+        if budgets and shape.own.block_work(shape, True) != shape.own.block_work(shape, False):
+            # A family's tree over its own candidates (a lattice): at every depth of an anchor with a tree
             gflop += full * (block_gflop(shape, mid, d, lattice=True) - block_gflop(shape, mid, d))
         read += positions
         attention += drafted * attention_gflop(shape, mid)
@@ -299,9 +279,11 @@ def evaluation_cost(shape: DrafterShape, samples: Sequence[tuple[int, int]], tau
         if with_tree == 1.0:
             trees = float(anchors)
     trees = round(trees)
-    # The head's top-K: for the trees at every depth of every anchor with one; a DFlash 2 drafter takes its
-    # selector's K candidates at every position read, with or without trees.
-    topk = read * shape.selector_top_k if shape.selector_rank else trees * d * min(top, shape.vocab)
+    # The head's top-K: for the trees at every depth of every anchor with one, unless the family's proposer takes
+    # its own (``CostTerms.topk_values``).
+    topk = shape.own.topk_values(shape, read)
+    if topk is None:
+        topk = trees * d * min(top, shape.vocab)
     return EvalCost(anchors, gflop, attention, len(samples), waves, passes, topk, trees * top, trees * top * top,
                     passes * top)
 
@@ -321,14 +303,8 @@ def memory_bound(shape: DrafterShape, context_tokens: int, *, weight_itemsize: i
     - ``family head``: the weights of a family's own head over the logits (``shape.head_params`` and
       ``head_tables``), when it has one; its output at a chunk's rows is one of the [rows, vocab] buffers
       ``limits.head_bytes`` bounds (``proposers.head_rows``);
-    - DFlash 2 only: ``codebooks``, the selector's two [vocab, rank] codebooks in the weights' dtype, and
-      ``selector``, the temporaries of its lattice (DDTree budgets; ``selector.transition_logprobs``), built
-      ``shape.lattice_blocks`` blocks at a time: four float32 [blocks, depths, K, rank] tensors (the candidates'
-      successor codes, a transposed copy the matmul makes, their predecessor codes, and those times ``H(h)``)
-      and three 8-byte [blocks, depths, K, K] ones (the edge scores, in float32 and float64, and their
-      log-softmax), plus the lattice's log-probabilities of the pass (float64 [max_blocks, depths, K, K]) that
-      the tree reads. The selector's pick makes its candidates' codes a few hundred rows at a time
-      (``dflash2.model.PICK_ROWS``): megabytes, not counted.
+    - what the family holds besides (``CostTerms.memory_parts``: a DFlash 2 drafter's codebooks and lattice,
+      ``dflash2.cost_terms.SelectorCostTerms.memory_parts``).
     """
     b = limits.max_blocks * shape.block_size
     parts = {
@@ -341,11 +317,7 @@ def memory_bound(shape: DrafterShape, context_tokens: int, *, weight_itemsize: i
     }
     if shape.head_params or shape.head_tables:
         parts["family head"] = (shape.head_params + shape.head_tables) * weight_itemsize
-    if shape.selector_rank:
-        k, d = shape.selector_top_k, shape.block_size - 1
-        chunk = min(limits.max_blocks, shape.lattice_blocks) * d * k
-        parts["codebooks"] = shape.codebook_params * weight_itemsize
-        parts["selector"] = chunk * (4 * shape.selector_rank * 4 + 3 * k * 8) + limits.max_blocks * d * k * k * 8
+    parts.update(shape.own.memory_parts(shape, limits.max_blocks, weight_itemsize))
     return parts
 
 

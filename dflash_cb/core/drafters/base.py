@@ -126,6 +126,18 @@ class FamilyFigures:
                 out.append(f"{w.above_tau} ({w.key} {value:.3f} > tau {tau:.3f})")
         return out
 
+    def keys(self) -> tuple[str, ...]:
+        """A key of every figure the family adds (its per-depth and table figures at their first depth and cell)."""
+        keys = [f.key for f in (*self.walks, *self.pooled, *self.own_pass)]
+        keys += [f.key(1) for f in self.per_depth] + [t.key(0, 0) for t in self.tables]
+        keys += [k for k in (self.own_pass_prefix, self.note_key) if k]
+        return tuple(keys)
+
+    def namespaces(self) -> tuple[str, ...]:
+        """The first segments of the family's metric keys (``selector`` of ``selector/recall``): a metric prefix
+        must not end in one (``figures.metrics.key_namespaces``)."""
+        return tuple(dict.fromkeys(k.split("/", 1)[0] for k in self.keys() if "/" in k))
+
     def labels(self, family_label: str) -> dict[str, str]:
         """Every figure's key -> its words, prefixed with the family's label."""
         return {f.key: f"{family_label}: {f.label}" for f in (*self.walks, *self.pooled)}

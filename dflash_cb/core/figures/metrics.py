@@ -68,11 +68,15 @@ def metric_key(name: str, prefix: str = DEFAULT_PREFIX) -> str:
 TAU_KEY = DEFAULT_PREFIX + TAU  # "dflash_eval/tau": the default evaluator's tau
 
 
-# The first segments of the metric names below a prefix: a prefix must not end in one (``{prefix}full/tau``
-# of one evaluation would be another's full key).
+# The first segments of every drafter's metric names below a prefix: a prefix must not end in one
+# (``{prefix}full/tau`` of one evaluation would be another's full key). The families add theirs (``key_namespaces``).
 KEY_NAMESPACES = ("acceptance", "acceptance_cond", "baseline", "best", "category", "cycle", "ddtree", "full",
-                  "position", "predicted", "produced_frac", "published", "selector", "serving", "specforge",
-                  "charts")
+                  "position", "predicted", "produced_frac", "published", "serving", "specforge", "charts")
+
+
+def key_namespaces() -> tuple[str, ...]:
+    """``KEY_NAMESPACES`` and the first segments of every registered family's figures (``FamilyFigures.namespaces``)."""
+    return tuple(dict.fromkeys((*KEY_NAMESPACES, *(n for f in families() for n in f.figures.namespaces()))))
 
 # The seconds the evaluation was predicted to take before it ran (``costs.evaluation.SecondsPredictor``: calibrated by the
 # evaluations measured before it), logged beside its measured ``eval_time_s``.

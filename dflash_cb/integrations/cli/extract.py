@@ -24,11 +24,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     source.add_argument("--ckpt",
                    help="Lightning .ckpt, a Hugging Face checkpoint-N folder, a SpecForge <run>-stepN folder, a plain "
                         "loop's torch.save'd checkpoint (the drafter's state dict in any entry) or a .safetensors file")
-    source.add_argument("--mtp-from", default=None, metavar="TARGET",
-                        help="the target's model folder (Qwen3.5 / Qwen3.6): write its own MTP head (mtp.* weights) "
-                             "as a drafter folder; only those tensors are read")
+    source.add_argument("--from-target", "--mtp-from", dest="from_target", default=None, metavar="TARGET",
+                        help="the target's model folder: write the drafter it ships inside its own checkpoint (Qwen3.5 "
+                             "/ Qwen3.6: its MTP head, the mtp.* weights) as a drafter folder; only those tensors are "
+                             "read (--mtp-from: the same, its earlier name)")
     p.add_argument("--speculative-tokens", type=int, default=None,
-                   help="with --mtp-from: the chain length K the drafter's config records (default 3, the servers' "
+                   help="with --from-target: the chain length K the drafter's config records (default 3, the servers' "
                         "common one; the replay takes any K with --block-size K+1)")
     p.add_argument("--out", required=True,
                    help="drafter folder to write: new, empty, or an earlier drafter folder (replaced atomically)")
@@ -48,18 +49,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         extract_from_target,
         read_drafter_config,
     )
+    from ...core.drafters.chain import ChainFamily
 
+    MAX_SPECULATIVE_TOKENS = ChainFamily.max_speculative_tokens  # noqa: N806
     # Options of the other source would be silently ignored: refused, naming them.
-    if args.mtp_from and (args.config or args.prefix):
-        raise ArgumentError("--mtp-from reads the target's own config and mtp.* weights: drop --config and "
+    if args.from_target and (args.config or args.prefix):
+        raise ArgumentError("--from-target (--mtp-from) reads the target's own config and weights: drop --config and "
                             "--prefix (they are for --ckpt)")
     if args.ckpt and args.speculative_tokens is not None:
-        raise ArgumentError("--speculative-tokens is for --mtp-from (the chain length its config records); a "
+        raise ArgumentError("--speculative-tokens is for --from-target / --mtp-from (the chain length its config "
+                            "records); a "
                             "--ckpt drafter's config says its own: drop it, or score another K with "
                             "tools/eval_drafter.py --speculative-tokens")
-    if args.mtp_from:
+    if args.from_target:
         chain = {} if args.speculative_tokens is None else {"speculative_tokens": args.speculative_tokens}
-        info = extract_from_target(args.mtp_from, args.out, overwrite=args.overwrite, **chain)
+        if chain and not 1 <= args.speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ArgumentError(f"--speculative-tokens {args.speculative_tokens}: a chain drafts 1 to "
+                                f"{MAX_SPECULATIVE_TOKENS} tokens a cycle (the servers' num_speculative_tokens, "
+                                "commonly 3)")
+        info = extract_from_target(args.from_target, args.out, overwrite=args.overwrite, **chain)
         print(f"wrote {args.out}: the target's {info['family']} head, {info['tensors']} tensors, {info['params'] / 1e6:.2f}M "
               f"parameters (from {', '.join(info['files'])})")
         return 0

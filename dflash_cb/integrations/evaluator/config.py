@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ...common import arguments as check
-from ...core.figures.metrics import DEFAULT_PREFIX, KEY_NAMESPACES
+from ...core.figures.metrics import DEFAULT_PREFIX, key_namespaces
 from ...core.figures.positions import DEFAULT_POSITION_EDGES
 from ...core.loop.cycles import TAIL_BLOCKS
 from ...core.replay import AUTOCAST_NAMES, DEFAULT_BUDGETS
@@ -277,7 +277,7 @@ def check_prefix(prefix: Any) -> str:
         fixed = (prefix.strip().strip("/").replace(" ", "_") or DEFAULT_PREFIX.rstrip("/")) + "/"
         raise check.ArgumentError(f"prefix={prefix!r}: a metric prefix is a name ending in '/' (keys are "
                                   f"prefix + 'tau'), without spaces; e.g. prefix={fixed!r}")
-    if last in KEY_NAMESPACES:
+    if last in key_namespaces():
         raise check.ArgumentError(f"prefix={prefix!r}: its last part {last!r} is a namespace of the metric names "
                                   f"(keys such as {DEFAULT_PREFIX}{last}/...), so its keys would collide with "
                                   f"another evaluation's; choose another name, e.g. prefix={prefix.rstrip('/')}_eval/")

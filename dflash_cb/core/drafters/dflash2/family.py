@@ -11,6 +11,7 @@ from torch import nn
 from ..dflash.family import DFlashFamily
 from ..proposers import Proposer
 from ..spec import DrafterSpec, config_value, int_field
+from .cost_terms import SelectorCostTerms
 from .figures import FIGURES
 from .model import ARCHITECTURE, DFLASH2_FIELDS, LATTICE_BLOCKS
 
@@ -69,9 +70,8 @@ class DFlash2Family(DFlashFamily):
     def cost_fields(self, config: Any) -> dict[str, int]:
         field = (config.get("dflash_config") if isinstance(config, dict) else getattr(config, "dflash_config", None)) or {}
         hidden = int(config["hidden_size"] if isinstance(config, dict) else config.hidden_size)
-        return dict(conv_taps=int(field["conv_kernel_size"]), conv_groups=hidden // int(field["conv_group_size"]),
-                    selector_rank=int(field["selector_rank"]), selector_top_k=int(field["selector_top_k"]),
-                    lattice_blocks=LATTICE_BLOCKS)
+        return dict(own=SelectorCostTerms(int(field["conv_kernel_size"]), hidden // int(field["conv_group_size"]),
+                                          int(field["selector_rank"]), int(field["selector_top_k"]), LATTICE_BLOCKS))
 
     def extra_loss(self, drafter: Any, hidden: torch.Tensor, logits: torch.Tensor, anchor_tokens: torch.Tensor,
                    target: torch.Tensor, valid: torch.Tensor) -> torch.Tensor | None:

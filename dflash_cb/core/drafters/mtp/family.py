@@ -33,7 +33,7 @@ class MtpFamily(ChainFamily):
         n = config_value(config, "num_target_layers")
         if n is not None and ids != [int(n) - 1]:
             raise ValueError(f"target_layer_ids is {ids}: an MTP head reads the target's last layer, [{int(n) - 1}] "
-                             f"of {int(n)}; write the folder again with tools/extract_drafter.py --mtp-from TARGET")
+                             f"of {int(n)}; write the folder again with tools/extract_drafter.py --from-target TARGET")
         return ids
 
     def config_from_target(self, target_config: dict[str, Any], speculative_tokens: int) -> dict[str, Any]:
