@@ -3,7 +3,7 @@
 
     PYTHONPATH=$PWD python benchmarks/bootstrap.py [--samples 100] [--cycles 500] [--repeats 5]
 
-Times ``results.derived_metrics`` (intervals for tau, 3 DDTree budgets and 4 categories; position and
+Times ``figures.derived.derived_metrics`` (intervals for tau, 3 DDTree budgets and 4 categories; position and
 cycle-index tables) and the paired difference alone; prints min and median over the repeats.
 """
 
@@ -18,7 +18,8 @@ from pathlib import Path
 import numpy as np
 
 from dflash_cb.core.figures.bootstrap import metric_sums, paired_difference
-from dflash_cb.core.results.results_file import SampleRecord, derived_metrics
+from dflash_cb.core.figures.derived import derived_metrics
+from dflash_cb.core.results.results_file import SampleRecord
 
 
 def main() -> None:

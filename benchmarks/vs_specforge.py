@@ -17,7 +17,7 @@ Four passes over the same samples, repeated ``--reps`` times with the four inter
   tau and every anchor statistic at every anchor, the intervals and breakdowns (``results.report_to_results``)
   and results.json written. By anchors drafted it does SpecForge's drafter work (one block per anchor).
 - **light**: the live evaluator's periodic evaluation: statistics every ``--light-stride`` anchors (default:
-  the block size), the largest ``--budgets``, and its intervals (``compare.live_metrics``); whether it drafts
+  the block size), the largest ``--budgets``, and its intervals (``figures.derived.live_metrics``); whether it drafts
   every anchor at once is decided as the evaluator decides it (``cost.draft_all_is_cheaper``, from the taus of
   the evaluation before it: here one full evaluation before the clock starts).
 - **full**: its full evaluation: stride 1 and every budget, with the light stride's statistics from the same
@@ -151,7 +151,7 @@ class Ours:
         return report, timer
 
     def light(self) -> tuple[Any, Any]:
-        from dflash_cb.core.results.compare import live_metrics
+        from dflash_cb.core.figures.derived import live_metrics
 
         timer = self._timer()
         budgets = self.budgets[-1:]
@@ -161,8 +161,8 @@ class Ours:
         return report, timer
 
     def full(self) -> tuple[Any, Any]:
+        from dflash_cb.core.figures.derived import live_metrics
         from dflash_cb.core.figures.metrics import summarize
-        from dflash_cb.core.results.compare import live_metrics
 
         timer = self._timer()
         kw = {"extra_anchor_strides": [self.light_stride]} if self.extra else {}

@@ -212,6 +212,7 @@ def test_anchor_statistics_get_intervals_from_per_sample_counts():
         anchor_sums,
         interval_keys,
     )
+    from dflash_cb.core.figures.derived import live_metrics
     from dflash_cb.core.figures.metrics import (
         ALL_ANCHOR_TAU,
         SPECFORGE_ACC,
@@ -220,7 +221,6 @@ def test_anchor_statistics_get_intervals_from_per_sample_counts():
         ci_low,
         depth_acc,
     )
-    from dflash_cb.core.results.compare import live_metrics
 
     rng = np.random.default_rng(3)
     samples = []
@@ -257,10 +257,10 @@ def test_the_default_position_buckets_fit_short_completions(tiny_cache, tiny_dra
 
     from dflash_cb.cache.states import StateCache
     from dflash_cb.core.drafters.dflash.model import DFlashDrafter
+    from dflash_cb.core.figures.derived import live_metrics
     from dflash_cb.core.figures.metrics import position_cycles
     from dflash_cb.core.figures.positions import DEFAULT_POSITION_EDGES, completion_extent, fitted_edges
     from dflash_cb.core.replay import evaluate
-    from dflash_cb.core.results.compare import live_metrics
     from dflash_cb.core.results.results_file import report_to_results
 
     cache = StateCache(tiny_cache)

@@ -142,9 +142,9 @@ def test_distributed_logged_metrics_equal_single_process(distributed_run, strate
 
     from dflash_cb.cache.states import StateCache
     from dflash_cb.core.drafters.dflash.model import DFlashDrafter
+    from dflash_cb.core.figures.derived import live_metrics
     from dflash_cb.core.figures.metrics import EVAL_OVERHEAD, EVAL_TIME, PREDICTED_SECONDS
     from dflash_cb.core.replay import evaluate
-    from dflash_cb.core.results.compare import live_metrics
 
     logged = json.loads((distributed_run / strategy / "logged.json").read_text())
     assert logged["sharding"] == {"ddp": None, "fsdp": "fsdp1", "fsdp2": "fsdp2"}[strategy]

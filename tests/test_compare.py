@@ -274,7 +274,7 @@ def test_labels_out_hashes_and_categories_are_checked(two_results, tmp_path, cap
 def test_position_buckets_stop_where_the_completions_stop(two_results, tmp_path, capsys):
     """Buckets past the longest completion printed rows of ``n/a (0 cycles)``. The tiny cache's completions
     are 24 tokens: the default edges, fitted to them, are 0, 8, 16, 32, 64 (``positions.fitted_edges``)."""
-    from dflash_cb.core.results.compare import live_metrics
+    from dflash_cb.core.figures.derived import live_metrics
     from dflash_cb.core.results.report import format_results
 
     a, b = two_results

@@ -236,7 +236,7 @@ def test_category_request_means_follow_dflash_benchmark(scored):
     acceptance length) over the requests of one category, beside which a per-benchmark published figure stands."""
     import numpy as np
 
-    from dflash_cb.core.results.compare import live_metrics
+    from dflash_cb.core.figures.derived import live_metrics
 
     cache, _, report = scored
     res = report_to_results(report, cache)

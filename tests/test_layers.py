@@ -139,30 +139,47 @@ def test_no_command_line_main_lives_in_core():
     assert not mains, mains
 
 
+def _family_words() -> dict[str, str]:
+    """Every word that is one family's own -> the family: its name, label and architecture, its config's own
+    fields and its figures' own key prefixes (a prefix every drafter logs under, ``specforge/``, is no family's)."""
+    from dflash_cb.core.drafters.registry import families
+    from dflash_cb.core.figures.metrics import KEY_NAMESPACES
+
+    words: dict[str, str] = {}
+    for f in families():
+        prefixes = [n for n in f.figures.namespaces() if n not in KEY_NAMESPACES]
+        for word in (f.name, f.label, f.architecture, *f.config_fields, *prefixes):
+            words.setdefault(word, f.name)
+    return words
+
+
 def test_no_generic_module_names_a_drafter_family():
-    """A family lives in its folder (core/drafters/<family>/): outside it no module compares a family's name
-    or imports a family's folder, except the public re-exports of the drafter classes and the demo's tiny
-    configs' tests."""
+    """A family lives in its folder (core/drafters/<family>/): outside it no module names a family by a word of
+    its own (its name, label, architecture, config fields, figure prefixes) or imports a family's folder, except
+    the public re-exports of the drafter classes; and no family's folder imports a sibling's (the shared parts
+    of each kind live beside them: ``drafters/block/``, ``drafters/chain.py``)."""
     families = sorted(p.name for p in (PACKAGE / "core" / "drafters").iterdir()
                       if p.is_dir() and (p / "family.py").exists())
     assert {"dflash", "dflash2"} <= set(families)
+    words = _family_words()
+    assert set(families) <= set(words)
     found = []
     for path in sorted(PACKAGE.rglob("*.py")):
         rel = path.relative_to(PACKAGE)
-        if rel.parts[:2] == ("core", "drafters") and len(rel.parts) > 3 and rel.parts[2] in families:
-            continue  # the family's own folder
-        if rel.parts == ("__init__.py",):
-            continue  # the public names: DFlashDrafter, DFlash2Drafter
-        for node in ast.walk(_tree(path)):
-            # A family's name as a value (a comparison, a default): the one default is drafters/spec.py's
-            # DEFAULT_FAMILY; SpecForge's own strategy name "dflash" is SpecForge's, not a family of ours.
-            if isinstance(node, ast.Constant) and node.value in families and rel.as_posix() not in (
-                    "core/drafters/spec.py", "integrations/loops/specforge_data.py"):
-                found.append(f"{rel}:{node.lineno} names the family {node.value!r}")
+        own = rel.parts[2] if rel.parts[:2] == ("core", "drafters") and len(rel.parts) > 3 else None
         for name in _imports(path):
             parts = name.split(".")
-            if parts[1:3] == ["core", "drafters"] and len(parts) > 3 and parts[3] in families:
+            if parts[1:3] == ["core", "drafters"] and len(parts) > 3 and parts[3] in families and parts[3] != own \
+                    and rel.parts != ("__init__.py",):
                 found.append(f"{rel} imports {name}")
+        if own in families or rel.parts == ("__init__.py",):
+            continue  # the family's own folder; the public names (DFlashDrafter, DFlash2Drafter)
+        for node in ast.walk(_tree(path)):
+            # A family's word as a value (a comparison, a default): the one default is drafters/spec.py's
+            # DEFAULT_FAMILY; SpecForge's own strategy name "dflash" is SpecForge's, not a family of ours.
+            if isinstance(node, ast.Constant) and node.value in words and rel.as_posix() not in (
+                    "core/drafters/spec.py", "integrations/loops/specforge_data.py"):
+                found.append(f"{rel}:{node.lineno} names {node.value!r}, the {words[node.value]} family's")
     assert not found, "\n".join(found)
 
 

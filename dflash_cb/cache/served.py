@@ -426,7 +426,7 @@ def incomparable_settings(server: Mapping[str, Any] | None, longest_context: int
                           drafter_input_embedding_scale: float = 1.0,
                           drafter_path: str | os.PathLike | None = None, block_size: int | None = None,
                           drafter_block_size: int | None = None, methods: Sequence[str] = BLOCK_METHODS,
-                          label: str = "DFlash", chain: bool = False) -> list[str]:
+                          label: str = "the evaluated drafter's method", chain: bool = False) -> list[str]:
     """One line per recorded server setting under which the server drafts differently from the replay
     (SGLang 0.5.23's DFlash worker; docs/method.md, "Tail blocks" and "Check against the server"),
     the block size included (:func:`block_size_settings`). A server speculating with another method than

@@ -194,4 +194,4 @@ def evaluate(cache: StateCache, drafter: Any, head: TargetHead | None = None, re
         counts = summed_counts(samples, block, budgets, categories, req.anchor_stride, spec.family)
     return EvalReport(counts, samples, time.perf_counter() - start, spec, budgets, req.anchor_stride, req.tail_blocks,
                       str(head.lm_head.dtype).removeprefix("torch."), req.anchor_seed, strides[1:], note, passes,
-                      req.series(block_size=block))
+                      req.series(block_size=block), fit.family)

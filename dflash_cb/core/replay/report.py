@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...common.errors import DFlashCBError
+from ..drafters.base import DrafterFamily
 from ..drafters.spec import DEFAULT_FAMILY, DrafterSpec
 from ..figures.metrics import TAU, AnchorCounts, EvalCounts, summarize
 from ..loop.anchor_sets import DEFAULT_ANCHOR_SEED
@@ -56,6 +57,8 @@ class EvalReport:
     specforge_note: str = ""
     passes: int = 0  # drafter passes made (rounds of every wave, at most max_blocks blocks each)
     series: dict[str, Any] = field(default_factory=dict)  # what identifies these figures (EvalRequest.series)
+    # The drafter's family (``fit.FittedDrafter.family``): what reads the report asks it, not the registry.
+    family: DrafterFamily | None = field(default=None, compare=False, repr=False)
 
     @property
     def summary(self) -> dict[str, float]:

@@ -35,19 +35,17 @@ from ..figures.bootstrap import (
     metric_sums,
     paired_difference,
 )
+from ..figures.derived import delta_metrics, live_metrics, shared  # noqa: F401  (their names here before figures/)
 from ..figures.metrics import (
     ACCEPT_LENGTH_SERVED,
-    DELTA_TAU,
     TAU,
     TAU_REQUEST_MEAN,
     category_tau,
-    ci_high,
-    ci_low,
     ddtree_tau,
 )
 from ..figures.positions import DEFAULT_POSITION_EDGES, check_edges, cycle_table, position_table
 from .report import metric_with_interval, with_interval
-from .results_file import Results, derived_metrics, series_mismatch
+from .results_file import Results, series_mismatch
 from .verdicts import Difference, difference_rows, family_note, judge
 
 
@@ -56,14 +54,6 @@ class CompareError(DFlashCBError, ValueError):
 
 
 # -- paired differences ------------------------------------------------------------------------
-
-def shared(a: Sequence[Any], b: Sequence[Any]) -> tuple[list[Any], list[Any]]:
-    """The samples scored in both, in ``a``'s order, as two aligned lists."""
-    by_id = {s.id: s for s in b}
-    ids = [s.id for s in a if s.id in by_id]
-    first = {s.id: s for s in a}
-    return [first[i] for i in ids], [by_id[i] for i in ids]
-
 
 def paired(a_samples: Sequence[Any], b_samples: Sequence[Any], la: str, lb: str, budgets: Sequence[int] = (),
            categories: Sequence[str] = (), n_resamples: int = DEFAULT_RESAMPLES,
@@ -80,44 +70,6 @@ def paired(a_samples: Sequence[Any], b_samples: Sequence[Any], la: str, lb: str,
     # A figure only one side has (a DFlash 2 drafter's selector walks beside a DFlash one) has no difference.
     return judge([k for k in ma if k in mb], la, lb, len(sa), categories,
                  lambda k, level: paired_difference(ma[k], mb[k], n_resamples, seed, level))
-
-
-def delta_metrics(live: Sequence[Any], baselines: Sequence[Any], n_resamples: int = DEFAULT_RESAMPLES,
-                  seed: int = DEFAULT_SEED) -> dict[str, float]:
-    """``<baseline key>/delta_tau`` (live minus baseline) and its interval, for measured baselines.
-
-    Paired on the samples both scored (the baseline is restricted to the live evaluation's
-    samples when it is loaded). Published figures have no samples and get none.
-    """
-    out: dict[str, float] = {}
-    for b in baselines:
-        if not b.samples or not live:
-            continue
-        d = paired(b.samples, live, b.name, "live", n_resamples=n_resamples, seed=seed)[TAU].interval
-        name = f"{b.key}/{DELTA_TAU}"
-        out[name] = d.value
-        if math.isfinite(d.low) and math.isfinite(d.high):
-            out[ci_low(name)], out[ci_high(name)] = d.low, d.high
-    return out
-
-
-def live_metrics(samples: Sequence[Any], budgets: Sequence[int], categories: Sequence[str],
-                 baselines: Sequence[Any] = (), position_edges: Sequence[int] = DEFAULT_POSITION_EDGES,
-                 n_resamples: int = DEFAULT_RESAMPLES, seed: int = DEFAULT_SEED,
-                 anchor_stride: int | None = None) -> dict[str, float]:
-    """What the callback adds to an evaluation's counts, from the per-sample lengths gathered on rank zero:
-    intervals, position / cycle-index taus, and ``delta_tau`` against each measured baseline, and the
-    intervals of the anchor statistics (``specforge/acc``, ``acceptance/depth_KK``, ``all_anchor_tau``) at
-    ``anchor_stride``; None: the one stride the samples have statistics at (none when they have several)."""
-    if not samples:
-        return {}
-    if anchor_stride is None:
-        strides = {k for s in samples for k in getattr(s, "anchor_counts", {})}
-        anchor_stride = strides.pop() if len(strides) == 1 else None
-    scalars, _ = derived_metrics(list(samples), tuple(budgets), tuple(categories), tuple(position_edges),
-                                 n_resamples=n_resamples, seed=seed, anchor_stride=anchor_stride)
-    scalars.update(delta_metrics(samples, baselines, n_resamples, seed))
-    return scalars
 
 
 # -- a comparison of files ------------------------------------------------------------------

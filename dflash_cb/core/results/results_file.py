@@ -41,13 +41,8 @@ from ...common.fileio import atomic_write_text, check_outputs_apart, output_path
 from ...common.version import __version__
 from ..drafters.registry import family_named, family_names
 from ..drafters.spec import DEFAULT_FAMILY
-from ..figures.bootstrap import (
-    DEFAULT_LEVEL,
-    DEFAULT_RESAMPLES,
-    DEFAULT_SEED,
-    interval_metrics,
-    request_means,
-)
+from ..figures.bootstrap import DEFAULT_RESAMPLES
+from ..figures.derived import derived_metrics
 from ..figures.metrics import (
     ANCHOR_SEED,
     ANCHOR_STRIDE,
@@ -59,12 +54,7 @@ from ..figures.metrics import (
     per_depth,
 )
 from ..figures.positions import (
-    DEFAULT_CYCLE_BUCKETS,
     DEFAULT_POSITION_EDGES,
-    breakdown_metrics,
-    cycle_table,
-    position_edges_for,
-    position_table,
 )
 from ..loop.cycles import TAIL_BLOCKS
 from ..replay import QUANTITY, EvalReport, series_names
@@ -385,27 +375,6 @@ def _clean(x: Any) -> Any:
 
 # -- building ----------------------------------------------------------------------------------
 
-def derived_metrics(samples: list[Any], budgets: tuple[int, ...] | list[int], categories: tuple[str, ...] | list[str],
-                    position_edges: tuple[int, ...] = DEFAULT_POSITION_EDGES,
-                    cycle_buckets: int = DEFAULT_CYCLE_BUCKETS, n_resamples: int = DEFAULT_RESAMPLES,
-                    seed: int = DEFAULT_SEED, anchor_stride: int | None = None) -> tuple[dict[str, float], dict[str, Any]]:
-    """Metrics computed from per-sample lengths: the per-request means, bootstrap intervals (with
-    ``anchor_stride``, also of that stride's anchor statistics) and the position / cycle breakdowns.
-
-    Returns (scalars, breakdown tables). Used by ``report_to_results`` and by the callback (on rank
-    zero, from the samples gathered from every rank), so both log the same numbers.
-    """
-    position = position_table(samples, position_edges, categories)
-    cycle = cycle_table(samples, cycle_buckets, categories)
-    scalars = request_means(samples, categories)
-    scalars.update(interval_metrics(samples, budgets, categories, n_resamples, seed, anchor_stride=anchor_stride))
-    scalars.update(breakdown_metrics(position, cycle))
-    tables = {"position_edges": list(position_edges_for(samples, position_edges)), "position": position, "cycle": cycle,
-              "interval": {"method": "cluster bootstrap over samples, percentile", "resamples": n_resamples,
-                           "level": DEFAULT_LEVEL, "seed": seed}}
-    return scalars, tables
-
-
 def report_to_results(report: EvalReport, cache: StateCache, meta: dict[str, Any] | None = None, *,
                       position_edges: tuple[int, ...] = DEFAULT_POSITION_EDGES,
                       n_resamples: int = DEFAULT_RESAMPLES) -> Results:
@@ -418,7 +387,7 @@ def report_to_results(report: EvalReport, cache: StateCache, meta: dict[str, Any
     notes = {"intervals": INTERVAL_NOTE}
     if T1_TAU_ESTIMATE in summary:
         notes[T1_TAU_ESTIMATE] = T1_NOTE
-    figures = family_named(report.spec.family).figures
+    figures = (report.family or family_named(report.spec.family)).figures
     if figures.note:  # what the family's own figures are (DFlash 2: where tau is lost)
         notes[figures.note_key] = figures.note
     samples = [SampleRecord.of(s) for s in report.samples]

@@ -302,11 +302,8 @@ def compare(entries: Sequence[Any], offline: Mapping[str, Sequence[int]], server
     fam = _family(family)
     server_block = served_block_size(server, fam.served_methods, fam.kind == "chain")
     vllm = any(V.is_vllm(e.served_spec) for e in entries if e.id in offline)
-    counted_block = None  # vLLM: the block its counters show, when its configuration is not recorded
-    if vllm and server_block is None:
-        shown = Counter(b for e in entries if e.id in offline and V.is_vllm(e.served_spec)
-                        and V.unattributed(e.served_spec) is None and (b := V.block_of(e.served_spec)) is not None)
-        counted_block = shown.most_common(1)[0][0] if shown else None
+    # vLLM: the block its counters show, when its configuration is not recorded
+    counted_block = _counted_block(entries, offline) if vllm and server_block is None else None
     checks: list[SampleCheck] = []
     skipped: dict[str, str] = {}
     flagged: dict[str, str] = {}
@@ -319,47 +316,92 @@ def compare(entries: Sequence[Any], offline: Mapping[str, Sequence[int]], server
         if why is not None:
             (skipped if why[0] == SKIPPED else flagged)[e.id] = why[1]
             continue
-        counters = e.served_spec
         longest = max(longest, e.total_len - 1)  # the last anchor's context: every position before it
-        rounds, tau = served_rounds_and_tau(counters, e.completion_len)
-        hist = counters.get(HISTOGRAM)
-        top = max((k for k, v in enumerate(hist) if v), default=0) if isinstance(hist, list) else 0
-        longest_round = max(longest_round, top + 1, -(-(e.completion_len - 1) // rounds))
-        lengths = list(offline[e.id])
-        length = counters.get(ACCEPT_LENGTH)
-        check = SampleCheck(
-            id=e.id, category=e.category, offline_rounds=len(lengths), served_rounds=rounds,
-            offline_tau=sum(lengths) / len(lengths) if lengths else None, served_tau=tau,
-            served_accept_length=float(length) if isinstance(length, (int, float)) else None,
-            convention=convention_of(counters, e.completion_len))
-        served_pp = V.per_position(counters) if V.is_vllm(counters) else None
-        if V.is_vllm(counters) and (accepted := whole_count(counters.get(V.ACCEPTED))) is not None:
-            check.served_accept_length = V.mean_acceptance_length(accepted, rounds)  # vLLM's own convention
         correct = None if correct_drafts is None else correct_drafts.get(e.id)
-        if correct is not None:
-            correct = [int(k) for k in correct]
-            check.offline_correct_drafts = sum(correct)
-            check.offline_histogram = histogram_of(correct)
-            check.served_correct_drafts = whole_count(counters.get(V.ACCEPTED if V.is_vllm(counters) else CORRECT_DRAFTS))
-            # The last cycle matched up to the last known token: the server may have matched more.
-            last_anchor = e.prompt_len + sum(lengths[:-1])
-            censored = bool(correct) and (block is None or correct[-1] < block - 1) \
-                and last_anchor + correct[-1] + 1 >= e.total_len
-            if isinstance(hist, list):
-                check.served_histogram = [int(v) for v in hist]
-                check.histogram = histogram_status(correct, censored, check.served_histogram)
-            steps = V.per_step_accepted(counters) if V.is_vllm(counters) else None
-            if steps is not None:
-                check.served_per_step = steps
-                check.per_step, check.first_step_difference = per_step_status(correct, censored, steps)
-            if served_pp is not None:
-                check.served_per_position = served_pp
-                check.offline_per_position = V.accepted_per_position(correct, len(served_pp))
-                check.per_position = per_position_status(correct, censored, served_pp)
-            if lengths and check.served_correct_drafts is not None:
-                check.offline_vllm_accept_length = V.mean_acceptance_length(sum(correct), len(lengths))
-                check.served_vllm_accept_length = V.mean_acceptance_length(check.served_correct_drafts, rounds)
+        check, round_tokens = _sample_check(e, list(offline[e.id]), correct, block)
+        longest_round = max(longest_round, round_tokens)
         checks.append(check)
+    warnings = _warnings(checks, server, drafter_path, server_block)
+    settings = incomparable_settings(server, longest, drafter_input_embedding_scale, drafter_path, block,
+                                     drafter_block_size, fam.served_methods, fam.label, fam.kind == "chain")
+    settings += _block_settings(server_block, counted_block, block, drafter_block_size, longest_round)
+    warnings += [f"not comparable: {w}" for w in settings]
+    return ServedCheck(checks, skipped, dict(server) if server else None, warnings, flagged=flagged,
+                       not_comparable=settings, convention=V.CONVENTION if vllm else CONVENTION,
+                       blocks={"replay": block, "server": server_block or counted_block, "drafter": drafter_block_size,
+                               # which source decided the server's block: its recorded configuration wins
+                               "server_from": _block_source(server, server_block, counted_block)})
+
+
+def _counted_block(entries: Sequence[Any], offline: Mapping[str, Sequence[int]]) -> int | None:
+    """vLLM: the block most of its requests' counters show (drafts per round + 1), when its configuration is not
+    recorded."""
+    shown = Counter(b for e in entries if e.id in offline and V.is_vllm(e.served_spec)
+                    and V.unattributed(e.served_spec) is None and (b := V.block_of(e.served_spec)) is not None)
+    return shown.most_common(1)[0][0] if shown else None
+
+
+def _sample_check(e: Any, lengths: list[int], correct: Sequence[int] | None,
+                  block: int | None) -> tuple[SampleCheck, int]:
+    """One comparable sample's check, and the most tokens one of its server rounds must have drafted."""
+    counters = e.served_spec
+    rounds, tau = served_rounds_and_tau(counters, e.completion_len)
+    hist = counters.get(HISTOGRAM)
+    top = max((k for k, v in enumerate(hist) if v), default=0) if isinstance(hist, list) else 0
+    round_tokens = max(top + 1, -(-(e.completion_len - 1) // rounds))
+    length = counters.get(ACCEPT_LENGTH)
+    check = SampleCheck(
+        id=e.id, category=e.category, offline_rounds=len(lengths), served_rounds=rounds,
+        offline_tau=sum(lengths) / len(lengths) if lengths else None, served_tau=tau,
+        served_accept_length=float(length) if isinstance(length, (int, float)) else None,
+        convention=convention_of(counters, e.completion_len))
+    if V.is_vllm(counters) and (accepted := whole_count(counters.get(V.ACCEPTED))) is not None:
+        check.served_accept_length = V.mean_acceptance_length(accepted, rounds)  # vLLM's own convention
+    if correct is not None:
+        _correct_drafts(check, e, [int(k) for k in correct], lengths, rounds, block)
+    return check, round_tokens
+
+
+def _correct_drafts(check: SampleCheck, e: Any, correct: list[int], lengths: list[int], rounds: int,
+                    block: int | None) -> None:
+    """The replay's correct drafts per cycle against the server's counters of them: their sum and histogram
+    (both servers), and vLLM's per verify step and per position (``_vllm_steps``)."""
+    counters = e.served_spec
+    hist = counters.get(HISTOGRAM)
+    check.offline_correct_drafts = sum(correct)
+    check.offline_histogram = histogram_of(correct)
+    check.served_correct_drafts = whole_count(counters.get(V.ACCEPTED if V.is_vllm(counters) else CORRECT_DRAFTS))
+    # The last cycle matched up to the last known token: the server may have matched more.
+    last_anchor = e.prompt_len + sum(lengths[:-1])
+    censored = bool(correct) and (block is None or correct[-1] < block - 1) \
+        and last_anchor + correct[-1] + 1 >= e.total_len
+    if isinstance(hist, list):
+        check.served_histogram = [int(v) for v in hist]
+        check.histogram = histogram_status(correct, censored, check.served_histogram)
+    if V.is_vllm(counters):
+        _vllm_steps(check, counters, correct, censored)
+    if lengths and check.served_correct_drafts is not None:
+        check.offline_vllm_accept_length = V.mean_acceptance_length(sum(correct), len(lengths))
+        check.served_vllm_accept_length = V.mean_acceptance_length(check.served_correct_drafts, rounds)
+
+
+def _vllm_steps(check: SampleCheck, counters: Mapping[str, Any], correct: list[int], censored: bool) -> None:
+    """vLLM's own finer counters, when it recorded them: accepted drafts per verify step (its per-request
+    metrics) and per draft position."""
+    steps = V.per_step_accepted(counters)
+    if steps is not None:
+        check.served_per_step = steps
+        check.per_step, check.first_step_difference = per_step_status(correct, censored, steps)
+    served_pp = V.per_position(counters)
+    if served_pp is not None:
+        check.served_per_position = served_pp
+        check.offline_per_position = V.accepted_per_position(correct, len(served_pp))
+        check.per_position = per_position_status(correct, censored, served_pp)
+
+
+def _warnings(checks: Sequence[SampleCheck], server: Mapping[str, Any] | None, drafter_path: str | None,
+              server_block: int | None) -> list[str]:
+    """What may explain differences without making the check incomparable."""
     warnings = []
     served_path = (server or {}).get("draft_model_path")
     if drafter_path and isinstance(served_path, str) and served_path:
@@ -383,25 +425,25 @@ def compare(entries: Sequence[Any], offline: Mapping[str, Sequence[int]], server
             warnings.append(f"the server's block is not recorded; no server round had more than {most_served} "
                             f"correct drafts, the replay's up to {most_offline}: if the server drafted blocks of "
                             f"{most_served + 1}, rerun with --block-size {most_served + 1}")
-    settings = incomparable_settings(server, longest, drafter_input_embedding_scale, drafter_path, block,
-                                     drafter_block_size, fam.served_methods, fam.label, fam.kind == "chain")
+    return warnings
+
+
+def _block_settings(server_block: int | None, counted_block: int | None, block: int | None,
+                    drafter_block_size: int | None, longest_round: int) -> list[str]:
+    """Why the server's block differs from the replay's when its configuration is not recorded: vLLM's counters
+    show another block, or some round drafted more tokens than the replay's block holds."""
     if counted_block is not None and block is not None and counted_block != block:
         drafter = (f", the drafter's trained block is {drafter_block_size}: the replay cannot draft that long"
                    if drafter_block_size is not None and counted_block > drafter_block_size
                    else f": replay at the server's block (--block-size {counted_block})")
-        settings.append(f"the server's configuration is not recorded, and its counters show blocks of {counted_block} "
-                        f"tokens ({V.DRAFT_TOKENS} / {V.DRAFTS} + 1), the replay drafted blocks of {block}{drafter}")
-    elif server_block is None and counted_block is None and block is not None and longest_round > block:
-        settings.append(f"the server's block is not recorded, and its counters show a round of at least "
-                        f"{longest_round} tokens, longer than the replay's blocks of {block}"
-                        + (f" (the drafter's block is {drafter_block_size})" if drafter_block_size not in
-                           (None, block) else "") + ": the server drafted with another block or drafter")
-    warnings += [f"not comparable: {w}" for w in settings]
-    return ServedCheck(checks, skipped, dict(server) if server else None, warnings, flagged=flagged,
-                       not_comparable=settings, convention=V.CONVENTION if vllm else CONVENTION,
-                       blocks={"replay": block, "server": server_block or counted_block, "drafter": drafter_block_size,
-                               # which source decided the server's block: its recorded configuration wins
-                               "server_from": _block_source(server, server_block, counted_block)})
+        return [f"the server's configuration is not recorded, and its counters show blocks of {counted_block} "
+                f"tokens ({V.DRAFT_TOKENS} / {V.DRAFTS} + 1), the replay drafted blocks of {block}{drafter}"]
+    if server_block is None and counted_block is None and block is not None and longest_round > block:
+        return [f"the server's block is not recorded, and its counters show a round of at least "
+                f"{longest_round} tokens, longer than the replay's blocks of {block}"
+                + (f" (the drafter's block is {drafter_block_size})" if drafter_block_size not in
+                   (None, block) else "") + ": the server drafted with another block or drafter"]
+    return []
 
 
 def format_check(check: ServedCheck, max_rows: int = 40) -> str:

@@ -16,6 +16,7 @@ import platform
 import shlex
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -95,33 +96,13 @@ def _settings(family: Any, spec: Any, args: argparse.Namespace) -> list[_Setting
     return out + [_Setting(f"ddtree_b{b}", f"DDTree {b}", "ddtree", block, b, f"ddtree_b{b}") for b in budgets]
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(argv)
-    import torch
-
-    from ...cache.states import StateCache
-    from ...cache.target import check_device, load_target, read_target_config
-    from ...common.fileio import atomic_write_json, check_outputs_apart
-    from ...common.threads import parse_threads, set_threads
-    from ...core.checkpoints.load import load_drafter
-    from ...core.costs import measured
-    from ...core.costs.serving import TARGET_FIELDS, priced_per_cycle, project
-    from ...core.decode.loops import Clock, loop_drafter, plain_decode, speculative_decode
-    from ...core.decode.target_steps import TargetSteps, check_croppable
-    from ...core.drafters.registry import family_named, spec_of
-    from ...core.replay import evaluate
+def _checked_outputs(args: argparse.Namespace) -> Path:
+    """The outputs and cheap options checked before anything is loaded or decoded: a run that cannot finish
+    fails here. Returns the results path."""
+    from ...cache.target import DTYPES
+    from ...common.fileio import check_outputs_apart
     from ...core.results.results_file import check_results_path
-    from ..evaluator.projection import (
-        drafter_identity,
-        family_settings,
-        read_profile,
-        refuse_other_target,
-        sample_cycles,
-    )
-    from .profile_costs import target_identity
 
-    # Cheap checks first: nothing is loaded or decoded for a run that cannot finish.
     check_outputs_apart([("--states", args.states), ("--drafter", args.drafter), ("--target", args.target),
                          ("--profile", args.profile)], files=[("--out", args.out), ("--profile-out", args.profile_out)])
     out = check_results_path(args.out, "--out", "check.json")
@@ -132,24 +113,150 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ArgumentError(f"--profile-out {args.profile_out} exists: give a new path (a profile is never "
                                 "overwritten)")
         check_results_path(args.profile_out, "--profile-out", "profile.json")
-    n_prompts, repeats = parse_int("--prompts", args.prompts, 1), parse_int("--repeats", args.repeats, 1)
-    device = check_device(args.device)
-    from ...cache.target import DTYPES
-
     if args.dtype not in DTYPES:
         raise ArgumentError(f"--dtype {args.dtype}: one of {', '.join(DTYPES)}")
-    threads = set_threads(parse_threads(args.threads)) if args.threads is not None else torch.get_num_threads()
-    cache = StateCache(args.states)
-    target_cfg = read_target_config(args.target)
-    have, want = target_identity(target_cfg), cache.manifest.target
+    return out
+
+
+def _check_target(args: argparse.Namespace, cache: Any) -> None:
+    """``--target`` is the model the cache's states came from (its config only: nothing is loaded)."""
+    from ...cache.target import read_target_config
+    from ...core.costs.serving import TARGET_FIELDS
+    from .profile_costs import target_identity
+
+    have, want = target_identity(read_target_config(args.target)), cache.manifest.target
     wrong = [f"{k}: --target {have[k]}, cache {want.get(k)}" for k in TARGET_FIELDS
              if want.get(k) is not None and have[k] != want.get(k)]
     if wrong:
         raise ArgumentError(f"--target {args.target}: not the target of --states {args.states} ({'; '.join(wrong)})")
+
+
+@dataclass
+class _Replayed:
+    """The replay's cycles on the decoded prompts, per setting, and what the profile projects for them."""
+
+    cycles: dict[str, dict[str, list[int]]]  # setting -> prompt -> committed per cycle
+    projected: dict[str, Any]  # setting -> projected speedup interval
+    priced: dict[str, dict[str, float]]  # setting -> what the profile prices a cycle's parts at
+
+
+def _replay(cache: Any, drafter: Any, spec: Any, settings: list[_Setting], ids: list[str],
+            profile: Any) -> _Replayed:
+    """The replay on the same prompts (it refuses a drafter the cache does not fit, before the target loads)."""
+    from ...core.costs.serving import priced_per_cycle, project
+    from ...core.replay import evaluate
+    from ..evaluator.projection import family_settings, sample_cycles
+
+    out = _Replayed({}, {}, {})
+    for block in sorted({s.block for s in settings}):
+        mine = [s for s in settings if s.block == block]
+        budgets = tuple(s.budget for s in mine if s.budget)
+        report = evaluate(cache, drafter, sample_ids=ids, budgets=budgets, tail_blocks="served", block_size=block)
+        for s in mine:
+            out.cycles[s.name] = {r.id: list(r.ddtree[s.budget] if s.budget else r.acceptance_lengths)
+                                  for r in report.samples}
+        if profile is not None:
+            cycles = sample_cycles(cache, report.samples)
+            proj = project(cycles, family_settings(spec.family, block, budgets), profile)
+            for s in mine:
+                at = next(x for x in proj.settings if x.setting.name == s.projected_as)
+                out.projected[s.name] = at.speedup
+                out.priced[s.name] = priced_per_cycle(cycles, at.setting, profile)
+    return out
+
+
+class _Decodes:
+    """Real decodes of the cache's prompts, each checked token for token against plain greedy decoding and cycle
+    for cycle against the replay; the first difference is kept (``problems``)."""
+
+    def __init__(self, target: Any, drafters: dict[str, Any], prompts: dict[str, list[int]], layers: list[int],
+                 max_new: int, stops: list[int], clock: Any, replay: dict[str, dict[str, list[int]]]):
+        self.target, self.drafters, self.prompts, self.layers = target, drafters, prompts, layers
+        self.max_new, self.stops, self.clock, self.replay = max_new, stops, clock, replay
+        self.reference: dict[str, list[int]] = {}
+        self.problems: list[str] = []
+
+    def decode(self, name: str, prompt_id: str) -> tuple[Any, Any]:
+        from ...core.costs import measured
+        from ...core.decode.loops import plain_decode, speculative_decode
+        from ...core.decode.target_steps import TargetSteps
+
+        steps = TargetSteps(self.target.model, self.layers)
+        if name == "plain":
+            run = plain_decode(steps, self.prompts[prompt_id], self.max_new, self.stops, self.clock)
+        else:
+            run = speculative_decode(steps, self.drafters[name], self.prompts[prompt_id], self.max_new, self.stops,
+                                     self.clock)
+        self.checked(name, prompt_id, run)
+        return measured.Timed(run.seconds, run.verify_seconds, run.draft_seconds, len(run.accepted),
+                              len(run.tokens) - 1), run
+
+    def checked(self, name: str, prompt_id: str, run: Any) -> None:
+        ref = self.reference.setdefault(prompt_id, run.tokens) if name == "plain" else self.reference[prompt_id]
+        if self.problems:
+            return
+        if run.tokens != ref:
+            at = next((j for j, (a, b) in enumerate(zip(run.tokens, ref, strict=False)) if a != b),
+                      min(len(run.tokens), len(ref)))
+            self.problems.append(f"{name} on prompt {prompt_id}: token {at} of the completion differs from plain "
+                                 f"greedy decoding ({run.tokens[at:at + 1]} vs {ref[at:at + 1]})")
+        elif name != "plain" and run.accepted != self.replay[name][prompt_id]:
+            want = self.replay[name][prompt_id]
+            cyc = next((j for j, (a, b) in enumerate(zip(run.accepted, want, strict=False)) if a != b),
+                       min(len(run.accepted), len(want)))
+            self.problems.append(f"{name} on prompt {prompt_id}: cycle {cyc} committed "
+                                 f"{run.accepted[cyc] if cyc < len(run.accepted) else 'nothing'}, the replay "
+                                 f"{want[cyc] if cyc < len(want) else 'nothing'} (the cache's prefill and these "
+                                 "passes disagree there: docs/serving.md, \"Checking a projection\")")
+
+
+def _timed_rounds(decodes: _Decodes, names: list[str], ids: list[str], repeats: int, runs: dict[str, Any],
+                  no_progress: bool) -> None:
+    """Untimed: plain decoding of every prompt (the tokens every decode must equal), then every setting once on
+    the first prompt (the warm-up). Then ``repeats`` timed rounds, each prompt's settings in a rotated order."""
+    from tqdm import tqdm
+
+    for pid in ids:
+        decodes.decode("plain", pid)
+    for name in names[1:]:
+        decodes.decode(name, ids[0])
+    bar = tqdm(total=repeats * len(ids) * len(names), desc="speed check", unit="decode", disable=no_progress,
+               file=sys.stderr)
+    for r in range(repeats):
+        for i, pid in enumerate(ids):
+            shift = (r + i) % len(names)  # every setting in every slot of the rotation, across prompts
+            for name in names[shift:] + names[:shift]:
+                runs[name].runs[i].append(decodes.decode(name, pid)[0])
+                bar.update()
+    bar.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    import torch
+
+    from ...cache.states import StateCache
+    from ...cache.target import DTYPES, check_device, load_target
+    from ...common.fileio import atomic_write_json
+    from ...common.threads import parse_threads, set_threads
+    from ...core.checkpoints.load import load_drafter
+    from ...core.costs import measured
+    from ...core.decode.loops import Clock, loop_drafter
+    from ...core.decode.target_steps import check_croppable
+    from ...core.drafters.registry import family_named, spec_of
+    from ..evaluator.projection import drafter_identity, read_profile, refuse_other_target
+
+    # Cheap checks first: nothing is loaded or decoded for a run that cannot finish.
+    out = _checked_outputs(args)
+    n_prompts, repeats = parse_int("--prompts", args.prompts, 1), parse_int("--repeats", args.repeats, 1)
+    device = check_device(args.device)
+    threads = set_threads(parse_threads(args.threads)) if args.threads is not None else torch.get_num_threads()
+    cache = StateCache(args.states)
+    _check_target(args, cache)
     drafter = load_drafter(args.drafter, device="cpu")
     spec = spec_of(drafter)
-    family = family_named(spec.family)
-    settings = _settings(family, spec, args)
+    settings = _settings(family_named(spec.family), spec, args)  # the family named in the drafter's config
     profile = stated = None
     if args.profile:
         stated = read_profile(args.profile)  # as written: --profile-out writes it again, with the overhead
@@ -158,89 +265,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     ids = [e.id for e in cache.samples][:n_prompts]
     if len(ids) < n_prompts:
         say(f"--prompts {n_prompts}: the cache holds {len(ids)}; decoding them all")
-
-    # The replay's cycles on the same prompts (it refuses a drafter the cache does not fit, before the target loads).
-    replay: dict[str, dict[str, list[int]]] = {}
-    projected: dict[str, measured.Interval] = {}
-    priced: dict[str, dict[str, float]] = {}  # what the profile prices a cycle's parts at, beside the measured
-    for block in sorted({s.block for s in settings}):
-        mine = [s for s in settings if s.block == block]
-        budgets = tuple(s.budget for s in mine if s.budget)
-        report = evaluate(cache, drafter, sample_ids=ids, budgets=budgets, tail_blocks="served", block_size=block)
-        for s in mine:
-            replay[s.name] = {r.id: list(r.ddtree[s.budget] if s.budget else r.acceptance_lengths)
-                              for r in report.samples}
-        if profile is not None:
-            cycles = sample_cycles(cache, report.samples)
-            proj = project(cycles, family_settings(spec.family, block, budgets), profile)
-            for s in mine:
-                at = next(x for x in proj.settings if x.setting.name == s.projected_as)
-                projected[s.name] = at.speedup
-                priced[s.name] = priced_per_cycle(cycles, at.setting, profile)
+    replayed = _replay(cache, drafter, spec, settings, ids, profile)
 
     target = load_target(args.target, args.dtype, device=device)
     check_croppable(target.model)
-    dtype = DTYPES[args.dtype]
-    drafter = drafter.to(device=device, dtype=dtype).eval()
+    drafter = drafter.to(device=device, dtype=DTYPES[args.dtype]).eval()
     head, embed = target.lm_head.weight, target.embed_tokens.weight
-    stops = cache.manifest.stop_token_ids
-    max_new = cache.manifest.max_new_tokens
     prompts = {i: cache.load(i).input_ids[: cache.entry(i).prompt_len].tolist() for i in ids}
-    layers = spec.target_layer_ids
-    clock = Clock(device)
+    decodes = _Decodes(target, {s.name: loop_drafter(drafter, head, embed, s.block, s.budget) for s in settings},
+                       prompts, spec.target_layer_ids, cache.manifest.max_new_tokens, cache.manifest.stop_token_ids,
+                       Clock(device), replayed.cycles)
     plain = measured.SettingRuns("plain", "plain decoding", "plain", [[] for _ in ids])
-    runs = {s.name: measured.SettingRuns(s.name, s.label, s.kind, [[] for _ in ids]) for s in settings}
-    drafters = {s.name: loop_drafter(drafter, head, embed, s.block, s.budget) for s in settings}
-    reference: dict[str, list[int]] = {}
-    problems: list[str] = []
-
-    def decode(name: str, prompt_id: str) -> tuple[measured.Timed, Any]:
-        steps = TargetSteps(target.model, layers)
-        if name == "plain":
-            run = plain_decode(steps, prompts[prompt_id], max_new, stops, clock)
-        else:
-            run = speculative_decode(steps, drafters[name], prompts[prompt_id], max_new, stops, clock)
-        return measured.Timed(run.seconds, run.verify_seconds, run.draft_seconds, len(run.accepted),
-                              len(run.tokens) - 1), run
-
-    def checked(name: str, prompt_id: str, run: Any) -> None:
-        ref = reference.setdefault(prompt_id, run.tokens) if name == "plain" else reference[prompt_id]
-        if run.tokens != ref and not problems:
-            at = next((j for j, (a, b) in enumerate(zip(run.tokens, ref, strict=False)) if a != b),
-                      min(len(run.tokens), len(ref)))
-            problems.append(f"{name} on prompt {prompt_id}: token {at} of the completion differs from plain greedy "
-                            f"decoding ({run.tokens[at:at + 1]} vs {ref[at:at + 1]})")
-        if name != "plain" and run.accepted != replay[name][prompt_id] and not problems:
-            want = replay[name][prompt_id]
-            cyc = next((j for j, (a, b) in enumerate(zip(run.accepted, want, strict=False)) if a != b),
-                       min(len(run.accepted), len(want)))
-            problems.append(f"{name} on prompt {prompt_id}: cycle {cyc} committed "
-                            f"{run.accepted[cyc] if cyc < len(run.accepted) else 'nothing'}, the replay "
-                            f"{want[cyc] if cyc < len(want) else 'nothing'} (the cache's prefill and these passes "
-                            "disagree there: docs/serving.md, \"Checking a projection\")")
-
-    names = ["plain", *(s.name for s in settings)]
+    runs = {"plain": plain, **{s.name: measured.SettingRuns(s.name, s.label, s.kind, [[] for _ in ids])
+                               for s in settings}}
     with torch.inference_mode():
-        # Untimed: plain decoding of every prompt (the tokens every decode must equal), then every setting once
-        # on the first prompt (the warm-up).
-        for pid in ids:
-            checked("plain", pid, decode("plain", pid)[1])
-        for name in names[1:]:
-            checked(name, ids[0], decode(name, ids[0])[1])
-        from tqdm import tqdm
-
-        bar = tqdm(total=repeats * len(ids) * len(names), desc="speed check", unit="decode",
-                   disable=args.no_progress, file=sys.stderr)
-        for r in range(repeats):
-            for i, pid in enumerate(ids):
-                shift = (r + i) % len(names)  # every setting in every slot of the rotation, across prompts
-                for name in names[shift:] + names[:shift]:
-                    timed, run = decode(name, pid)
-                    checked(name, pid, run)
-                    (plain if name == "plain" else runs[name]).runs[i].append(timed)
-                    bar.update()
-        bar.close()
-    results = measured.measure(plain, [runs[s.name] for s in settings], projected)
+        _timed_rounds(decodes, list(runs), ids, repeats, runs, args.no_progress)
+    problems = decodes.problems
+    results = measured.measure(plain, [runs[s.name] for s in settings], replayed.projected)
     terms = measured.overhead_terms(results)
     verdict = measured.verdict(results, runs, plain)
     command = "python tools/speed_check.py " + " ".join(shlex.quote(a) for a in argv)
@@ -251,7 +292,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               "torch": torch.__version__, "prompts": ids, "repeats": repeats,
               "exact": not problems, "first_difference": problems[0] if problems else None,
               "plain_seconds_per_token": results[0].plain_step if results else None,
-              "settings": [{**r.to_dict(), "priced_per_cycle_seconds": priced.get(r.name)} for r in results],
+              "settings": [{**r.to_dict(), "priced_per_cycle_seconds": replayed.priced.get(r.name)} for r in results],
               "overhead_seconds_per_cycle": terms,
               "verdict": verdict, "profile": profile.label() if profile is not None else None}
     atomic_write_json(out, report)

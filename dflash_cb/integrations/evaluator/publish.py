@@ -17,6 +17,7 @@ from typing import Any
 
 from ...common import log
 from ...core.costs.evaluation import EvalCost, setup_line
+from ...core.figures.derived import live_metrics
 from ...core.figures.metrics import (
     ANCHOR_STRIDE,
     EVAL_OVERHEAD,
@@ -33,7 +34,6 @@ from ...core.figures.metrics import (
 )
 from ...core.replay import SampleResult
 from ...core.results.baselines import baseline_scalars
-from ...core.results.compare import live_metrics
 from ...core.results.report import evaluation_line
 from ..tracking.sinks import EvaluationRecord, MetricsSink, RunInfo, TableSample, sink_name
 from .config import EvalConfig

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..dflash.family import DFlashFamily
+from ..block.kind import BackboneFamily
 from ..proposers import Proposer
 from ..spec import DrafterSpec, config_value, int_field
 from .cost_terms import SelectorCostTerms
@@ -16,7 +16,7 @@ from .figures import FIGURES
 from .model import ARCHITECTURE, DFLASH2_FIELDS, LATTICE_BLOCKS
 
 
-class DFlash2Family(DFlashFamily):
+class DFlash2Family(BackboneFamily):
     name = "dflash2"
     label = "DFlash 2"
     architecture = ARCHITECTURE

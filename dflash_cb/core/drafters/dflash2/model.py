@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import Qwen3Config
 
-from ..dflash.model import ContextKV, DFlashDecoderLayer, DFlashDrafter
+from ..block.attention import BlockDecoderLayer, ContextKV
+from ..block.drafter import BlockDrafter
 from ..proposers import Proposer, RowDrafts, logit_chunks, stored_overlap
 from ..runners import HiddenBlocks
 from ..spec import DrafterSpec, config_value, draft_logits
@@ -137,7 +138,7 @@ class GroupedCausalConv(nn.Module):
         return causal_group_conv(y, self.base_kernel[1], dynamic, self.group_size)
 
 
-class DFlash2DecoderLayer(DFlashDecoderLayer):
+class DFlash2DecoderLayer(BlockDecoderLayer):
     """A DFlash layer whose attention and MLP each sit between the two stages of their own convolution."""
 
     def __init__(self, config: Qwen3Config, layer_idx: int, settings: DFlash2Settings):
@@ -179,7 +180,7 @@ class PairSelector(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 
-class DFlash2Drafter(DFlashDrafter):
+class DFlash2Drafter(BlockDrafter):
     """A DFlash 2 drafter: DFlash's weights plus ``layers.N.{attention,mlp}_conv.*`` and ``candidate_selector.*``.
 
     ``stream_context`` is DFlash's unchanged (the convolutions run on the block stream only, never on the

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..dflash.family import HeadOnBackboneFamily
+from ..block.kind import HeadOnBackboneFamily
 from ..proposers import Proposer
 from ..spec import DrafterSpec
 from .figures import FIGURES

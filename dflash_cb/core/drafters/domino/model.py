@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from transformers import Qwen3Config
 
-from ..dflash.model import DFlashDrafter
+from ..block.drafter import BlockDrafter
 from ..proposers import Proposer, RowDrafts, logit_chunks
 from ..spec import DrafterSpec, config_value
 
@@ -49,7 +49,7 @@ class DominoSettings:
         return cls(values["emb_dim"], values["gru_hidden_dim"], int(prefix), shift)
 
 
-class DominoDrafter(DFlashDrafter):
+class DominoDrafter(BlockDrafter):
     """DFlash's module plus ``prefix_gru.*`` and ``embed_proj.*``."""
 
     family: ClassVar[str] = "domino"

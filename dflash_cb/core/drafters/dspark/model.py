@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from transformers import Qwen3Config
 
-from ..dflash.model import DFlashDrafter
+from ..block.drafter import BlockDrafter
 from ..proposers import Proposer, RowDrafts, logit_chunks
 from ..spec import DrafterSpec, config_value
 
@@ -127,7 +127,7 @@ def predicted_acceptance(confidence: nn.Module, markov: MarkovHead | None, previ
     return torch.sigmoid(confidence.proj(features).squeeze(-1).float())
 
 
-class DSparkDrafter(DFlashDrafter):
+class DSparkDrafter(BlockDrafter):
     """DFlash's module plus ``markov_head.*`` and, when the config enables it, ``confidence_head.*``."""
 
     family: ClassVar[str] = "dspark"
