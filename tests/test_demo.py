@@ -129,6 +129,47 @@ def test_a_drafter_without_trees_runs_end_to_end_and_says_what_its_training_left
 
 
 @pytest.mark.e2e
+@pytest.mark.parametrize(("family", "label", "architecture"), [("eagle3", "EAGLE-3", "LlamaForCausalLMEagle3"),
+                                                               ("mtp", "MTP", "Qwen3_5MTPDrafter")])
+def test_a_chain_drafter_runs_end_to_end(tmp_path: Path, family: str, label: str, architecture: str) -> None:
+    """``--drafter eagle3|mtp``: a runnable EAGLE-3 route and an MTP route on the CPU demo. The chain drafter trains
+    on its first step, its tau rises, it is scored without DDTree (said why), and the extracted drafter (SpecForge's
+    or the MTP's config) scores what the callback logged last."""
+    out = tmp_path / family
+    proc = _run("--quick", "--drafter", family, "--steps", "60", "--eval-every", "30", "--out", str(out), "--seed", "0")
+    assert proc.returncode == 0, f"demo failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["drafter"] == family and summary["tau_last"] > summary["tau_first"], summary["evaluations"]
+    assert summary["ddtree_budget"] is None
+    assert f"training an {label} drafter (1 layer, K = 7 steps, trained on its first step" in proc.stdout
+    assert f"DDTree: not scored (a{'n' if family == 'eagle3' else ''} {label} drafter drafts each depth from its " \
+        "parent token" in proc.stdout
+    # Its vocabulary mapping (EAGLE-3's d2t, t2d) is no weight: not named as left untrained.
+    assert summary["untrained_parts"] == [] and "left at their initial weights" not in proc.stdout
+    results = json.loads(Path(summary["paths"]["results"]).read_text())
+    assert results["meta"]["drafter_family"] == family and results["meta"]["ddtree_budgets"] == []
+    assert results["metrics"]["tau"] == pytest.approx(summary["tau_last"], abs=1e-12)
+    config = json.loads((out / "drafter" / "config.json").read_text())
+    assert config["architectures"] == [architecture] and config["drafter_family"] == family
+
+
+@pytest.mark.parametrize("family", ["eagle3", "mtp"])
+def test_the_chain_drafters_read_layers_the_demo_caches(family: str) -> None:
+    """The demo's caches hold layers 0, 1 and 2 of its 3-layer target: the MTP head reads the last one (its
+    final-normed state, as a target's own head does), EAGLE-3 three outputs other than the last."""
+    from dflash_cb.core.drafters.layouts import drafter_from_config
+    from dflash_cb.demo.demo import DRAFTERS, DemoConfig, drafter_config
+    from dflash_cb.demo.synthetic import TargetSpec
+
+    cfg = DemoConfig.resolve(drafter=family)
+    spec = drafter_from_config(drafter_config(cfg)).spec
+    last = TargetSpec().num_layers - 1
+    assert family in DRAFTERS and set(spec.target_layer_ids) <= set(cfg.layer_ids)
+    assert spec.block_size == cfg.block_size and cfg.ddtree_budgets == ()
+    assert list(spec.target_layer_ids) == ([last] if family == "mtp" else [0, 1, 1])
+
+
+@pytest.mark.e2e
 def test_printed_commands_paste_into_a_shell(demo: tuple[Path, subprocess.CompletedProcess]) -> None:
     """The follow-up commands are quoted: split as a shell splits them, each path is one argument, and
     the comparison command, run as printed, writes the demo's comparison again, byte for byte."""

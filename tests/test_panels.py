@@ -402,3 +402,94 @@ def test_a_local_run_is_inspected_whole_and_its_panels_cover_what_the_readme_arg
     assert wanted <= keys
     assert wanted - {"dflash_eval/chain_tau_estimate"} <= logged  # a block drafter's run: no chain estimate
     assert run(main, ["--budgets", "4", "--dry-run"]) == 0 and capsys.readouterr().out.startswith("{")
+
+
+# -- what --show and --dry-run import: the counted work, not a clock ---------------------------------------------
+
+# Modules --show and --dry-run never need: W&B's SDK (its import alone is a second or more), Lightning, the
+# workspace library (only building a view needs it) and transformers (the drafter modules' layers).
+HEAVY = ("wandb", "lightning", "wandb_workspaces", "transformers")
+
+
+def _imported_by(argv: list[str]) -> tuple[int, list[str], str]:
+    """(exit code, the HEAVY modules imported, stderr) of the panels tool run with ``argv`` in a fresh interpreter."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    code = ("import sys, contextlib, io\n"
+            "from dflash_cb.common.cli import run\n"
+            "from dflash_cb.integrations.tracking.panels import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n"
+            f"    rc = run(main, {argv!r})\n"
+            f"print(rc, *sorted({{m.split('.')[0] for m in sys.modules}} & set({HEAVY!r})))\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root, timeout=600)
+    assert done.returncode == 0, done.stderr
+    rc, *heavy = done.stdout.split()
+    return int(rc), heavy, done.stderr
+
+
+@pytest.mark.e2e
+def test_show_and_dry_run_import_neither_wandb_lightning_nor_transformers(offline_run):
+    """``--show`` and ``--dry-run`` (on a run folder or from options) read the run's log without W&B's SDK and the
+    families' figures without their drafter modules: each call was 22-25 s on a loaded 2-core machine, most of it
+    importing what they do not use."""
+    run_dir = str(offline_run["run_dir"])
+    for argv in (["--run", run_dir, "--show"], ["--run", run_dir, "--dry-run"], ["--budgets", "4,8", "--dry-run"]):
+        rc, heavy, err = _imported_by(argv)
+        assert rc == 0 and heavy == [], (argv, heavy, err)
+
+
+def test_the_families_figures_read_without_the_registry_are_the_registrys():
+    """``family_figures`` (each family folder's figures module, no drafter modules) is what the registry's families
+    carry: a family's figures moved elsewhere fail here instead of leaving its panels out."""
+    from dflash_cb.core.drafters.base import FamilyFigures
+    from dflash_cb.core.drafters.registry import families
+    from dflash_cb.core.results.compare import family_walks as registry_walks
+    from dflash_cb.integrations.tracking.panels import family_figures, family_walks
+
+    found = family_figures()
+    assert {f.name for f in families() if f.figures != FamilyFigures()} == set(found) != set()
+    assert all(found[f.name] is f.figures for f in families() if f.name in found)
+    assert family_walks() == registry_walks()
+
+
+def test_the_offline_readers_field_numbers_are_wandbs():
+    """The offline reader decodes the history, summary and config by their protobuf field numbers: they are those
+    of the installed wandb's own messages."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    from dflash_cb.integrations.tracking import wandb_offline as w
+
+    def number(message, name: str) -> int:
+        return message.DESCRIPTOR.fields_by_name[name].number
+
+    assert (w.RECORD_HISTORY, w.RECORD_SUMMARY, w.RECORD_CONFIG, w.RECORD_RUN) == tuple(
+        number(pb.Record, n) for n in ("history", "summary", "config", "run"))
+    assert w.ITEMS == number(pb.HistoryRecord, "item") == number(pb.SummaryRecord, "update") \
+        == number(pb.ConfigRecord, "update")
+    assert w.RUN_CONFIG == number(pb.RunRecord, "config")
+    for item in (pb.HistoryItem, pb.SummaryItem, pb.ConfigItem):
+        assert (w.ITEM_KEY, w.ITEM_NESTED_KEY, w.ITEM_VALUE_JSON) == tuple(
+            number(item, n) for n in ("key", "nested_key", "value_json"))
+
+
+@pytest.mark.e2e
+def test_the_offline_readers_equal_wandbs_own_messages(offline_run):
+    """History, summary and config read from the wire format equal what wandb's own ``Record`` messages hold."""
+    from dflash_cb.integrations.tracking.wandb_offline import offline_config, offline_history, offline_records
+
+    rows, summary, config = [], {}, {}
+    for r in offline_records(offline_run["run_dir"]):
+        kind = r.WhichOneof("record_type")
+        if kind == "history":
+            rows.append({(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in r.history.item})
+        elif kind == "summary":
+            summary.update({(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in r.summary.update})
+        for i in r.run.config.update if kind == "run" else r.config.update if kind == "config" else []:
+            if (i.key or "/".join(i.nested_key)) != "_wandb":
+                config[i.key or "/".join(i.nested_key)] = json.loads(i.value_json)
+    assert offline_history(offline_run["run_dir"]) == (rows, summary) and len(rows) > 2 and summary
+    assert offline_config(offline_run["run_dir"]) == config and config

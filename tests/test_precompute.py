@@ -812,3 +812,20 @@ def test_completions_only_journals_the_server_and_the_prefill_runs_elsewhere_fro
     capsys.readouterr()
     assert run(target_dir, prompts_file, tmp_path / "none", "--completions-only") == 2
     assert "--completions-only journals a server's completions; --reference local has none" in capsys.readouterr().err
+
+
+def test_the_thinking_config_is_the_27b_config_with_thinking_on():
+    """``configs/precompute/qwen36-27b-thinking.yaml``: the 27B's precompute with the chat template's thinking switch
+    on, into its own folder; everything else (layers with the MTP head's 63, prompts, server, storage) the same."""
+    from dataclasses import asdict
+
+    from dflash_cb.cache.precompute.cli import args_from_cli
+
+    root = Path(__file__).resolve().parents[1] / "configs" / "precompute"
+    plain = asdict(args_from_cli(["--config", str(root / "qwen36-27b.yaml")]))
+    thinking = asdict(args_from_cli(["--config", str(root / "qwen36-27b-thinking.yaml")]))
+    assert plain["chat_template_kwargs"] == {"enable_thinking": False}
+    assert thinking["chat_template_kwargs"] == {"enable_thinking": True}
+    assert thinking["out"] != plain["out"] and 63 in thinking["layers"]
+    differ = {k for k in plain if plain[k] != thinking[k]}
+    assert differ == {"chat_template_kwargs", "out"}, differ

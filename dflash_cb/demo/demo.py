@@ -5,8 +5,9 @@ In a few minutes on a laptop, the whole system at toy scale:
 1. train a tiny Qwen3 target on a synthetic language (``dflash_cb.demo.synthetic``) and save it;
 2. precompute its hidden states for a training and a held-out evaluation prompt set with the real
    tool (``tools/precompute_states.py --reference local --dtype float32``);
-3. train a DFlash drafter (``--drafter``: any block family, e.g. ``dflash2``, ``domino``, ``dspark``) with Lightning
-   (``DFlashDrafterModule``) while ``DFlashEvalCallback``
+3. train a DFlash drafter (``--drafter``: any block family, e.g. ``dflash2``, ``domino``, ``dspark``; or a chain
+   drafter, ``eagle3`` or ``mtp``, trained on its first step) with Lightning (``DFlashDrafterModule``) while
+   ``DFlashEvalCallback``
    replays the greedy speculative loop on the held-out cache every N steps (W&B offline by default,
    plus a CSVLogger), printing tau per evaluation;
 4. extract the drafter from the final checkpoint (``tools/extract_drafter.py``'s code), score it
@@ -148,9 +149,16 @@ class Paths:
         self.summary = o / "summary.json"
 
 
-# The drafter families the demo trains (--drafter: every block family; one without DDTree is scored without budgets),
-# and how the summary names them.
-DRAFTERS = {f.name: f.label for f in families() if f.kind == "block"}
+# The chain families the demo builds a small drafter of (``chain_drafter_config``).
+CHAIN_DRAFTERS = ("eagle3", "mtp")
+# The drafter families the demo trains (--drafter: every block family and the chain families above; one without
+# DDTree is scored without budgets), and how the summary names them.
+DRAFTERS = {f.name: f.label for f in families() if f.kind == "block" or f.name in CHAIN_DRAFTERS}
+# EAGLE-3 reads three layers' outputs other than the last (the cache holds the last one final-normed, the state a
+# DFlash drafter and the MTP head read, not the residual stream SGLang captures for EAGLE-3): of the tiny
+# target's three layers, layer 0 and layer 1 twice. The demo's caches hold layers 0, 1 and 2 (``layer_ids``),
+# so every family the demo trains reads layers the cache holds.
+EAGLE3_LAYERS = (0, 1, 1)
 
 
 class DemoError(DFlashCBError, RuntimeError):
@@ -280,11 +288,41 @@ def drafter_config(cfg: DemoConfig) -> dict[str, Any]:
     from . import synthetic as S
     from .lightning_module import tiny_drafter_config
 
+    if cfg.drafter in CHAIN_DRAFTERS:
+        return chain_drafter_config(cfg)
     t = S.TargetSpec()
     return tiny_drafter_config(vocab_size=S.VOCAB_SIZE, target_hidden=t.hidden_size, target_layers=t.num_layers,
                                layer_ids=list(cfg.layer_ids), mask_token_id=S.MASK_TOKEN_ID,
                                block_size=cfg.block_size, num_layers=cfg.drafter_layers, heads=4, kv_heads=2,
                                head_dim=16, intermediate_size=3 * t.hidden_size, family=cfg.drafter)
+
+
+def chain_drafter_config(cfg: DemoConfig) -> dict[str, Any]:
+    """A small chain drafter of K = block size - 1 steps for the tiny target: ``mtp``, a Qwen3.5 MTP layer (the
+    tiny target ships none: a stand-in for Qwen3.6's own head, as ``benchmarks/which_to_serve.py`` trains) reading
+    the target's last layer; ``eagle3``, SpecForge's EAGLE-3 layout (``LlamaForCausalLMEagle3``, one layer) over the
+    target's whole vocabulary (no draft-vocabulary mapping) reading ``EAGLE3_LAYERS``."""
+    from ..core.drafters.eagle3.model import ARCHITECTURE as EAGLE3
+    from ..core.drafters.mtp.model import mtp_config_from_target
+    from . import synthetic as S
+
+    t = S.TargetSpec()
+    k = cfg.block_size - 1
+    if cfg.drafter == "mtp":
+        target = S.target_config(t).to_dict()
+        return mtp_config_from_target({**target, "mtp_num_hidden_layers": 1, "rope_parameters": {
+            "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}}, k)
+    if cfg.drafter == "eagle3":
+        layers = list(EAGLE3_LAYERS)
+        return {"architectures": [EAGLE3], "drafter_family": "eagle3", "model_type": "llama",
+                "vocab_size": S.VOCAB_SIZE, "draft_vocab_size": S.VOCAB_SIZE, "hidden_size": t.hidden_size,
+                "target_hidden_size": t.hidden_size, "intermediate_size": 3 * t.hidden_size, "num_hidden_layers": 1,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "hidden_act": "silu",
+                "rms_norm_eps": 1e-6, "max_position_embeddings": 4096, "tie_word_embeddings": False,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+                "eagle_config": {"eagle_aux_hidden_state_layer_ids": layers}, "target_layer_ids": layers,
+                "num_target_layers": t.num_layers, "num_speculative_tokens": k}
+    raise ValueError(f"--drafter {cfg.drafter}: the demo builds no {cfg.drafter} drafter")
 
 
 def _fmt(x: Any, nd: int = 3) -> str:
@@ -353,9 +391,15 @@ def train_drafter(cfg: DemoConfig, paths: Paths) -> dict[str, Any]:
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     module = DFlashDrafterModule(dcfg, states=str(paths.cache_train), lr=cfg.lr, anchors_per_sample=16,
                                  warmup_steps=30, init_seed=cfg.seed)
-    data = CachedStatesDataModule(str(paths.cache_train), batch_size=cfg.batch_size, shuffle=True)
+    chain = cfg.drafter in CHAIN_DRAFTERS
+    # A chain drafter reads some of the cache's layers (the MTP head the last, EAGLE-3 EAGLE3_LAYERS).
+    data = CachedStatesDataModule(str(paths.cache_train), batch_size=cfg.batch_size, shuffle=True,
+                                  layer_ids=list(module.drafter.spec.target_layer_ids) if chain else None)
     n_params = sum(p.numel() for p in module.drafter.parameters())
-    _say(f"[3/4] training a {DRAFTERS[cfg.drafter]} drafter ({cfg.drafter_layers} layers, block {cfg.block_size}, "
+    shape = (f"1 layer, K = {cfg.block_size - 1} steps, trained on its first step" if chain
+             else f"{cfg.drafter_layers} layers, block {cfg.block_size}")
+    label = DRAFTERS[cfg.drafter]
+    _say(f"[3/4] training {'an' if label.startswith(('A', 'E', 'I', 'O', 'U', 'MTP')) else 'a'} {label} drafter ({shape}, "
          f"{n_params / 1e3:.0f}k parameters) with Lightning for {cfg.steps} steps; DFlashEvalCallback replays the "
          f"greedy loop on the {len(S.FAMILIES)}-category held-out cache every {cfg.eval_every} steps")
 
@@ -397,6 +441,7 @@ def train_drafter(cfg: DemoConfig, paths: Paths) -> dict[str, Any]:
     if not eval_cb.history:
         raise DemoError("DFlashEvalCallback logged no evaluation; see the warnings above")
     return {"history": eval_cb.history, "seconds": seconds, "params": n_params,
+            "buffers": {name for name, _ in module.drafter.named_buffers()},
             "wandb_dir": run_dir, "wandb_url": run_url, "csv": Path(csv_logger.log_dir) / "metrics.csv"}
 
 
@@ -445,16 +490,17 @@ def compare_first_last(paths: Paths, first: Results, last: Results) -> dict[str,
             "high": d.interval.high, "markdown": md, "png": png, "command": command}
 
 
-def untrained_parts(first: Path, last: Path) -> list[str]:
+def untrained_parts(first: Path, last: Path, buffers: Sequence[str] = ()) -> list[str]:
     """The drafter's submodules whose every weight is the same in the extracted first and last drafters (training
-    left them at their init: an objective without a term for them), as ``name.*``."""
+    left them at their init: an objective without a term for them), as ``name.*``. ``buffers``: saved tensors that
+    are no weights (EAGLE-3's vocabulary mapping ``d2t``, ``t2d``): no training changes them, so they are left out."""
     import torch
     from safetensors.torch import load_file
 
     a = {k: v for f in sorted(first.glob("*.safetensors")) for k, v in load_file(f).items()}
     b = {k: v for f in sorted(last.glob("*.safetensors")) for k, v in load_file(f).items()}
     parts: dict[str, bool] = {}
-    for key in sorted(a.keys() & b.keys()):
+    for key in sorted((a.keys() & b.keys()) - set(buffers)):
         part = key.split(".")[0]
         parts[part] = parts.get(part, True) and a[key].shape == b[key].shape and torch.equal(a[key], b[key])
     return [f"{part}.*" for part, same in parts.items() if same]
@@ -573,7 +619,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     hist = tr["history"]
     first, last = hist[0], hist[-1]
     top_budget = max(cfg.ddtree_budgets, default=None)
-    untrained = untrained_parts(paths.drafter_first, paths.drafter)
+    untrained = untrained_parts(paths.drafter_first, paths.drafter, sorted(tr["buffers"]))
     # The callback's last evaluation and the standalone scoring of the extracted weights must agree exactly.
     if results.tau is not None and abs(results.tau - last[TAU]) > 1e-9:
         raise DemoError(f"the extracted drafter scores tau {results.tau} but the callback logged {last['tau']} "

@@ -2,7 +2,8 @@
 
 ``DFlashDrafterModule`` trains ``self.drafter`` (a ``DFlashDrafter`` or ``DFlash2Drafter``) with the DFlash objective
 (``training.dflash_loss``: random anchors, a block of mask tokens after each, cross-entropy
-against the target's tokens) on the context features stored in a cache. The target's embedding
+against the target's tokens) on the context features stored in a cache; a chain drafter (EAGLE-3, an MTP head)
+with its first step's teacher-forced cross-entropy (``chain_first_step_loss``: row t drafts the token at t + 2). The target's embedding
 and output head are frozen, non-persistent buffers (``target_embed``, ``target_lm_head``), so
 checkpoints hold only the drafter (``tools/extract_drafter.py`` finds it under ``drafter.``) and
 the drafter config is in ``hyper_parameters.drafter_config``.
@@ -24,7 +25,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from ..cache.states import StateCache, TargetHead
 from ..core.drafters.layouts import drafter_from_config
-from ..core.drafters.registry import family_named
+from ..core.drafters.registry import family_named, family_of
 from ..core.drafters.spec import DEFAULT_FAMILY
 from ..core.drafters.training import batch_loss
 
@@ -120,6 +121,7 @@ class DFlashDrafterModule(LightningModule):
                 self.drafter = drafter_from_config(drafter_config)
         else:
             self.drafter = drafter_from_config(drafter_config)
+        self.chain = family_of(drafter_config).kind == "chain"  # trained on its first step (chain_first_step_loss)
         head = StateCache(states).load_head(dtype=torch.float32)
         # Frozen target matrices: buffers (move with the module, never trained), not saved in checkpoints.
         self.register_buffer("target_embed", head.embed_tokens.clone(), persistent=False)
@@ -131,6 +133,11 @@ class DFlashDrafterModule(LightningModule):
         return TargetHead(self.target_embed, self.target_lm_head, tied=False)
 
     def training_step(self, batch: list[dict[str, Any]], batch_idx: int) -> torch.Tensor:
+        if self.chain:
+            loss, acc1 = chain_first_step_loss(self.drafter, self.head, batch)
+            self.log("train/loss", loss, prog_bar=True, batch_size=len(batch))
+            self.log("train/acc_depth1", acc1, batch_size=len(batch))
+            return loss
         loss, acc1 = batch_loss(self.drafter, self.head, batch, self.hparams.anchors_per_sample, self.hparams.loss_decay)
         self.log("train/loss", loss, prog_bar=True, batch_size=len(batch))
         self.log("train/acc_depth1", acc1, batch_size=len(batch))
@@ -143,6 +150,44 @@ class DFlashDrafterModule(LightningModule):
         warm = max(1, int(self.hparams.warmup_steps))
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def chain_first_step_loss(drafter: Any, head: TargetHead, batch: Sequence[dict[str, Any]]
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean loss, first-step accuracy) of a chain drafter over a batch of cached samples: each sample's rows up to
+    its valid length run through the replay's own context pass (``chain.ChainRunner``), row t drafting the token at
+    t + 2 (the token at t + 1 is the target's, fed in). The logits are the drafter's own head's over its draft
+    vocabulary (EAGLE-3: tokens outside it are not supervised), else the target's output head (an MTP head)."""
+    from ..core.drafters.chain import ChainRunner
+
+    runner = ChainRunner(drafter, drafter.spec)
+    own = getattr(drafter, "lm_head", None)
+    index = None
+    if own is not None:  # draft id -> target id is id + d2t: the target's ids as draft ids, -100 outside
+        d2t = drafter.d2t
+        index = torch.full((int(drafter.spec.vocab_size),), -100, dtype=torch.long, device=d2t.device)
+        index[torch.arange(d2t.numel(), device=d2t.device) + d2t] = torch.arange(d2t.numel(), device=d2t.device)
+    losses, hits, total = [], 0, 0
+    for s in batch:
+        n = int(s["valid_len"])
+        ids = s["input_ids"][:n].long().to(head.embed_tokens.device)
+        r = n - 2
+        if r < 1:
+            continue
+        feats = s["hidden"][:r].to(head.embed_tokens.device, torch.float32)
+        ctx = runner.context(iter([(feats, runner.token_embeddings(ids[1:r + 1], head.embed_tokens))]), [r])
+        target = ids[2:r + 2]
+        if own is not None:
+            logits, target = own(ctx.head_in), index[target]
+        else:
+            logits = ctx.head_in @ head.lm_head.T.to(ctx.head_in.dtype)
+        losses.append(torch.nn.functional.cross_entropy(logits.float(), target, ignore_index=-100))
+        kept = target != -100
+        hits += int((logits.argmax(-1)[kept] == target[kept]).sum())
+        total += int(kept.sum())
+    if not losses:
+        raise ValueError("no sample of the batch has two tokens to train a chain drafter's first step on")
+    return torch.stack(losses).mean(), torch.tensor(hits / max(total, 1))
 
 
 def tiny_drafter_config(vocab_size: int, target_hidden: int, target_layers: int, layer_ids: Sequence[int],

@@ -30,7 +30,7 @@ from typing import Any
 
 from ...common import cli
 from ...common.errors import DFlashCBError
-from ...core.drafters.registry import families, family_named, family_names
+from ...core.drafters.base import FamilyFigures
 from ...core.figures.metrics import (
     ACCEPT_LENGTH_SERVED,
     ALL_ANCHOR_TAU,
@@ -71,7 +71,6 @@ from ...core.figures.positions import (
     position_labels,
 )
 from ...core.results.baselines import CONVENTIONS
-from ...core.results.compare import family_walks
 
 SAMPLE_TABLE = "sample_table"
 COST_KEYS = (EVAL_TIME, EVAL_OVERHEAD, CYCLES, TOKENS, ANCHORS_DRAFTED, ANCHORS_NEEDED)
@@ -248,17 +247,52 @@ def layout_from_keys(keys: Iterable[str], prefix: str = DEFAULT_PREFIX,
         cost=[n for n in COST_KEYS if n in keys],
         light_ddtree_budgets=light_budgets,
         served=SERVED_BASELINE in {f"baseline/{n}" for n in named},
-        family=next((f.name for f in families() if f.figures.walks
-                     and any(w.key in keys for w in f.figures.walks)), None),
+        family=next((name for name, figures in family_figures().items() if figures.walks
+                     and any(w.key in keys for w in figures.walks)), None),
         serving=[n for n in grab(r"serving/speedup_(.+)") if not n.endswith(("_ci_low", "_ci_high"))],
         reference_budgets={r: bs for r in refs
                            if (bs := sorted(int(b) for b in grab(re.escape(r) + r"/ddtree/tau_b(\d+)")))},
     )
 
 
+def family_figures() -> dict[str, FamilyFigures]:
+    """Each drafter family's own figures by family name (``FIGURES`` of ``core/drafters/<family>/figures.py``; a
+    family without that module has none), read without importing the families' drafter modules: the registry
+    (``registry.families()``) imports every family's model and transformers with it, seconds that ``--show`` and
+    ``--dry-run`` need not spend. tests/test_panels.py checks that this is what the registry's families carry."""
+    import importlib
+    import pkgutil
+
+    from ...core import drafters
+
+    out = {}
+    for info in sorted(pkgutil.iter_modules(drafters.__path__), key=lambda m: m.name):
+        name = f"{drafters.__name__}.{info.name}.figures"
+        if not info.ispkg:
+            continue
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name == name:
+                continue  # a family without figures of its own
+            raise
+        figures = getattr(module, "FIGURES", None)
+        if isinstance(figures, FamilyFigures):
+            out[info.name] = figures
+    return out
+
+
+def family_walks() -> tuple[str, ...]:
+    """Every family walk's tau key, in a fixed order (``compare.family_walks`` without the registry)."""
+    return tuple(dict.fromkeys(w.key for figures in family_figures().values() for w in figures.walks))
+
+
 def family_panels(family: str, depths: range, line: Any) -> list[Any]:
     """The *Drafter family* section of ``family``'s own figures (``FamilyFigures``): its walks' taus beside tau,
     with their intervals; its pooled figures; each per-depth figure; each column of its tables over the rows."""
+    # Its label is the registry's (which imports the drafter modules: seconds, spent only for a family's section).
+    from ...core.drafters.registry import family_named
+
     fam = family_named(family)
     figures, say = fam.figures, fam.label
     walks = [w.key for w in figures.walks]
@@ -365,8 +399,9 @@ def build_parser() -> Any:
     p.add_argument("--position-edges", default=",".join(map(str, DEFAULT_POSITION_EDGES)))
     p.add_argument("--cycle-buckets", type=int, default=DEFAULT_CYCLE_BUCKETS)
     p.add_argument("--baselines", default="", help="names of the measured baselines (callback baselines=)")
-    p.add_argument("--family", choices=family_names(), default=None,
-                   help="the drafter's family: add its own figures' section (dflash2: the selector/... keys)")
+    p.add_argument("--family", default=None,  # checked in main: the registry's names cost seconds to list
+                   help="the drafter's family (a registered one: dflash, dflash2, ...): add its own figures' section "
+                        "(dflash2: the selector/... keys)")
     p.add_argument("--served", action="store_true",
                    help="the cache holds the server's counters: show baseline/served/tau (no paired delta)")
     p.add_argument("--published", default="",
@@ -522,6 +557,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise PanelsError("--url updates a saved workspace view; a --report is always created anew: "
                               "drop one of the two")
         check_view_url(args.url)
+    if args.family is not None:
+        from ...core.drafters.registry import family_named
+
+        try:
+            family_named(args.family)
+        except ValueError as e:
+            raise PanelsError(f"--family {args.family}: {e}") from None
     if args.show and not args.run:
         raise PanelsError("--show prints the series of a run: give --run (a local offline run folder, or a run id "
                           "with --entity and --project)")

@@ -5,8 +5,10 @@ An offline run (``WandbLogger(offline=True)``, ``WANDB_MODE=offline``) keeps its
 7-byte header (crc32, length, kind: full, first, middle or last fragment; 0 is block padding),
 whose payloads are ``wandb_internal_pb2.Record`` messages. The crc32 covers the kind byte and the
 fragment (zlib's CRC-32, the one the W&B writer computes), so a flipped bit anywhere in a record is
-caught and named, never read as other values. Only the history and summary keys (and values) are
-decoded here: enough to check a panel layout against the run.
+caught and named, never read as other values. Only the history, summary and config keys (and values) are
+decoded here, from protobuf's wire format by their field numbers, without importing wandb (whose import alone
+takes a second or more): enough to show a run and check a panel layout against it. ``offline_records`` gives
+every record as wandb's own messages.
 """
 
 from __future__ import annotations
@@ -43,11 +45,8 @@ def run_file(run_dir: str | os.PathLike) -> Path:
     return found[0]
 
 
-def offline_records(run_dir: str | os.PathLike) -> list[Any]:
-    """Every complete record of the run's log (a record the writer is still busy with is left out)."""
-    from google.protobuf.message import DecodeError
-    from wandb.proto import wandb_internal_pb2 as pb
-
+def _frames(run_dir: str | os.PathLike) -> tuple[Path, list[tuple[int, bytes]]]:
+    """(the log's path, [(byte offset, payload)] of every complete record): the LevelDB layer, checksums checked."""
     path = run_file(run_dir)
     data = path.read_bytes()
     if data[:4] != _MAGIC:
@@ -87,41 +86,141 @@ def offline_records(run_dir: str | os.PathLike) -> list[Any]:
         elif kind == 4:
             out.append((start, buf + chunk))
             buf = b""
+    return path, out
+
+
+def _not_a_record(path: Path, at: int, why: str) -> OfflineRunError:
+    return OfflineRunError(f"{path}: the record at byte {at} is not a W&B record ({why}); read the run with the "
+                           "wandb version that wrote it")
+
+
+def offline_records(run_dir: str | os.PathLike) -> list[Any]:
+    """Every complete record of the run's log as wandb's ``Record`` messages (a record the writer is still busy with
+    is left out). Imports wandb (a second or more); the history, summary and config readers below do not."""
+    from google.protobuf.message import DecodeError
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    path, frames = _frames(run_dir)
     records = []
-    for at, raw in out:
+    for at, raw in frames:
         try:
             records.append(pb.Record.FromString(raw))
         except DecodeError as e:
-            import wandb
-
-            raise OfflineRunError(f"{path}: the record at byte {at} is not a W&B record wandb {wandb.__version__} "
-                                  f"reads ({e}); read the run with the wandb version that wrote it") from None
+            raise _not_a_record(path, at, str(e)) from None
     return records
+
+
+# -- the few fields the readers below need, read from protobuf's wire format -------------------------------
+# Field numbers of wandb_internal.proto (tests/test_panels.py checks them against wandb's own descriptors):
+# Record.history 2, .summary 3, .config 5, .run 17; HistoryRecord.item 1; SummaryRecord.update 1;
+# ConfigRecord.update 1; RunRecord.config 4; each item's key 1, nested_key 2, value_json 16.
+RECORD_HISTORY, RECORD_SUMMARY, RECORD_CONFIG, RECORD_RUN = 2, 3, 5, 17
+ITEMS, RUN_CONFIG = 1, 4
+ITEM_KEY, ITEM_NESTED_KEY, ITEM_VALUE_JSON = 1, 2, 16
+
+
+class _WireError(ValueError):
+    pass
+
+
+def _varint(buf: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if pos >= len(buf) or shift > 63:
+            raise _WireError(f"a varint runs past its message at byte {pos}")
+        b = buf[pos]
+        pos += 1
+        value |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return value, pos
+        shift += 7
+
+
+def _fields(buf: bytes) -> list[tuple[int, bytes | None]]:
+    """(field number, bytes of a length-delimited field, else None) of every field of one message."""
+    out, pos = [], 0
+    while pos < len(buf):
+        key, pos = _varint(buf, pos)
+        number, wire = key >> 3, key & 7
+        value = None
+        if wire == 0:
+            _, pos = _varint(buf, pos)
+        elif wire == 1:
+            pos += 8
+        elif wire == 2:
+            size, pos = _varint(buf, pos)
+            value, pos = buf[pos:pos + size], pos + size
+        elif wire == 5:
+            pos += 4
+        else:
+            raise _WireError(f"wire type {wire} of field {number}")
+        if number == 0 or pos > len(buf):
+            raise _WireError(f"field {number} runs past its message" if number else "field number 0")
+        out.append((number, value))
+    return out
+
+
+def _items(message: bytes, field: int) -> dict[str, Any]:
+    """``{key: value}`` of the repeated ``field`` of ``message`` (history, summary and config items)."""
+    out = {}
+    for number, item in _fields(message):
+        if number != field or item is None:
+            continue
+        key, nested, value = "", [], ""
+        for n, v in _fields(item):
+            if v is None:
+                continue
+            if n == ITEM_KEY:
+                key = v.decode()
+            elif n == ITEM_NESTED_KEY:
+                nested.append(v.decode())
+            elif n == ITEM_VALUE_JSON:
+                value = v.decode()
+        out[key or "/".join(nested)] = json.loads(value)
+    return out
+
+
+def _read(run_dir: str | os.PathLike, read: Any) -> list[Any]:
+    """``read(field number, bytes)`` of each length-delimited top-level field of every record of the run's log (the
+    answers that are not None), without wandb; a record that is no protobuf message is named by its offset."""
+    path, frames = _frames(run_dir)
+    out = []
+    for at, raw in frames:
+        try:
+            for number, value in _fields(raw):
+                if value is not None and (got := read(number, value)) is not None:
+                    out.append(got)
+        except (_WireError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise _not_a_record(path, at, str(e)) from None
+    return out
 
 
 def offline_history(run_dir: str | os.PathLike) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """(history rows, summary) of an offline run: ``{key: value}`` per logged step, and the summary."""
+    def read(number: int, value: bytes) -> tuple[int, dict[str, Any]] | None:
+        return (number, _items(value, ITEMS)) if number in (RECORD_HISTORY, RECORD_SUMMARY) else None
+
     rows: list[dict[str, Any]] = []
     summary: dict[str, Any] = {}
-    for r in offline_records(run_dir):
-        kind = r.WhichOneof("record_type")
-        if kind == "history":
-            rows.append({(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in r.history.item})
-        elif kind == "summary":
-            summary.update({(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in r.summary.update})
+    for number, items in _read(run_dir, read):
+        if number == RECORD_HISTORY:
+            rows.append(items)
+        else:
+            summary.update(items)
     return rows, summary
 
 
 def offline_config(run_dir: str | os.PathLike) -> dict[str, Any]:
     """The run's configuration (``wandb.init(config=...)`` and later ``Run.config.update``), as logged."""
+    def read(number: int, value: bytes) -> list[bytes] | None:
+        if number == RECORD_RUN:
+            return [v for n, v in _fields(value) if n == RUN_CONFIG and v is not None]
+        return [value] if number == RECORD_CONFIG else None
+
     config: dict[str, Any] = {}
-    for r in offline_records(run_dir):
-        kind = r.WhichOneof("record_type")
-        items = r.run.config.update if kind == "run" else r.config.update if kind == "config" else []
-        for i in items:
-            key = i.key or "/".join(i.nested_key)
-            if key != "_wandb":
-                config[key] = json.loads(i.value_json)
+    for parts in _read(run_dir, read):
+        for part in parts:
+            config.update({k: v for k, v in _items(part, ITEMS).items() if k != "_wandb"})
     return config
 
 
