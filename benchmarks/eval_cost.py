@@ -3,8 +3,8 @@
 
     OMP_NUM_THREADS=1 python benchmarks/eval_cost.py [--rounds 7] [--budgets off,16,64,256,1024] [--update-docs]
 
-The test suite asserts the counted work of these evaluations (``tests/test_performance.py``,
-``tests/test_eval_cost.py``: anchors drafted, passes, heap pops, the cost model's price of them); this script
+The test suite asserts the counted work of these evaluations (``tests/core/test_performance.py``,
+``tests/core/test_eval_cost.py``: anchors drafted, passes, heap pops, the cost model's price of them); this script
 prints the seconds they take, which a busy machine changes and a test therefore cannot assert:
 
 1. The light evaluation (statistics every block-th anchor, the largest budget, ``draft_all`` as the cost

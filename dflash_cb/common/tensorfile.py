@@ -3,7 +3,7 @@
 ``safetensors.torch.save_file`` writes from Rust and reports a full disk (or ``ulimit -f``) as its
 own error type, with the OS error only in the message text. Here the bytes go through ``open`` and
 ``write``: the error carries its errno and, inside ``fileio.atomic_path``, names the destination.
-The file is byte for byte what ``save_file`` writes (``tests/test_tensorfile.py`` checks it against
+The file is byte for byte what ``save_file`` writes (``tests/cache/test_tensorfile.py`` checks it against
 safetensors itself): the header's layout (the tensors' order and dtype names) is safetensors' own,
 asked of it for empty tensors of the same names and dtypes; the data follows in that order,
 straight from the tensors' memory (no second copy of a multi-GB head). Little-endian hosts only,

@@ -5,7 +5,7 @@ With greedy verification the target accepts draft token k exactly when it equals
 token at ``p + k``; with the target's greedy path cached, the draft at anchor ``p`` depends only on
 cached data. So the loop is a walk over per-anchor produced counts: ``p -> p + produced(p)``, and a
 walk only ever needs ``produced`` at the anchors it visits (the engine's ``_Walks``, fed on demand; a plain
-one-walk reference for the tests: ``tests/replay_reference.py``).
+one-walk reference for the tests: ``tests/support/replay_reference.py``).
 Pure functions on lists and tensors; no model here.
 """
 

@@ -2,7 +2,7 @@
 
 The evaluator (``evaluator.LiveEvaluator``) takes one; each adapter (Lightning, Hugging Face, SpecForge)
 builds it from its own arguments and adds only what its loop needs (where the drafter is, the progress
-bar). ``tests/test_config.py`` checks that the adapters' signatures are the config's fields plus their own,
+bar). ``tests/integrations/test_config.py`` checks that the adapters' signatures are the config's fields plus their own,
 so an option added here reaches every loop or fails a test. Pure: no file access (a config parses
 anywhere, e.g. on a login node before the cache is copied), one rule for every value
 (``dflash_cb.common.arguments``): nothing is coerced, each error names the argument.
@@ -246,14 +246,14 @@ OLD_NAMES = {"periodic_ddtree_budgets": "light_ddtree_budgets", "periodic_anchor
 
 
 def config_fields() -> tuple[str, ...]:
-    """The option names, in order (the adapters' signatures repeat them: ``tests/test_config.py``)."""
+    """The option names, in order (the adapters' signatures repeat them: ``tests/integrations/test_config.py``)."""
     return tuple(f.name for f in dataclasses.fields(EvalConfig))
 
 
 def config_from(arguments: Mapping[str, Any]) -> EvalConfig:
     """The ``EvalConfig`` of an adapter's arguments (its ``locals()`` at the top of ``__init__``): every config
     field taken by name, the adapter's own arguments left out. One call for every adapter, so an option
-    added to ``EvalConfig`` reaches every loop (``tests/test_config.py``)."""
+    added to ``EvalConfig`` reaches every loop (``tests/integrations/test_config.py``)."""
     return EvalConfig(**{name: arguments[name] for name in config_fields()})
 
 

@@ -5,7 +5,7 @@ paired comparisons), the history entry, the console line and what every sink rec
 configuration once, the histogram, per-depth acceptance and sample table as an ``EvaluationRecord``). It
 also logs the setup's predicted cost and the failure counter. One policy for every sink: a sink that raises
 is named in a warning, the others still get everything, and the training goes on. It measures nothing, so
-it is tested on synthetic measurements (``tests/test_publish.py``).
+it is tested on synthetic measurements (``tests/integrations/test_publish.py``).
 """
 
 from __future__ import annotations

@@ -108,7 +108,7 @@ class DFlashEvalCallback(Callback):
     """
 
     # The arguments are spelled out, not **kwargs, so LightningCLI (jsonargparse) can configure the callback
-    # from YAML; they are EvalConfig's fields plus drafter and prog_bar (tests/test_config.py checks it).
+    # from YAML; they are EvalConfig's fields plus drafter and prog_bar (tests/integrations/test_config.py checks it).
     def __init__(
         self,
         states: str | os.PathLike,

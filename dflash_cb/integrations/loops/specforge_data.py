@@ -3,7 +3,7 @@
 SpecForge's DFlash strategy trains on ``input_ids``, ``hidden_states`` (the target's layer features,
 concatenated in ``target_layer_ids`` order: the cache's ``hidden``) and ``loss_mask``. The mask supervises the
 completion on the target's own greedy path, ``prompt_len .. valid_len``: the positions the evaluation scores
-(``tests/test_specforge_oracle.py`` checks SpecForge's accuracy on these batches against ours).
+(``tests/core/test_specforge_oracle.py`` checks SpecForge's accuracy on these batches against ours).
 """
 
 from __future__ import annotations

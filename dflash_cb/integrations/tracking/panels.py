@@ -4,7 +4,7 @@ A saved workspace view (or, with ``--report``, a W&B Report) with the sections *
 *Uncertainty*, *Per category*, *Per depth*, *Selector* (a DFlash 2 drafter's: where tau is lost), *By
 position*, *Cost* and the samples table, every line plot against ``trainer/global_step``. Every key a panel shows is built from the names in
 ``dflash_cb.core.figures.metrics`` and the run's dimensions (``PanelLayout``: DDTree budgets, categories,
-block size, position buckets, baselines), so a renamed metric breaks ``tests/test_panels.py``
+block size, position buckets, baselines), so a renamed metric breaks ``tests/integrations/test_panels.py``
 instead of leaving an empty panel.
 
 The panels follow the callback's evaluation profiles: every evaluation logs the light profile's figures
@@ -259,7 +259,7 @@ def family_figures() -> dict[str, FamilyFigures]:
     """Each drafter family's own figures by family name (``FIGURES`` of ``core/drafters/<family>/figures.py``; a
     family without that module has none), read without importing the families' drafter modules: the registry
     (``registry.families()``) imports every family's model and transformers with it, seconds that ``--show`` and
-    ``--dry-run`` need not spend. tests/test_panels.py checks that this is what the registry's families carry."""
+    ``--dry-run`` need not spend. tests/integrations/test_panels.py checks that this is what the registry's families carry."""
     import importlib
     import pkgutil
 

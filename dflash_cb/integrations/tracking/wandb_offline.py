@@ -111,7 +111,7 @@ def offline_records(run_dir: str | os.PathLike) -> list[Any]:
 
 
 # -- the few fields the readers below need, read from protobuf's wire format -------------------------------
-# Field numbers of wandb_internal.proto (tests/test_panels.py checks them against wandb's own descriptors):
+# Field numbers of wandb_internal.proto (tests/integrations/test_panels.py checks them against wandb's own descriptors):
 # Record.history 2, .summary 3, .config 5, .run 17; HistoryRecord.item 1; SummaryRecord.update 1;
 # ConfigRecord.update 1; RunRecord.config 4; each item's key 1, nested_key 2, value_json 16.
 RECORD_HISTORY, RECORD_SUMMARY, RECORD_CONFIG, RECORD_RUN = 2, 3, 5, 17
