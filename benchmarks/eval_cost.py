@@ -30,7 +30,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))  # the toy: a tiny Qwen3 target cached through the real precompute
+sys.path.insert(0, str(ROOT / "tests" / "support"))  # the toy: a tiny Qwen3 target cached through the real precompute
 
 from tiny_target import TINY_LAYER_IDS, TINY_MASK, build_tiny_cache, train_briefly  # noqa: E402
 

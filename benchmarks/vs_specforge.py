@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def report(args: argparse.Namespace) -> int:
     sys.path.insert(0, str(Path(args.package).resolve() if args.package else ROOT))
-    sys.path.insert(0, str(ROOT / "tests"))  # SpecForge's own objective: tests/support/specforge_objective.py
+    sys.path.insert(0, str(ROOT / "tests" / "support"))  # SpecForge's own objective: tests/support/specforge_objective.py
     import torch
 
     import dflash_cb
