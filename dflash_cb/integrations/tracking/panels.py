@@ -30,7 +30,6 @@ from typing import Any
 
 from ...common import cli
 from ...common.errors import DFlashCBError
-from ...core.drafters.base import FamilyFigures
 from ...core.figures.metrics import (
     ACCEPT_LENGTH_SERVED,
     ALL_ANCHOR_TAU,
@@ -71,6 +70,7 @@ from ...core.figures.positions import (
     position_labels,
 )
 from ...core.results.baselines import CONVENTIONS
+from .family_panels import family_figures, family_panels, family_walks
 
 SAMPLE_TABLE = "sample_table"
 COST_KEYS = (EVAL_TIME, EVAL_OVERHEAD, CYCLES, TOKENS, ANCHORS_DRAFTED, ANCHORS_NEEDED)
@@ -255,60 +255,6 @@ def layout_from_keys(keys: Iterable[str], prefix: str = DEFAULT_PREFIX,
     )
 
 
-def family_figures() -> dict[str, FamilyFigures]:
-    """Each drafter family's own figures by family name (``FIGURES`` of ``core/drafters/<family>/figures.py``; a
-    family without that module has none), read without importing the families' drafter modules: the registry
-    (``registry.families()``) imports every family's model and transformers with it, seconds that ``--show`` and
-    ``--dry-run`` need not spend. tests/integrations/test_panels.py checks that this is what the registry's families carry."""
-    import importlib
-    import pkgutil
-
-    from ...core import drafters
-
-    out = {}
-    for info in sorted(pkgutil.iter_modules(drafters.__path__), key=lambda m: m.name):
-        name = f"{drafters.__name__}.{info.name}.figures"
-        if not info.ispkg:
-            continue
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name == name:
-                continue  # a family without figures of its own
-            raise
-        figures = getattr(module, "FIGURES", None)
-        if isinstance(figures, FamilyFigures):
-            out[info.name] = figures
-    return out
-
-
-def family_walks() -> tuple[str, ...]:
-    """Every family walk's tau key, in a fixed order (``compare.family_walks`` without the registry)."""
-    return tuple(dict.fromkeys(w.key for figures in family_figures().values() for w in figures.walks))
-
-
-def family_panels(family: str, depths: range, line: Any) -> list[Any]:
-    """The *Drafter family* section of ``family``'s own figures (``FamilyFigures``): its walks' taus beside tau,
-    with their intervals; its pooled figures; each per-depth figure; each column of its tables over the rows."""
-    # Its label is the registry's (which imports the drafter modules: seconds, spent only for a family's section).
-    from ...core.drafters.registry import family_named
-
-    fam = family_named(family)
-    figures, say = fam.figures, fam.label
-    walks = [w.key for w in figures.walks]
-    out = []
-    if walks:
-        out += [line(f"{say}: tau, " + ", ".join(w.label.removeprefix("tau ") for w in figures.walks), [TAU, *walks]),
-                line(f"{say}: " + " / ".join(w.label for w in figures.walks) + ", with their 95% intervals",
-                     [m for w in walks for m in (w, ci_low(w), ci_high(w))])]
-    if figures.pooled:
-        out.append(line(f"{say}: " + ", ".join(p.label for p in figures.pooled), [p.key for p in figures.pooled]))
-    out += [line(f"{say}: {d.label}", [d.key(k) for k in depths]) for d in figures.per_depth]
-    out += [line(f"{say}: {t.title}: {column} by {t.row_header}", [t.key(i, j) for i in range(len(t.rows))])
-            for t in figures.tables for j, column in enumerate(t.columns)]
-    return out
-
-
 def light_budgets(rows: Iterable[Mapping[str, Any]], prefix: str = DEFAULT_PREFIX) -> list[int] | None:
     """The DDTree budgets of a run's main keys: those its light evaluations run (every evaluation logs the
     light profile under the main keys; a full one adds every budget under ``full/``). None without any."""
@@ -400,8 +346,8 @@ def build_parser() -> Any:
     p.add_argument("--cycle-buckets", type=int, default=DEFAULT_CYCLE_BUCKETS)
     p.add_argument("--baselines", default="", help="names of the measured baselines (callback baselines=)")
     p.add_argument("--family", default=None,  # checked in main: the registry's names cost seconds to list
-                   help="the drafter's family (a registered one: dflash, dflash2, ...): add its own figures' section "
-                        "(dflash2: the selector/... keys)")
+                   help="the drafter's family, as results.json names it (a registered family): add the section of its "
+                        "own figures (docs/metrics.md)")
     p.add_argument("--served", action="store_true",
                    help="the cache holds the server's counters: show baseline/served/tau (no paired delta)")
     p.add_argument("--published", default="",
