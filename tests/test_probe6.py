@@ -509,3 +509,76 @@ def test_build_prompts_refuses_a_damaged_source_record_and_a_set_named_twice(tmp
     code = build_main(["--preset", "dflash-paper", "--sets", "gsm8k,gsm8k", "--save-data", str(tmp_path / "d2")])
     _error(code, capsys, "--sets gsm8k,gsm8k", "more than once")
     assert not (tmp_path / "d2").exists()
+
+
+# -- a profile used where its rows do not fit: flagged rows, contexts never reached, a pass of another block -------
+
+def _measured(tmp_path: Path, tiny_cache: Path, drafter_dir: Path | None = None, **edit) -> Path:
+    """A CSV profile rewritten as a measured one (contexts, flags, the drafter it timed), as profile_costs writes."""
+    from dflash_cb.core.checkpoints.load import load_drafter
+    from dflash_cb.integrations.evaluator.projection import drafter_identity
+
+    data = json.loads(_profile(tmp_path, "1,0.02\n9,0.022\n", "m.json", "--states", str(tiny_cache)).read_text())
+    data.update(kind="measured", verify={"16": [[1, 0.02], [9, 0.022]]}, draft={"16": 0.004})
+    if drafter_dir is not None:
+        data["drafter"] = drafter_identity(load_drafter(drafter_dir))
+    data.update(edit)
+    out = tmp_path / "measured.json"
+    out.write_text(json.dumps(data))
+    return out
+
+
+def test_rows_flagged_when_measured_are_warned_about_at_use(tiny_cache, drafter_dir, tmp_path) -> None:
+    """A profile measured beside a busy process keeps the rows that stayed unstable, flagged: their use is said."""
+    from dflash_cb.integrations.cli import eval_drafter as eval_cli
+
+    flag = "context 16: 9 tokens: repeats spread 80% of the median (more than 50%), after measuring again"
+    prof = _measured(tmp_path, tiny_cache, flags=[flag])
+    with pytest.warns(UserWarning, match="rows flagged when it was measured.*9 tokens.*measure again on an idle"):
+        assert eval_cli.main(["--states", str(tiny_cache), "--drafter", str(drafter_dir), "--out",
+                              str(tmp_path / "r.json"), "--ddtree-budgets", "", "--profile", str(prof)]) == 0
+
+
+def test_rows_measured_only_at_contexts_the_cache_never_reaches_are_warned_about(tiny_cache, drafter_dir,
+                                                                                  tmp_path) -> None:
+    from dflash_cb.cache.states import StateCache
+    from dflash_cb.integrations.cli import eval_drafter as eval_cli
+    from dflash_cb.integrations.evaluator.projection import cache_contexts
+
+    lo, hi = cache_contexts(StateCache(tiny_cache))
+    prof = _measured(tmp_path, tiny_cache, verify={"8192": [[1, 0.02], [9, 0.022]]}, draft={"8192": 0.004})
+    with pytest.warns(UserWarning, match=f"contexts 8192 to 8192 only, the cache's cycles run at contexts {lo} to "
+                                         f"{hi}.*--contexts {lo},{hi}"):
+        assert eval_cli.main(["--states", str(tiny_cache), "--drafter", str(drafter_dir), "--out",
+                              str(tmp_path / "r.json"), "--ddtree-budgets", "", "--profile", str(prof)]) == 0
+
+
+def test_a_pass_timed_at_the_drafters_block_is_not_used_for_another_block(tiny_cache, drafter_dir, tmp_path,
+                                                                           capsys) -> None:
+    """--block-size 4 on a block-6 drafter: the profile's pass is the block-6 one; refused, not priced with it."""
+    from dflash_cb.integrations.cli import eval_drafter as eval_cli
+
+    prof = _measured(tmp_path, tiny_cache, drafter_dir)
+    code = run(eval_cli.main, ["--states", str(tiny_cache), "--drafter", str(drafter_dir), "--out",
+                               str(tmp_path / "r.json"), "--ddtree-budgets", "", "--block-size", "4",
+                               "--profile", str(prof)])
+    _error(code, capsys, "timed at block 6", "drafts blocks of 4", "--block-size 6", "block-4 pass")
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_rows_short_of_the_block_name_the_block_option(tiny_cache, drafter_dir, tmp_path, capsys) -> None:
+    """Rows to 4 tokens for a block-6 drafter: the fix is a smaller block (or more rows), not --ddtree-budgets; the
+    live evaluator names its own field (block_size=)."""
+    from dflash_cb.core.checkpoints.load import load_drafter
+    from dflash_cb.integrations.cli import eval_drafter as eval_cli
+    from dflash_cb.integrations.evaluator.projection import checked_settings, read_profile
+
+    prof = _profile(tmp_path, "1,0.02\n4,0.022\n", "p.json", "--states", str(tiny_cache))
+    code = run(eval_cli.main, ["--states", str(tiny_cache), "--drafter", str(drafter_dir), "--out",
+                               str(tmp_path / "r.json"), "--ddtree-budgets", "", "--profile", str(prof)])
+    err = _error(code, capsys, "block 6 verifies 6 tokens", "up to 4", "--block-size 4")
+    assert "--ddtree-budgets" not in err
+    with pytest.raises(Exception, match=r"set block_size=4") as e:
+        checked_settings(read_profile(prof), load_drafter(drafter_dir), 6, (), "live: cost_profile=p.json",
+                         "lower ddtree_budgets=", "block_size=")
+    assert "--block-size" not in str(e.value) and "--ddtree-budgets" not in str(e.value)
