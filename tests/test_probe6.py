@@ -582,3 +582,51 @@ def test_rows_short_of_the_block_name_the_block_option(tiny_cache, drafter_dir, 
         checked_settings(read_profile(prof), load_drafter(drafter_dir), 6, (), "live: cost_profile=p.json",
                          "lower ddtree_budgets=", "block_size=")
     assert "--block-size" not in str(e.value) and "--ddtree-budgets" not in str(e.value)
+
+
+# -- Domino and DSpark folders: the config read against the weights ----------------------------------------------
+
+def _head_folder(tmp_path: Path, tiny_cache: Path, family: str, edit) -> Path:
+    """A tiny drafter folder of a head family (random weights) whose config.json ``edit`` changes."""
+    from tiny_target import TINY_LAYER_IDS, TINY_MASK
+
+    from dflash_cb.cache.states import StateCache
+    from dflash_cb.core.drafters.layouts import drafter_from_config
+    from dflash_cb.demo.lightning_module import tiny_drafter_config
+
+    m = StateCache(tiny_cache).manifest
+    torch.manual_seed(0)
+    out = tmp_path / family
+    drafter_from_config(tiny_drafter_config(m.vocab_size, m.hidden_size, int(m.target["num_layers"]), TINY_LAYER_IDS,
+                                            TINY_MASK, block_size=6, family=family)).save_pretrained(out)
+    cfg = json.loads((out / "config.json").read_text())
+    edit(cfg)
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+def _as_dspark(cfg: dict) -> None:
+    from dflash_cb.core.drafters.dspark.model import ARCHITECTURE
+
+    cfg["architectures"] = [ARCHITECTURE]
+    cfg["dflash_config"]["projector_type"] = "dspark"
+
+
+@pytest.mark.parametrize("family,edit,words", [
+    ("dspark", lambda c: c.pop("block_size"), ["config.json", "without block_size", "add \"block_size\": N"]),
+    ("domino", lambda c: c.pop("block_size"), ["config.json", "without block_size"]),
+    ("dspark", lambda c: c["dflash_config"].pop("markov_head_type"),
+     ["config.json", "no markov_head_type", "gated Markov head", "markov_head_type 'gated'"]),
+    ("domino", _as_dspark, ["config.json", "the weights are a Domino drafter's", "config says DSpark",
+                            "DominoDraftModel"]),
+])
+def test_a_head_family_config_that_does_not_describe_its_weights_is_refused(tiny_cache, tmp_path, family, edit,
+                                                                            words) -> None:
+    """A DSpark config without block_size (16 would be a guess), without the markov_head_type its weights hold, or
+    a Domino folder labelled DSpark: one line naming config.json, the field and the fix."""
+    from dflash_cb.core.checkpoints.load import CheckpointError, load_drafter
+
+    folder = _head_folder(tmp_path, tiny_cache, family, edit)
+    with pytest.raises(CheckpointError) as e:
+        load_drafter(folder)
+    assert all(w in str(e.value) for w in words), str(e.value)
