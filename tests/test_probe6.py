@@ -630,3 +630,99 @@ def test_a_head_family_config_that_does_not_describe_its_weights_is_refused(tiny
     with pytest.raises(CheckpointError) as e:
         load_drafter(folder)
     assert all(w in str(e.value) for w in words), str(e.value)
+
+
+# -- a model folder given where another input or an output goes -------------------------------------------------
+
+def test_a_drafter_folder_as_target_is_named_as_one(tiny_cache, drafter_dir, tmp_path, capsys) -> None:
+    """--target a drafter folder: said so (not 'weights missing, re-download', and no roofline of the drafter)."""
+    from dflash_cb.integrations.cli import eval_drafter as eval_cli
+    from dflash_cb.integrations.cli import profile_costs as profile_cli
+
+    for extra in ([], ["--roofline", "--bandwidth-gbs", "100", "--peak-tflops", "1"]):
+        code = run(profile_cli.main, ["--target", str(drafter_dir), "--drafter", str(drafter_dir), *extra,
+                                      "--out", str(tmp_path / "p.json")])
+        _error(code, capsys, f"--target {drafter_dir}: a drafter's folder", "the drafter goes to --drafter")
+        assert not (tmp_path / "p.json").exists()
+    code = run(eval_cli.main, ["--states", str(tiny_cache), "--drafter", str(drafter_dir), "--target",
+                               str(drafter_dir), "--ddtree-budgets", "", "--out", str(tmp_path / "r.json")])
+    _error(code, capsys, "a drafter's folder", "the target's own folder")
+
+
+def test_out_a_model_folder_is_not_answered_with_a_path_inside_it(tiny_cache, drafter_dir, tmp_path, capsys) -> None:
+    from dflash_cb.integrations.cli import eval_drafter as eval_cli
+
+    target = tiny_cache.parent / "target"
+    code = run(eval_cli.main, ["--states", str(tiny_cache), "--drafter", str(drafter_dir), "--ddtree-budgets", "",
+                               "--out", str(target)])
+    err = _error(code, capsys, f"--out {target}: is a model folder", "outside it")
+    assert f"{target}/results.json" not in err
+
+
+# -- served counters: what a line says of them ------------------------------------------------------------------
+
+def _entry(spec: dict, completion: int = 24):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(served_spec=spec, prompt_len=8, completion_len=completion, valid_len=8 + completion,
+                           total_len=8 + completion, id="s0", category="c")
+
+
+def test_a_completion_without_a_verify_round_is_said_to_be_unspeculated(tmp_path) -> None:
+    """num_spec_steps 0 for a 24-token completion: not 'e.g. a completion of one token' but what it is."""
+    from dflash_cb.cache import served
+    from dflash_cb.cache.vllm_counters import answer_counters
+
+    spec = answer_counters(_answer(num_spec_steps=0, num_draft_tokens=0, num_accepted_draft_tokens=0,
+                                   acceptance_histogram=[0, 0, 0, 0], per_step_accepted=[]))
+    kind, why = served.comparability(_entry(spec))
+    assert kind == served.SKIPPED and why.startswith("not speculated: num_spec_steps 0 for a 24-token completion")
+    assert "one token" not in why
+    assert "one token" in served.comparability(_entry(spec, completion=1))[1]  # one token: no round to have
+
+
+def test_an_answers_chain_length_other_than_the_servers_is_said(tmp_path) -> None:
+    from dflash_cb.cache import served
+    from dflash_cb.cache.vllm_counters import SPEC_TOKENS, answer_counters
+
+    spec = answer_counters(_answer())
+    assert spec[SPEC_TOKENS] == 3
+    assert served.comparability(_entry(spec, 8), block_size=4) is None  # K 3: blocks of 4, as recorded
+    kind, why = served.comparability(_entry(spec, 8), block_size=6)
+    assert kind == served.SKIPPED and "num_spec_tokens is 3, the server's recorded configuration says 5" in why
+
+
+def test_per_request_counters_are_not_described_as_server_wide_deltas(served_world, tmp_path, capsys) -> None:
+    """Well-formed detailed per-request counters: the convention line says they are each answer's own."""
+    from served_world import BLOCK, precompute, served_run
+    from vllm_server import FakeVLLM, Run, serve
+
+    from dflash_cb.cache import vllm_counters as V
+    from dflash_cb.core.results.results_file import load_results
+    from dflash_cb.integrations.cli import eval_drafter as eval_cli
+
+    def loop(prompt, max_tokens, stops):
+        r = served_run(served_world, prompt, max_tokens, stops, BLOCK)
+        return Run(r.output_ids, r.correct_drafts)
+
+    fake = FakeVLLM(loop, served_name="tiny-target", root=str(served_world["target_dir"]), num_spec_tokens=BLOCK - 1,
+                    drafter=str(served_world["drafter"]), per_request="detailed")
+    with serve(fake) as url:
+        assert precompute("--target", str(served_world["target_dir"]), "--prompts", str(served_world["prompts"]),
+                          "--out", str(tmp_path / "c"), "--reference", "vllm", "--vllm-url", url) == 0
+    capsys.readouterr()
+    assert run(eval_cli.main, ["--states", str(tmp_path / "c"), "--drafter", str(served_world["drafter"]), "--out",
+                               str(tmp_path / "r.json"), "--ddtree-budgets", "", "--served-check"]) == 0
+    out = capsys.readouterr().out
+    assert "server-wide counters" not in out and "each answer's own counters" in out
+    assert load_results(tmp_path / "r.json").breakdown["served_check"]["convention"] == V.REQUEST_CONVENTION
+
+
+# -- build_prompts ------------------------------------------------------------------------------------------------
+
+def test_an_mt_bench_prompt_that_is_a_string_is_one_turn() -> None:
+    from dflash_cb.cache import prompt_sets as PS
+
+    fmt = PS.PAPER.set("mt-bench").format
+    assert fmt({"prompt": "Write a poem."}) == ["Write a poem."]  # not a turn per character
+    assert fmt({"prompt": ["a", "b"]}) == ["a", "b"]

@@ -472,6 +472,9 @@ def check_results_path(path: str | os.PathLike, option: str = "--out", example: 
     """
     path = Path(path)
     real = output_path(path)  # a symbolic link is written through: check where the file will land
+    if real.is_dir() and (real / "config.json").is_file():  # a model's folder: a file there ships with it
+        raise ResultsError(f"{option} {path}: is a model folder (config.json); write {option} outside it, e.g. "
+                           f"{option} {example}")
     if real.is_dir():
         raise ResultsError(f"{option} {path}: is a folder; give a file path, e.g. {path / example}")
     for parent in real.parents:
