@@ -726,3 +726,29 @@ def test_an_mt_bench_prompt_that_is_a_string_is_one_turn() -> None:
     fmt = PS.PAPER.set("mt-bench").format
     assert fmt({"prompt": "Write a poem."}) == ["Write a poem."]  # not a turn per character
     assert fmt({"prompt": ["a", "b"]}) == ["a", "b"]
+
+
+# -- compare_results across blocks and chain lengths ----------------------------------------------------------------
+
+def test_compare_across_blocks_says_why_tau_does_not_rank_them(tiny_cache, drafter_dir, mtp_world, tmp_path,
+                                                               capsys) -> None:
+    """Blocks 6 and 4 of one drafter, or an MTP head at K=1 and K=3, side by side: a comparison of blocks (tau grows
+    with the block; the projected speedup chooses one), not 'not like for like, score with the same --block-size'."""
+    from dflash_cb.integrations.cli import compare as compare_cli
+    from dflash_cb.integrations.cli import eval_drafter as eval_cli
+
+    base = ["--states", str(tiny_cache), "--drafter", str(drafter_dir), "--ddtree-budgets", ""]
+    assert run(eval_cli.main, [*base, "--out", str(tmp_path / "b6.json")]) == 0
+    assert run(eval_cli.main, [*base, "--out", str(tmp_path / "b4.json"), "--block-size", "4"]) == 0
+    assert run(eval_cli.main, ["--states", str(mtp_world["cache"]), "--drafter", str(mtp_world["drafter"]),
+                               "--ddtree-budgets", "", "--speculative-tokens", "1,3", "--out",
+                               str(tmp_path / "k.json")]) == 0
+    capsys.readouterr()
+    for files, words in (((tmp_path / "b6.json", tmp_path / "b4.json"), ["block_size differ (b6 6, b4 4)",
+                                                                          "--block-size to compare drafters"]),
+                         ((tmp_path / "k.k1.json", tmp_path / "k.k3.json"), ["chain lengths K differ (k.k1 1, k.k3 3)",
+                                                                             "--speculative-tokens"])):
+        assert run(compare_cli.main, [*map(str, files), "--out", str(tmp_path / "cmp"), "--resamples", "20"]) == 0
+        err = capsys.readouterr().err
+        assert all(w in err for w in [*words, "tau grows with the", "projected speedup"]), err
+        assert "not like for like" not in err
