@@ -752,3 +752,20 @@ def test_compare_across_blocks_says_why_tau_does_not_rank_them(tiny_cache, draft
         err = capsys.readouterr().err
         assert all(w in err for w in [*words, "tau grows with the", "projected speedup"]), err
         assert "not like for like" not in err
+
+
+# -- sweep --------------------------------------------------------------------------------------------------------
+
+def test_a_sweep_out_that_is_a_checkpoint_folder_is_named_as_one(tiny_cache, drafter_dir, tmp_path, capsys) -> None:
+    """--out another checkpoint's folder: said to be one, not 'holds config.json ... choose a new folder (or an
+    earlier sweep's)'; nothing written into it (one the PATHs match is refused as a checkpoint already)."""
+    from dflash_cb.integrations.cli import sweep_cli
+
+    for step in (100, 200):
+        shutil.copytree(drafter_dir, tmp_path / "run" / f"checkpoint-{step}")
+    out = tmp_path / "run" / "checkpoint-200"
+    before = sorted(p.name for p in out.iterdir())
+    code = run(sweep_cli.main, [str(tmp_path / "run" / "checkpoint-100"), "--states", str(tiny_cache), "--out",
+                                str(out)])
+    _error(code, capsys, f"--out {out}: is a checkpoint folder", "config.json", "a new folder")
+    assert sorted(p.name for p in out.iterdir()) == before
