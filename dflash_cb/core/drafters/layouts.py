@@ -43,11 +43,15 @@ def drafter_from_config(config: dict[str, Any], keys: Iterable[str] | None = Non
     if said is None and owner is not None:
         raise ValueError(f"the weights are a {owner.label} drafter's ({owner.own_key(keys)}), but the config "
                          f"does not say so: set {owner.how_to_say()}")
-    if said is not None and owner is not None and owner is not said and said.own_key(keys) is None:
-        # Before the config's own fields are read as the family it names: they are another family's.
-        raise ValueError(f"the weights are a {owner.label} drafter's ({owner.own_key(keys)}), but the config says "
-                         f"{said.label}: set {owner.how_to_say()}")
-    return family_of(config, keys).build(config, keys)
+    try:
+        return family_of(config, keys).build(config, keys)
+    except ValueError:
+        # The family the config names cannot be built from its fields because the weights are another family's
+        # (a Domino folder labelled DSpark lacks DSpark's fields): say that, not which field is missing.
+        if said is not None and owner is not None and owner is not said and said.own_key(keys) is None:
+            raise ValueError(f"the weights are a {owner.label} drafter's ({owner.own_key(keys)}), but the config "
+                             f"says {said.label}: set {owner.how_to_say()}") from None
+        raise
 
 
 def layout_keys(config: Any, family: str | None = None) -> set[str]:
