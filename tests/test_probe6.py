@@ -509,3 +509,263 @@ def test_build_prompts_refuses_a_damaged_source_record_and_a_set_named_twice(tmp
     code = build_main(["--preset", "dflash-paper", "--sets", "gsm8k,gsm8k", "--save-data", str(tmp_path / "d2")])
     _error(code, capsys, "--sets gsm8k,gsm8k", "more than once")
     assert not (tmp_path / "d2").exists()
+
+
+# -- a profile used where its rows do not fit: flagged rows, contexts never reached, a pass of another block -------
+
+def _measured(tmp_path: Path, tiny_cache: Path, drafter_dir: Path | None = None, **edit) -> Path:
+    """A CSV profile rewritten as a measured one (contexts, flags, the drafter it timed), as profile_costs writes."""
+    from dflash_cb.core.checkpoints.load import load_drafter
+    from dflash_cb.integrations.evaluator.projection import drafter_identity
+
+    data = json.loads(_profile(tmp_path, "1,0.02\n9,0.022\n", "m.json", "--states", str(tiny_cache)).read_text())
+    data.update(kind="measured", verify={"16": [[1, 0.02], [9, 0.022]]}, draft={"16": 0.004})
+    if drafter_dir is not None:
+        data["drafter"] = drafter_identity(load_drafter(drafter_dir))
+    data.update(edit)
+    out = tmp_path / "measured.json"
+    out.write_text(json.dumps(data))
+    return out
+
+
+def test_rows_flagged_when_measured_are_warned_about_at_use(tiny_cache, drafter_dir, tmp_path) -> None:
+    """A profile measured beside a busy process keeps the rows that stayed unstable, flagged: their use is said."""
+    from dflash_cb.integrations.cli import eval_drafter as eval_cli
+
+    flag = "context 16: 9 tokens: repeats spread 80% of the median (more than 50%), after measuring again"
+    prof = _measured(tmp_path, tiny_cache, flags=[flag])
+    with pytest.warns(UserWarning, match="rows flagged when it was measured.*9 tokens.*measure again on an idle"):
+        assert eval_cli.main(["--states", str(tiny_cache), "--drafter", str(drafter_dir), "--out",
+                              str(tmp_path / "r.json"), "--ddtree-budgets", "", "--profile", str(prof)]) == 0
+
+
+def test_rows_measured_only_at_contexts_the_cache_never_reaches_are_warned_about(tiny_cache, drafter_dir,
+                                                                                  tmp_path) -> None:
+    from dflash_cb.cache.states import StateCache
+    from dflash_cb.integrations.cli import eval_drafter as eval_cli
+    from dflash_cb.integrations.evaluator.projection import cache_contexts
+
+    lo, hi = cache_contexts(StateCache(tiny_cache))
+    prof = _measured(tmp_path, tiny_cache, verify={"8192": [[1, 0.02], [9, 0.022]]}, draft={"8192": 0.004})
+    with pytest.warns(UserWarning, match=f"contexts 8192 to 8192 only, the cache's cycles run at contexts {lo} to "
+                                         f"{hi}.*--contexts {lo},{hi}"):
+        assert eval_cli.main(["--states", str(tiny_cache), "--drafter", str(drafter_dir), "--out",
+                              str(tmp_path / "r.json"), "--ddtree-budgets", "", "--profile", str(prof)]) == 0
+
+
+def test_a_pass_timed_at_the_drafters_block_is_not_used_for_another_block(tiny_cache, drafter_dir, tmp_path,
+                                                                           capsys) -> None:
+    """--block-size 4 on a block-6 drafter: the profile's pass is the block-6 one; refused, not priced with it."""
+    from dflash_cb.integrations.cli import eval_drafter as eval_cli
+
+    prof = _measured(tmp_path, tiny_cache, drafter_dir)
+    code = run(eval_cli.main, ["--states", str(tiny_cache), "--drafter", str(drafter_dir), "--out",
+                               str(tmp_path / "r.json"), "--ddtree-budgets", "", "--block-size", "4",
+                               "--profile", str(prof)])
+    _error(code, capsys, "timed at block 6", "drafts blocks of 4", "--block-size 6", "block-4 pass")
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_rows_short_of_the_block_name_the_block_option(tiny_cache, drafter_dir, tmp_path, capsys) -> None:
+    """Rows to 4 tokens for a block-6 drafter: the fix is a smaller block (or more rows), not --ddtree-budgets; the
+    live evaluator names its own field (block_size=)."""
+    from dflash_cb.core.checkpoints.load import load_drafter
+    from dflash_cb.integrations.cli import eval_drafter as eval_cli
+    from dflash_cb.integrations.evaluator.projection import checked_settings, read_profile
+
+    prof = _profile(tmp_path, "1,0.02\n4,0.022\n", "p.json", "--states", str(tiny_cache))
+    code = run(eval_cli.main, ["--states", str(tiny_cache), "--drafter", str(drafter_dir), "--out",
+                               str(tmp_path / "r.json"), "--ddtree-budgets", "", "--profile", str(prof)])
+    err = _error(code, capsys, "block 6 verifies 6 tokens", "up to 4", "--block-size 4")
+    assert "--ddtree-budgets" not in err
+    with pytest.raises(Exception, match=r"set block_size=4") as e:
+        checked_settings(read_profile(prof), load_drafter(drafter_dir), 6, (), "live: cost_profile=p.json",
+                         "lower ddtree_budgets=", "block_size=")
+    assert "--block-size" not in str(e.value) and "--ddtree-budgets" not in str(e.value)
+
+
+# -- Domino and DSpark folders: the config read against the weights ----------------------------------------------
+
+def _head_folder(tmp_path: Path, tiny_cache: Path, family: str, edit) -> Path:
+    """A tiny drafter folder of a head family (random weights) whose config.json ``edit`` changes."""
+    from tiny_target import TINY_LAYER_IDS, TINY_MASK
+
+    from dflash_cb.cache.states import StateCache
+    from dflash_cb.core.drafters.layouts import drafter_from_config
+    from dflash_cb.demo.lightning_module import tiny_drafter_config
+
+    m = StateCache(tiny_cache).manifest
+    torch.manual_seed(0)
+    out = tmp_path / family
+    drafter_from_config(tiny_drafter_config(m.vocab_size, m.hidden_size, int(m.target["num_layers"]), TINY_LAYER_IDS,
+                                            TINY_MASK, block_size=6, family=family)).save_pretrained(out)
+    cfg = json.loads((out / "config.json").read_text())
+    edit(cfg)
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+def _as_dspark(cfg: dict) -> None:
+    from dflash_cb.core.drafters.dspark.model import ARCHITECTURE
+
+    cfg["architectures"] = [ARCHITECTURE]
+    cfg["dflash_config"]["projector_type"] = "dspark"
+
+
+@pytest.mark.parametrize("family,edit,words", [
+    ("dspark", lambda c: c.pop("block_size"), ["config.json", "without block_size", "add \"block_size\": N"]),
+    ("domino", lambda c: c.pop("block_size"), ["config.json", "without block_size"]),
+    ("dspark", lambda c: c["dflash_config"].pop("markov_head_type"),
+     ["config.json", "no markov_head_type", "gated Markov head", "markov_head_type 'gated'"]),
+    ("domino", _as_dspark, ["config.json", "the weights are a Domino drafter's", "config says DSpark",
+                            "DominoDraftModel"]),
+])
+def test_a_head_family_config_that_does_not_describe_its_weights_is_refused(tiny_cache, tmp_path, family, edit,
+                                                                            words) -> None:
+    """A DSpark config without block_size (16 would be a guess), without the markov_head_type its weights hold, or
+    a Domino folder labelled DSpark: one line naming config.json, the field and the fix."""
+    from dflash_cb.core.checkpoints.load import CheckpointError, load_drafter
+
+    folder = _head_folder(tmp_path, tiny_cache, family, edit)
+    with pytest.raises(CheckpointError) as e:
+        load_drafter(folder)
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
+# -- a model folder given where another input or an output goes -------------------------------------------------
+
+def test_a_drafter_folder_as_target_is_named_as_one(tiny_cache, drafter_dir, tmp_path, capsys) -> None:
+    """--target a drafter folder: said so (not 'weights missing, re-download', and no roofline of the drafter)."""
+    from dflash_cb.integrations.cli import eval_drafter as eval_cli
+    from dflash_cb.integrations.cli import profile_costs as profile_cli
+
+    for extra in ([], ["--roofline", "--bandwidth-gbs", "100", "--peak-tflops", "1"]):
+        code = run(profile_cli.main, ["--target", str(drafter_dir), "--drafter", str(drafter_dir), *extra,
+                                      "--out", str(tmp_path / "p.json")])
+        _error(code, capsys, f"--target {drafter_dir}: a drafter's folder", "the drafter goes to --drafter")
+        assert not (tmp_path / "p.json").exists()
+    code = run(eval_cli.main, ["--states", str(tiny_cache), "--drafter", str(drafter_dir), "--target",
+                               str(drafter_dir), "--ddtree-budgets", "", "--out", str(tmp_path / "r.json")])
+    _error(code, capsys, "a drafter's folder", "the target's own folder")
+
+
+def test_out_a_model_folder_is_not_answered_with_a_path_inside_it(tiny_cache, drafter_dir, tmp_path, capsys) -> None:
+    from dflash_cb.integrations.cli import eval_drafter as eval_cli
+
+    target = tiny_cache.parent / "target"
+    code = run(eval_cli.main, ["--states", str(tiny_cache), "--drafter", str(drafter_dir), "--ddtree-budgets", "",
+                               "--out", str(target)])
+    err = _error(code, capsys, f"--out {target}: is a model folder", "outside it")
+    assert f"{target}/results.json" not in err
+
+
+# -- served counters: what a line says of them ------------------------------------------------------------------
+
+def _entry(spec: dict, completion: int = 24):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(served_spec=spec, prompt_len=8, completion_len=completion, valid_len=8 + completion,
+                           total_len=8 + completion, id="s0", category="c")
+
+
+def test_a_completion_without_a_verify_round_is_said_to_be_unspeculated(tmp_path) -> None:
+    """num_spec_steps 0 for a 24-token completion: not 'e.g. a completion of one token' but what it is."""
+    from dflash_cb.cache import served
+    from dflash_cb.cache.vllm_counters import answer_counters
+
+    spec = answer_counters(_answer(num_spec_steps=0, num_draft_tokens=0, num_accepted_draft_tokens=0,
+                                   acceptance_histogram=[0, 0, 0, 0], per_step_accepted=[]))
+    kind, why = served.comparability(_entry(spec))
+    assert kind == served.SKIPPED and why.startswith("not speculated: num_spec_steps 0 for a 24-token completion")
+    assert "one token" not in why
+    assert "one token" in served.comparability(_entry(spec, completion=1))[1]  # one token: no round to have
+
+
+def test_an_answers_chain_length_other_than_the_servers_is_said(tmp_path) -> None:
+    from dflash_cb.cache import served
+    from dflash_cb.cache.vllm_counters import SPEC_TOKENS, answer_counters
+
+    spec = answer_counters(_answer())
+    assert spec[SPEC_TOKENS] == 3
+    assert served.comparability(_entry(spec, 8), block_size=4) is None  # K 3: blocks of 4, as recorded
+    kind, why = served.comparability(_entry(spec, 8), block_size=6)
+    assert kind == served.SKIPPED and "num_spec_tokens is 3, the server's recorded configuration says 5" in why
+
+
+def test_per_request_counters_are_not_described_as_server_wide_deltas(served_world, tmp_path, capsys) -> None:
+    """Well-formed detailed per-request counters: the convention line says they are each answer's own."""
+    from served_world import BLOCK, precompute, served_run
+    from vllm_server import FakeVLLM, Run, serve
+
+    from dflash_cb.cache import vllm_counters as V
+    from dflash_cb.core.results.results_file import load_results
+    from dflash_cb.integrations.cli import eval_drafter as eval_cli
+
+    def loop(prompt, max_tokens, stops):
+        r = served_run(served_world, prompt, max_tokens, stops, BLOCK)
+        return Run(r.output_ids, r.correct_drafts)
+
+    fake = FakeVLLM(loop, served_name="tiny-target", root=str(served_world["target_dir"]), num_spec_tokens=BLOCK - 1,
+                    drafter=str(served_world["drafter"]), per_request="detailed")
+    with serve(fake) as url:
+        assert precompute("--target", str(served_world["target_dir"]), "--prompts", str(served_world["prompts"]),
+                          "--out", str(tmp_path / "c"), "--reference", "vllm", "--vllm-url", url) == 0
+    capsys.readouterr()
+    assert run(eval_cli.main, ["--states", str(tmp_path / "c"), "--drafter", str(served_world["drafter"]), "--out",
+                               str(tmp_path / "r.json"), "--ddtree-budgets", "", "--served-check"]) == 0
+    out = capsys.readouterr().out
+    assert "server-wide counters" not in out and "each answer's own counters" in out
+    assert load_results(tmp_path / "r.json").breakdown["served_check"]["convention"] == V.REQUEST_CONVENTION
+
+
+# -- build_prompts ------------------------------------------------------------------------------------------------
+
+def test_an_mt_bench_prompt_that_is_a_string_is_one_turn() -> None:
+    from dflash_cb.cache import prompt_sets as PS
+
+    fmt = PS.PAPER.set("mt-bench").format
+    assert fmt({"prompt": "Write a poem."}) == ["Write a poem."]  # not a turn per character
+    assert fmt({"prompt": ["a", "b"]}) == ["a", "b"]
+
+
+# -- compare_results across blocks and chain lengths ----------------------------------------------------------------
+
+def test_compare_across_blocks_says_why_tau_does_not_rank_them(tiny_cache, drafter_dir, mtp_world, tmp_path,
+                                                               capsys) -> None:
+    """Blocks 6 and 4 of one drafter, or an MTP head at K=1 and K=3, side by side: a comparison of blocks (tau grows
+    with the block; the projected speedup chooses one), not 'not like for like, score with the same --block-size'."""
+    from dflash_cb.integrations.cli import compare as compare_cli
+    from dflash_cb.integrations.cli import eval_drafter as eval_cli
+
+    base = ["--states", str(tiny_cache), "--drafter", str(drafter_dir), "--ddtree-budgets", ""]
+    assert run(eval_cli.main, [*base, "--out", str(tmp_path / "b6.json")]) == 0
+    assert run(eval_cli.main, [*base, "--out", str(tmp_path / "b4.json"), "--block-size", "4"]) == 0
+    assert run(eval_cli.main, ["--states", str(mtp_world["cache"]), "--drafter", str(mtp_world["drafter"]),
+                               "--ddtree-budgets", "", "--speculative-tokens", "1,3", "--out",
+                               str(tmp_path / "k.json")]) == 0
+    capsys.readouterr()
+    for files, words in (((tmp_path / "b6.json", tmp_path / "b4.json"), ["block_size differ (b6 6, b4 4)",
+                                                                          "--block-size to compare drafters"]),
+                         ((tmp_path / "k.k1.json", tmp_path / "k.k3.json"), ["chain lengths K differ (k.k1 1, k.k3 3)",
+                                                                             "--speculative-tokens"])):
+        assert run(compare_cli.main, [*map(str, files), "--out", str(tmp_path / "cmp"), "--resamples", "20"]) == 0
+        err = capsys.readouterr().err
+        assert all(w in err for w in [*words, "tau grows with the", "projected speedup"]), err
+        assert "not like for like" not in err
+
+
+# -- sweep --------------------------------------------------------------------------------------------------------
+
+def test_a_sweep_out_that_is_a_checkpoint_folder_is_named_as_one(tiny_cache, drafter_dir, tmp_path, capsys) -> None:
+    """--out another checkpoint's folder: said to be one, not 'holds config.json ... choose a new folder (or an
+    earlier sweep's)'; nothing written into it (one the PATHs match is refused as a checkpoint already)."""
+    from dflash_cb.integrations.cli import sweep_cli
+
+    for step in (100, 200):
+        shutil.copytree(drafter_dir, tmp_path / "run" / f"checkpoint-{step}")
+    out = tmp_path / "run" / "checkpoint-200"
+    before = sorted(p.name for p in out.iterdir())
+    code = run(sweep_cli.main, [str(tmp_path / "run" / "checkpoint-100"), "--states", str(tiny_cache), "--out",
+                                str(out)])
+    _error(code, capsys, f"--out {out}: is a checkpoint folder", "config.json", "a new folder")
+    assert sorted(p.name for p in out.iterdir()) == before

@@ -102,7 +102,10 @@ def _boxed(name: str) -> Formatter:
 
 
 def _turns(row: Row) -> list[str]:
-    return [str(t) for t in row["prompt"]]
+    """mt-bench's ``prompt``: a list of user turns; a string (a copy saved with one turn) is one turn, not a turn
+    per character."""
+    turns = row["prompt"]
+    return [turns] if isinstance(turns, str) else [str(t) for t in turns]
 
 
 def _alpaca(row: Row) -> list[str]:

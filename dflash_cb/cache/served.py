@@ -360,7 +360,16 @@ def comparability(entry: Any, block_size: int | None = None) -> tuple[str, str] 
         return FLAGGED, bad
     if vllm and (why := V.unattributed(counters)) is not None:
         return SKIPPED, why
+    if vllm and (why := V.other_chain_length(counters, block_size)) is not None:
+        return SKIPPED, why
     if verify_rounds(counters) is None:
+        key = rounds_key(counters)
+        if whole_count(counters.get(key)) == 0 and entry.completion_len > 1:
+            # Every token after the prefill's first is committed by a round when the server speculates.
+            said = "num_spec_steps" if counters.get(V.PER_REQUEST) else key
+            return SKIPPED, (f"not speculated: {said} 0 for a {entry.completion_len}-token completion (every token "
+                             "after the first is committed by a verify round when the server speculates): the server "
+                             "did not speculate on this request; check its speculative config")
         return SKIPPED, ("no served counters: the server sends none for a request without a verification "
                          "round (e.g. a completion of one token), or it was not speculating")
     retractions = counters.get(RETRACTIONS)

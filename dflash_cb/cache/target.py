@@ -106,6 +106,12 @@ def read_target_config(path: str | os.PathLike) -> TargetConfig:
     cfg_path, raw = _file_json(path, "config.json")
     if raw is None:
         raise TargetError(f"{path}: no config.json; --target must be a Hugging Face model folder or hub id")
+    from .needs import is_drafter_config
+
+    if is_drafter_config(raw):  # its weights lack the target's embedding and head: say so, not "re-download"
+        raise TargetError(f"--target {path}: a drafter's folder ({cfg_path} describes a drafter), not a target's; "
+                          "--target is the target model's folder (the one the cache was made with), the drafter "
+                          "goes to --drafter")
     from transformers import AutoConfig
 
     try:

@@ -66,8 +66,15 @@ def load_target_head(path: str | os.PathLike, device: torch.device | str = "cpu"
     # Text embeddings only: a vision-language target also has vision-tower embeddings.
     embeds = sorted(k for k in wmap if k.endswith(_EMBED_SUFFIX) and not is_vision_key(k))
     if not embeds:
-        raise TargetHeadError(f"{folder}: no '*{_EMBED_SUFFIX}' tensor in the checkpoint; pass the target's "
-                              "own folder (the one the cache was made with)")
+        from .needs import is_drafter_config
+
+        try:
+            drafter = is_drafter_config(json.loads((folder / "config.json").read_text()))
+        except (OSError, ValueError):
+            drafter = False
+        what = "a drafter's folder (its config.json describes a drafter), not a target's" if drafter else \
+            f"no '*{_EMBED_SUFFIX}' tensor in the checkpoint"
+        raise TargetHeadError(f"{folder}: {what}; pass the target's own folder (the one the cache was made with)")
     embed_key = min(embeds, key=len)
     head_key = next((k for k in _HEAD_KEYS if k in wmap), None)
     cfg_path = folder / "config.json"

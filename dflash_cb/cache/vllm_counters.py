@@ -45,6 +45,8 @@ UNATTRIBUTABLE_REASON = "unattributable_reason"
 # drafts accepted at each verify step, in order.
 PER_REQUEST = "per_request"
 PER_STEP_ACCEPTED = "per_step_accepted"
+# The chain length the answer says it drafted with, checked against the server's recorded configuration.
+SPEC_TOKENS = "num_spec_tokens"
 
 _COUNTERS = (DRAFTS, DRAFT_TOKENS, ACCEPTED, REQUEST_SUCCESS, GENERATION_TOKENS, PREEMPTIONS)
 _GAUGES = (RUNNING, WAITING)
@@ -52,6 +54,20 @@ CONVENTION = ("vLLM: server-wide counters, a request's figures are their change 
               "length = 1 + num_accepted_tokens / num_drafts (a round's accepted drafts plus its bonus token, "
               "before the final cut); served tau here = (completion_tokens - 1) / num_drafts, the replay's "
               "convention (tokens committed by rounds / rounds)")
+
+# The same figures from each answer's own ``metrics.speculative_decoding`` (``--per-request-spec-decode-metrics``).
+REQUEST_CONVENTION = ("vLLM: each answer's own counters (metrics.speculative_decoding: num_spec_steps as num_drafts, "
+                      "num_accepted_draft_tokens as num_accepted_tokens), not /metrics deltas; mean acceptance "
+                      "length = 1 + num_accepted_tokens / num_drafts (a round's accepted drafts plus its bonus token, "
+                      "before the final cut); served tau here = (completion_tokens - 1) / num_drafts, the replay's "
+                      "convention (tokens committed by rounds / rounds)")
+
+
+def convention_of(counters: Sequence[Mapping[str, Any] | None]) -> str:
+    """The convention of vLLM samples' counters: each answer's own when every one says so (``per_request``), else
+    the /metrics deltas'."""
+    own = [c for c in counters if is_vllm(c)]
+    return REQUEST_CONVENTION if own and all(c.get(PER_REQUEST) is True for c in own) else CONVENTION
 
 
 def is_vllm(counters: Mapping[str, Any] | None) -> bool:
@@ -211,6 +227,9 @@ def answer_counters(body: Any) -> dict[str, Any] | None:
             raise ValueError(f"metrics.speculative_decoding.per_step_accepted is {clip(steps)}, expected one count "
                              f"per verify step ({out[DRAFTS]})")
         out[PER_STEP_ACCEPTED] = counts
+    k = whole_count(spec.get(SPEC_TOKENS)) if spec.get(SPEC_TOKENS) is not None else None
+    if k is not None:
+        out[SPEC_TOKENS] = k
     why = _inconsistent(spec, out, hist)
     if why is not None:
         raise ValueError(f"metrics.speculative_decoding: {why}: the counters do not describe one request's "
@@ -261,7 +280,8 @@ def concurrent_counters(concurrency: int) -> dict[str, Any]:
 def kept_fields(counters: Mapping[str, Any]) -> dict[str, Any]:
     """The vLLM fields of a served_spec that the manifest keeps (JSON-safe values)."""
     return {k: v for k, v in counters.items() if isinstance(k, str) and json_safe(v)
-            and (k.startswith(PREFIX) or k in (ATTRIBUTABLE, UNATTRIBUTABLE_REASON, PER_REQUEST, PER_STEP_ACCEPTED))}
+            and (k.startswith(PREFIX) or k in (ATTRIBUTABLE, UNATTRIBUTABLE_REASON, PER_REQUEST, PER_STEP_ACCEPTED,
+                                                  SPEC_TOKENS))}
 
 
 # -- the server's configuration ----------------------------------------------------------------------
@@ -359,6 +379,17 @@ def impossible(counters: Mapping[str, Any], completion_tokens: int, block_size: 
         return (f"impossible {DRAFT_TOKENS}: {drafted} drafts in {r} rounds, the server drafts blocks of {block_size} "
                 f"(at most {block_size - 1} drafts a round)")
     return None
+
+
+def other_chain_length(counters: Mapping[str, Any], block_size: int | None) -> str | None:
+    """Why an answer's own ``num_spec_tokens`` is not the server's recorded configuration (blocks of
+    ``block_size``: ``num_speculative_tokens + 1``), or None."""
+    k = whole_count(counters.get(SPEC_TOKENS))
+    if k is None or block_size is None or k == block_size - 1:
+        return None
+    return (f"another chain length: the answer's num_spec_tokens is {k}, the server's recorded configuration says "
+            f"{block_size - 1} (blocks of {block_size}): the request was not drafted as recorded (a server restarted "
+            "with another --speculative-config?); precompute it again against one server")
 
 
 def unlike_the_replay(counters: Mapping[str, Any], block_size: int | None = None) -> str | None:

@@ -39,12 +39,19 @@ def drafter_from_config(config: dict[str, Any], keys: Iterable[str] | None = Non
     """A freshly initialised drafter of the family ``family_of(config, keys)`` says. Weights of a family whose
     config does not say so: a ValueError saying what to add."""
     keys = None if keys is None else list(keys)
-    if family_said(config) is None:
-        owner = key_family(keys)
-        if owner is not None:
+    said, owner = family_said(config), key_family(keys)
+    if said is None and owner is not None:
+        raise ValueError(f"the weights are a {owner.label} drafter's ({owner.own_key(keys)}), but the config "
+                         f"does not say so: set {owner.how_to_say()}")
+    try:
+        return family_of(config, keys).build(config, keys)
+    except ValueError:
+        # The family the config names cannot be built from its fields because the weights are another family's
+        # (a Domino folder labelled DSpark lacks DSpark's fields): say that, not which field is missing.
+        if said is not None and owner is not None and owner is not said and said.own_key(keys) is None:
             raise ValueError(f"the weights are a {owner.label} drafter's ({owner.own_key(keys)}), but the config "
-                             f"does not say so: set {owner.how_to_say()}")
-    return family_of(config, keys).build(config, keys)
+                             f"says {said.label}: set {owner.how_to_say()}") from None
+        raise
 
 
 def layout_keys(config: Any, family: str | None = None) -> set[str]:

@@ -160,7 +160,9 @@ def compare(labels: Sequence[str], results: Sequence[Results], n_resamples: int 
     for i, j in combinations(range(len(results)), 2):  # a pair differs on the budgets both have
         diffs[(i, j)] = paired(aligned[i], aligned[j], labels[i], labels[j], shared_budgets([results[i], results[j]]),
                                categories, n_resamples, seed)
-    notes = [m for m in [series_mismatch(list(zip(labels, like_for_like(results), strict=True)))] if m]
+    chain = all(family_named(r.family).kind == "chain" for r in results)  # block_size is K + 1
+    notes = [m for m in [series_mismatch(list(zip(labels, like_for_like(results), strict=True)),
+                                         blocks_compared=True, chain=chain)] if m]
     return Comparison(list(labels), list(results), aligned, any_budgets(results), categories, ivs, diffs,
                       check_edges(position_edges), notes)
 

@@ -336,27 +336,38 @@ def check_fields(res: Results, where: str) -> None:
                            f"{'it' if len(empty) == 1 else 'them'}; {_RERUN}")
 
 
-def series_mismatch(labelled: Sequence[tuple[str, Mapping[str, Any]]], kind: str | None = QUANTITY) -> str | None:
+def series_mismatch(labelled: Sequence[tuple[str, Mapping[str, Any]]], kind: str | None = QUANTITY,
+                    blocks_compared: bool = False, chain: bool = False) -> str | None:
     """What to say when evaluations set side by side were measured with different settings of what
     identifies a series (``request.series_fields``: by default the quantities, the block drafted, the tail
     convention, the compute dtype; ``kind=None`` adds the anchor set), or one does not record one: their
     figures are not like for like. None when they agree. ``labelled``: (label, its series: ``Results.series``,
     ``EvalRequest.series``); a name some record does not hold at all is not compared (a value None is: it was
-    not recorded)."""
-    clauses = []
+    not recorded). ``blocks_compared`` (compare_results, a sweep across blocks): blocks that differ are a comparison
+    of blocks (``chain``: a chain drafter's lengths K, block - 1), said as one: tau grows with the block, so it does
+    not rank them; elsewhere (a baseline of the live run) another block is not like for like."""
+    clauses, blocks = [], None
     for name in series_names(kind):
         if not all(name in record for _, record in labelled):
             continue
         values = [(label, record.get(name)) for label, record in labelled]
         if len({repr(v) for _, v in values}) == 1 and values[0][1] is not None:
             continue
+        if blocks_compared and name == "block_size" and all(isinstance(v, int) for _, v in values):
+            shown = ", ".join(f"{label} {v - 1 if chain else v}" for label, v in values)
+            blocks = (f"{'chain lengths K' if chain else 'block_size'} differ ({shown}): tau grows with the "
+                      f"{'chain' if chain else 'block'} drafted (a cycle can accept more drafts), so a higher tau "
+                      "is not a faster setting; compare the projected speedup (tools/eval_drafter.py --profile) "
+                      f"to choose {'a K' if chain else 'a block'}, or score each drafter at one "
+                      f"{'--speculative-tokens' if chain else '--block-size'} to compare drafters")
+            continue
         shown = ", ".join(f"{label} {v!r}" if v is not None else f"{label} (not recorded)" for label, v in values)
         clauses.append(f"{name} differ ({shown})" + (_TAIL_NOTE if name == "tail_blocks" else ""))
     if not clauses:
-        return None
+        return blocks
     options = ", ".join(_OPTION.get(c.split(" ", 1)[0], c.split(" ", 1)[0]) for c in clauses)
     return "; ".join(clauses) + (f": the figures are not like for like; score each with tools/eval_drafter.py "
-                                 f"and the same {options}")
+                                 f"and the same {options}") + (f"; {blocks}" if blocks else "")
 
 
 # Why a tail convention matters, and the option that sets each series field on the command line.
@@ -440,6 +451,9 @@ def check_results_path(path: str | os.PathLike, option: str = "--out", example: 
     """
     path = Path(path)
     real = output_path(path)  # a symbolic link is written through: check where the file will land
+    if real.is_dir() and (real / "config.json").is_file():  # a model's folder: a file there ships with it
+        raise ResultsError(f"{option} {path}: is a model folder (config.json); write {option} outside it, e.g. "
+                           f"{option} {example}")
     if real.is_dir():
         raise ResultsError(f"{option} {path}: is a folder; give a file path, e.g. {path / example}")
     for parent in real.parents:

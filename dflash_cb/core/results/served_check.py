@@ -327,7 +327,9 @@ def compare(entries: Sequence[Any], offline: Mapping[str, Sequence[int]], server
     settings += _block_settings(server_block, counted_block, block, drafter_block_size, longest_round)
     warnings += [f"not comparable: {w}" for w in settings]
     return ServedCheck(checks, skipped, dict(server) if server else None, warnings, flagged=flagged,
-                       not_comparable=settings, convention=V.CONVENTION if vllm else CONVENTION,
+                       not_comparable=settings,
+                       convention=V.convention_of([e.served_spec for e in entries if e.id in offline]) if vllm
+                       else CONVENTION,
                        blocks={"replay": block, "server": server_block or counted_block, "drafter": drafter_block_size,
                                # which source decided the server's block: its recorded configuration wins
                                "server_from": _block_source(server, server_block, counted_block)})
@@ -453,8 +455,8 @@ def format_check(check: ServedCheck, max_rows: int = 40) -> str:
     def f(x: float | None) -> str:
         return "n/a" if x is None else f"{x:.3f}"
 
-    vllm = check.convention == V.CONVENTION
-    per_request = any(x.served_per_step is not None for x in check.samples)
+    vllm = check.convention in (V.CONVENTION, V.REQUEST_CONVENTION)
+    per_request = check.convention == V.REQUEST_CONVENTION or any(x.served_per_step is not None for x in check.samples)
     source = ("vLLM's per-request metrics" if per_request else f"vLLM {V.DRAFTS} across each request") if vllm \
         else "SGLang spec_verify_ct"
     lines = [f"served check: offline replay vs the server's own counters ({source})",

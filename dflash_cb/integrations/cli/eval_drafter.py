@@ -8,6 +8,7 @@ import argparse
 import os
 import shlex
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from ...common import cli
 from ...common.log import say
 from ..evaluator.projection import (
     add_projection,
+    cache_contexts,
     checked_settings,
     drafter_identity,
     read_profile,
@@ -132,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = None
     if profile is not None:  # every setting within the profile's rows, before any scoring
         settings = checked_settings(profile, drafter, fit.block_size, scorer.options.budgets,
-                                    f"--profile {args.profile}")
+                                    f"--profile {args.profile}", contexts=cache_contexts(cache, scorer.ids))
     results, report = scorer.score(drafter, fit, drafter_provenance(args.drafter), progress=True)
     if profile is not None:
         add_projection(results, report, cache, profile, settings)
@@ -213,7 +215,7 @@ def _score_chain_lengths(args: argparse.Namespace, scorer: object, drafter: obje
     if profile is not None:  # every K within the profile's rows, before the first is scored
         for k in ks:
             checked_settings(profile, drafter, k + 1, (), f"--profile {args.profile}",
-                             "smaller --speculative-tokens")
+                             "smaller --speculative-tokens", contexts=cache_contexts(scorer.cache, scorer.ids))
     outs = [check_results_path(chain_output(out, k, ks)) for k in ks]
     rows = []
     base = scorer.config
@@ -222,8 +224,10 @@ def _score_chain_lengths(args: argparse.Namespace, scorer: object, drafter: obje
         fit = scorer.check(drafter, "--drafter")
         settings = None
         if profile is not None:
-            settings = checked_settings(profile, drafter, fit.block_size, (), f"--profile {args.profile}",
-                                        "smaller --speculative-tokens")
+            with warnings.catch_warnings():  # said once, before the first K was scored
+                warnings.simplefilter("ignore")
+                settings = checked_settings(profile, drafter, fit.block_size, (), f"--profile {args.profile}",
+                                            "smaller --speculative-tokens")
         results, report = scorer.score(drafter, fit, drafter_provenance(args.drafter), progress=True)
         if profile is not None:
             add_projection(results, report, scorer.cache, profile, settings)

@@ -75,6 +75,13 @@ def _out_folder(out: Path, states: str) -> None:
     if real == cache or real.startswith(cache.rstrip(os.sep) + os.sep):
         raise DFlashCBError(f"--out {out}: is inside the cache --states {states}; choose a folder apart from it")
     if out.is_dir() and not (out / SWEEP_FILE).is_file():
+        # A checkpoint's (or a model's) own folder: a sweep's files beside its weights would ship with them.
+        own = sorted(p.name for p in out.iterdir() if p.name in ("config.json", "trainer_state.json",
+                                                                  "training_state.pt") or p.suffix in (".ckpt", ".safetensors"))
+        if own:
+            raise DFlashCBError(f"--out {out}: is a checkpoint folder (it holds {', '.join(own[:3])}), not a sweep's; "
+                                "the sweep writes sweep.json, results/ and sweep.md: give --out a new folder, e.g. "
+                                f"--out {out.parent / 'sweep'}")
         other = sorted(p.name for p in out.iterdir() if p.name not in (RESULTS_FOLDER, REPORT_MD, REPORT_PNG)
                        and not p.name.startswith("."))
         if other:

@@ -53,7 +53,7 @@ from .distributed import full_parameters_of, world
 from .drafter_source import unwrap
 from .eval_state import EvalState, MalformedStateError, new_series_reason
 from .measure import FailedMeasurement, Measurer
-from .projection import checked_settings, drafter_identity
+from .projection import cache_contexts, checked_settings, drafter_identity
 from .publish import LastEvaluation, Publisher
 from .schedule import (
     Reason,
@@ -314,7 +314,9 @@ class LiveEvaluator:
                 self._publisher.session = s
             checked_settings(s.cost_profile, unwrap(drafter), fit.block_size,
                              sorted({*self.config.ddtree_budgets, *self.config.light_budgets}),
-                             f"{self.name}: cost_profile={self.config.cost_profile}")
+                             f"{self.name}: cost_profile={self.config.cost_profile}",
+                             "lower ddtree_budgets= (and light_ddtree_budgets=)", "block_size=",
+                             cache_contexts(s.cache, s.eval_ids))
         self.fit = fit
         self._measurer = Measurer(self.config, s, fit, self._gathered, world, self.name)
         self._series = self._measurer.series(unwrap(drafter))

@@ -65,20 +65,60 @@ def refuse_other_target(profile: CostProfile, target: dict[str, Any], where: str
 
 
 def checked_settings(profile: CostProfile, drafter: Any, block_size: int, budgets: Sequence[int],
-                     where: str, smaller: str = "lower --ddtree-budgets") -> list[Setting]:
-    """The evaluation's settings, each within the profile's rows (else refused); a profile timed with another
-    drafter is warned about, naming the fields."""
-    _, other = identity_mismatches(profile, {}, drafter_identity(drafter))
+                     where: str, smaller: str = "lower --ddtree-budgets", block_option: str = "--block-size",
+                     contexts: tuple[int, int] | None = None) -> list[Setting]:
+    """The evaluation's settings, each within the profile's rows (else refused, naming the option that scores a
+    smaller one: ``block_option`` for the block, ``smaller`` for the budgets or a chain's K); a profile timed with
+    another drafter, or whose rows were flagged when measured, or measured only at contexts outside the cache's
+    (``contexts``: its shortest prompt and longest sequence), is warned about; a block drafter's pass timed at
+    another block than the one scored is refused."""
+    identity = drafter_identity(drafter)
+    _, other = identity_mismatches(profile, {}, {k: v for k, v in identity.items() if k != "block_size"})
     if other:
         warnings.warn(f"{where}: its drafter pass was timed for another drafter ({'; '.join(other)}): "
                       "the projected draft cost is that drafter's", stacklevel=2)
+    family = family_named(spec_of(drafter).family)
+    timed = profile.drafter.get("block_size")
+    if family.kind == "block" and not other and isinstance(timed, int) and timed != block_size:
+        # A block drafter's pass drafts its whole block: a pass of another block costs otherwise.
+        raise ArgumentError(f"{where}: its drafter pass was timed at block {timed}, this evaluation drafts blocks "
+                            f"of {block_size}: score at {block_option} {timed}, or give a profile whose draft seconds "
+                            f"are a block-{block_size} pass (tools/profile_costs.py --from-csv ... --draft-seconds S)"
+                            if block_option.startswith("--") else
+                            f"{where}: its drafter pass was timed at block {timed}, this evaluation drafts blocks of "
+                            f"{block_size}: set {block_option}{timed}, or give a profile whose draft seconds are a "
+                            f"block-{block_size} pass")
     settings = family_settings(spec_of(drafter).family, block_size, budgets)
     for s in settings:
         if s.verified > profile.max_verified:
+            fix = smaller
+            if s.name == "greedy" and family.kind == "block":  # the block sets its tokens, not a budget
+                fix = (f"score blocks of up to {profile.max_verified} ({block_option} {profile.max_verified})"
+                       if block_option.startswith("--") else f"set {block_option}{profile.max_verified}")
             raise ArgumentError(f"{where}: {s.label} verifies {s.verified} tokens a cycle, beyond the "
                                 f"profile's rows (up to {profile.max_verified}); {profile.reach(s.verified)}, or "
-                                f"{smaller}")
+                                f"{fix}")
+    if profile.flags:  # rows still unstable after being measured again (a busy machine): priced as they are
+        warnings.warn(f"{where}: rows flagged when it was measured ({'; '.join(profile.flags)}): the projection "
+                      "prices them as measured; measure again on an idle machine (the same tools/profile_costs.py "
+                      "command, another --out)", stacklevel=2)
+    measured = sorted(c for c in profile.verify if c > 0)
+    if contexts is not None and measured and (contexts[1] < measured[0] or contexts[0] > measured[-1]):
+        warnings.warn(f"{where}: its verify rows were measured at contexts {measured[0]} to {measured[-1]} only, "
+                      f"the cache's cycles run at contexts {contexts[0]} to {contexts[1]}: every cycle is priced at "
+                      f"context {measured[0] if contexts[1] < measured[0] else measured[-1]}; measure at the cache's "
+                      f"contexts (tools/profile_costs.py --contexts {contexts[0]},{contexts[1]})", stacklevel=2)
     return settings
+
+
+def cache_contexts(cache: Any, ids: Sequence[str] | None = None) -> tuple[int, int] | None:
+    """The contexts a cache's cycles run at: its shortest prompt to its longest prompt and completion (of ``ids``,
+    default every sample); None for an empty selection."""
+    wanted = None if ids is None else set(ids)
+    entries = [e for e in cache.samples if wanted is None or e.id in wanted]
+    if not entries:
+        return None
+    return min(int(e.prompt_len) for e in entries), max(int(e.total_len) for e in entries)
 
 
 def add_projection(results: Any, report: Any, cache: Any, profile: CostProfile, settings: list[Setting]) -> None:

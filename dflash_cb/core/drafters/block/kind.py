@@ -88,6 +88,15 @@ class HeadOnBackboneFamily(BackboneFamily):
     def own_key(self, keys: Any) -> str | None:
         return next((k for k in keys if any(f"{part}." in k for part in self.head_parts)), None)
 
+    def build(self, config: dict[str, Any], keys: Any = None) -> nn.Module:
+        """As the backbone's, but a folder's config (``keys`` known) must say its block: SpecForge trains these heads
+        at the block it is given, and a replay at a guessed block (16) would score another drafter's loop."""
+        if keys is not None and config_value(config, "block_size") is None:
+            raise ValueError(f"a {self.label} drafter config without block_size (neither top-level nor in "
+                             "dflash_config): the block it was trained to draft is unknown; add \"block_size\": N "
+                             "(SpecForge's --block-size) to its config.json")
+        return super().build(config, keys)
+
     def relabel(self, config: dict[str, Any]) -> dict[str, Any]:
         fields = {"projector_type": self.projector_type, **self.placeholders}
         return {**super().relabel(config), "dflash_config": {**fields, **(config.get("dflash_config") or {})}}

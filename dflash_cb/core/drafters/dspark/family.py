@@ -30,6 +30,21 @@ class DSparkFamily(HeadOnBackboneFamily):
 
         return DSparkDrafter
 
+    def build(self, config: dict[str, Any], keys: Any = None) -> nn.Module:
+        """As the head families', but a config that says no ``markov_head_type`` (read as SpecForge's default
+        ``vanilla``) over the weights of a gated or rnn head is named by the field to set, not as unexpected keys."""
+        if keys is not None:
+            from ..spec import config_value
+
+            keys = [f".{k}" for k in keys]
+            held = ("gated" if any(".markov_head.gate_proj." in k for k in keys) else
+                    "rnn" if any(".markov_head.joint_proj." in k for k in keys) else None)
+            if held is not None and config_value(config, "markov_head_type") is None:
+                raise ValueError(f"DSpark drafter config has no markov_head_type (read as 'vanilla'), but the weights "
+                                 f"hold a {held} Markov head: set dflash_config.markov_head_type {held!r} in its "
+                                 "config.json")
+        return super().build(config, keys and [k[1:] for k in keys])
+
     def tiny_fields(self, hidden_size: int) -> dict[str, Any]:
         return dict(projector_type="dspark", markov_rank=8, markov_head_type="gated")
 
