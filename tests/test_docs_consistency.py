@@ -130,3 +130,22 @@ def test_every_quoted_timing_says_its_thread_count():
             if measured and "thread" not in paragraph:
                 missing.append(f"{page.name}: {' '.join(paragraph.split())[:160]}")
     assert not missing, "\n".join(missing)
+
+
+def test_the_demo_prints_the_band_the_docs_quote_from_the_machine_that_measured_it():
+    """The band of last tau the demo prints for its default run (the seeds' spread where it was measured) is the
+    one getting-started quotes, with the same CPU and thread count, and its seed 0 is the demo table's last tau."""
+    from dflash_cb.demo.demo import MEASURED_ON, MEASURED_TAU, DemoConfig, expected_band
+
+    page = PAGES["getting-started.md"]
+    lo, hi = min(MEASURED_TAU.values()), max(MEASURED_TAU.values())
+    line = expected_band(DemoConfig.resolve(seed=0), MEASURED_TAU[0])
+    assert f"{lo:.3f} to {hi:.3f}" in line and MEASURED_ON in line and "inside" in line
+    assert f"{lo:.3f} to {hi:.3f}" in page and MEASURED_ON.removeprefix("a ") in page
+    for seed, tau in MEASURED_TAU.items():
+        assert f"seed {seed} {tau:.3f}" in page, seed
+    table = re.search(r"<!-- table:demo -->(.*?)<!-- /table:demo -->", page, re.S).group(1)
+    assert f"Last evaluation (step 1200): tau {MEASURED_TAU[0]:.3f} [" in table and "seed 0, 1 thread(s)" in table
+    # Another drafter, --quick or other steps train something else: no band is printed for them.
+    assert expected_band(DemoConfig.resolve(quick=True)) is None
+    assert expected_band(DemoConfig.resolve(drafter="mtp")) is None and expected_band(DemoConfig.resolve(steps=10)) is None
