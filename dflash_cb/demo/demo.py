@@ -29,15 +29,14 @@ import shutil
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..common import cli
-from ..common.errors import DFlashCBError
-from ..common.fileio import atomic_path, atomic_write_json, atomic_write_text, naming_failures, output_path
+from ..common.fileio import atomic_write_json, atomic_write_text, naming_failures, output_path
 from ..common.threads import THREADS_HELP, oversubscribed, parse_threads, set_threads
-from ..core.drafters.registry import families, family_named
+from ..core.drafters.registry import family_named
 from ..core.drafters.spec import DEFAULT_FAMILY
 from ..core.figures.metrics import (
     ACCEPT_LENGTH_SERVED,
@@ -50,132 +49,24 @@ from ..core.figures.metrics import (
     ci_high,
     ci_low,
     ddtree_tau,
-    depth_acc,
-    depth_acc_cond,
-    hist_frac,
 )
+from .config import (
+    CHAIN_DRAFTERS,
+    DRAFTERS,
+    MARKER,
+    MEASURED_ON,
+    MEASURED_TAU,
+    MEASURED_THREADS,
+    POSITION_EDGES,
+    TAU_GOAL,
+    DemoConfig,
+    DemoError,
+    Paths,
+)
+from .plots import make_plots
 
 if TYPE_CHECKING:
     from ..core.results.results_file import Results
-
-MARKER = ".dflash_demo"  # written first into the output folder: --overwrite only ever deletes a demo's folder
-TAU_GOAL = 2.0
-
-# What the default demo (a DFlash drafter, 1200 steps) gave where it was measured: the last tau of each seed, with
-# `OMP_NUM_THREADS=1 python tools/demo.py --threads 1 --seed N` (docs/getting-started.md, "The demo"). Another CPU's
-# kernels or another thread count round differently, training takes another path and lands elsewhere: the spread
-# over seeds is the band to expect, not a value to match.
-MEASURED_ON = "a 2-core AMD EPYC (avx2)"
-MEASURED_THREADS = 1
-MEASURED_TAU = {0: 3.415, 1: 3.191, 2: 3.185, 3: 2.962, 4: 3.087}
-
-
-@dataclass
-class DemoConfig:
-    """Every knob of the demo; ``resolve`` applies the command line and the ``--quick`` preset."""
-
-    out: Path = Path("demo_out")
-    seed: int = 0
-    steps: int = 1200  # drafter optimizer steps
-    eval_every: int = 100
-    quick: bool = False
-    overwrite: bool = False
-    wandb_mode: str = "offline"
-    wandb_project: str = "dflash-cb-demo"
-    threads: int = 1
-    drafter: str = DEFAULT_FAMILY  # the family trained: one of DRAFTERS (--drafter)
-    block_size: int = 8
-    # Sizes (set from --quick in ``resolve``).
-    target_steps: int = 600
-    train_prompts_per_family: int = 150
-    eval_prompts_per_family: int = 10
-    drafter_layers: int = 2
-    batch_size: int = 4
-    lr: float = 2e-3
-    ddtree_budgets: tuple[int, ...] = (16, 32)
-    max_new_tokens: int = 40
-    layer_ids: tuple[int, ...] = (0, 1, 2)
-    require_goal: bool = True  # exit non-zero when the last tau is below TAU_GOAL
-
-    @classmethod
-    def resolve(cls, out: str | os.PathLike = "demo_out", seed: int = 0, steps: int | None = None,
-                eval_every: int | None = None, quick: bool = False, **kw: Any) -> DemoConfig:
-        if quick:  # the CI form: same pipeline, smaller everything; tau must rise, not reach the goal
-            base = dict(steps=150, eval_every=50, target_steps=200, train_prompts_per_family=30,
-                        eval_prompts_per_family=4, ddtree_budgets=(16,), require_goal=False)
-        else:
-            base = {}
-        if steps is not None:
-            base["steps"] = steps
-        if eval_every is not None:
-            base["eval_every"] = eval_every
-        cfg = cls(out=Path(out), seed=seed, quick=quick, **{**base, **kw})
-        if cfg.steps < 1 or cfg.eval_every < 1:
-            raise ValueError("--steps and --eval-every must be >= 1")
-        if cfg.wandb_mode not in ("offline", "online"):
-            raise ValueError(f"--wandb-mode must be offline or online, got {cfg.wandb_mode!r}")
-        if cfg.drafter not in DRAFTERS:
-            raise ValueError(f"--drafter must be one of {', '.join(DRAFTERS)}, got {cfg.drafter!r}")
-        if not family_named(cfg.drafter).supports_tree:
-            cfg.ddtree_budgets = ()  # its trees are not what a server verifies: the summary says why
-        return cfg
-
-
-@dataclass
-class Paths:
-    """Where the demo writes each thing, under ``out``."""
-
-    out: Path
-    target: Path = field(init=False)
-    prompts_train: Path = field(init=False)
-    prompts_eval: Path = field(init=False)
-    cache_train: Path = field(init=False)
-    cache_eval: Path = field(init=False)
-    drafter_config: Path = field(init=False)
-    checkpoint: Path = field(init=False)
-    drafter: Path = field(init=False)
-    results: Path = field(init=False)
-    plots: Path = field(init=False)
-    summary: Path = field(init=False)
-
-    def __post_init__(self) -> None:
-        o = self.out
-        self.target = o / "target"
-        self.prompts_train = o / "prompts" / "train.jsonl"
-        self.prompts_eval = o / "prompts" / "eval.jsonl"
-        self.cache_train = o / "cache" / "train"
-        self.cache_eval = o / "cache" / "eval"
-        self.drafter_config = o / "drafter_config.json"
-        self.checkpoint = o / "checkpoints" / "final.ckpt"
-        self.checkpoint_first = o / "checkpoints" / "first.ckpt"  # the untrained drafter, for the comparison
-        self.drafter = o / "drafter"
-        self.drafter_first = o / "drafter_first"
-        self.results = o / "results.json"
-        self.results_first = o / "results_first.json"
-        self.comparison = o / "comparison"  # .md and .png from the compare tool
-        self.plots = o / "plots"
-        self.summary = o / "summary.json"
-
-
-# The chain families the demo builds a small drafter of (``chain_drafter_config``).
-CHAIN_DRAFTERS = ("eagle3", "mtp")
-# The drafter families the demo trains (--drafter: every block family and the chain families above; one without
-# DDTree is scored without budgets), and how the summary names them.
-DRAFTERS = {f.name: f.label for f in families() if f.kind == "block" or f.name in CHAIN_DRAFTERS}
-# EAGLE-3 reads three layers' outputs other than the last (the cache holds the last one final-normed, the state a
-# DFlash drafter and the MTP head read, not the residual stream SGLang captures for EAGLE-3): of the tiny
-# target's three layers, layer 0 and layer 1 twice. The demo's caches hold layers 0, 1 and 2 (``layer_ids``),
-# so every family the demo trains reads layers the cache holds.
-EAGLE3_LAYERS = (0, 1, 1)
-
-
-class DemoError(DFlashCBError, RuntimeError):
-    """A problem the user can fix (output folder, W&B credentials); printed without a traceback."""
-
-
-# Completions here are tens of tokens long, so the position buckets are too (the default is 0..2048+).
-POSITION_EDGES = (0, 8, 16, 32)
-
 
 def _say(msg: str = "") -> None:
     print(msg, flush=True)
@@ -306,31 +197,15 @@ def drafter_config(cfg: DemoConfig) -> dict[str, Any]:
 
 
 def chain_drafter_config(cfg: DemoConfig) -> dict[str, Any]:
-    """A small chain drafter of K = block size - 1 steps for the tiny target: ``mtp``, a Qwen3.5 MTP layer (the
-    tiny target ships none: a stand-in for Qwen3.6's own head, as ``benchmarks/which_to_serve.py`` trains) reading
-    the target's last layer; ``eagle3``, SpecForge's EAGLE-3 layout (``LlamaForCausalLMEagle3``, one layer) over the
-    target's whole vocabulary (no draft-vocabulary mapping) reading ``EAGLE3_LAYERS``."""
-    from ..core.drafters.eagle3.model import ARCHITECTURE as EAGLE3
-    from ..core.drafters.mtp.model import mtp_config_from_target
+    """A small chain drafter of K = block size - 1 steps for the tiny target, as its family builds one
+    (``ChainFamily.tiny_config``: the MTP head reads the target's last layer, EAGLE-3 three of the others)."""
     from . import synthetic as S
 
-    t = S.TargetSpec()
-    k = cfg.block_size - 1
-    if cfg.drafter == "mtp":
-        target = S.target_config(t).to_dict()
-        return mtp_config_from_target({**target, "mtp_num_hidden_layers": 1, "rope_parameters": {
-            "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}}, k)
-    if cfg.drafter == "eagle3":
-        layers = list(EAGLE3_LAYERS)
-        return {"architectures": [EAGLE3], "drafter_family": "eagle3", "model_type": "llama",
-                "vocab_size": S.VOCAB_SIZE, "draft_vocab_size": S.VOCAB_SIZE, "hidden_size": t.hidden_size,
-                "target_hidden_size": t.hidden_size, "intermediate_size": 3 * t.hidden_size, "num_hidden_layers": 1,
-                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "hidden_act": "silu",
-                "rms_norm_eps": 1e-6, "max_position_embeddings": 4096, "tie_word_embeddings": False,
-                "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
-                "eagle_config": {"eagle_aux_hidden_state_layer_ids": layers}, "target_layer_ids": layers,
-                "num_target_layers": t.num_layers, "num_speculative_tokens": k}
-    raise ValueError(f"--drafter {cfg.drafter}: the demo builds no {cfg.drafter} drafter")
+    config = family_named(cfg.drafter).tiny_config(S.target_config(S.TargetSpec()).to_dict(), cfg.layer_ids,
+                                                   cfg.block_size - 1)
+    if config is None:
+        raise ValueError(f"--drafter {cfg.drafter}: the demo builds no {cfg.drafter} drafter")
+    return config
 
 
 def _fmt(x: Any, nd: int = 3) -> str:
@@ -400,14 +275,14 @@ def train_drafter(cfg: DemoConfig, paths: Paths) -> dict[str, Any]:
     module = DFlashDrafterModule(dcfg, states=str(paths.cache_train), lr=cfg.lr, anchors_per_sample=16,
                                  warmup_steps=30, init_seed=cfg.seed)
     chain = cfg.drafter in CHAIN_DRAFTERS
-    # A chain drafter reads some of the cache's layers (the MTP head the last, EAGLE-3 EAGLE3_LAYERS).
+    # A chain drafter reads some of the cache's layers (its config's target_layer_ids).
     data = CachedStatesDataModule(str(paths.cache_train), batch_size=cfg.batch_size, shuffle=True,
                                   layer_ids=list(module.drafter.spec.target_layer_ids) if chain else None)
     n_params = sum(p.numel() for p in module.drafter.parameters())
     shape = (f"1 layer, K = {cfg.block_size - 1} steps, trained on its first step" if chain
              else f"{cfg.drafter_layers} layers, block {cfg.block_size}")
     label = DRAFTERS[cfg.drafter]
-    _say(f"[3/4] training {'an' if label.startswith(('A', 'E', 'I', 'O', 'U', 'MTP')) else 'a'} {label} drafter ({shape}, "
+    _say(f"[3/4] training the {label} drafter ({shape}, "
          f"{n_params / 1e3:.0f}k parameters) with Lightning for {cfg.steps} steps; DFlashEvalCallback replays the "
          f"greedy loop on the {len(S.FAMILIES)}-category held-out cache every {cfg.eval_every} steps")
 
@@ -512,71 +387,6 @@ def untrained_parts(first: Path, last: Path, buffers: Sequence[str] = ()) -> lis
         part = key.split(".")[0]
         parts[part] = parts.get(part, True) and a[key].shape == b[key].shape and torch.equal(a[key], b[key])
     return [f"{part}.*" for part, same in parts.items() if same]
-
-
-def make_plots(history: list[dict[str, float]], block_size: int, budgets: Sequence[int], plots: Path,
-               goal: float = TAU_GOAL, family: str = DEFAULT_FAMILY) -> dict[str, Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, no display needed
-    import matplotlib.pyplot as plt
-
-    plots.mkdir(parents=True, exist_ok=True)
-    steps = [h["step"] for h in history]
-    out: dict[str, Path] = {}
-
-    def save(fig: Any, ax: Any, name: str, outside: bool = False) -> None:
-        if outside:  # many lines: the legend beside the axes, never over the band or the lines
-            ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
-        else:
-            ax.legend(fontsize=8)
-        out[name] = plots / f"{name}.png"
-        fig.tight_layout()
-        with atomic_path(out[name]) as tmp:
-            fig.savefig(tmp, format="png", dpi=110)
-        plt.close(fig)
-
-    fig, ax = plt.subplots(figsize=(10, 4.2))
-    ax.plot(steps, [h[TAU] for h in history], "o-", lw=2, label="tau (greedy replay)")
-    ax.fill_between(steps, [h.get(ci_low(TAU), math.nan) for h in history],
-                    [h.get(ci_high(TAU), math.nan) for h in history], color="C0", alpha=0.2,
-                    label="tau: 95% interval over prompts")
-    for b in budgets:
-        ax.plot(steps, [h.get(ddtree_tau(b), math.nan) for h in history], "s--", label=f"DDTree tau, budget {b}")
-    ax.plot(steps, [h.get(ALL_ANCHOR_TAU, math.nan) for h in history], ":", color="gray",
-            label="all-anchor mean accepted + 1")
-    fam = family_named(family)
-    for k, walk in enumerate(fam.figures.walks):  # the family's own walks (DFlash 2: selector off, perfect selector)
-        ax.plot(steps, [h.get(walk.key, math.nan) for h in history], "^-.", color=f"C{len(budgets) + 2 + k}",
-                label=walk.label)
-    ax.axhline(goal, color="red", lw=0.8, alpha=0.6, label=f"the demo's goal: tau {goal:g}")
-    ax.set(xlabel="training step", ylabel="tokens per drafter call", title=f"{fam.label} drafter: tau while it trains")
-    ax.grid(alpha=0.3)
-    save(fig, ax, "tau_over_steps", outside=True)
-
-    depths = list(range(1, block_size))
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for h, style, colors in ((history[0], ":", ("0.55", "0.75")), (history[-1], "-", ("C0", "C1"))):
-        ax.plot(depths, [h.get(depth_acc(k), math.nan) for k in depths], "o" + style, color=colors[0],
-                label=f"step {int(h['step'])}: P(draft at depth k = target)")
-        # NaN where no anchor got that deep (e.g. the untrained drafter): not drawn.
-        ax.plot(depths, [h.get(depth_acc_cond(k), math.nan) for k in depths], "^" + style, color=colors[1],
-                label=f"step {int(h['step'])}: same, given depths < k all matched")
-    ax.set(xlabel="block depth k", ylabel="acceptance", ylim=(-0.02, 1.02), title="per-depth acceptance (all anchors)")
-    ax.grid(alpha=0.3)
-    save(fig, ax, "per_depth_acceptance")
-
-    ns = list(range(1, block_size + 1))
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    w = 0.4
-    for off, h, color in ((-w / 2, history[0], "0.6"), (w / 2, history[-1], "C0")):
-        ax.bar([n + off for n in ns], [h.get(hist_frac(n), 0.0) or 0.0 for n in ns], width=w, color=color,
-               label=f"step {int(h['step'])} (tau {h[TAU]:.2f})")
-    ax.set(xlabel="tokens committed per cycle (accepted + 1)", ylabel="fraction of cycles", xticks=ns,
-           title="tokens committed per speculative cycle (accepted + 1)")
-    ax.grid(alpha=0.3, axis="y")
-    save(fig, ax, "accepted_lengths_hist", outside=True)
-    return out
 
 
 def _clean(x: Any) -> Any:
@@ -757,8 +567,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drafter", choices=list(DRAFTERS), default=DEFAULT_FAMILY,
                    help=f"the drafter family to train: {', '.join(DRAFTERS)} (default {DEFAULT_FAMILY}); a family "
                         "with figures of its own (DFlash 2's selector, a head's 'off' tau) adds them to the summary; "
-                        "one whose drafts make no DDTree is scored without budgets; eagle3 and mtp are chain drafters, "
-                        "trained on their first step only")
+                        f"one whose drafts make no DDTree is scored without budgets; {' and '.join(CHAIN_DRAFTERS)} are "
+                        "chain drafters, trained on their first step only")
     return p
 
 

@@ -247,6 +247,12 @@ class ChainFamily(DrafterFamily):
     def config_says(self, config: Any) -> bool:
         return _get(config, "drafter_family") == self.name or super().config_says(config)
 
+    def tiny_config(self, target_config: dict[str, Any], layer_ids: Sequence[int],
+                    speculative_tokens: int) -> dict[str, Any] | None:
+        """A small drafter ``config.json`` of this family for a tiny target (``target_config``) whose cache holds
+        ``layer_ids``, K = ``speculative_tokens`` (the demo's and the tests' drafters); None: the family has none."""
+        return None
+
     def module_class(self) -> type[nn.Module]:
         raise NotImplementedError
 

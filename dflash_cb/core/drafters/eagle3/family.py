@@ -36,6 +36,25 @@ class Eagle3Family(ChainFamily):
 
         return Eagle3Drafter(dict(config), own_embedding=keys is None or EMBED_KEY in set(keys))
 
+    def tiny_config(self, target_config: dict[str, Any], layer_ids: Sequence[int],
+                    speculative_tokens: int) -> dict[str, Any]:
+        """SpecForge's layout, one layer, over the target's whole vocabulary (no draft-vocabulary mapping), reading
+        three of the cache's layers other than its last: EAGLE-3 reads the residual stream SGLang captures, and the
+        cache holds the last layer final-normed (the state a block drafter and the MTP head read). With fewer, the
+        last of them is read again (a tiny target's layers 0, 1, 1)."""
+        inner = [int(i) for i in layer_ids if int(i) != max(layer_ids)] or [int(min(layer_ids))]
+        layers = (inner + [inner[-1]] * 3)[:3]
+        vocab, hidden = int(target_config["vocab_size"]), int(target_config["hidden_size"])
+        return {"architectures": [ARCHITECTURE], "drafter_family": FAMILY_NAME, "model_type": "llama",
+                "vocab_size": vocab, "draft_vocab_size": vocab, "hidden_size": hidden, "target_hidden_size": hidden,
+                "intermediate_size": 3 * hidden, "num_hidden_layers": 1, "num_attention_heads": 4,
+                "num_key_value_heads": 2, "head_dim": 16, "hidden_act": "silu", "rms_norm_eps": 1e-6,
+                "max_position_embeddings": 4096, "tie_word_embeddings": False,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+                "eagle_config": {"eagle_aux_hidden_state_layer_ids": layers}, "target_layer_ids": layers,
+                "num_target_layers": int(target_config["num_hidden_layers"]),
+                "num_speculative_tokens": int(speculative_tokens)}
+
     def target_layers(self, config: Any) -> list[int]:
         from .model import eagle_layer_ids
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from torch import nn
@@ -35,6 +35,13 @@ class MtpFamily(ChainFamily):
             raise ValueError(f"target_layer_ids is {ids}: an MTP head reads the target's last layer, [{int(n) - 1}] "
                              f"of {int(n)}; write the folder again with tools/extract_drafter.py --from-target TARGET")
         return ids
+
+    def tiny_config(self, target_config: dict[str, Any], layer_ids: Sequence[int],
+                    speculative_tokens: int) -> dict[str, Any]:
+        """One Qwen3.5 MTP layer over a tiny target that ships none (a stand-in for Qwen3.6's own head, as
+        ``benchmarks/which_to_serve.py`` trains), reading the target's last layer."""
+        return self.config_from_target({**target_config, "mtp_num_hidden_layers": 1, "rope_parameters": {
+            "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}}, speculative_tokens)
 
     def config_from_target(self, target_config: dict[str, Any], speculative_tokens: int) -> dict[str, Any]:
         from .model import mtp_config_from_target
