@@ -157,16 +157,48 @@ class Paths:
         self.summary = o / "summary.json"
 
 
-# The chain families the demo builds a small drafter of (``chain_drafter_config``).
-CHAIN_DRAFTERS = ("eagle3", "mtp")
-# The drafter families the demo trains (--drafter: every block family and the chain families above; one without
-# DDTree is scored without budgets), and how the summary names them.
-DRAFTERS = {f.name: f.label for f in families() if f.kind == "block" or f.name in CHAIN_DRAFTERS}
 # EAGLE-3 reads three layers' outputs other than the last (the cache holds the last one final-normed, the state a
 # DFlash drafter and the MTP head read, not the residual stream SGLang captures for EAGLE-3): of the tiny
 # target's three layers, layer 0 and layer 1 twice. The demo's caches hold layers 0, 1 and 2 (``layer_ids``),
 # so every family the demo trains reads layers the cache holds.
 EAGLE3_LAYERS = (0, 1, 1)
+
+
+def _shipped_head_config(fam: Any, k: int) -> dict[str, Any]:
+    """A head the target ships (Qwen3.5's one-layer MTP head), read with the family's ``config_from_target`` from
+    the tiny target's config as a Qwen3.5 one that ships it (partial rotary, as Qwen3.5's): the tiny target ships
+    none, so this is a stand-in for Qwen3.6's own head, as ``benchmarks/which_to_serve.py`` trains one. It reads
+    the target's last layer."""
+    from . import synthetic as S
+
+    target = S.target_config(S.TargetSpec()).to_dict()
+    return fam.config_from_target({**target, "mtp_num_hidden_layers": 1, "rope_parameters": {
+        "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}}, k)
+
+
+def _eagle_layout_config(fam: Any, k: int) -> dict[str, Any]:
+    """SpecForge's EAGLE-3 layout (its ``LlamaForCausalLMEagle3`` config, one layer) over the target's whole
+    vocabulary (no draft-vocabulary mapping), reading ``EAGLE3_LAYERS``."""
+    from . import synthetic as S
+
+    t, layers = S.TargetSpec(), list(EAGLE3_LAYERS)
+    return {"architectures": [fam.architecture], "drafter_family": fam.name, "model_type": "llama",
+            "vocab_size": S.VOCAB_SIZE, "draft_vocab_size": S.VOCAB_SIZE, "hidden_size": t.hidden_size,
+            "target_hidden_size": t.hidden_size, "intermediate_size": 3 * t.hidden_size, "num_hidden_layers": 1,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "hidden_act": "silu",
+            "rms_norm_eps": 1e-6, "max_position_embeddings": 4096, "tie_word_embeddings": False,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": layers}, "target_layer_ids": layers,
+            "num_target_layers": t.num_layers, "num_speculative_tokens": k}
+
+
+# The chain formats the demo writes a small drafter in, by the architecture their config.json names.
+CHAIN_FORMATS = {"Qwen3_5MTPDrafter": _shipped_head_config, "LlamaForCausalLMEagle3": _eagle_layout_config}
+# The chain families the demo trains (``chain_drafter_config``): those whose drafters it writes in such a format.
+CHAIN_DRAFTERS = tuple(f.name for f in families() if f.kind == "chain" and f.architecture in CHAIN_FORMATS)
+# The drafter families the demo trains (--drafter: every block family and the chain families above; one without
+# DDTree is scored without budgets), and how the summary names them.
+DRAFTERS = {f.name: f.label for f in families() if f.kind == "block" or f.name in CHAIN_DRAFTERS}
 
 
 class DemoError(DFlashCBError, RuntimeError):
@@ -306,31 +338,12 @@ def drafter_config(cfg: DemoConfig) -> dict[str, Any]:
 
 
 def chain_drafter_config(cfg: DemoConfig) -> dict[str, Any]:
-    """A small chain drafter of K = block size - 1 steps for the tiny target: ``mtp``, a Qwen3.5 MTP layer (the
-    tiny target ships none: a stand-in for Qwen3.6's own head, as ``benchmarks/which_to_serve.py`` trains) reading
-    the target's last layer; ``eagle3``, SpecForge's EAGLE-3 layout (``LlamaForCausalLMEagle3``, one layer) over the
-    target's whole vocabulary (no draft-vocabulary mapping) reading ``EAGLE3_LAYERS``."""
-    from ..core.drafters.eagle3.model import ARCHITECTURE as EAGLE3
-    from ..core.drafters.mtp.model import mtp_config_from_target
-    from . import synthetic as S
-
-    t = S.TargetSpec()
-    k = cfg.block_size - 1
-    if cfg.drafter == "mtp":
-        target = S.target_config(t).to_dict()
-        return mtp_config_from_target({**target, "mtp_num_hidden_layers": 1, "rope_parameters": {
-            "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}}, k)
-    if cfg.drafter == "eagle3":
-        layers = list(EAGLE3_LAYERS)
-        return {"architectures": [EAGLE3], "drafter_family": "eagle3", "model_type": "llama",
-                "vocab_size": S.VOCAB_SIZE, "draft_vocab_size": S.VOCAB_SIZE, "hidden_size": t.hidden_size,
-                "target_hidden_size": t.hidden_size, "intermediate_size": 3 * t.hidden_size, "num_hidden_layers": 1,
-                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "hidden_act": "silu",
-                "rms_norm_eps": 1e-6, "max_position_embeddings": 4096, "tie_word_embeddings": False,
-                "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
-                "eagle_config": {"eagle_aux_hidden_state_layer_ids": layers}, "target_layer_ids": layers,
-                "num_target_layers": t.num_layers, "num_speculative_tokens": k}
-    raise ValueError(f"--drafter {cfg.drafter}: the demo builds no {cfg.drafter} drafter")
+    """A small chain drafter of K = block size - 1 steps for the tiny target, in its family's format
+    (``CHAIN_FORMATS``: an MTP head reading the target's last layer, EAGLE-3 reading ``EAGLE3_LAYERS``)."""
+    fam = family_named(cfg.drafter)
+    if fam.kind != "chain" or fam.architecture not in CHAIN_FORMATS:
+        raise ValueError(f"--drafter {cfg.drafter}: the demo writes no {fam.label} chain drafter")
+    return CHAIN_FORMATS[fam.architecture](fam, cfg.block_size - 1)
 
 
 def _fmt(x: Any, nd: int = 3) -> str:
