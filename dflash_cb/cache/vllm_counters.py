@@ -55,7 +55,7 @@ CONVENTION = ("vLLM: server-wide counters, a request's figures are their change 
               "before the final cut); served tau here = (completion_tokens - 1) / num_drafts, the replay's "
               "convention (tokens committed by rounds / rounds)")
 
-# The same figures from each answer's own ``metrics.speculative_decoding`` (``--per-request-spec-decode-metrics``).
+# The same figures from each answer's own ``body["metrics"]["speculative_decoding"]`` (``--per-request-spec-decode-metrics``).
 REQUEST_CONVENTION = ("vLLM: each answer's own counters (metrics.speculative_decoding: num_spec_steps as num_drafts, "
                       "num_accepted_draft_tokens as num_accepted_tokens), not /metrics deltas; mean acceptance "
                       "length = 1 + num_accepted_tokens / num_drafts (a round's accepted drafts plus its bonus token, "

@@ -92,7 +92,7 @@ def test_a_dflash2_drafter_trains_its_tau_rises_and_the_summary_says_where_it_is
     assert results["metrics"]["tau"] == pytest.approx(summary["tau_last"], abs=1e-12)
     m = results["metrics"]
     assert m["selector/oracle_tau"] >= m["tau"] and 0 < m["selector/recall"] <= 1
-    assert "training a DFlash 2 drafter" in proc.stdout and "DFlash 2: tau with the selector off (unary argmax)" in proc.stdout
+    assert "training the DFlash 2 drafter" in proc.stdout and "DFlash 2: tau with the selector off (unary argmax)" in proc.stdout
     # Where the selector costs tau (its walk below the unary argmax path), the demo and comparison.md say so.
     costs = m["selector/unary_tau"] > m["tau"]
     assert ("the selector costs tau here" in proc.stdout) == costs
@@ -141,7 +141,7 @@ def test_a_chain_drafter_runs_end_to_end(tmp_path: Path, family: str, label: str
     summary = json.loads((out / "summary.json").read_text())
     assert summary["drafter"] == family and summary["tau_last"] > summary["tau_first"], summary["evaluations"]
     assert summary["ddtree_budget"] is None
-    assert f"training an {label} drafter (1 layer, K = 7 steps, trained on its first step" in proc.stdout
+    assert f"training the {label} drafter (1 layer, K = 7 steps, trained on its first step" in proc.stdout
     assert f"DDTree: not scored (a{'n' if family == 'eagle3' else ''} {label} drafter drafts each depth from its " \
         "parent token" in proc.stdout
     # Its vocabulary mapping (EAGLE-3's d2t, t2d) is no weight: not named as left untrained.
