@@ -37,6 +37,7 @@ class DemoConfig:
     wandb_mode: str = "offline"
     wandb_project: str = "dflash-cb-demo"
     threads: int = 1
+    target_from: Path | None = None  # an earlier demo's folder whose target, prompts and caches this run reuses
     drafter: str = DEFAULT_FAMILY  # the family trained: one of DRAFTERS (--drafter)
     block_size: int = 8
     # Sizes (set from --quick in ``resolve``).

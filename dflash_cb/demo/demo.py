@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..common import cli
 from ..common.fileio import atomic_write_json, atomic_write_text, naming_failures, output_path
-from ..common.threads import THREADS_HELP, oversubscribed, parse_threads, set_threads
+from ..common.threads import THREADS_HELP, parse_threads
 from ..core.drafters.registry import family_named
 from ..core.drafters.spec import DEFAULT_FAMILY
 from ..core.figures.metrics import (
@@ -63,7 +63,9 @@ from .config import (
     DemoError,
     Paths,
 )
+from .environment import check_wandb, quiet, setup_torch
 from .plots import make_plots
+from .reuse import check_target_from, reuse_target
 
 if TYPE_CHECKING:
     from ..core.results.results_file import Results
@@ -87,32 +89,6 @@ def prepare_out(cfg: DemoConfig) -> Paths:
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / MARKER, "written by python tools/demo.py; --overwrite may delete this folder\n")
     return Paths(out)
-
-
-def _quiet() -> None:
-    """Keep the demo's own output readable: no per-file progress bars or tips from the libraries."""
-    import logging
-    import warnings
-
-    import lightning.pytorch  # noqa: F401  (imported first: its import resets its loggers to INFO)
-    import transformers
-
-    transformers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.set_verbosity_error()
-    for name in ("lightning.pytorch", "lightning.fabric", "lightning"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-    warnings.filterwarnings("ignore", message=r".*LeafSpec.*")
-
-
-def _setup_torch(cfg: DemoConfig) -> None:
-    import torch
-
-    set_threads(max(1, cfg.threads))
-    busy = oversubscribed(max(1, cfg.threads))
-    if busy:
-        print(f"note: {busy}", flush=True)
-    torch.manual_seed(cfg.seed)
-    torch.use_deterministic_algorithms(True)
 
 
 # -- steps 1 and 2: target, prompts, caches ---------------------------------------------------
@@ -399,32 +375,27 @@ def _clean(x: Any) -> Any:
     return x
 
 
-def check_wandb(mode: str) -> None:
-    """Online mode needs credentials; find out now, not after the target has been trained."""
-    if mode != "online":
-        return
-    import wandb
-
-    if not wandb.login(prompt=False, verify=False):
-        raise DemoError("--wandb-mode online: W&B has no credentials here; run `wandb login` (or set "
-                        "WANDB_API_KEY), or leave the default --wandb-mode offline and `wandb sync` the run later")
-
-
 def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     """The whole demo; returns the summary (also written to ``summary.json``)."""
     t0 = time.perf_counter()
     check_wandb(cfg.wandb_mode)
+    if cfg.target_from is not None:
+        check_target_from(cfg)  # before the output folder is touched
     paths = prepare_out(cfg)
-    _quiet()
-    _setup_torch(cfg)
+    quiet()
+    setup_torch(cfg)
     _say(f"dflash-cb demo: seed {cfg.seed}, output in {paths.out}/" + (" (quick)" if cfg.quick else ""))
     timings: dict[str, float] = {}
     t = time.perf_counter()
-    target_info = build_target(cfg, paths)
-    timings["target"] = time.perf_counter() - t
-    t = time.perf_counter()
-    cache_info = build_caches(cfg, paths)
-    timings["precompute"] = time.perf_counter() - t
+    if cfg.target_from is not None:
+        target_info, cache_info = reuse_target(cfg, paths)
+        timings["target"], timings["precompute"] = time.perf_counter() - t, 0.0
+    else:
+        target_info = build_target(cfg, paths)
+        timings["target"] = time.perf_counter() - t
+        t = time.perf_counter()
+        cache_info = build_caches(cfg, paths)
+        timings["precompute"] = time.perf_counter() - t
     t = time.perf_counter()
     tr = train_drafter(cfg, paths)
     timings["drafter_training"] = time.perf_counter() - t
@@ -564,6 +535,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="offline (default; sync later with `wandb sync`) or online (needs `wandb login`)")
     p.add_argument("--wandb-project", default="dflash-cb-demo", help="W&B project (default dflash-cb-demo)")
     p.add_argument("--threads", default=None, help=THREADS_HELP)
+    p.add_argument("--target-from", default=None, metavar="DIR",
+                   help="reuse the target, prompts and caches of an earlier demo's --out (same --seed and --quick): "
+                        "train only another drafter on the same states, e.g. to set families side by side")
     p.add_argument("--drafter", choices=list(DRAFTERS), default=DEFAULT_FAMILY,
                    help=f"the drafter family to train: {', '.join(DRAFTERS)} (default {DEFAULT_FAMILY}); a family "
                         "with figures of its own (DFlash 2's selector, a head's 'off' tau) adds them to the summary; "
@@ -577,7 +551,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         cfg = DemoConfig.resolve(a.out, a.seed, a.steps, a.eval_every, a.quick, overwrite=a.overwrite,
                                  wandb_mode=a.wandb_mode, wandb_project=a.wandb_project,
-                                 threads=parse_threads(a.threads), drafter=a.drafter)
+                                 threads=parse_threads(a.threads), drafter=a.drafter,
+                                 target_from=Path(a.target_from) if a.target_from else None)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

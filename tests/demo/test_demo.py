@@ -78,12 +78,14 @@ def test_tau_rises_and_every_promised_file_exists(demo: tuple[Path, subprocess.C
 
 
 @pytest.mark.e2e
-def test_a_dflash2_drafter_trains_its_tau_rises_and_the_summary_says_where_it_is_lost(tmp_path: Path) -> None:
+def test_a_dflash2_drafter_trains_its_tau_rises_and_the_summary_says_where_it_is_lost(
+        tmp_path: Path, demo: tuple[Path, subprocess.CompletedProcess]) -> None:
     """``--drafter dflash2``: the same pipeline with a DFlash 2 drafter (convolutions, a path selector trained with
     its own loss); its tau rises, the extracted drafter's results equal the callback's last evaluation, and the
     summary prints the selector's diagnosis (unary path, perfect selector, recall, pick given recall)."""
     out = tmp_path / "d2"
-    proc = _run("--quick", "--drafter", "dflash2", "--steps", "60", "--eval-every", "30", "--out", str(out), "--seed", "0")
+    proc = _run("--quick", "--drafter", "dflash2", "--steps", "60", "--eval-every", "30", "--out", str(out), "--seed", "0",
+                "--target-from", str(demo[0]))  # the first demo's target and caches: every family on the same states
     assert proc.returncode == 0, f"demo failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     summary = json.loads((out / "summary.json").read_text())
     assert summary["drafter"] == "dflash2" and summary["tau_last"] > summary["tau_first"], summary["evaluations"]
@@ -104,13 +106,18 @@ def test_a_dflash2_drafter_trains_its_tau_rises_and_the_summary_says_where_it_is
 @pytest.mark.parametrize(("family", "label", "untrained"), [("domino", "Domino", ["embed_proj.*", "prefix_gru.*"]),
                                                              ("dspark", "DSpark", [])])
 def test_a_drafter_without_trees_runs_end_to_end_and_says_what_its_training_left_untrained(
-        tmp_path: Path, family: str, label: str, untrained: list[str]) -> None:
+        tmp_path: Path, family: str, label: str, untrained: list[str],
+        demo: tuple[Path, subprocess.CompletedProcess]) -> None:
     """``--drafter domino|dspark``: the same pipeline, scored without DDTree (said why in one line, no budget in the
     summary); its tau rises, the extracted drafter's results equal the callback's last evaluation, the head's "off"
     tau is printed, and the parts the demo's objective leaves at their init (Domino's GRU correction; DSpark's
     Markov head has its own loss term) are named in the summary and the output."""
     out = tmp_path / family
-    proc = _run("--quick", "--drafter", family, "--steps", "30", "--eval-every", "30", "--out", str(out), "--seed", "0")
+    proc = _run("--quick", "--drafter", family, "--steps", "30", "--eval-every", "30", "--out", str(out), "--seed", "0",
+                "--target-from", str(demo[0]))
+    assert "reused from" in proc.stdout  # the first demo's target and caches, copied byte for byte
+    for name in ("target/model.safetensors", "cache/eval/manifest.json", "cache/train/states-00000.safetensors"):
+        assert (out / name).read_bytes() == (demo[0] / name).read_bytes(), name
     assert proc.returncode == 0, f"demo failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     summary = json.loads((out / "summary.json").read_text())
     assert summary["drafter"] == family and summary["tau_last"] > summary["tau_first"], summary["evaluations"]
@@ -131,12 +138,14 @@ def test_a_drafter_without_trees_runs_end_to_end_and_says_what_its_training_left
 @pytest.mark.e2e
 @pytest.mark.parametrize(("family", "label", "architecture"), [("eagle3", "EAGLE-3", "LlamaForCausalLMEagle3"),
                                                                ("mtp", "MTP", "Qwen3_5MTPDrafter")])
-def test_a_chain_drafter_runs_end_to_end(tmp_path: Path, family: str, label: str, architecture: str) -> None:
+def test_a_chain_drafter_runs_end_to_end(tmp_path: Path, family: str, label: str, architecture: str,
+                                        demo: tuple[Path, subprocess.CompletedProcess]) -> None:
     """``--drafter eagle3|mtp``: a runnable EAGLE-3 route and an MTP route on the CPU demo. The chain drafter trains
     on its first step, its tau rises, it is scored without DDTree (said why), and the extracted drafter (SpecForge's
     or the MTP's config) scores what the callback logged last."""
     out = tmp_path / family
-    proc = _run("--quick", "--drafter", family, "--steps", "60", "--eval-every", "30", "--out", str(out), "--seed", "0")
+    proc = _run("--quick", "--drafter", family, "--steps", "60", "--eval-every", "30", "--out", str(out), "--seed", "0",
+                "--target-from", str(demo[0]))
     assert proc.returncode == 0, f"demo failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     summary = json.loads((out / "summary.json").read_text())
     assert summary["drafter"] == family and summary["tau_last"] > summary["tau_first"], summary["evaluations"]
@@ -224,3 +233,21 @@ def test_synthetic_target_writes_structured_text(tmp_path: Path) -> None:
         done = S.expected_completion(r["input_ids"])
         assert done[-1] == S.EOS and len(set(done)) >= 3
         assert S.MASK_TOKEN_ID not in r["input_ids"] + done
+
+
+def test_target_from_refuses_other_settings_before_writing_anything(
+        tmp_path: Path, demo: tuple[Path, subprocess.CompletedProcess], capsys) -> None:
+    """``--target-from DIR``: another seed or --quick than DIR's is refused in one line before anything is written
+    (the target and caches depend on them); a folder that is no finished demo likewise. (A reusing run trains on
+    copies of DIR's states: the family tests above run that way and check the copies.)"""
+    from dflash_cb.demo.demo import main
+
+    src, _ = demo
+    for args, words in ((["--quick", "--seed", "1"], "seed 0 there, 1 here"), (["--seed", "0"], "quick True there"),
+                        (["--quick", "--seed", "0", "--target-from", str(tmp_path)], "not a finished demo")):
+        out = tmp_path / "refused"
+        argv = [*args, "--out", str(out)] + ([] if "--target-from" in args else ["--target-from", str(src)])
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert words in err and len(err.strip().splitlines()) == 1, err
+        assert not out.exists()
