@@ -45,6 +45,7 @@ from ...core.results.sweep_record import (
 from ..evaluator.distributed import all_gather, world
 from ..evaluator.scoring import CacheScorer, ScoringOptions
 from ..tracking.wandb_logging import results_scalars
+from .sweep_wandb import SweepWandb
 
 logger = log.get_logger(__name__)
 
@@ -257,7 +258,7 @@ class Sweep:
         self.record = record if record is not None else SweepRecord(settings)
         self.digest = settings_digest(self.record.settings)
         self.worker = CheckpointScorer(options, scorer, self.digest)
-        self.tracker: Any = None  # a ``sweep_wandb.SweepWandb`` when the sweep logs to W&B
+        self.tracker: SweepWandb | None = None
         self._previous: dict[str, list[list[Any]]] = {}  # identities at the last look (watch: settled?)
         self._tried: set[str] = set()  # failures of this run, by checkpoint and identity: not retried unchanged
         self._waiting: dict[str, str] = {}  # checkpoints being written, and why (said once)
@@ -275,8 +276,6 @@ class Sweep:
                 self.record.add(entry)
         self.record.save(o.out)
         if o.wandb_project or o.wandb_run_id:
-            from .sweep_wandb import SweepWandb
-
             self.tracker = SweepWandb(o, self.record, self.scorer)
             # Entries scored by an earlier run that this run has not received (another project or run id, a run
             # W&B failed): logged now, not only when something new is scored.
