@@ -11,7 +11,10 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))  # the tests' helpers: tests/support/
+# The tests' helpers (tests/support/), and every test folder: a test module reads another's fixtures by its module
+# name (``from test_dflash2 import SELECTOR``) whichever file is run alone.
+for _folder in ("support", "cache", "core", "integrations", "demo", "families"):
+    sys.path.insert(0, str(Path(__file__).resolve().parent / _folder))
 
 from tiny_target import TINY_LAYER_IDS, TINY_MASK, build_tiny_cache  # noqa: E402
 
