@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ..common.errors import DFlashCBError
+from ..core.drafters.chain import ChainFamily
 from ..core.drafters.registry import families, family_named
 from ..core.drafters.spec import DEFAULT_FAMILY
 
@@ -113,8 +114,8 @@ class Paths:
 
 
 # The chain families the demo builds a small drafter of (those whose family makes one: ``chain_drafter_config``).
-CHAIN_DRAFTERS = tuple(f.name for f in families() if f.kind == "chain" and f.tiny_config({"vocab_size": 8,
-                       "hidden_size": 8, "num_hidden_layers": 2}, (0, 1), 1) is not None)
+CHAIN_DRAFTERS = tuple(f.name for f in families() if isinstance(f, ChainFamily)
+                       and type(f).tiny_config is not ChainFamily.tiny_config)
 # The drafter families the demo trains (--drafter: every block family and the chain families above; one without
 # DDTree is scored without budgets), and how the summary names them. The demo's caches hold layers 0, 1 and 2
 # (``layer_ids``): every family reads layers the cache holds.

@@ -379,16 +379,16 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     """The whole demo; returns the summary (also written to ``summary.json``)."""
     t0 = time.perf_counter()
     check_wandb(cfg.wandb_mode)
-    if cfg.target_from is not None:
-        check_target_from(cfg)  # before the output folder is touched
+    # An earlier demo's states to reuse: checked before the output folder is touched.
+    earlier = check_target_from(cfg) if cfg.target_from is not None else None
     paths = prepare_out(cfg)
     quiet()
     setup_torch(cfg)
     _say(f"dflash-cb demo: seed {cfg.seed}, output in {paths.out}/" + (" (quick)" if cfg.quick else ""))
     timings: dict[str, float] = {}
     t = time.perf_counter()
-    if cfg.target_from is not None:
-        target_info, cache_info = reuse_target(cfg, paths)
+    if earlier is not None:
+        target_info, cache_info = reuse_target(cfg, paths, earlier)
         timings["target"], timings["precompute"] = time.perf_counter() - t, 0.0
     else:
         target_info = build_target(cfg, paths)

@@ -41,12 +41,13 @@ def check_target_from(cfg: DemoConfig) -> dict[str, Any]:
     return earlier
 
 
-def reuse_target(cfg: DemoConfig, paths: Paths) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Steps 1 and 2 from an earlier demo (``check_target_from``): its target, prompts and caches copied into this
-    run's folder, so every family trains on the same states and this folder stands alone."""
-    earlier = check_target_from(cfg)
+def reuse_target(cfg: DemoConfig, paths: Paths, earlier: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Steps 1 and 2 from an earlier demo whose summary ``check_target_from`` read (``earlier``): its target,
+    prompts and caches copied into this run's folder, so every family trains on the same states and this folder
+    stands alone."""
     src = Path(cfg.target_from)
-    print(f"[1-2/4] target, prompts and caches reused from {src} (same seed and --quick): copied, not trained again", flush=True)
+    print(f"[1-2/4] target, prompts and caches reused from {src} (same seed and --quick): copied, not trained "
+          "again", flush=True)
     for name in ("target", "prompts", "cache"):
         shutil.copytree(src / name, paths.out / name)
     return earlier["target"], earlier["caches"]

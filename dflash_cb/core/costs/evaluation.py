@@ -244,6 +244,8 @@ def evaluation_cost(shape: DrafterShape, samples: Sequence[tuple[int, int]], tau
     top = max(budgets, default=0)
     anchors, gflop, attention, passes, waves, read, trees = 0, 0.0, 0.0, 0.0, 1, 0.0, 0.0
     with_tree = tree_share(taus, anchor_stride, draft_all) if budgets else 0.0
+    # A family whose tree is over its own candidates (a lattice) pays for it at every depth of an anchor with a tree.
+    lattice = bool(budgets) and shape.own.block_work(shape, True) != shape.own.block_work(shape, False)
     wave: list[int] = []
     wave_bytes, wave_drafted = 0, 0.0
     for prompt, scored in samples:
@@ -265,8 +267,7 @@ def evaluation_cost(shape: DrafterShape, samples: Sequence[tuple[int, int]], tau
         trees += full if budgets else 0.0
         mid = prompt + completion // 2  # the average anchor's context
         gflop += drafted * block_gflop(shape, mid, positions / drafted)
-        if budgets and shape.own.block_work(shape, True) != shape.own.block_work(shape, False):
-            # A family's tree over its own candidates (a lattice): at every depth of an anchor with a tree
+        if lattice:
             gflop += full * (block_gflop(shape, mid, d, lattice=True) - block_gflop(shape, mid, d))
         read += positions
         attention += drafted * attention_gflop(shape, mid)

@@ -360,16 +360,16 @@ def _sample_check(e: Any, lengths: list[int], correct: Sequence[int] | None,
     if V.is_vllm(counters) and (accepted := whole_count(counters.get(V.ACCEPTED))) is not None:
         check.served_accept_length = V.mean_acceptance_length(accepted, rounds)  # vLLM's own convention
     if correct is not None:
-        _correct_drafts(check, e, [int(k) for k in correct], lengths, rounds, block)
+        _correct_drafts(check, e, [int(k) for k in correct], lengths, rounds, block, hist)
     return check, round_tokens
 
 
 def _correct_drafts(check: SampleCheck, e: Any, correct: list[int], lengths: list[int], rounds: int,
-                    block: int | None) -> None:
+                    block: int | None, hist: Any) -> None:
     """The replay's correct drafts per cycle against the server's counters of them: their sum and histogram
-    (both servers), and vLLM's per verify step and per position (``_vllm_steps``)."""
+    (both servers; ``hist``: the server's histogram as recorded), and vLLM's per verify step and per position
+    (``_vllm_steps``)."""
     counters = e.served_spec
-    hist = counters.get(HISTOGRAM)
     check.offline_correct_drafts = sum(correct)
     check.offline_histogram = histogram_of(correct)
     check.served_correct_drafts = whole_count(counters.get(V.ACCEPTED if V.is_vllm(counters) else CORRECT_DRAFTS))

@@ -77,24 +77,24 @@ def checked_settings(profile: CostProfile, drafter: Any, block_size: int, budget
     if other:
         warnings.warn(f"{where}: its drafter pass was timed for another drafter ({'; '.join(other)}): "
                       "the projected draft cost is that drafter's", stacklevel=2)
-    family = family_named(spec_of(drafter).family)
+    spec = spec_of(drafter)
+    family = family_named(spec.family)
+    tool = block_option.startswith("--")  # a tool's option, else the live evaluator's field (``block_size=``)
     timed = profile.drafter.get("block_size")
     if family.kind == "block" and not other and isinstance(timed, int) and timed != block_size:
         # A block drafter's pass drafts its whole block: a pass of another block costs otherwise.
+        use = f"score at {block_option} {timed}" if tool else f"set {block_option}{timed}"
+        how = " (tools/profile_costs.py --from-csv ... --draft-seconds S)" if tool else ""
         raise ArgumentError(f"{where}: its drafter pass was timed at block {timed}, this evaluation drafts blocks "
-                            f"of {block_size}: score at {block_option} {timed}, or give a profile whose draft seconds "
-                            f"are a block-{block_size} pass (tools/profile_costs.py --from-csv ... --draft-seconds S)"
-                            if block_option.startswith("--") else
-                            f"{where}: its drafter pass was timed at block {timed}, this evaluation drafts blocks of "
-                            f"{block_size}: set {block_option}{timed}, or give a profile whose draft seconds are a "
-                            f"block-{block_size} pass")
-    settings = family_settings(spec_of(drafter).family, block_size, budgets)
+                            f"of {block_size}: {use}, or give a profile whose draft seconds are a "
+                            f"block-{block_size} pass{how}")
+    settings = family_settings(spec.family, block_size, budgets)
     for s in settings:
         if s.verified > profile.max_verified:
             fix = smaller
             if s.name == "greedy" and family.kind == "block":  # the block sets its tokens, not a budget
                 fix = (f"score blocks of up to {profile.max_verified} ({block_option} {profile.max_verified})"
-                       if block_option.startswith("--") else f"set {block_option}{profile.max_verified}")
+                       if tool else f"set {block_option}{profile.max_verified}")
             raise ArgumentError(f"{where}: {s.label} verifies {s.verified} tokens a cycle, beyond the "
                                 f"profile's rows (up to {profile.max_verified}); {profile.reach(s.verified)}, or "
                                 f"{fix}")
